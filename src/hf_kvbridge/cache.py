@@ -1,0 +1,64 @@
+"""Key/value tensors out of a transformers `Cache`, and a target `DynamicCache` built from mapped tensors."""
+
+from __future__ import annotations
+
+import torch
+from transformers import Cache, DynamicCache, PretrainedConfig
+
+
+def cache_layer_kv(cache: Cache, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values of one layer, each `(batch, kv_heads, seq, head_dim)`; keys are post-RoPE."""
+    layer = cache.layers[layer_idx]
+    if not getattr(layer, "is_initialized", True) or layer.keys is None:
+        raise ValueError(f"cache layer {layer_idx} is empty")
+    return layer.keys, layer.values
+
+
+def cache_num_layers(cache: Cache) -> int:
+    return len(cache.layers)
+
+
+def new_target_cache(config: PretrainedConfig) -> DynamicCache:
+    """An empty `DynamicCache` laid out for `config` (one full-attention layer per decoder layer)."""
+    return DynamicCache(config=config)
+
+
+def append_layer(cache: DynamicCache, layer_idx: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+    """Appends `(batch, kv_heads, seq, head_dim)` keys/values to layer `layer_idx` through the Cache API."""
+    cache.layers[layer_idx].update(keys, values)
+
+
+def check_cache_shape(cache: Cache, num_layers: int, num_kv_heads: int, head_dim: int, what: str) -> int:
+    """Checks every layer of `cache` against the expected layout and returns its sequence length."""
+    if cache_num_layers(cache) != num_layers:
+        raise ValueError(f"{what} cache has {cache_num_layers(cache)} layers, expected {num_layers}")
+    lengths = set()
+    for idx in range(num_layers):
+        keys, values = cache_layer_kv(cache, idx)
+        for name, tensor in (("keys", keys), ("values", values)):
+            if tensor.dim() != 4 or tensor.shape[1] != num_kv_heads or tensor.shape[3] != head_dim:
+                raise ValueError(
+                    f"{what} cache layer {idx} {name} have shape {tuple(tensor.shape)}, expected "
+                    f"(batch, {num_kv_heads}, seq, {head_dim})"
+                )
+        lengths.add(keys.shape[2])
+    if len(lengths) != 1:
+        raise ValueError(f"{what} cache layers have different lengths: {sorted(lengths)}")
+    return lengths.pop()
+
+
+def kv_to_rows(keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """`(B, H, T, d)` keys and values → `(B, T, H·2d)` rows laid out head by head as `[K_h, V_h]`.
+
+    This is the feature layout of one cache layer everywhere in the package (statistics, mappers).
+    """
+    batch, heads, seq, dim = keys.shape
+    kv = torch.stack((keys, values), dim=3)  # (B, H, T, 2, d)
+    return kv.permute(0, 2, 1, 3, 4).reshape(batch, seq, heads * 2 * dim)
+
+
+def rows_to_kv(rows: torch.Tensor, num_heads: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of `kv_to_rows`: `(B, T, H·2d)` → keys, values `(B, H, T, d)`."""
+    batch, seq, _ = rows.shape
+    kv = rows.view(batch, seq, num_heads, 2, head_dim).permute(0, 2, 3, 1, 4)  # (B, H, 2, T, d)
+    return kv[:, :, 0], kv[:, :, 1]

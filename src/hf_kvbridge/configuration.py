@@ -1,0 +1,88 @@
+"""`KVBridgeConfig`: which pair a mapper belongs to, how it was fitted, and how the bridge uses it."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from transformers import PretrainedConfig
+
+from .constants import FORMAT_VERSION, HEAD_MODES
+
+logger = logging.getLogger(__name__)
+
+
+class KVBridgeConfig(PretrainedConfig):
+    r"""Configuration of a [`KVBridgeForCausalLM`]: a source/target pair and the mapper between their KV caches.
+
+    The checkpoint refers to both models by id and revision (it never contains their weights) and records a
+    fingerprint of each model's config, checked when the models are loaded.
+
+    Args:
+        source_name_or_path (`str`): Hub id or local path of the source model (the one that prefills).
+        source_revision (`str`, *optional*): revision of the source model.
+        target_name_or_path (`str`): Hub id or local path of the target model (the one that decodes).
+        target_revision (`str`, *optional*): revision of the target model.
+        source_fingerprint (`dict`), target_fingerprint (`dict`): layers, KV heads, head dim, vocab size, rotary
+            parameters and maximum positions of each model (see [`KVLayout`]).
+        top_k (`int`, *optional*, defaults to `6`): number of source layers feeding each target layer.
+        ridge_lambda (`float`, *optional*, defaults to `0.01`): ridge strength, relative to the mean variance of the
+            mapper's input features.
+        head_mode (`str`, *optional*, defaults to `"all_heads"`): `"all_heads"` or `"same_head"`.
+        mapper_type (`str`, *optional*, defaults to `"ridge"`): kind of mapper stored in the weights file.
+        selected_layers (`list[list[int]]`): per target layer, the source layers used, best first.
+        selected_layer_r2 (`list[list[float]]`, *optional*): held-out single-layer R² of those layers.
+        heldout_r2 (`dict`, *optional*): held-out R² of the fitted mapper per target layer, `{"k": [...], "v": [...]}`.
+        hold_back (`int`, *optional*, defaults to `1`): prompt tokens at the end of the prefix that the target
+            computes itself on the mapped cache (so its first logits are its own).
+        calibration (`dict`, *optional*): provenance: data, number of sequences, sequence length, held-out
+            sequences, seed, library versions, time.
+        format_version (`int`): version of the checkpoint format.
+
+    Example:
+
+    ```python
+    >>> config = KVBridgeConfig(source_name_or_path="Qwen/Qwen3-14B", target_name_or_path="Qwen/Qwen3-32B")
+    >>> config.model_type, config.hold_back
+    ('kvbridge', 1)
+    ```
+    """
+
+    model_type = "kvbridge"
+
+    source_name_or_path: str | None = None
+    source_revision: str | None = None
+    target_name_or_path: str | None = None
+    target_revision: str | None = None
+    source_fingerprint: dict | None = None
+    target_fingerprint: dict | None = None
+    top_k: int | None = 6
+    ridge_lambda: float = 0.01
+    head_mode: str = "all_heads"
+    mapper_type: str = "ridge"
+    selected_layers: list | None = None
+    selected_layer_r2: list | None = None
+    heldout_r2: dict | None = None
+    hold_back: int = 1
+    calibration: dict | None = None
+    format_version: int = FORMAT_VERSION
+
+    def __post_init__(self, **kwargs: Any):
+        known = {"torch_dtype", "dtype", "transformers_version", "architectures", "auto_map", "_name_or_path",
+                 "name_or_path", "model_type", "_commit_hash", "_attn_implementation_autoset", "return_dict"}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:  # a newer version's keys: dropped with a warning, not a crash (as peft does)
+            logger.warning("KVBridgeConfig: ignoring unknown keys %s (saved by a newer hf_kvbridge?)", unknown)
+            for key in unknown:
+                kwargs.pop(key)
+        super().__post_init__(**kwargs)
+        if self.head_mode not in HEAD_MODES:
+            raise ValueError(f"head_mode must be one of {HEAD_MODES}, got {self.head_mode!r}")
+        if self.hold_back < 1:
+            raise ValueError(f"hold_back must be ≥ 1 (the target computes at least the last prompt token), got "
+                             f"{self.hold_back}")
+        if self.format_version > FORMAT_VERSION:
+            raise ValueError(
+                f"this checkpoint has format version {self.format_version}, newer than this hf_kvbridge supports "
+                f"({FORMAT_VERSION}); upgrade hf_kvbridge"
+            )

@@ -1,0 +1,155 @@
+"""A model's KV layout, its fingerprint, and the matched-KV check between a source and a target.
+
+The bridge only makes sense for *matched-KV* pairs: the same number of KV heads, the same head dimension and the
+same vocabulary, with dense full attention and rotate-half RoPE in every layer. Depth and width may differ.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from transformers import PretrainedConfig
+
+from .constants import SUPPORTED_MODEL_TYPES, SUPPORTED_ROPE_TYPES
+
+
+class KVLayoutError(ValueError):
+    """The source and target (or a model and a saved mapper) do not share a KV layout the bridge can map."""
+
+
+def _jsonable(value: Any) -> Any:
+    """Round-trips `value` through JSON so fingerprints compare equal after save/load (tuples → lists, etc.)."""
+    return json.loads(json.dumps(value, sort_keys=True, default=str))
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """What the bridge needs to know about one decoder's KV cache.
+
+    Args:
+        model_type (`str`): the transformers `model_type` (e.g. `"qwen3"`).
+        num_layers (`int`): number of decoder layers, one cache layer each.
+        num_kv_heads (`int`): key/value heads per layer.
+        head_dim (`int`): dimension of one key or value head.
+        vocab_size (`int`): size of the embedding matrix.
+        rope_parameters (`dict`): the model's `config.rope_parameters` (type, θ, scaling factors).
+        max_position_embeddings (`int`): longest sequence the model accepts.
+
+    Example:
+
+    ```python
+    >>> from transformers import Qwen3Config
+    >>> layout = KVLayout.from_config(Qwen3Config(num_hidden_layers=2, num_key_value_heads=2, head_dim=16))
+    >>> layout.num_layers, layout.num_kv_heads, layout.head_dim
+    (2, 2, 16)
+    ```
+    """
+
+    model_type: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    rope_parameters: dict
+    max_position_embeddings: int
+
+    @classmethod
+    def from_config(cls, config: PretrainedConfig) -> KVLayout:
+        config = config.get_text_config(decoder=True)
+        num_heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+        rope = getattr(config, "rope_parameters", None) or {"rope_type": "default"}
+        return cls(
+            model_type=config.model_type,
+            num_layers=config.num_hidden_layers,
+            num_kv_heads=getattr(config, "num_key_value_heads", None) or num_heads,
+            head_dim=head_dim,
+            vocab_size=config.vocab_size,
+            rope_parameters=_jsonable(dict(rope)),
+            max_position_embeddings=config.max_position_embeddings,
+        )
+
+    @property
+    def features_per_layer(self) -> int:
+        """Width of one layer's cache row: all KV heads, key then value, `num_kv_heads * 2 * head_dim`."""
+        return self.num_kv_heads * 2 * self.head_dim
+
+    def fingerprint(self) -> dict:
+        """The config facts a saved mapper depends on; stored in the checkpoint and compared on load."""
+        return _jsonable(asdict(self))
+
+
+def check_supported(config: PretrainedConfig, name: str) -> KVLayout:
+    """Returns the layout of `config`, or raises `KVLayoutError` for what the bridge cannot map faithfully.
+
+    Refused: model types outside the rotate-half RoPE families we test, unknown rotary types, sliding-window or
+    hybrid attention layers, and partial rotary embeddings.
+    """
+    text_config = config.get_text_config(decoder=True)
+    layout = KVLayout.from_config(text_config)
+    if layout.model_type not in SUPPORTED_MODEL_TYPES:
+        raise KVLayoutError(
+            f"{name}: model_type {layout.model_type!r} is not supported; the bridge maps rotate-half RoPE decoders "
+            f"with full attention: {', '.join(SUPPORTED_MODEL_TYPES)}."
+        )
+    rope_type = layout.rope_parameters.get("rope_type", "default")
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise KVLayoutError(
+            f"{name}: rotary type {rope_type!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})."
+        )
+    if layout.rope_parameters.get("partial_rotary_factor", 1.0) != 1.0:
+        raise KVLayoutError(f"{name}: partial rotary embeddings are not supported.")
+    layer_types = getattr(text_config, "layer_types", None)
+    if layer_types is not None:
+        other = sorted({t for t in layer_types if t != "full_attention"})
+        if other:
+            raise KVLayoutError(
+                f"{name}: layers of type {other} found; only full attention is supported (no sliding-window or "
+                "hybrid attention)."
+            )
+    elif getattr(text_config, "sliding_window", None) is not None and getattr(
+        text_config, "use_sliding_window", True
+    ):
+        raise KVLayoutError(
+            f"{name}: sliding-window attention (window {text_config.sliding_window}) is not supported."
+        )
+    return layout
+
+
+def check_matched(source: PretrainedConfig, target: PretrainedConfig, source_name: str, target_name: str):
+    """Checks that `source` and `target` form a matched-KV pair and returns their `(source, target)` layouts.
+
+    Example:
+
+    ```python
+    >>> from transformers import Qwen3Config
+    >>> small = Qwen3Config(num_hidden_layers=2, num_key_value_heads=2, head_dim=16, vocab_size=64)
+    >>> large = Qwen3Config(num_hidden_layers=4, num_key_value_heads=2, head_dim=16, vocab_size=64)
+    >>> src, tgt = check_matched(small, large, "small", "large")
+    >>> src.num_layers, tgt.num_layers
+    (2, 4)
+    ```
+    """
+    src = check_supported(source, f"source model {source_name!r}")
+    tgt = check_supported(target, f"target model {target_name!r}")
+    for field, what in (("num_kv_heads", "KV heads"), ("head_dim", "head dim"), ("vocab_size", "vocab size")):
+        a, b = getattr(src, field), getattr(tgt, field)
+        if a != b:
+            raise KVLayoutError(
+                f"KV layouts do not match: source {source_name!r} has {what} = {a} but target {target_name!r} has "
+                f"{what} = {b}. The bridge maps between models with the same KV heads, head dim and tokenizer."
+            )
+    return src, tgt
+
+
+def check_fingerprint(expected: dict, layout: KVLayout, role: str, name: str) -> None:
+    """Raises `KVLayoutError` when a loaded model's layout differs from the one a mapper was calibrated for."""
+    actual = layout.fingerprint()
+    diffs = [f"{k}: expected {expected.get(k)!r}, got {actual.get(k)!r}" for k in actual if expected.get(k) != actual[k]]
+    if diffs:
+        raise KVLayoutError(
+            f"This mapper was calibrated for a different {role} model than {name!r} (wrong mapper for this model "
+            f"pair?): " + "; ".join(diffs)
+        )

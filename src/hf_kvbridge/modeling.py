@@ -1,0 +1,430 @@
+"""`KVBridgeForCausalLM`: the source prefills, the mapper turns its cache into the target's, the target decodes.
+
+```
+prompt ──source prefill──▶ source cache ──strip RoPE──▶ content rows ──mapper──▶ target rows
+       ──apply target RoPE──▶ DynamicCache ──target (held-back tokens, then decoding)──▶ logits / tokens
+```
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+from torch import nn
+from transformers import AutoModelForCausalLM, Cache, DynamicCache, PreTrainedModel
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from .cache import append_layer, cache_layer_kv, check_cache_shape, kv_to_rows, new_target_cache, rows_to_kv
+from .configuration import KVBridgeConfig
+from .constants import CONFIG_NAME, FORMAT_VERSION, MAPPER_WEIGHTS_NAME, MODEL_CARD_NAME
+from .layout import KVLayout, check_fingerprint, check_matched
+from .mappers import KVMapper
+from .rope import apply_rotary, rotary_cos_sin, strip_rotary
+
+logger = logging.getLogger(__name__)
+
+# kwargs that AutoModelForCausalLM.from_pretrained forwards and that have no meaning for the bridge itself
+_AUTO_KWARGS = ("trust_remote_code", "adapter_kwargs", "code_revision", "_from_auto", "_commit_hash",
+                "subfolder", "proxies", "user_agent", "_from_pipeline")
+
+
+class MapperFileError(OSError):
+    """A mapper weights file is missing, truncated, corrupt or does not fit the config."""
+
+
+def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Per-row positions of a (left-)padded batch, as `generate` computes them: `cumsum(mask) - 1`, pads at 0."""
+    positions = attention_mask.long().cumsum(-1) - 1
+    return positions.masked_fill(attention_mask == 0, 0)
+
+
+def resolve_model_reference(name_or_path: str) -> str:
+    """Turns a checkpoint's model reference into something `from_pretrained` loads.
+
+    `pocket/<name>` names a model of the pocket family shipped inside this package (see `hf_kvbridge.pocket`);
+    anything else (Hub id, local path) is returned unchanged.
+    """
+    if name_or_path.startswith("pocket/"):
+        from .pocket import model_path
+
+        return str(model_path(name_or_path.split("/", 1)[1]))
+    return name_or_path
+
+
+def model_reference(model: PreTrainedModel) -> str:
+    """The id a checkpoint records for `model`: its Hub id, `pocket/<name>` for shipped pocket models, or a path."""
+    name = model.config.name_or_path or ""
+    try:
+        from .pocket import POCKET_MODELS, model_path
+
+        for pocket_name in POCKET_MODELS:
+            if name and Path(name).resolve() == model_path(pocket_name).resolve():
+                return f"pocket/{pocket_name}"
+    except ImportError:  # pocket family not shipped in this build
+        pass
+    return name
+
+
+class KVBridgeForCausalLM(nn.Module):
+    r"""A source/target pair that behaves like the target, with the prompt prefilled by the source.
+
+    With no cache, `forward` runs the source over the prompt except its last `hold_back` tokens, maps the
+    source's KV cache into a target `DynamicCache`, and runs the target over the remaining tokens on that cache.
+    With a cache, it is plain target decoding. `generate` behaves like the target's `generate`.
+
+    Args:
+        config ([`KVBridgeConfig`]): the pair, its fingerprints and the mapper settings.
+        source ([`PreTrainedModel`]): the model that prefills.
+        target ([`PreTrainedModel`]): the model that decodes.
+        mapper ([`KVMapper`]): maps content-space source KV rows to target KV rows.
+
+    Example:
+
+    ```python
+    >>> import hf_kvbridge
+    >>> bridge = hf_kvbridge.calibrate(small, large, texts, num_sequences=64, seq_len=256)  # doctest: +SKIP
+    >>> out = bridge.generate(**tokenizer("The KV cache", return_tensors="pt"), max_new_tokens=20)  # doctest: +SKIP
+    >>> bridge.save_pretrained("my-bridge")  # doctest: +SKIP
+    ```
+    """
+
+    config_class = KVBridgeConfig
+    main_input_name = "input_ids"
+
+    def __init__(self, config: KVBridgeConfig, source: PreTrainedModel, target: PreTrainedModel, mapper: KVMapper):
+        super().__init__()
+        source_name = config.source_name_or_path or source.config.name_or_path
+        target_name = config.target_name_or_path or target.config.name_or_path
+        self.source_layout, self.target_layout = check_matched(source.config, target.config, source_name, target_name)
+        if config.source_fingerprint is not None:
+            check_fingerprint(config.source_fingerprint, self.source_layout, "source", source_name)
+        if config.target_fingerprint is not None:
+            check_fingerprint(config.target_fingerprint, self.target_layout, "target", target_name)
+        if len(mapper.selected_layers) != self.target_layout.num_layers:
+            raise ValueError(
+                f"mapper has {len(mapper.selected_layers)} target layers but target {target_name!r} has "
+                f"{self.target_layout.num_layers}"
+            )
+        used = {layer for layers in mapper.selected_layers for layer in layers}
+        if used and max(used) >= self.source_layout.num_layers:
+            raise ValueError(f"mapper reads source layer {max(used)} but source {source_name!r} has "
+                             f"{self.source_layout.num_layers} layers")
+        self.config = config
+        self.source, self.target, self.mapper = source, target, mapper
+        self.mapper.to(self.target.device)
+
+    # -- properties that let tools treat the bridge like a model ------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        return self.target.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.target.dtype
+
+    @property
+    def generation_config(self):
+        return self.target.generation_config
+
+    @property
+    def name_or_path(self) -> str:
+        return getattr(self.config, "name_or_path", "") or ""
+
+    @property
+    def max_positions(self) -> int:
+        return min(self.source_layout.max_position_embeddings, self.target_layout.max_position_embeddings)
+
+    # -- the mapping ---------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def map_cache(
+        self,
+        source_cache: Cache,
+        position_ids: torch.Tensor | None = None,
+        target_cache: DynamicCache | None = None,
+    ) -> DynamicCache:
+        """Maps a source cache to the cache the target would have built for the same tokens.
+
+        Runs target layer by layer, so the extra memory at any time is one target layer's input features.
+
+        Args:
+            source_cache (`Cache`): the source's cache, `L_s` layers of `(batch, kv_heads, seq, head_dim)`.
+            position_ids (`torch.LongTensor` of shape `(batch, seq)`, *optional*): positions of the cached tokens
+                (per row for left-padded batches); defaults to `0 … seq-1`.
+            target_cache (`DynamicCache`, *optional*): a cache to append to (positions must continue it);
+                a new one is made otherwise.
+
+        Returns:
+            `DynamicCache` with `L_t` layers in the target's dtype and device.
+        """
+        src, tgt = self.source_layout, self.target_layout
+        seq = check_cache_shape(source_cache, src.num_layers, src.num_kv_heads, src.head_dim, "source")
+        first_keys, _ = cache_layer_kv(source_cache, 0)
+        batch, device = first_keys.shape[0], self.target.device
+        if position_ids is None:
+            position_ids = torch.arange(seq, device=first_keys.device).unsqueeze(0).expand(batch, -1)
+        if position_ids.shape[-1] != seq:
+            raise ValueError(f"position_ids cover {position_ids.shape[-1]} tokens but the source cache holds {seq}")
+        cos_s, sin_s = rotary_cos_sin(self.source, position_ids.to(first_keys.device))  # (B, T, d) each
+        cos_t, sin_t = rotary_cos_sin(self.target, position_ids.to(device))
+        cache = target_cache if target_cache is not None else new_target_cache(self.target.config)
+        for t, layers in enumerate(self.mapper.selected_layers):
+            rows = []
+            for s in layers:  # strip on the fly: only this target layer's inputs are alive at once
+                keys, values = cache_layer_kv(source_cache, s)
+                content = strip_rotary(keys.float(), cos_s, sin_s)
+                rows.append(kv_to_rows(content, values.float()).to(device))  # (B, T, H·2d)
+            mapped = self.mapper.map_layer(t, rows)  # (B, T, H·2d)
+            del rows
+            keys_c, values = rows_to_kv(mapped, tgt.num_kv_heads, tgt.head_dim)
+            keys = apply_rotary(keys_c, cos_t, sin_t)
+            append_layer(cache, t, keys.to(self.target.dtype), values.to(self.target.dtype).contiguous())
+        return cache
+
+    def _check_length(self, length: int) -> None:
+        if length > self.max_positions:
+            raise ValueError(
+                f"input of {length} tokens is longer than the models' maximum of {self.max_positions} positions"
+            )
+
+    @torch.no_grad()
+    def prefill(
+        self, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None = None
+    ) -> tuple[DynamicCache | None, Any]:
+        """Runs the source over `input_ids` and returns `(mapped target cache, source outputs)`.
+
+        Every token of `input_ids` ends up in the cache; call it on the prompt without its held-back tokens.
+        """
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        self._check_length(input_ids.shape[1])
+        positions = positions_from_mask(attention_mask)
+        src_device = self.source.device
+        out = self.source(
+            input_ids=input_ids.to(src_device),
+            attention_mask=attention_mask.to(src_device),
+            position_ids=positions.to(src_device),
+            use_cache=True,
+        )
+        return self.map_cache(out.cache, positions), out
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor,
+        attention_mask: torch.Tensor | None = None,
+        past_key_values: Cache | None = None,
+        prefill_length: int | None = None,
+        *,
+        cache: Cache | None = None,
+        position_ids: torch.LongTensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool = True,
+        **kwargs: Any,
+    ) -> CausalLMOutputWithPast:
+        r"""Bridged forward pass.
+
+        Args:
+            input_ids (`torch.LongTensor` of shape `(batch, seq)`): the tokens (left padding allowed).
+            attention_mask (`torch.Tensor` of shape `(batch, seq)`, *optional*): 1 for tokens, 0 for padding.
+            past_key_values / cache (`Cache`, *optional*): a target cache; when given (and non-empty) this is plain
+                target decoding.
+            prefill_length (`int`, *optional*): length of the prompt inside `input_ids`; tokens
+                `[0, prefill_length - hold_back)` are prefilled by the source. `None` means the whole input.
+                When nothing is left for the source (e.g. a one-token prompt), the target runs alone.
+            labels (`torch.LongTensor`, *optional*): for a causal LM loss over the returned logits.
+
+        Returns:
+            `CausalLMOutputWithPast`: `logits (batch, seq, vocab)` (source logits where the source ran, target
+            logits from `prefill_length - hold_back` on) and the target cache in `past_key_values`.
+        """
+        cache = cache if cache is not None else past_key_values
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        if cache is not None and cache.get_seq_length() > 0:
+            return self.target(input_ids=input_ids, attention_mask=attention_mask, cache=cache,
+                               position_ids=position_ids, labels=labels, use_cache=use_cache, **kwargs)
+        seq = input_ids.shape[1]
+        self._check_length(seq)
+        prefill_length = seq if prefill_length is None else int(prefill_length)
+        if not 1 <= prefill_length <= seq:
+            raise ValueError(f"prefill_length must be in [1, {seq}], got {prefill_length}")
+        split = prefill_length - self.config.hold_back
+        if position_ids is None:
+            position_ids = positions_from_mask(attention_mask)
+        if split <= 0:  # nothing for the source to prefill: the target computes everything itself
+            logger.info("prompt too short to bridge (prefill_length=%d, hold_back=%d): target only",
+                        prefill_length, self.config.hold_back)
+            return self.target(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                               labels=labels, use_cache=use_cache, **kwargs)
+        mapped, source_out = self.prefill(input_ids[:, :split], attention_mask[:, :split])
+        device = self.target.device
+        target_out = self.target(
+            input_ids=input_ids[:, split:].to(device),
+            attention_mask=attention_mask.to(device),
+            position_ids=position_ids[:, split:].to(device),
+            cache=mapped,
+            use_cache=True,
+            **kwargs,
+        )
+        logits = torch.cat([source_out.logits.to(device, target_out.logits.dtype), target_out.logits], dim=1)
+        loss = None
+        if labels is not None:
+            shift_logits = logits[:, :-1].float()
+            shift_labels = labels[:, 1:].to(device)
+            loss = nn.functional.cross_entropy(shift_logits.reshape(-1, shift_logits.shape[-1]),
+                                               shift_labels.reshape(-1), ignore_index=-100)
+        return CausalLMOutputWithPast(loss=loss, logits=logits, cache=target_out.cache if use_cache else None)
+
+    @torch.no_grad()
+    def generate(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        **kwargs: Any,
+    ):
+        """Generates like the target's `generate` (all its arguments), with the prompt prefilled by the source.
+
+        The prompt's last `hold_back` tokens are run by the target on the mapped cache, so the first generated
+        token comes from the target's own logits. Batched left-padded prompts are supported. Without an
+        `attention_mask` every token is treated as real. A one-token prompt is generated by the target alone.
+
+        Example:
+
+        ```python
+        >>> inputs = tokenizer(["Hello", "A longer prompt"], return_tensors="pt", padding=True)  # doctest: +SKIP
+        >>> bridge.generate(**inputs, max_new_tokens=10, do_sample=False)  # doctest: +SKIP
+        ```
+        """
+        if input_ids is None:
+            input_ids = kwargs.pop("inputs", None)
+        if input_ids is None:
+            raise ValueError("generate needs input_ids")
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        device = self.target.device
+        input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
+        if "past_key_values" in kwargs:
+            kwargs["cache"] = kwargs.pop("past_key_values")
+        split = input_ids.shape[1] - self.config.hold_back
+        if kwargs.get("cache") is None and split > 0:
+            self._check_length(input_ids.shape[1])
+            kwargs["cache"], _ = self.prefill(input_ids[:, :split], attention_mask[:, :split])
+        return self.target.generate(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+
+    # -- saving and loading --------------------------------------------------------------------------------------
+    def save_pretrained(self, save_directory: str | os.PathLike, *, overwrite: bool = False, **kwargs: Any) -> None:
+        """Writes `config.json`, `mapper.safetensors` and a `README.md` model card; never the models' weights.
+
+        Refuses a non-empty directory unless `overwrite=True` (then only these three files are replaced).
+        """
+        from .hub import render_model_card
+
+        save_directory = Path(save_directory)
+        if save_directory.is_file():
+            raise FileExistsError(f"{save_directory} is a file")
+        if save_directory.exists() and any(save_directory.iterdir()) and not overwrite:
+            raise FileExistsError(
+                f"{save_directory} is not empty; pass overwrite=True to replace the bridge files in it "
+                f"({CONFIG_NAME}, {MAPPER_WEIGHTS_NAME}, {MODEL_CARD_NAME})"
+            )
+        save_directory.mkdir(parents=True, exist_ok=True)
+        # write into a temporary folder first, so a failure leaves the old files intact
+        with tempfile.TemporaryDirectory(dir=save_directory, prefix=".tmp-kvbridge-") as tmp:
+            tmp = Path(tmp)
+            self.config.save_pretrained(tmp)
+            state = {k: v.detach().to("cpu").contiguous() for k, v in self.mapper.state_dict().items()}
+            save_file(state, tmp / MAPPER_WEIGHTS_NAME,
+                      metadata={"format": "pt", "format_version": str(FORMAT_VERSION), "mapper_type":
+                                self.config.mapper_type})
+            render_model_card(self.config).save(tmp / MODEL_CARD_NAME)
+            for name in (CONFIG_NAME, MAPPER_WEIGHTS_NAME, MODEL_CARD_NAME):
+                os.replace(tmp / name, save_directory / name)
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        pretrained_model_name_or_path: str | os.PathLike,
+        source_model: PreTrainedModel | None = None,
+        target_model: PreTrainedModel | None = None,
+        *,
+        config: KVBridgeConfig | None = None,
+        revision: str | None = None,
+        cache_dir: str | os.PathLike | None = None,
+        local_files_only: bool = False,
+        token: str | bool | None = None,
+        force_download: bool = False,
+        **load_kwargs: Any,
+    ) -> KVBridgeForCausalLM:
+        r"""Loads a bridge checkpoint and its two models.
+
+        Args:
+            pretrained_model_name_or_path (`str` or `os.PathLike`): a local folder or a Hub repo id.
+            source_model, target_model ([`PreTrainedModel`], *optional*): already loaded models; otherwise they are
+                loaded from the ids and revisions recorded in the config.
+            revision (`str`, *optional*): revision of the bridge repo on the Hub.
+            load_kwargs: passed to `AutoModelForCausalLM.from_pretrained` for the two models (`torch_dtype`,
+                `dtype`, `device_map`, ...).
+
+        Example:
+
+        ```python
+        >>> bridge = KVBridgeForCausalLM.from_pretrained("my-bridge", torch_dtype=torch.bfloat16)  # doctest: +SKIP
+        ```
+        """
+        from .hub import resolve_checkpoint
+
+        for key in _AUTO_KWARGS:
+            load_kwargs.pop(key, None)
+        folder = resolve_checkpoint(pretrained_model_name_or_path, revision=revision, cache_dir=cache_dir,
+                                    local_files_only=local_files_only, token=token, force_download=force_download)
+        if config is None:
+            config = KVBridgeConfig.from_pretrained(folder)
+        if config.model_type != "kvbridge" or not config.selected_layers:
+            raise ValueError(f"{pretrained_model_name_or_path} is not a kvbridge checkpoint")
+        if source_model is None:
+            source_model = load_model(config.source_name_or_path, config.source_revision, **load_kwargs)
+        if target_model is None:
+            target_model = load_model(config.target_name_or_path, config.target_revision, **load_kwargs)
+        layout = KVLayout.from_config(target_model.config)
+        mapper = KVMapper(config.selected_layers, layout.num_kv_heads, layout.head_dim, config.head_mode)
+        load_mapper_weights(mapper, folder / MAPPER_WEIGHTS_NAME)
+        bridge = cls(config, source_model, target_model, mapper)
+        bridge.config.name_or_path = str(pretrained_model_name_or_path)
+        return bridge
+
+
+def load_model(name_or_path: str, revision: str | None = None, **load_kwargs: Any) -> PreTrainedModel:
+    """Loads a source/target model by its recorded reference (Hub id, local path or `pocket/<name>`)."""
+    if not name_or_path:
+        raise ValueError("the checkpoint does not record the model; pass source_model=/target_model=")
+    model = AutoModelForCausalLM.from_pretrained(resolve_model_reference(name_or_path), revision=revision,
+                                                 **load_kwargs)
+    return model.eval()
+
+
+def load_mapper_weights(mapper: KVMapper, path: Path) -> None:
+    """Loads `path` into `mapper`, with errors that name the file for missing, corrupt or mismatched weights."""
+    if not path.is_file():
+        raise MapperFileError(f"mapper weights {path} not found")
+    try:
+        state = load_file(str(path))
+    except (SafetensorError, OSError, ValueError) as err:
+        raise MapperFileError(f"mapper weights {path} are corrupt or truncated: {err}") from err
+    expected = mapper.state_dict()
+    missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
+    if missing or unexpected:
+        raise MapperFileError(f"mapper weights {path} do not fit the config: missing {missing[:4]}, "
+                              f"unexpected {unexpected[:4]}")
+    for key, tensor in state.items():
+        if tensor.shape != expected[key].shape:
+            raise MapperFileError(f"mapper weights {path}: {key} has shape {tuple(tensor.shape)}, the config "
+                                  f"implies {tuple(expected[key].shape)}")
+        if not torch.isfinite(tensor).all():
+            raise MapperFileError(f"mapper weights {path}: {key} holds NaN/Inf")
+    mapper.load_state_dict(state)

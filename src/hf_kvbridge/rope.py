@@ -1,0 +1,72 @@
+"""Rotary position embeddings: strip a model's rotation from cached keys, and apply another model's.
+
+Cached keys are post-RoPE. The mapper works in *content space*: `K_c = R_s⁻¹ K_s`, map, `K̂_t = R_t (W K_c + b)`.
+Frequencies and `attention_scaling` (YaRN multiplies cos/sin by it) come from the model's own `rotary_emb`, never
+from `config.rope_theta`, so every rotary type transformers ships for these families is handled by the model itself.
+
+The rotation is the rotate-half convention of Llama/Qwen/Mistral: `k * cos + rotate_half(k) * sin`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """`[x1, x2] → [-x2, x1]` over the last dimension (the rotate-half RoPE convention)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def rotary_module(model: nn.Module) -> nn.Module:
+    """The `rotary_emb` module of a decoder (`model.model.rotary_emb` for `*ForCausalLM`)."""
+    base = getattr(model, "base_model", model)
+    for candidate in (base, getattr(base, "model", None), getattr(model, "model", None)):
+        if candidate is not None and hasattr(candidate, "rotary_emb"):
+            return candidate.rotary_emb
+    raise ValueError(f"{type(model).__name__} has no `rotary_emb` module; cannot factor RoPE out of its cache.")
+
+
+@torch.no_grad()
+def rotary_cos_sin(model: nn.Module, position_ids: torch.Tensor, dtype: torch.dtype = torch.float32):
+    """cos/sin of `model`'s own rotary embedding at `position_ids`.
+
+    Args:
+        model (`nn.Module`): a decoder with a `rotary_emb` module.
+        position_ids (`torch.LongTensor` of shape `(batch, seq)`): per-row positions (left padding allowed).
+        dtype (`torch.dtype`, *optional*, defaults to `torch.float32`): dtype of the returned tensors.
+
+    Returns:
+        `(cos, sin)`, each `(batch, seq, head_dim)`, already multiplied by the module's `attention_scaling`.
+    """
+    rotary = rotary_module(model)
+    probe = torch.empty(0, dtype=dtype, device=position_ids.device)
+    cos, sin = rotary(probe, position_ids)
+    return cos.to(dtype), sin.to(dtype)
+
+
+def apply_rotary(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotates content-space keys into position space, exactly as transformers' `apply_rotary_pos_emb` does.
+
+    Args:
+        keys (`torch.Tensor` of shape `(batch, heads, seq, head_dim)`).
+        cos, sin (`torch.Tensor` of shape `(batch, seq, head_dim)`), from `rotary_cos_sin`.
+    """
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # (B, 1, T, d) broadcast over heads
+    return keys * cos + rotate_half(keys) * sin
+
+
+def strip_rotary(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Inverse of `apply_rotary`: recovers content-space keys from cached (rotated) keys.
+
+    With `c = a·cos θ`, `s = a·sin θ` (`a` = attention_scaling), `apply` is `a·R(θ)`, so its inverse is
+    `R(-θ) / a = (k·c - rotate_half(k)·s) / a²`, and `a² = c² + s²` elementwise.
+
+    Args:
+        keys (`torch.Tensor` of shape `(batch, heads, seq, head_dim)`): cached keys.
+        cos, sin (`torch.Tensor` of shape `(batch, seq, head_dim)`): the cos/sin the keys were rotated with.
+    """
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # (B, 1, T, d)
+    scale_sq = cos * cos + sin * sin  # a², constant per model; computed so no scaling is read from a config
+    return (keys * cos - rotate_half(keys) * sin) / scale_sq

@@ -1,0 +1,83 @@
+"""Which source layers predict each target layer: held-out single-layer R², top-k selection, mapper R².
+
+R² is measured on held-out calibration *sequences* (statistics of sequences the fit never saw): in-sample R² is
+biased upward by about p/n even on noise. It is averaged over heads and over K and V.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .mappers.ridge import solve_ridge
+from .statistics import KVStatistics
+
+
+def _r2_by_head(sse: torch.Tensor, sst: torch.Tensor, heads: int, head_dim: int) -> torch.Tensor:
+    """Column sums `(H·2d,)` → R² per head and K/V `(H, 2)`."""
+    sse = sse.view(heads, 2, head_dim).sum(-1)
+    sst = sst.view(heads, 2, head_dim).sum(-1).clamp_min(torch.finfo(torch.float64).tiny)
+    return 1 - sse / sst
+
+
+def single_layer_r2(
+    train: KVStatistics, heldout: KVStatistics, head_mode: str = "all_heads", ridge_lambda: float = 0.01
+) -> torch.Tensor:
+    """Held-out R² of predicting each target layer from each single source layer.
+
+    Returns:
+        `torch.Tensor` of shape `(target_layers, source_layers, 2)`: R² for K (`[..., 0]`) and V (`[..., 1]`),
+        averaged over heads.
+    """
+    heads, dim = train.num_kv_heads, train.head_dim
+    out = torch.zeros(train.target_layers, train.source_layers, 2, dtype=torch.float64)
+    all_targets = torch.arange(train.target_layers)
+    for s in range(train.source_layers):
+        head_list = [None] if head_mode == "all_heads" else list(range(heads))
+        per_head = torch.zeros(train.target_layers, heads, 2, dtype=torch.float64)
+        for head in head_list:
+            x_idx = train.source_index([s], head)
+            # every target layer at once: same inputs, more output columns
+            y_idx = torch.cat([train.target_index(int(t), head) for t in all_targets])
+            weight, bias = solve_ridge(train, x_idx, y_idx, ridge_lambda)
+            sse, sst = heldout.residual_sums(x_idx, y_idx, weight, bias)
+            if head is None:
+                per_head = _r2_by_head(sse, sst, heads * train.target_layers, dim).view(train.target_layers, heads, 2)
+            else:
+                per_head[:, head] = _r2_by_head(sse, sst, train.target_layers, dim)
+        out[:, s] = per_head.mean(1)
+    return out
+
+
+def select_layers(r2: torch.Tensor, top_k: int | None) -> list[list[int]]:
+    """The `top_k` source layers of each target layer, best first (mean of K and V R²); `None` keeps all."""
+    score = r2.mean(-1)  # (L_t, L_s)
+    k = score.shape[1] if top_k is None else min(int(top_k), score.shape[1])
+    if k < 1:
+        raise ValueError(f"top_k must be ≥ 1, got {top_k}")
+    return [torch.argsort(row, descending=True, stable=True)[:k].tolist() for row in score]
+
+
+def mapper_r2(
+    train: KVStatistics,
+    heldout: KVStatistics,
+    selected_layers: list[list[int]],
+    head_mode: str = "all_heads",
+    ridge_lambda: float = 0.01,
+) -> torch.Tensor:
+    """Held-out R² of a mapper fitted on `train` with `selected_layers`.
+
+    Returns:
+        `torch.Tensor` of shape `(target_layers, 2)`: R² of K and V per target layer, averaged over heads.
+    """
+    heads, dim = train.num_kv_heads, train.head_dim
+    out = torch.zeros(train.target_layers, 2, dtype=torch.float64)
+    for t, layers in enumerate(selected_layers):
+        sse_all, sst_all = [], []
+        for head in [None] if head_mode == "all_heads" else range(heads):
+            x_idx, y_idx = train.source_index(layers, head), train.target_index(t, head)
+            weight, bias = solve_ridge(train, x_idx, y_idx, ridge_lambda)
+            sse, sst = heldout.residual_sums(x_idx, y_idx, weight, bias)
+            sse_all.append(sse)
+            sst_all.append(sst)
+        out[t] = _r2_by_head(torch.cat(sse_all), torch.cat(sst_all), heads, dim).mean(0)
+    return out
