@@ -21,12 +21,14 @@ from .mappers import KVMapper
 from .modeling import KVBridgeForCausalLM, model_reference, resolve_model_reference
 from .rope import rotary_cos_sin, strip_rotary
 from .selection import mapper_r2, select_layers, single_layer_r2
-from .statistics import KVStatistics
+from .statistics import KVStatistics, StatisticsError
 
 logger = logging.getLogger(__name__)
 
 
-def _load(model: PreTrainedModel | str, revision: str | None, **load_kwargs: Any) -> tuple[PreTrainedModel, str | None]:
+def _load(
+    model: PreTrainedModel | str, revision: str | None, **load_kwargs: Any
+) -> tuple[PreTrainedModel, str | None]:
     if isinstance(model, PreTrainedModel):
         return model.eval(), revision or getattr(model.config, "_commit_hash", None)
     loaded = AutoModelForCausalLM.from_pretrained(resolve_model_reference(model), revision=revision, **load_kwargs)
@@ -105,16 +107,20 @@ def collect_statistics(
     """
     src, tgt = check_matched(source.config, target.config, source.config.name_or_path, target.config.name_or_path)
     heldout_set = set(heldout or [])
-    make = lambda: KVStatistics(src.num_layers, tgt.num_layers, src.num_kv_heads, src.head_dim,  # noqa: E731
-                                device=statistics_device)
-    train_stats, heldout_stats = make(), make()
-    groups = [(train_stats, [i for i in range(len(windows)) if i not in heldout_set]),
-              (heldout_stats, sorted(heldout_set))]
+    shape = (src.num_layers, tgt.num_layers, src.num_kv_heads, src.head_dim)
+    train_stats, heldout_stats = (
+        KVStatistics(*shape, device=statistics_device),
+        KVStatistics(*shape, device=statistics_device),
+    )
+    groups = [
+        (train_stats, [i for i in range(len(windows)) if i not in heldout_set]),
+        (heldout_stats, sorted(heldout_set)),
+    ]
     total = sum((len(ids) + batch_size - 1) // batch_size for _, ids in groups)
     with tqdm(total=total, desc="calibrating", unit="batch", disable=not progress) as bar:
         for stats, ids in groups:
             for start in range(0, len(ids), batch_size):
-                batch = windows[ids[start:start + batch_size]]
+                batch = windows[ids[start : start + batch_size]]
                 stats.update(cache_rows(source, batch), cache_rows(target, batch))
                 bar.update(1)
     train_stats.check_finite("train statistics")
@@ -145,6 +151,13 @@ def fit_bridge(
     if head_mode not in HEAD_MODES:
         raise ValueError(f"head_mode must be one of {HEAD_MODES}, got {head_mode!r}")
     src, tgt = check_matched(source.config, target.config, source.config.name_or_path, target.config.name_or_path)
+    k = max(map(len, selected_layers)) if selected_layers else min(top_k or src.num_layers, src.num_layers)
+    features = k * (src.features_per_layer if head_mode == "all_heads" else 2 * src.head_dim)
+    if train.count <= features:
+        raise StatisticsError(
+            f"fewer calibration tokens ({train.count}) than mapper input features ({features}); use more or longer "
+            "calibration sequences, a smaller top_k, or head_mode='same_head'"
+        )
     r2 = single_layer_r2(train, heldout, head_mode, ridge_lambda)  # (L_t, L_s, 2)
     if selected_layers is None:
         selected_layers = select_layers(r2, top_k)
@@ -159,10 +172,13 @@ def fit_bridge(
         ridge_lambda=ridge_lambda,
         head_mode=head_mode,
         selected_layers=selected_layers,
-        selected_layer_r2=[[round(float(r2[t, s].mean()), 6) for s in layers] for t, layers in
-                           enumerate(selected_layers)],
-        heldout_r2={"k": [round(float(v), 6) for v in fitted_r2[:, 0]],
-                    "v": [round(float(v), 6) for v in fitted_r2[:, 1]]},
+        selected_layer_r2=[
+            [round(float(r2[t, s].mean()), 6) for s in layers] for t, layers in enumerate(selected_layers)
+        ],
+        heldout_r2={
+            "k": [round(float(v), 6) for v in fitted_r2[:, 0]],
+            "v": [round(float(v), 6) for v in fitted_r2[:, 1]],
+        },
         hold_back=hold_back,
         **(config_kwargs or {}),
     )
@@ -227,8 +243,15 @@ def calibrate(
         tokenizer = _shared_tokenizer(source, target)
     windows = token_windows(data, tokenizer, num_sequences, seq_len, text_field=text_field)
     train_ids, heldout_ids = split_heldout(len(windows), heldout_fraction, seed)
-    train, heldout = collect_statistics(source, target, windows, heldout=heldout_ids, batch_size=batch_size,
-                                        statistics_device=statistics_device, progress=progress)
+    train, heldout = collect_statistics(
+        source,
+        target,
+        windows,
+        heldout=heldout_ids,
+        batch_size=batch_size,
+        statistics_device=statistics_device,
+        progress=progress,
+    )
     provenance = {
         "data": describe_data(data),
         "num_sequences": len(windows),
@@ -244,16 +267,28 @@ def calibrate(
 
     provenance["transformers_version"] = transformers.__version__
     bridge = fit_bridge(
-        source, target, train, heldout, top_k=top_k, ridge_lambda=ridge_lambda, head_mode=head_mode,
+        source,
+        target,
+        train,
+        heldout,
+        top_k=top_k,
+        ridge_lambda=ridge_lambda,
+        head_mode=head_mode,
         hold_back=hold_back,
         config_kwargs={
-            "source_name_or_path": model_reference(source), "source_revision": source_revision,
-            "target_name_or_path": model_reference(target), "target_revision": target_revision,
+            "source_name_or_path": model_reference(source),
+            "source_revision": source_revision,
+            "target_name_or_path": model_reference(target),
+            "target_revision": target_revision,
             "calibration": provenance,
         },
     )
     bridge.config.calibration["seconds"] = round(time.perf_counter() - started, 2)
     bridge.calibration_statistics = (train, heldout)
-    logger.info("calibrated %s → %s in %.1fs", bridge.config.source_name_or_path, bridge.config.target_name_or_path,
-                bridge.config.calibration["seconds"])
+    logger.info(
+        "calibrated %s → %s in %.1fs",
+        bridge.config.source_name_or_path,
+        bridge.config.target_name_or_path,
+        bridge.config.calibration["seconds"],
+    )
     return bridge

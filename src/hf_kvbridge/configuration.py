@@ -68,8 +68,19 @@ class KVBridgeConfig(PretrainedConfig):
     format_version: int = FORMAT_VERSION
 
     def __post_init__(self, **kwargs: Any):
-        known = {"torch_dtype", "dtype", "transformers_version", "architectures", "auto_map", "_name_or_path",
-                 "name_or_path", "model_type", "_commit_hash", "_attn_implementation_autoset", "return_dict"}
+        known = {
+            "torch_dtype",
+            "dtype",
+            "transformers_version",
+            "architectures",
+            "auto_map",
+            "_name_or_path",
+            "name_or_path",
+            "model_type",
+            "_commit_hash",
+            "_attn_implementation_autoset",
+            "return_dict",
+        }
         unknown = sorted(set(kwargs) - known)
         if unknown:  # a newer version's keys: dropped with a warning, not a crash (as peft does)
             logger.warning("KVBridgeConfig: ignoring unknown keys %s (saved by a newer hf_kvbridge?)", unknown)
@@ -79,8 +90,9 @@ class KVBridgeConfig(PretrainedConfig):
         if self.head_mode not in HEAD_MODES:
             raise ValueError(f"head_mode must be one of {HEAD_MODES}, got {self.head_mode!r}")
         if self.hold_back < 1:
-            raise ValueError(f"hold_back must be ≥ 1 (the target computes at least the last prompt token), got "
-                             f"{self.hold_back}")
+            raise ValueError(
+                f"hold_back must be ≥ 1 (the target computes at least the last prompt token), got {self.hold_back}"
+            )
         if self.format_version > FORMAT_VERSION:
             raise ValueError(
                 f"this checkpoint has format version {self.format_version}, newer than this hf_kvbridge supports "

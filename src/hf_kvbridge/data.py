@@ -151,8 +151,9 @@ def token_windows(
             f"calibration data has {len(buffer)} tokens, fewer than one window of seq_len={seq_len}"
         )
     if num_windows < num_sequences:
-        logger.warning("calibration data gave %d windows of %d tokens (asked for %d)", num_windows, seq_len,
-                       num_sequences)
+        logger.warning(
+            "calibration data gave %d windows of %d tokens (asked for %d)", num_windows, seq_len, num_sequences
+        )
     return torch.tensor(list(itertools.islice(buffer, num_windows * seq_len)), dtype=torch.long).view(
         num_windows, seq_len
     )

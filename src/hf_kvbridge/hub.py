@@ -39,8 +39,13 @@ def resolve_checkpoint(
         local_files_only=local_files_only,
         token=token,
         force_download=force_download,
-        allow_patterns=[CONFIG_NAME, MAPPER_WEIGHTS_NAME, MAPPER_WEIGHTS_INDEX_NAME, "mapper-*.safetensors",
-                        MODEL_CARD_NAME],
+        allow_patterns=[
+            CONFIG_NAME,
+            MAPPER_WEIGHTS_NAME,
+            MAPPER_WEIGHTS_INDEX_NAME,
+            "mapper-*.safetensors",
+            MODEL_CARD_NAME,
+        ],
     )
     return Path(snapshot)
 

@@ -109,9 +109,7 @@ def check_supported(config: PretrainedConfig, name: str) -> KVLayout:
                 f"{name}: layers of type {other} found; only full attention is supported (no sliding-window or "
                 "hybrid attention)."
             )
-    elif getattr(text_config, "sliding_window", None) is not None and getattr(
-        text_config, "use_sliding_window", True
-    ):
+    elif getattr(text_config, "sliding_window", None) is not None and getattr(text_config, "use_sliding_window", True):
         raise KVLayoutError(
             f"{name}: sliding-window attention (window {text_config.sliding_window}) is not supported."
         )
@@ -147,7 +145,9 @@ def check_matched(source: PretrainedConfig, target: PretrainedConfig, source_nam
 def check_fingerprint(expected: dict, layout: KVLayout, role: str, name: str) -> None:
     """Raises `KVLayoutError` when a loaded model's layout differs from the one a mapper was calibrated for."""
     actual = layout.fingerprint()
-    diffs = [f"{k}: expected {expected.get(k)!r}, got {actual.get(k)!r}" for k in actual if expected.get(k) != actual[k]]
+    diffs = [
+        f"{k}: expected {expected.get(k)!r}, got {actual.get(k)!r}" for k in actual if expected.get(k) != actual[k]
+    ]
     if diffs:
         raise KVLayoutError(
             f"This mapper was calibrated for a different {role} model than {name!r} (wrong mapper for this model "

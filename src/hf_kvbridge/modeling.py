@@ -31,8 +31,17 @@ from .rope import apply_rotary, rotary_cos_sin, strip_rotary
 logger = logging.getLogger(__name__)
 
 # kwargs that AutoModelForCausalLM.from_pretrained forwards and that have no meaning for the bridge itself
-_AUTO_KWARGS = ("trust_remote_code", "adapter_kwargs", "code_revision", "_from_auto", "_commit_hash",
-                "subfolder", "proxies", "user_agent", "_from_pipeline")
+_AUTO_KWARGS = (
+    "trust_remote_code",
+    "adapter_kwargs",
+    "code_revision",
+    "_from_auto",
+    "_commit_hash",
+    "subfolder",
+    "proxies",
+    "user_agent",
+    "_from_pipeline",
+)
 
 
 class MapperFileError(OSError):
@@ -61,14 +70,16 @@ def resolve_model_reference(name_or_path: str) -> str:
 def model_reference(model: PreTrainedModel) -> str:
     """The id a checkpoint records for `model`: its Hub id, `pocket/<name>` for shipped pocket models, or a path."""
     name = model.config.name_or_path or ""
-    try:
-        from .pocket import POCKET_MODELS, model_path
+    if not name or not Path(name).is_dir():
+        return name
+    from .pocket import POCKET_MODELS, model_path
 
-        for pocket_name in POCKET_MODELS:
-            if name and Path(name).resolve() == model_path(pocket_name).resolve():
+    for pocket_name in POCKET_MODELS:
+        try:
+            if Path(name).resolve() == model_path(pocket_name).resolve():
                 return f"pocket/{pocket_name}"
-    except ImportError:  # pocket family not shipped in this build
-        pass
+        except FileNotFoundError:  # not installed in this build
+            continue
     return name
 
 
@@ -114,8 +125,10 @@ class KVBridgeForCausalLM(nn.Module):
             )
         used = {layer for layers in mapper.selected_layers for layer in layers}
         if used and max(used) >= self.source_layout.num_layers:
-            raise ValueError(f"mapper reads source layer {max(used)} but source {source_name!r} has "
-                             f"{self.source_layout.num_layers} layers")
+            raise ValueError(
+                f"mapper reads source layer {max(used)} but source {source_name!r} has "
+                f"{self.source_layout.num_layers} layers"
+            )
         self.config = config
         self.source, self.target, self.mapper = source, target, mapper
         self.mapper.to(self.target.device)
@@ -247,8 +260,15 @@ class KVBridgeForCausalLM(nn.Module):
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
         if cache is not None and cache.get_seq_length() > 0:
-            return self.target(input_ids=input_ids, attention_mask=attention_mask, cache=cache,
-                               position_ids=position_ids, labels=labels, use_cache=use_cache, **kwargs)
+            return self.target(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                cache=cache,
+                position_ids=position_ids,
+                labels=labels,
+                use_cache=use_cache,
+                **kwargs,
+            )
         seq = input_ids.shape[1]
         self._check_length(seq)
         prefill_length = seq if prefill_length is None else int(prefill_length)
@@ -258,10 +278,19 @@ class KVBridgeForCausalLM(nn.Module):
         if position_ids is None:
             position_ids = positions_from_mask(attention_mask)
         if split <= 0:  # nothing for the source to prefill: the target computes everything itself
-            logger.info("prompt too short to bridge (prefill_length=%d, hold_back=%d): target only",
-                        prefill_length, self.config.hold_back)
-            return self.target(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                               labels=labels, use_cache=use_cache, **kwargs)
+            logger.info(
+                "prompt too short to bridge (prefill_length=%d, hold_back=%d): target only",
+                prefill_length,
+                self.config.hold_back,
+            )
+            return self.target(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                labels=labels,
+                use_cache=use_cache,
+                **kwargs,
+            )
         mapped, source_out = self.prefill(input_ids[:, :split], attention_mask[:, :split])
         device = self.target.device
         target_out = self.target(
@@ -277,8 +306,9 @@ class KVBridgeForCausalLM(nn.Module):
         if labels is not None:
             shift_logits = logits[:, :-1].float()
             shift_labels = labels[:, 1:].to(device)
-            loss = nn.functional.cross_entropy(shift_logits.reshape(-1, shift_logits.shape[-1]),
-                                               shift_labels.reshape(-1), ignore_index=-100)
+            loss = nn.functional.cross_entropy(
+                shift_logits.reshape(-1, shift_logits.shape[-1]), shift_labels.reshape(-1), ignore_index=-100
+            )
         return CausalLMOutputWithPast(loss=loss, logits=logits, cache=target_out.cache if use_cache else None)
 
     @torch.no_grad()
@@ -339,9 +369,15 @@ class KVBridgeForCausalLM(nn.Module):
             tmp = Path(tmp)
             self.config.save_pretrained(tmp)
             state = {k: v.detach().to("cpu").contiguous() for k, v in self.mapper.state_dict().items()}
-            save_file(state, tmp / MAPPER_WEIGHTS_NAME,
-                      metadata={"format": "pt", "format_version": str(FORMAT_VERSION), "mapper_type":
-                                self.config.mapper_type})
+            save_file(
+                state,
+                tmp / MAPPER_WEIGHTS_NAME,
+                metadata={
+                    "format": "pt",
+                    "format_version": str(FORMAT_VERSION),
+                    "mapper_type": self.config.mapper_type,
+                },
+            )
             render_model_card(self.config).save(tmp / MODEL_CARD_NAME)
             for name in (CONFIG_NAME, MAPPER_WEIGHTS_NAME, MODEL_CARD_NAME):
                 os.replace(tmp / name, save_directory / name)
@@ -381,8 +417,14 @@ class KVBridgeForCausalLM(nn.Module):
 
         for key in _AUTO_KWARGS:
             load_kwargs.pop(key, None)
-        folder = resolve_checkpoint(pretrained_model_name_or_path, revision=revision, cache_dir=cache_dir,
-                                    local_files_only=local_files_only, token=token, force_download=force_download)
+        folder = resolve_checkpoint(
+            pretrained_model_name_or_path,
+            revision=revision,
+            cache_dir=cache_dir,
+            local_files_only=local_files_only,
+            token=token,
+            force_download=force_download,
+        )
         if config is None:
             config = KVBridgeConfig.from_pretrained(folder)
         if config.model_type != "kvbridge" or not config.selected_layers:
@@ -403,8 +445,9 @@ def load_model(name_or_path: str, revision: str | None = None, **load_kwargs: An
     """Loads a source/target model by its recorded reference (Hub id, local path or `pocket/<name>`)."""
     if not name_or_path:
         raise ValueError("the checkpoint does not record the model; pass source_model=/target_model=")
-    model = AutoModelForCausalLM.from_pretrained(resolve_model_reference(name_or_path), revision=revision,
-                                                 **load_kwargs)
+    model = AutoModelForCausalLM.from_pretrained(
+        resolve_model_reference(name_or_path), revision=revision, **load_kwargs
+    )
     return model.eval()
 
 
@@ -419,12 +462,15 @@ def load_mapper_weights(mapper: KVMapper, path: Path) -> None:
     expected = mapper.state_dict()
     missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
     if missing or unexpected:
-        raise MapperFileError(f"mapper weights {path} do not fit the config: missing {missing[:4]}, "
-                              f"unexpected {unexpected[:4]}")
+        raise MapperFileError(
+            f"mapper weights {path} do not fit the config: missing {missing[:4]}, unexpected {unexpected[:4]}"
+        )
     for key, tensor in state.items():
         if tensor.shape != expected[key].shape:
-            raise MapperFileError(f"mapper weights {path}: {key} has shape {tuple(tensor.shape)}, the config "
-                                  f"implies {tuple(expected[key].shape)}")
+            raise MapperFileError(
+                f"mapper weights {path}: {key} has shape {tuple(tensor.shape)}, the config "
+                f"implies {tuple(expected[key].shape)}"
+            )
         if not torch.isfinite(tensor).all():
             raise MapperFileError(f"mapper weights {path}: {key} holds NaN/Inf")
     mapper.load_state_dict(state)

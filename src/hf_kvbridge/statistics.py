@@ -119,8 +119,9 @@ class KVStatistics:
             parts = [torch.arange(layer * self.row, (layer + 1) * self.row) for layer in layers]
         else:
             span = 2 * self.head_dim
-            parts = [torch.arange(layer * self.row + head * span, layer * self.row + (head + 1) * span)
-                     for layer in layers]
+            parts = [
+                torch.arange(layer * self.row + head * span, layer * self.row + (head + 1) * span) for layer in layers
+            ]
         return torch.cat(parts).to(self.xx.device)
 
     def source_index(self, layers: list[int], head: int | None = None) -> torch.Tensor:

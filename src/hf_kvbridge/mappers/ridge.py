@@ -87,7 +87,8 @@ class KVMapper(nn.Module):
         row = num_kv_heads * 2 * head_dim
         span = 2 * head_dim
         self.layers = nn.ModuleList(
-            LayerMap(1, len(layers) * row, row) if head_mode == "all_heads"
+            LayerMap(1, len(layers) * row, row)
+            if head_mode == "all_heads"
             else LayerMap(num_kv_heads, len(layers) * span, span)
             for layers in self.selected_layers
         )

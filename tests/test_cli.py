@@ -1,0 +1,36 @@
+"""The `kvbridge` command line, run in-process on local folders."""
+
+from hf_kvbridge.cli import main
+from tests.conftest import CORPUS
+
+
+def test_calibrate_then_generate(saved_pair, tmp_path, capsys):
+    data = tmp_path / "calib.txt"
+    data.write_text(" ".join(CORPUS))
+    out = tmp_path / "bridge"
+    code = main(
+        [
+            "calibrate",
+            saved_pair["small"],
+            saved_pair["large"],
+            "--data",
+            str(data),
+            "--out",
+            str(out),
+            "--top-k",
+            "2",
+            "--num-sequences",
+            "12",
+            "--seq-len",
+            "32",
+            "--head-mode",
+            "same_head",
+        ]
+    )
+    assert code == 0
+    assert "held-out R²" in capsys.readouterr().out
+    assert {p.name for p in out.iterdir()} == {"config.json", "mapper.safetensors", "README.md"}
+    assert main(["generate", str(out), "The quick brown", "--max-new-tokens", "5"]) == 0
+    assert capsys.readouterr().out.startswith("The quick brown")
+    # a second calibrate into the same folder refuses before doing any work
+    assert main(["calibrate", saved_pair["small"], saved_pair["large"], "--data", str(data), "--out", str(out)]) == 2

@@ -1,0 +1,134 @@
+"""Saving, loading, Auto classes, layer order, and batched generation of a real small→large bridge."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+import hf_kvbridge
+from hf_kvbridge import KVBridgeConfig, KVBridgeForCausalLM
+from hf_kvbridge.calibration import collect_statistics, fit_bridge
+from tests.conftest import CORPUS, VOCAB, qwen3
+
+BRIDGE_FILES = {"config.json", "mapper.safetensors", "README.md"}
+
+
+@pytest.fixture(scope="module")
+def pair_bridge(saved_pair):
+    return hf_kvbridge.calibrate(
+        saved_pair["small"], saved_pair["large"], CORPUS, num_sequences=16, seq_len=32, top_k=2, batch_size=4
+    )
+
+
+def _same_cache(a, b):
+    assert len(a.layers) == len(b.layers)
+    for la, lb in zip(a.layers, b.layers):
+        assert torch.equal(la.keys, lb.keys) and torch.equal(la.values, lb.values)
+
+
+def test_calibrate_records_pair_and_provenance(pair_bridge, saved_pair):
+    config = pair_bridge.config
+    assert config.source_name_or_path == saved_pair["small"]
+    assert config.target_name_or_path == saved_pair["large"]
+    assert config.source_fingerprint["num_layers"] == 2 and config.target_fingerprint["num_layers"] == 3
+    assert config.target_fingerprint["rope_parameters"]["rope_theta"] == 10000.0
+    assert len(config.selected_layers) == 3 and all(len(layers) == 2 for layers in config.selected_layers)
+    assert config.calibration["num_sequences"] == 16 and config.calibration["seq_len"] == 32
+    assert config.calibration["heldout_sequences"] >= 1
+    assert {"seed", "hf_kvbridge_version", "data", "tokens"} <= set(config.calibration)
+    assert len(config.heldout_r2["k"]) == 3
+
+
+def test_save_load_round_trip(pair_bridge, tmp_path):
+    pair_bridge.save_pretrained(tmp_path / "bridge")
+    files = {p.name for p in (tmp_path / "bridge").iterdir()}
+    assert files == BRIDGE_FILES  # no source or target weights, no stray temp folders
+    weights = load_file(tmp_path / "bridge" / "mapper.safetensors")
+    assert all(key.startswith("layers.") for key in weights)
+    assert sum(t.numel() for t in weights.values()) == sum(p.numel() for p in pair_bridge.mapper.parameters())
+    card = (tmp_path / "bridge" / "README.md").read_text()
+    assert "library_name: hf-kvbridge" in card and "base_model" in card
+
+    loaded = KVBridgeForCausalLM.from_pretrained(tmp_path / "bridge")  # models loaded by their recorded paths
+    assert loaded.config.selected_layers == pair_bridge.config.selected_layers
+    ids = torch.randint(0, VOCAB, (2, 14), generator=torch.Generator().manual_seed(0))
+    _same_cache(loaded.prefill(ids)[0], pair_bridge.prefill(ids)[0])
+    torch.testing.assert_close(loaded(ids).logits, pair_bridge(ids).logits)
+
+
+def test_auto_classes_resolve_to_the_bridge(pair_bridge, tmp_path):
+    pair_bridge.save_pretrained(tmp_path / "bridge")
+    config = AutoConfig.from_pretrained(tmp_path / "bridge")
+    assert isinstance(config, KVBridgeConfig)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "bridge")
+    assert isinstance(model, KVBridgeForCausalLM)
+    ids = torch.randint(0, VOCAB, (1, 10), generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(model(ids).logits, pair_bridge(ids).logits)
+
+
+def test_non_monotone_layer_order_survives_save_load(windows, tmp_path):
+    source, target = qwen3(layers=3, seed=3), qwen3(layers=2, hidden=48, seed=4)
+    train, heldout = collect_statistics(source, target, windows, heldout=[0, 1, 2, 3])
+    order = [[2, 0, 1], [1, 2]]
+    bridge = fit_bridge(source, target, train, heldout, selected_layers=order, top_k=None)
+    assert bridge.config.selected_layers == order
+    bridge.save_pretrained(tmp_path / "b")
+    assert json.loads((tmp_path / "b" / "config.json").read_text())["selected_layers"] == order
+    loaded = KVBridgeForCausalLM.from_pretrained(tmp_path / "b", source_model=source, target_model=target)
+    assert loaded.config.selected_layers == order and loaded.mapper.selected_layers == order
+    ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(2))
+    _same_cache(loaded.prefill(ids)[0], bridge.prefill(ids)[0])
+    # the order matters: the same layers in sorted order give a different mapper
+    resorted = fit_bridge(source, target, train, heldout, selected_layers=[sorted(x) for x in order], top_k=None)
+    assert not torch.allclose(resorted.prefill(ids)[0].layers[0].keys, bridge.prefill(ids)[0].layers[0].keys)
+
+
+def test_selection_ranks_by_heldout_r2(pair_bridge):
+    r2 = pair_bridge.layer_r2.mean(-1)  # (L_t, L_s)
+    for t, layers in enumerate(pair_bridge.config.selected_layers):
+        assert layers == torch.argsort(r2[t], descending=True)[: len(layers)].tolist()
+
+
+def test_batched_left_padded_generation_equals_per_prompt(pair_bridge, saved_pair):
+    tokenizer = AutoTokenizer.from_pretrained(saved_pair["small"], padding_side="left")
+    prompts = ["The quick brown fox jumps over", "Ridge", "A key and a value are cached for every token"]
+    batch = tokenizer(prompts, return_tensors="pt", padding=True)
+    assert (batch["attention_mask"] == 0).any()
+    kw = {"max_new_tokens": 8, "do_sample": False, "pad_token_id": tokenizer.pad_token_id}
+    batched = pair_bridge.generate(**batch, **kw)
+    for row, prompt in enumerate(prompts):
+        single = pair_bridge.generate(**tokenizer(prompt, return_tensors="pt"), **kw)
+        assert batched[row, -8:].tolist() == single[0, -8:].tolist(), prompt
+
+
+def test_generate_accepts_the_targets_options(pair_bridge, saved_pair):
+    from transformers import TextIteratorStreamer
+
+    tokenizer = AutoTokenizer.from_pretrained(saved_pair["small"])
+    inputs = tokenizer("The quick brown fox", return_tensors="pt")
+    out = pair_bridge.generate(
+        **inputs,
+        max_new_tokens=5,
+        do_sample=True,
+        top_k=5,
+        return_dict_in_generate=True,
+        output_scores=True,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    assert out.sequences.shape[1] == inputs["input_ids"].shape[1] + 5 and len(out.scores) == 5
+    streamer = TextIteratorStreamer(tokenizer)
+    pair_bridge.generate(**inputs, max_new_tokens=4, streamer=streamer, pad_token_id=tokenizer.pad_token_id)
+    assert "".join(streamer).startswith("The quick brown fox")
+
+
+def test_forward_logits_split_source_then_target(pair_bridge):
+    ids = torch.randint(0, VOCAB, (1, 12), generator=torch.Generator().manual_seed(6))
+    out = pair_bridge(ids, prefill_length=9)
+    source_logits = pair_bridge.source(ids[:, :8]).logits
+    torch.testing.assert_close(out.logits[:, :8], source_logits)
+    assert out.logits.shape == (1, 12, VOCAB)
+    # with a cache, forward is plain target decoding
+    step = pair_bridge(ids[:, -1:], past_key_values=out.past_key_values)
+    assert step.past_key_values.get_seq_length() == 13
