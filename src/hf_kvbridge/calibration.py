@@ -219,7 +219,7 @@ def calibrate(
         num_sequences (`int`, *optional*, defaults to `500`), seq_len (`int`, *optional*, defaults to `1024`):
             calibration windows.
         top_k (`int`, *optional*, defaults to `6`): source layers per target layer (`None`: all).
-        ridge_lambda (`float`, *optional*, defaults to `0.01`): relative to the mean input-feature variance.
+        ridge_lambda (`float`, *optional*, defaults to `0.01`): relative to each input feature's variance.
         head_mode (`str`, *optional*, defaults to `"all_heads"`): or `"same_head"` (head h from head h only).
         batch_size (`int`, *optional*, defaults to `8`): windows per forward pass.
         heldout_fraction (`float`, *optional*, defaults to `0.1`): share of windows held out for R² and layer

@@ -79,11 +79,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    try:
-        from hf_kvbridge.demo import run_demo
-    except ImportError:
-        print("kvbridge demo: not yet — the pocket model family it runs on has not landed in this build.")
-        return 1
+    from hf_kvbridge.demo import run_demo
+
     return run_demo(args)
 
 
@@ -102,7 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     cal.add_argument("--out", required=True, help="output folder for the bridge checkpoint")
     cal.add_argument("--top-k", type=_top_k, default=6, help="source layers per target layer, or 'all'")
-    cal.add_argument("--ridge-lambda", type=float, default=0.01, help="relative to the mean feature variance")
+    cal.add_argument("--ridge-lambda", type=float, default=0.01, help="relative to each input feature's variance")
     cal.add_argument("--num-sequences", type=int, default=500)
     cal.add_argument("--seq-len", type=int, default=1024)
     cal.add_argument("--head-mode", choices=["all_heads", "same_head"], default="all_heads")
@@ -125,9 +122,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=0)
     gen.set_defaults(func=_cmd_generate)
 
-    demo = sub.add_parser("demo", help="calibrate and measure bridges of the shipped pocket family")
-    demo.add_argument("--out", default="kvbridge-demo", help="output folder for JSON and plots")
+    demo = sub.add_parser("demo", help="calibrate and measure a bridge of the shipped pocket family (offline)")
+    demo.add_argument("--out", default="kvbridge-demo", help="parent folder; each run writes a new folder in it")
     demo.add_argument("--quick", action="store_true", help="smaller calibration and evaluation (for tests)")
+    from hf_kvbridge.demo import add_arguments
+
+    add_arguments(demo)
     demo.set_defaults(func=_cmd_demo)
     return parser
 

@@ -26,8 +26,8 @@ class KVBridgeConfig(PretrainedConfig):
         source_fingerprint (`dict`), target_fingerprint (`dict`): layers, KV heads, head dim, vocab size, rotary
             parameters and maximum positions of each model (see [`KVLayout`]).
         top_k (`int`, *optional*, defaults to `6`): number of source layers feeding each target layer.
-        ridge_lambda (`float`, *optional*, defaults to `0.01`): ridge strength, relative to the mean variance of the
-            mapper's input features.
+        ridge_lambda (`float`, *optional*, defaults to `0.01`): ridge strength, relative to each input feature's
+            variance (ridge on standardized inputs).
         head_mode (`str`, *optional*, defaults to `"all_heads"`): `"all_heads"` or `"same_head"`.
         mapper_type (`str`, *optional*, defaults to `"ridge"`): kind of mapper stored in the weights file.
         selected_layers (`list[list[int]]`): per target layer, the source layers used, best first.

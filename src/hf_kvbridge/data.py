@@ -137,7 +137,7 @@ def token_windows(
         if not text or not text.strip():
             continue
         saw_text = True
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        ids = tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
         buffer.extend(ids)
         if eos is not None:
             buffer.append(eos)

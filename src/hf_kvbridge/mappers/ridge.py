@@ -2,11 +2,12 @@
 
 For target layer `t` and head group `g` (all heads at once in `all_heads` mode, one head in `same_head` mode):
 
-    W = (C_xx + λ·s·I)⁻¹ C_xy,   b = ȳ − x̄ W,   s = tr(C_xx) / p
+    W = (C_xx + λ·D)⁻¹ C_xy,   b = ȳ − x̄ W,   D = diag(C_xx)
 
-`C` are covariances (centered sums divided by the token count), so λ is *relative to the mean variance of the
-input features*: it does not change with the number of calibration tokens or the scale of the activations.
-λ = 0.01 adds 1 % of the average feature variance to the diagonal.
+`C` are covariances (centered sums divided by the token count), so λ is *relative to each input feature's own
+variance* — the same as plain ridge on standardized (z-scored) inputs. It does not change with the number of
+calibration tokens or with the scale of any feature (keys and values live at very different scales).
+λ = 0.01 adds 1 % of each feature's variance to its diagonal entry.
 """
 
 from __future__ import annotations
@@ -38,8 +39,10 @@ def solve_ridge(
     mx, my, cxx, cxy, _ = stats.moments(x_idx, y_idx)
     if not (torch.isfinite(cxx).all() and torch.isfinite(cxy).all()):
         raise StatisticsError("NaN/Inf in calibration statistics; cannot fit the mapper")
-    scale = torch.diagonal(cxx).mean().clamp_min(torch.finfo(torch.float64).tiny)
-    system = cxx + (ridge_lambda * scale) * torch.eye(p, dtype=cxx.dtype, device=cxx.device)
+    variance = torch.diagonal(cxx)
+    # each feature's own variance (floored so a constant feature still gets a ridge): ridge on standardized inputs
+    scale = variance.clamp_min(1e-6 * variance.mean().clamp_min(torch.finfo(torch.float64).tiny))
+    system = cxx + torch.diag(ridge_lambda * scale)
     chol, info = torch.linalg.cholesky_ex(system)
     if info.item() == 0:
         weight = torch.cholesky_solve(cxy, chol)  # (p, q)
