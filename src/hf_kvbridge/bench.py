@@ -1,14 +1,108 @@
-"""Latency of the mapper against the target's own prefill of the same context."""
+"""Latency, FLOP efficiency and memory of the mapper against the target's own prefill of the same context.
+
+Timed as the paper times it: the target's re-prefill is its transformer body without the LM head; the mapper is
+`map_cache` (strip RoPE, map, apply RoPE, build the `DynamicCache`) with the source cache already there (*warm*, the
+cascade case); *cold* adds the source's own prefill (the bridge as one model). Medians of repeated runs after
+warm-up. Weights do not change timings, so real-size shapes can be benchmarked with random weights
+(`random_bridge`).
+"""
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import statistics
+import threading
 import time
 from collections.abc import Callable
 
 import torch
+from transformers import AutoModelForCausalLM, PretrainedConfig
+
+from .configuration import KVBridgeConfig
+from .layout import check_matched
+from .mappers import KVMapper
+
+# Public Qwen3 shapes (layers, hidden, heads, KV heads, head dim, MLP width); vocab is cut to 1024 for random-weight
+# benchmarks: embeddings and the LM head are not part of what is timed.
+QWEN3_SHAPES = {
+    "qwen3-0.6b": (28, 1024, 16, 8, 128, 3072),
+    "qwen3-1.7b": (28, 2048, 16, 8, 128, 6144),
+    "qwen3-4b": (36, 2560, 32, 8, 128, 9728),
+    "qwen3-8b": (36, 4096, 32, 8, 128, 12288),
+    "qwen3-14b": (40, 5120, 40, 8, 128, 17408),
+    "qwen3-32b": (64, 5120, 64, 8, 128, 25600),
+}
 
 
+def qwen3_shape_config(name: str, vocab_size: int = 1024, max_positions: int = 40960) -> PretrainedConfig:
+    """A `Qwen3Config` with the shape of a public Qwen3 model (for random-weight timing only)."""
+    from transformers import Qwen3Config
+
+    if name not in QWEN3_SHAPES:
+        raise ValueError(f"unknown shape {name!r}; known: {', '.join(QWEN3_SHAPES)}")
+    layers, hidden, heads, kv_heads, head_dim, mlp = QWEN3_SHAPES[name]
+    return Qwen3Config(
+        num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=kv_heads,
+        head_dim=head_dim, intermediate_size=mlp, vocab_size=vocab_size, max_position_embeddings=max_positions,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, tie_word_embeddings=True,
+    )
+
+
+def random_bridge(
+    source_config: PretrainedConfig,
+    target_config: PretrainedConfig,
+    *,
+    top_k: int = 6,
+    head_mode: str = "all_heads",
+    dtype: torch.dtype = torch.float32,
+    mapper_dtype: torch.dtype | None = None,
+    device: str | torch.device = "cpu",
+):
+    """A bridge of randomly initialised models and a random mapper: the timings of a real one of these shapes.
+
+    Each target layer reads the `top_k` source layers closest in relative depth.
+    """
+    from .modeling import KVBridgeForCausalLM
+
+    src, tgt = check_matched(source_config, target_config, "source", "target")
+    with torch.device(device):
+        source = AutoModelForCausalLM.from_config(source_config, dtype=dtype).eval()
+        target = AutoModelForCausalLM.from_config(target_config, dtype=dtype).eval()
+    k = min(top_k, src.num_layers)
+    selected = []
+    for t in range(tgt.num_layers):
+        depth = (t + 0.5) / tgt.num_layers * src.num_layers
+        selected.append(sorted(range(src.num_layers), key=lambda s: abs(s + 0.5 - depth))[:k])
+    mapper = KVMapper(selected, src.num_kv_heads, src.head_dim, head_mode)
+    with torch.no_grad():
+        for layer in mapper.layers:
+            layer.weight.normal_(std=layer.weight.shape[1] ** -0.5)
+    mapper.to(device=device, dtype=mapper_dtype or torch.float32)
+    config = KVBridgeConfig(top_k=k, head_mode=head_mode, selected_layers=selected)
+    return KVBridgeForCausalLM(config, source, target, mapper)
+
+
+# -- FLOP counts --------------------------------------------------------------------------------------------------
+def prefill_flops(config: PretrainedConfig, tokens: int) -> float:
+    """Matmul FLOPs of a causal decoder body over `tokens` tokens (no LM head): 2 × tokens × body weights, plus the
+    attention products (QKᵀ and AV, halved by causality)."""
+    c = config.get_text_config(decoder=True)
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    q, kv = c.num_attention_heads * head_dim, c.num_key_value_heads * head_dim
+    attn_weights = c.hidden_size * (q + 2 * kv) + q * c.hidden_size
+    mlp_weights = 3 * c.hidden_size * c.intermediate_size
+    linear = 2 * tokens * (attn_weights + mlp_weights)
+    attention = 2 * 2 * tokens * tokens * q / 2
+    return float(c.num_hidden_layers * (linear + attention))
+
+
+def mapper_flops(mapper: KVMapper, tokens: int) -> float:
+    """Matmul FLOPs of mapping `tokens` tokens: 2 × tokens × the mapper's weights."""
+    return float(sum(2 * tokens * layer.weight.numel() for layer in mapper.layers))
+
+
+# -- timing and memory --------------------------------------------------------------------------------------------
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -28,20 +122,81 @@ def median_seconds(fn: Callable[[], object], device: torch.device, repeats: int 
     return statistics.median(times)
 
 
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
+                 "keepcost")]
+
+
+def _heap_reader() -> Callable[[], int] | None:
+    """Bytes in use on the C heap (glibc `mallinfo2`: arena blocks in use + mmapped blocks), or `None`.
+
+    Unlike the resident set size this goes down when tensors are freed, so it shows peaks of allocation."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c"))
+        mallinfo2 = libc.mallinfo2
+    except (OSError, AttributeError, TypeError):
+        return None
+    mallinfo2.restype = _MallInfo2
+
+    def read() -> int:
+        info = mallinfo2()
+        return int(info.uordblks + info.hblkhd)
+
+    return read
+
+
+def peak_extra_bytes(fn: Callable[[], object], device: torch.device) -> int | None:
+    """Peak memory `fn()` allocates on top of what is already allocated (what it returns included): CUDA allocator
+    statistics on a GPU; on CPU the glibc heap in use, sampled every 0.2 ms; `None` where neither is available."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        base = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        fn()
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device) - base
+    read = _heap_reader()
+    if read is None:
+        return None
+    base, peak, done = read(), [0], threading.Event()
+
+    def sample():
+        while not done.is_set():
+            peak[0] = max(peak[0], read())
+            time.sleep(0.0002)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        result = fn()
+        peak[0] = max(peak[0], read())
+    finally:
+        done.set()
+        sampler.join()
+    del result
+    return peak[0] - base
+
+
 @torch.no_grad()
 def mapper_vs_prefill(bridge, input_ids: torch.Tensor, repeats: int = 5, warmup: int = 1) -> dict:
-    """Times, for the same context: the target's re-prefill (its transformer body, without the LM head, as the
-    paper times it), the mapper (map + cache build, the source cache already existing), and the source prefill.
+    """Times target re-prefill, mapper and source prefill for one context, with FLOP efficiency and memory.
 
     Returns:
-        `dict` with seconds for each and the warm (`prefill / map`) and cold (`prefill / (source + map)`) speedups.
+        `dict` with seconds for each, the warm (`prefill / map`) and cold (`prefill / (source + map)`) speedups,
+        FLOPs, achieved FLOP/s, the mapper's efficiency relative to the target's prefill (FLOP/s ratio), the
+        FLOP-ratio bound on the warm speedup, and the peak extra memory of one mapping.
     """
     device = bridge.target.device
     ids_t, ids_s = input_ids.to(device), input_ids.to(bridge.source.device)
+    tokens = int(input_ids.numel())
     source_cache = bridge.source.model(input_ids=ids_s, use_cache=True).cache
     target_s = median_seconds(lambda: bridge.target.model(input_ids=ids_t, use_cache=True), device, repeats, warmup)
     map_s = median_seconds(lambda: bridge.map_cache(source_cache), device, repeats, warmup)
     source_s = median_seconds(lambda: bridge.source.model(input_ids=ids_s, use_cache=True), device, repeats, warmup)
+    peak = peak_extra_bytes(lambda: bridge.map_cache(source_cache), device)
+    target_flops = prefill_flops(bridge.target.config, int(input_ids.shape[1])) * input_ids.shape[0]
+    map_flops = mapper_flops(bridge.mapper, tokens)
     return {
         "context_tokens": int(input_ids.shape[1]),
         "batch": int(input_ids.shape[0]),
@@ -50,5 +205,61 @@ def mapper_vs_prefill(bridge, input_ids: torch.Tensor, repeats: int = 5, warmup:
         "source_prefill_s": source_s,
         "warm_speedup": target_s / map_s,
         "cold_speedup": target_s / (source_s + map_s),
+        "target_prefill_flops": target_flops,
+        "mapper_flops": map_flops,
+        "target_flops_per_s": target_flops / target_s,
+        "mapper_flops_per_s": map_flops / map_s,
+        "mapper_efficiency": (map_flops / map_s) / (target_flops / target_s),
+        "flop_ratio_bound": target_flops / map_flops,
+        "fraction_of_bound": (target_s / map_s) / (target_flops / map_flops),
+        "mapping_peak_extra_bytes": peak,
+        "mapped_cache_bytes": _mapped_cache_bytes(bridge, tokens),
         "repeats": repeats,
+        "warmup": warmup,
+        "device": str(device),
+        "dtype": str(bridge.target.dtype),
+        "mapper_dtype": str(bridge.mapper.layers[0].weight.dtype),
+        "threads": torch.get_num_threads(),
     }
+
+
+def _mapped_cache_bytes(bridge, tokens: int) -> int:
+    layout = bridge.target_layout
+    element = torch.finfo(bridge.target.dtype).bits // 8
+    return layout.num_layers * tokens * layout.features_per_layer * element
+
+
+def benchmark(
+    bridge, lengths: list[int], *, batch: int = 1, repeats: int = 5, warmup: int = 1, seed: int = 0
+) -> list[dict]:
+    """`mapper_vs_prefill` at each context length on random token ids.
+
+    Example:
+
+    ```python
+    >>> rows = benchmark(bridge, [256, 1024], repeats=3)  # doctest: +SKIP
+    >>> rows[-1]["warm_speedup"]  # doctest: +SKIP
+    ```
+    """
+    generator = torch.Generator().manual_seed(seed)
+    vocab = bridge.target_layout.vocab_size
+    rows = []
+    for length in lengths:
+        ids = torch.randint(0, vocab, (batch, length), generator=generator)
+        rows.append(mapper_vs_prefill(bridge, ids, repeats=repeats, warmup=warmup))
+    return rows
+
+
+def format_table(rows: list[dict]) -> str:
+    """The benchmark as a fixed-width table."""
+    header = ("tokens", "target ms", "mapper ms", "source ms", "warm ×", "cold ×", "bound ×", "of bound",
+              "map eff.", "map peak MB")
+    lines = ["  ".join(f"{h:>11}" for h in header)]
+    for r in rows:
+        peak = r["mapping_peak_extra_bytes"]
+        cells = (r["context_tokens"], f"{r['target_prefill_s'] * 1e3:.1f}", f"{r['mapper_s'] * 1e3:.1f}",
+                 f"{r['source_prefill_s'] * 1e3:.1f}", f"{r['warm_speedup']:.2f}", f"{r['cold_speedup']:.2f}",
+                 f"{r['flop_ratio_bound']:.2f}", f"{r['fraction_of_bound']:.2f}", f"{r['mapper_efficiency']:.2f}",
+                 "n/a" if peak is None else f"{peak / 2**20:.1f}")
+        lines.append("  ".join(f"{c:>11}" for c in cells))
+    return "\n".join(lines)

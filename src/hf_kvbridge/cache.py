@@ -56,9 +56,3 @@ def kv_to_rows(keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     kv = torch.stack((keys, values), dim=3)  # (B, H, T, 2, d)
     return kv.permute(0, 2, 1, 3, 4).reshape(batch, seq, heads * 2 * dim)
 
-
-def rows_to_kv(rows: torch.Tensor, num_heads: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Inverse of `kv_to_rows`: `(B, T, H·2d)` → keys, values `(B, H, T, d)`."""
-    batch, seq, _ = rows.shape
-    kv = rows.view(batch, seq, num_heads, 2, head_dim).permute(0, 2, 3, 1, 4)  # (B, H, 2, T, d)
-    return kv[:, :, 0], kv[:, :, 1]

@@ -21,12 +21,12 @@ from torch import nn
 from transformers import AutoModelForCausalLM, Cache, DynamicCache, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from .cache import append_layer, cache_layer_kv, check_cache_shape, kv_to_rows, new_target_cache, rows_to_kv
+from .cache import append_layer, cache_layer_kv, check_cache_shape, new_target_cache
 from .configuration import KVBridgeConfig
 from .constants import CONFIG_NAME, FORMAT_VERSION, MAPPER_WEIGHTS_NAME, MODEL_CARD_NAME
 from .layout import KVLayout, check_fingerprint, check_matched
 from .mappers import KVMapper
-from .rope import apply_rotary, rotary_cos_sin, strip_rotary
+from .rope import apply_rotary, inverse_cos_sin, rotary_cos_sin
 
 logger = logging.getLogger(__name__)
 
@@ -164,7 +164,9 @@ class KVBridgeForCausalLM(nn.Module):
     ) -> DynamicCache:
         """Maps a source cache to the cache the target would have built for the same tokens.
 
-        Runs target layer by layer, so the extra memory at any time is one target layer's input features.
+        Runs target layer by layer. Each source layer is stripped of its rotation once and kept only until the
+        last target layer that reads it, so the extra memory is the source layers still needed (with layer
+        selections that follow depth, a few layers' features) plus one target layer's output.
 
         Args:
             source_cache (`Cache`): the source's cache, `L_s` layers of `(batch, kv_heads, seq, head_dim)`.
@@ -176,7 +178,7 @@ class KVBridgeForCausalLM(nn.Module):
         Returns:
             `DynamicCache` with `L_t` layers in the target's dtype and device.
         """
-        src, tgt = self.source_layout, self.target_layout
+        src = self.source_layout
         seq = check_cache_shape(source_cache, src.num_layers, src.num_kv_heads, src.head_dim, "source")
         first_keys, _ = cache_layer_kv(source_cache, 0)
         batch, device = first_keys.shape[0], self.target.device
@@ -184,19 +186,24 @@ class KVBridgeForCausalLM(nn.Module):
             position_ids = torch.arange(seq, device=first_keys.device).unsqueeze(0).expand(batch, -1)
         if position_ids.shape[-1] != seq:
             raise ValueError(f"position_ids cover {position_ids.shape[-1]} tokens but the source cache holds {seq}")
-        cos_s, sin_s = rotary_cos_sin(self.source, position_ids.to(first_keys.device))  # (B, T, d) each
-        cos_t, sin_t = rotary_cos_sin(self.target, position_ids.to(device))
+        cos_s, sin_s = inverse_cos_sin(*rotary_cos_sin(self.source, position_ids.to(first_keys.device)))
+        cos_t, sin_t = rotary_cos_sin(self.target, position_ids.to(device))  # (B, T, d) each
         cache = target_cache if target_cache is not None else new_target_cache(self.target.config)
-        for t, layers in enumerate(self.mapper.selected_layers):
-            rows = []
-            for s in layers:  # strip on the fly: only this target layer's inputs are alive at once
-                keys, values = cache_layer_kv(source_cache, s)
-                content = strip_rotary(keys.float(), cos_s, sin_s)
-                rows.append(kv_to_rows(content, values.float()).to(device))  # (B, T, H·2d)
-            mapped = self.mapper.map_layer(t, rows)  # (B, T, H·2d)
-            del rows
-            keys_c, values = rows_to_kv(mapped, tgt.num_kv_heads, tgt.head_dim)
-            keys = apply_rotary(keys_c, cos_t, sin_t)
+        selected = self.mapper.selected_layers
+        last_use = {s: t for t, layers in enumerate(selected) for s in layers}
+        rows: dict[int, torch.Tensor] = {}  # stripped source layers still needed by a later target layer
+        for t, layers in enumerate(selected):
+            for s in layers:
+                if s not in rows:
+                    keys, values = cache_layer_kv(source_cache, s)  # (B, H, T, d), keys post-RoPE
+                    content = apply_rotary(keys.float(), cos_s, sin_s)  # strip the source rotation
+                    rows[s] = self.mapper.layout_rows(content.to(device), values.to(device))
+            mapped = self.mapper.map_layer(t, [rows[s] for s in layers])
+            for s in layers:
+                if last_use[s] == t:
+                    del rows[s]
+            keys_c, values = self.mapper.split_rows(mapped, batch, seq)  # (B, H, T, d) views
+            keys = apply_rotary(keys_c.float(), cos_t, sin_t)
             append_layer(cache, t, keys.to(self.target.dtype), values.to(self.target.dtype).contiguous())
         return cache
 

@@ -46,6 +46,26 @@ def rotary_cos_sin(model: nn.Module, position_ids: torch.Tensor, dtype: torch.dt
     return cos.to(dtype), sin.to(dtype)
 
 
+def _halves(cos: torch.Tensor, sin: torch.Tensor):
+    """cos/sin of the first half of the dims, `(B, 1, T, d/2)`, when both halves are equal (rotate-half RoPE as
+    transformers builds it: `cat(freqs, freqs)`); `None` otherwise."""
+    half = cos.shape[-1] // 2
+    cos_h, sin_h = cos[..., :half], sin[..., :half]
+    if torch.equal(cos_h, cos[..., half:]) and torch.equal(sin_h, sin[..., half:]):
+        return cos_h.unsqueeze(1), sin_h.unsqueeze(1)
+    return None
+
+
+def _rotate(keys: torch.Tensor, cos_h: torch.Tensor, sin_h: torch.Tensor, out: torch.Tensor | None):
+    """`[k1·c − k2·s, k2·c + k1·s]` written into `out`: the rotate-half rotation with half-size cos/sin."""
+    half = keys.shape[-1] // 2
+    k1, k2 = keys[..., :half], keys[..., half:]
+    out = torch.empty_like(keys) if out is None else out
+    torch.addcmul(k1 * cos_h, k2, sin_h, value=-1, out=out[..., :half])
+    torch.addcmul(k2 * cos_h, k1, sin_h, out=out[..., half:])
+    return out
+
+
 def apply_rotary(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotates content-space keys into position space, exactly as transformers' `apply_rotary_pos_emb` does.
 
@@ -53,8 +73,18 @@ def apply_rotary(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> to
         keys (`torch.Tensor` of shape `(batch, heads, seq, head_dim)`).
         cos, sin (`torch.Tensor` of shape `(batch, seq, head_dim)`), from `rotary_cos_sin`.
     """
+    halves = _halves(cos, sin)
+    if halves is not None:
+        return _rotate(keys, *halves, out=None)
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # (B, 1, T, d) broadcast over heads
     return keys * cos + rotate_half(keys) * sin
+
+
+def inverse_cos_sin(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin of the inverse rotation, divided by `a² = cos² + sin²` (`a` = attention_scaling, read off the
+    values so no scaling is taken from a config): `strip_rotary(k, cos, sin) == apply_rotary(k, *inverse_cos_sin)`."""
+    scale_sq = cos * cos + sin * sin
+    return cos / scale_sq, -sin / scale_sq
 
 
 def strip_rotary(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -67,6 +97,4 @@ def strip_rotary(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> to
         keys (`torch.Tensor` of shape `(batch, heads, seq, head_dim)`): cached keys.
         cos, sin (`torch.Tensor` of shape `(batch, seq, head_dim)`): the cos/sin the keys were rotated with.
     """
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # (B, 1, T, d)
-    scale_sq = cos * cos + sin * sin  # a², constant per model; computed so no scaling is read from a config
-    return (keys * cos - rotate_half(keys) * sin) / scale_sq
+    return apply_rotary(keys, *inverse_cos_sin(cos, sin))

@@ -75,9 +75,11 @@ class KVMapper(nn.Module):
 
     ```python
     >>> mapper = KVMapper([[0], [1, 0]], num_kv_heads=2, head_dim=4, head_mode="same_head")
-    >>> rows = [torch.randn(1, 5, 2 * 2 * 4)] * 2  # (B, T, H·2d) per selected source layer
-    >>> mapper.map_layer(1, rows).shape
-    torch.Size([1, 5, 16])
+    >>> keys = values = torch.randn(1, 2, 5, 4)  # (B, H, T, d) of one source layer
+    >>> rows = [mapper.layout_rows(keys, values)] * 2  # one per selected source layer
+    >>> mapped = mapper.map_layer(1, rows)  # (H, B·T, 2d)
+    >>> [t.shape for t in mapper.split_rows(mapped, batch=1, seq=5)]
+    [torch.Size([1, 2, 5, 4]), torch.Size([1, 2, 5, 4])]
     ```
     """
 
@@ -117,24 +119,52 @@ class KVMapper(nn.Module):
                 layer_map.bias.data[g] = bias.to(layer_map.bias.dtype)
         return mapper
 
+    def layout_rows(self, content_keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """One source layer's keys (RoPE stripped) and values, `(B, H, T, d)` each, in the mapper's input layout:
+        `(B·T, H·2d)` for `all_heads`, `(H, B·T, 2d)` for `same_head`; per head the key then the value."""
+        batch, heads, seq, dim = values.shape
+        dtype = self.layers[0].weight.dtype
+        if self.head_mode == "all_heads":
+            rows = torch.empty(batch, seq, heads, 2, dim, dtype=dtype, device=values.device)
+            rows[:, :, :, 0].copy_(content_keys.transpose(1, 2))
+            rows[:, :, :, 1].copy_(values.transpose(1, 2))
+            return rows.view(batch * seq, heads * 2 * dim)
+        rows = torch.empty(heads, batch, seq, 2, dim, dtype=dtype, device=values.device)
+        rows[:, :, :, 0].copy_(content_keys.transpose(0, 1))
+        rows[:, :, :, 1].copy_(values.transpose(0, 1))
+        return rows.view(heads, batch * seq, 2 * dim)
+
+    def split_rows(self, mapped: torch.Tensor, batch: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Inverse of `layout_rows` for the output: content-space keys and values `(B, H, T, d)` (views)."""
+        heads, dim = self.num_kv_heads, self.head_dim
+        if self.head_mode == "all_heads":
+            kv = mapped.view(batch, seq, heads, 2, dim).permute(3, 0, 2, 1, 4)  # (2, B, H, T, d)
+        else:
+            kv = mapped.view(heads, batch, seq, 2, dim).permute(3, 1, 0, 2, 4)  # (2, B, H, T, d)
+        return kv[0], kv[1]
+
     def map_layer(self, target_layer: int, rows: list[torch.Tensor]) -> torch.Tensor:
         """Maps the selected source layers' rows to target layer `target_layer`'s rows.
 
+        One matrix product per selected source layer, accumulated in place (no concatenated copy of the inputs).
+
         Args:
-            rows (`list[torch.Tensor]`): one `(B, T, H·2d)` tensor per selected source layer, in the selected order,
-                keys in content space (RoPE stripped).
+            rows (`list[torch.Tensor]`): one tensor per selected source layer, in the selected order, from
+                `layout_rows`.
 
         Returns:
-            `torch.Tensor` of shape `(B, T, H·2d)`: target keys (content space) and values.
+            `torch.Tensor` in the same layout: the target layer's content-space keys and values.
         """
         layer_map = self.layers[target_layer]
         weight, bias = layer_map.weight, layer_map.bias
-        batch, seq, row = rows[0].shape
         if self.head_mode == "all_heads":
-            x = torch.cat([r.to(weight.dtype) for r in rows], dim=-1)  # (B, T, k·H·2d)
-            return torch.addmm(bias[0], x.view(batch * seq, -1), weight[0]).view(batch, seq, row)
-        heads, span = self.num_kv_heads, 2 * self.head_dim
-        x = torch.cat([r.to(weight.dtype).view(batch, seq, heads, span) for r in rows], dim=-1)  # (B, T, H, k·2d)
-        x = x.permute(2, 0, 1, 3).reshape(heads, batch * seq, -1)  # (H, B·T, k·2d)
-        y = torch.baddbmm(bias.unsqueeze(1), x, weight)  # (H, B·T, 2d)
-        return y.view(heads, batch, seq, span).permute(1, 2, 0, 3).reshape(batch, seq, row)
+            width = rows[0].shape[-1]  # H·2d
+            out = torch.addmm(bias[0], rows[0], weight[0, :width])  # (B·T, H·2d)
+            for i, x in enumerate(rows[1:], 1):
+                out.addmm_(x, weight[0, i * width : (i + 1) * width])
+            return out
+        span = rows[0].shape[-1]  # 2d
+        out = torch.baddbmm(bias.unsqueeze(1), rows[0], weight[:, :span])  # (H, B·T, 2d)
+        for i, x in enumerate(rows[1:], 1):
+            out.baddbmm_(x, weight[:, i * span : (i + 1) * span])
+        return out
