@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import datetime
+import hashlib
+import json
 import logging
+import os
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -57,8 +61,11 @@ def _shared_tokenizer(source: PreTrainedModel, target: PreTrainedModel):
 
 
 @torch.no_grad()
-def cache_rows(model: PreTrainedModel, input_ids: torch.Tensor) -> torch.Tensor:
+def cache_rows(model: PreTrainedModel, input_ids: torch.Tensor, device: torch.device | str | None = None):
     """Runs `model` on unpadded windows and returns its cache as content-space rows.
+
+    Works with models sharded over devices (`device_map`): each layer's rows are moved to `device` (defaults to the
+    device of the first layer) before they are joined.
 
     Returns:
         `torch.Tensor` of shape `(batch·seq, layers·H·2d)`, float32: per layer and head, key (RoPE stripped), value.
@@ -71,7 +78,9 @@ def cache_rows(model: PreTrainedModel, input_ids: torch.Tensor) -> torch.Tensor:
     rows = []
     for layer in range(len(out.cache.layers)):
         keys, values = cache_layer_kv(out.cache, layer)  # (B, H, T, d)
-        rows.append(kv_to_rows(strip_rotary(keys.float(), cos.to(keys.device), sin.to(keys.device)), values.float()))
+        device = device if device is not None else keys.device
+        content = strip_rotary(keys.float(), cos.to(keys.device), sin.to(keys.device))
+        rows.append(kv_to_rows(content, values.float()).to(device))
     return torch.cat(rows, dim=-1).view(batch * seq, -1)  # (B·T, L·H·2d)
 
 
@@ -86,6 +95,44 @@ def split_heldout(num_sequences: int, heldout_fraction: float, seed: int) -> tup
     return sorted(order[num_heldout:]), sorted(order[:num_heldout])
 
 
+def _distributed() -> tuple[int, int]:
+    """`(rank, world_size)` of an initialised `torch.distributed` process group, else `(0, 1)`."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return 0, 1
+
+
+def _windows_digest(windows: torch.Tensor, heldout: list[int], batch_size: int, reverse: bool) -> str:
+    digest = hashlib.sha256(windows.numpy().tobytes())
+    digest.update(json.dumps([sorted(heldout), batch_size, reverse, list(windows.shape)]).encode())
+    return digest.hexdigest()
+
+
+def _save_checkpoint(folder: Path, stats: list[KVStatistics], done: int, digest: str) -> None:
+    """Atomically replaces the checkpoint in `folder` (statistics files first, then the progress record)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for i, part in enumerate(stats):
+        part.save(folder / f"statistics-{i}.safetensors.tmp")
+        os.replace(folder / f"statistics-{i}.safetensors.tmp", folder / f"statistics-{i}.safetensors")
+    record = folder / "progress.json.tmp"
+    record.write_text(json.dumps({"batches_done": done, "digest": digest, "parts": len(stats)}))
+    os.replace(record, folder / "progress.json")
+
+
+def _load_checkpoint(folder: Path, digest: str, device) -> tuple[list[KVStatistics], int] | None:
+    record = folder / "progress.json"
+    if not record.is_file():
+        return None
+    progress = json.loads(record.read_text())
+    if progress["digest"] != digest:
+        raise ValueError(
+            f"checkpoint in {folder} belongs to other calibration data or settings; use another checkpoint_dir "
+            "or delete it"
+        )
+    stats = [KVStatistics.load(folder / f"statistics-{i}.safetensors", device) for i in range(progress["parts"])]
+    return stats, int(progress["batches_done"])
+
+
 def collect_statistics(
     source: PreTrainedModel,
     target: PreTrainedModel,
@@ -95,37 +142,76 @@ def collect_statistics(
     batch_size: int = 8,
     statistics_device: torch.device | str | None = None,
     progress: bool = False,
-) -> tuple[KVStatistics, KVStatistics]:
+    reverse: bool = False,
+    checkpoint_dir: str | os.PathLike | None = None,
+    checkpoint_every: int = 10,
+    timings: dict | None = None,
+) -> tuple[KVStatistics, ...]:
     """One pass of both models over `windows`, accumulating train and held-out statistics.
+
+    Under `torch.distributed` (launched with `torchrun` or `accelerate launch`), each rank runs every
+    `world_size`-th batch and the statistics are all-reduced, so every rank returns the statistics of all windows.
 
     Args:
         windows (`torch.LongTensor` of shape `(num_sequences, seq_len)`).
         heldout (`list[int]`, *optional*): indices of the held-out windows.
+        reverse (`bool`, *optional*, defaults to `False`): also accumulate the target→source statistics from the
+            same forward passes (for a bidirectional bridge).
+        checkpoint_dir (`str` or `os.PathLike`, *optional*): save the statistics there every `checkpoint_every`
+            batches (per rank), and resume from what is there: an interrupted run restarts where it stopped and
+            ends with the same statistics.
+        timings (`dict`, *optional*): filled with `forward_seconds` (both models) and `statistics_seconds`.
 
     Returns:
-        `(train, heldout)` [`KVStatistics`].
+        `(train, heldout)` [`KVStatistics`], followed by `(reverse_train, reverse_heldout)` when `reverse`.
     """
     src, tgt = check_matched(source.config, target.config, source.config.name_or_path, target.config.name_or_path)
-    heldout_set = set(heldout or [])
-    shape = (src.num_layers, tgt.num_layers, src.num_kv_heads, src.head_dim)
-    train_stats, heldout_stats = (
-        KVStatistics(*shape, device=statistics_device),
-        KVStatistics(*shape, device=statistics_device),
-    )
-    groups = [
-        (train_stats, [i for i in range(len(windows)) if i not in heldout_set]),
-        (heldout_stats, sorted(heldout_set)),
-    ]
-    total = sum((len(ids) + batch_size - 1) // batch_size for _, ids in groups)
-    with tqdm(total=total, desc="calibrating", unit="batch", disable=not progress) as bar:
-        for stats, ids in groups:
-            for start in range(0, len(ids), batch_size):
-                batch = windows[ids[start : start + batch_size]]
-                stats.update(cache_rows(source, batch), cache_rows(target, batch))
-                bar.update(1)
-    train_stats.check_finite("train statistics")
-    heldout_stats.check_finite("held-out statistics")
-    return train_stats, heldout_stats
+    heldout_list = sorted(set(heldout or []))
+    forward_shape = (src.num_layers, tgt.num_layers, src.num_kv_heads, src.head_dim)
+    reverse_shape = (tgt.num_layers, src.num_layers, src.num_kv_heads, src.head_dim)
+    shapes = [forward_shape, reverse_shape] if reverse else [forward_shape]
+    # parts: [train, held] forward, then [train, held] reverse
+    parts = [KVStatistics(*shape, device=statistics_device) for shape in shapes for _ in range(2)]
+    train_ids = [i for i in range(len(windows)) if i not in set(heldout_list)]
+    batches = [(0, train_ids[i : i + batch_size]) for i in range(0, len(train_ids), batch_size)]
+    batches += [(1, heldout_list[i : i + batch_size]) for i in range(0, len(heldout_list), batch_size)]
+    rank, world = _distributed()
+    mine = [b for i, b in enumerate(batches) if i % world == rank]
+    done = 0
+    folder = digest = None
+    if checkpoint_dir is not None:
+        folder = Path(checkpoint_dir) / (f"rank{rank}-of-{world}" if world > 1 else "")
+        digest = _windows_digest(windows, heldout_list, batch_size, reverse)
+        resumed = _load_checkpoint(folder, digest, statistics_device)
+        if resumed is not None:
+            parts, done = resumed
+            logger.info("resuming calibration from %s after %d batches", folder, done)
+    forward_s = stats_s = 0.0
+    with tqdm(total=len(mine), initial=done, desc="calibrating", unit="batch", disable=not progress) as bar:
+        for index, (group, ids) in enumerate(mine):
+            if index < done:
+                continue
+            started = time.perf_counter()
+            batch = windows[ids]
+            x = cache_rows(source, batch, statistics_device)
+            y = cache_rows(target, batch, statistics_device)
+            forward_s += time.perf_counter() - started
+            started = time.perf_counter()
+            parts[group].update(x, y)
+            if reverse:
+                parts[2 + group].update(y, x)
+            stats_s += time.perf_counter() - started
+            bar.update(1)
+            if folder is not None and ((index + 1) % checkpoint_every == 0 or index + 1 == len(mine)):
+                _save_checkpoint(folder, parts, index + 1, digest)
+    if world > 1:
+        for part in parts:
+            part.all_reduce_()
+    if timings is not None:
+        timings.update({"forward_seconds": forward_s, "statistics_seconds": stats_s})
+    for i, part in enumerate(parts):
+        part.check_finite(("reverse " if i >= 2 else "") + ("held-out" if i % 2 else "train") + " statistics")
+    return tuple(parts)
 
 
 def fit_bridge(
@@ -207,6 +293,8 @@ def calibrate(
     target_revision: str | None = None,
     statistics_device: torch.device | str | None = None,
     progress: bool = False,
+    bidirectional: bool = False,
+    checkpoint_dir: str | os.PathLike | None = None,
     **load_kwargs: Any,
 ) -> KVBridgeForCausalLM:
     r"""Calibrates a KV bridge from `source` to `target` on `data` and returns it.
@@ -225,6 +313,11 @@ def calibrate(
         heldout_fraction (`float`, *optional*, defaults to `0.1`): share of windows held out for R² and layer
             selection (split by sequence).
         hold_back (`int`, *optional*, defaults to `1`): prompt tokens the target computes itself.
+        bidirectional (`bool`, *optional*, defaults to `False`): also fit a target→source mapper from the same
+            forward passes (`bridge.reverse`), for conversations that switch both ways (see `HandoffSession`).
+        checkpoint_dir (`str`, *optional*): checkpoint the statistics there and resume from it after an
+            interruption (see `collect_statistics`).
+        statistics_device (*optional*): device of the statistics (defaults to the CPU).
         load_kwargs: passed to `from_pretrained` when `source`/`target` are names (`torch_dtype`, `device_map`).
 
     Example:
@@ -243,7 +336,8 @@ def calibrate(
         tokenizer = _shared_tokenizer(source, target)
     windows = token_windows(data, tokenizer, num_sequences, seq_len, text_field=text_field)
     train_ids, heldout_ids = split_heldout(len(windows), heldout_fraction, seed)
-    train, heldout = collect_statistics(
+    timings: dict = {}
+    stats = collect_statistics(
         source,
         target,
         windows,
@@ -251,7 +345,11 @@ def calibrate(
         batch_size=batch_size,
         statistics_device=statistics_device,
         progress=progress,
+        reverse=bidirectional,
+        checkpoint_dir=checkpoint_dir,
+        timings=timings,
     )
+    train, heldout = stats[:2]
     provenance = {
         "data": describe_data(data),
         "num_sequences": len(windows),
@@ -262,6 +360,8 @@ def calibrate(
         "hf_kvbridge_version": __version__,
         "torch_version": torch.__version__,
         "date": datetime.date.today().isoformat(),
+        "forward_seconds": round(timings["forward_seconds"], 2),
+        "statistics_seconds": round(timings["statistics_seconds"], 2),
     }
     import transformers
 
@@ -283,8 +383,28 @@ def calibrate(
             "calibration": provenance,
         },
     )
+    if bidirectional:
+        reverse = fit_bridge(
+            target,
+            source,
+            *stats[2:],
+            top_k=top_k,
+            ridge_lambda=ridge_lambda,
+            head_mode=head_mode,
+            hold_back=hold_back,
+            config_kwargs={
+                "source_name_or_path": bridge.config.target_name_or_path,
+                "source_revision": target_revision,
+                "target_name_or_path": bridge.config.source_name_or_path,
+                "target_revision": source_revision,
+                "calibration": dict(provenance),
+            },
+        )
+        reverse.calibration_statistics = tuple(stats[2:])
+        bridge.reverse = reverse
     bridge.config.calibration["seconds"] = round(time.perf_counter() - started, 2)
     bridge.calibration_statistics = (train, heldout)
+    bridge.config.calibration["bidirectional"] = bidirectional
     logger.info(
         "calibrated %s → %s in %.1fs",
         bridge.config.source_name_or_path,

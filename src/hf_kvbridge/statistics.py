@@ -94,6 +94,17 @@ class KVStatistics:
             getattr(self, name).add_(getattr(other, name).to(self.xx.device))
         return self
 
+    def all_reduce_(self) -> KVStatistics:
+        """Sums the statistics of every `torch.distributed` rank into each of them (in place)."""
+        import torch.distributed as dist
+
+        count = torch.tensor([float(self.count)], dtype=torch.float64, device=self.xx.device)
+        dist.all_reduce(count)
+        self.count = int(count.item())
+        for name in _FIELDS:
+            dist.all_reduce(getattr(self, name))
+        return self
+
     def __add__(self, other: KVStatistics) -> KVStatistics:
         return self.copy().merge_(other)
 

@@ -1,0 +1,100 @@
+"""Calibration at scale: 2-process torch.distributed (gloo) equals one process; a killed run resumes exactly."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import torch
+
+from hf_kvbridge.calibration import collect_statistics, fit_bridge
+from tests.conftest import qwen3
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PAIR = (
+    "from tests.conftest import qwen3\nsource, target = qwen3(layers=2, seed=1), qwen3(layers=3, hidden=48, seed=2)\n"
+)
+WINDOWS = "windows = torch.randint(0, 128, (20, 24), generator=torch.Generator().manual_seed(0))\n"
+
+
+def _reference():
+    source, target = qwen3(layers=2, seed=1), qwen3(layers=3, hidden=48, seed=2)
+    windows = torch.randint(0, 128, (20, 24), generator=torch.Generator().manual_seed(0))
+    stats = collect_statistics(source, target, windows, heldout=[3, 7, 11], batch_size=2)
+    return stats, fit_bridge(source, target, *stats, top_k=2)
+
+
+def _torchrun(script) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script)]
+    return subprocess.run(command, capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+
+
+def test_two_process_gloo_equals_single_process(tmp_path):
+    script = tmp_path / "dist.py"
+    script.write_text(
+        textwrap.dedent(f"""
+        import torch, torch.distributed as dist
+        from hf_kvbridge.calibration import collect_statistics, fit_bridge
+        dist.init_process_group("gloo")
+        {PAIR.replace(chr(10), chr(10) + "        ")}
+        {WINDOWS}
+        stats = collect_statistics(source, target, windows, heldout=[3, 7, 11], batch_size=2)
+        bridge = fit_bridge(source, target, *stats, top_k=2)
+        if dist.get_rank() == 0:
+            torch.save({{"count": stats[0].count, "xx": stats[0].xx, "state": bridge.mapper.state_dict(),
+                         "selected": bridge.config.selected_layers}}, {str(tmp_path / "out.pt")!r})
+        dist.destroy_process_group()
+    """)
+    )
+    result = _torchrun(script)
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = torch.load(tmp_path / "out.pt")
+    stats, bridge = _reference()
+    assert out["count"] == stats[0].count
+    torch.testing.assert_close(out["xx"], stats[0].xx)
+    assert out["selected"] == bridge.config.selected_layers
+    for key, value in bridge.mapper.state_dict().items():
+        torch.testing.assert_close(out["state"][key], value, atol=1e-5, rtol=1e-5)
+
+
+def test_killed_calibration_resumes_to_the_same_mapper(tmp_path):
+    checkpoint = tmp_path / "ckpt"
+    script = textwrap.dedent(f"""
+        import os, signal, sys, torch
+        import hf_kvbridge.calibration as calibration
+        from hf_kvbridge.calibration import collect_statistics
+        {PAIR.replace(chr(10), chr(10) + "        ")}
+        {WINDOWS}
+        kill_after = int(sys.argv[1]) if len(sys.argv) > 1 else -1
+        real, calls = calibration.cache_rows, [0]
+        def cache_rows(*args, **kwargs):
+            calls[0] += 1
+            if calls[0] == kill_after:
+                os.kill(os.getpid(), signal.SIGKILL)  # a real kill -9, mid-batch
+            return real(*args, **kwargs)
+        calibration.cache_rows = cache_rows
+        collect_statistics(source, target, windows, heldout=[3, 7, 11], batch_size=2,
+                           checkpoint_dir={str(checkpoint)!r}, checkpoint_every=2)
+        print("finished after", calls[0] // 2, "batches")
+    """)
+    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
+    killed = subprocess.run([sys.executable, "-c", script, "13"], capture_output=True, text=True, env=env, cwd=ROOT)
+    assert killed.returncode == -9
+    progress = json.loads((checkpoint / "progress.json").read_text())
+    assert progress["batches_done"] == 6  # killed in batch 7: the checkpoint after batch 6 survives
+    resumed = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=ROOT)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "finished after 5 batches" in resumed.stdout  # 9 train + 2 held-out batches: only the last 5 ran again
+    from hf_kvbridge.statistics import KVStatistics
+
+    train = KVStatistics.load(checkpoint / "statistics-0.safetensors")
+    heldout = KVStatistics.load(checkpoint / "statistics-1.safetensors")
+    stats, bridge = _reference()
+    assert train.count == stats[0].count and heldout.count == stats[1].count
+    torch.testing.assert_close(train.xy, stats[0].xy)
+    source, target = qwen3(layers=2, seed=1), qwen3(layers=3, hidden=48, seed=2)
+    again = fit_bridge(source, target, train, heldout, top_k=2)
+    for key, value in bridge.mapper.state_dict().items():
+        torch.testing.assert_close(again.mapper.state_dict()[key], value)
