@@ -38,6 +38,8 @@ class KVBridgeConfig(PretrainedConfig):
         calibration (`dict`, *optional*): provenance: data, number of sequences, sequence length, held-out
             sequences, seed, library versions, time.
         format_version (`int`): version of the checkpoint format.
+        mapper_sha256 (`dict`, *optional*): sha256 of every mapper weight file (`{file name: hex digest}`), written
+            by `save_pretrained` and verified on load.
 
     Example:
 
@@ -66,6 +68,7 @@ class KVBridgeConfig(PretrainedConfig):
     hold_back: int = 1
     calibration: dict | None = None
     format_version: int = FORMAT_VERSION
+    mapper_sha256: dict | None = None
 
     def __post_init__(self, **kwargs: Any):
         known = {

@@ -4,6 +4,12 @@ CONFIG_NAME = "config.json"
 MAPPER_WEIGHTS_NAME = "mapper.safetensors"
 MAPPER_WEIGHTS_INDEX_NAME = "mapper.safetensors.index.json"
 MODEL_CARD_NAME = "README.md"
+# shards of a large mapper: mapper-00001-of-00003.safetensors, ... (listed in MAPPER_WEIGHTS_INDEX_NAME)
+MAPPER_SHARD_PATTERN = "mapper{suffix}.safetensors"
+DEFAULT_MAX_SHARD_SIZE = "2GB"
+# config.json key holding {weight file name: sha256 hex digest}, verified on load
+MAPPER_CHECKSUMS_KEY = "mapper_sha256"
+LIBRARY_NAME = "hf-kvbridge"
 
 # Bumped whenever the meaning of a saved file changes; loading refuses newer formats.
 FORMAT_VERSION = 1
@@ -16,3 +22,6 @@ HEAD_MODES = ("all_heads", "same_head")
 # Decoder families whose attention uses the rotate-half RoPE convention and full (global) attention.
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
+
+# A bidirectional checkpoint keeps its target→source mapper (config, weights) in this sub-folder.
+REVERSE_FOLDER = "reverse"

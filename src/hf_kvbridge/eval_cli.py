@@ -1,0 +1,249 @@
+"""`kvbridge eval DIR --tasks ...`: source, target and bridge through lm-eval, and one retention table.
+
+Each mode is one `lm_eval.simple_evaluate` run of [`KVBridgeLM`] on the same requests (the bridge is loaded once).
+Per task and metric the table gives each mode's value ± lm-eval's standard error, and
+
+- retention = bridge / target (for lower-is-better metrics such as perplexity: target / bridge, so that in both
+  cases 1 means "as good as the target" and less means worse);
+- chance-normalised retention = (bridge − chance) / (target − chance), for multiple-choice accuracies only, where
+  chance = the mean over the evaluated documents of 1 / (number of choices) (read from the task's own documents;
+  for a group, the common chance of its subtasks if they share one). Generative and perplexity metrics have no chance
+  level and leave it empty.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+EVAL_MODES = ("source", "target", "bridge")
+CHANCE_METRICS = ("acc", "acc_norm")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("bridge", help="bridge checkpoint folder or Hub id")
+    parser.add_argument("--tasks", required=True, help="comma-separated lm-eval tasks or groups")
+    parser.add_argument("--include-path", help="extra lm-eval task folder, e.g. eval_tasks/pocket")
+    parser.add_argument("--limit", type=float, help="documents per task (an int, or a fraction < 1)")
+    parser.add_argument("--num-fewshot", type=int)
+    parser.add_argument("--batch-size", type=int, default=1)
+    parser.add_argument("--device", help="default: cuda when available, else cpu")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--revision", help="revision of the bridge repo on the Hub")
+    parser.add_argument("--rolling-stride", type=int, help="chunk size of rolling log-likelihood (default 256)")
+    parser.add_argument("--bootstrap-iters", type=int, default=100000, help="lm-eval's, for non-mean metrics")
+    parser.add_argument("--modes", default=",".join(EVAL_MODES), help="subset of source,target,bridge")
+    parser.add_argument("--output", help="write the results (table rows and each mode's lm-eval results) as JSON")
+    parser.add_argument("--write-card", action="store_true", help="put the table into the checkpoint's README.md")
+
+
+def _leaf_tasks(task_dict: dict) -> dict[str, Any]:
+    """`{task name: Task}` of a (possibly nested) lm-eval task dict."""
+    from lm_eval.api.task import Task
+
+    leaves = {}
+    for key, value in task_dict.items():
+        if isinstance(value, dict):
+            leaves.update(_leaf_tasks(value))
+        elif isinstance(value, Task):
+            leaves[key if isinstance(key, str) else value.task_name] = value
+    return leaves
+
+
+def task_chance(task, limit: float | None) -> float | None:
+    """Mean of 1 / (number of choices) over the documents lm-eval evaluates; `None` unless multiple-choice."""
+    if getattr(task, "OUTPUT_TYPE", None) != "multiple_choice":
+        return None
+    docs = list(task.eval_docs)
+    if limit is not None:
+        docs = docs[: int(math.ceil(len(docs) * limit)) if limit < 1.0 else int(limit)]
+    counts = [len(task.doc_to_choice(doc)) for doc in docs]
+    return sum(1.0 / n for n in counts) / len(counts) if counts else None
+
+
+def chance_levels(results: dict, task_dict: dict, limit: float | None) -> dict[str, float | None]:
+    """Chance level of every task and group in `results` (groups: their subtasks' common chance, if any)."""
+    chance = {name: task_chance(task, limit) for name, task in _leaf_tasks(task_dict).items()}
+    for group, members in (results.get("group_subtasks") or {}).items():
+        levels = {round(chance[m], 9) if chance.get(m) is not None else None for m in members}
+        chance[group] = levels.pop() if len(levels) == 1 else None
+    return chance
+
+
+def _number(value: Any) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def retention_rows(by_mode: dict[str, dict], chance: dict[str, float | None]) -> list[dict[str, Any]]:
+    """One row per (task, metric, filter): each mode's value and stderr, retention and chance-normalised retention.
+
+    Args:
+        by_mode (`dict[str, dict]`): lm-eval results (`simple_evaluate`'s return value) per mode.
+        chance (`dict[str, float | None]`): chance level per task (see `chance_levels`).
+    """
+    reference = by_mode.get("target") or next(iter(by_mode.values()))
+    rows = []
+    for task in sorted(reference["results"]):
+        higher = reference.get("higher_is_better", {}).get(task, {})
+        for key in sorted(reference["results"][task]):
+            if "," not in key or "_stderr," in key:
+                continue
+            metric, filt = key.split(",", 1)
+            row: dict[str, Any] = {"task": task, "metric": metric, "filter": filt}
+            for mode, results in by_mode.items():
+                values = results["results"].get(task, {})
+                row[mode] = _number(values.get(key))
+                row[f"{mode}_stderr"] = _number(values.get(f"{metric}_stderr,{filt}"))
+            if all(row.get(mode) is None for mode in by_mode):
+                continue
+            target, bridge = row.get("target"), row.get("bridge")
+            row["higher_is_better"] = higher.get(metric, True)
+            row["retention"] = None
+            if target is not None and bridge is not None:
+                num, den = (bridge, target) if row["higher_is_better"] else (target, bridge)
+                row["retention"] = num / den if den else None
+            level = chance.get(task) if metric in CHANCE_METRICS else None
+            row["chance"] = level
+            row["chance_normalised_retention"] = (
+                (bridge - level) / (target - level)
+                if level is not None and target is not None and bridge is not None and target != level
+                else None
+            )
+            rows.append(row)
+    return rows
+
+
+def _fmt(value: float | None, stderr: float | None = None) -> str:
+    if value is None:
+        return "—"
+    text = f"{value:.4g}" if abs(value) >= 1000 else f"{value:.4f}"
+    return f"{text} ± {stderr:.4f}" if stderr is not None else text
+
+
+def format_table(rows: list[dict[str, Any]], modes: tuple[str, ...] = EVAL_MODES) -> str:
+    """The rows as a Markdown table (printed by `kvbridge eval`, pasted into the model card)."""
+    modes = tuple(m for m in modes if any(m in row for row in rows)) or modes
+    header = ["task", "metric", *modes, "retention", "chance", "chance-norm. retention"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for row in rows:
+        metric = row["metric"] + ("" if row["filter"] == "none" else f" ({row['filter']})")
+        metric += "" if row.get("higher_is_better", True) else " ↓"
+        cells = [row["task"], metric]
+        cells += [_fmt(row.get(mode), row.get(f"{mode}_stderr")) for mode in modes]
+        cells += [_fmt(row.get("retention")), _fmt(row.get("chance")), _fmt(row.get("chance_normalised_retention"))]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def evaluate_modes(
+    bridge,
+    tasks: list[str],
+    *,
+    modes: tuple[str, ...] = EVAL_MODES,
+    include_path: str | None = None,
+    limit: float | None = None,
+    num_fewshot: int | None = None,
+    batch_size: int = 1,
+    bootstrap_iters: int = 100000,
+    rolling_stride: int | None = None,
+) -> dict[str, Any]:
+    """Runs lm-eval once per mode on a loaded bridge; returns `{"rows", "table", "chance", "results"}`."""
+    import lm_eval
+    from lm_eval.tasks import TaskManager, get_task_dict
+
+    from .lm_eval_model import KVBridgeLM
+
+    task_manager = TaskManager(include_path=include_path) if include_path else TaskManager()
+    by_mode = {}
+    extra = {"rolling_stride": rolling_stride} if rolling_stride else {}
+    for mode in modes:
+        started = time.perf_counter()
+        lm = KVBridgeLM(pretrained=bridge, mode=mode, batch_size=batch_size, **extra)
+        by_mode[mode] = lm_eval.simple_evaluate(
+            model=lm,
+            tasks=tasks,
+            num_fewshot=num_fewshot,
+            limit=limit,
+            bootstrap_iters=bootstrap_iters,
+            task_manager=task_manager,
+            log_samples=False,
+        )
+        logger.info("mode %s: %.1fs", mode, time.perf_counter() - started)
+    reference = by_mode.get("target") or next(iter(by_mode.values()))
+    chance = chance_levels(reference, get_task_dict(tasks, task_manager), limit)
+    rows = retention_rows(by_mode, chance)
+    return {"rows": rows, "table": format_table(rows, modes), "chance": chance, "results": by_mode}
+
+
+def run_eval(args: argparse.Namespace) -> int:
+    """`kvbridge eval`: prints the table, optionally writes JSON and the model card."""
+    import torch
+
+    from .hub import read_eval_table, render_model_card
+    from .modeling import KVBridgeForCausalLM
+
+    modes = tuple(m.strip() for m in args.modes.split(",") if m.strip())
+    unknown = sorted(set(modes) - set(EVAL_MODES))
+    if unknown:
+        print(f"error: unknown modes {unknown}; choose from {', '.join(EVAL_MODES)}", file=sys.stderr)
+        return 2
+    limit = None if args.limit is None else (int(args.limit) if args.limit >= 1 else args.limit)
+    load_kwargs = {} if args.dtype in (None, "auto") else {"dtype": getattr(torch, args.dtype)}
+    bridge = KVBridgeForCausalLM.from_pretrained(args.bridge, revision=args.revision, **load_kwargs)
+    bridge.to(args.device or ("cuda" if torch.cuda.is_available() else "cpu")).eval()
+    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    out = evaluate_modes(
+        bridge,
+        tasks,
+        modes=modes,
+        include_path=args.include_path,
+        limit=limit,
+        num_fewshot=args.num_fewshot,
+        batch_size=args.batch_size,
+        bootstrap_iters=args.bootstrap_iters,
+        rolling_stride=args.rolling_stride,
+    )
+    print(out["table"])
+    if args.output:
+        import lm_eval
+
+        from . import __version__
+
+        payload = {
+            "bridge": str(args.bridge),
+            "source": bridge.config.source_name_or_path,
+            "target": bridge.config.target_name_or_path,
+            "tasks": tasks,
+            "limit": limit,
+            "num_fewshot": args.num_fewshot,
+            "modes": list(modes),
+            "rows": out["rows"],
+            "table": out["table"],
+            "lm_eval_version": lm_eval.__version__,
+            "hf_kvbridge_version": __version__,
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            # lm-eval's own results per mode (configs, sample counts, versions), JSON-safe
+            "lm_eval_results": json.loads(json.dumps(out["results"], default=str)),
+        }
+        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.output).write_text(json.dumps(payload, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+        print(f"wrote {args.output}")
+    if args.write_card:
+        card_path = Path(args.bridge) / "README.md"
+        if not Path(args.bridge).is_dir():
+            print("error: --write-card needs a local checkpoint folder", file=sys.stderr)
+            return 2
+        previous = card_path.read_text(encoding="utf-8") if card_path.is_file() else ""
+        if read_eval_table(previous):
+            logger.info("replacing the retention table in %s", card_path)
+        render_model_card(bridge.config, eval_table=out["table"]).save(card_path)
+        print(f"wrote the table into {card_path}")
+    return 0
