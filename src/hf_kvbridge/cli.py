@@ -78,10 +78,120 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_chat(args: argparse.Namespace) -> int:
+    from transformers import AutoTokenizer
+
+    from hf_kvbridge import KVBridgeForCausalLM
+    from hf_kvbridge.modeling import resolve_model_reference
+    from hf_kvbridge.session import HandoffSession
+
+    bridge = KVBridgeForCausalLM.from_pretrained(args.bridge)
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_reference(bridge.config.target_name_or_path))
+    session = HandoffSession(bridge, tokenizer, system_prompt=args.system, remap=args.remap)
+    model = args.start
+    print(
+        f"chatting with {bridge.config.source_name_or_path} (source) and {bridge.config.target_name_or_path} "
+        f"(target); /source, /target or /switch to change model, /quit to leave"
+    )
+    for line in sys.stdin:
+        text = line.strip()
+        if not text:
+            continue
+        if text in ("/quit", "/exit"):
+            break
+        if text in ("/source", "/target"):
+            model = text[1:]
+            print(f"[next answers from the {model}]")
+            continue
+        if text == "/switch":
+            model = "target" if model == "source" else "source"
+            print(f"[next answers from the {model}]")
+            continue
+        session.add_user(text)
+        turn = session.generate(model=model, max_new_tokens=args.max_new_tokens, do_sample=args.do_sample)
+        print(turn.text)
+        print(
+            f"[{turn.model}] mapped {turn.mapped_tokens} tokens, prefilled {turn.prefilled_tokens}, "
+            f"cache {turn.cache_tokens} tokens"
+        )
+        sys.stdout.flush()
+    return 0
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    import json
+
+    import torch
+
+    from hf_kvbridge.bench import benchmark, format_table, qwen3_shape_config, random_bridge
+
+    dtype = getattr(torch, args.dtype)
+    if args.shapes:
+        source_name, target_name = args.shapes.split(":")
+        bridge = random_bridge(
+            qwen3_shape_config(source_name),
+            qwen3_shape_config(target_name),
+            top_k=args.top_k,
+            head_mode=args.head_mode,
+            dtype=dtype,
+            mapper_dtype=dtype,
+            device=args.device,
+        )
+        what = f"random-weight {source_name} → {target_name}, top_k={args.top_k}, {args.head_mode}"
+    elif args.bridge:
+        from hf_kvbridge import KVBridgeForCausalLM
+
+        bridge = KVBridgeForCausalLM.from_pretrained(args.bridge, dtype=dtype, device_map=args.device)
+        bridge.mapper.to(dtype=dtype)
+        what = f"{bridge.config.source_name_or_path} → {bridge.config.target_name_or_path} ({args.bridge})"
+    else:
+        print("error: pass a bridge folder or --shapes SOURCE:TARGET", file=sys.stderr)
+        return 2
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    lengths = [int(n) for n in args.lengths.split(",")]
+    rows = benchmark(bridge, lengths, batch=args.batch, repeats=args.repeats, warmup=args.warmup)
+    print(f"{what}; {args.dtype} on {args.device}, {torch.get_num_threads()} threads, median of {args.repeats}")
+    print(format_table(rows))
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump({"bridge": what, "rows": rows}, handle, indent=2)
+        print(f"wrote {args.json}")
+    return 0
+
+
+def _cmd_drift(args: argparse.Namespace) -> int:
+    from hf_kvbridge.drift import run_drift
+
+    return run_drift(args)
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     from hf_kvbridge.demo import run_demo
 
     return run_demo(args)
+
+
+def _cmd_eval(args: argparse.Namespace) -> int:
+    from hf_kvbridge.eval_cli import run_eval
+
+    return run_eval(args)
+
+
+def _cmd_push(args: argparse.Namespace) -> int:
+    from hf_kvbridge.hub import push_checkpoint
+
+    commit = push_checkpoint(
+        args.bridge,
+        args.repo_id,
+        revision=args.revision,
+        private=args.private,
+        token=args.token,
+        commit_message=args.commit_message,
+        create_pr=args.create_pr,
+    )
+    print(f"pushed {args.bridge} to {args.repo_id}: {getattr(commit, 'commit_url', commit)}")
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -122,6 +232,43 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=0)
     gen.set_defaults(func=_cmd_generate)
 
+    chat = sub.add_parser("chat", help="chat in the terminal, switching models mid-conversation")
+    chat.add_argument("bridge", help="bridge checkpoint folder or Hub id")
+    chat.add_argument("--start", choices=["source", "target"], default="source", help="model of the first answer")
+    chat.add_argument("--remap", choices=["incremental", "full"], default="incremental")
+    chat.add_argument("--system", help="system prompt")
+    chat.add_argument("--max-new-tokens", type=int, default=64)
+    chat.add_argument("--do-sample", action="store_true")
+    chat.set_defaults(func=_cmd_chat)
+
+    bench = sub.add_parser("bench", help="mapper time vs the target's re-prefill, per context length")
+    bench.add_argument("bridge", nargs="?", help="bridge checkpoint (or use --shapes for random weights)")
+    bench.add_argument("--shapes", help="random-weight Qwen3 shapes, e.g. qwen3-0.6b:qwen3-4b")
+    bench.add_argument("--top-k", type=int, default=6, help="with --shapes")
+    bench.add_argument("--head-mode", choices=["all_heads", "same_head"], default="all_heads", help="with --shapes")
+    bench.add_argument("--lengths", default="256,1024,4096")
+    bench.add_argument("--batch", type=int, default=1)
+    bench.add_argument("--repeats", type=int, default=5)
+    bench.add_argument("--warmup", type=int, default=1)
+    bench.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    bench.add_argument("--device", default="cpu")
+    bench.add_argument("--threads", type=int, help="torch threads on CPU")
+    bench.add_argument("--json", help="write the rows as JSON here")
+    bench.set_defaults(func=_cmd_bench)
+
+    drift = sub.add_parser("drift", help="per-turn drift of multi-turn handoffs on the pocket family (offline)")
+    drift.add_argument("--small", default="pocket-s")
+    drift.add_argument("--large", default="pocket-l")
+    drift.add_argument("--turns", type=int, default=10)
+    drift.add_argument("--segment-len", type=int, default=48, help="tokens per turn")
+    drift.add_argument("--conversations", type=int, default=8)
+    drift.add_argument("--num-sequences", type=int, default=128)
+    drift.add_argument("--seq-len", type=int, default=512)
+    drift.add_argument("--top-k", type=int, default=6)
+    drift.add_argument("--seed", type=int, default=0)
+    drift.add_argument("--out", default="kvbridge-demo")
+    drift.set_defaults(func=_cmd_drift)
+
     demo = sub.add_parser("demo", help="calibrate and measure a bridge of the shipped pocket family (offline)")
     demo.add_argument("--out", default="kvbridge-demo", help="parent folder; each run writes a new folder in it")
     demo.add_argument("--quick", action="store_true", help="smaller calibration and evaluation (for tests)")
@@ -129,6 +276,22 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_arguments(demo)
     demo.set_defaults(func=_cmd_demo)
+
+    ev = sub.add_parser("eval", help="source, target and bridge through lm-eval: one retention table")
+    from hf_kvbridge.eval_cli import add_arguments as add_eval_arguments
+
+    add_eval_arguments(ev)
+    ev.set_defaults(func=_cmd_eval)
+
+    push = sub.add_parser("push", help="upload a saved bridge checkpoint to the Hub in one commit")
+    push.add_argument("bridge", help="bridge checkpoint folder")
+    push.add_argument("repo_id", help="org/name on the Hub")
+    push.add_argument("--revision", help="branch to commit to")
+    push.add_argument("--private", action="store_true", default=None, help="create the repo private")
+    push.add_argument("--token", help="Hub token (default: the logged-in one)")
+    push.add_argument("--commit-message")
+    push.add_argument("--create-pr", action="store_true")
+    push.set_defaults(func=_cmd_push)
     return parser
 
 

@@ -8,22 +8,30 @@ prompt ──source prefill──▶ source cache ──strip RoPE──▶ cont
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import AutoModelForCausalLM, Cache, DynamicCache, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .cache import append_layer, cache_layer_kv, check_cache_shape, new_target_cache
 from .configuration import KVBridgeConfig
-from .constants import CONFIG_NAME, FORMAT_VERSION, MAPPER_WEIGHTS_NAME, MODEL_CARD_NAME
+from .constants import (
+    CONFIG_NAME,
+    DEFAULT_MAX_SHARD_SIZE,
+    FORMAT_VERSION,
+    MAPPER_CHECKSUMS_KEY,
+    MAPPER_WEIGHTS_NAME,
+    MODEL_CARD_NAME,
+    REVERSE_FOLDER,
+)
 from .layout import KVLayout, check_fingerprint, check_matched
 from .mappers import KVMapper
 from .rope import apply_rotary, inverse_cos_sin, rotary_cos_sin
@@ -131,7 +139,10 @@ class KVBridgeForCausalLM(nn.Module):
             )
         self.config = config
         self.source, self.target, self.mapper = source, target, mapper
-        self.mapper.to(self.target.device)
+        # the mapper lives in the target's dtype when that is a half type (matmuls accumulate in float32 anyway)
+        half = self.target.dtype in (torch.bfloat16, torch.float16)
+        self.mapper.to(device=self.target.device, dtype=self.target.dtype if half else torch.float32)
+        self.reverse: KVBridgeForCausalLM | None = None  # target→source bridge, for handoffs both ways
 
     # -- properties that let tools treat the bridge like a model ------------------------------------------------
     @property
@@ -186,7 +197,11 @@ class KVBridgeForCausalLM(nn.Module):
             position_ids = torch.arange(seq, device=first_keys.device).unsqueeze(0).expand(batch, -1)
         if position_ids.shape[-1] != seq:
             raise ValueError(f"position_ids cover {position_ids.shape[-1]} tokens but the source cache holds {seq}")
-        cos_s, sin_s = inverse_cos_sin(*rotary_cos_sin(self.source, position_ids.to(first_keys.device)))
+        cos_s, sin_s = inverse_cos_sin(*rotary_cos_sin(self.source, position_ids.to(device)))
+
+        def strip(keys, out):
+            return apply_rotary(keys, cos_s, sin_s, out=out)
+
         cos_t, sin_t = rotary_cos_sin(self.target, position_ids.to(device))  # (B, T, d) each
         cache = target_cache if target_cache is not None else new_target_cache(self.target.config)
         selected = self.mapper.selected_layers
@@ -196,8 +211,9 @@ class KVBridgeForCausalLM(nn.Module):
             for s in layers:
                 if s not in rows:
                     keys, values = cache_layer_kv(source_cache, s)  # (B, H, T, d), keys post-RoPE
-                    content = apply_rotary(keys.float(), cos_s, sin_s)  # strip the source rotation
-                    rows[s] = self.mapper.layout_rows(content.to(device), values.to(device))
+                    rows[s] = self.mapper.layout_rows(  # the source rotation is stripped into the buffer
+                        keys.to(device), values.to(device), write_keys=strip
+                    )
             mapped = self.mapper.map_layer(t, [rows[s] for s in layers])
             for s in layers:
                 if last_use[s] == t:
@@ -355,12 +371,26 @@ class KVBridgeForCausalLM(nn.Module):
         return self.target.generate(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
 
     # -- saving and loading --------------------------------------------------------------------------------------
-    def save_pretrained(self, save_directory: str | os.PathLike, *, overwrite: bool = False, **kwargs: Any) -> None:
-        """Writes `config.json`, `mapper.safetensors` and a `README.md` model card; never the models' weights.
+    def save_pretrained(
+        self,
+        save_directory: str | os.PathLike,
+        *,
+        overwrite: bool = False,
+        max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
+        model_card_kwargs: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        """Writes `config.json`, the mapper weights and a `README.md` model card; never the models' weights.
 
-        Refuses a non-empty directory unless `overwrite=True` (then only these three files are replaced).
+        The mapper goes to `mapper.safetensors`, or, when larger than `max_shard_size` (e.g. `"2GB"`), to
+        `mapper-0000i-of-0000N.safetensors` shards listed in `mapper.safetensors.index.json`. The sha256 of every
+        weight file is recorded in `config.json` (`mapper_sha256`) and verified on load. `model_card_kwargs` go to
+        `hub.render_model_card` (`repo_id`, `eval_table`, `attention_cosine`).
+
+        Refuses a non-empty directory unless `overwrite=True` (then only the bridge's own files are replaced, and
+        weight files of an earlier save that this one does not write are removed).
         """
-        from .hub import render_model_card
+        from .hub import remove_stale_weight_files, render_model_card, save_mapper_weights
 
         save_directory = Path(save_directory)
         if save_directory.is_file():
@@ -374,20 +404,81 @@ class KVBridgeForCausalLM(nn.Module):
         # write into a temporary folder first, so a failure leaves the old files intact
         with tempfile.TemporaryDirectory(dir=save_directory, prefix=".tmp-kvbridge-") as tmp:
             tmp = Path(tmp)
-            self.config.save_pretrained(tmp)
-            state = {k: v.detach().to("cpu").contiguous() for k, v in self.mapper.state_dict().items()}
-            save_file(
-                state,
-                tmp / MAPPER_WEIGHTS_NAME,
+            checksums = save_mapper_weights(
+                self.mapper.state_dict(),
+                tmp,
+                max_shard_size=max_shard_size,
                 metadata={
                     "format": "pt",
                     "format_version": str(FORMAT_VERSION),
                     "mapper_type": self.config.mapper_type,
                 },
             )
-            render_model_card(self.config).save(tmp / MODEL_CARD_NAME)
-            for name in (CONFIG_NAME, MAPPER_WEIGHTS_NAME, MODEL_CARD_NAME):
+            self.config.save_pretrained(tmp)
+            config_dict = json.loads((tmp / CONFIG_NAME).read_text(encoding="utf-8"))
+            config_dict[MAPPER_CHECKSUMS_KEY] = checksums
+            (tmp / CONFIG_NAME).write_text(json.dumps(config_dict, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+            render_model_card(self.config, **(model_card_kwargs or {})).save(tmp / MODEL_CARD_NAME)
+            if self.reverse is not None:  # the target→source mapper, in a folder of its own
+                self.reverse.save_pretrained(tmp / REVERSE_FOLDER, max_shard_size=max_shard_size)
+            written = {p.name for p in tmp.iterdir()}
+            remove_stale_weight_files(save_directory, keep=written)
+            if (save_directory / REVERSE_FOLDER).is_dir():  # a reverse mapper of an earlier save (overwrite=True)
+                shutil.rmtree(save_directory / REVERSE_FOLDER)
+            for name in sorted(written):
                 os.replace(tmp / name, save_directory / name)
+
+    def push_to_hub(
+        self,
+        repo_id: str,
+        *,
+        revision: str | None = None,
+        private: bool | None = None,
+        token: str | bool | None = None,
+        commit_message: str | None = None,
+        create_pr: bool = False,
+        max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
+        model_card_kwargs: dict[str, Any] | None = None,
+    ):
+        r"""Uploads exactly what `save_pretrained` writes (config, mapper weights, card) to `repo_id`, in one commit.
+
+        Creates the repo if needed (`exist_ok=True`), saves into a temporary folder and uploads it with one
+        `upload_folder` call; mapper weight files of an earlier push that are no longer part of the checkpoint
+        (e.g. old shards) are deleted in the same commit. The source and target weights are never uploaded.
+
+        Args:
+            repo_id (`str`): `"org/name"` on the Hub.
+            revision (`str`, *optional*): branch to commit to.
+            private (`bool`, *optional*): visibility of a newly created repo.
+            token (`str` or `bool`, *optional*): Hub token (defaults to the logged-in one).
+            commit_message (`str`, *optional*), create_pr (`bool`, *optional*, defaults to `False`): as in
+                `HfApi.upload_folder`.
+            max_shard_size (`int` or `str`, *optional*, defaults to `"2GB"`): shard the mapper above this size.
+
+        Returns:
+            `CommitInfo` of the commit.
+
+        Example:
+
+        ```python
+        >>> bridge.push_to_hub("me/qwen3-14b-to-32b")  # doctest: +SKIP
+        >>> bridge = KVBridgeForCausalLM.from_pretrained("me/qwen3-14b-to-32b")  # doctest: +SKIP
+        ```
+        """
+        from .hub import push_folder_to_hub
+
+        card_kwargs = {"repo_id": repo_id, **(model_card_kwargs or {})}
+        with tempfile.TemporaryDirectory(prefix="kvbridge-push-") as tmp:
+            self.save_pretrained(tmp, max_shard_size=max_shard_size, model_card_kwargs=card_kwargs)
+            return push_folder_to_hub(
+                tmp,
+                repo_id,
+                revision=revision,
+                private=private,
+                token=token,
+                commit_message=commit_message,
+                create_pr=create_pr,
+            )
 
     @classmethod
     def from_pretrained(
@@ -420,7 +511,7 @@ class KVBridgeForCausalLM(nn.Module):
         >>> bridge = KVBridgeForCausalLM.from_pretrained("my-bridge", torch_dtype=torch.bfloat16)  # doctest: +SKIP
         ```
         """
-        from .hub import resolve_checkpoint
+        from .hub import read_config_dict, resolve_checkpoint
 
         for key in _AUTO_KWARGS:
             load_kwargs.pop(key, None)
@@ -432,8 +523,10 @@ class KVBridgeForCausalLM(nn.Module):
             token=token,
             force_download=force_download,
         )
+        config_dict = read_config_dict(folder)
+        checksums = config_dict.pop(MAPPER_CHECKSUMS_KEY, None)  # not a config field: verified here, then dropped
         if config is None:
-            config = KVBridgeConfig.from_pretrained(folder)
+            config = KVBridgeConfig.from_dict(config_dict)
         if config.model_type != "kvbridge" or not config.selected_layers:
             raise ValueError(f"{pretrained_model_name_or_path} is not a kvbridge checkpoint")
         if source_model is None:
@@ -442,10 +535,29 @@ class KVBridgeForCausalLM(nn.Module):
             target_model = load_model(config.target_name_or_path, config.target_revision, **load_kwargs)
         layout = KVLayout.from_config(target_model.config)
         mapper = KVMapper(config.selected_layers, layout.num_kv_heads, layout.head_dim, config.head_mode)
-        load_mapper_weights(mapper, folder / MAPPER_WEIGHTS_NAME)
+        load_mapper_weights(mapper, folder, checksums)
         bridge = cls(config, source_model, target_model, mapper)
         bridge.config.name_or_path = str(pretrained_model_name_or_path)
+        if (folder / REVERSE_FOLDER / CONFIG_NAME).is_file():
+            bridge.reverse = cls.from_pretrained(
+                folder / REVERSE_FOLDER, source_model=target_model, target_model=source_model
+            )
         return bridge
+
+    def start_session(self, tokenizer=None, **kwargs: Any):
+        """A [`HandoffSession`]: one conversation whose turns can be answered by the source or the target.
+
+        Example:
+
+        ```python
+        >>> session = bridge.start_session(tokenizer)  # doctest: +SKIP
+        >>> session.add_user("Hi!")  # doctest: +SKIP
+        >>> session.generate(model="source", max_new_tokens=20).text  # doctest: +SKIP
+        ```
+        """
+        from .session import HandoffSession
+
+        return HandoffSession(self, tokenizer, **kwargs)
 
 
 def load_model(name_or_path: str, revision: str | None = None, **load_kwargs: Any) -> PreTrainedModel:
@@ -458,26 +570,30 @@ def load_model(name_or_path: str, revision: str | None = None, **load_kwargs: An
     return model.eval()
 
 
-def load_mapper_weights(mapper: KVMapper, path: Path) -> None:
-    """Loads `path` into `mapper`, with errors that name the file for missing, corrupt or mismatched weights."""
-    if not path.is_file():
-        raise MapperFileError(f"mapper weights {path} not found")
-    try:
-        state = load_file(str(path))
-    except (SafetensorError, OSError, ValueError) as err:
-        raise MapperFileError(f"mapper weights {path} are corrupt or truncated: {err}") from err
+def load_mapper_weights(mapper: KVMapper, path: Path, checksums: dict[str, str] | None = None) -> None:
+    """Loads a checkpoint folder's mapper weights (one file or shards) into `mapper`.
+
+    `path` is the checkpoint folder (or its single weights file). Every weight file is checked against `checksums`
+    (`{file name: sha256}`, from `config.json`) before it is read. Errors name the file for missing, corrupt,
+    tampered or mismatched weights.
+    """
+    from .hub import read_mapper_state
+
+    path = Path(path)
+    folder = path if path.is_dir() else path.parent
+    state = read_mapper_state(folder, checksums)
     expected = mapper.state_dict()
     missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
     if missing or unexpected:
         raise MapperFileError(
-            f"mapper weights {path} do not fit the config: missing {missing[:4]}, unexpected {unexpected[:4]}"
+            f"mapper weights in {folder} do not fit the config: missing {missing[:4]}, unexpected {unexpected[:4]}"
         )
     for key, tensor in state.items():
         if tensor.shape != expected[key].shape:
             raise MapperFileError(
-                f"mapper weights {path}: {key} has shape {tuple(tensor.shape)}, the config "
+                f"mapper weights in {folder}: {key} has shape {tuple(tensor.shape)}, the config "
                 f"implies {tuple(expected[key].shape)}"
             )
         if not torch.isfinite(tensor).all():
-            raise MapperFileError(f"mapper weights {path}: {key} holds NaN/Inf")
+            raise MapperFileError(f"mapper weights in {folder}: {key} holds NaN/Inf")
     mapper.load_state_dict(state)

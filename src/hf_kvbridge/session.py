@@ -1,0 +1,221 @@
+"""Multi-turn handoff: one conversation, a cache per model, and cheap switches between the two models.
+
+On a switch, only the tokens the other model added since the last sync are mapped (incrementally, positions
+continuing through RoPE) and appended to the receiving model's cache; the receiving model then computes the rest of
+the prompt itself and generates. `remap="full"` instead re-maps the other model's whole cache at every switch.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers import DynamicCache
+
+logger = logging.getLogger(__name__)
+
+MODELS = ("source", "target")
+
+
+@dataclass
+class HandoffTurn:
+    """What one turn did: which model answered, the reply, and how the model's cache was brought up to date."""
+
+    model: str
+    text: str
+    token_ids: list[int]
+    mapped_tokens: int
+    prefilled_tokens: int
+    cache_tokens: int
+
+
+@dataclass
+class _ModelState:
+    cache: DynamicCache | None = None
+    tokens: list[int] = field(default_factory=list)  # the conversation tokens this model's cache holds
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+def _crop(cache: DynamicCache, keep: int) -> None:
+    """Keeps the first `keep` tokens of every layer (transformers 5.x `crop` takes the number to remove, negated)."""
+    remove = cache.get_seq_length() - keep
+    if remove > 0:
+        cache.crop(-remove)
+
+
+def _slice_cache(cache: DynamicCache, start: int, end: int) -> DynamicCache:
+    """A new cache with tokens `[start, end)` of every layer."""
+    sliced = DynamicCache()
+    for idx, layer in enumerate(cache.layers):
+        sliced.update(layer.keys[:, :, start:end], layer.values[:, :, start:end], idx)
+    return sliced
+
+
+class HandoffSession:
+    r"""A conversation that can switch between the bridge's source and target model at every turn.
+
+    Args:
+        bridge ([`KVBridgeForCausalLM`]): source→target bridge; `bridge.reverse` (from
+            `calibrate(..., bidirectional=True)`) is used for target→source switches, which otherwise re-prefill.
+        tokenizer: the shared tokenizer; its chat template renders the conversation.
+        system_prompt (`str`, *optional*): a system message at the start.
+        remap (`str`, *optional*, defaults to `"incremental"`): `"incremental"` maps only the tokens added since the
+            last sync; `"full"` re-maps the other model's whole cache at every switch.
+
+    Example:
+
+    ```python
+    >>> session = bridge.start_session(tokenizer)  # doctest: +SKIP
+    >>> session.add_user("What is a KV cache?")  # doctest: +SKIP
+    >>> session.generate(model="source", max_new_tokens=40).text  # doctest: +SKIP
+    >>> session.add_user("And why map it?")  # doctest: +SKIP
+    >>> turn = session.generate(model="target", max_new_tokens=40)  # doctest: +SKIP
+    >>> turn.mapped_tokens, turn.prefilled_tokens  # doctest: +SKIP
+    ```
+    """
+
+    def __init__(self, bridge, tokenizer=None, *, system_prompt: str | None = None, remap: str = "incremental"):
+        if remap not in ("incremental", "full"):
+            raise ValueError(f"remap must be 'incremental' or 'full', got {remap!r}")
+        self.bridge, self.tokenizer, self.remap = bridge, tokenizer, remap
+        self.models = {"source": bridge.source, "target": bridge.target}
+        self.mappers = {"target": bridge, "source": getattr(bridge, "reverse", None)}  # keyed by receiving model
+        self.messages: list[dict[str, str]] = []
+        if system_prompt:
+            self.messages.append({"role": "system", "content": system_prompt})
+        self.tokens: list[int] = []  # the whole conversation so far, as the models computed it
+        self.states = {name: _ModelState() for name in MODELS}
+        self.turns: list[HandoffTurn] = []
+
+    # -- conversation ----------------------------------------------------------------------------------------------
+    def add_user(self, text: str) -> None:
+        """Adds a user message; the next `generate` answers it."""
+        self.messages.append({"role": "user", "content": text})
+
+    def prompt_tokens(self) -> list[int]:
+        """The conversation rendered with the chat template and a generation prompt, as token ids."""
+        if self.tokenizer is None:
+            raise ValueError("a tokenizer is needed to render the conversation")
+        if getattr(self.tokenizer, "chat_template", None):
+            text = self.tokenizer.apply_chat_template(self.messages, tokenize=False, add_generation_prompt=True)
+        else:  # no template: plain "role: content" lines
+            text = "".join(f"{m['role']}: {m['content']}\n" for m in self.messages) + "assistant:"
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    # -- cache bookkeeping -------------------------------------------------------------------------------------------
+    def _crop_to(self, name: str, tokens: list[int]) -> None:
+        """Drops the part of `name`'s cache that no longer matches `tokens` (e.g. a re-tokenised reply)."""
+        state = self.states[name]
+        keep = _common_prefix(state.tokens, tokens)
+        if keep < len(state.tokens):
+            if keep == 0:
+                state.cache, state.tokens = None, []
+            else:
+                _crop(state.cache, keep)
+                state.tokens = state.tokens[:keep]
+
+    @torch.no_grad()
+    def sync(self, name: str, tokens: list[int], upto: int) -> int:
+        """Brings `name`'s cache up to `tokens[:upto]` with what the other model has computed; returns how many
+        tokens were mapped. Tokens neither model has computed are left for `name` to compute itself."""
+        other = "target" if name == "source" else "source"
+        for model in MODELS:
+            self._crop_to(model, tokens)
+        mine, theirs = self.states[name], self.states[other]
+        mapper = self.mappers[name]
+        end = min(len(theirs.tokens), upto)
+        if mapper is None or end <= len(mine.tokens):
+            return 0  # nothing the other model has that this one lacks (or no mapper this way: prefill instead)
+        if self.remap == "full":  # re-map the other model's whole cache, dropping this model's own
+            mine.cache, mine.tokens = None, []
+        start = len(mine.tokens)
+        positions = torch.arange(start, end, device=mapper.target.device).unsqueeze(0)
+        piece = theirs.cache if (start, end) == (0, len(theirs.tokens)) else _slice_cache(theirs.cache, start, end)
+        mine.cache = mapper.map_cache(piece, positions, target_cache=mine.cache)
+        mine.tokens = tokens[:end]
+        return end - start
+
+    @torch.no_grad()
+    def feed(self, token_ids: list[int], model: str = "target") -> torch.Tensor:
+        """Appends `token_ids` to the conversation, run by `model` (after syncing its cache); returns its logits
+        `(len(token_ids), vocab)` for them. The low-level step of `generate`, also used by the drift harness."""
+        self._check_model(model)
+        tokens = self.tokens + list(token_ids)
+        self.sync(model, tokens, upto=len(self.tokens))
+        state = self.states[model]
+        net = self.models[model]
+        new = tokens[len(state.tokens) :]
+        if state.cache is None:
+            state.cache = DynamicCache(config=net.config)
+        ids = torch.tensor([new], device=net.device)
+        positions = torch.arange(len(state.tokens), len(tokens), device=net.device).unsqueeze(0)
+        out = net(input_ids=ids, position_ids=positions, cache=state.cache, use_cache=True)
+        state.cache, state.tokens, self.tokens = out.cache, tokens, tokens
+        return out.logits[0, -len(token_ids) :]
+
+    @torch.no_grad()
+    def generate(self, model: str = "target", **generate_kwargs: Any) -> HandoffTurn:
+        """Answers the conversation with `model` (`"source"` or `"target"`), like that model's `generate`.
+
+        Returns:
+            [`HandoffTurn`] with the reply text and tokens, and how many prompt tokens were mapped from the other
+            model's cache vs computed by this model.
+        """
+        self._check_model(model)
+        prompt = self.prompt_tokens()
+        mapped = self.sync(model, prompt, upto=len(prompt) - 1)  # the model computes at least the last token
+        state, net = self.states[model], self.models[model]
+        if len(state.tokens) >= len(prompt):  # generate needs at least one uncached token
+            _crop(state.cache, len(prompt) - 1)
+            state.tokens = state.tokens[: len(prompt) - 1]
+        cached = len(state.tokens)
+        ids = torch.tensor([prompt], device=net.device)
+        generate_kwargs.setdefault(
+            "pad_token_id",
+            getattr(self.tokenizer, "pad_token_id", None) or getattr(self.tokenizer, "eos_token_id", None),
+        )
+        if state.cache is None:
+            state.cache = DynamicCache(config=net.config)
+        output = net.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            cache=state.cache,
+            return_dict_in_generate=True,
+            **generate_kwargs,
+        )
+        sequence = output.sequences[0].tolist()
+        reply = sequence[len(prompt) :]
+        state.cache = output.cache
+        state.tokens = sequence[: state.cache.get_seq_length()]
+        self.tokens = sequence
+        text = self.tokenizer.decode(reply, skip_special_tokens=True) if self.tokenizer is not None else ""
+        self.messages.append({"role": "assistant", "content": text})
+        turn = HandoffTurn(model, text, reply, mapped, len(prompt) - cached, len(state.tokens))
+        self.turns.append(turn)
+        return turn
+
+    def _check_model(self, model: str) -> None:
+        if model not in MODELS:
+            raise ValueError(f"model must be 'source' or 'target', got {model!r}")
+
+    def cache_bytes(self) -> dict[str, int]:
+        """Bytes held by each model's cache (the session keeps nothing else of size)."""
+        out = {}
+        for name, state in self.states.items():
+            total = 0
+            if state.cache is not None:
+                for layer in state.cache.layers:
+                    if getattr(layer, "keys", None) is not None:
+                        total += layer.keys.numel() * layer.keys.element_size()
+                        total += layer.values.numel() * layer.values.element_size()
+            out[name] = total
+        return out

@@ -1,0 +1,173 @@
+"""Multi-turn handoff: identity oracle over 10 alternating turns, incremental mapping, bounded memory, drift, chat."""
+
+import gc
+import io
+import weakref
+
+import pytest
+import torch
+
+from hf_kvbridge.calibration import collect_statistics, fit_bridge
+from hf_kvbridge.drift import drift_conversation, drift_summary
+from hf_kvbridge.session import HandoffSession
+from tests.conftest import make_tokenizer, qwen3
+
+TEMPLATE = (
+    "{% for m in messages %}<eos>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<eos>assistant:{% endif %}"
+)
+QUESTIONS = ["the fox", "a key", "small models", "rotary", "ridge", "the cat", "a value", "large", "pairs", "sun"]
+
+
+@pytest.fixture(scope="module")
+def chat_tokenizer():
+    tokenizer = make_tokenizer()
+    tokenizer.chat_template = TEMPLATE
+    return tokenizer
+
+
+def _bidirectional(source, target, windows, **kw):
+    stats = collect_statistics(source, target, windows, heldout=[0, 1, 2, 3], reverse=True)
+    bridge = fit_bridge(source, target, *stats[:2], **kw)
+    bridge.reverse = fit_bridge(target, source, *stats[2:], **kw)
+    return bridge
+
+
+@pytest.fixture(scope="module")
+def identity(windows):
+    model = qwen3(layers=2)
+    return _bidirectional(model, model, windows, top_k=2, ridge_lambda=1e-9)
+
+
+def test_ten_turn_alternating_identity_session_equals_target_only(identity, chat_tokenizer):
+    session, reference = HandoffSession(identity, chat_tokenizer), HandoffSession(identity, chat_tokenizer)
+    target = identity.target
+    for i, question in enumerate(QUESTIONS):
+        model = "source" if i % 2 == 0 else "target"
+        for s in (session, reference):
+            s.add_user(question)
+        # after the switch, the receiving model's cache equals a fresh prefill of the conversation by the target
+        prompt = session.prompt_tokens()
+        mapped = session.sync(model, prompt, upto=len(prompt) - 1)
+        if i > 0:
+            assert mapped > 0
+            state = session.states[model]
+            fresh = target(input_ids=torch.tensor([state.tokens]), use_cache=True).cache
+            for layer, own in zip(state.cache.layers, fresh.layers):
+                torch.testing.assert_close(layer.keys, own.keys, atol=1e-4, rtol=1e-4)
+                torch.testing.assert_close(layer.values, own.values, atol=1e-4, rtol=1e-4)
+        turn = session.generate(model=model, max_new_tokens=4, do_sample=False)
+        want = reference.generate(model="target", max_new_tokens=4, do_sample=False)
+        assert turn.token_ids == want.token_ids, f"turn {i}"
+    assert session.tokens == reference.tokens
+    assert [t.model for t in session.turns] == ["source", "target"] * 5
+
+
+def test_incremental_maps_only_new_tokens_and_full_remaps_all(identity, chat_tokenizer):
+    counts = {}
+    for remap in ("incremental", "full"):
+        session = HandoffSession(identity, chat_tokenizer, remap=remap)
+        session.add_user("the fox")
+        session.generate(model="source", max_new_tokens=4, do_sample=False)
+        session.add_user("a key")
+        first = session.generate(model="target", max_new_tokens=4, do_sample=False)
+        session.add_user("ridge")
+        session.generate(model="source", max_new_tokens=4, do_sample=False)
+        session.add_user("rotary")
+        second = session.generate(model="target", max_new_tokens=4, do_sample=False)
+        counts[remap] = (first.mapped_tokens, second.mapped_tokens, second.cache_tokens)
+    first, second, length = counts["incremental"]
+    assert second < length / 2  # only what the source added since the target's last turn
+    assert counts["full"][1] > second  # full re-mapping re-maps the conversation up to there
+    assert counts["full"][0] == first  # on the first switch both map everything
+
+
+def test_memory_stays_bounded(identity, chat_tokenizer):
+    session = HandoffSession(identity, chat_tokenizer)
+    released = []
+    per_token = 2 * 2 * 2 * 16 * 4  # layers × (K, V) × heads × head_dim × float32 bytes
+    for i, question in enumerate(QUESTIONS):
+        model = "source" if i % 2 == 0 else "target"
+        old = session.states[model].cache
+        if old is not None:
+            released.append(weakref.ref(old.layers[0].keys))
+        session.add_user(question)
+        session.generate(model=model, max_new_tokens=4, do_sample=False)
+        sizes = session.cache_bytes()
+        for name, state in session.states.items():
+            assert sizes[name] == len(state.tokens) * per_token  # exactly the conversation, nothing older
+    gc.collect()
+    assert released and all(
+        ref() is None
+        or ref() is session.states["source"].cache.layers[0].keys
+        or ref() is session.states["target"].cache.layers[0].keys
+        for ref in released
+    )
+
+
+def test_drift_harness_identity_has_no_drift(identity):
+    gen = torch.Generator().manual_seed(1)
+    segments = [torch.randint(0, 128, (12,), generator=gen).tolist() for _ in range(6)]
+    for evaluated in ("target", "source"):
+        rows = drift_conversation(identity, segments, evaluated=evaluated)
+        assert [r["turn"] for r in rows] == [1, 3, 5]
+        assert all(r["agreement"] == 1.0 and abs(r["nll_handoff"] - r["nll_reference"]) < 1e-3 for r in rows)
+        assert all(r["mapped_tokens"] > 0 for r in rows)
+    summary = drift_summary([rows, rows])
+    assert summary["agreement_pp_per_turn"] == pytest.approx(0.0)
+
+
+def test_drift_harness_real_pair(windows):
+    bridge = _bidirectional(qwen3(layers=2, seed=1), qwen3(layers=3, hidden=48, seed=2), windows, top_k=2)
+    segments = [list(range(10 + i, 22 + i)) for i in range(4)]
+    rows = drift_conversation(bridge, segments, evaluated="target", remap="full")
+    assert len(rows) == 2 and all(0.0 <= r["agreement"] <= 1.0 for r in rows)
+
+
+def test_chat_cli(saved_pair, tmp_path, monkeypatch, capsys, chat_tokenizer):
+    import hf_kvbridge
+    from hf_kvbridge.cli import main
+
+    chat_tokenizer.save_pretrained(saved_pair["large"])  # give the target a chat template
+    bridge = hf_kvbridge.calibrate(
+        saved_pair["small"], saved_pair["large"], [" ".join(QUESTIONS) * 20], num_sequences=12, seq_len=32, top_k=2
+    )
+    bridge.save_pretrained(tmp_path / "b")
+    monkeypatch.setattr("sys.stdin", io.StringIO("the fox\n/switch\na key\n/source\nridge\n/quit\n"))
+    assert main(["chat", str(tmp_path / "b"), "--max-new-tokens", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "[source] mapped 0 tokens" in out
+    assert "[target] mapped" in out and out.count("[source]") == 2
+
+
+def test_bidirectional_checkpoint_round_trip(saved_pair, tmp_path, chat_tokenizer):
+    import hf_kvbridge
+    from hf_kvbridge import KVBridgeForCausalLM
+
+    bridge = hf_kvbridge.calibrate(
+        saved_pair["small"],
+        saved_pair["large"],
+        [" ".join(QUESTIONS) * 20],
+        num_sequences=12,
+        seq_len=32,
+        top_k=2,
+        bidirectional=True,
+    )
+    assert bridge.reverse is not None
+    assert bridge.reverse.source is bridge.target and bridge.reverse.target is bridge.source
+    assert len(bridge.reverse.config.selected_layers) == 2  # one list per layer of the small model
+    bridge.save_pretrained(tmp_path / "b")
+    assert (tmp_path / "b" / "reverse" / "mapper.safetensors").is_file()
+    loaded = KVBridgeForCausalLM.from_pretrained(tmp_path / "b")
+    assert loaded.reverse is not None and loaded.reverse.source is loaded.target
+    assert loaded.reverse.config.selected_layers == bridge.reverse.config.selected_layers
+    ids = torch.randint(0, 128, (1, 10), generator=torch.Generator().manual_seed(0))
+    want = bridge.reverse.prefill(ids)[0]
+    got = loaded.reverse.prefill(ids)[0]
+    for a, b in zip(want.layers, got.layers):
+        torch.testing.assert_close(a.keys, b.keys)
+    session = loaded.start_session(chat_tokenizer)
+    session.add_user("the fox")
+    session.generate(model="target", max_new_tokens=3, do_sample=False)
+    session.add_user("a key")
+    assert session.generate(model="source", max_new_tokens=3, do_sample=False).mapped_tokens > 0
