@@ -43,9 +43,16 @@ def qwen3_shape_config(name: str, vocab_size: int = 1024, max_positions: int = 4
         raise ValueError(f"unknown shape {name!r}; known: {', '.join(QWEN3_SHAPES)}")
     layers, hidden, heads, kv_heads, head_dim, mlp = QWEN3_SHAPES[name]
     return Qwen3Config(
-        num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=kv_heads,
-        head_dim=head_dim, intermediate_size=mlp, vocab_size=vocab_size, max_position_embeddings=max_positions,
-        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, tie_word_embeddings=True,
+        num_hidden_layers=layers,
+        hidden_size=hidden,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        intermediate_size=mlp,
+        vocab_size=vocab_size,
+        max_position_embeddings=max_positions,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        tie_word_embeddings=True,
     )
 
 
@@ -123,9 +130,21 @@ def median_seconds(fn: Callable[[], object], device: torch.device, repeats: int 
 
 
 class _MallInfo2(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in
-                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
-                 "keepcost")]
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in (
+            "arena",
+            "ordblks",
+            "smblks",
+            "hblks",
+            "hblkhd",
+            "usmblks",
+            "fsmblks",
+            "uordblks",
+            "fordblks",
+            "keepcost",
+        )
+    ]
 
 
 def _heap_reader() -> Callable[[], int] | None:
@@ -252,14 +271,32 @@ def benchmark(
 
 def format_table(rows: list[dict]) -> str:
     """The benchmark as a fixed-width table."""
-    header = ("tokens", "target ms", "mapper ms", "source ms", "warm ×", "cold ×", "bound ×", "of bound",
-              "map eff.", "map peak MB")
+    header = (
+        "tokens",
+        "target ms",
+        "mapper ms",
+        "source ms",
+        "warm ×",
+        "cold ×",
+        "bound ×",
+        "of bound",
+        "map eff.",
+        "map peak MB",
+    )
     lines = ["  ".join(f"{h:>11}" for h in header)]
     for r in rows:
         peak = r["mapping_peak_extra_bytes"]
-        cells = (r["context_tokens"], f"{r['target_prefill_s'] * 1e3:.1f}", f"{r['mapper_s'] * 1e3:.1f}",
-                 f"{r['source_prefill_s'] * 1e3:.1f}", f"{r['warm_speedup']:.2f}", f"{r['cold_speedup']:.2f}",
-                 f"{r['flop_ratio_bound']:.2f}", f"{r['fraction_of_bound']:.2f}", f"{r['mapper_efficiency']:.2f}",
-                 "n/a" if peak is None else f"{peak / 2**20:.1f}")
+        cells = (
+            r["context_tokens"],
+            f"{r['target_prefill_s'] * 1e3:.1f}",
+            f"{r['mapper_s'] * 1e3:.1f}",
+            f"{r['source_prefill_s'] * 1e3:.1f}",
+            f"{r['warm_speedup']:.2f}",
+            f"{r['cold_speedup']:.2f}",
+            f"{r['flop_ratio_bound']:.2f}",
+            f"{r['fraction_of_bound']:.2f}",
+            f"{r['mapper_efficiency']:.2f}",
+            "n/a" if peak is None else f"{peak / 2**20:.1f}",
+        )
         lines.append("  ".join(f"{c:>11}" for c in cells))
     return "\n".join(lines)

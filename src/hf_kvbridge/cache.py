@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 from transformers import Cache, DynamicCache, PretrainedConfig
+from transformers.cache_utils import DynamicLayer
 
 
 def cache_layer_kv(cache: Cache, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -24,8 +25,16 @@ def new_target_cache(config: PretrainedConfig) -> DynamicCache:
 
 
 def append_layer(cache: DynamicCache, layer_idx: int, keys: torch.Tensor, values: torch.Tensor) -> None:
-    """Appends `(batch, kv_heads, seq, head_dim)` keys/values to layer `layer_idx` through the Cache API."""
-    cache.layers[layer_idx].update(keys, values)
+    """Appends `(batch, kv_heads, seq, head_dim)` keys/values to layer `layer_idx` through the Cache API.
+
+    An empty `DynamicLayer` takes the tensors as they are (its `update` would copy them into a new tensor).
+    """
+    layer = cache.layers[layer_idx]
+    if type(layer) is DynamicLayer and not layer.is_initialized:
+        layer.lazy_initialization(keys, values)
+        layer.keys, layer.values = keys, values
+    else:
+        layer.update(keys, values)
 
 
 def check_cache_shape(cache: Cache, num_layers: int, num_kv_heads: int, head_dim: int, what: str) -> int:
@@ -55,4 +64,3 @@ def kv_to_rows(keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     batch, heads, seq, dim = keys.shape
     kv = torch.stack((keys, values), dim=3)  # (B, H, T, 2, d)
     return kv.permute(0, 2, 1, 3, 4).reshape(batch, seq, heads * 2 * dim)
-

@@ -66,18 +66,22 @@ def _rotate(keys: torch.Tensor, cos_h: torch.Tensor, sin_h: torch.Tensor, out: t
     return out
 
 
-def apply_rotary(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def apply_rotary(
+    keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """Rotates content-space keys into position space, exactly as transformers' `apply_rotary_pos_emb` does.
 
     Args:
         keys (`torch.Tensor` of shape `(batch, heads, seq, head_dim)`).
         cos, sin (`torch.Tensor` of shape `(batch, seq, head_dim)`), from `rotary_cos_sin`.
+        out (`torch.Tensor`, *optional*): where to write the result (any strides), e.g. a view into a buffer.
     """
     halves = _halves(cos, sin)
     if halves is not None:
-        return _rotate(keys, *halves, out=None)
+        return _rotate(keys, *halves, out=out)
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # (B, 1, T, d) broadcast over heads
-    return keys * cos + rotate_half(keys) * sin
+    result = keys * cos + rotate_half(keys) * sin
+    return result if out is None else out.copy_(result)
 
 
 def inverse_cos_sin(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

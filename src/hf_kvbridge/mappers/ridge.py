@@ -119,19 +119,29 @@ class KVMapper(nn.Module):
                 layer_map.bias.data[g] = bias.to(layer_map.bias.dtype)
         return mapper
 
-    def layout_rows(self, content_keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-        """One source layer's keys (RoPE stripped) and values, `(B, H, T, d)` each, in the mapper's input layout:
-        `(B·T, H·2d)` for `all_heads`, `(H, B·T, 2d)` for `same_head`; per head the key then the value."""
+    def layout_rows(self, keys: torch.Tensor, values: torch.Tensor, write_keys=None) -> torch.Tensor:
+        """One source layer's keys and values, `(B, H, T, d)` each, in the mapper's input layout: `(B·T, H·2d)` for
+        `all_heads`, `(H, B·T, 2d)` for `same_head`; per head the key then the value.
+
+        Args:
+            write_keys (`Callable`, *optional*): `write_keys(keys, out)` writes the keys into `out` (a `(B, H, T, d)`
+                view of the buffer); used to strip RoPE straight into the buffer. Defaults to a copy.
+        """
         batch, heads, seq, dim = values.shape
         dtype = self.layers[0].weight.dtype
         if self.head_mode == "all_heads":
             rows = torch.empty(batch, seq, heads, 2, dim, dtype=dtype, device=values.device)
-            rows[:, :, :, 0].copy_(content_keys.transpose(1, 2))
-            rows[:, :, :, 1].copy_(values.transpose(1, 2))
+            key_view, value_view = rows[:, :, :, 0].transpose(1, 2), rows[:, :, :, 1].transpose(1, 2)
+        else:
+            rows = torch.empty(heads, batch, seq, 2, dim, dtype=dtype, device=values.device)
+            key_view, value_view = rows[:, :, :, 0].transpose(0, 1), rows[:, :, :, 1].transpose(0, 1)
+        if write_keys is None:
+            key_view.copy_(keys)
+        else:
+            write_keys(keys, key_view)
+        value_view.copy_(values)
+        if self.head_mode == "all_heads":
             return rows.view(batch * seq, heads * 2 * dim)
-        rows = torch.empty(heads, batch, seq, 2, dim, dtype=dtype, device=values.device)
-        rows[:, :, :, 0].copy_(content_keys.transpose(0, 1))
-        rows[:, :, :, 1].copy_(values.transpose(0, 1))
         return rows.view(heads, batch * seq, 2 * dim)
 
     def split_rows(self, mapped: torch.Tensor, batch: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:

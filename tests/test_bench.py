@@ -1,0 +1,50 @@
+"""The benchmark measures what it says: FLOP counts, timings and memory on tiny random-weight bridges."""
+
+import json
+
+import torch
+
+from hf_kvbridge.bench import benchmark, mapper_flops, peak_extra_bytes, prefill_flops, random_bridge
+from hf_kvbridge.cli import main
+from tests.conftest import qwen3
+
+
+def test_flop_counts_match_the_weights():
+    model = qwen3(layers=2, hidden=32)
+    body = sum(p.numel() for n, p in model.model.layers.named_parameters() if p.dim() == 2)
+    tokens, q = 10, 4 * 16
+    assert prefill_flops(model.config, tokens) == 2 * tokens * body + 2 * 2 * 2 * tokens * tokens * q / 2
+    bridge = random_bridge(qwen3(layers=2).config, qwen3(layers=3, hidden=48).config, top_k=2)
+    assert mapper_flops(bridge.mapper, tokens) == 2 * tokens * 3 * (2 * 2 * 2 * 16) * (2 * 2 * 16)
+
+
+def test_benchmark_rows_are_consistent():
+    bridge = random_bridge(qwen3(layers=2).config, qwen3(layers=3, hidden=48).config, top_k=2)
+    (row,) = benchmark(bridge, [32], repeats=2)
+    assert row["context_tokens"] == 32 and row["mapper_s"] > 0 and row["target_prefill_s"] > 0
+    assert row["warm_speedup"] == row["target_prefill_s"] / row["mapper_s"]
+    assert abs(row["fraction_of_bound"] - row["mapper_efficiency"]) < 1e-9  # same quantity, two readings
+    assert row["mapping_peak_extra_bytes"] is None or row["mapping_peak_extra_bytes"] >= 0
+
+
+def test_peak_memory_sees_a_large_temporary():
+    def allocate():
+        big = torch.ones(4_000_000)  # 16 MB, freed before returning
+        return float(big.sum())
+
+    peak = peak_extra_bytes(allocate, torch.device("cpu"))
+    assert peak is None or peak >= 15_000_000
+
+
+def test_bench_cli_with_random_shapes(tmp_path, capsys, monkeypatch):
+    from hf_kvbridge import bench
+
+    monkeypatch.setitem(bench.QWEN3_SHAPES, "tiny-a", (2, 32, 4, 2, 16, 64))
+    monkeypatch.setitem(bench.QWEN3_SHAPES, "tiny-b", (3, 48, 4, 2, 16, 96))
+    out = tmp_path / "bench.json"
+    assert (
+        main(["bench", "--shapes", "tiny-a:tiny-b", "--lengths", "16,32", "--repeats", "1", "--json", str(out)]) == 0
+    )
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["context_tokens"] for r in rows] == [16, 32]
+    assert "warm ×" in capsys.readouterr().out
