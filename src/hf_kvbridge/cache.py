@@ -29,6 +29,8 @@ def append_layer(cache: DynamicCache, layer_idx: int, keys: torch.Tensor, values
 
     An empty `DynamicLayer` takes the tensors as they are (its `update` would copy them into a new tensor).
     """
+    while len(cache.layers) <= layer_idx:  # a DynamicCache made without a config grows its layers lazily
+        cache.layers.append(DynamicLayer())
     layer = cache.layers[layer_idx]
     if type(layer) is DynamicLayer and not layer.is_initialized:
         layer.lazy_initialization(keys, values)
@@ -64,3 +66,11 @@ def kv_to_rows(keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     batch, heads, seq, dim = keys.shape
     kv = torch.stack((keys, values), dim=3)  # (B, H, T, 2, d)
     return kv.permute(0, 2, 1, 3, 4).reshape(batch, seq, heads * 2 * dim)
+
+
+def slice_cache(cache: Cache, start: int, end: int) -> DynamicCache:
+    """A new `DynamicCache` with tokens `[start, end)` of every layer (views of the original tensors)."""
+    sliced = DynamicCache()
+    for idx, layer in enumerate(cache.layers):
+        append_layer(sliced, idx, layer.keys[:, :, start:end], layer.values[:, :, start:end])
+    return sliced

@@ -29,12 +29,22 @@ class KVBridgeConfig(PretrainedConfig):
         ridge_lambda (`float`, *optional*, defaults to `0.01`): ridge strength, relative to each input feature's
             variance (ridge on standardized inputs).
         head_mode (`str`, *optional*, defaults to `"all_heads"`): `"all_heads"` or `"same_head"`.
-        mapper_type (`str`, *optional*, defaults to `"ridge"`): kind of mapper stored in the weights file.
+        mapper_type (`str`, *optional*, defaults to `"ridge"`): kind of mapper stored in the weights file:
+            `"ridge"`, `"ridge_attention_weighted"` (same linear layout, see `mappers.weighted`) or `"mlp"` (a residual
+            MLP on top of the ridge map, see `mappers.mlp`).
+        mapper_kwargs (`dict`, *optional*): hyper-parameters of a non-ridge mapper (for `"mlp"`: `hidden`, `loss`,
+            `epochs`, `lr`, ...) and how it was fitted; `heldout_r2` stays that of the ridge base.
         selected_layers (`list[list[int]]`): per target layer, the source layers used, best first.
         selected_layer_r2 (`list[list[float]]`, *optional*): held-out single-layer R² of those layers.
         heldout_r2 (`dict`, *optional*): held-out R² of the fitted mapper per target layer, `{"k": [...], "v": [...]}`.
         hold_back (`int`, *optional*, defaults to `1`): prompt tokens at the end of the prefix that the target
             computes itself on the mapped cache (so its first logits are its own).
+        sink_tokens (`int`, *optional*, defaults to `0`): the first tokens of the prompt (where attention sinks live)
+            that the target computes itself instead of receiving mapped K/V.
+        gate_threshold (`float`, *optional*): enables the quality gate: when the cosine between the target's own K/V
+            and the mapped K/V on the last `gate_probe_tokens` tokens of the prefix is below this, the target
+            prefills the prompt itself (fallback). `None` (default): always transfer.
+        gate_probe_tokens (`int`, *optional*, defaults to `8`): probe size of the quality gate.
         calibration (`dict`, *optional*): provenance: data, number of sequences, sequence length, held-out
             sequences, seed, library versions, time.
         format_version (`int`): version of the checkpoint format.
@@ -62,10 +72,14 @@ class KVBridgeConfig(PretrainedConfig):
     ridge_lambda: float = 0.01
     head_mode: str = "all_heads"
     mapper_type: str = "ridge"
+    mapper_kwargs: dict | None = None
     selected_layers: list | None = None
     selected_layer_r2: list | None = None
     heldout_r2: dict | None = None
     hold_back: int = 1
+    sink_tokens: int = 0
+    gate_threshold: float | None = None
+    gate_probe_tokens: int = 8
     calibration: dict | None = None
     format_version: int = FORMAT_VERSION
     mapper_sha256: dict | None = None
@@ -92,6 +106,8 @@ class KVBridgeConfig(PretrainedConfig):
         super().__post_init__(**kwargs)
         if self.head_mode not in HEAD_MODES:
             raise ValueError(f"head_mode must be one of {HEAD_MODES}, got {self.head_mode!r}")
+        if self.sink_tokens < 0 or self.gate_probe_tokens < 1:
+            raise ValueError("sink_tokens must be ≥ 0 and gate_probe_tokens ≥ 1")
         if self.hold_back < 1:
             raise ValueError(
                 f"hold_back must be ≥ 1 (the target computes at least the last prompt token), got {self.hold_back}"

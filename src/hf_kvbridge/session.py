@@ -14,6 +14,8 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
+from .cache import slice_cache
+
 logger = logging.getLogger(__name__)
 
 MODELS = ("source", "target")
@@ -50,14 +52,6 @@ def _crop(cache: DynamicCache, keep: int) -> None:
     remove = cache.get_seq_length() - keep
     if remove > 0:
         cache.crop(-remove)
-
-
-def _slice_cache(cache: DynamicCache, start: int, end: int) -> DynamicCache:
-    """A new cache with tokens `[start, end)` of every layer."""
-    sliced = DynamicCache()
-    for idx, layer in enumerate(cache.layers):
-        sliced.update(layer.keys[:, :, start:end], layer.values[:, :, start:end], idx)
-    return sliced
 
 
 class HandoffSession:
@@ -139,7 +133,7 @@ class HandoffSession:
             mine.cache, mine.tokens = None, []
         start = len(mine.tokens)
         positions = torch.arange(start, end, device=mapper.target.device).unsqueeze(0)
-        piece = theirs.cache if (start, end) == (0, len(theirs.tokens)) else _slice_cache(theirs.cache, start, end)
+        piece = theirs.cache if (start, end) == (0, len(theirs.tokens)) else slice_cache(theirs.cache, start, end)
         mine.cache = mapper.map_cache(piece, positions, target_cache=mine.cache)
         mine.tokens = tokens[:end]
         return end - start
