@@ -166,6 +166,12 @@ def _cmd_drift(args: argparse.Namespace) -> int:
     return run_drift(args)
 
 
+def _cmd_study(args: argparse.Namespace) -> int:
+    from hf_kvbridge.study import run_study_cli
+
+    return run_study_cli(args)
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     from hf_kvbridge.demo import run_demo
 
@@ -176,6 +182,38 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     from hf_kvbridge.eval_cli import run_eval
 
     return run_eval(args)
+
+
+def _cmd_inspect(args: argparse.Namespace) -> int:
+    from hf_kvbridge import KVBridgeForCausalLM
+    from hf_kvbridge.diagnostics import inspect_bridge, write_inspect_outputs
+
+    bridge = KVBridgeForCausalLM.from_pretrained(args.bridge)
+    report = inspect_bridge(
+        bridge, args.data, num_sequences=args.num_sequences, seq_len=args.seq_len, batch_size=args.batch_size
+    )
+    files = write_inspect_outputs(report, args.out)
+    summary = report["summary"]
+    print(
+        f"{report['source']} → {report['target']} ({report['mapper_type']}), {report['windows']} windows × "
+        f"{report['seq_len']} tokens"
+    )
+    print(f"{'layer':<6}{'R² K':>8}{'R² V':>8}{'attn cos':>10}{'key err':>9}")
+    for t, cos in enumerate(report["attention_cosine"]):
+        r2 = report["mapper_r2_layer"]
+        print(f"{t:<6}{r2['k'][t]:>8.4f}{r2['v'][t]:>8.4f}{cos:>10.4f}{report['key_error_layer'][t]:>9.4f}")
+    print(
+        f"mean  R² K {summary['mapper_r2_k']:.4f}  R² V {summary['mapper_r2_v']:.4f}  attention cosine "
+        f"{summary['attention_cosine']:.4f}  key error {summary['key_error']:.4f}"
+    )
+    print(f"wrote {', '.join(files)} to {args.out}")
+    return 0
+
+
+def _cmd_mappers(args: argparse.Namespace) -> int:
+    from hf_kvbridge.mapper_study import run_study
+
+    return run_study(args)
 
 
 def _cmd_push(args: argparse.Namespace) -> int:
@@ -269,6 +307,15 @@ def build_parser() -> argparse.ArgumentParser:
     drift.add_argument("--out", default="kvbridge-demo")
     drift.set_defaults(func=_cmd_drift)
 
+    study = sub.add_parser("study", help="Pearson r of R² and attention cosine with retention (pocket family)")
+    study.add_argument("--pairs", default="pocket-s:pocket-l,pocket-m:pocket-l,pocket-l:pocket-s,pocket-s:pocket-m")
+    study.add_argument("--num-sequences", type=int, default=64)
+    study.add_argument("--seq-len", type=int, default=512)
+    study.add_argument("--windows", type=int, default=12, help="held-out windows for retention")
+    study.add_argument("--seed", type=int, default=0)
+    study.add_argument("--out", default="kvbridge-demo")
+    study.set_defaults(func=_cmd_study)
+
     demo = sub.add_parser("demo", help="calibrate and measure a bridge of the shipped pocket family (offline)")
     demo.add_argument("--out", default="kvbridge-demo", help="parent folder; each run writes a new folder in it")
     demo.add_argument("--quick", action="store_true", help="smaller calibration and evaluation (for tests)")
@@ -282,6 +329,21 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_eval_arguments(ev)
     ev.set_defaults(func=_cmd_eval)
+
+    inspect = sub.add_parser("inspect", help="diagnostics report of a saved bridge on held-out text (JSON + PNG)")
+    inspect.add_argument("bridge", help="bridge checkpoint folder or Hub id")
+    inspect.add_argument("--data", required=True, help="held-out text: a .txt/.jsonl file or folder, or a dataset")
+    inspect.add_argument("--num-sequences", type=int, default=16)
+    inspect.add_argument("--seq-len", type=int, default=256)
+    inspect.add_argument("--batch-size", type=int, default=4)
+    inspect.add_argument("--out", default="kvbridge-inspect", help="folder for report.json and the plots")
+    inspect.set_defaults(func=_cmd_inspect)
+
+    mappers = sub.add_parser("mappers", help="ridge vs MLP vs attention-weighted mappers on a pocket pair (offline)")
+    from hf_kvbridge.mapper_study import add_arguments as add_mapper_arguments
+
+    add_mapper_arguments(mappers)
+    mappers.set_defaults(func=_cmd_mappers)
 
     push = sub.add_parser("push", help="upload a saved bridge checkpoint to the Hub in one commit")
     push.add_argument("bridge", help="bridge checkpoint folder")

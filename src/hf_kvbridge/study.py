@@ -1,0 +1,162 @@
+"""Which diagnostic predicts transfer quality? Pearson r of held-out R² and of attention-output cosine with the
+measured context-benefit retention, across pairs and mapper settings of the pocket family (`kvbridge study`).
+
+Each pair is calibrated once (statistics are reused for every setting); each setting (top-k, ridge λ, head mode) is
+fitted from the statistics and measured on held-out text: mean held-out R² of K and V, mean attention-output cosine,
+and retention = (NLL_no_context − NLL_bridge) / (NLL_no_context − NLL_target).
+"""
+
+from __future__ import annotations
+
+import datetime
+import itertools
+import json
+import time
+from pathlib import Path
+
+import torch
+from scipy import stats as scipy_stats
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from . import pocket
+from .calibration import calibrate, fit_bridge
+from .diagnostics import _pyplot, attention_output_cosine
+from .evaluation import heldout_windows, score_tokens
+
+DEFAULT_PAIRS = ("pocket-s:pocket-l", "pocket-m:pocket-l", "pocket-l:pocket-s", "pocket-s:pocket-m")
+SETTINGS = {"top_k": (1, 2, None), "ridge_lambda": (0.01, 3.0), "head_mode": ("all_heads", "same_head")}
+
+
+def _nll(bridge, windows, context_len, mode, batch_size=8) -> float:
+    total, count = 0.0, 0
+    for start in range(0, len(windows), batch_size):
+        logprobs = score_tokens(bridge, windows[start : start + batch_size], context_len, mode)
+        total -= logprobs.sum().item()
+        count += logprobs.numel()
+    return total / count
+
+
+def run_study(
+    pairs=DEFAULT_PAIRS,
+    *,
+    num_sequences=64,
+    seq_len=512,
+    windows=12,
+    context=256,
+    continuation=64,
+    seed=0,
+    progress=print,
+) -> dict:
+    """Measures every (pair, setting) point and the correlations; returns the points and the Pearson r values."""
+    tokenizer = AutoTokenizer.from_pretrained(pocket.model_path(pairs[0].split(":")[1]))  # shared by the family
+    held = heldout_windows(pocket.load_texts("heldout"), tokenizer, context + continuation, windows)
+    models = {}
+
+    def load(name):
+        if name not in models:
+            models[name] = AutoModelForCausalLM.from_pretrained(pocket.model_path(name), dtype=torch.float32).eval()
+        return models[name]
+
+    points = []
+    for pair in pairs:
+        source_name, target_name = pair.split(":")
+        started = time.perf_counter()
+        base = calibrate(
+            load(source_name),
+            load(target_name),
+            pocket.load_texts("calibration"),
+            tokenizer=tokenizer,
+            num_sequences=num_sequences,
+            seq_len=seq_len,
+            seed=seed,
+        )
+        train, heldout = base.calibration_statistics
+        reference = {mode: _nll(base, held, context, mode) for mode in ("target", "no_context")}
+        gain = reference["no_context"] - reference["target"]
+        progress(
+            f"{pair}: calibrated in {time.perf_counter() - started:.0f}s; NLL target {reference['target']:.3f}, "
+            f"no context {reference['no_context']:.3f}"
+        )
+        for top_k, lam, head_mode in itertools.product(*SETTINGS.values()):
+            bridge = fit_bridge(
+                base.source, base.target, train, heldout, top_k=top_k, ridge_lambda=lam, head_mode=head_mode
+            )
+            r2 = bridge.config.heldout_r2
+            nll = _nll(bridge, held, context, "bridge")
+            point = {
+                "pair": pair,
+                "top_k": "all" if top_k is None else top_k,
+                "ridge_lambda": lam,
+                "head_mode": head_mode,
+                "r2": (sum(r2["k"]) / len(r2["k"]) + sum(r2["v"]) / len(r2["v"])) / 2,
+                "attention_cosine": float(attention_output_cosine(bridge, held[:4]).mean()),
+                "nll_bridge": nll,
+                "retention": (reference["no_context"] - nll) / gain,
+            }
+            points.append(point)
+            progress(
+                f"  k={point['top_k']} λ={lam} {head_mode}: R² {point['r2']:.3f}  attn cos "
+                f"{point['attention_cosine']:.4f}  retention {point['retention']:.3f}"
+            )
+    retention = [p["retention"] for p in points]
+    correlations = {}
+    for key in ("r2", "attention_cosine"):
+        result = scipy_stats.pearsonr([p[key] for p in points], retention)
+        correlations[key] = {
+            "pearson_r": float(result.statistic),
+            "p_value": float(result.pvalue),
+            "points": len(points),
+        }
+    return {
+        "points": points,
+        "correlations": correlations,
+        "settings": {
+            "pairs": list(pairs),
+            "num_sequences": num_sequences,
+            "seq_len": seq_len,
+            "windows": windows,
+            "context": context,
+            "continuation": continuation,
+            "seed": seed,
+        },
+    }
+
+
+def plot_study(result: dict, path) -> None:
+    """Scatter of retention against R² and against attention cosine, one colour per pair."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.8), sharey=True)
+    pairs = sorted({p["pair"] for p in result["points"]})
+    for ax, key, label in zip(
+        axes, ("r2", "attention_cosine"), ("held-out R² (mean K, V)", "attention-output cosine")
+    ):
+        for pair in pairs:
+            pts = [p for p in result["points"] if p["pair"] == pair]
+            ax.scatter([p[key] for p in pts], [p["retention"] for p in pts], label=pair, s=18)
+        r = result["correlations"][key]
+        ax.set_title(f"Pearson r = {r['pearson_r']:+.2f} (n = {r['points']})", fontsize=9)
+        ax.set_xlabel(label)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("context-benefit retention")
+    axes[1].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def run_study_cli(args) -> int:
+    result = run_study(
+        args.pairs.split(","),
+        num_sequences=args.num_sequences,
+        seq_len=args.seq_len,
+        windows=args.windows,
+        seed=args.seed,
+    )
+    for key, r in result["correlations"].items():
+        print(f"Pearson r({key}, retention) = {r['pearson_r']:+.3f} (p = {r['p_value']:.3g}, n = {r['points']})")
+    out = Path(args.out) / f"study-{datetime.datetime.now().strftime('%Y%m%d-%H%M%S')}"
+    out.mkdir(parents=True)
+    (out / "study.json").write_text(json.dumps(result, indent=2))
+    plot_study(result, out / "study.png")
+    print(f"wrote {out}/study.json, study.png")
+    return 0
