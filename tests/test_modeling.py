@@ -132,3 +132,25 @@ def test_forward_logits_split_source_then_target(pair_bridge):
     # with a cache, forward is plain target decoding
     step = pair_bridge(ids[:, -1:], past_key_values=out.past_key_values)
     assert step.past_key_values.get_seq_length() == 13
+
+
+def test_lazy_mapper_loads_one_layer_at_a_time(pair_bridge, tmp_path, monkeypatch):
+    from hf_kvbridge.mappers.lazy import LazyKVMapper
+
+    pair_bridge.save_pretrained(tmp_path / "b", max_shard_size=3000)  # several shards
+    lazy = KVBridgeForCausalLM.from_pretrained(
+        tmp_path / "b", source_model=pair_bridge.source, target_model=pair_bridge.target, lazy_mapper=True
+    )
+    assert isinstance(lazy.mapper, LazyKVMapper)
+    assert all(p.device.type == "meta" for p in lazy.mapper.parameters())  # nothing resident after loading
+    most = []
+    real = LazyKVMapper.materialize
+
+    def spy(self, layer):
+        real(self, layer)
+        most.append(len(self.loaded))
+
+    monkeypatch.setattr(LazyKVMapper, "materialize", spy)
+    ids = torch.randint(0, VOCAB, (2, 14), generator=torch.Generator().manual_seed(0))
+    _same_cache(lazy.prefill(ids)[0], pair_bridge.prefill(ids)[0])
+    assert most == [1, 1, 1] and not lazy.mapper.loaded  # one target layer's weights at a time, none after

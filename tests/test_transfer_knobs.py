@@ -28,8 +28,9 @@ def test_sink_tokens_are_the_targets_own(pair):
     mask = torch.ones_like(ids)
     mask[1, :2] = 0  # left padding: the sinks are the first real tokens of each row
     cache, _ = bridge.prefill(ids, mask)
-    own = bridge.target(ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp_min(0),
-                        use_cache=True).cache
+    own = bridge.target(
+        ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp_min(0), use_cache=True
+    ).cache
     assert cache.get_seq_length() == 12
     for layer, ref in zip(cache.layers, own.layers):
         torch.testing.assert_close(layer.keys[0, :, :3], ref.keys[0, :, :3])  # row 0: tokens 0-2

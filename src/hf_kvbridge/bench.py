@@ -237,7 +237,7 @@ def mapper_vs_prefill(bridge, input_ids: torch.Tensor, repeats: int = 5, warmup:
         "warmup": warmup,
         "device": str(device),
         "dtype": str(bridge.target.dtype),
-        "mapper_dtype": str(bridge.mapper.layers[0].weight.dtype),
+        "mapper_dtype": str(bridge.mapper.layout_dtype()),
         "threads": torch.get_num_threads(),
     }
 

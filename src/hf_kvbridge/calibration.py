@@ -295,6 +295,8 @@ def calibrate(
     progress: bool = False,
     bidirectional: bool = False,
     checkpoint_dir: str | os.PathLike | None = None,
+    mapper_type: str = "ridge",
+    mlp_kwargs: dict | None = None,
     **load_kwargs: Any,
 ) -> KVBridgeForCausalLM:
     r"""Calibrates a KV bridge from `source` to `target` on `data` and returns it.
@@ -318,6 +320,11 @@ def calibrate(
         checkpoint_dir (`str`, *optional*): checkpoint the statistics there and resume from it after an
             interruption (see `collect_statistics`).
         statistics_device (*optional*): device of the statistics (defaults to the CPU).
+        mapper_type (`str`, *optional*, defaults to `"ridge"`): `"ridge"`; `"mlp"` (then a residual MLP is trained
+            on the calibration windows on top of the ridge map, see `mappers.mlp.train_mlp_mapper`, with
+            `mlp_kwargs`); or `"ridge_attention_weighted"` (ridge refitted with attention-mass token weights, see
+            `mappers.weighted`). The reverse mapper of a bidirectional bridge stays ridge.
+        mlp_kwargs (`dict`, *optional*): `hidden`, `loss`, `epochs`, `lr`, `batch_size`, ... for `"mlp"`.
         load_kwargs: passed to `from_pretrained` when `source`/`target` are names (`torch_dtype`, `device_map`).
 
     Example:
@@ -328,6 +335,10 @@ def calibrate(
     >>> bridge.save_pretrained("qwen3-14b-to-32b")  # doctest: +SKIP
     ```
     """
+    from .mappers import MAPPER_TYPES
+
+    if mapper_type not in MAPPER_TYPES:  # before any work
+        raise ValueError(f"mapper_type must be one of {MAPPER_TYPES}, got {mapper_type!r}")
     started = time.perf_counter()
     source, source_revision = _load(source, source_revision, **load_kwargs)
     target, target_revision = _load(target, target_revision, **load_kwargs)
@@ -383,6 +394,14 @@ def calibrate(
             "calibration": provenance,
         },
     )
+    if mapper_type == "mlp":
+        from .mappers.mlp import train_mlp_mapper
+
+        bridge = train_mlp_mapper(bridge, windows, **{"batch_size": batch_size, **(mlp_kwargs or {})})
+    elif mapper_type == "ridge_attention_weighted":
+        from .mappers.weighted import fit_attention_weighted
+
+        bridge = fit_attention_weighted(bridge, windows, batch_size=batch_size)
     if bidirectional:
         reverse = fit_bridge(
             target,

@@ -148,3 +148,282 @@ def plot_r2_heatmap(r2: torch.Tensor, path, title: str = "held-out single-layer 
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+@torch.no_grad()
+def target_queries(target: nn.Module, input_ids: torch.Tensor):
+    """The target's own post-RoPE queries at every layer, and its cache, from one forward pass over `input_ids`.
+
+    Queries are rebuilt from the hidden states each `self_attn` receives (captured with forward pre-hooks, removed
+    afterwards), as the layer itself builds them: `q_proj`, `q_norm` when the model has one, the layer's rotary.
+
+    Args:
+        target ([`PreTrainedModel`]): a decoder of the supported families.
+        input_ids (`torch.LongTensor` of shape `(batch, seq)`): unpadded text.
+
+    Returns:
+        `(queries, cache)`: `queries[t]` of shape `(batch, q_heads, seq, head_dim)`, float32, and the target's cache
+        (keys post-RoPE) for the same tokens.
+
+    Example:
+
+    ```python
+    >>> queries, cache = target_queries(model, ids)  # doctest: +SKIP
+    >>> queries[0].shape  # (B, H_q, T, d)  # doctest: +SKIP
+    ```
+    """
+    layers = _decoder_layers(target)
+    captured: dict[int, tuple] = {}
+
+    def capture(idx):
+        def hook(module, args, kwargs):
+            captured[idx] = (kwargs.get("hidden_states", args[0] if args else None), kwargs["position_embeddings"])
+
+        return hook
+
+    handles = [
+        layer.self_attn.register_forward_pre_hook(capture(i), with_kwargs=True) for i, layer in enumerate(layers)
+    ]
+    try:
+        cache = target(input_ids=input_ids.to(target.device), use_cache=True, logits_to_keep=1).cache
+    finally:
+        for handle in handles:
+            handle.remove()
+    queries = []
+    for t, layer in enumerate(layers):
+        attn = layer.self_attn
+        hidden, (cos, sin) = captured[t]  # (B, T, hidden), (B, T, d) each
+        batch, seq, _ = hidden.shape
+        head_dim = cache.layers[t].keys.shape[-1]
+        query = attn.q_proj(hidden).view(batch, seq, -1, head_dim)
+        if getattr(attn, "q_norm", None) is not None:
+            query = attn.q_norm(query)
+        queries.append(apply_rotary(query.transpose(1, 2).float(), cos.float(), sin.float()))  # (B, H_q, T, d)
+    return queries, cache
+
+
+def _causal_logit_energy(queries: torch.Tensor, keys: torch.Tensor, centered: bool = False) -> torch.Tensor:
+    """Per KV head, `Σ (q·k)²` over causal (query ≥ key) pairs and the query heads sharing that KV head.
+
+    Args:
+        queries (`torch.Tensor` of shape `(B, H_q, T, d)`), keys (`(B, H_kv, T, d)`).
+        centered (`bool`, *optional*, defaults to `False`): subtract from each query's logits their mean over the
+            keys it sees first (softmax ignores a shift shared by all keys of a query).
+
+    Returns:
+        `torch.Tensor` of shape `(H_kv,)`, float64.
+    """
+    batch, q_heads, seq, dim = queries.shape
+    kv_heads = keys.shape[1]
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=queries.device).tril()
+    seen = causal.sum(-1, keepdim=True)  # (T, 1): keys each query sees
+    total = torch.zeros(kv_heads, dtype=torch.float64)
+    for b in range(batch):  # one window at a time: H_q·T² logits
+        q = queries[b].float().view(kv_heads, q_heads // kv_heads, seq, dim)  # (H_kv, rep, T, d)
+        logits = (q @ keys[b].float().unsqueeze(1).transpose(-1, -2)) * causal  # (H_kv, rep, T_query, T_key)
+        if centered:
+            logits = (logits - logits.sum(-1, keepdim=True) / seen) * causal
+        total += logits.square().sum((1, 2, 3)).double().cpu()
+    return total
+
+
+@torch.no_grad()
+def inspect_bridge(
+    bridge,
+    data,
+    *,
+    num_sequences: int = 16,
+    seq_len: int = 256,
+    tokenizer=None,
+    batch_size: int = 4,
+    heldout_fraction: float = 0.25,
+    seed: int = 0,
+    text_field: str = "text",
+) -> dict:
+    r"""A diagnostics report of a bridge on `data` (use text the mapper was not calibrated on).
+
+    One streamed pass (batches of `batch_size` windows) measures:
+
+    - `mapper_r2`: R² of the *fitted mapper* (any mapper type, measured directly from its outputs) per target layer
+      and KV head, for K (content space) and V; `mapper_r2_layer` averages over heads;
+    - `attention_cosine`: attention-output cosine per target layer ([`attention_output_cosine`]);
+    - `key_error`: relative key error in the target's query subspace per target layer and KV head,
+      `Σ (q·(k̂ − k))² / Σ (q·k)²` over causal query/key pairs with the target's own queries and post-RoPE keys
+      (0 is perfect; it is the relative error of the attention logits); `key_error_layer` pools the heads;
+      `key_error_centered_layer` first centers each query's logits over the keys it sees, so an error that shifts
+      all of a query's logits alike (which softmax ignores) does not count;
+    - `single_layer_r2`: the source→target single-layer R² matrix `(target_layers, source_layers)` (mean of K
+      and V; `single_layer_r2_kv` keeps both), fitted on a train part of `data` and scored on the rest (split by
+      window, `heldout_fraction`), as calibration does.
+
+    Args:
+        bridge ([`KVBridgeForCausalLM`]): the bridge to inspect.
+        data: text as `calibrate` accepts it (strings, a `.txt`/`.jsonl` file or folder, a dataset), or a
+            `torch.LongTensor` of token windows `(num_windows, seq_len)` used as is.
+        num_sequences (`int`, *optional*, defaults to `16`), seq_len (`int`, *optional*, defaults to `256`): windows
+            cut from the text.
+        tokenizer (*optional*): defaults to the target's.
+        batch_size (`int`, *optional*, defaults to `4`): windows per forward pass.
+        heldout_fraction (`float`, *optional*, defaults to `0.25`): share of windows that scores the single-layer R².
+
+    Returns:
+        `dict` of plain lists and numbers (JSON-ready); see [`write_inspect_outputs`] for the files.
+
+    Example:
+
+    ```python
+    >>> from hf_kvbridge.diagnostics import inspect_bridge
+    >>> report = inspect_bridge(bridge, "heldout.jsonl.gz", num_sequences=16, seq_len=256)  # doctest: +SKIP
+    >>> report["attention_cosine"]  # one per target layer  # doctest: +SKIP
+    ```
+    """
+    from .calibration import cache_rows, split_heldout
+    from .mappers.mlp import rows_from_layout, rows_in_layout
+    from .selection import single_layer_r2
+    from .statistics import KVStatistics
+
+    if isinstance(data, torch.Tensor):
+        windows = data.long()
+    else:
+        from transformers import AutoTokenizer
+
+        from .data import token_windows
+        from .modeling import resolve_model_reference
+
+        if tokenizer is None:
+            name = bridge.config.target_name_or_path or bridge.target.config.name_or_path
+            tokenizer = AutoTokenizer.from_pretrained(resolve_model_reference(name))
+        windows = token_windows(data, tokenizer, num_sequences, seq_len, text_field=text_field)
+    source, target, mapper = bridge.source, bridge.target, bridge.mapper
+    src, tgt = bridge.source_layout, bridge.target_layout
+    heads, dim = tgt.num_kv_heads, tgt.head_dim
+    width = heads * 2 * dim  # features of one layer
+    num, seq = windows.shape
+    train_ids, heldout_ids = split_heldout(num, heldout_fraction, seed)
+    parts = [KVStatistics(src.num_layers, tgt.num_layers, heads, dim) for _ in range(2)]  # train, held-out
+    is_heldout = torch.zeros(num, dtype=torch.bool)
+    is_heldout[heldout_ids] = True
+    sse = torch.zeros(tgt.num_layers, width, dtype=torch.float64)  # mapper residuals per output column
+    y_sum, y_sq = torch.zeros_like(sse), torch.zeros_like(sse)
+    key_err = torch.zeros(tgt.num_layers, heads, dtype=torch.float64)
+    key_ref = torch.zeros_like(key_err)
+    shift_err, shift_ref = torch.zeros_like(key_err), torch.zeros_like(key_err)  # per-query centered logits
+    cosine = torch.zeros(tgt.num_layers, dtype=torch.float64)
+    param = next(iter(mapper.parameters()))
+    for start in range(0, num, batch_size):
+        ids = windows[start : start + batch_size]
+        batch = ids.shape[0]
+        x = cache_rows(source, ids, "cpu")  # (B·T, L_s·H·2d)
+        y = cache_rows(target, ids, "cpu")  # (B·T, L_t·H·2d)
+        held_rows = is_heldout[start : start + batch].repeat_interleave(seq)  # (B·T,)
+        for part, mask in ((parts[0], ~held_rows), (parts[1], held_rows)):
+            if mask.any():
+                part.update(x[mask], y[mask])
+        x_mapper = x.to(param.device, param.dtype)
+        for t, layers in enumerate(mapper.selected_layers):
+            rows = [rows_in_layout(mapper, x_mapper[:, s * width : (s + 1) * width]) for s in layers]
+            pred = rows_from_layout(mapper, mapper.map_layer(t, rows)).double().cpu()  # (B·T, H·2d)
+            truth = y[:, t * width : (t + 1) * width].double()
+            sse[t] += (pred - truth).square().sum(0)
+            y_sum[t] += truth.sum(0)
+            y_sq[t] += truth.square().sum(0)
+        queries, true_cache = target_queries(target, ids)
+        source_cache = source(input_ids=ids.to(source.device), use_cache=True, logits_to_keep=1).cache
+        mapped = bridge.map_cache(source_cache)
+        for t in range(tgt.num_layers):
+            true_keys = true_cache.layers[t].keys.float()  # (B, H, T, d), post-RoPE
+            error = mapped.layers[t].keys.float().to(true_keys.device) - true_keys
+            key_err[t] += _causal_logit_energy(queries[t], error)
+            key_ref[t] += _causal_logit_energy(queries[t], true_keys)
+            shift_err[t] += _causal_logit_energy(queries[t], error, centered=True)
+            shift_ref[t] += _causal_logit_energy(queries[t], true_keys, centered=True)
+        cosine += attention_output_cosine(bridge, ids) * batch
+    tokens = num * seq
+    sst = (y_sq - y_sum.square() / tokens).clamp_min(torch.finfo(torch.float64).tiny)
+    per_head = 1 - sse.view(-1, heads, 2, dim).sum(-1) / sst.view(-1, heads, 2, dim).sum(-1)  # (L_t, H, 2)
+    single = single_layer_r2(parts[0], parts[1], mapper.head_mode, bridge.config.ridge_lambda)  # (L_t, L_s, 2)
+    key_error = key_err / key_ref.clamp_min(torch.finfo(torch.float64).tiny)  # (L_t, H)
+    cosine = cosine / num
+
+    def rounded(tensor: torch.Tensor):
+        return torch.round(tensor.double(), decimals=6).tolist()
+
+    return {
+        "source": bridge.config.source_name_or_path or source.config.name_or_path,
+        "target": bridge.config.target_name_or_path or target.config.name_or_path,
+        "mapper_type": bridge.config.mapper_type,
+        "head_mode": mapper.head_mode,
+        "selected_layers": mapper.selected_layers,
+        "windows": num,
+        "seq_len": seq,
+        "tokens": tokens,
+        "single_layer_split": {"train_windows": len(train_ids), "heldout_windows": len(heldout_ids)},
+        "mapper_r2": {"k": rounded(per_head[..., 0]), "v": rounded(per_head[..., 1])},
+        "mapper_r2_layer": {"k": rounded(per_head[..., 0].mean(1)), "v": rounded(per_head[..., 1].mean(1))},
+        "attention_cosine": rounded(cosine),
+        "key_error": rounded(key_error),
+        "key_error_layer": rounded(key_err.sum(1) / key_ref.sum(1).clamp_min(torch.finfo(torch.float64).tiny)),
+        "key_error_centered_layer": rounded(
+            shift_err.sum(1) / shift_ref.sum(1).clamp_min(torch.finfo(torch.float64).tiny)
+        ),
+        "single_layer_r2": rounded(single.mean(-1)),
+        "single_layer_r2_kv": rounded(single),
+        "summary": {
+            "mapper_r2_k": round(float(per_head[..., 0].mean()), 6),
+            "mapper_r2_v": round(float(per_head[..., 1].mean()), 6),
+            "attention_cosine": round(float(cosine.mean()), 6),
+            "key_error": round(float(key_err.sum() / key_ref.sum().clamp_min(1e-300)), 6),
+            "key_error_centered": round(float(shift_err.sum() / shift_ref.sum().clamp_min(1e-300)), 6),
+        },
+    }
+
+
+def plot_layer_series(series: dict, path, ylabel: str, title: str) -> None:
+    """Grouped bars, one group per target layer and one bar per named series (e.g. `{"K": [...], "V": [...]}`)."""
+    plt = _pyplot()
+    names = list(series)
+    layers = len(series[names[0]])
+    width = 0.8 / len(names)
+    fig, ax = plt.subplots(figsize=(max(5, 0.6 * layers + 2), 3.5))
+    for i, name in enumerate(names):
+        ax.bar(np.arange(layers) + (i - (len(names) - 1) / 2) * width, series[name], width, label=name)
+    ax.set_xlabel("target layer")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.set_xticks(range(layers))
+    ax.grid(alpha=0.3, axis="y")
+    if len(names) > 1:
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+INSPECT_FILES = ("report.json", "r2_heatmap.png", "attention_cosine.png", "mapper_r2.png", "key_error.png")
+
+
+def write_inspect_outputs(report: dict, out) -> list[str]:
+    """Writes an [`inspect_bridge`] report into folder `out` (created if needed): `report.json`, the single-layer R²
+    heatmap, and per-layer bars of attention cosine, mapper R² (K, V) and key error. Returns the file names."""
+    import json
+    from pathlib import Path
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "report.json").write_text(json.dumps(report, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    pair = f"{report['source']} → {report['target']} ({report['mapper_type']})"
+    plot_r2_heatmap(torch.tensor(report["single_layer_r2"]), out / "r2_heatmap.png", f"single-layer R², {pair}")
+    plot_layer_bars(report["attention_cosine"], out / "attention_cosine.png", "attention-output cosine", pair)
+    plot_layer_series(
+        {"K": report["mapper_r2_layer"]["k"], "V": report["mapper_r2_layer"]["v"]},
+        out / "mapper_r2.png",
+        "R² of the mapper",
+        pair,
+    )
+    plot_layer_series(
+        {"key error": report["key_error_layer"], "centered per query": report["key_error_centered_layer"]},
+        out / "key_error.png",
+        "Σ(q·(k̂−k))² / Σ(q·k)²",
+        pair,
+    )
+    return list(INSPECT_FILES)

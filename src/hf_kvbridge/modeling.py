@@ -33,7 +33,7 @@ from .constants import (
     REVERSE_FOLDER,
 )
 from .layout import KVLayout, check_fingerprint, check_matched
-from .mappers import KVMapper
+from .mappers import LINEAR_MAPPER_TYPES, KVMapper, build_mapper
 from .rope import apply_rotary, inverse_cos_sin, rotary_cos_sin
 
 logger = logging.getLogger(__name__)
@@ -231,7 +231,9 @@ class KVBridgeForCausalLM(nn.Module):
                     rows[s] = self.mapper.layout_rows(  # the source rotation is stripped into the buffer
                         keys.to(device), values.to(device), write_keys=strip
                     )
+            self.mapper.materialize(t)
             mapped = self.mapper.map_layer(t, [rows[s] for s in layers])
+            self.mapper.release(t)
             for s in layers:
                 if last_use[s] == t:
                     del rows[s]
@@ -248,7 +250,7 @@ class KVBridgeForCausalLM(nn.Module):
 
     @torch.no_grad()
     def prefill(
-        self, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None = None
+        self, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None = None, *, source_logits: bool = True
     ) -> tuple[DynamicCache, Any]:
         """Builds the target cache for every token of `input_ids` and returns `(target cache, source outputs)`.
 
@@ -258,6 +260,7 @@ class KVBridgeForCausalLM(nn.Module):
         `config.gate_probe_tokens` tokens itself and compares its own K/V there with the mapped ones (cosine, mean
         over layers and tokens); below the threshold the mapped cache is dropped and the target prefills everything
         (fallback). The decision is in `self.last_transfer` and counted in `self.transfer_counts`.
+        With `source_logits=False` the source computes logits for the last position only (generation needs none).
         """
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
@@ -270,12 +273,18 @@ class KVBridgeForCausalLM(nn.Module):
             attention_mask=attention_mask.to(src_device),
             position_ids=positions.to(src_device),
             use_cache=True,
+            logits_to_keep=0 if source_logits else 1,
         )
         ids, mask, pos = input_ids.to(device), attention_mask.to(device), positions.to(device)
 
         def target_run(start: int, end: int, cache: DynamicCache | None) -> DynamicCache:
-            return self.target(input_ids=ids[:, start:end], attention_mask=mask[:, :end],
-                               position_ids=pos[:, start:end], cache=cache, use_cache=True).cache
+            return self.target(
+                input_ids=ids[:, start:end],
+                attention_mask=mask[:, :end],
+                position_ids=pos[:, start:end],
+                cache=cache,
+                use_cache=True,
+            ).cache
 
         pads = (mask.cumsum(-1) == 0).sum(-1)  # (B,) left padding of each row
         sink_end = min(length, int((pads + self.config.sink_tokens).max())) if self.config.sink_tokens else 0
@@ -286,16 +295,23 @@ class KVBridgeForCausalLM(nn.Module):
         if map_end > sink_end:
             piece = slice_cache(source_out.cache, sink_end, map_end)
             cache = self.map_cache(piece, positions[:, sink_end:map_end], target_cache=cache)
-        decision = {"transferred": True, "mapped_tokens": map_end - sink_end, "target_tokens": sink_end + probe,
-                    "score": None}
+        decision = {
+            "transferred": True,
+            "mapped_tokens": map_end - sink_end,
+            "target_tokens": sink_end + probe,
+            "score": None,
+        }
         if probe > 0:
             cache = target_run(map_end, length, cache)  # the target's own K/V for the probe tokens
             mapped_probe = self.map_cache(slice_cache(source_out.cache, map_end, length), positions[:, map_end:])
             score = probe_agreement(cache, mapped_probe, map_end, mask[:, map_end:])
             decision.update(score=score, transferred=score >= self.config.gate_threshold)
             if not decision["transferred"]:
-                logger.info("quality gate: probe K/V cosine %.4f < %.4f, the target prefills itself", score,
-                            self.config.gate_threshold)
+                logger.info(
+                    "quality gate: probe K/V cosine %.4f < %.4f, the target prefills itself",
+                    score,
+                    self.config.gate_threshold,
+                )
                 cache = target_run(0, length, None)
                 decision.update(mapped_tokens=0, target_tokens=length)
         self.last_transfer = decision
@@ -420,7 +436,7 @@ class KVBridgeForCausalLM(nn.Module):
         split = input_ids.shape[1] - self.config.hold_back
         if kwargs.get("cache") is None and split > 0:
             self._check_length(input_ids.shape[1])
-            kwargs["cache"], _ = self.prefill(input_ids[:, :split], attention_mask[:, :split])
+            kwargs["cache"], _ = self.prefill(input_ids[:, :split], attention_mask[:, :split], source_logits=False)
         return self.target.generate(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
 
     # -- saving and loading --------------------------------------------------------------------------------------
@@ -546,6 +562,7 @@ class KVBridgeForCausalLM(nn.Module):
         local_files_only: bool = False,
         token: str | bool | None = None,
         force_download: bool = False,
+        lazy_mapper: bool = False,
         **load_kwargs: Any,
     ) -> KVBridgeForCausalLM:
         r"""Loads a bridge checkpoint and its two models.
@@ -555,6 +572,8 @@ class KVBridgeForCausalLM(nn.Module):
             source_model, target_model ([`PreTrainedModel`], *optional*): already loaded models; otherwise they are
                 loaded from the ids and revisions recorded in the config.
             revision (`str`, *optional*): revision of the bridge repo on the Hub.
+            lazy_mapper (`bool`, *optional*, defaults to `False`): keep the mapper's weights on disk and load one
+                target layer's weights at a time while mapping (for mappers too large to hold in memory).
             load_kwargs: passed to `AutoModelForCausalLM.from_pretrained` for the two models (`torch_dtype`,
                 `dtype`, `device_map`, ...).
 
@@ -587,8 +606,19 @@ class KVBridgeForCausalLM(nn.Module):
         if target_model is None:
             target_model = load_model(config.target_name_or_path, config.target_revision, **load_kwargs)
         layout = KVLayout.from_config(target_model.config)
-        mapper = KVMapper(config.selected_layers, layout.num_kv_heads, layout.head_dim, config.head_mode)
-        load_mapper_weights(mapper, folder, checksums)
+        if lazy_mapper:
+            from .hub import verify_mapper_checksums
+            from .mappers.lazy import LazyKVMapper
+
+            if config.mapper_type not in LINEAR_MAPPER_TYPES:
+                raise ValueError(f"lazy_mapper=True supports linear mappers, not {config.mapper_type!r}")
+            files = [folder / name for name in verify_mapper_checksums(folder, checksums)]
+            mapper = LazyKVMapper(
+                config.selected_layers, layout.num_kv_heads, layout.head_dim, config.head_mode, files
+            )
+        else:
+            mapper = build_mapper(config, layout)  # the class config.mapper_type names (ridge, mlp, ...)
+            load_mapper_weights(mapper, folder, checksums)
         bridge = cls(config, source_model, target_model, mapper)
         bridge.config.name_or_path = str(pretrained_model_name_or_path)
         if (folder / REVERSE_FOLDER / CONFIG_NAME).is_file():

@@ -119,6 +119,16 @@ class KVMapper(nn.Module):
                 layer_map.bias.data[g] = bias.to(layer_map.bias.dtype)
         return mapper
 
+    def layout_dtype(self) -> torch.dtype:
+        """dtype of the mapper's inputs (its weights' dtype)."""
+        return self.layers[0].weight.dtype
+
+    def materialize(self, target_layer: int) -> None:
+        """Makes target layer `target_layer`'s weights available; a no-op here (see `LazyKVMapper`)."""
+
+    def release(self, target_layer: int) -> None:
+        """Lets go of target layer `target_layer`'s weights after mapping; a no-op here (see `LazyKVMapper`)."""
+
     def layout_rows(self, keys: torch.Tensor, values: torch.Tensor, write_keys=None) -> torch.Tensor:
         """One source layer's keys and values, `(B, H, T, d)` each, in the mapper's input layout: `(B·T, H·2d)` for
         `all_heads`, `(H, B·T, 2d)` for `same_head`; per head the key then the value.
@@ -128,7 +138,7 @@ class KVMapper(nn.Module):
                 view of the buffer); used to strip RoPE straight into the buffer. Defaults to a copy.
         """
         batch, heads, seq, dim = values.shape
-        dtype = self.layers[0].weight.dtype
+        dtype = self.layout_dtype()
         if self.head_mode == "all_heads":
             rows = torch.empty(batch, seq, heads, 2, dim, dtype=dtype, device=values.device)
             key_view, value_view = rows[:, :, :, 0].transpose(1, 2), rows[:, :, :, 1].transpose(1, 2)

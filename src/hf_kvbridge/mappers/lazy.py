@@ -1,0 +1,82 @@
+"""A linear mapper whose weights stay on disk until a target layer is mapped (for multi-GB mappers).
+
+An all-heads k = 8 mapper for a 64-layer target is several GB. `LazyKVMapper` keeps only the file offsets: when
+`map_cache` reaches target layer t it loads that layer's weight and bias (`materialize`), maps, and drops them
+(`release`), so the mapper's resident memory is one target layer's weights. The price is reading them from disk (the
+OS page cache) on every mapping; load eagerly when memory allows.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from .ridge import KVMapper
+
+
+class LazyKVMapper(KVMapper):
+    """`KVMapper` with per-layer weights read from a checkpoint's safetensors files on demand.
+
+    Args:
+        selected_layers, num_kv_heads, head_dim, head_mode: as for [`KVMapper`].
+        files (`list[Path]`): the checkpoint's mapper weight files (one, or the shards), already verified.
+
+    Example:
+
+    ```python
+    >>> bridge = KVBridgeForCausalLM.from_pretrained("big-bridge", lazy_mapper=True)  # doctest: +SKIP
+    >>> cache = bridge.prefill(input_ids)[0]  # each target layer's weights are loaded, used and dropped
+    ```
+    """
+
+    def __init__(self, selected_layers, num_kv_heads: int, head_dim: int, head_mode: str, files: list[Path]):
+        with torch.device("meta"):  # shapes and dtype only: no memory
+            super().__init__(selected_layers, num_kv_heads, head_dim, head_mode)
+        self._where: dict[str, Path] = {}
+        for path in files:
+            with safe_open(str(path), framework="pt") as handle:
+                for key in handle.keys():
+                    self._where[key] = path
+        missing = [k for k in self.state_dict() if k not in self._where]
+        if missing:
+            from ..modeling import MapperFileError
+
+            raise MapperFileError(f"mapper weights in {files[0].parent} lack {missing[:4]}")
+        self._device, self._dtype = torch.device("cpu"), torch.float32
+        self.loaded: set[int] = set()  # target layers whose weights are in memory now
+
+    def _apply(self, fn, recurse=True):  # `.to(device, dtype)` records where weights go when they are loaded
+        probe = fn(torch.empty(0, dtype=self._dtype, device=self._device))
+        self._device, self._dtype = probe.device, probe.dtype
+        return self
+
+    def materialize(self, target_layer: int) -> None:
+        layer = self.layers[target_layer]
+        for name in ("weight", "bias"):
+            key = f"layers.{target_layer}.{name}"
+            with safe_open(str(self._where[key]), framework="pt") as handle:
+                tensor = handle.get_tensor(key)
+            param = getattr(layer, name)
+            if tensor.shape != param.shape:
+                from ..modeling import MapperFileError
+
+                raise MapperFileError(
+                    f"{self._where[key]}: {key} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}"
+                )
+            setattr(layer, name, nn.Parameter(tensor.to(self._device, self._dtype), requires_grad=False))
+        self.loaded.add(target_layer)
+
+    def release(self, target_layer: int) -> None:
+        layer = self.layers[target_layer]
+        for name in ("weight", "bias"):
+            shape = getattr(layer, name).shape
+            setattr(
+                layer, name, nn.Parameter(torch.empty(shape, dtype=self._dtype, device="meta"), requires_grad=False)
+            )
+        self.loaded.discard(target_layer)
+
+    def layout_dtype(self) -> torch.dtype:
+        return self._dtype

@@ -1,0 +1,185 @@
+"""Attention-aware closed form: ridge with a per-token weight, the attention mass the token receives in the target.
+
+For target layer `t`, token `j` of a window gets the weight
+
+    w_tj = (1 / H_q) Σ_h Σ_{i ≥ j} softmax_j(q_hi · k_hj · scaling)
+
+(the target's own queries and keys, causal, summed over query positions and averaged over heads), which has mean
+exactly 1 over a window's tokens; it is renormalised to mean 1 anyway. The ridge problem of layer `t` is then solved
+on weighted statistics (`Σw, Σw·x, Σw·xxᵀ, Σw·xyᵀ, ...` over the layer's *selected* source features only), with the
+same centered solve and the same relative λ as the plain ridge (`solve_ridge` works on them unchanged: the token
+count becomes `Σw`). Tokens the target attends to a lot (early tokens, attention sinks) count more.
+
+Not built here: a *query-covariance-weighted key fit*, `min E[(k̂ − k)ᵀ Σ_q (k̂ − k)]` with one metric `Σ_q` (the
+target's query second moment) shared by all tokens. For an unconstrained linear map `k̂ = xW + b` (and a ridge
+penalty in the same metric) its minimiser is the unweighted one: substituting `W' = W Σ_q^{1/2}` gives the
+unweighted problem for `W'`, whose solution is `W_ridge Σ_q^{1/2}`. It would only differ with per-token metrics or a
+constrained (e.g. low-rank) map.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..statistics import KVStatistics
+from .ridge import KVMapper, solve_ridge
+
+if TYPE_CHECKING:
+    from ..modeling import KVBridgeForCausalLM
+
+logger = logging.getLogger(__name__)
+
+WEIGHTINGS = ("attention", "uniform")
+
+
+class WeightedKVStatistics(KVStatistics):
+    """[`KVStatistics`] whose tokens carry weights: `count` is `Σw` (a float) and every sum is weighted.
+
+    With all weights 1 it holds exactly what `KVStatistics` holds, so `solve_ridge` and `residual_sums` apply as
+    they are.
+
+    Example:
+
+    ```python
+    >>> stats = WeightedKVStatistics(source_layers=1, target_layers=1, num_kv_heads=1, head_dim=2)
+    >>> stats.update(torch.randn(10, 4), torch.randn(10, 4), weight=torch.full((10,), 0.5))
+    >>> stats.count
+    5.0
+    ```
+    """
+
+    @torch.no_grad()
+    def update(self, x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor | None = None) -> None:
+        """Adds `x (N, F)` and `y (N, G)` with per-token `weight (N,)` (all 1 when `None`)."""
+        if weight is None:
+            weight = torch.ones(x.shape[0])
+        if weight.numel() != x.shape[0]:
+            raise ValueError(f"{weight.numel()} weights for {x.shape[0]} tokens")
+        super_count = self.count
+        x = x.to(self.xx.device, torch.float64)
+        y = y.to(self.xx.device, torch.float64)
+        w = weight.to(self.xx.device, torch.float64).reshape(-1, 1)  # (N, 1)
+        wx = w * x  # (N, F)
+        self.count = float(super_count) + float(w.sum())
+        self.x_sum += wx.sum(0)
+        self.y_sum += (w * y).sum(0)
+        self.xx.addmm_(wx.T, x)  # Σ w x xᵀ
+        self.xy.addmm_(wx.T, y)  # Σ w x yᵀ
+        self.yy += (w * y * y).sum(0)
+
+
+def attention_mass(queries: torch.Tensor, keys: torch.Tensor, scaling: float) -> torch.Tensor:
+    """Attention mass each token receives, summed over (causal) query positions, averaged over query heads.
+
+    Args:
+        queries (`torch.Tensor` of shape `(B, H_q, T, d)`), keys (`(B, H_kv, T, d)`): post-RoPE, as the layer uses.
+        scaling (`float`): the layer's softmax scale.
+
+    Returns:
+        `torch.Tensor` of shape `(B, T)`, float32, mean 1 over each window.
+    """
+    seq = queries.shape[2]
+    rep = queries.shape[1] // keys.shape[1]
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=queries.device).triu(1)  # key after query
+    mass = []
+    for b in range(queries.shape[0]):  # one window at a time: H_q·T² scores, not B·H_q·T²
+        scores = queries[b].float() @ keys[b].float().repeat_interleave(rep, 0).transpose(-1, -2) * scaling
+        probs = scores.masked_fill(causal, float("-inf")).softmax(-1)  # (H_q, T_query, T_key)
+        mass.append(probs.sum(1).mean(0))  # (T,)
+    mass = torch.stack(mass)  # (B, T)
+    return mass / mass.mean(-1, keepdim=True)
+
+
+def fit_attention_weighted(
+    bridge: KVBridgeForCausalLM,
+    windows: torch.Tensor,
+    *,
+    batch_size: int = 8,
+    weighting: str = "attention",
+    progress: bool = False,
+) -> KVBridgeForCausalLM:
+    r"""Refits `bridge`'s ridge mapper with per-token attention-mass weights; returns a new bridge.
+
+    Keeps `bridge`'s layer selection, head mode and λ; one streamed pass of both models over `windows` accumulates,
+    per target layer, weighted statistics of its selected source features only. The result is a plain linear
+    [`KVMapper`] (same weights layout as ridge), with `config.mapper_type == "ridge_attention_weighted"`.
+
+    Args:
+        bridge ([`KVBridgeForCausalLM`]): a calibrated bridge (its selection and λ are reused).
+        windows (`torch.LongTensor` of shape `(num_sequences, seq_len)`): calibration windows.
+        batch_size (`int`, *optional*, defaults to `8`): windows per forward pass.
+        weighting (`str`, *optional*, defaults to `"attention"`): `"attention"`, or `"uniform"` (every weight 1:
+            the plain ridge fit on `windows`, an oracle for tests).
+
+    Returns:
+        [`KVBridgeForCausalLM`] sharing `bridge`'s models.
+
+    Example:
+
+    ```python
+    >>> from hf_kvbridge.mappers.weighted import fit_attention_weighted
+    >>> weighted = fit_attention_weighted(bridge, windows)  # doctest: +SKIP
+    >>> weighted.config.mapper_type  # doctest: +SKIP
+    'ridge_attention_weighted'
+    ```
+    """
+    from ..calibration import cache_rows
+    from ..diagnostics import _decoder_layers, target_queries
+    from ..modeling import KVBridgeForCausalLM
+
+    if weighting not in WEIGHTINGS:
+        raise ValueError(f"weighting must be one of {WEIGHTINGS}, got {weighting!r}")
+    started = time.perf_counter()
+    base, config = bridge.mapper, bridge.config
+    source, target = bridge.source, bridge.target
+    heads, dim = base.num_kv_heads, base.head_dim
+    width = heads * 2 * dim  # features of one layer
+    attn_layers = [layer.self_attn for layer in _decoder_layers(target)]
+    # per target layer: statistics of its k selected source layers (in the selected order) → that layer
+    stats = [WeightedKVStatistics(len(layers), 1, heads, dim) for layers in base.selected_layers]
+    from tqdm.auto import tqdm
+
+    for start in tqdm(range(0, len(windows), batch_size), desc="weighted ridge", disable=not progress):
+        ids = windows[start : start + batch_size]
+        x = cache_rows(source, ids, "cpu")  # (B·T, L_s·H·2d)
+        y = cache_rows(target, ids, "cpu")  # (B·T, L_t·H·2d)
+        queries = true_cache = None
+        if weighting == "attention":
+            queries, true_cache = target_queries(target, ids)
+        for t, layers in enumerate(base.selected_layers):
+            x_t = torch.cat([x[:, s * width : (s + 1) * width] for s in layers], dim=-1)  # (B·T, k·H·2d)
+            y_t = y[:, t * width : (t + 1) * width]  # (B·T, H·2d)
+            weight = None
+            if weighting == "attention":
+                weight = attention_mass(queries[t], true_cache.layers[t].keys, attn_layers[t].scaling).reshape(-1)
+            stats[t].update(x_t, y_t, weight)
+    mapper = KVMapper(base.selected_layers, heads, dim, base.head_mode)
+    for t, layers in enumerate(base.selected_layers):
+        for g, head in enumerate([None] if base.head_mode == "all_heads" else range(heads)):
+            weight, bias = solve_ridge(
+                stats[t],
+                stats[t].source_index(list(range(len(layers))), head),
+                stats[t].target_index(0, head),
+                config.ridge_lambda,
+            )
+            mapper.layers[t].weight.data[g] = weight.to(mapper.layers[t].weight.dtype)
+            mapper.layers[t].bias.data[g] = bias.to(mapper.layers[t].bias.dtype)
+    new_config = copy.deepcopy(config)
+    new_config.mapper_type = "ridge_attention_weighted"
+    new_config.mapper_kwargs = {
+        "weighting": weighting,
+        "windows": int(len(windows)),
+        "seq_len": int(windows.shape[1]),
+        "fit_seconds": round(time.perf_counter() - started, 2),
+    }
+    new = KVBridgeForCausalLM(new_config, source, target, mapper)
+    for name in ("layer_r2", "calibration_statistics"):
+        if hasattr(bridge, name):
+            setattr(new, name, getattr(bridge, name))
+    new.reverse = bridge.reverse
+    return new
