@@ -22,6 +22,23 @@ def pair_bridge(saved_pair):
     )
 
 
+def test_stacked_mapping_equals_layer_by_layer(pair_bridge):
+    """Target layers reading the same source layers are mapped by one wide product: the same numbers as mapping
+    them one by one (the plan really does group them here: top-2 of a 2-layer source)."""
+    plan = pair_bridge.mapper.mapping_plan()
+    assert plan == [([0, 1], [0, 1, 2])]
+    ids = torch.randint(0, VOCAB, (2, 14), generator=torch.Generator().manual_seed(0))
+    stacked = pair_bridge.prefill(ids)[0]
+    pair_bridge.mapper.groupable = False
+    try:
+        single = pair_bridge.prefill(ids)[0]
+    finally:
+        del pair_bridge.mapper.groupable
+    for a, b in zip(stacked.layers, single.layers):
+        torch.testing.assert_close(a.keys, b.keys)
+        torch.testing.assert_close(a.values, b.values)
+
+
 def _same_cache(a, b):
     assert len(a.layers) == len(b.layers)
     for la, lb in zip(a.layers, b.layers):
@@ -152,5 +169,8 @@ def test_lazy_mapper_loads_one_layer_at_a_time(pair_bridge, tmp_path, monkeypatc
 
     monkeypatch.setattr(LazyKVMapper, "materialize", spy)
     ids = torch.randint(0, VOCAB, (2, 14), generator=torch.Generator().manual_seed(0))
-    _same_cache(lazy.prefill(ids)[0], pair_bridge.prefill(ids)[0])
+    lazy_cache, eager_cache = lazy.prefill(ids)[0], pair_bridge.prefill(ids)[0]
+    for a, b in zip(lazy_cache.layers, eager_cache.layers):  # layer by layer vs one stacked product: rounding only
+        torch.testing.assert_close(a.keys, b.keys)
+        torch.testing.assert_close(a.values, b.values)
     assert most == [1, 1, 1] and not lazy.mapper.loaded  # one target layer's weights at a time, none after

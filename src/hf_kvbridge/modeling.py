@@ -192,9 +192,10 @@ class KVBridgeForCausalLM(nn.Module):
     ) -> DynamicCache:
         """Maps a source cache to the cache the target would have built for the same tokens.
 
-        Runs target layer by layer. Each source layer is stripped of its rotation once and kept only until the
-        last target layer that reads it, so the extra memory is the source layers still needed (with layer
-        selections that follow depth, a few layers' features) plus one target layer's output.
+        Each source layer is stripped of its rotation once and kept only until the last target layer that reads it.
+        Target layers that read the same source layers are mapped by one wide matrix product (see
+        `KVMapper.mapping_plan`); otherwise the mapping goes target layer by target layer. The extra memory is the
+        stripped source layers still needed plus the outputs of one step.
 
         Args:
             source_cache (`Cache`): the source's cache, `L_s` layers of `(batch, kv_heads, seq, head_dim)`.
@@ -221,25 +222,24 @@ class KVBridgeForCausalLM(nn.Module):
 
         cos_t, sin_t = rotary_cos_sin(self.target, position_ids.to(device))  # (B, T, d) each
         cache = target_cache if target_cache is not None else new_target_cache(self.target.config)
-        selected = self.mapper.selected_layers
-        last_use = {s: t for t, layers in enumerate(selected) for s in layers}
-        rows: dict[int, torch.Tensor] = {}  # stripped source layers still needed by a later target layer
-        for t, layers in enumerate(selected):
-            for s in layers:
+        plan = self.mapper.mapping_plan()  # steps of (source layers, target layers mapped together)
+        last_use = {s: step for step, (sources, _) in enumerate(plan) for s in sources}
+        rows: dict[int, torch.Tensor] = {}  # stripped source layers still needed by a later step
+        for step, (sources, targets) in enumerate(plan):
+            for s in sources:
                 if s not in rows:
                     keys, values = cache_layer_kv(source_cache, s)  # (B, H, T, d), keys post-RoPE
                     rows[s] = self.mapper.layout_rows(  # the source rotation is stripped into the buffer
                         keys.to(device), values.to(device), write_keys=strip
                     )
-            self.mapper.materialize(t)
-            mapped = self.mapper.map_layer(t, [rows[s] for s in layers])
-            self.mapper.release(t)
-            for s in layers:
-                if last_use[s] == t:
+            outputs = self.mapper.map_targets(sources, targets, [rows[s] for s in sources])
+            for s in sources:
+                if last_use[s] == step:
                     del rows[s]
-            keys_c, values = self.mapper.split_rows(mapped, batch, seq)  # (B, H, T, d) views
-            keys = apply_rotary(keys_c.float(), cos_t, sin_t)
-            append_layer(cache, t, keys.to(self.target.dtype), values.to(self.target.dtype).contiguous())
+            for t, mapped in zip(targets, outputs):
+                keys_c, values = self.mapper.split_rows(mapped, batch, seq)  # (B, H, T, d) views
+                keys = apply_rotary(keys_c.float(), cos_t, sin_t)
+                append_layer(cache, t, keys.to(self.target.dtype), values.to(self.target.dtype).contiguous())
         return cache
 
     def _check_length(self, length: int) -> None:

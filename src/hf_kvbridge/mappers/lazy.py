@@ -32,6 +32,8 @@ class LazyKVMapper(KVMapper):
     ```
     """
 
+    groupable = False  # one target layer's weights in memory at a time
+
     def __init__(self, selected_layers, num_kv_heads: int, head_dim: int, head_mode: str, files: list[Path]):
         with torch.device("meta"):  # shapes and dtype only: no memory
             super().__init__(selected_layers, num_kv_heads, head_dim, head_mode)

@@ -79,6 +79,8 @@ class MLPKVMapper(KVMapper):
     ```
     """
 
+    groupable = False  # map_layer adds a nonlinear residual per layer
+
     def __init__(
         self,
         selected_layers: list[list[int]],

@@ -188,3 +188,63 @@ class KVMapper(nn.Module):
         for i, x in enumerate(rows[1:], 1):
             out.baddbmm_(x, weight[:, i * span : (i + 1) * span])
         return out
+
+    # -- mapping several target layers at once -------------------------------------------------------------------
+    # Target layers that read the same set of source layers are mapped with one wide matrix product (their weights'
+    # row blocks put in one order and stacked along the output). One product per layer is narrow (output H·2d) and
+    # runs far below a CPU's or GPU's peak; the stacked product runs near it. Exact: same weights, same sums.
+    groupable = True  # False where `map_layer` is not one affine map per layer (MLP) or weights load lazily
+    max_group_bytes = 2**28  # stacked weights are a copy: don't stack more than this per group
+
+    def mapping_plan(self) -> list[tuple[list[int], list[int]]]:
+        """`(source layers in input order, target layers)` steps covering every target layer once."""
+        if not self.groupable:
+            return [(list(layers), [t]) for t, layers in enumerate(self.selected_layers)]
+        groups: dict[tuple[int, ...], list[int]] = {}
+        for t, layers in enumerate(self.selected_layers):
+            groups.setdefault(tuple(sorted(layers)), []).append(t)
+        plan = []
+        for sources, targets in groups.items():
+            size = sum(self.layers[t].weight.numel() * self.layers[t].weight.element_size() for t in targets)
+            if len(targets) > 1 and size <= self.max_group_bytes:
+                plan.append((list(sources), targets))
+            else:
+                plan.extend((list(self.selected_layers[t]), [t]) for t in targets)
+        return sorted(plan, key=lambda step: step[1][0])
+
+    def _stacked(self, sources: list[int], targets: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Weights `(G, k·span, n·out)` and bias `(G, n·out)` of `targets`, inputs in `sources` order (cached until
+        any of their weights change)."""
+        versions = tuple(
+            (self.layers[t].weight._version, self.layers[t].bias._version, self.layers[t].weight.data_ptr())
+            for t in targets
+        )
+        key = (tuple(sources), tuple(targets))
+        cache = self.__dict__.setdefault("_stacked_cache", {})
+        if key in cache and cache[key][0] == versions:
+            return cache[key][1]
+        blocks = []
+        for t in targets:
+            weight, order = self.layers[t].weight, self.selected_layers[t]  # (G, k·span, out)
+            span = weight.shape[1] // len(order)
+            index = [order.index(s) for s in sources]
+            blocks.append(torch.cat([weight[:, i * span : (i + 1) * span] for i in index], dim=1))
+        stacked = torch.cat(blocks, dim=2), torch.cat([self.layers[t].bias for t in targets], dim=1)
+        cache[key] = (versions, stacked)
+        return stacked
+
+    def map_targets(self, sources: list[int], targets: list[int], rows: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Maps one step of `mapping_plan`: `rows` holds the source layers' rows in `sources` order; returns one
+        output per target layer, in `map_layer`'s layout."""
+        if len(targets) == 1 and sources == self.selected_layers[targets[0]]:
+            self.materialize(targets[0])
+            out = self.map_layer(targets[0], rows)
+            self.release(targets[0])
+            return [out]
+        weight, bias = self._stacked(sources, targets)
+        x = torch.cat(rows, dim=-1)  # (B·T, k·H·2d) or (H, B·T, k·2d)
+        if self.head_mode == "all_heads":
+            out = torch.addmm(bias[0], x, weight[0])  # (B·T, n·H·2d)
+        else:
+            out = torch.baddbmm(bias.unsqueeze(1), x, weight)  # (H, B·T, n·2d)
+        return list(out.split(out.shape[-1] // len(targets), dim=-1))
