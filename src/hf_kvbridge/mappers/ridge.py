@@ -214,9 +214,14 @@ class KVMapper(nn.Module):
 
     def _stacked(self, sources: list[int], targets: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Weights `(G, k·span, n·out)` and bias `(G, n·out)` of `targets`, inputs in `sources` order (cached until
-        any of their weights change)."""
+        any of their weights or their layer order change)."""
         versions = tuple(
-            (self.layers[t].weight._version, self.layers[t].bias._version, self.layers[t].weight.data_ptr())
+            (
+                self.layers[t].weight._version,
+                self.layers[t].bias._version,
+                self.layers[t].weight.data_ptr(),
+                tuple(self.selected_layers[t]),
+            )
             for t in targets
         )
         key = (tuple(sources), tuple(targets))
