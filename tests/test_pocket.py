@@ -53,3 +53,36 @@ def test_bridge_keeps_the_context_and_breakage_would_not():
     # the same bridge with its layer order broken falls far below the floor (the test can fail)
     bridge.mapper.selected_layers = [list(reversed(layers)) for layers in bridge.mapper.selected_layers]
     assert continuation_nll(bridge, windows[:8], 192)["context_benefit_retention"] < RETENTION_FLOOR
+
+
+@pytest.mark.slow
+def test_demo_quick_writes_results_and_plots(tmp_path, capsys):
+    from hf_kvbridge.cli import main
+
+    assert main(["demo", "--quick", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "context-benefit retention" in out and "warm speedup" in out
+    (run,) = list(tmp_path.iterdir())
+    assert run.name.startswith("pocket-s-to-pocket-l-")
+    assert {p.name for p in run.iterdir()} == {"results.json", "r2_vs_k.png", "attention_cosine.png", "r2_heatmap.png"}
+
+
+@pytest.mark.slow
+def test_study_and_knob_sweep_run():
+    from hf_kvbridge.study import SETTINGS, run_knobs, run_study
+
+    result = run_study(["pocket-s:pocket-m"], num_sequences=8, seq_len=256, windows=3, progress=lambda *_: None)
+    points = len(SETTINGS["top_k"]) * len(SETTINGS["ridge_lambda"]) * len(SETTINGS["head_mode"])
+    assert result["correlations"]["attention_cosine"]["points"] == points == len(result["points"])
+    knobs = run_knobs(
+        "pocket-m",
+        "pocket-s",
+        sinks=(0, 4),
+        hold_backs=(1,),
+        num_sequences=8,
+        seq_len=256,
+        windows=3,
+        progress=lambda *_: None,
+    )
+    assert [(r["sink_tokens"], r["hold_back"]) for r in knobs["rows"]] == [(0, 1), (4, 1)]
+    assert all(r["retention"] == r["retention"] for r in knobs["rows"])  # not NaN

@@ -313,6 +313,9 @@ def build_parser() -> argparse.ArgumentParser:
     study.add_argument("--seq-len", type=int, default=512)
     study.add_argument("--windows", type=int, default=12, help="held-out windows for retention")
     study.add_argument("--seed", type=int, default=0)
+    study.add_argument(
+        "--knobs", metavar="SOURCE:TARGET", help="instead: retention vs cost of sink_tokens and hold_back on this pair"
+    )
     study.add_argument("--out", default="kvbridge-demo")
     study.set_defaults(func=_cmd_study)
 

@@ -145,6 +145,14 @@ def plot_study(result: dict, path) -> None:
 
 
 def run_study_cli(args) -> int:
+    if args.knobs:
+        source_name, target_name = args.knobs.split(":")
+        result = run_knobs(source_name, target_name, seed=args.seed)
+        out = Path(args.out) / f"knobs-{datetime.datetime.now().strftime('%Y%m%d-%H%M%S')}"
+        out.mkdir(parents=True)
+        (out / "knobs.json").write_text(json.dumps(result, indent=2))
+        print(f"wrote {out}/knobs.json")
+        return 0
     result = run_study(
         args.pairs.split(","),
         num_sequences=args.num_sequences,
@@ -160,3 +168,70 @@ def run_study_cli(args) -> int:
     plot_study(result, out / "study.png")
     print(f"wrote {out}/study.json, study.png")
     return 0
+
+
+def run_knobs(
+    source_name="pocket-l",
+    target_name="pocket-s",
+    *,
+    sinks=(0, 4, 16),
+    hold_backs=(1, 4, 16),
+    num_sequences=64,
+    seq_len=512,
+    windows=24,
+    context=256,
+    continuation=32,
+    seed=0,
+    progress=print,
+):
+    """Retention against added cost for the partial-recompute knobs: the target computes the first `sink_tokens`
+    and the last `hold_back` tokens of the context itself. Cost: context tokens the target computes, and time."""
+    tokenizer = AutoTokenizer.from_pretrained(pocket.model_path(target_name))
+    held = heldout_windows(pocket.load_texts("heldout"), tokenizer, context + continuation, windows)
+
+    def load(name):
+        return AutoModelForCausalLM.from_pretrained(pocket.model_path(name), dtype=torch.float32).eval()
+
+    bridge = calibrate(
+        load(source_name),
+        load(target_name),
+        pocket.load_texts("calibration"),
+        tokenizer=tokenizer,
+        num_sequences=num_sequences,
+        seq_len=seq_len,
+        seed=seed,
+    )
+    reference = {mode: _nll(bridge, held, context, mode) for mode in ("target", "no_context")}
+    gain = reference["no_context"] - reference["target"]
+    rows = []
+    for sink, hold in itertools.product(sinks, hold_backs):
+        bridge.config.sink_tokens, bridge.config.hold_back = sink, hold
+        started = time.perf_counter()
+        nll = _nll(bridge, held, context, "bridge")
+        rows.append(
+            {
+                "sink_tokens": sink,
+                "hold_back": hold,
+                "target_context_tokens": sink + hold,
+                "retention": (reference["no_context"] - nll) / gain,
+                "nll_bridge": nll,
+                "seconds": time.perf_counter() - started,
+            }
+        )
+        progress(
+            f"sink {sink:3d} hold_back {hold:3d}: target computes {sink + hold:3d}/{context} context tokens, "
+            f"retention {rows[-1]['retention']:.3f}, {rows[-1]['seconds']:.1f}s"
+        )
+    return {
+        "pair": f"{source_name}:{target_name}",
+        "reference": reference,
+        "rows": rows,
+        "settings": {
+            "windows": windows,
+            "context": context,
+            "continuation": continuation,
+            "num_sequences": num_sequences,
+            "seq_len": seq_len,
+            "seed": seed,
+        },
+    }
