@@ -2,6 +2,7 @@
 
 import hashlib
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -51,7 +52,8 @@ def hub_calls(monkeypatch):
         return url
 
     def upload_folder(self, *, repo_id, folder_path, **kwargs):
-        files = {p.name: p.read_bytes() for p in sorted(folder_path.iterdir()) if p.is_file()}
+        root = Path(folder_path)
+        files = {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
         calls["upload_folder"].append({"repo_id": repo_id, "files": files, **kwargs})
         return f"https://huggingface.co/{repo_id}/commit/{COMMIT}"
 
@@ -227,3 +229,15 @@ def test_model_card(bridge):
     assert "## Retention" in text and read_eval_table(text) == table
     plain = str(render_model_card(bridge.config))
     assert "## Retention" not in plain and "Attention-output cosine" not in plain
+
+
+def test_bidirectional_checkpoint_pushes_its_reverse_mapper(saved_pair, tmp_path, hub_calls):
+    both = hf_kvbridge.calibrate(
+        saved_pair["small"], saved_pair["large"], CORPUS, num_sequences=16, seq_len=32, top_k=2, bidirectional=True
+    )
+    reverse_files = {"reverse/config.json", "reverse/mapper.safetensors", "reverse/README.md"}
+    both.push_to_hub("me/both-ways")
+    both.save_pretrained(tmp_path / "b")
+    assert cli_main(["push", str(tmp_path / "b"), "me/both-ways"]) == 0
+    for call in hub_calls["upload_folder"]:  # the method and the CLI upload the same files
+        assert _uploaded_names(call) == BRIDGE_FILES | reverse_files

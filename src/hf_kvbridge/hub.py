@@ -280,6 +280,11 @@ def push_checkpoint(
                 os.symlink((folder / name).resolve(), tmp / name)
             except OSError:
                 shutil.copy2(folder / name, tmp / name)
+        if (folder / REVERSE_FOLDER).is_dir():  # a bidirectional checkpoint's target→source mapper goes along
+            try:
+                shutil.copytree((folder / REVERSE_FOLDER).resolve(), tmp / REVERSE_FOLDER, copy_function=os.symlink)
+            except OSError:
+                shutil.copytree(folder / REVERSE_FOLDER, tmp / REVERSE_FOLDER, dirs_exist_ok=True)
         render_model_card(config, repo_id=repo_id, eval_table=eval_table).save(tmp / MODEL_CARD_NAME)
         return push_folder_to_hub(
             tmp,

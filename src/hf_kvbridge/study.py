@@ -36,6 +36,27 @@ def _nll(bridge, windows, context_len, mode, batch_size=8) -> float:
     return total / count
 
 
+def _load_pocket(name: str, models: dict) -> AutoModelForCausalLM:
+    if name not in models:
+        models[name] = AutoModelForCausalLM.from_pretrained(pocket.model_path(name), dtype=torch.float32).eval()
+    return models[name]
+
+
+def _calibrated(source_name: str, target_name: str, tokenizer, models: dict, **calibrate_kwargs):
+    """A ridge bridge of two pocket models calibrated on the calibration split (models loaded once per name)."""
+    return calibrate(
+        _load_pocket(source_name, models),
+        _load_pocket(target_name, models),
+        pocket.load_texts("calibration"),
+        tokenizer=tokenizer,
+        **calibrate_kwargs,
+    )
+
+
+def _reference_nll(bridge, held, context: int) -> dict:
+    return {mode: _nll(bridge, held, context, mode) for mode in ("target", "no_context")}
+
+
 def run_study(
     pairs=DEFAULT_PAIRS,
     *,
@@ -50,28 +71,16 @@ def run_study(
     """Measures every (pair, setting) point and the correlations; returns the points and the Pearson r values."""
     tokenizer = AutoTokenizer.from_pretrained(pocket.model_path(pairs[0].split(":")[1]))  # shared by the family
     held = heldout_windows(pocket.load_texts("heldout"), tokenizer, context + continuation, windows)
-    models = {}
-
-    def load(name):
-        if name not in models:
-            models[name] = AutoModelForCausalLM.from_pretrained(pocket.model_path(name), dtype=torch.float32).eval()
-        return models[name]
-
+    models: dict = {}
     points = []
     for pair in pairs:
         source_name, target_name = pair.split(":")
         started = time.perf_counter()
-        base = calibrate(
-            load(source_name),
-            load(target_name),
-            pocket.load_texts("calibration"),
-            tokenizer=tokenizer,
-            num_sequences=num_sequences,
-            seq_len=seq_len,
-            seed=seed,
+        base = _calibrated(
+            source_name, target_name, tokenizer, models, num_sequences=num_sequences, seq_len=seq_len, seed=seed
         )
         train, heldout = base.calibration_statistics
-        reference = {mode: _nll(base, held, context, mode) for mode in ("target", "no_context")}
+        reference = _reference_nll(base, held, context)
         gain = reference["no_context"] - reference["target"]
         progress(
             f"{pair}: calibrated in {time.perf_counter() - started:.0f}s; NLL target {reference['target']:.3f}, "
@@ -189,19 +198,10 @@ def run_knobs(
     tokenizer = AutoTokenizer.from_pretrained(pocket.model_path(target_name))
     held = heldout_windows(pocket.load_texts("heldout"), tokenizer, context + continuation, windows)
 
-    def load(name):
-        return AutoModelForCausalLM.from_pretrained(pocket.model_path(name), dtype=torch.float32).eval()
-
-    bridge = calibrate(
-        load(source_name),
-        load(target_name),
-        pocket.load_texts("calibration"),
-        tokenizer=tokenizer,
-        num_sequences=num_sequences,
-        seq_len=seq_len,
-        seed=seed,
+    bridge = _calibrated(
+        source_name, target_name, tokenizer, {}, num_sequences=num_sequences, seq_len=seq_len, seed=seed
     )
-    reference = {mode: _nll(bridge, held, context, mode) for mode in ("target", "no_context")}
+    reference = _reference_nll(bridge, held, context)
     gain = reference["no_context"] - reference["target"]
     rows = []
     for sink, hold in itertools.product(sinks, hold_backs):
