@@ -72,8 +72,9 @@ def test_study_and_knob_sweep_run():
     from hf_kvbridge.study import SETTINGS, run_knobs, run_study
 
     result = run_study(["pocket-s:pocket-m"], num_sequences=8, seq_len=256, windows=3, progress=lambda *_: None)
-    points = len(SETTINGS["top_k"]) * len(SETTINGS["ridge_lambda"]) * len(SETTINGS["head_mode"])
+    points = len(SETTINGS["top_k"]) * len(SETTINGS["ridge_lambda"]) * len(SETTINGS["head_mode"]) + 1  # + MLP
     assert result["correlations"]["attention_cosine"]["points"] == points == len(result["points"])
+    assert [p["mapper"] for p in result["points"]].count("mlp") == 1
     knobs = run_knobs(
         "pocket-m",
         "pocket-s",

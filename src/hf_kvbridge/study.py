@@ -2,8 +2,9 @@
 measured context-benefit retention, across pairs and mapper settings of the pocket family (`kvbridge study`).
 
 Each pair is calibrated once (statistics are reused for every setting); each setting (top-k, ridge λ, head mode) is
-fitted from the statistics and measured on held-out text: mean held-out R² of K and V, mean attention-output cosine,
-and retention = (NLL_no_context − NLL_bridge) / (NLL_no_context − NLL_target).
+fitted from the statistics, plus one MLP mapper (attention loss) per pair, and measured on held-out text: R² of the
+mapped K and V against the target's own (`mapped_r2`), mean attention-output cosine, and retention =
+(NLL_no_context − NLL_bridge) / (NLL_no_context − NLL_target).
 """
 
 from __future__ import annotations
@@ -20,8 +21,11 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from . import pocket
 from .calibration import calibrate, fit_bridge
+from .data import token_windows
 from .diagnostics import _pyplot, attention_output_cosine
 from .evaluation import heldout_windows, score_tokens
+from .mappers.mlp import train_mlp_mapper
+from .rope import rotary_cos_sin, strip_rotary
 
 DEFAULT_PAIRS = ("pocket-s:pocket-l", "pocket-m:pocket-l", "pocket-l:pocket-s", "pocket-s:pocket-m")
 SETTINGS = {"top_k": (1, 2, None), "ridge_lambda": (0.01, 3.0), "head_mode": ("all_heads", "same_head")}
@@ -34,6 +38,27 @@ def _nll(bridge, windows, context_len, mode, batch_size=8) -> float:
         total -= logprobs.sum().item()
         count += logprobs.numel()
     return total / count
+
+
+@torch.no_grad()
+def mapped_r2(bridge, input_ids: torch.Tensor) -> dict:
+    """R² of the mapped K (content space) and V against the target's own, pooled over layers, heads and tokens of
+    `input_ids`. Measured on the mapper's outputs, so it applies to any mapper type (ridge or MLP) alike."""
+    source_cache = bridge.source(input_ids=input_ids, use_cache=True, logits_to_keep=1).cache
+    mapped = bridge.map_cache(source_cache)
+    true = bridge.target(input_ids=input_ids, use_cache=True, logits_to_keep=1).cache
+    positions = torch.arange(input_ids.shape[1]).unsqueeze(0).expand(input_ids.shape[0], -1)
+    cos, sin = rotary_cos_sin(bridge.target, positions)
+    sums = {"k": [0.0, 0.0], "v": [0.0, 0.0]}  # [Σ residual², Σ deviation²]
+    for got, want in zip(mapped.layers, true.layers):
+        pairs = {
+            "k": (strip_rotary(got.keys.float(), cos, sin), strip_rotary(want.keys.float(), cos, sin)),
+            "v": (got.values.float(), want.values.float()),
+        }
+        for name, (a, b) in pairs.items():  # (B, H, T, d)
+            sums[name][0] += float(((a - b) ** 2).sum())
+            sums[name][1] += float(((b - b.mean(dim=(0, 2), keepdim=True)) ** 2).sum())
+    return {name: 1 - sse / sst for name, (sse, sst) in sums.items()}
 
 
 def _load_pocket(name: str, models: dict) -> AutoModelForCausalLM:
@@ -66,6 +91,7 @@ def run_study(
     context=256,
     continuation=64,
     seed=0,
+    mlp=True,
     progress=print,
 ) -> dict:
     """Measures every (pair, setting) point and the correlations; returns the points and the Pearson r values."""
@@ -86,25 +112,33 @@ def run_study(
             f"{pair}: calibrated in {time.perf_counter() - started:.0f}s; NLL target {reference['target']:.3f}, "
             f"no context {reference['no_context']:.3f}"
         )
-        for top_k, lam, head_mode in itertools.product(*SETTINGS.values()):
+        candidates = [(dict(zip(SETTINGS, values)), None) for values in itertools.product(*SETTINGS.values())]
+        if mlp:  # the MLP residual (attention loss) on top of the default ridge map: ridge vs MLP in one r
+            candidates.append(({"top_k": 6, "ridge_lambda": 0.01, "head_mode": "all_heads"}, "mlp"))
+        for setting, mapper_type in candidates:
+            top_k, lam, head_mode = setting["top_k"], setting["ridge_lambda"], setting["head_mode"]
             bridge = fit_bridge(
                 base.source, base.target, train, heldout, top_k=top_k, ridge_lambda=lam, head_mode=head_mode
             )
-            r2 = bridge.config.heldout_r2
+            if mapper_type == "mlp":
+                windows_ = token_windows(pocket.load_texts("calibration"), tokenizer, num_sequences, seq_len)
+                bridge = train_mlp_mapper(bridge, windows_, hidden=128, loss="attention", epochs=1, seed=seed)
+            r2 = mapped_r2(bridge, held[:4])
             nll = _nll(bridge, held, context, "bridge")
             point = {
                 "pair": pair,
                 "top_k": "all" if top_k is None else top_k,
                 "ridge_lambda": lam,
                 "head_mode": head_mode,
-                "r2": (sum(r2["k"]) / len(r2["k"]) + sum(r2["v"]) / len(r2["v"])) / 2,
+                "mapper": mapper_type or "ridge",
+                "r2": (r2["k"] + r2["v"]) / 2,
                 "attention_cosine": float(attention_output_cosine(bridge, held[:4]).mean()),
                 "nll_bridge": nll,
                 "retention": (reference["no_context"] - nll) / gain,
             }
             points.append(point)
             progress(
-                f"  k={point['top_k']} λ={lam} {head_mode}: R² {point['r2']:.3f}  attn cos "
+                f"  {point['mapper']} k={point['top_k']} λ={lam} {head_mode}: R² {point['r2']:.3f}  attn cos "
                 f"{point['attention_cosine']:.4f}  retention {point['retention']:.3f}"
             )
     retention = [p["retention"] for p in points]
@@ -140,8 +174,16 @@ def plot_study(result: dict, path) -> None:
         axes, ("r2", "attention_cosine"), ("held-out R² (mean K, V)", "attention-output cosine")
     ):
         for pair in pairs:
-            pts = [p for p in result["points"] if p["pair"] == pair]
-            ax.scatter([p[key] for p in pts], [p["retention"] for p in pts], label=pair, s=18)
+            for mapper, marker in (("ridge", "o"), ("mlp", "*")):
+                pts = [p for p in result["points"] if p["pair"] == pair and p.get("mapper", "ridge") == mapper]
+                if pts:
+                    ax.scatter(
+                        [p[key] for p in pts],
+                        [p["retention"] for p in pts],
+                        s=18 if mapper == "ridge" else 80,
+                        marker=marker,
+                        label=pair if mapper == "ridge" else f"{pair} (MLP)",
+                    )
         r = result["correlations"][key]
         ax.set_title(f"Pearson r = {r['pearson_r']:+.2f} (n = {r['points']})", fontsize=9)
         ax.set_xlabel(label)
