@@ -243,3 +243,67 @@ def test_registration_and_entry_point():
     assert names.get("kvbridge") == "hf_kvbridge.lm_eval_model:KVBridgeLM"
     scripts = {ep.name: ep.value for ep in entry_points(group="console_scripts")}
     assert scripts.get("kvbridge-lm-eval") == "hf_kvbridge.lm_eval_model:cli_evaluate"
+
+
+def _coqa_story(text: str, turns: int) -> dict:
+    words = text.split()
+    return {
+        "story": text,
+        "questions": {"input_text": [f"what is word {i}?" for i in range(turns)]},
+        "answers": {"input_text": [words[i % len(words)] for i in range(turns)]},
+        "additional_answers": {"0": {"input_text": [words[(i + 1) % len(words)] for i in range(turns)]}},
+    }
+
+
+def test_per_turn_coqa_scores_every_turn(checkpoints, tmp_path):
+    """The per-turn CoQA task on a local file in CoQA's format: one request per turn, F1 reported per turn, and
+    the identity bridge scores every turn as the target does."""
+    data = tmp_path / "coqa.jsonl"
+    data.write_text("\n".join(json.dumps(_coqa_story(CORPUS[i], turns=3 + i)) for i in range(2)))
+    (tmp_path / "local.yaml").write_text(
+        f"include: {ROOT / 'eval_tasks' / 'coqa_turns' / 'kvbridge_coqa_turns.yaml'}\n"
+        "task: kvbridge_coqa_turns_local\n"
+        "dataset_path: json\n"
+        f"dataset_kwargs:\n  data_files:\n    validation: {data}\n"
+        "training_split: null\n"
+        "generation_kwargs:\n  until: ['\\nQ:']\n  max_gen_toks: 6\n"
+    )
+    manager = TaskManager(include_path=[str(ROOT / "eval_tasks" / "coqa_turns"), str(tmp_path)])
+    results = {}
+    for mode in ("target", "bridge"):
+        out = lm_eval.simple_evaluate(
+            model="kvbridge",
+            model_args=f"pretrained={checkpoints['identity']},mode={mode}",
+            tasks=["kvbridge_coqa_turns_local"],
+            task_manager=manager,
+            device="cpu",
+            bootstrap_iters=0,
+            log_samples=True,
+        )
+        results[mode] = out
+    samples = results["bridge"]["samples"]["kvbridge_coqa_turns_local"]
+    assert len(samples) == 3 + 4  # one request per turn of each story
+    assert sorted(s["doc"]["turn"] for s in samples) == [1, 1, 2, 2, 3, 3, 4]
+    metrics = results["bridge"]["results"]["kvbridge_coqa_turns_local"]
+    assert {"f1_turn_01,none", "f1_turn_04,none", "f1,none", "em,none"} <= set(metrics)
+    assert "f1_turn_05,none" not in metrics  # no story has a fifth turn
+    target = results["target"]["results"]["kvbridge_coqa_turns_local"]
+    assert {k: v for k, v in metrics.items() if "turn" in k} == {k: v for k, v in target.items() if "turn" in k}
+    bridge_out = [s["filtered_resps"] for s in sorted(samples, key=lambda s: s["doc_id"])]
+    target_samples = results["target"]["samples"]["kvbridge_coqa_turns_local"]
+    assert bridge_out == [s["filtered_resps"] for s in sorted(target_samples, key=lambda s: s["doc_id"])]
+
+
+def test_coqa_scoring_is_squad_style():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("coqa_turns_utils", ROOT / "eval_tasks" / "coqa_turns" / "utils.py")
+    utils = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(utils)
+    assert utils.scores(["The cat."], "a cat") == {"em": 1.0, "f1": 1.0}  # case, punctuation and articles ignored
+    assert utils.scores(["red fox"], "fox")["f1"] == pytest.approx(2 / 3)
+    # several golds: the mean of leave-one-out maxima
+    assert utils.scores(["red fox", "fox"], "fox") == {"em": 0.5, "f1": pytest.approx((1.0 + 2 / 3) / 2)}
+    doc = _coqa_story("one two three", turns=2)
+    assert utils.doc_to_text(doc).endswith("Q: what is word 0?\n\nA: one\n\nQ: what is word 1?\n\nA:")
+    assert utils.doc_to_target(doc) == ["two", "three"]
