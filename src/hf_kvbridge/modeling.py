@@ -34,7 +34,7 @@ from .constants import (
 )
 from .layout import KVLayout, check_fingerprint, check_matched
 from .mappers import LINEAR_MAPPER_TYPES, KVMapper, build_mapper
-from .rope import apply_rotary, inverse_cos_sin, rotary_cos_sin
+from .rope import Rotation, inverse_cos_sin, rotary_cos_sin
 
 logger = logging.getLogger(__name__)
 
@@ -215,12 +215,9 @@ class KVBridgeForCausalLM(nn.Module):
             position_ids = torch.arange(seq, device=first_keys.device).unsqueeze(0).expand(batch, -1)
         if position_ids.shape[-1] != seq:
             raise ValueError(f"position_ids cover {position_ids.shape[-1]} tokens but the source cache holds {seq}")
-        cos_s, sin_s = inverse_cos_sin(*rotary_cos_sin(self.source, position_ids.to(device)))
+        strip = Rotation(*inverse_cos_sin(*rotary_cos_sin(self.source, position_ids.to(device))))
 
-        def strip(keys, out):
-            return apply_rotary(keys, cos_s, sin_s, out=out)
-
-        cos_t, sin_t = rotary_cos_sin(self.target, position_ids.to(device))  # (B, T, d) each
+        rotate = Rotation(*rotary_cos_sin(self.target, position_ids.to(device)))  # cos/sin (B, T, d) each
         cache = target_cache if target_cache is not None else new_target_cache(self.target.config)
         plan = self.mapper.mapping_plan()  # steps of (source layers, target layers mapped together)
         last_use = {s: step for step, (sources, _) in enumerate(plan) for s in sources}
@@ -238,7 +235,7 @@ class KVBridgeForCausalLM(nn.Module):
                     del rows[s]
             for t, mapped in zip(targets, outputs):
                 keys_c, values = self.mapper.split_rows(mapped, batch, seq)  # (B, H, T, d) views
-                keys = apply_rotary(keys_c.float(), cos_t, sin_t)
+                keys = rotate(keys_c.float())
                 append_layer(cache, t, keys.to(self.target.dtype), values.to(self.target.dtype).contiguous())
         return cache
 

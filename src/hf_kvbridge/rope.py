@@ -61,9 +61,26 @@ def _rotate(keys: torch.Tensor, cos_h: torch.Tensor, sin_h: torch.Tensor, out: t
     half = keys.shape[-1] // 2
     k1, k2 = keys[..., :half], keys[..., half:]
     out = torch.empty_like(keys) if out is None else out
-    torch.addcmul(k1 * cos_h, k2, sin_h, value=-1, out=out[..., :half])
-    torch.addcmul(k2 * cos_h, k1, sin_h, out=out[..., half:])
+    first, second = out[..., :half], out[..., half:]
+    torch.mul(k1, cos_h, out=first).addcmul_(k2, sin_h, value=-1)  # in place: no temporaries
+    torch.mul(k2, cos_h, out=second).addcmul_(k1, sin_h)
     return out
+
+
+class Rotation:
+    """A rotation at fixed positions, prepared once and applied to many layers' keys (`rotation(keys, out=None)`).
+
+    Same result as `apply_rotary(keys, cos, sin, out)`, without re-checking the cos/sin halves for every layer.
+    """
+
+    def __init__(self, cos: torch.Tensor, sin: torch.Tensor):
+        self.halves = _halves(cos, sin)
+        self.cos, self.sin = cos, sin
+
+    def __call__(self, keys: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        if self.halves is not None:
+            return _rotate(keys, *self.halves, out=out)
+        return apply_rotary(keys, self.cos, self.sin, out=out)
 
 
 def apply_rotary(
