@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
 from . import pocket
 from .bench import mapper_vs_prefill
@@ -53,10 +53,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
 
 
-def _load(name: str):
-    return AutoModelForCausalLM.from_pretrained(pocket.model_path(name), dtype=torch.float32).eval()
-
-
 def _fmt_row(cells, widths) -> str:
     return "  ".join(str(c).ljust(w) for c, w in zip(cells, widths))
 
@@ -66,7 +62,7 @@ def measure(args: argparse.Namespace) -> dict:
     size = {key: value[1] if args.quick else value[0] for key, value in SIZES.items()}
     torch.manual_seed(args.seed)
     tokenizer = AutoTokenizer.from_pretrained(pocket.model_path(args.target))
-    source, target = _load(args.source), _load(args.target)
+    source, target = pocket.load_model(args.source), pocket.load_model(args.target)
     num_sequences = args.num_sequences or size["num_sequences"]
     seq_len = args.seq_len or size["seq_len"]
 

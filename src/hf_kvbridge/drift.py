@@ -131,18 +131,15 @@ def run_drift(args) -> int:
     import json
     from pathlib import Path
 
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     from . import pocket
     from .calibration import calibrate
 
-    def load(name):
-        return AutoModelForCausalLM.from_pretrained(pocket.model_path(name), dtype=torch.float32).eval()
-
     tokenizer = AutoTokenizer.from_pretrained(pocket.model_path(args.large))
     bridge = calibrate(
-        load(args.small),
-        load(args.large),
+        pocket.load_model(args.small),
+        pocket.load_model(args.large),
         pocket.load_texts("calibration"),
         tokenizer=tokenizer,
         num_sequences=args.num_sequences,

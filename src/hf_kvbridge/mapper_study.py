@@ -94,7 +94,7 @@ def prepare_pair(
     """Loads a pocket pair, cuts calibration and held-out windows, fits the ridge bridge (timed) and times the
     target's re-prefill: everything the mappers of one pair share (see `compare_mappers` for the arguments)."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     from . import pocket
     from .bench import median_seconds
@@ -104,10 +104,7 @@ def prepare_pair(
 
     torch.manual_seed(seed)
     tokenizer = AutoTokenizer.from_pretrained(pocket.model_path(target_name))
-    source, target = (
-        AutoModelForCausalLM.from_pretrained(pocket.model_path(name), dtype=torch.float32).eval()
-        for name in (source_name, target_name)
-    )
+    source, target = pocket.load_model(source_name), pocket.load_model(target_name)
     windows = token_windows(pocket.load_texts("calibration"), tokenizer, num_sequences, seq_len)
     heldout_texts = pocket.load_texts("heldout")
     eval_windows = heldout_windows(heldout_texts, tokenizer, nll_context + nll_continuation, nll_windows)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 from scipy import stats as scipy_stats
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
 from . import pocket
 from .calibration import calibrate, fit_bridge
@@ -61,9 +61,9 @@ def mapped_r2(bridge, input_ids: torch.Tensor) -> dict:
     return {name: 1 - sse / sst for name, (sse, sst) in sums.items()}
 
 
-def _load_pocket(name: str, models: dict) -> AutoModelForCausalLM:
+def _load_pocket(name: str, models: dict):
     if name not in models:
-        models[name] = AutoModelForCausalLM.from_pretrained(pocket.model_path(name), dtype=torch.float32).eval()
+        models[name] = pocket.load_model(name)
     return models[name]
 
 

@@ -22,7 +22,7 @@ import gzip
 import json
 from pathlib import Path
 
-__all__ = ["POCKET_MODELS", "SPLITS", "data_path", "load_documents", "load_texts", "model_path"]
+__all__ = ["POCKET_MODELS", "SPLITS", "data_path", "load_documents", "load_model", "load_texts", "model_path"]
 
 POCKET_MODELS: tuple[str, ...] = ("pocket-s", "pocket-m", "pocket-l", "pocket-x")
 """Names of the shipped models, smallest compatible first; ``pocket-x`` has a mismatched KV layout."""
@@ -80,6 +80,20 @@ def load_documents(split: str) -> list[dict[str, str]]:
     """
     with gzip.open(data_path(split), "rt", encoding="utf-8") as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+def load_model(name: str):
+    """A shipped pocket model in float32, in eval mode (transformers is imported here, not at module import).
+
+    Example::
+
+        >>> load_model("pocket-s").config.num_hidden_layers  # doctest: +SKIP
+        3
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_path(name), dtype=torch.float32).eval()
 
 
 def load_texts(split: str) -> list[str]:
