@@ -9,10 +9,7 @@ warm-up. Weights do not change timings, so real-size shapes can be benchmarked w
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import statistics
-import threading
 import time
 from collections.abc import Callable
 
@@ -129,45 +126,27 @@ def median_seconds(fn: Callable[[], object], device: torch.device, repeats: int 
     return statistics.median(times)
 
 
-class _MallInfo2(ctypes.Structure):
-    _fields_ = [
-        (name, ctypes.c_size_t)
-        for name in (
-            "arena",
-            "ordblks",
-            "smblks",
-            "hblks",
-            "hblkhd",
-            "usmblks",
-            "fsmblks",
-            "uordblks",
-            "fordblks",
-            "keepcost",
-        )
-    ]
+def _cpu_peak_bytes(fn: Callable[[], object]) -> int:
+    """Peak of PyTorch's CPU allocations during `fn()` above where they started, from the allocator's own records
+    (every allocation and free, in order, as `torch.profiler` logs them with `profile_memory=True`)."""
+    from torch.profiler import ProfilerActivity, profile
 
-
-def _heap_reader() -> Callable[[], int] | None:
-    """Bytes in use on the C heap (glibc `mallinfo2`: arena blocks in use + mmapped blocks), or `None`.
-
-    Unlike the resident set size this goes down when tensors are freed, so it shows peaks of allocation."""
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c"))
-        mallinfo2 = libc.mallinfo2
-    except (OSError, AttributeError, TypeError):
-        return None
-    mallinfo2.restype = _MallInfo2
-
-    def read() -> int:
-        info = mallinfo2()
-        return int(info.uordblks + info.hblkhd)
-
-    return read
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        result = fn()
+    events = sorted(
+        (e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"), key=lambda e: e.start_ns()
+    )
+    current = peak = 0
+    for event in events:  # nbytes > 0 for an allocation, < 0 for a free
+        current += event.nbytes()
+        peak = max(peak, current)
+    del result
+    return peak
 
 
 def peak_extra_bytes(fn: Callable[[], object], device: torch.device) -> int | None:
     """Peak memory `fn()` allocates on top of what is already allocated (what it returns included): CUDA allocator
-    statistics on a GPU; on CPU the glibc heap in use, sampled every 0.2 ms; `None` where neither is available."""
+    statistics on a GPU; on CPU PyTorch's own allocation records (`torch.profiler` memory events)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         base = torch.cuda.memory_allocated(device)
@@ -175,26 +154,9 @@ def peak_extra_bytes(fn: Callable[[], object], device: torch.device) -> int | No
         fn()
         torch.cuda.synchronize(device)
         return torch.cuda.max_memory_allocated(device) - base
-    read = _heap_reader()
-    if read is None:
+    if device.type != "cpu":
         return None
-    base, peak, done = read(), [0], threading.Event()
-
-    def sample():
-        while not done.is_set():
-            peak[0] = max(peak[0], read())
-            time.sleep(0.0002)
-
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
-    try:
-        result = fn()
-        peak[0] = max(peak[0], read())
-    finally:
-        done.set()
-        sampler.join()
-    del result
-    return peak[0] - base
+    return _cpu_peak_bytes(fn)
 
 
 @torch.no_grad()
