@@ -64,13 +64,15 @@ def _shared_tokenizer(source: PreTrainedModel, target: PreTrainedModel):
 def cache_rows(model: PreTrainedModel, input_ids: torch.Tensor, device: torch.device | str | None = None):
     """Runs `model` on unpadded windows and returns its cache as content-space rows.
 
-    Works with models sharded over devices (`device_map`): each layer's rows are moved to `device` (defaults to the
-    device of the first layer) before they are joined.
+    Works with models sharded over devices (`device_map`), also with offloaded weights (`"disk"` in a `device_map`,
+    `accelerate.cpu_offload`): each layer's rows are moved to `device` (defaults to the device of the first layer)
+    before they are joined.
 
     Returns:
         `torch.Tensor` of shape `(batch·seq, layers·H·2d)`, float32: per layer and head, key (RoPE stripped), value.
     """
-    input_ids = input_ids.to(model.device)
+    if model.device.type != "meta":  # meta: weights offloaded by accelerate, whose hooks move the inputs
+        input_ids = input_ids.to(model.device)
     out = model(input_ids=input_ids, use_cache=True, logits_to_keep=1)
     batch, seq = input_ids.shape
     positions = torch.arange(seq, device=input_ids.device).unsqueeze(0).expand(batch, -1)
