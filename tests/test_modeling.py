@@ -39,6 +39,57 @@ def test_stacked_mapping_equals_layer_by_layer(pair_bridge):
         torch.testing.assert_close(a.values, b.values)
 
 
+def test_chunked_mapping_equals_one_pass(pair_bridge):
+    """`map_cache` streams over tokens in chunks (ragged last chunk, left-padded batch): the same cache as one pass,
+    and a cache it returned is not touched by later mappings that reuse its workspace."""
+    mapper = pair_bridge.mapper
+    ids = torch.randint(0, VOCAB, (2, 14), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[0, :4] = 0
+    mapper.max_chunk_bytes = None
+    try:
+        whole = pair_bridge.prefill(ids, mask)[0]
+        pair_bridge.free_workspace()
+        mapper.max_chunk_bytes = 2 * 3 * mapper.chunk_bytes_per_token(pair_bridge.source_layout.num_layers)
+        assert mapper.chunk_tokens(2, 14, pair_bridge.source_layout.num_layers) == 3  # 5 chunks, the last of 2
+        chunked = pair_bridge.prefill(ids, mask)[0]
+        kept = [(layer.keys.clone(), layer.values.clone()) for layer in chunked.layers]
+        pair_bridge.prefill(ids[:, :9])  # another mapping through the same workspace
+        assert 0 < pair_bridge.workspace_bytes() <= mapper.max_chunk_bytes
+    finally:
+        del mapper.max_chunk_bytes
+    for a, b, (keys, values) in zip(whole.layers, chunked.layers, kept):
+        torch.testing.assert_close(a.keys, b.keys)
+        torch.testing.assert_close(a.values, b.values)
+        assert torch.equal(b.keys, keys) and torch.equal(b.values, values)
+    pair_bridge.free_workspace()
+    assert pair_bridge.workspace_bytes() == 0
+
+
+@pytest.mark.parametrize("head_mode", ["all_heads", "same_head"])
+def test_stacked_step_over_non_consecutive_source_layers(head_mode):
+    """Target layers that read source layers 0 and 2 (in either order) are stacked over gathered inputs: the same
+    numbers as mapping them one by one."""
+    from hf_kvbridge.mappers import KVMapper
+
+    source, target = qwen3(layers=3), qwen3(layers=2, hidden=48)
+    mapper = KVMapper([[2, 0], [0, 2]], 2, 16, head_mode)
+    generator = torch.Generator().manual_seed(0)
+    for layer in mapper.layers:
+        layer.weight.data.normal_(generator=generator)
+        layer.bias.data.normal_(generator=generator)
+    config = KVBridgeConfig(top_k=2, head_mode=head_mode, selected_layers=mapper.selected_layers)
+    bridge = KVBridgeForCausalLM(config, source, target, mapper)
+    assert mapper.mapping_plan() == [([0, 2], [0, 1])]
+    ids = torch.randint(0, VOCAB, (1, 11), generator=generator)
+    stacked = bridge.prefill(ids)[0]
+    mapper.groupable = False
+    single = bridge.prefill(ids)[0]
+    for a, b in zip(stacked.layers, single.layers):
+        torch.testing.assert_close(a.keys, b.keys)
+        torch.testing.assert_close(a.values, b.values)
+
+
 def _same_cache(a, b):
     assert len(a.layers) == len(b.layers)
     for la, lb in zip(a.layers, b.layers):

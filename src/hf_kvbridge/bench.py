@@ -102,8 +102,8 @@ def prefill_flops(config: PretrainedConfig, tokens: int) -> float:
 
 
 def mapper_flops(mapper: KVMapper, tokens: int) -> float:
-    """Matmul FLOPs of mapping `tokens` tokens: 2 × tokens × the mapper's weights."""
-    return float(sum(2 * tokens * layer.weight.numel() for layer in mapper.layers))
+    """Matmul FLOPs of mapping `tokens` tokens (`KVMapper.flops_per_token`: 2 × the weights each token meets)."""
+    return float(tokens * mapper.flops_per_token())
 
 
 # -- timing and memory --------------------------------------------------------------------------------------------
@@ -114,16 +114,26 @@ def _sync(device: torch.device) -> None:
 
 def median_seconds(fn: Callable[[], object], device: torch.device, repeats: int = 5, warmup: int = 1) -> float:
     """Median wall time of `fn()` over `repeats` runs after `warmup` runs."""
+    return interleaved_medians({"fn": fn}, device, repeats, warmup)["fn"]
+
+
+def interleaved_medians(
+    fns: dict[str, Callable[[], object]], device: torch.device, repeats: int = 5, warmup: int = 1
+) -> dict[str, float]:
+    """Median wall time of each of `fns` over `repeats` rounds after `warmup` rounds; each round runs every function
+    once, in turn, so a slow patch of a shared machine slows all of them alike instead of one."""
     for _ in range(warmup):
-        fn()
+        for fn in fns.values():
+            fn()
     _sync(device)
-    times = []
+    times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            _sync(device)
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(values) for name, values in times.items()}
 
 
 def _cpu_peak_bytes(fn: Callable[[], object]) -> int:
@@ -166,16 +176,25 @@ def mapper_vs_prefill(bridge, input_ids: torch.Tensor, repeats: int = 5, warmup:
     Returns:
         `dict` with seconds for each, the warm (`prefill / map`) and cold (`prefill / (source + map)`) speedups,
         FLOPs, achieved FLOP/s, the mapper's efficiency relative to the target's prefill (FLOP/s ratio), the
-        FLOP-ratio bound on the warm speedup, and the peak extra memory of one mapping.
+        FLOP-ratio bound on the warm speedup, the peak extra memory of one mapping (the cache it returns included)
+        and the workspace `map_cache` keeps between mappings. The three timings are interleaved round by round.
     """
     device = bridge.target.device
     ids_t, ids_s = input_ids.to(device), input_ids.to(bridge.source.device)
     tokens = int(input_ids.numel())
     source_cache = bridge.source.model(input_ids=ids_s, use_cache=True).cache
-    target_s = median_seconds(lambda: bridge.target.model(input_ids=ids_t, use_cache=True), device, repeats, warmup)
-    map_s = median_seconds(lambda: bridge.map_cache(source_cache), device, repeats, warmup)
-    source_s = median_seconds(lambda: bridge.source.model(input_ids=ids_s, use_cache=True), device, repeats, warmup)
-    peak = peak_extra_bytes(lambda: bridge.map_cache(source_cache), device)
+    seconds = interleaved_medians(
+        {
+            "target": lambda: bridge.target.model(input_ids=ids_t, use_cache=True),
+            "mapper": lambda: bridge.map_cache(source_cache),
+            "source": lambda: bridge.source.model(input_ids=ids_s, use_cache=True),
+        },
+        device,
+        repeats,
+        warmup,
+    )
+    target_s, map_s, source_s = seconds["target"], seconds["mapper"], seconds["source"]
+    peak = peak_extra_bytes(lambda: bridge.map_cache(source_cache), device)  # workspace already there (warm)
     target_flops = prefill_flops(bridge.target.config, int(input_ids.shape[1])) * input_ids.shape[0]
     map_flops = mapper_flops(bridge.mapper, tokens)
     return {
@@ -194,6 +213,7 @@ def mapper_vs_prefill(bridge, input_ids: torch.Tensor, repeats: int = 5, warmup:
         "flop_ratio_bound": target_flops / map_flops,
         "fraction_of_bound": (target_s / map_s) / (target_flops / map_flops),
         "mapping_peak_extra_bytes": peak,
+        "mapping_workspace_bytes": bridge.workspace_bytes(),
         "mapped_cache_bytes": _mapped_cache_bytes(bridge, tokens),
         "repeats": repeats,
         "warmup": warmup,
@@ -244,6 +264,7 @@ def format_table(rows: list[dict]) -> str:
         "of bound",
         "map eff.",
         "map peak MB",
+        "workspace MB",
     )
     lines = ["  ".join(f"{h:>11}" for h in header)]
     for r in rows:
@@ -259,6 +280,7 @@ def format_table(rows: list[dict]) -> str:
             f"{r['fraction_of_bound']:.2f}",
             f"{r['mapper_efficiency']:.2f}",
             "n/a" if peak is None else f"{peak / 2**20:.1f}",
+            f"{r['mapping_workspace_bytes'] / 2**20:.1f}",
         )
         lines.append("  ".join(f"{c:>11}" for c in cells))
     return "\n".join(lines)

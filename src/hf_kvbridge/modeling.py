@@ -13,6 +13,7 @@ import logging
 import os
 import shutil
 import tempfile
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -192,10 +193,12 @@ class KVBridgeForCausalLM(nn.Module):
     ) -> DynamicCache:
         """Maps a source cache to the cache the target would have built for the same tokens.
 
-        Each source layer is stripped of its rotation once and kept only until the last target layer that reads it.
-        Target layers that read the same source layers are mapped by one wide matrix product (see
-        `KVMapper.mapping_plan`); otherwise the mapping goes target layer by target layer. The extra memory is the
-        stripped source layers still needed plus the outputs of one step.
+        The mapping streams over the sequence in chunks of tokens (`KVMapper.chunk_tokens`). For each chunk every
+        source layer is stripped of its rotation once into one row buffer; each step of `KVMapper.mapping_plan`
+        (target layers reading the same source layers, mapped by one wide matrix product) reads its source layers
+        from there and writes its rotated keys and its values straight into the new cache's tensors. The chunk's
+        buffers are a workspace kept between calls (per thread, at most `KVMapper.max_chunk_bytes`; see
+        `free_workspace`), so mapping allocates nothing but the cache it returns.
 
         Args:
             source_cache (`Cache`): the source's cache, `L_s` layers of `(batch, kv_heads, seq, head_dim)`.
@@ -216,28 +219,57 @@ class KVBridgeForCausalLM(nn.Module):
         if position_ids.shape[-1] != seq:
             raise ValueError(f"position_ids cover {position_ids.shape[-1]} tokens but the source cache holds {seq}")
         strip = Rotation(*inverse_cos_sin(*rotary_cos_sin(self.source, position_ids.to(device))))
-
         rotate = Rotation(*rotary_cos_sin(self.target, position_ids.to(device)))  # cos/sin (B, T, d) each
+        mapper, plan = self.mapper, self.mapper.mapping_plan()  # steps of (source layers, target layers)
+        used = sorted({s for sources, _ in plan for s in sources})
+        heads, dim = src.num_kv_heads, src.head_dim
+        outputs = [  # the new cache's tensors, one (2, n, B, H, T, d) block per step: [0] keys, [1] values
+            torch.empty((2, len(targets), batch, heads, seq, dim), dtype=self.target.dtype, device=device)
+            for _, targets in plan
+        ]
+        chunk = mapper.chunk_tokens(batch, seq, src.num_layers)
+        widest = max(len(targets) for _, targets in plan) * heads * 2 * dim  # output features of the widest step
+        dtype = mapper.layout_dtype()
+        row_space = self._workspace("rows", batch * chunk * src.num_layers * heads * 2 * dim, dtype, device)
+        out_space = self._workspace("mapped", batch * chunk * widest, dtype, device)
+        for start in range(0, seq, chunk):
+            end = min(start + chunk, seq)
+            strip_c, rotate_c = strip.narrow(start, end), rotate.narrow(start, end)
+            rows = mapper.new_rows(batch, end - start, src.num_layers, out=row_space)  # (B·c, L_s·H·2d) or so
+            for s in used:
+                keys, values = cache_layer_kv(source_cache, s)  # (B, H, T, d), keys post-RoPE
+                keys, values = keys[:, :, start:end].to(device), values[:, :, start:end].to(device)
+                mapper.write_rows(rows, s, keys, values, write_keys=strip_c)  # strips the source rotation
+            for step, (sources, targets) in enumerate(plan):
+                mapped = mapper.map_targets(sources, targets, rows, out=out_space)
+                keys_c, values = mapper.split_rows(mapped, batch, end - start, layers=len(targets))  # (n,B,H,c,d)
+                block = outputs[step][:, :, :, :, start:end]  # (2, n, B, H, c, d) view of the cache tensors
+                rotate_c(keys_c, out=block[0])
+                block[1].copy_(values)
         cache = target_cache if target_cache is not None else new_target_cache(self.target.config)
-        plan = self.mapper.mapping_plan()  # steps of (source layers, target layers mapped together)
-        last_use = {s: step for step, (sources, _) in enumerate(plan) for s in sources}
-        rows: dict[int, torch.Tensor] = {}  # stripped source layers still needed by a later step
-        for step, (sources, targets) in enumerate(plan):
-            for s in sources:
-                if s not in rows:
-                    keys, values = cache_layer_kv(source_cache, s)  # (B, H, T, d), keys post-RoPE
-                    rows[s] = self.mapper.layout_rows(  # the source rotation is stripped into the buffer
-                        keys.to(device), values.to(device), write_keys=strip
-                    )
-            outputs = self.mapper.map_targets(sources, targets, [rows[s] for s in sources])
-            for s in sources:
-                if last_use[s] == step:
-                    del rows[s]
-            for t, mapped in zip(targets, outputs):
-                keys_c, values = self.mapper.split_rows(mapped, batch, seq)  # (B, H, T, d) views
-                keys = rotate(keys_c.float())
-                append_layer(cache, t, keys.to(self.target.dtype), values.to(self.target.dtype).contiguous())
+        for (_, targets), kv in zip(plan, outputs):
+            for i, t in enumerate(targets):
+                append_layer(cache, t, kv[0, i], kv[1, i])
         return cache
+
+    def _workspace(self, name: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A flat buffer of at least `numel` elements kept for this thread between mappings (fresh memory on every
+        call costs page faults on a CPU that can exceed the arithmetic of a small mapping)."""
+        spaces = self.__dict__.setdefault("_workspaces", {})
+        key = (threading.get_ident(), name, dtype, torch.device(device))
+        buffer = spaces.get(key)
+        if buffer is None or buffer.numel() < numel:
+            spaces.pop(key, None)  # drop the old one first: never two at once
+            buffer = spaces[key] = torch.empty(numel, dtype=dtype, device=device)
+        return buffer
+
+    def free_workspace(self) -> None:
+        """Frees the buffers `map_cache` keeps between calls (they come back on the next mapping)."""
+        self.__dict__.pop("_workspaces", None)
+
+    def workspace_bytes(self) -> int:
+        """Bytes held by `map_cache`'s workspace buffers (all threads)."""
+        return sum(b.numel() * b.element_size() for b in self.__dict__.get("_workspaces", {}).values())
 
     def _check_length(self, length: int) -> None:
         if length > self.max_positions:

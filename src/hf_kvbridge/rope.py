@@ -73,9 +73,14 @@ class Rotation:
     Same result as `apply_rotary(keys, cos, sin, out)`, without re-checking the cos/sin halves for every layer.
     """
 
-    def __init__(self, cos: torch.Tensor, sin: torch.Tensor):
-        self.halves = _halves(cos, sin)
+    def __init__(self, cos: torch.Tensor, sin: torch.Tensor, halves=False):
+        self.halves = _halves(cos, sin) if halves is False else halves
         self.cos, self.sin = cos, sin
+
+    def narrow(self, start: int, end: int) -> Rotation:
+        """The same rotation at tokens `[start, end)` only (views, no copy)."""
+        halves = None if self.halves is None else tuple(t[:, :, start:end] for t in self.halves)  # (B, 1, T, d/2)
+        return Rotation(self.cos[:, start:end], self.sin[:, start:end], halves)  # (B, T, d)
 
     def __call__(self, keys: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         if self.halves is not None:

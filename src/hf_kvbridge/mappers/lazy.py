@@ -33,6 +33,7 @@ class LazyKVMapper(KVMapper):
     """
 
     groupable = False  # one target layer's weights in memory at a time
+    max_chunk_bytes = None  # the whole sequence at once: each layer's weights are read once per mapping
 
     def __init__(self, selected_layers, num_kv_heads: int, head_dim: int, head_mode: str, files: list[Path]):
         with torch.device("meta"):  # shapes and dtype only: no memory

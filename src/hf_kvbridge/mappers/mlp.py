@@ -110,6 +110,11 @@ class MLPKVMapper(KVMapper):
             residual.w1.data.copy_(torch.randn(residual.w1.shape, generator=generator) / math.sqrt(fan_in))
         return mapper.to(linear.layers[0].weight.device)
 
+    def flops_per_token(self) -> int:
+        """The ridge part's FLOPs plus the residual MLPs' two products."""
+        mlp = sum(2 * (r.w1.numel() + r.w2.numel()) for r in self.residuals)
+        return super().flops_per_token() + mlp
+
     def residual(self, target_layer: int, rows: list[torch.Tensor]) -> torch.Tensor:
         """The MLP's correction for `target_layer`, in the mapper's layout (same shape as `map_layer`'s output)."""
         x = torch.cat(rows, dim=-1)  # (B·T, k·H·2d) all_heads, (H, B·T, k·2d) same_head

@@ -12,6 +12,8 @@ calibration tokens or with the scale of any feature (keys and values live at ver
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
@@ -92,11 +94,15 @@ class KVMapper(nn.Module):
         row = num_kv_heads * 2 * head_dim
         span = 2 * head_dim
         self.layers = nn.ModuleList(
-            LayerMap(1, len(layers) * row, row)
+            self.make_layer(1, len(layers) * row, row)
             if head_mode == "all_heads"
-            else LayerMap(num_kv_heads, len(layers) * span, span)
+            else self.make_layer(num_kv_heads, len(layers) * span, span)
             for layers in self.selected_layers
         )
+
+    def make_layer(self, groups: int, in_features: int, out_features: int) -> nn.Module:
+        """The map of one target layer (`groups` head groups of `in_features → out_features`)."""
+        return LayerMap(groups, in_features, out_features)
 
     @classmethod
     def from_statistics(
@@ -121,7 +127,15 @@ class KVMapper(nn.Module):
 
     def layout_dtype(self) -> torch.dtype:
         """dtype of the mapper's inputs (its weights' dtype)."""
-        return self.layers[0].weight.dtype
+        return self.layers[0].bias.dtype
+
+    def layer_weight(self, target_layer: int) -> torch.Tensor:
+        """Target layer `target_layer`'s weight `(G, p, q)` as one matrix per head group (inputs in selected order)."""
+        return self.layers[target_layer].weight
+
+    def flops_per_token(self) -> int:
+        """Matmul FLOPs of mapping one token to every target layer: 2 × the weights a token's rows meet."""
+        return sum(2 * layer.weight.numel() for layer in self.layers)
 
     def materialize(self, target_layer: int) -> None:
         """Makes target layer `target_layer`'s weights available; a no-op here (see `LazyKVMapper`)."""
@@ -129,38 +143,85 @@ class KVMapper(nn.Module):
     def release(self, target_layer: int) -> None:
         """Lets go of target layer `target_layer`'s weights after mapping; a no-op here (see `LazyKVMapper`)."""
 
-    def layout_rows(self, keys: torch.Tensor, values: torch.Tensor, write_keys=None) -> torch.Tensor:
-        """One source layer's keys and values, `(B, H, T, d)` each, in the mapper's input layout: `(B·T, H·2d)` for
-        `all_heads`, `(H, B·T, 2d)` for `same_head`; per head the key then the value.
+    def new_rows(
+        self, batch: int, seq: int, num_layers: int, device=None, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """An uninitialised buffer for the rows of `num_layers` source layers side by side, in the mapper's input
+        layout: `(B·T, L·H·2d)` for `all_heads`, `(H, B·T, L·2d)` for `same_head` (see `write_rows`).
+
+        Args:
+            out (`torch.Tensor`, *optional*): a flat tensor of at least that many elements to use as storage (a
+                reused workspace); a new tensor otherwise.
+        """
+        heads, dim = self.num_kv_heads, self.head_dim
+        shape = (
+            (batch * seq, num_layers * heads * 2 * dim)
+            if self.head_mode == "all_heads"
+            else (
+                heads,
+                batch * seq,
+                num_layers * 2 * dim,
+            )
+        )
+        if out is None:
+            return torch.empty(shape, dtype=self.layout_dtype(), device=device)
+        return out[: math.prod(shape)].view(shape)
+
+    def layer_rows(self, rows: torch.Tensor, index: int, count: int = 1) -> torch.Tensor:
+        """Layers `index … index+count-1` of a `new_rows` buffer, side by side (a view): the input of a map."""
+        width = rows.shape[-1] // self._buffer_layers(rows)  # H·2d or 2d
+        return rows[..., index * width : (index + count) * width]
+
+    def _buffer_layers(self, rows: torch.Tensor) -> int:
+        per_layer = self.num_kv_heads * 2 * self.head_dim if self.head_mode == "all_heads" else 2 * self.head_dim
+        return rows.shape[-1] // per_layer
+
+    def write_rows(self, rows: torch.Tensor, index: int, keys: torch.Tensor, values: torch.Tensor, write_keys=None):
+        """Writes one source layer's keys and values, `(B, H, T, d)` each, into layer `index` of a `new_rows`
+        buffer; per head the key then the value.
 
         Args:
             write_keys (`Callable`, *optional*): `write_keys(keys, out)` writes the keys into `out` (a `(B, H, T, d)`
                 view of the buffer); used to strip RoPE straight into the buffer. Defaults to a copy.
         """
         batch, heads, seq, dim = values.shape
-        dtype = self.layout_dtype()
+        layers = self._buffer_layers(rows)
         if self.head_mode == "all_heads":
-            rows = torch.empty(batch, seq, heads, 2, dim, dtype=dtype, device=values.device)
-            key_view, value_view = rows[:, :, :, 0].transpose(1, 2), rows[:, :, :, 1].transpose(1, 2)
+            slot = rows.view(batch, seq, layers, heads, 2, dim)[:, :, index]  # (B, T, H, 2, d)
+            key_view, value_view = slot[:, :, :, 0].transpose(1, 2), slot[:, :, :, 1].transpose(1, 2)
         else:
-            rows = torch.empty(heads, batch, seq, 2, dim, dtype=dtype, device=values.device)
-            key_view, value_view = rows[:, :, :, 0].transpose(0, 1), rows[:, :, :, 1].transpose(0, 1)
+            slot = rows.view(heads, batch, seq, layers, 2, dim)[:, :, :, index]  # (H, B, T, 2, d)
+            key_view, value_view = slot[:, :, :, 0].transpose(0, 1), slot[:, :, :, 1].transpose(0, 1)
         if write_keys is None:
             key_view.copy_(keys)
         else:
             write_keys(keys, key_view)
         value_view.copy_(values)
-        if self.head_mode == "all_heads":
-            return rows.view(batch * seq, heads * 2 * dim)
-        return rows.view(heads, batch * seq, 2 * dim)
 
-    def split_rows(self, mapped: torch.Tensor, batch: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Inverse of `layout_rows` for the output: content-space keys and values `(B, H, T, d)` (views)."""
+    def layout_rows(self, keys: torch.Tensor, values: torch.Tensor, write_keys=None) -> torch.Tensor:
+        """One source layer's keys and values, `(B, H, T, d)` each, in the mapper's input layout: `(B·T, H·2d)` for
+        `all_heads`, `(H, B·T, 2d)` for `same_head` (`new_rows` + `write_rows` for a single layer)."""
+        batch, _, seq, _ = values.shape
+        rows = self.new_rows(batch, seq, 1, device=values.device)
+        self.write_rows(rows, 0, keys, values, write_keys)
+        return rows
+
+    def split_rows(
+        self, mapped: torch.Tensor, batch: int, seq: int, layers: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Inverse of `layout_rows` for the output: content-space keys and values `(B, H, T, d)` (views).
+
+        With `layers=n`, `mapped` holds `n` target layers side by side (a `map_targets` output) and the keys and
+        values are `(n, B, H, T, d)` views, so one elementwise op can cover all `n` layers.
+        """
         heads, dim = self.num_kv_heads, self.head_dim
+        n = 1 if layers is None else layers
         if self.head_mode == "all_heads":
-            kv = mapped.view(batch, seq, heads, 2, dim).permute(3, 0, 2, 1, 4)  # (2, B, H, T, d)
+            kv = mapped.view(batch, seq, n, heads, 2, dim).permute(4, 2, 0, 3, 1, 5)  # (2, n, B, H, T, d)
         else:
-            kv = mapped.view(heads, batch, seq, 2, dim).permute(3, 1, 0, 2, 4)  # (2, B, H, T, d)
+            kv = mapped.view(heads, batch, seq, n, 2, dim).permute(4, 3, 1, 0, 2, 5)  # (2, n, B, H, T, d)
+        if layers is None:
+            kv = kv[:, 0]
         return kv[0], kv[1]
 
     def map_layer(self, target_layer: int, rows: list[torch.Tensor]) -> torch.Tensor:
@@ -195,6 +256,21 @@ class KVMapper(nn.Module):
     # runs far below a CPU's or GPU's peak; the stacked product runs near it. Exact: same weights, same sums.
     groupable = True  # False where `map_layer` is not one affine map per layer (MLP) or weights load lazily
     max_group_bytes = 2**28  # stacked weights are a copy: don't stack more than this per group
+    # `map_cache` maps the sequence in chunks of tokens whose working set (the source rows of the chunk and the widest
+    # step's output) is about this size; None maps the whole sequence at once
+    max_chunk_bytes: int | None = 2**26
+
+    def chunk_tokens(self, batch: int, seq: int, num_source_layers: int) -> int:
+        """Tokens per chunk when `map_cache` maps `batch` sequences of `seq` tokens (see `max_chunk_bytes`)."""
+        if self.max_chunk_bytes is None:
+            return seq
+        return max(1, min(seq, self.max_chunk_bytes // (batch * self.chunk_bytes_per_token(num_source_layers))))
+
+    def chunk_bytes_per_token(self, num_source_layers: int) -> int:
+        """Bytes of `map_cache`'s working set per token: the source rows and the widest step's output."""
+        per_layer = self.num_kv_heads * 2 * self.head_dim
+        widest = max(len(targets) for _, targets in self.mapping_plan()) * per_layer
+        return (num_source_layers * per_layer + widest) * torch.finfo(self.layout_dtype()).bits // 8
 
     def mapping_plan(self) -> list[tuple[list[int], list[int]]]:
         """`(source layers in input order, target layers)` steps covering every target layer once."""
@@ -205,7 +281,7 @@ class KVMapper(nn.Module):
             groups.setdefault(tuple(sorted(layers)), []).append(t)
         plan = []
         for sources, targets in groups.items():
-            size = sum(self.layers[t].weight.numel() * self.layers[t].weight.element_size() for t in targets)
+            size = sum(p.numel() * p.element_size() for t in targets for p in self.layers[t].parameters())
             if len(targets) > 1 and size <= self.max_group_bytes:
                 plan.append((list(sources), targets))
             else:
@@ -238,18 +314,37 @@ class KVMapper(nn.Module):
         cache[key] = (versions, stacked)
         return stacked
 
-    def map_targets(self, sources: list[int], targets: list[int], rows: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Maps one step of `mapping_plan`: `rows` holds the source layers' rows in `sources` order; returns one
-        output per target layer, in `map_layer`'s layout."""
+    def step_input(self, sources: list[int], rows: torch.Tensor) -> torch.Tensor:
+        """Source layers `sources` of a `new_rows` buffer side by side: a view when they are consecutive, else a
+        gathered copy."""
+        if sources == list(range(sources[0], sources[0] + len(sources))):
+            return self.layer_rows(rows, sources[0], len(sources))
+        return torch.cat([self.layer_rows(rows, s) for s in sources], dim=-1)
+
+    def map_targets(
+        self, sources: list[int], targets: list[int], rows: torch.Tensor, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Maps one step of `mapping_plan`.
+
+        Args:
+            sources, targets: the step.
+            rows (`torch.Tensor`): a `new_rows` buffer holding (at least) the step's source layers, layer `s` at
+                index `s`.
+            out (`torch.Tensor`, *optional*): flat storage for the result (a reused workspace).
+
+        Returns:
+            the `len(targets)` target layers side by side in `map_layer`'s layout (`split_rows(..., layers=n)` takes
+            them apart).
+        """
         if len(targets) == 1 and sources == self.selected_layers[targets[0]]:
             self.materialize(targets[0])
-            out = self.map_layer(targets[0], rows)
+            mapped = self.map_layer(targets[0], [self.layer_rows(rows, s) for s in sources])
             self.release(targets[0])
-            return [out]
+            return mapped
         weight, bias = self._stacked(sources, targets)
-        x = torch.cat(rows, dim=-1)  # (B·T, k·H·2d) or (H, B·T, k·2d)
+        x = self.step_input(sources, rows)  # (B·T, k·H·2d) or (H, B·T, k·2d)
+        shape = (*x.shape[:-1], weight.shape[-1])  # (B·T, n·H·2d) or (H, B·T, n·2d)
+        result = None if out is None else out[: math.prod(shape)].view(shape)
         if self.head_mode == "all_heads":
-            out = torch.addmm(bias[0], x, weight[0])  # (B·T, n·H·2d)
-        else:
-            out = torch.baddbmm(bias.unsqueeze(1), x, weight)  # (H, B·T, n·2d)
-        return list(out.split(out.shape[-1] // len(targets), dim=-1))
+            return torch.addmm(bias[0], x, weight[0], out=result)
+        return torch.baddbmm(bias.unsqueeze(1), x, weight, out=result)
