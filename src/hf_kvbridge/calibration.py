@@ -299,6 +299,7 @@ def calibrate(
     checkpoint_dir: str | os.PathLike | None = None,
     mapper_type: str = "ridge",
     mlp_kwargs: dict | None = None,
+    rank: int = 64,
     **load_kwargs: Any,
 ) -> KVBridgeForCausalLM:
     r"""Calibrates a KV bridge from `source` to `target` on `data` and returns it.
@@ -325,8 +326,10 @@ def calibrate(
         mapper_type (`str`, *optional*, defaults to `"ridge"`): `"ridge"`; `"mlp"` (then a residual MLP is trained
             on the calibration windows on top of the ridge map, see `mappers.mlp.train_mlp_mapper`, with
             `mlp_kwargs`); or `"ridge_attention_weighted"` (ridge refitted with attention-mass token weights, see
-            `mappers.weighted`). The reverse mapper of a bidirectional bridge stays ridge.
+            `mappers.weighted`); or `"low_rank"` (each ridge map reduced to rank `rank`, see
+            `mappers.low_rank`). The reverse mapper of a bidirectional bridge stays ridge.
         mlp_kwargs (`dict`, *optional*): `hidden`, `loss`, `epochs`, `lr`, `batch_size`, ... for `"mlp"`.
+        rank (`int`, *optional*, defaults to `64`): the rank of a `"low_rank"` mapper.
         load_kwargs: passed to `from_pretrained` when `source`/`target` are names (`torch_dtype`, `device_map`).
 
     Example:
@@ -400,6 +403,10 @@ def calibrate(
         from .mappers.mlp import train_mlp_mapper
 
         bridge = train_mlp_mapper(bridge, windows, **{"batch_size": batch_size, **(mlp_kwargs or {})})
+    elif mapper_type == "low_rank":
+        from .mappers.low_rank import low_rank_bridge
+
+        bridge = low_rank_bridge(bridge, rank, statistics=(train, heldout))
     elif mapper_type == "ridge_attention_weighted":
         from .mappers.weighted import fit_attention_weighted
 

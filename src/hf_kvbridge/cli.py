@@ -42,6 +42,8 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
         target_revision=args.target_revision,
         text_field=args.text_field,
         progress=True,
+        mapper_type=args.mapper_type,
+        rank=args.rank,
         **load_kwargs,
     )
     bridge.save_pretrained(out, overwrite=args.overwrite)
@@ -251,6 +253,13 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--num-sequences", type=int, default=500)
     cal.add_argument("--seq-len", type=int, default=1024)
     cal.add_argument("--head-mode", choices=["all_heads", "same_head"], default="all_heads")
+    cal.add_argument(
+        "--mapper-type",
+        choices=["ridge", "low_rank", "ridge_attention_weighted", "mlp"],
+        default="ridge",
+        help="low_rank: each ridge map reduced to --rank (cheaper to apply)",
+    )
+    cal.add_argument("--rank", type=int, default=64, help="rank of a low_rank mapper")
     cal.add_argument("--batch-size", type=int, default=8)
     cal.add_argument("--heldout-fraction", type=float, default=0.1)
     cal.add_argument("--seed", type=int, default=0)

@@ -81,3 +81,23 @@ def mapper_r2(
             sst_all.append(sst)
         out[t] = _r2_by_head(torch.cat(sse_all), torch.cat(sst_all), heads, dim).mean(0)
     return out
+
+
+def mapped_heldout_r2(mapper, heldout: KVStatistics) -> torch.Tensor:
+    """Held-out R² of an affine mapper's own weights (`mapper.layer_weight`, `bias`) on held-out statistics.
+
+    Returns:
+        `torch.Tensor` of shape `(target_layers, 2)`: R² of K and V per target layer, averaged over heads.
+    """
+    heads, dim = heldout.num_kv_heads, heldout.head_dim
+    out = torch.zeros(heldout.target_layers, 2, dtype=torch.float64)
+    for t, layers in enumerate(mapper.selected_layers):
+        weight, bias = mapper.layer_weight(t).double(), mapper.layers[t].bias.double()  # (G, p, q), (G, q)
+        sse_all, sst_all = [], []
+        for g, head in enumerate([None] if mapper.head_mode == "all_heads" else range(heads)):
+            x_idx, y_idx = heldout.source_index(layers, head), heldout.target_index(t, head)
+            sse, sst = heldout.residual_sums(x_idx, y_idx, weight[g], bias[g])
+            sse_all.append(sse)
+            sst_all.append(sst)
+        out[t] = _r2_by_head(torch.cat(sse_all), torch.cat(sst_all), heads, dim).mean(0)
+    return out

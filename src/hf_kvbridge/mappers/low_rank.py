@@ -1,0 +1,217 @@
+"""`mapper_type="low_rank"`: reduced-rank ridge, `W ≈ A B` with `A (p, r)`, `B (r, q)`, for cheaper mapping.
+
+For target layer `t` and head group `g` the ridge solution `W (p, q)` is truncated to the rank-`r` map whose
+predictions are closest to the full ridge's, in each output feature's own units (the fitted outputs are divided by
+their standard deviations, so keys and values weigh alike):
+
+    M = S⁻¹ Wᵀ C_xx W S⁻¹,  S = diag(σ_y);   U_r = top-r eigenvectors of M
+    A = W S⁻¹ U_r,  B = U_rᵀ S,  b = ȳ − x̄ A B
+
+This is reduced-rank regression on top of ridge: of all rank-r maps it loses the least of the ridge map's explained
+variance, measured on the calibration inputs. Mapping a token costs `2 (p + q) r` FLOPs instead of `2 p q`, so
+`r < p q / (p + q)` is cheaper; at `r ≥ min(p, q)` the map is the full ridge one.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from ..statistics import KVStatistics
+from .ridge import KVMapper, solve_ridge
+
+if TYPE_CHECKING:
+    from ..modeling import KVBridgeForCausalLM
+
+
+class LowRankLayerMap(nn.Module):
+    """The rank-`r` affine map of one target layer: `down (G, p, r)`, `up (G, r, q)`, `bias (G, q)`."""
+
+    def __init__(self, groups: int, in_features: int, out_features: int, rank: int, dtype=torch.float32):
+        super().__init__()
+        self.down = nn.Parameter(torch.zeros(groups, in_features, rank, dtype=dtype), requires_grad=False)
+        self.up = nn.Parameter(torch.zeros(groups, rank, out_features, dtype=dtype), requires_grad=False)
+        self.bias = nn.Parameter(torch.zeros(groups, out_features, dtype=dtype), requires_grad=False)
+
+
+def reduce_rank(
+    weight: torch.Tensor, cxx: torch.Tensor, out_std: torch.Tensor, rank: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The factors `(A (p, r), B (r, q))` of the rank-`rank` map closest to `weight (p, q)` in predictions on inputs
+    of covariance `cxx (p, p)`, each output divided by `out_std (q,)` (float64 in, float64 out)."""
+    scale = out_std.clamp_min(torch.finfo(torch.float64).tiny)
+    scaled = weight / scale  # W S⁻¹ (p, q)
+    gram = scaled.T @ cxx @ scaled  # (q, q): covariance of the standardised ridge predictions
+    _, vectors = torch.linalg.eigh((gram + gram.T) / 2)  # ascending eigenvalues
+    top = vectors[:, -rank:].flip(-1)  # (q, r): largest first
+    return scaled @ top, top.T * scale  # A = W S⁻¹ U_r (p, r), B = U_rᵀ S (r, q)
+
+
+class LowRankKVMapper(KVMapper):
+    """`KVMapper` with each target layer's map factored as `x A B + b` (rank `rank`).
+
+    Target layers that read the same source layers share one product with all their `A` stacked, then one small
+    product each with their `B`.
+
+    Args:
+        selected_layers, num_kv_heads, head_dim, head_mode: as for [`KVMapper`].
+        rank (`int`): the rank of every target layer's (and, in `same_head` mode, every head's) map.
+
+    Example:
+
+    ```python
+    >>> mapper = LowRankKVMapper([[0], [1, 0]], num_kv_heads=2, head_dim=4, head_mode="all_heads", rank=3)
+    >>> mapper.flops_per_token()  # 2·(16 + 16)·3 + 2·(32 + 16)·3, against 2·(16·16 + 32·16) = 1536 at full rank
+    480
+    >>> rows = [mapper.layout_rows(torch.randn(1, 2, 5, 4), torch.randn(1, 2, 5, 4))] * 2
+    >>> mapper.map_layer(1, rows).shape  # (B·T, H·2d)
+    torch.Size([5, 16])
+    ```
+    """
+
+    def __init__(self, selected_layers, num_kv_heads: int, head_dim: int, head_mode: str, rank: int):
+        if rank < 1:
+            raise ValueError(f"rank must be ≥ 1, got {rank}")
+        self.rank = int(rank)
+        super().__init__(selected_layers, num_kv_heads, head_dim, head_mode)
+
+    def make_layer(self, groups: int, in_features: int, out_features: int) -> nn.Module:
+        return LowRankLayerMap(groups, in_features, out_features, min(self.rank, in_features, out_features))
+
+    @classmethod
+    def from_statistics(
+        cls,
+        stats: KVStatistics,
+        selected_layers: list[list[int]],
+        head_mode: str,
+        ridge_lambda: float,
+        rank: int = 64,
+    ) -> LowRankKVMapper:
+        """Solves each ridge problem, as [`KVMapper.from_statistics`], and keeps its best rank-`rank` part."""
+        mapper = cls(selected_layers, stats.num_kv_heads, stats.head_dim, head_mode, rank)
+        for t, layers in enumerate(mapper.selected_layers):
+            layer = mapper.layers[t]
+            heads = [None] if head_mode == "all_heads" else range(stats.num_kv_heads)
+            for g, head in enumerate(heads):
+                x_idx, y_idx = stats.source_index(layers, head), stats.target_index(t, head)
+                weight, _ = solve_ridge(stats, x_idx, y_idx, ridge_lambda)
+                mx, my, cxx, _, var_y = stats.moments(x_idx, y_idx)
+                down, up = reduce_rank(weight, cxx, var_y.clamp_min(0).sqrt(), layer.down.shape[-1])
+                layer.down.data[g] = down.to(layer.down.dtype)
+                layer.up.data[g] = up.to(layer.up.dtype)
+                layer.bias.data[g] = (my - mx @ down @ up).to(layer.bias.dtype)
+        return mapper
+
+    def flops_per_token(self) -> int:
+        return sum(2 * (layer.down.numel() + layer.up.numel()) for layer in self.layers)
+
+    def layer_weight(self, target_layer: int) -> torch.Tensor:
+        layer = self.layers[target_layer]
+        return torch.bmm(layer.down, layer.up)  # (G, p, q)
+
+    def _stacked_down(self, sources: list[int], targets: list[int]) -> torch.Tensor:
+        """The `A` of `targets` side by side, `(G, k·span, n·r)`, their input rows in `sources` order (cached until
+        a weight or the layer order changes)."""
+        versions = tuple(
+            (self.layers[t].down._version, self.layers[t].down.data_ptr(), tuple(self.selected_layers[t]))
+            for t in targets
+        )
+        key = (tuple(sources), tuple(targets))
+        cache = self.__dict__.setdefault("_stacked_cache", {})
+        if key in cache and cache[key][0] == versions:
+            return cache[key][1]
+        blocks = []
+        for t in targets:
+            down, order = self.layers[t].down, self.selected_layers[t]  # (G, k·span, r)
+            span = down.shape[1] // len(order)
+            blocks.append(
+                torch.cat([down[:, order.index(s) * span : (order.index(s) + 1) * span] for s in sources], 1)
+            )
+        stacked = torch.cat(blocks, dim=2)
+        cache[key] = (versions, stacked)
+        return stacked
+
+    def map_layer(self, target_layer: int, rows: list[torch.Tensor]) -> torch.Tensor:
+        """`(x A) B + b` for the selected source layers' rows (see [`KVMapper.map_layer`])."""
+        layer = self.layers[target_layer]
+        x = torch.cat(rows, dim=-1)  # (B·T, k·H·2d) or (H, B·T, k·2d)
+        if self.head_mode == "all_heads":
+            return torch.addmm(layer.bias[0], x @ layer.down[0], layer.up[0])  # (B·T, H·2d)
+        return torch.baddbmm(layer.bias.unsqueeze(1), torch.bmm(x, layer.down), layer.up)  # (H, B·T, 2d)
+
+    def map_targets(
+        self, sources: list[int], targets: list[int], rows: torch.Tensor, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """One product of the inputs with every target's `A`, then one small product per target with its `B`,
+        written side by side (see [`KVMapper.map_targets`])."""
+        x = self.step_input(sources, rows)  # (B·T, k·H·2d) or (H, B·T, k·2d)
+        down = self._stacked_down(sources, targets)  # (G, k·span, n·r)
+        hidden = x @ down[0] if self.head_mode == "all_heads" else torch.bmm(x, down)  # (B·T, n·r) or (H, B·T, n·r)
+        q = self.layers[targets[0]].bias.shape[-1]
+        shape = (*x.shape[:-1], len(targets) * q)  # (B·T, n·q) or (H, B·T, n·q)
+        result = torch.empty(shape, dtype=x.dtype, device=x.device) if out is None else out[: math.prod(shape)]
+        result = result.view(shape)
+        start = 0
+        for i, t in enumerate(targets):
+            layer = self.layers[t]
+            r = layer.down.shape[-1]
+            h = hidden[..., start : start + r]
+            start += r
+            if self.head_mode == "all_heads":
+                result[:, i * q : (i + 1) * q] = torch.addmm(layer.bias[0], h, layer.up[0])
+            else:
+                result[..., i * q : (i + 1) * q] = torch.baddbmm(layer.bias.unsqueeze(1), h, layer.up)
+        return result
+
+
+def low_rank_bridge(
+    bridge: KVBridgeForCausalLM, rank: int, statistics: tuple[KVStatistics, KVStatistics] | None = None
+) -> KVBridgeForCausalLM:
+    r"""A new bridge with `bridge`'s ridge maps reduced to rank `rank` (same layers, head mode and λ).
+
+    Args:
+        bridge ([`KVBridgeForCausalLM`]): a calibrated ridge bridge.
+        rank (`int`): the rank of each target layer's (head's, in `same_head` mode) map.
+        statistics (`tuple`, *optional*): the `(train, held-out)` calibration statistics; defaults to the
+            `bridge.calibration_statistics` that `calibrate` leaves on the bridge.
+
+    Returns:
+        [`KVBridgeForCausalLM`] sharing `bridge`'s models, `config.mapper_type == "low_rank"`, with the held-out R² of
+        the rank-`rank` maps (fitted on the training statistics, measured on the held-out ones) in
+        `config.heldout_r2`.
+
+    Example:
+
+    ```python
+    >>> from hf_kvbridge.mappers.low_rank import low_rank_bridge
+    >>> cheap = low_rank_bridge(bridge, rank=32)  # doctest: +SKIP
+    >>> cheap.mapper.flops_per_token() < bridge.mapper.flops_per_token()  # doctest: +SKIP
+    True
+    ```
+    """
+    from ..modeling import KVBridgeForCausalLM
+    from ..selection import mapped_heldout_r2
+
+    if statistics is None:
+        statistics = getattr(bridge, "calibration_statistics", None)
+        if statistics is None:
+            raise ValueError("low_rank_bridge needs the calibration statistics (train, held-out) of the bridge")
+    train, heldout = statistics
+    config = bridge.config
+    args = (config.selected_layers, config.head_mode, config.ridge_lambda)
+    r2 = mapped_heldout_r2(LowRankKVMapper.from_statistics(train, *args, rank=rank), heldout)  # (L_t, 2)
+    mapper = LowRankKVMapper.from_statistics(train + heldout, *args, rank=rank)
+    new_config = copy.deepcopy(config)
+    new_config.mapper_type = "low_rank"
+    new_config.mapper_kwargs = {"rank": int(rank)}
+    new_config.heldout_r2 = {"k": [round(float(v), 6) for v in r2[:, 0]], "v": [round(float(v), 6) for v in r2[:, 1]]}
+    new = KVBridgeForCausalLM(new_config, bridge.source, bridge.target, mapper)
+    for name in ("layer_r2", "calibration_statistics"):
+        if hasattr(bridge, name):
+            setattr(new, name, getattr(bridge, name))
+    new.reverse = bridge.reverse
+    return new

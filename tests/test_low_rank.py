@@ -1,0 +1,115 @@
+"""Reduced-rank ridge mappers: full rank is the ridge map, lower ranks are the best truncation, and they save,
+load, stack and calibrate like any mapper."""
+
+import pytest
+import torch
+
+import hf_kvbridge
+from hf_kvbridge import KVBridgeForCausalLM
+from hf_kvbridge.calibration import collect_statistics, fit_bridge
+from hf_kvbridge.mappers.low_rank import LowRankKVMapper, low_rank_bridge, reduce_rank
+from hf_kvbridge.selection import mapped_heldout_r2
+from tests.conftest import CORPUS, VOCAB, qwen3
+
+
+@pytest.fixture(scope="module")
+def ridge_pair(windows):
+    source, target = qwen3(layers=2, seed=1), qwen3(layers=3, hidden=48, seed=2)
+    train, heldout = collect_statistics(source, target, windows, heldout=[0, 1, 2, 3])
+    bridge = fit_bridge(source, target, train, heldout, top_k=2)
+    bridge.calibration_statistics = (train, heldout)
+    return bridge
+
+
+def _caches_close(a, b, **tol):
+    for la, lb in zip(a.layers, b.layers):
+        torch.testing.assert_close(la.keys, lb.keys, **tol)
+        torch.testing.assert_close(la.values, lb.values, **tol)
+
+
+@pytest.mark.parametrize("head_mode", ["all_heads", "same_head"])
+def test_full_rank_is_the_ridge_map(windows, head_mode):
+    """At rank ≥ min(p, q) the factors multiply back to the ridge weights: the same cache, both head modes."""
+    source, target = qwen3(layers=2, seed=1), qwen3(layers=3, hidden=48, seed=2)
+    train, heldout = collect_statistics(source, target, windows, heldout=[0, 1, 2, 3])
+    ridge = fit_bridge(source, target, train, heldout, top_k=2, head_mode=head_mode)
+    full = low_rank_bridge(ridge, rank=10_000, statistics=(train, heldout))
+    for t in range(3):
+        torch.testing.assert_close(full.mapper.layer_weight(t), ridge.mapper.layer_weight(t), atol=1e-4, rtol=1e-4)
+    ids = torch.randint(0, VOCAB, (2, 17), generator=torch.Generator().manual_seed(3))
+    _caches_close(full.prefill(ids)[0], ridge.prefill(ids)[0], atol=1e-4, rtol=1e-4)
+    assert full.config.heldout_r2["k"] == pytest.approx(ridge.config.heldout_r2["k"], abs=1e-5)
+
+
+def test_truncation_is_the_best_of_its_rank():
+    """`reduce_rank` keeps the rank-r map with the smallest standardised prediction error: it beats the plain SVD
+    truncation of W and random rank-r projections of the predictions."""
+    generator = torch.Generator().manual_seed(0)
+    p, q, rank = 12, 8, 3
+    mix = torch.randn(p, p, generator=generator, dtype=torch.float64)
+    cxx = mix @ mix.T / p + torch.diag(torch.linspace(0.01, 3, p, dtype=torch.float64))
+    weight = torch.randn(p, q, generator=generator, dtype=torch.float64)
+    std = torch.linspace(0.5, 4, q, dtype=torch.float64)
+
+    def error(approx):  # E‖(x W − x W_r) S⁻¹‖²
+        diff = (weight - approx) / std
+        return float(torch.trace(diff.T @ cxx @ diff))
+
+    down, up = reduce_rank(weight, cxx, std, rank)
+    best = error(down @ up)
+    u, s, vh = torch.linalg.svd(weight, full_matrices=False)
+    assert best < error(u[:, :rank] @ torch.diag(s[:rank]) @ vh[:rank])
+    for _ in range(20):  # W S⁻¹ B Bᵀ S: W's predictions projected on a random rank-r subspace, in standardised units
+        basis, _ = torch.linalg.qr(torch.randn(q, rank, generator=generator, dtype=torch.float64))
+        assert best <= error((weight / std) @ basis @ (basis.T * std)) + 1e-9
+    down, up = reduce_rank(weight, cxx, std, q)
+    assert error(down @ up) < 1e-9  # full rank: W itself
+
+
+def test_lower_rank_costs_less_and_explains_less(ridge_pair):
+    ranks = [1, 4, 16, 64]
+    bridges = [low_rank_bridge(ridge_pair, rank=r) for r in ranks]
+    flops = [b.mapper.flops_per_token() for b in bridges]
+    r2 = [sum(b.config.heldout_r2["k"]) + sum(b.config.heldout_r2["v"]) for b in bridges]
+    assert flops == sorted(flops) and flops[0] < flops[-1]
+    assert r2 == sorted(r2) and r2[0] < r2[-1] - 0.05
+    assert flops[1] < ridge_pair.mapper.flops_per_token()
+    train, heldout = ridge_pair.calibration_statistics
+    measured = mapped_heldout_r2(LowRankKVMapper.from_statistics(train, [[0, 1]] * 3, "all_heads", 0.01, 4), heldout)
+    assert float(measured[:, 0].sum()) == pytest.approx(sum(bridges[1].config.heldout_r2["k"]), abs=1e-5)
+
+
+@pytest.mark.parametrize("head_mode", ["all_heads", "same_head"])
+def test_stacked_low_rank_equals_layer_by_layer(windows, head_mode):
+    source, target = qwen3(layers=2, seed=1), qwen3(layers=3, hidden=48, seed=2)
+    train, heldout = collect_statistics(source, target, windows, heldout=[0, 1, 2, 3])
+    ridge = fit_bridge(source, target, train, heldout, top_k=2, head_mode=head_mode)
+    bridge = low_rank_bridge(ridge, rank=5, statistics=(train, heldout))
+    assert bridge.mapper.mapping_plan() == [([0, 1], [0, 1, 2])]
+    ids = torch.randint(0, VOCAB, (2, 13), generator=torch.Generator().manual_seed(4))
+    stacked = bridge.prefill(ids)[0]
+    bridge.mapper.groupable = False
+    _caches_close(stacked, bridge.prefill(ids)[0])
+
+
+def test_save_load_and_calibrate(saved_pair, tmp_path):
+    bridge = hf_kvbridge.calibrate(
+        saved_pair["small"],
+        saved_pair["large"],
+        CORPUS,
+        num_sequences=16,
+        seq_len=32,
+        top_k=2,
+        batch_size=4,
+        mapper_type="low_rank",
+        rank=6,
+    )
+    assert bridge.config.mapper_type == "low_rank" and bridge.config.mapper_kwargs == {"rank": 6}
+    assert isinstance(bridge.mapper, LowRankKVMapper)
+    bridge.save_pretrained(tmp_path / "b")
+    loaded = KVBridgeForCausalLM.from_pretrained(tmp_path / "b")
+    assert isinstance(loaded.mapper, LowRankKVMapper) and loaded.mapper.rank == 6
+    ids = torch.randint(0, VOCAB, (1, 12), generator=torch.Generator().manual_seed(2))
+    _caches_close(bridge.prefill(ids)[0], loaded.prefill(ids)[0])
+    with pytest.raises(ValueError, match="lazy_mapper"):
+        KVBridgeForCausalLM.from_pretrained(tmp_path / "b", lazy_mapper=True)
