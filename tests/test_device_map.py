@@ -164,3 +164,29 @@ def test_calibrate_with_device_map_and_cpu_offload_equals_plain(saved_pair, tmp_
     assert "source.model.layers.1.mlp.up_proj.weight" in loads
     _assert_same_bridge(again, want)
     _assert_same_statistics(again.calibration_statistics, want.calibration_statistics)
+
+
+def test_bridge_over_offloaded_models_maps_and_generates_like_plain(saved_pair, tmp_path):
+    """A bridge whose source and target keep their weights off-device (`model.device` is `meta`) puts its mapper
+    on the hooks' execution device and prefills and generates exactly like the bridge over plain models."""
+    from hf_kvbridge import KVBridgeForCausalLM
+
+    plain_source, plain_target = _plain(saved_pair["small"]), _plain(saved_pair["large"])
+    windows = torch.randint(0, VOCAB, (8, 24), generator=torch.Generator().manual_seed(0))
+    train, heldout = collect_statistics(plain_source, plain_target, windows, heldout=[0, 1])
+    plain = fit_bridge(plain_source, plain_target, train, heldout, top_k=1)
+    source = _sharded(saved_pair["small"], SOURCE_MAP, tmp_path / "s")
+    target = cpu_offload(_plain(saved_pair["large"]), execution_device="cpu")
+    assert source.device.type == "meta" and target.device.type == "meta"
+    offloaded = KVBridgeForCausalLM(plain.config, source, target, plain.mapper)
+    assert offloaded.device == torch.device("cpu")
+    assert all(p.device.type == "cpu" for p in offloaded.mapper.parameters())
+    ids = torch.randint(0, VOCAB, (2, 15), generator=torch.Generator().manual_seed(1))
+    for a, b in zip(offloaded.prefill(ids)[0].layers, plain.prefill(ids)[0].layers):
+        torch.testing.assert_close(a.keys, b.keys)
+        torch.testing.assert_close(a.values, b.values)
+    torch.testing.assert_close(offloaded(ids, prefill_length=10).logits, plain(ids, prefill_length=10).logits)
+    assert torch.equal(
+        offloaded.generate(ids, max_new_tokens=5, do_sample=False),
+        plain.generate(ids, max_new_tokens=5, do_sample=False),
+    )

@@ -179,8 +179,10 @@ def mapper_vs_prefill(bridge, input_ids: torch.Tensor, repeats: int = 5, warmup:
         FLOP-ratio bound on the warm speedup, the peak extra memory of one mapping (the cache it returns included)
         and the workspace `map_cache` keeps between mappings. The three timings are interleaved round by round.
     """
-    device = bridge.target.device
-    ids_t, ids_s = input_ids.to(device), input_ids.to(bridge.source.device)
+    from .modeling import execution_device
+
+    device = bridge.device
+    ids_t, ids_s = input_ids.to(device), input_ids.to(execution_device(bridge.source))
     tokens = int(input_ids.numel())
     source_cache = bridge.source.model(input_ids=ids_s, use_cache=True).cache
     seconds = interleaved_medians(

@@ -39,6 +39,20 @@ from .rope import Rotation, inverse_cos_sin, rotary_cos_sin
 
 logger = logging.getLogger(__name__)
 
+
+def execution_device(model: nn.Module) -> torch.device:
+    """The device `model` computes on: `model.device`, or, when accelerate offloads its weights (`model.device` is
+    `meta`), the execution device of its offloading hooks."""
+    device = model.device
+    if device.type != "meta":
+        return device
+    for module in model.modules():
+        hook_device = getattr(getattr(module, "_hf_hook", None), "execution_device", None)
+        if hook_device is not None:
+            return torch.device(hook_device)
+    return torch.device("cpu")
+
+
 # kwargs that AutoModelForCausalLM.from_pretrained forwards and that have no meaning for the bridge itself
 _AUTO_KWARGS = (
     "trust_remote_code",
@@ -157,7 +171,7 @@ class KVBridgeForCausalLM(nn.Module):
         self.source, self.target, self.mapper = source, target, mapper
         # the mapper lives in the target's dtype when that is a half type (matmuls accumulate in float32 anyway)
         half = self.target.dtype in (torch.bfloat16, torch.float16)
-        self.mapper.to(device=self.target.device, dtype=self.target.dtype if half else torch.float32)
+        self.mapper.to(device=execution_device(self.target), dtype=self.target.dtype if half else torch.float32)
         self.reverse: KVBridgeForCausalLM | None = None  # target→source bridge, for handoffs both ways
         self.last_transfer: dict | None = None  # what the last prefill did (mapped vs target tokens, gate score)
         self.transfer_counts: dict[str, int] = {}  # prefills that transferred / fell back to the target
@@ -165,7 +179,8 @@ class KVBridgeForCausalLM(nn.Module):
     # -- properties that let tools treat the bridge like a model ------------------------------------------------
     @property
     def device(self) -> torch.device:
-        return self.target.device
+        """Where the target computes (its embedding's device; accelerate's execution device when offloaded)."""
+        return execution_device(self.target)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -213,7 +228,7 @@ class KVBridgeForCausalLM(nn.Module):
         src = self.source_layout
         seq = check_cache_shape(source_cache, src.num_layers, src.num_kv_heads, src.head_dim, "source")
         first_keys, _ = cache_layer_kv(source_cache, 0)
-        batch, device = first_keys.shape[0], self.target.device
+        batch, device = first_keys.shape[0], self.device
         if position_ids is None:
             position_ids = torch.arange(seq, device=first_keys.device).unsqueeze(0).expand(batch, -1)
         if position_ids.shape[-1] != seq:
@@ -296,7 +311,7 @@ class KVBridgeForCausalLM(nn.Module):
         length = input_ids.shape[1]
         self._check_length(length)
         positions = positions_from_mask(attention_mask)
-        src_device, device = self.source.device, self.target.device
+        src_device, device = execution_device(self.source), self.device
         source_out = self.source(
             input_ids=input_ids.to(src_device),
             attention_mask=attention_mask.to(src_device),
@@ -413,7 +428,7 @@ class KVBridgeForCausalLM(nn.Module):
                 **kwargs,
             )
         mapped, source_out = self.prefill(input_ids[:, :split], attention_mask[:, :split])
-        device = self.target.device
+        device = self.device
         target_out = self.target(
             input_ids=input_ids[:, split:].to(device),
             attention_mask=attention_mask.to(device),
@@ -458,7 +473,7 @@ class KVBridgeForCausalLM(nn.Module):
             raise ValueError("generate needs input_ids")
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
-        device = self.target.device
+        device = self.device
         input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
         if "past_key_values" in kwargs:
             kwargs["cache"] = kwargs.pop("past_key_values")

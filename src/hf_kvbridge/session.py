@@ -132,7 +132,7 @@ class HandoffSession:
         if self.remap == "full":  # re-map the other model's whole cache, dropping this model's own
             mine.cache, mine.tokens = None, []
         start = len(mine.tokens)
-        positions = torch.arange(start, end, device=mapper.target.device).unsqueeze(0)
+        positions = torch.arange(start, end, device=mapper.device).unsqueeze(0)
         piece = theirs.cache if (start, end) == (0, len(theirs.tokens)) else slice_cache(theirs.cache, start, end)
         mine.cache = mapper.map_cache(piece, positions, target_cache=mine.cache)
         mine.tokens = tokens[:end]
