@@ -198,6 +198,20 @@ def test_mapper_study_cli(tmp_path, capsys):
     assert main(["mappers", "--pair", "pocket-s:pocket-m", *sizes.split(), "--json", str(out)]) == 0
     table = capsys.readouterr().out
     result = json.loads(out.read_text())
-    assert set(result["mappers"]) == {"ridge", "mlp_mse", "mlp_attention", "ridge_attention_weighted"}
+    names = {"ridge", "ridge_same_head", "low_rank_32", "low_rank_8", "ridge_bf16", "mlp_mse", "mlp_attention"}
+    assert set(result["mappers"]) == names | {"ridge_attention_weighted"}
     assert all(name in table for name in result["mappers"])
-    assert result["mappers"]["mlp_mse"]["parameters"] > result["mappers"]["ridge"]["parameters"]
+    rows = result["mappers"]
+    assert rows["mlp_mse"]["parameters"] > rows["ridge"]["parameters"]
+    # the cheaper forms cost fewer FLOPs; bf16 halves the bytes at the same FLOPs
+    flops = {name: rows[name]["mapper_flops_per_token"] for name in names}
+    assert flops["low_rank_8"] < flops["low_rank_32"] < flops["ridge"] and flops["ridge_same_head"] < flops["ridge"]
+    assert flops["ridge_bf16"] == flops["ridge"] and rows["ridge_bf16"]["bytes"] * 2 == rows["ridge"]["bytes"]
+    assert rows["ridge_bf16"]["mapper_dtype"] == "torch.bfloat16" and rows["ridge"]["mapper_dtype"] == "torch.float32"
+    assert (
+        rows["low_rank_8"]["heldout_r2_mean"]
+        < rows["low_rank_32"]["heldout_r2_mean"]
+        <= rows["ridge"]["heldout_r2_mean"] + 1e-6
+    )
+    assert rows["mlp_mse"]["heldout_r2"] is None
+    assert abs(rows["ridge_bf16"]["heldout_r2_mean"] - rows["ridge"]["heldout_r2_mean"]) < 0.01

@@ -62,10 +62,12 @@ def random_bridge(
     dtype: torch.dtype = torch.float32,
     mapper_dtype: torch.dtype | None = None,
     device: str | torch.device = "cpu",
+    rank: int | None = None,
 ):
     """A bridge of randomly initialised models and a random mapper: the timings of a real one of these shapes.
 
-    Each target layer reads the `top_k` source layers closest in relative depth.
+    Each target layer reads the `top_k` source layers closest in relative depth. With `rank`, the mapper is a
+    `LowRankKVMapper` of that rank.
     """
     from .modeling import KVBridgeForCausalLM
 
@@ -78,13 +80,27 @@ def random_bridge(
     for t in range(tgt.num_layers):
         depth = (t + 0.5) / tgt.num_layers * src.num_layers
         selected.append(sorted(range(src.num_layers), key=lambda s: abs(s + 0.5 - depth))[:k])
-    mapper = KVMapper(selected, src.num_kv_heads, src.head_dim, head_mode)
+    if rank is None:
+        mapper = KVMapper(selected, src.num_kv_heads, src.head_dim, head_mode)
+    else:
+        from .mappers.low_rank import LowRankKVMapper
+
+        mapper = LowRankKVMapper(selected, src.num_kv_heads, src.head_dim, head_mode, rank)
     with torch.no_grad():
-        for layer in mapper.layers:
-            layer.weight.normal_(std=layer.weight.shape[1] ** -0.5)
-    mapper.to(device=device, dtype=mapper_dtype or torch.float32)
-    config = KVBridgeConfig(top_k=k, head_mode=head_mode, selected_layers=selected)
-    return KVBridgeForCausalLM(config, source, target, mapper)
+        for name, weight in mapper.named_parameters():
+            if not name.endswith("bias"):
+                weight.normal_(std=weight.shape[1] ** -0.5)
+    config = KVBridgeConfig(
+        top_k=k,
+        head_mode=head_mode,
+        selected_layers=selected,
+        mapper_type="ridge" if rank is None else "low_rank",
+        mapper_kwargs=None if rank is None else {"rank": rank},
+    )
+    bridge = KVBridgeForCausalLM(config, source, target, mapper)  # moves the mapper to the target's device
+    if mapper_dtype is not None:
+        bridge.mapper.to(dtype=mapper_dtype)
+    return bridge
 
 
 # -- FLOP counts --------------------------------------------------------------------------------------------------
@@ -170,14 +186,20 @@ def peak_extra_bytes(fn: Callable[[], object], device: torch.device) -> int | No
 
 
 @torch.no_grad()
-def mapper_vs_prefill(bridge, input_ids: torch.Tensor, repeats: int = 5, warmup: int = 1) -> dict:
+def mapper_vs_prefill(
+    bridge, input_ids: torch.Tensor, repeats: int = 5, warmup: int = 1, interleave: bool = False
+) -> dict:
     """Times target re-prefill, mapper and source prefill for one context, with FLOP efficiency and memory.
 
     Returns:
         `dict` with seconds for each, the warm (`prefill / map`) and cold (`prefill / (source + map)`) speedups,
         FLOPs, achieved FLOP/s, the mapper's efficiency relative to the target's prefill (FLOP/s ratio), the
         FLOP-ratio bound on the warm speedup, the peak extra memory of one mapping (the cache it returns included)
-        and the workspace `map_cache` keeps between mappings. The three timings are interleaved round by round.
+        and the workspace `map_cache` keeps between mappings.
+
+    Each of the three runs `repeats` times in a row (the usual way: warm caches, memory the allocator just freed);
+    with `interleave=True` the rounds alternate target, mapper, source, so each one runs right after the others
+    have evicted its data and freed theirs, as in a cascade (slower, mostly for the small mapper).
     """
     from .modeling import execution_device
 
@@ -185,16 +207,15 @@ def mapper_vs_prefill(bridge, input_ids: torch.Tensor, repeats: int = 5, warmup:
     ids_t, ids_s = input_ids.to(device), input_ids.to(execution_device(bridge.source))
     tokens = int(input_ids.numel())
     source_cache = bridge.source.model(input_ids=ids_s, use_cache=True).cache
-    seconds = interleaved_medians(
-        {
-            "target": lambda: bridge.target.model(input_ids=ids_t, use_cache=True),
-            "mapper": lambda: bridge.map_cache(source_cache),
-            "source": lambda: bridge.source.model(input_ids=ids_s, use_cache=True),
-        },
-        device,
-        repeats,
-        warmup,
-    )
+    fns = {
+        "target": lambda: bridge.target.model(input_ids=ids_t, use_cache=True),
+        "mapper": lambda: bridge.map_cache(source_cache),
+        "source": lambda: bridge.source.model(input_ids=ids_s, use_cache=True),
+    }
+    if interleave:
+        seconds = interleaved_medians(fns, device, repeats, warmup)
+    else:
+        seconds = {name: median_seconds(fn, device, repeats, warmup) for name, fn in fns.items()}
     target_s, map_s, source_s = seconds["target"], seconds["mapper"], seconds["source"]
     peak = peak_extra_bytes(lambda: bridge.map_cache(source_cache), device)  # workspace already there (warm)
     target_flops = prefill_flops(bridge.target.config, int(input_ids.shape[1])) * input_ids.shape[0]
@@ -223,6 +244,7 @@ def mapper_vs_prefill(bridge, input_ids: torch.Tensor, repeats: int = 5, warmup:
         "dtype": str(bridge.target.dtype),
         "mapper_dtype": str(bridge.mapper.layout_dtype()),
         "threads": torch.get_num_threads(),
+        "interleaved": interleave,
     }
 
 
@@ -233,7 +255,14 @@ def _mapped_cache_bytes(bridge, tokens: int) -> int:
 
 
 def benchmark(
-    bridge, lengths: list[int], *, batch: int = 1, repeats: int = 5, warmup: int = 1, seed: int = 0
+    bridge,
+    lengths: list[int],
+    *,
+    batch: int = 1,
+    repeats: int = 5,
+    warmup: int = 1,
+    seed: int = 0,
+    interleave: bool = False,
 ) -> list[dict]:
     """`mapper_vs_prefill` at each context length on random token ids.
 
@@ -249,7 +278,7 @@ def benchmark(
     rows = []
     for length in lengths:
         ids = torch.randint(0, vocab, (batch, length), generator=generator)
-        rows.append(mapper_vs_prefill(bridge, ids, repeats=repeats, warmup=warmup))
+        rows.append(mapper_vs_prefill(bridge, ids, repeats=repeats, warmup=warmup, interleave=interleave))
     return rows
 
 

@@ -128,6 +128,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     from hf_kvbridge.bench import benchmark, format_table, qwen3_shape_config, random_bridge
 
     dtype = getattr(torch, args.dtype)
+    mapper_dtype = getattr(torch, args.mapper_dtype or args.dtype)
     if args.shapes:
         source_name, target_name = args.shapes.split(":")
         bridge = random_bridge(
@@ -136,15 +137,17 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             top_k=args.top_k,
             head_mode=args.head_mode,
             dtype=dtype,
-            mapper_dtype=dtype,
+            mapper_dtype=mapper_dtype,
             device=args.device,
+            rank=args.rank,
         )
-        what = f"random-weight {source_name} → {target_name}, top_k={args.top_k}, {args.head_mode}"
+        rank = "" if args.rank is None else f", rank {args.rank}"
+        what = f"random-weight {source_name} → {target_name}, top_k={args.top_k}, {args.head_mode}{rank}"
     elif args.bridge:
         from hf_kvbridge import KVBridgeForCausalLM
 
         bridge = KVBridgeForCausalLM.from_pretrained(args.bridge, dtype=dtype, device_map=args.device)
-        bridge.mapper.to(dtype=dtype)
+        bridge.mapper.to(dtype=mapper_dtype)
         what = f"{bridge.config.source_name_or_path} → {bridge.config.target_name_or_path} ({args.bridge})"
     else:
         print("error: pass a bridge folder or --shapes SOURCE:TARGET", file=sys.stderr)
@@ -152,8 +155,14 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     lengths = [int(n) for n in args.lengths.split(",")]
-    rows = benchmark(bridge, lengths, batch=args.batch, repeats=args.repeats, warmup=args.warmup)
-    print(f"{what}; {args.dtype} on {args.device}, {torch.get_num_threads()} threads, median of {args.repeats}")
+    rows = benchmark(
+        bridge, lengths, batch=args.batch, repeats=args.repeats, warmup=args.warmup, interleave=args.interleave
+    )
+    order = "interleaved rounds" if args.interleave else "each in a row"
+    print(
+        f"{what}; {args.dtype} models, {mapper_dtype} mapper on {args.device}, {torch.get_num_threads()} threads, "
+        f"median of {args.repeats} ({order})"
+    )
     print(format_table(rows))
     if args.json:
         with open(args.json, "w") as handle:
@@ -293,6 +302,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--shapes", help="random-weight Qwen3 shapes, e.g. qwen3-0.6b:qwen3-4b")
     bench.add_argument("--top-k", type=int, default=6, help="with --shapes")
     bench.add_argument("--head-mode", choices=["all_heads", "same_head"], default="all_heads", help="with --shapes")
+    bench.add_argument("--rank", type=int, help="with --shapes: a low-rank mapper of this rank")
+    bench.add_argument("--mapper-dtype", choices=["float32", "bfloat16", "float16"], help="defaults to --dtype")
+    bench.add_argument(
+        "--interleave", action="store_true", help="alternate target, mapper and source runs (cascade-like, colder)"
+    )
     bench.add_argument("--lengths", default="256,1024,4096")
     bench.add_argument("--batch", type=int, default=1)
     bench.add_argument("--repeats", type=int, default=5)

@@ -1,12 +1,18 @@
-"""`kvbridge mappers`: ridge, residual MLP (MSE and attention loss) and the attention-weighted closed form, side by
-side on the pocket family's hardest pair, with their cost.
+"""`kvbridge mappers`: ridge, its cheaper forms (same-head, low rank, bfloat16 weights), residual MLP (MSE and
+attention loss) and the attention-weighted closed form, side by side on the pocket family's hardest pair, with their
+cost.
 
 1. Every candidate pair (default `pocket-s → pocket-l`, `pocket-m → pocket-l`, `pocket-l → pocket-s`; pairs whose
    models are not installed are skipped, and with no `pocket-l` the study falls back to `pocket-s ↔ pocket-m`) gets a
    ridge bridge on the calibration split, scored by context-benefit retention (continuation NLL) on held-out windows.
 2. On the pair with the lowest retention, the other mappers are fitted on the same calibration windows and scored on
-   the same held-out windows: retention, attention-output cosine, cloze accuracy (optional), fit time, mapper size
-   (parameters and bytes), and apply time (`map_cache` on one context, median).
+   the same held-out windows: retention, attention-output cosine, held-out R² (linear mappers), cloze accuracy
+   (optional), fit time, mapper size (parameters and bytes), and speed: `map_cache` on one context against the
+   target's re-prefill of it (medians), the warm speedup, the FLOP-ratio bound and the fraction of it
+   reached.
+
+Mapper names: `ridge`, `ridge_same_head`, `low_rank_<rank>` (e.g. `low_rank_32`), `mlp_mse`, `mlp_attention`,
+`ridge_attention_weighted`; a linear one with `_bf16` appended keeps its weights (and so its products) in bfloat16.
 
 Prints a table and writes JSON. The command's defaults take about 3 minutes on 2 CPU cores.
 """
@@ -14,6 +20,7 @@ Prints a table and writes JSON. The command's defaults take about 3 minutes on 2
 from __future__ import annotations
 
 import argparse
+import copy
 import datetime
 import json
 import logging
@@ -24,12 +31,22 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_PAIRS = "pocket-s:pocket-l,pocket-m:pocket-l,pocket-l:pocket-s"
 FALLBACK_PAIRS = "pocket-s:pocket-m,pocket-m:pocket-s"
-MAPPERS = ("ridge", "mlp_mse", "mlp_attention", "ridge_attention_weighted")
+MAPPERS = (
+    "ridge",
+    "ridge_same_head",
+    "low_rank_32",
+    "low_rank_8",
+    "ridge_bf16",
+    "mlp_mse",
+    "mlp_attention",
+    "ridge_attention_weighted",
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pairs", default=DEFAULT_PAIRS, help="candidate SOURCE:TARGET pairs; the hardest is studied")
     parser.add_argument("--pair", help="study this SOURCE:TARGET pair directly (skips the search for the hardest)")
+    parser.add_argument("--mappers", default=",".join(MAPPERS), help="comma-separated mapper names (see above)")
     parser.add_argument("--num-sequences", type=int, default=128, help="calibration windows")
     parser.add_argument("--seq-len", type=int, default=256, help="calibration window length")
     parser.add_argument("--top-k", type=int, default=6)
@@ -44,7 +61,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mlp-lr", type=float, default=3e-3)
     parser.add_argument("--mlp-steps-per-batch", type=int, default=8)
     parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--timing-context", type=int, default=512)
+    parser.add_argument("--timing-context", type=int, default=1024)
     parser.add_argument("--timing-repeats", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default="kvbridge-mappers.json", help="where to write the results")
@@ -87,7 +104,7 @@ def prepare_pair(
     nll_continuation: int = 64,
     cloze_items: int = 0,
     batch_size: int = 8,
-    timing_context: int = 512,
+    timing_context: int = 1024,
     timing_repeats: int = 3,
     seed: int = 0,
 ) -> dict:
@@ -97,7 +114,6 @@ def prepare_pair(
     from transformers import AutoTokenizer
 
     from . import pocket
-    from .bench import median_seconds
     from .calibration import collect_statistics, fit_bridge, split_heldout
     from .data import token_windows
     from .evaluation import build_cloze, heldout_windows
@@ -114,18 +130,16 @@ def prepare_pair(
     _, heldout_ids = split_heldout(len(windows), 0.1, seed)
     train, heldout = collect_statistics(source, target, windows, heldout=heldout_ids, batch_size=batch_size)
     ridge = fit_bridge(source, target, train, heldout, top_k=top_k, ridge_lambda=ridge_lambda, head_mode=head_mode)
+    ridge.calibration_statistics = (train, heldout)
     ridge_s = time.perf_counter() - started
-    prefill_s = median_seconds(
-        lambda: target.model(input_ids=timing_ids, use_cache=True), target.device, timing_repeats, 1
-    )
     return {
         "pair": {"source": source_name, "target": target_name},
         "windows": windows,
         "eval_windows": eval_windows,
         "cloze": cloze,
+        "timing_ids": timing_ids,
         "source_cache": source.model(input_ids=timing_ids, use_cache=True).cache,
         "bridges": {"ridge": (ridge, ridge_s)},
-        "target_prefill_ms": prefill_s * 1e3,
         "settings": {
             "num_sequences": int(len(windows)),
             "seq_len": seq_len,
@@ -137,12 +151,59 @@ def prepare_pair(
             "nll_continuation": nll_continuation,
             "cloze_items": cloze_items,
             "batch_size": batch_size,
-            "timing_context": timing_context,
+            "timing_context": int(timing_ids.shape[1]),
             "timing_repeats": timing_repeats,
             "seed": seed,
             "torch_threads": torch.get_num_threads(),
         },
     }
+
+
+def _linear_variant(ridge, name: str):
+    """The closed-form variants of the ridge bridge: `ridge_same_head`, `low_rank_<rank>`; `None` for others."""
+    from .calibration import fit_bridge
+    from .mappers.low_rank import low_rank_bridge
+
+    train, heldout = ridge.calibration_statistics
+    config = ridge.config
+    if name == "ridge_same_head":
+        bridge = fit_bridge(
+            ridge.source,
+            ridge.target,
+            train,
+            heldout,
+            top_k=config.top_k,
+            ridge_lambda=config.ridge_lambda,
+            head_mode="same_head",
+            selected_layers=config.selected_layers,
+        )
+        bridge.calibration_statistics = ridge.calibration_statistics
+        return bridge
+    if name.startswith("low_rank_") and name[len("low_rank_") :].isdigit():
+        return low_rank_bridge(ridge, int(name[len("low_rank_") :]))
+    return None
+
+
+def _bf16_r2(name: str, bridge) -> dict | None:
+    """Held-out R² of a linear mapper whose weights are rounded to bfloat16: the training-split fit of the same kind,
+    rounded, measured on the held-out statistics."""
+    import torch
+
+    from .mappers import KVMapper
+    from .mappers.low_rank import LowRankKVMapper
+    from .selection import mapped_heldout_r2
+
+    train, heldout = bridge.calibration_statistics
+    config = bridge.config
+    args = (train, config.selected_layers, config.head_mode, config.ridge_lambda)
+    if config.mapper_type == "low_rank":
+        mapper = LowRankKVMapper.from_statistics(*args, rank=config.mapper_kwargs["rank"])
+    elif config.mapper_type == "ridge":
+        mapper = KVMapper.from_statistics(*args)
+    else:
+        return None
+    r2 = mapped_heldout_r2(mapper.to(torch.bfloat16), heldout)
+    return {"k": r2[:, 0].tolist(), "v": r2[:, 1].tolist()}
 
 
 def measure_mapper(
@@ -155,7 +216,8 @@ def measure_mapper(
     mlp_steps_per_batch: int = 8,
 ) -> dict:
     """Fits mapper `name` on a prepared pair (unless already there) and measures it (see `compare_mappers`)."""
-    from .bench import median_seconds
+    import torch
+
     from .diagnostics import attention_output_cosine
     from .evaluation import cloze_accuracy, continuation_nll
     from .mappers.mlp import train_mlp_mapper
@@ -169,27 +231,39 @@ def measure_mapper(
         "mlp_attention": lambda: train_mlp_mapper(ridge, windows, loss="attention", batch_size=batch_size, **mlp),
         "ridge_attention_weighted": lambda: fit_attention_weighted(ridge, windows, batch_size=batch_size),
     }
-    if name not in context["bridges"]:
-        if name not in fitters:
-            raise ValueError(f"unknown mapper {name!r}; known: {MAPPERS}")
+    base_name, bf16 = (name[: -len("_bf16")], True) if name.endswith("_bf16") else (name, False)
+    if base_name not in context["bridges"]:
         started = time.perf_counter()
-        bridge = fitters[name]()
+        if base_name in fitters:
+            bridge = fitters[base_name]()
+        else:
+            bridge = _linear_variant(ridge, base_name)
+            if bridge is None:
+                raise ValueError(f"unknown mapper {name!r}; known: {MAPPERS} (any rank for low_rank_<rank>)")
         # on top of the ridge fit it starts from (statistics pass, selection, solve)
-        context["bridges"][name] = (bridge, time.perf_counter() - started + ridge_s)
-    bridge, fit_s = context["bridges"][name]
+        context["bridges"][base_name] = (bridge, time.perf_counter() - started + ridge_s)
+    bridge, fit_s = context["bridges"][base_name]
+    r2 = bridge.config.heldout_r2 if bridge.config.mapper_type in ("ridge", "low_rank") else None
+    if bf16:
+        r2 = _bf16_r2(name, bridge)
+        if r2 is None:
+            raise ValueError(f"{name!r}: only the closed-form linear mappers have a bfloat16 variant here")
+        bridge = type(bridge)(bridge.config, bridge.source, bridge.target, copy.deepcopy(bridge.mapper))
+        bridge.mapper.to(torch.bfloat16)  # after __init__, which keeps a float32 target's mapper in float32
     nll = continuation_nll(bridge, context["eval_windows"], context["settings"]["nll_context"], batch_size=batch_size)
     cos = attention_output_cosine(bridge, context["eval_windows"][:4])
-    source_cache = context["source_cache"]
-    repeats = context["settings"]["timing_repeats"]
-    map_s = median_seconds(lambda: bridge.map_cache(source_cache), bridge.target.device, repeats, 1)
+    speed = _speed(bridge, context)
     row = {
         "retention": nll["context_benefit_retention"],
         "nll": nll["nll"],
         "attention_cosine": float(cos.mean()),
         "attention_cosine_per_layer": cos.tolist(),
+        "heldout_r2": r2,
+        "heldout_r2_mean": None if r2 is None else (sum(r2["k"]) + sum(r2["v"])) / (2 * len(r2["k"])),
         "fit_seconds": fit_s,
         **mapper_size(bridge.mapper),
-        "map_ms": map_s * 1e3,
+        **speed,
+        "mapper_dtype": str(bridge.mapper.layout_dtype()),
         "mapper_kwargs": bridge.config.mapper_kwargs,
     }
     if context["cloze"] is not None:
@@ -197,6 +271,29 @@ def measure_mapper(
     pair = context["pair"]
     logger.info("%s → %s %s: retention %.3f", pair["source"], pair["target"], name, row["retention"])
     return row
+
+
+def _speed(bridge, context: dict) -> dict:
+    """Mapper against the target's re-prefill on the timing context, medians of runs in a row (see
+    `bench.mapper_vs_prefill`)."""
+    from .bench import mapper_flops, median_seconds, prefill_flops
+
+    ids, source_cache = context["timing_ids"], context["source_cache"]
+    repeats = context["settings"]["timing_repeats"]
+    seconds = {
+        "target": median_seconds(lambda: bridge.target.model(input_ids=ids, use_cache=True), bridge.device, repeats),
+        "mapper": median_seconds(lambda: bridge.map_cache(source_cache), bridge.device, repeats),
+    }
+    bound = prefill_flops(bridge.target.config, ids.shape[1]) / mapper_flops(bridge.mapper, ids.shape[1])
+    warm = seconds["target"] / seconds["mapper"]
+    return {
+        "map_ms": seconds["mapper"] * 1e3,
+        "target_prefill_ms": seconds["target"] * 1e3,
+        "mapper_flops_per_token": bridge.mapper.flops_per_token(),
+        "warm_speedup": warm,
+        "flop_ratio_bound": bound,
+        "fraction_of_bound": warm / bound,
+    }
 
 
 def compare_mappers(
@@ -215,18 +312,21 @@ def compare_mappers(
 
     Args:
         source_name, target_name (`str`): pocket model names (e.g. `"pocket-s"`, `"pocket-l"`).
-        mappers (`tuple[str, ...]`, *optional*): any of `"ridge"`, `"mlp_mse"`, `"mlp_attention"`,
-            `"ridge_attention_weighted"` (the ridge bridge is always fitted: the others start from it).
+        mappers (`tuple[str, ...]`, *optional*): names from the module docstring (`"ridge"`, `"ridge_same_head"`,
+            `"low_rank_32"`, `"ridge_bf16"`, `"mlp_mse"`, ...); the ridge bridge is always fitted: the others start
+            from it or from its statistics.
         context (`dict`, *optional*): a `prepare_pair` result to reuse (its ridge fit and windows).
         mlp_hidden, mlp_epochs, mlp_lr, mlp_steps_per_batch: the MLP mappers' training (`train_mlp_mapper`).
         settings: `prepare_pair`'s: `num_sequences` (48), `seq_len` (256), `top_k` (6), `ridge_lambda` (0.01),
             `head_mode`, `nll_windows` (16), `nll_context` (256), `nll_continuation` (64), `cloze_items` (0: no
-            cloze), `batch_size` (8), `timing_context` (512), `timing_repeats` (3), `seed` (0).
+            cloze), `batch_size` (8), `timing_context` (1024), `timing_repeats` (3), `seed` (0).
 
     Returns:
         `dict` with the settings and, per mapper, `retention` (context-benefit retention of the continuation NLL),
-        `nll`, `attention_cosine`, `fit_seconds` (the MLP and weighted fits include the ridge fit they start
-        from), `parameters`, `bytes`, `map_ms` (median `map_cache` time of one context), and `cloze` if asked for.
+        `nll`, `attention_cosine`, `heldout_r2` (closed-form linear mappers: fitted on the training split, measured
+        on the held-out one), `fit_seconds` (the MLP and weighted fits include the ridge fit they start from),
+        `parameters`, `bytes`, speed (`map_ms`, `target_prefill_ms`, `warm_speedup`, `flop_ratio_bound`,
+        `fraction_of_bound`, `mapper_flops_per_token`), and `cloze` if asked for.
 
     Example:
 
@@ -249,27 +349,28 @@ def compare_mappers(
         "pair": context["pair"],
         "selected_layers": ridge.config.selected_layers,
         "settings": {**context["settings"], **mlp},
-        "target_prefill_ms": context["target_prefill_ms"],
         "mappers": rows,
     }
 
 
 def format_table(result: dict) -> str:
     """The study's table: one row per mapper."""
-    pair = result["pair"]
+    pair, settings = result["pair"], result["settings"]
     lines = [
-        f"{pair['source']} → {pair['target']}: {result['settings']['nll_windows']} held-out windows, context "
-        f"{result['settings']['nll_context']} + {result['settings']['nll_continuation']} tokens; target re-prefill "
-        f"of {result['settings']['timing_context']} tokens {result['target_prefill_ms']:.1f} ms",
-        f"{'mapper':<26}{'retention':>10}{'NLL':>8}{'attn cos':>10}{'cloze':>7}{'fit s':>8}{'params':>10}"
-        f"{'MB':>7}{'map ms':>8}",
+        f"{pair['source']} → {pair['target']}: {settings['nll_windows']} held-out windows, context "
+        f"{settings['nll_context']} + {settings['nll_continuation']} tokens; speed on {settings['timing_context']} "
+        f"tokens, {settings['torch_threads']} threads (target re-prefill ms / mapper ms, medians)",
+        f"{'mapper':<22}{'retention':>10}{'attn cos':>9}{'R²':>7}{'cloze':>7}{'fit s':>7}{'MB':>7}{'target ms':>10}"
+        f"{'map ms':>8}{'warm ×':>8}{'bound ×':>8}{'of bound':>9}",
     ]
     for name, row in result["mappers"].items():
         cloze = f"{row['cloze']['accuracy']['bridge']:.3f}" if "cloze" in row else "-"
+        r2 = "-" if row["heldout_r2_mean"] is None else f"{row['heldout_r2_mean']:.3f}"
         lines.append(
-            f"{name:<26}{row['retention']:>10.3f}{row['nll']['bridge']:>8.3f}{row['attention_cosine']:>10.4f}"
-            f"{cloze:>7}{row['fit_seconds']:>8.1f}{row['parameters']:>10,}{row['bytes'] / 1e6:>7.2f}"
-            f"{row['map_ms']:>8.1f}"
+            f"{name:<22}{row['retention']:>10.3f}{row['attention_cosine']:>9.4f}{r2:>7}{cloze:>7}"
+            f"{row['fit_seconds']:>7.1f}{row['bytes'] / 1e6:>7.2f}{row['target_prefill_ms']:>10.1f}"
+            f"{row['map_ms']:>8.2f}{row['warm_speedup']:>8.1f}{row['flop_ratio_bound']:>8.1f}"
+            f"{row['fraction_of_bound']:>9.2f}"
         )
     return "\n".join(lines)
 
@@ -319,7 +420,8 @@ def run_study(args: argparse.Namespace) -> int:
                 hardest, context = retention, candidate  # keep only the hardest pair's models and fits
         source, target = context["pair"]["source"], context["pair"]["target"]
         print(f"hardest pair: {source} → {target}\n")
-    result = compare_mappers(source, target, context=context, **mlp, **settings)
+    mappers = tuple(name.strip() for name in args.mappers.split(",") if name.strip())
+    result = compare_mappers(source, target, mappers=mappers, context=context, **mlp, **settings)
     result["pair_search"] = search
     result["study_seconds"] = time.perf_counter() - started
     result["date"] = datetime.datetime.now().isoformat(timespec="seconds")

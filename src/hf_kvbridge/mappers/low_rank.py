@@ -113,25 +113,32 @@ class LowRankKVMapper(KVMapper):
         layer = self.layers[target_layer]
         return torch.bmm(layer.down, layer.up)  # (G, p, q)
 
-    def _stacked_down(self, sources: list[int], targets: list[int]) -> torch.Tensor:
-        """The `A` of `targets` side by side, `(G, k·span, n·r)`, their input rows in `sources` order (cached until
-        a weight or the layer order changes)."""
+    def _stacked(self, sources: list[int], targets: list[int]):
+        """`A` of `targets` side by side `(G, k·span, n·r)` (input rows in `sources` order), and their `B` `(n·G, r,
+        q)` and bias `(n·G, 1, q)` stacked for one batched product (cached until a weight or the layer order
+        changes). The targets of a step read the same source layers, so their maps have one shape and one rank."""
+        layers = [self.layers[t] for t in targets]
         versions = tuple(
-            (self.layers[t].down._version, self.layers[t].down.data_ptr(), tuple(self.selected_layers[t]))
-            for t in targets
+            (layer.down._version, layer.up._version, layer.bias._version, layer.down.data_ptr(), tuple(order))
+            for layer, order in zip(layers, (self.selected_layers[t] for t in targets))
         )
         key = (tuple(sources), tuple(targets))
         cache = self.__dict__.setdefault("_stacked_cache", {})
         if key in cache and cache[key][0] == versions:
             return cache[key][1]
         blocks = []
-        for t in targets:
-            down, order = self.layers[t].down, self.selected_layers[t]  # (G, k·span, r)
-            span = down.shape[1] // len(order)
-            blocks.append(
-                torch.cat([down[:, order.index(s) * span : (order.index(s) + 1) * span] for s in sources], 1)
-            )
-        stacked = torch.cat(blocks, dim=2)
+        for t, layer in zip(targets, layers):
+            order = self.selected_layers[t]
+            span = layer.down.shape[1] // len(order)
+            index = [order.index(s) for s in sources]
+            blocks.append(torch.cat([layer.down[:, i * span : (i + 1) * span] for i in index], dim=1))
+        if self.head_mode == "all_heads":  # G = 1: batch over targets
+            up = torch.cat([layer.up for layer in layers])  # (n, r, q)
+            bias = torch.cat([layer.bias for layer in layers]).unsqueeze(1)  # (n, 1, q)
+        else:  # batch over (head, target), heads outer
+            up = torch.stack([layer.up for layer in layers], 1).flatten(0, 1)  # (H·n, r, q)
+            bias = torch.stack([layer.bias for layer in layers], 1).flatten(0, 1).unsqueeze(1)  # (H·n, 1, q)
+        stacked = torch.cat(blocks, dim=2), up, bias
         cache[key] = (versions, stacked)
         return stacked
 
@@ -146,26 +153,33 @@ class LowRankKVMapper(KVMapper):
     def map_targets(
         self, sources: list[int], targets: list[int], rows: torch.Tensor, out: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """One product of the inputs with every target's `A`, then one small product per target with its `B`,
-        written side by side (see [`KVMapper.map_targets`])."""
+        """One product of the inputs with every target's `A`, then one batched product with their `B`.
+
+        Returns:
+            the targets' rows in a layers-first layout, `(n, B·T, H·2d)` for `all_heads` and `(H·n, B·T, 2d)` (heads
+            outer) for `same_head`, which `split_rows(..., layers=n)` reads.
+        """
+        down, up, bias = self._stacked(sources, targets)
         x = self.step_input(sources, rows)  # (B·T, k·H·2d) or (H, B·T, k·2d)
-        down = self._stacked_down(sources, targets)  # (G, k·span, n·r)
-        hidden = x @ down[0] if self.head_mode == "all_heads" else torch.bmm(x, down)  # (B·T, n·r) or (H, B·T, n·r)
-        q = self.layers[targets[0]].bias.shape[-1]
-        shape = (*x.shape[:-1], len(targets) * q)  # (B·T, n·q) or (H, B·T, n·q)
-        result = torch.empty(shape, dtype=x.dtype, device=x.device) if out is None else out[: math.prod(shape)]
-        result = result.view(shape)
-        start = 0
-        for i, t in enumerate(targets):
-            layer = self.layers[t]
-            r = layer.down.shape[-1]
-            h = hidden[..., start : start + r]
-            start += r
-            if self.head_mode == "all_heads":
-                result[:, i * q : (i + 1) * q] = torch.addmm(layer.bias[0], h, layer.up[0])
-            else:
-                result[..., i * q : (i + 1) * q] = torch.baddbmm(layer.bias.unsqueeze(1), h, layer.up)
-        return result
+        n, r, tokens = len(targets), up.shape[1], x.shape[-2]
+        if self.head_mode == "all_heads":
+            hidden = (x @ down[0]).view(tokens, n, r).transpose(0, 1)  # (n, B·T, r)
+        else:
+            hidden = torch.bmm(x, down).view(-1, tokens, n, r).transpose(1, 2).flatten(0, 1)  # (H·n, B·T, r)
+        shape = (up.shape[0], tokens, up.shape[2])  # (n or H·n, B·T, q)
+        result = None if out is None else out[: math.prod(shape)].view(shape)
+        return torch.baddbmm(bias, hidden, up, out=result)
+
+    def split_rows(self, mapped: torch.Tensor, batch: int, seq: int, layers: int | None = None):
+        """As [`KVMapper.split_rows`]; with `layers=n`, reads `map_targets`' layers-first layout."""
+        if layers is None:
+            return super().split_rows(mapped, batch, seq)
+        heads, dim = self.num_kv_heads, self.head_dim
+        if self.head_mode == "all_heads":
+            kv = mapped.view(layers, batch, seq, heads, 2, dim).permute(4, 0, 1, 3, 2, 5)  # (2, n, B, H, T, d)
+        else:
+            kv = mapped.view(heads, layers, batch, seq, 2, dim).permute(4, 1, 2, 0, 3, 5)  # (2, n, B, H, T, d)
+        return kv[0], kv[1]
 
 
 def low_rank_bridge(
