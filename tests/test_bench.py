@@ -48,3 +48,22 @@ def test_bench_cli_with_random_shapes(tmp_path, capsys, monkeypatch):
     rows = json.loads(out.read_text())["rows"]
     assert [r["context_tokens"] for r in rows] == [16, 32]
     assert "warm ×" in capsys.readouterr().out
+
+
+def test_bench_cli_low_rank_bf16_interleaved(tmp_path, monkeypatch):
+    """`--rank`, `--mapper-dtype` and `--interleave` reach the benchmark: a low-rank bfloat16 mapper's row says so
+    and counts the low-rank FLOPs."""
+    from hf_kvbridge import bench
+
+    monkeypatch.setitem(bench.QWEN3_SHAPES, "tiny-a", (2, 32, 4, 2, 16, 64))
+    monkeypatch.setitem(bench.QWEN3_SHAPES, "tiny-b", (3, 48, 4, 2, 16, 96))
+    out, full = tmp_path / "low.json", tmp_path / "full.json"
+    common = ["bench", "--shapes", "tiny-a:tiny-b", "--top-k", "2", "--lengths", "16", "--repeats", "1"]
+    assert main([*common, "--rank", "4", "--mapper-dtype", "bfloat16", "--interleave", "--json", str(out)]) == 0
+    assert main([*common, "--json", str(full)]) == 0
+    (low,), (ref,) = json.loads(out.read_text())["rows"], json.loads(full.read_text())["rows"]
+    assert low["interleaved"] and not ref["interleaved"]
+    assert low["mapper_dtype"] == "torch.bfloat16" and ref["mapper_dtype"] == "torch.float32"
+    # all heads, 3 target layers reading 2 source layers: p = 2·64, q = 64; rank 4 against the full p·q
+    assert low["mapper_flops"] == 16 * 3 * 2 * (128 + 64) * 4
+    assert ref["mapper_flops"] == 16 * 3 * 2 * 128 * 64

@@ -50,14 +50,14 @@ def test_chunked_mapping_equals_one_pass(pair_bridge):
     try:
         whole = pair_bridge.prefill(ids, mask)[0]
         pair_bridge.free_workspace()
-        mapper.max_chunk_bytes = 2 * 3 * mapper.chunk_bytes_per_token(pair_bridge.source_layout.num_layers)
-        assert mapper.chunk_tokens(2, 14, pair_bridge.source_layout.num_layers) == 3  # 5 chunks, the last of 2
+        mapper.max_chunk_bytes, mapper.min_chunk_tokens = 2 * 3 * mapper.chunk_bytes_per_token(), 1
+        assert mapper.chunk_tokens(2, 14) == 3  # 5 chunks, the last of 2
         chunked = pair_bridge.prefill(ids, mask)[0]
         kept = [(layer.keys.clone(), layer.values.clone()) for layer in chunked.layers]
         pair_bridge.prefill(ids[:, :9])  # another mapping through the same workspace
         assert 0 < pair_bridge.workspace_bytes() <= mapper.max_chunk_bytes
     finally:
-        del mapper.max_chunk_bytes
+        del mapper.max_chunk_bytes, mapper.min_chunk_tokens
     for a, b, (keys, values) in zip(whole.layers, chunked.layers, kept):
         torch.testing.assert_close(a.keys, b.keys)
         torch.testing.assert_close(a.values, b.values)
@@ -86,6 +86,29 @@ def test_stacked_step_over_non_consecutive_source_layers(head_mode):
     mapper.groupable = False
     single = bridge.prefill(ids)[0]
     for a, b in zip(stacked.layers, single.layers):
+        torch.testing.assert_close(a.keys, b.keys)
+        torch.testing.assert_close(a.values, b.values)
+
+
+def test_source_rows_share_slots_once_a_layer_is_done(monkeypatch):
+    """Each source layer holds a slot of the row buffer only from the first step that reads it to the last: a sliding
+    window of layers needs 2 slots for 4 layers, and reusing slots maps exactly as one slot per layer does."""
+    from hf_kvbridge.mappers import KVMapper
+
+    source, target = qwen3(layers=4), qwen3(layers=3, hidden=48)
+    mapper = KVMapper([[0, 1], [2, 1], [3, 2]], 2, 16, "all_heads")
+    generator = torch.Generator().manual_seed(0)
+    for layer in mapper.layers:
+        layer.weight.data.normal_(generator=generator)
+        layer.bias.data.normal_(generator=generator)
+    config = KVBridgeConfig(top_k=2, selected_layers=mapper.selected_layers)
+    bridge = KVBridgeForCausalLM(config, source, target, mapper)
+    assert mapper.row_slots() == ({0: 0, 1: 1, 2: 0, 3: 1}, 2)
+    ids = torch.randint(0, VOCAB, (2, 9), generator=generator)
+    shared = bridge.prefill(ids)[0]
+    monkeypatch.setattr(mapper, "row_slots", lambda: ({s: s for s in range(4)}, 4))
+    bridge.free_workspace()
+    for a, b in zip(shared.layers, bridge.prefill(ids)[0].layers):
         torch.testing.assert_close(a.keys, b.keys)
         torch.testing.assert_close(a.values, b.values)
 

@@ -209,9 +209,10 @@ class KVBridgeForCausalLM(nn.Module):
         """Maps a source cache to the cache the target would have built for the same tokens.
 
         The mapping streams over the sequence in chunks of tokens (`KVMapper.chunk_tokens`). For each chunk every
-        source layer is stripped of its rotation once into one row buffer; each step of `KVMapper.mapping_plan`
-        (target layers reading the same source layers, mapped by one wide matrix product) reads its source layers
-        from there and writes its rotated keys and its values straight into the new cache's tensors. The chunk's
+        source layer is stripped of its rotation once, into a slot of one row buffer that it holds from the first
+        step that reads it to the last (`KVMapper.row_slots`); each step of `KVMapper.mapping_plan` (target layers
+        reading the same source layers, mapped by one wide matrix product) reads its source layers from there and
+        writes its rotated keys and its values straight into the new cache's tensors. The chunk's
         buffers are a workspace kept between calls (per thread, at most `KVMapper.max_chunk_bytes`; see
         `free_workspace`), so mapping allocates nothing but the cache it returns.
 
@@ -236,27 +237,32 @@ class KVBridgeForCausalLM(nn.Module):
         strip = Rotation(*inverse_cos_sin(*rotary_cos_sin(self.source, position_ids.to(device))))
         rotate = Rotation(*rotary_cos_sin(self.target, position_ids.to(device)))  # cos/sin (B, T, d) each
         mapper, plan = self.mapper, self.mapper.mapping_plan()  # steps of (source layers, target layers)
-        used = sorted({s for sources, _ in plan for s in sources})
+        last_use = {s: step for step, (sources, _) in enumerate(plan) for s in sources}
+        slots, num_slots = mapper.row_slots()  # where each source layer's rows live while it is needed
         heads, dim = src.num_kv_heads, src.head_dim
         outputs = [  # the new cache's tensors, one (2, n, B, H, T, d) block per step: [0] keys, [1] values
             torch.empty((2, len(targets), batch, heads, seq, dim), dtype=self.target.dtype, device=device)
             for _, targets in plan
         ]
-        chunk = mapper.chunk_tokens(batch, seq, src.num_layers)
+        chunk = mapper.chunk_tokens(batch, seq)
         widest = max(len(targets) for _, targets in plan) * heads * 2 * dim  # output features of the widest step
         dtype = mapper.layout_dtype()
-        row_space = self._workspace("rows", batch * chunk * src.num_layers * heads * 2 * dim, dtype, device)
+        row_space = self._workspace("rows", batch * chunk * num_slots * heads * 2 * dim, dtype, device)
         out_space = self._workspace("mapped", batch * chunk * widest, dtype, device)
         for start in range(0, seq, chunk):
             end = min(start + chunk, seq)
             strip_c, rotate_c = strip.narrow(start, end), rotate.narrow(start, end)
-            rows = mapper.new_rows(batch, end - start, src.num_layers, out=row_space)  # (B·c, L_s·H·2d) or so
-            for s in used:
-                keys, values = cache_layer_kv(source_cache, s)  # (B, H, T, d), keys post-RoPE
-                keys, values = keys[:, :, start:end].to(device), values[:, :, start:end].to(device)
-                mapper.write_rows(rows, s, keys, values, write_keys=strip_c)  # strips the source rotation
+            rows = mapper.new_rows(batch, end - start, num_slots, out=row_space)  # (B·c, slots·H·2d) or so
+            loaded: set[int] = set()
             for step, (sources, targets) in enumerate(plan):
-                mapped = mapper.map_targets(sources, targets, rows, out=out_space)
+                for s in sources:
+                    if s not in loaded:  # first step that reads source layer s: strip its rotation into its slot
+                        keys, values = cache_layer_kv(source_cache, s)  # (B, H, T, d), keys post-RoPE
+                        keys, values = keys[:, :, start:end].to(device), values[:, :, start:end].to(device)
+                        mapper.write_rows(rows, slots[s], keys, values, write_keys=strip_c)
+                        loaded.add(s)
+                mapped = mapper.map_targets(sources, targets, rows, out=out_space, slots=slots)
+                loaded -= {s for s in sources if last_use[s] == step}  # their slots go to later layers
                 keys_c, values = mapper.split_rows(mapped, batch, end - start, layers=len(targets))  # (n,B,H,c,d)
                 block = outputs[step][:, :, :, :, start:end]  # (2, n, B, H, c, d) view of the cache tensors
                 rotate_c(keys_c, out=block[0])

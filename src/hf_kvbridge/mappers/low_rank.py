@@ -151,7 +151,12 @@ class LowRankKVMapper(KVMapper):
         return torch.baddbmm(layer.bias.unsqueeze(1), torch.bmm(x, layer.down), layer.up)  # (H, B·T, 2d)
 
     def map_targets(
-        self, sources: list[int], targets: list[int], rows: torch.Tensor, out: torch.Tensor | None = None
+        self,
+        sources: list[int],
+        targets: list[int],
+        rows: torch.Tensor,
+        out: torch.Tensor | None = None,
+        slots: dict[int, int] | None = None,
     ) -> torch.Tensor:
         """One product of the inputs with every target's `A`, then one batched product with their `B`.
 
@@ -160,7 +165,7 @@ class LowRankKVMapper(KVMapper):
             outer) for `same_head`, which `split_rows(..., layers=n)` reads.
         """
         down, up, bias = self._stacked(sources, targets)
-        x = self.step_input(sources, rows)  # (B·T, k·H·2d) or (H, B·T, k·2d)
+        x = self.step_input(sources, rows, slots)  # (B·T, k·H·2d) or (H, B·T, k·2d)
         n, r, tokens = len(targets), up.shape[1], x.shape[-2]
         if self.head_mode == "all_heads":
             hidden = (x @ down[0]).view(tokens, n, r).transpose(0, 1)  # (n, B·T, r)

@@ -256,21 +256,46 @@ class KVMapper(nn.Module):
     # runs far below a CPU's or GPU's peak; the stacked product runs near it. Exact: same weights, same sums.
     groupable = True  # False where `map_layer` is not one affine map per layer (MLP) or weights load lazily
     max_group_bytes = 2**28  # stacked weights are a copy: don't stack more than this per group
-    # `map_cache` maps the sequence in chunks of tokens whose working set (the source rows of the chunk and the widest
-    # step's output) is about this size; None maps the whole sequence at once
+    # `map_cache` maps the sequence in chunks of tokens whose working set (the live source rows of the chunk and the
+    # widest step's output) is about this many bytes, but never fewer than `min_chunk_tokens` tokens (each chunk
+    # reads every weight once more, and short products run below peak); None maps the whole sequence at once
     max_chunk_bytes: int | None = 2**26
+    min_chunk_tokens = 512
 
-    def chunk_tokens(self, batch: int, seq: int, num_source_layers: int) -> int:
+    def row_slots(self) -> tuple[dict[int, int], int]:
+        """Where `map_cache` keeps each source layer's rows within a chunk: `(slot of each source layer, slots)`.
+
+        A source layer takes the lowest free slot when the first step that reads it comes, and frees it after the
+        last one, so the buffer holds the layers that are live at once (about `top_k + 1` when each target layer
+        reads the source layers of about its own relative depth), not all of them. A step's layers are placed in
+        ascending order, so consecutive layers read together sit side by side (read as a view, not gathered)."""
+        plan = self.mapping_plan()
+        last_use = {s: step for step, (sources, _) in enumerate(plan) for s in sources}
+        slot_of: dict[int, int] = {}
+        free: list[int] = []
+        slots = 0
+        for step, (sources, _) in enumerate(plan):
+            for s in sorted(sources):
+                if s not in slot_of:
+                    if free:
+                        slot_of[s] = free.pop(0)
+                    else:
+                        slot_of[s], slots = slots, slots + 1
+            free = sorted(free + [slot_of[s] for s in sources if last_use[s] == step])
+        return slot_of, slots
+
+    def chunk_tokens(self, batch: int, seq: int) -> int:
         """Tokens per chunk when `map_cache` maps `batch` sequences of `seq` tokens (see `max_chunk_bytes`)."""
         if self.max_chunk_bytes is None:
             return seq
-        return max(1, min(seq, self.max_chunk_bytes // (batch * self.chunk_bytes_per_token(num_source_layers))))
+        chunk = max(self.min_chunk_tokens, self.max_chunk_bytes // (batch * self.chunk_bytes_per_token()))
+        return max(1, min(seq, chunk))
 
-    def chunk_bytes_per_token(self, num_source_layers: int) -> int:
-        """Bytes of `map_cache`'s working set per token: the source rows and the widest step's output."""
+    def chunk_bytes_per_token(self) -> int:
+        """Bytes of `map_cache`'s working set per token: the live source rows and the widest step's output."""
         per_layer = self.num_kv_heads * 2 * self.head_dim
         widest = max(len(targets) for _, targets in self.mapping_plan()) * per_layer
-        return (num_source_layers * per_layer + widest) * torch.finfo(self.layout_dtype()).bits // 8
+        return (self.row_slots()[1] * per_layer + widest) * torch.finfo(self.layout_dtype()).bits // 8
 
     def mapping_plan(self) -> list[tuple[list[int], list[int]]]:
         """`(source layers in input order, target layers)` steps covering every target layer once."""
@@ -314,23 +339,30 @@ class KVMapper(nn.Module):
         cache[key] = (versions, stacked)
         return stacked
 
-    def step_input(self, sources: list[int], rows: torch.Tensor) -> torch.Tensor:
-        """Source layers `sources` of a `new_rows` buffer side by side: a view when they are consecutive, else a
-        gathered copy."""
-        if sources == list(range(sources[0], sources[0] + len(sources))):
-            return self.layer_rows(rows, sources[0], len(sources))
-        return torch.cat([self.layer_rows(rows, s) for s in sources], dim=-1)
+    def step_input(self, sources: list[int], rows: torch.Tensor, slots: dict[int, int] | None = None) -> torch.Tensor:
+        """Source layers `sources` of a `new_rows` buffer side by side, layer `s` at index `slots[s]` (default `s`):
+        a view when they sit side by side in that order, else a gathered copy."""
+        index = [s if slots is None else slots[s] for s in sources]
+        if index == list(range(index[0], index[0] + len(index))):
+            return self.layer_rows(rows, index[0], len(index))
+        return torch.cat([self.layer_rows(rows, i) for i in index], dim=-1)
 
     def map_targets(
-        self, sources: list[int], targets: list[int], rows: torch.Tensor, out: torch.Tensor | None = None
+        self,
+        sources: list[int],
+        targets: list[int],
+        rows: torch.Tensor,
+        out: torch.Tensor | None = None,
+        slots: dict[int, int] | None = None,
     ) -> torch.Tensor:
         """Maps one step of `mapping_plan`.
 
         Args:
             sources, targets: the step.
             rows (`torch.Tensor`): a `new_rows` buffer holding (at least) the step's source layers, layer `s` at
-                index `s`.
+                index `slots[s]` (default: at index `s`).
             out (`torch.Tensor`, *optional*): flat storage for the result (a reused workspace).
+            slots (`dict[int, int]`, *optional*): where each source layer sits in `rows` (see `row_slots`).
 
         Returns:
             the `len(targets)` target layers side by side in `map_layer`'s layout (`split_rows(..., layers=n)` takes
@@ -338,11 +370,12 @@ class KVMapper(nn.Module):
         """
         if len(targets) == 1 and sources == self.selected_layers[targets[0]]:
             self.materialize(targets[0])
-            mapped = self.map_layer(targets[0], [self.layer_rows(rows, s) for s in sources])
+            index = [s if slots is None else slots[s] for s in sources]
+            mapped = self.map_layer(targets[0], [self.layer_rows(rows, i) for i in index])
             self.release(targets[0])
             return mapped
         weight, bias = self._stacked(sources, targets)
-        x = self.step_input(sources, rows)  # (B·T, k·H·2d) or (H, B·T, k·2d)
+        x = self.step_input(sources, rows, slots)  # (B·T, k·H·2d) or (H, B·T, k·2d)
         shape = (*x.shape[:-1], weight.shape[-1])  # (B·T, n·H·2d) or (H, B·T, n·2d)
         result = None if out is None else out[: math.prod(shape)].view(shape)
         if self.head_mode == "all_heads":
