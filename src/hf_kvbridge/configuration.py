@@ -30,10 +30,12 @@ class KVBridgeConfig(PretrainedConfig):
             variance (ridge on standardized inputs).
         head_mode (`str`, *optional*, defaults to `"all_heads"`): `"all_heads"` or `"same_head"`.
         mapper_type (`str`, *optional*, defaults to `"ridge"`): kind of mapper stored in the weights file:
-            `"ridge"`, `"ridge_attention_weighted"` (same linear layout, see `mappers.weighted`) or `"mlp"` (a residual
-            MLP on top of the ridge map, see `mappers.mlp`).
+            `"ridge"`, `"ridge_attention_weighted"` (same linear layout, see `mappers.weighted`), `"mlp"` (a residual
+            MLP on top of the ridge map, see `mappers.mlp`) or `"low_rank"` (reduced-rank ridge, see
+            `mappers.low_rank`).
         mapper_kwargs (`dict`, *optional*): hyper-parameters of a non-ridge mapper (for `"mlp"`: `hidden`, `loss`,
-            `epochs`, `lr`, ...) and how it was fitted; `heldout_r2` stays that of the ridge base.
+            `epochs`, `lr`, ...; for `"low_rank"`: `rank`) and how it was fitted; `heldout_r2` is that of the ridge
+            base, except for `"low_rank"`, whose own maps it measures.
         selected_layers (`list[list[int]]`): per target layer, the source layers used, best first.
         selected_layer_r2 (`list[list[float]]`, *optional*): held-out single-layer R² of those layers.
         heldout_r2 (`dict`, *optional*): held-out R² of the fitted mapper per target layer, `{"k": [...], "v": [...]}`.
