@@ -14,11 +14,16 @@ from tests.conftest import CORPUS, VOCAB, qwen3
 
 @pytest.fixture(scope="module")
 def ridge_pair(windows):
+    bridge, statistics = _ridge(windows, "all_heads")
+    bridge.calibration_statistics = statistics
+    return bridge
+
+
+def _ridge(windows, head_mode):
+    """A ridge bridge of a 2-layer → 3-layer Qwen3 pair, top-2, and its (train, held-out) statistics."""
     source, target = qwen3(layers=2, seed=1), qwen3(layers=3, hidden=48, seed=2)
     train, heldout = collect_statistics(source, target, windows, heldout=[0, 1, 2, 3])
-    bridge = fit_bridge(source, target, train, heldout, top_k=2)
-    bridge.calibration_statistics = (train, heldout)
-    return bridge
+    return fit_bridge(source, target, train, heldout, top_k=2, head_mode=head_mode), (train, heldout)
 
 
 def _caches_close(a, b, **tol):
@@ -30,10 +35,8 @@ def _caches_close(a, b, **tol):
 @pytest.mark.parametrize("head_mode", ["all_heads", "same_head"])
 def test_full_rank_is_the_ridge_map(windows, head_mode):
     """At rank ≥ min(p, q) the factors multiply back to the ridge weights: the same cache, both head modes."""
-    source, target = qwen3(layers=2, seed=1), qwen3(layers=3, hidden=48, seed=2)
-    train, heldout = collect_statistics(source, target, windows, heldout=[0, 1, 2, 3])
-    ridge = fit_bridge(source, target, train, heldout, top_k=2, head_mode=head_mode)
-    full = low_rank_bridge(ridge, rank=10_000, statistics=(train, heldout))
+    ridge, statistics = _ridge(windows, head_mode)
+    full = low_rank_bridge(ridge, rank=10_000, statistics=statistics)
     for t in range(3):
         torch.testing.assert_close(full.mapper.layer_weight(t), ridge.mapper.layer_weight(t), atol=1e-4, rtol=1e-4)
     ids = torch.randint(0, VOCAB, (2, 17), generator=torch.Generator().manual_seed(3))
@@ -81,10 +84,8 @@ def test_lower_rank_costs_less_and_explains_less(ridge_pair):
 
 @pytest.mark.parametrize("head_mode", ["all_heads", "same_head"])
 def test_stacked_low_rank_equals_layer_by_layer(windows, head_mode):
-    source, target = qwen3(layers=2, seed=1), qwen3(layers=3, hidden=48, seed=2)
-    train, heldout = collect_statistics(source, target, windows, heldout=[0, 1, 2, 3])
-    ridge = fit_bridge(source, target, train, heldout, top_k=2, head_mode=head_mode)
-    bridge = low_rank_bridge(ridge, rank=5, statistics=(train, heldout))
+    ridge, statistics = _ridge(windows, head_mode)
+    bridge = low_rank_bridge(ridge, rank=5, statistics=statistics)
     assert bridge.mapper.mapping_plan() == [([0, 1], [0, 1, 2])]
     ids = torch.randint(0, VOCAB, (2, 13), generator=torch.Generator().manual_seed(4))
     stacked = bridge.prefill(ids)[0]
