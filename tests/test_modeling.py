@@ -248,3 +248,32 @@ def test_lazy_mapper_loads_one_layer_at_a_time(pair_bridge, tmp_path, monkeypatc
         torch.testing.assert_close(a.keys, b.keys)
         torch.testing.assert_close(a.values, b.values)
     assert most == [1, 1, 1] and not lazy.mapper.loaded  # one target layer's weights at a time, none after
+
+
+def test_threads_map_at_once_with_their_own_workspaces(pair_bridge):
+    """Two threads mapping different contexts through one bridge at the same time get what each gets alone; each
+    thread's workspace goes when the thread does."""
+    import gc
+    import threading
+
+    contexts = [torch.randint(0, VOCAB, (2, n), generator=torch.Generator().manual_seed(n)) for n in (19, 23)]
+    alone = [pair_bridge.prefill(ids)[0] for ids in contexts]
+    pair_bridge.free_workspace()
+    results, barrier = {}, threading.Barrier(2)
+
+    def run(i):
+        barrier.wait()
+        for _ in range(20):  # overlap many mappings
+            results[i] = pair_bridge.prefill(contexts[i])[0]
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for i, reference in enumerate(alone):
+        for a, b in zip(results[i].layers, reference.layers):
+            assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+    del threads, thread
+    gc.collect()
+    assert pair_bridge.workspace_bytes() == 0

@@ -14,6 +14,7 @@ import os
 import shutil
 import tempfile
 import threading
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -275,9 +276,11 @@ class KVBridgeForCausalLM(nn.Module):
 
     def _workspace(self, name: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A flat buffer of at least `numel` elements kept for this thread between mappings (fresh memory on every
-        call costs page faults on a CPU that can exceed the arithmetic of a small mapping)."""
-        spaces = self.__dict__.setdefault("_workspaces", {})
-        key = (threading.get_ident(), name, dtype, torch.device(device))
+        call costs page faults on a CPU that can exceed the arithmetic of a small mapping). Buffers are per thread,
+        so threads can map at once, and go with their thread."""
+        per_thread = self.__dict__.setdefault("_workspaces", weakref.WeakKeyDictionary())
+        spaces = per_thread.setdefault(threading.current_thread(), {})
+        key = (name, dtype, torch.device(device))
         buffer = spaces.get(key)
         if buffer is None or buffer.numel() < numel:
             spaces.pop(key, None)  # drop the old one first: never two at once
@@ -285,12 +288,13 @@ class KVBridgeForCausalLM(nn.Module):
         return buffer
 
     def free_workspace(self) -> None:
-        """Frees the buffers `map_cache` keeps between calls (they come back on the next mapping)."""
+        """Frees the buffers `map_cache` keeps between calls, for every thread (they come back on the next mapping)."""
         self.__dict__.pop("_workspaces", None)
 
     def workspace_bytes(self) -> int:
         """Bytes held by `map_cache`'s workspace buffers (all threads)."""
-        return sum(b.numel() * b.element_size() for b in self.__dict__.get("_workspaces", {}).values())
+        per_thread = self.__dict__.get("_workspaces", {})
+        return sum(b.numel() * b.element_size() for spaces in list(per_thread.values()) for b in spaces.values())
 
     def _check_length(self, length: int) -> None:
         if length > self.max_positions:
