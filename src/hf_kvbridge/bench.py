@@ -198,8 +198,8 @@ def mapper_vs_prefill(
         and the workspace `map_cache` keeps between mappings.
 
     Each of the three runs `repeats` times in a row (the usual way: warm caches, memory the allocator just freed);
-    with `interleave=True` the rounds alternate target, mapper, source, so each one runs right after the others
-    have evicted its data and freed theirs, as in a cascade (slower, mostly for the small mapper).
+    with `interleave=True` the rounds run source, mapper, target, so the mapper runs right after a source prefill,
+    as in a cascade, and each one after the others have evicted its data.
     """
     from .modeling import execution_device
 
@@ -207,10 +207,10 @@ def mapper_vs_prefill(
     ids_t, ids_s = input_ids.to(device), input_ids.to(execution_device(bridge.source))
     tokens = int(input_ids.numel())
     source_cache = bridge.source.model(input_ids=ids_s, use_cache=True).cache
-    fns = {
-        "target": lambda: bridge.target.model(input_ids=ids_t, use_cache=True),
-        "mapper": lambda: bridge.map_cache(source_cache),
+    fns = {  # in cascade order when interleaved: the mapper runs right after a source prefill
         "source": lambda: bridge.source.model(input_ids=ids_s, use_cache=True),
+        "mapper": lambda: bridge.map_cache(source_cache),
+        "target": lambda: bridge.target.model(input_ids=ids_t, use_cache=True),
     }
     if interleave:
         seconds = interleaved_medians(fns, device, repeats, warmup)

@@ -305,7 +305,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--rank", type=int, help="with --shapes: a low-rank mapper of this rank")
     bench.add_argument("--mapper-dtype", choices=["float32", "bfloat16", "float16"], help="defaults to --dtype")
     bench.add_argument(
-        "--interleave", action="store_true", help="alternate target, mapper and source runs (cascade-like, colder)"
+        "--interleave", action="store_true", help="alternate source, mapper and target runs (in cascade order)"
     )
     bench.add_argument("--lengths", default="256,1024,4096")
     bench.add_argument("--batch", type=int, default=1)
