@@ -90,27 +90,33 @@ def test_stacked_step_over_non_consecutive_source_layers(head_mode):
         torch.testing.assert_close(a.values, b.values)
 
 
-def test_source_rows_share_slots_once_a_layer_is_done(monkeypatch):
-    """Each source layer holds a slot of the row buffer only from the first step that reads it to the last: a sliding
-    window of layers needs 2 slots for 4 layers, and reusing slots maps exactly as one slot per layer does."""
-    from hf_kvbridge.mappers import KVMapper
+@pytest.mark.parametrize("kind", ["all_heads", "same_head", "low_rank"])
+def test_source_rows_share_slots_once_a_layer_is_done(monkeypatch, kind):
+    """Each source layer holds a slot of the row buffer only from the first step that reads it to the last, so
+    4 source layers need 2 slots here; then layers 1 and 2, read together by two stacked target layers, sit in slots
+    1 and 0 (not side by side: their products are accumulated). The same caches as one slot per layer in order."""
+    from hf_kvbridge.mappers import KVMapper, LowRankKVMapper
 
-    source, target = qwen3(layers=4), qwen3(layers=3, hidden=48)
-    mapper = KVMapper([[0, 1], [2, 1], [3, 2]], 2, 16, "all_heads")
+    source, target = qwen3(layers=4), qwen3(layers=4, hidden=48)
+    selected = [[0, 1], [2, 1], [1, 2], [1, 3]]
+    if kind == "low_rank":
+        mapper = LowRankKVMapper(selected, 2, 16, "all_heads", rank=5)
+    else:
+        mapper = KVMapper(selected, 2, 16, kind)
     generator = torch.Generator().manual_seed(0)
-    for layer in mapper.layers:
-        layer.weight.data.normal_(generator=generator)
-        layer.bias.data.normal_(generator=generator)
-    config = KVBridgeConfig(top_k=2, selected_layers=mapper.selected_layers)
+    for param in mapper.parameters():
+        param.data.normal_(generator=generator)
+    config = KVBridgeConfig(top_k=2, selected_layers=selected, head_mode=mapper.head_mode)
     bridge = KVBridgeForCausalLM(config, source, target, mapper)
-    assert mapper.row_slots() == ({0: 0, 1: 1, 2: 0, 3: 1}, 2)
+    assert mapper.mapping_plan() == [([0, 1], [0]), ([1, 2], [1, 2]), ([1, 3], [3])]
+    assert mapper.row_slots() == ({0: 0, 1: 1, 2: 0, 3: 0}, 2)
     ids = torch.randint(0, VOCAB, (2, 9), generator=generator)
     shared = bridge.prefill(ids)[0]
     monkeypatch.setattr(mapper, "row_slots", lambda: ({s: s for s in range(4)}, 4))
     bridge.free_workspace()
-    for a, b in zip(shared.layers, bridge.prefill(ids)[0].layers):
-        torch.testing.assert_close(a.keys, b.keys)
-        torch.testing.assert_close(a.values, b.values)
+    for a, b in zip(shared.layers, bridge.prefill(ids)[0].layers):  # outputs of size ~10: float32 sums, reordered
+        torch.testing.assert_close(a.keys, b.keys, rtol=1e-5, atol=1e-4)
+        torch.testing.assert_close(a.values, b.values, rtol=1e-5, atol=1e-4)
 
 
 def _same_cache(a, b):

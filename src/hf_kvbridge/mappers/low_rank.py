@@ -165,12 +165,12 @@ class LowRankKVMapper(KVMapper):
             outer) for `same_head`, which `split_rows(..., layers=n)` reads.
         """
         down, up, bias = self._stacked(sources, targets)
-        x = self.step_input(sources, rows, slots)  # (B·T, k·H·2d) or (H, B·T, k·2d)
-        n, r, tokens = len(targets), up.shape[1], x.shape[-2]
+        hidden = self.step_product(sources, rows, down, slots=slots)  # (B·T, n·r) or (H, B·T, n·r)
+        n, r, tokens = len(targets), up.shape[1], hidden.shape[-2]
         if self.head_mode == "all_heads":
-            hidden = (x @ down[0]).view(tokens, n, r).transpose(0, 1)  # (n, B·T, r)
+            hidden = hidden.view(tokens, n, r).transpose(0, 1)  # (n, B·T, r)
         else:
-            hidden = torch.bmm(x, down).view(-1, tokens, n, r).transpose(1, 2).flatten(0, 1)  # (H·n, B·T, r)
+            hidden = hidden.view(-1, tokens, n, r).transpose(1, 2).flatten(0, 1)  # (H·n, B·T, r)
         shape = (up.shape[0], tokens, up.shape[2])  # (n or H·n, B·T, q)
         result = None if out is None else out[: math.prod(shape)].view(shape)
         return torch.baddbmm(bias, hidden, up, out=result)

@@ -339,13 +339,54 @@ class KVMapper(nn.Module):
         cache[key] = (versions, stacked)
         return stacked
 
-    def step_input(self, sources: list[int], rows: torch.Tensor, slots: dict[int, int] | None = None) -> torch.Tensor:
-        """Source layers `sources` of a `new_rows` buffer side by side, layer `s` at index `slots[s]` (default `s`):
-        a view when they sit side by side in that order, else a gathered copy."""
+    def step_product(
+        self,
+        sources: list[int],
+        rows: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        out: torch.Tensor | None = None,
+        slots: dict[int, int] | None = None,
+    ) -> torch.Tensor:
+        """`[rows of sources] @ weight (+ bias)`, the source layers read from a `new_rows` buffer (layer `s` at index
+        `slots[s]`, default `s`): one product when they sit side by side in `sources` order (a view), otherwise one
+        product per source layer accumulated in place (as fast, and no gathered copy of the inputs).
+
+        Args:
+            weight (`torch.Tensor` of shape `(G, k·span, N)`): row blocks in `sources` order.
+            bias (`torch.Tensor` of shape `(G, N)`, *optional*).
+            out (`torch.Tensor`, *optional*): flat storage for the result.
+
+        Returns:
+            `(B·T, N)` for `all_heads` (G = 1), `(G, B·T, N)` for `same_head`.
+        """
         index = [s if slots is None else slots[s] for s in sources]
         if index == list(range(index[0], index[0] + len(index))):
-            return self.layer_rows(rows, index[0], len(index))
-        return torch.cat([self.layer_rows(rows, i) for i in index], dim=-1)
+            parts, blocks = [self.layer_rows(rows, index[0], len(index))], [weight]  # one product
+        else:
+            span = weight.shape[1] // len(index)
+            parts = [self.layer_rows(rows, i) for i in index]
+            blocks = [weight[:, j * span : (j + 1) * span] for j in range(len(index))]
+        all_heads = self.head_mode == "all_heads"
+        if all_heads:  # G = 1: plain matrices
+            blocks = [w[0] for w in blocks]
+        shape = (*parts[0].shape[:-1], weight.shape[-1])
+        if out is None:
+            result = torch.empty(shape, dtype=parts[0].dtype, device=parts[0].device)
+        else:
+            result = out[: math.prod(shape)].view(shape)
+        if bias is None:
+            torch.matmul(parts[0], blocks[0], out=result)
+        elif all_heads:
+            torch.addmm(bias[0], parts[0], blocks[0], out=result)
+        else:
+            torch.baddbmm(bias.unsqueeze(1), parts[0], blocks[0], out=result)
+        for x, w in zip(parts[1:], blocks[1:]):
+            if all_heads:
+                result.addmm_(x, w)
+            else:
+                result.baddbmm_(x, w)
+        return result
 
     def map_targets(
         self,
@@ -374,10 +415,5 @@ class KVMapper(nn.Module):
             mapped = self.map_layer(targets[0], [self.layer_rows(rows, i) for i in index])
             self.release(targets[0])
             return mapped
-        weight, bias = self._stacked(sources, targets)
-        x = self.step_input(sources, rows, slots)  # (B·T, k·H·2d) or (H, B·T, k·2d)
-        shape = (*x.shape[:-1], weight.shape[-1])  # (B·T, n·H·2d) or (H, B·T, n·2d)
-        result = None if out is None else out[: math.prod(shape)].view(shape)
-        if self.head_mode == "all_heads":
-            return torch.addmm(bias[0], x, weight[0], out=result)
-        return torch.baddbmm(bias.unsqueeze(1), x, weight, out=result)
+        weight, bias = self._stacked(sources, targets)  # (G, k·span, n·out), (G, n·out)
+        return self.step_product(sources, rows, weight, bias, out, slots)  # (B·T, n·H·2d) or (H, B·T, n·2d)
