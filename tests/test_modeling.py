@@ -50,14 +50,17 @@ def test_chunked_mapping_equals_one_pass(pair_bridge):
     try:
         whole = pair_bridge.prefill(ids, mask)[0]
         pair_bridge.free_workspace()
-        mapper.max_chunk_bytes, mapper.min_chunk_tokens = 2 * 3 * mapper.chunk_bytes_per_token(), 1
+        mapper.max_chunk_bytes, mapper.min_chunk_rows = 2 * 3 * mapper.chunk_bytes_per_token(), 1
         assert mapper.chunk_tokens(2, 14) == 3  # 5 chunks, the last of 2
+        mapper.min_chunk_rows = 8
+        assert mapper.chunk_tokens(2, 14) == 4 and mapper.chunk_tokens(16, 14) == 1  # products of ≥ 8 rows
+        mapper.min_chunk_rows = 1
         chunked = pair_bridge.prefill(ids, mask)[0]
         kept = [(layer.keys.clone(), layer.values.clone()) for layer in chunked.layers]
         pair_bridge.prefill(ids[:, :9])  # another mapping through the same workspace
         assert 0 < pair_bridge.workspace_bytes() <= mapper.max_chunk_bytes
     finally:
-        del mapper.max_chunk_bytes, mapper.min_chunk_tokens
+        del mapper.max_chunk_bytes, mapper.min_chunk_rows
     for a, b, (keys, values) in zip(whole.layers, chunked.layers, kept):
         torch.testing.assert_close(a.keys, b.keys)
         torch.testing.assert_close(a.values, b.values)

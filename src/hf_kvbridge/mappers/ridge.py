@@ -257,10 +257,11 @@ class KVMapper(nn.Module):
     groupable = True  # False where `map_layer` is not one affine map per layer (MLP) or weights load lazily
     max_group_bytes = 2**28  # stacked weights are a copy: don't stack more than this per group
     # `map_cache` maps the sequence in chunks of tokens whose working set (the live source rows of the chunk and the
-    # widest step's output) is about this many bytes, but never fewer than `min_chunk_tokens` tokens (each chunk
-    # reads every weight once more, and short products run below peak); None maps the whole sequence at once
+    # widest step's output) is about this many bytes, but with products of at least `min_chunk_rows` rows (batch ×
+    # chunk tokens: each chunk reads every weight once more, and short products run below peak); None maps the whole
+    # sequence at once
     max_chunk_bytes: int | None = 2**26
-    min_chunk_tokens = 512
+    min_chunk_rows = 512
 
     def row_slots(self) -> tuple[dict[int, int], int]:
         """Where `map_cache` keeps each source layer's rows within a chunk: `(slot of each source layer, slots)`.
@@ -288,8 +289,8 @@ class KVMapper(nn.Module):
         """Tokens per chunk when `map_cache` maps `batch` sequences of `seq` tokens (see `max_chunk_bytes`)."""
         if self.max_chunk_bytes is None:
             return seq
-        chunk = max(self.min_chunk_tokens, self.max_chunk_bytes // (batch * self.chunk_bytes_per_token()))
-        return max(1, min(seq, chunk))
+        fits = self.max_chunk_bytes // (batch * self.chunk_bytes_per_token())
+        return max(1, min(seq, max(-(-self.min_chunk_rows // batch), fits)))
 
     def chunk_bytes_per_token(self) -> int:
         """Bytes of `map_cache`'s working set per token: the live source rows and the widest step's output."""
