@@ -360,14 +360,14 @@ def format_table(result: dict) -> str:
         f"{pair['source']} → {pair['target']}: {settings['nll_windows']} held-out windows, context "
         f"{settings['nll_context']} + {settings['nll_continuation']} tokens; speed on {settings['timing_context']} "
         f"tokens, {settings['torch_threads']} threads (target re-prefill ms / mapper ms, medians)",
-        f"{'mapper':<22}{'retention':>10}{'attn cos':>9}{'R²':>7}{'cloze':>7}{'fit s':>7}{'MB':>7}{'target ms':>10}"
+        f"{'mapper':<26}{'retention':>10}{'attn cos':>9}{'R²':>7}{'cloze':>7}{'fit s':>7}{'MB':>7}{'target ms':>10}"
         f"{'map ms':>8}{'warm ×':>8}{'bound ×':>8}{'of bound':>9}",
     ]
     for name, row in result["mappers"].items():
         cloze = f"{row['cloze']['accuracy']['bridge']:.3f}" if "cloze" in row else "-"
         r2 = "-" if row["heldout_r2_mean"] is None else f"{row['heldout_r2_mean']:.3f}"
         lines.append(
-            f"{name:<22}{row['retention']:>10.3f}{row['attention_cosine']:>9.4f}{r2:>7}{cloze:>7}"
+            f"{name:<26}{row['retention']:>10.3f}{row['attention_cosine']:>9.4f}{r2:>7}{cloze:>7}"
             f"{row['fit_seconds']:>7.1f}{row['bytes'] / 1e6:>7.2f}{row['target_prefill_ms']:>10.1f}"
             f"{row['map_ms']:>8.2f}{row['warm_speedup']:>8.1f}{row['flop_ratio_bound']:>8.1f}"
             f"{row['fraction_of_bound']:>9.2f}"
