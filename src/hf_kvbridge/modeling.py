@@ -237,16 +237,13 @@ class KVBridgeForCausalLM(nn.Module):
             raise ValueError(f"position_ids cover {position_ids.shape[-1]} tokens but the source cache holds {seq}")
         strip = Rotation(*inverse_cos_sin(*rotary_cos_sin(self.source, position_ids.to(device))))
         rotate = Rotation(*rotary_cos_sin(self.target, position_ids.to(device)))  # cos/sin (B, T, d) each
-        mapper, plan = self.mapper, self.mapper.mapping_plan()  # steps of (source layers, target layers)
-        last_use = {s: step for step, (sources, _) in enumerate(plan) for s in sources}
-        slots, num_slots = mapper.row_slots()  # where each source layer's rows live while it is needed
+        mapper = self.mapper
+        plan, last_use, slots, num_slots, widest, _, chunk = mapper.schedule(batch, seq)  # steps, row slots, chunk
         heads, dim = src.num_kv_heads, src.head_dim
         outputs = [  # the new cache's tensors, one (2, n, B, H, T, d) block per step: [0] keys, [1] values
             torch.empty((2, len(targets), batch, heads, seq, dim), dtype=self.target.dtype, device=device)
             for _, targets in plan
         ]
-        chunk = mapper.chunk_tokens(batch, seq)
-        widest = max(len(targets) for _, targets in plan) * heads * 2 * dim  # output features of the widest step
         dtype = mapper.layout_dtype()
         row_space = self._workspace("rows", batch * chunk * num_slots * heads * 2 * dim, dtype, device)
         out_space = self._workspace("mapped", batch * chunk * widest, dtype, device)

@@ -145,10 +145,10 @@ class LowRankKVMapper(KVMapper):
     def map_layer(self, target_layer: int, rows: list[torch.Tensor]) -> torch.Tensor:
         """`(x A) B + b` for the selected source layers' rows (see [`KVMapper.map_layer`])."""
         layer = self.layers[target_layer]
-        x = torch.cat(rows, dim=-1)  # (B·T, k·H·2d) or (H, B·T, k·2d)
+        hidden = self.accumulated_product(rows, layer.down)  # (B·T, r) or (H, B·T, r)
         if self.head_mode == "all_heads":
-            return torch.addmm(layer.bias[0], x @ layer.down[0], layer.up[0])  # (B·T, H·2d)
-        return torch.baddbmm(layer.bias.unsqueeze(1), torch.bmm(x, layer.down), layer.up)  # (H, B·T, 2d)
+            return torch.addmm(layer.bias[0], hidden, layer.up[0])  # (B·T, H·2d)
+        return torch.baddbmm(layer.bias.unsqueeze(1), hidden, layer.up)  # (H, B·T, 2d)
 
     def map_targets(
         self,

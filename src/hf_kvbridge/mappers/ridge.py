@@ -13,6 +13,7 @@ calibration tokens or with the scale of any feature (keys and values live at ver
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -52,6 +53,18 @@ def solve_ridge(
         weight = torch.linalg.lstsq(system, cxy, driver="gelsd").solution
     bias = my - mx @ weight
     return weight, bias
+
+
+class MappingSchedule(NamedTuple):
+    """How `map_cache` maps one batch (`KVMapper.schedule`)."""
+
+    plan: list[tuple[list[int], list[int]]]  # steps of (source layers, target layers mapped together)
+    last_use: dict[int, int]  # source layer → the last step that reads it
+    slots: dict[int, int]  # source layer → its slot in the chunk's row buffer
+    num_slots: int
+    widest: int  # output features per token of the widest step
+    bytes_per_token: int  # working set per token: the slots' rows and the widest output
+    chunk: int  # tokens per chunk
 
 
 class LayerMap(nn.Module):
@@ -153,28 +166,20 @@ class KVMapper(nn.Module):
             out (`torch.Tensor`, *optional*): a flat tensor of at least that many elements to use as storage (a
                 reused workspace); a new tensor otherwise.
         """
-        heads, dim = self.num_kv_heads, self.head_dim
-        shape = (
-            (batch * seq, num_layers * heads * 2 * dim)
-            if self.head_mode == "all_heads"
-            else (
-                heads,
-                batch * seq,
-                num_layers * 2 * dim,
-            )
-        )
+        width = num_layers * self.row_width
+        shape = (batch * seq, width) if self.head_mode == "all_heads" else (self.num_kv_heads, batch * seq, width)
         if out is None:
             return torch.empty(shape, dtype=self.layout_dtype(), device=device)
         return out[: math.prod(shape)].view(shape)
 
+    @property
+    def row_width(self) -> int:
+        """Width of one source layer in the mapper's input layout: `H·2d` for `all_heads`, `2d` for `same_head`."""
+        return self.num_kv_heads * 2 * self.head_dim if self.head_mode == "all_heads" else 2 * self.head_dim
+
     def layer_rows(self, rows: torch.Tensor, index: int, count: int = 1) -> torch.Tensor:
         """Layers `index … index+count-1` of a `new_rows` buffer, side by side (a view): the input of a map."""
-        width = rows.shape[-1] // self._buffer_layers(rows)  # H·2d or 2d
-        return rows[..., index * width : (index + count) * width]
-
-    def _buffer_layers(self, rows: torch.Tensor) -> int:
-        per_layer = self.num_kv_heads * 2 * self.head_dim if self.head_mode == "all_heads" else 2 * self.head_dim
-        return rows.shape[-1] // per_layer
+        return rows[..., index * self.row_width : (index + count) * self.row_width]
 
     def write_rows(self, rows: torch.Tensor, index: int, keys: torch.Tensor, values: torch.Tensor, write_keys=None):
         """Writes one source layer's keys and values, `(B, H, T, d)` each, into layer `index` of a `new_rows`
@@ -185,7 +190,7 @@ class KVMapper(nn.Module):
                 view of the buffer); used to strip RoPE straight into the buffer. Defaults to a copy.
         """
         batch, heads, seq, dim = values.shape
-        layers = self._buffer_layers(rows)
+        layers = rows.shape[-1] // self.row_width
         if self.head_mode == "all_heads":
             slot = rows.view(batch, seq, layers, heads, 2, dim)[:, :, index]  # (B, T, H, 2, d)
             key_view, value_view = slot[:, :, :, 0].transpose(1, 2), slot[:, :, :, 1].transpose(1, 2)
@@ -237,18 +242,50 @@ class KVMapper(nn.Module):
             `torch.Tensor` in the same layout: the target layer's content-space keys and values.
         """
         layer_map = self.layers[target_layer]
-        weight, bias = layer_map.weight, layer_map.bias
-        if self.head_mode == "all_heads":
-            width = rows[0].shape[-1]  # H·2d
-            out = torch.addmm(bias[0], rows[0], weight[0, :width])  # (B·T, H·2d)
-            for i, x in enumerate(rows[1:], 1):
-                out.addmm_(x, weight[0, i * width : (i + 1) * width])
-            return out
-        span = rows[0].shape[-1]  # 2d
-        out = torch.baddbmm(bias.unsqueeze(1), rows[0], weight[:, :span])  # (H, B·T, 2d)
-        for i, x in enumerate(rows[1:], 1):
-            out.baddbmm_(x, weight[:, i * span : (i + 1) * span])
-        return out
+        return self.accumulated_product(rows, layer_map.weight, layer_map.bias)  # (B·T, H·2d) or (H, B·T, 2d)
+
+    def accumulated_product(
+        self,
+        parts: list[torch.Tensor],
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """`cat(parts, -1) @ weight (+ bias)` without the concatenation: each part meets its own block of weight rows,
+        in order, and the products are accumulated in place.
+
+        Args:
+            parts (`list[torch.Tensor]`): inputs in the mapper's layout, `(B·T, ·)` for `all_heads`, `(H, B·T, ·)` for
+                `same_head` (views of a row buffer are fine).
+            weight (`torch.Tensor` of shape `(G, p, N)`), bias (`(G, N)`, *optional*).
+            out (`torch.Tensor`, *optional*): flat storage for the result.
+
+        Returns:
+            `(B·T, N)` for `all_heads` (G = 1), `(G, B·T, N)` for `same_head`.
+        """
+        all_heads = self.head_mode == "all_heads"
+        shape = (*parts[0].shape[:-1], weight.shape[-1])
+        if out is None:
+            result = torch.empty(shape, dtype=parts[0].dtype, device=parts[0].device)
+        else:
+            result = out[: math.prod(shape)].view(shape)
+        start = 0
+        for i, x in enumerate(parts):
+            block = weight[:, start : start + x.shape[-1]]  # (G, ·, N)
+            start += x.shape[-1]
+            if all_heads:
+                block = block[0]
+            if i > 0 and all_heads:
+                result.addmm_(x, block)
+            elif i > 0:
+                result.baddbmm_(x, block)
+            elif bias is None:
+                torch.matmul(x, block, out=result)
+            elif all_heads:
+                torch.addmm(bias[0], x, block, out=result)
+            else:
+                torch.baddbmm(bias.unsqueeze(1), x, block, out=result)
+        return result
 
     # -- mapping several target layers at once -------------------------------------------------------------------
     # Target layers that read the same set of source layers are mapped with one wide matrix product (their weights'
@@ -263,15 +300,32 @@ class KVMapper(nn.Module):
     max_chunk_bytes: int | None = 2**26
     min_chunk_rows = 512
 
-    def row_slots(self) -> tuple[dict[int, int], int]:
+    def schedule(self, batch: int, seq: int) -> MappingSchedule:
+        """How `map_cache` maps `batch` sequences of `seq` tokens: the plan, where each source layer's rows live, and
+        the tokens per chunk (see `max_chunk_bytes`), worked out once per mapping."""
+        plan = self.mapping_plan()
+        last_use = {s: step for step, (sources, _) in enumerate(plan) for s in sources}
+        slots, num_slots = self.row_slots(plan, last_use)
+        features = self.num_kv_heads * 2 * self.head_dim  # of one layer, per token
+        widest = max(len(targets) for _, targets in plan) * features
+        bytes_per_token = (num_slots * features + widest) * torch.finfo(self.layout_dtype()).bits // 8
+        if self.max_chunk_bytes is None:
+            chunk = seq
+        else:
+            fits = self.max_chunk_bytes // (batch * bytes_per_token)
+            chunk = max(1, min(seq, max(-(-self.min_chunk_rows // batch), fits)))
+        return MappingSchedule(plan, last_use, slots, num_slots, widest, bytes_per_token, chunk)
+
+    def row_slots(self, plan=None, last_use=None) -> tuple[dict[int, int], int]:
         """Where `map_cache` keeps each source layer's rows within a chunk: `(slot of each source layer, slots)`.
 
         A source layer takes the lowest free slot when the first step that reads it comes, and frees it after the
         last one, so the buffer holds the layers that are live at once (about `top_k + 1` when each target layer
         reads the source layers of about its own relative depth), not all of them. A step's layers are placed in
         ascending order, so consecutive layers read together sit side by side (read as a view, not gathered)."""
-        plan = self.mapping_plan()
-        last_use = {s: step for step, (sources, _) in enumerate(plan) for s in sources}
+        plan = self.mapping_plan() if plan is None else plan
+        if last_use is None:
+            last_use = {s: step for step, (sources, _) in enumerate(plan) for s in sources}
         slot_of: dict[int, int] = {}
         free: list[int] = []
         slots = 0
@@ -287,16 +341,11 @@ class KVMapper(nn.Module):
 
     def chunk_tokens(self, batch: int, seq: int) -> int:
         """Tokens per chunk when `map_cache` maps `batch` sequences of `seq` tokens (see `max_chunk_bytes`)."""
-        if self.max_chunk_bytes is None:
-            return seq
-        fits = self.max_chunk_bytes // (batch * self.chunk_bytes_per_token())
-        return max(1, min(seq, max(-(-self.min_chunk_rows // batch), fits)))
+        return self.schedule(batch, seq).chunk
 
     def chunk_bytes_per_token(self) -> int:
         """Bytes of `map_cache`'s working set per token: the live source rows and the widest step's output."""
-        per_layer = self.num_kv_heads * 2 * self.head_dim
-        widest = max(len(targets) for _, targets in self.mapping_plan()) * per_layer
-        return (self.row_slots()[1] * per_layer + widest) * torch.finfo(self.layout_dtype()).bits // 8
+        return self.schedule(1, 1).bytes_per_token
 
     def mapping_plan(self) -> list[tuple[list[int], list[int]]]:
         """`(source layers in input order, target layers)` steps covering every target layer once."""
@@ -351,43 +400,14 @@ class KVMapper(nn.Module):
     ) -> torch.Tensor:
         """`[rows of sources] @ weight (+ bias)`, the source layers read from a `new_rows` buffer (layer `s` at index
         `slots[s]`, default `s`): one product when they sit side by side in `sources` order (a view), otherwise one
-        product per source layer accumulated in place (as fast, and no gathered copy of the inputs).
-
-        Args:
-            weight (`torch.Tensor` of shape `(G, k·span, N)`): row blocks in `sources` order.
-            bias (`torch.Tensor` of shape `(G, N)`, *optional*).
-            out (`torch.Tensor`, *optional*): flat storage for the result.
-
-        Returns:
-            `(B·T, N)` for `all_heads` (G = 1), `(G, B·T, N)` for `same_head`.
-        """
+        product per source layer accumulated in place (as fast, and no gathered copy of the inputs); see
+        `accumulated_product` for the shapes."""
         index = [s if slots is None else slots[s] for s in sources]
         if index == list(range(index[0], index[0] + len(index))):
-            parts, blocks = [self.layer_rows(rows, index[0], len(index))], [weight]  # one product
+            parts = [self.layer_rows(rows, index[0], len(index))]
         else:
-            span = weight.shape[1] // len(index)
             parts = [self.layer_rows(rows, i) for i in index]
-            blocks = [weight[:, j * span : (j + 1) * span] for j in range(len(index))]
-        all_heads = self.head_mode == "all_heads"
-        if all_heads:  # G = 1: plain matrices
-            blocks = [w[0] for w in blocks]
-        shape = (*parts[0].shape[:-1], weight.shape[-1])
-        if out is None:
-            result = torch.empty(shape, dtype=parts[0].dtype, device=parts[0].device)
-        else:
-            result = out[: math.prod(shape)].view(shape)
-        if bias is None:
-            torch.matmul(parts[0], blocks[0], out=result)
-        elif all_heads:
-            torch.addmm(bias[0], parts[0], blocks[0], out=result)
-        else:
-            torch.baddbmm(bias.unsqueeze(1), parts[0], blocks[0], out=result)
-        for x, w in zip(parts[1:], blocks[1:]):
-            if all_heads:
-                result.addmm_(x, w)
-            else:
-                result.baddbmm_(x, w)
-        return result
+        return self.accumulated_product(parts, weight, bias, out)
 
     def map_targets(
         self,
