@@ -69,18 +69,11 @@ def mapper_r2(
     Returns:
         `torch.Tensor` of shape `(target_layers, 2)`: R² of K and V per target layer, averaged over heads.
     """
-    heads, dim = train.num_kv_heads, train.head_dim
-    out = torch.zeros(train.target_layers, 2, dtype=torch.float64)
-    for t, layers in enumerate(selected_layers):
-        sse_all, sst_all = [], []
-        for head in [None] if head_mode == "all_heads" else range(heads):
-            x_idx, y_idx = train.source_index(layers, head), train.target_index(t, head)
-            weight, bias = solve_ridge(train, x_idx, y_idx, ridge_lambda)
-            sse, sst = heldout.residual_sums(x_idx, y_idx, weight, bias)
-            sse_all.append(sse)
-            sst_all.append(sst)
-        out[t] = _r2_by_head(torch.cat(sse_all), torch.cat(sst_all), heads, dim).mean(0)
-    return out
+
+    def fit(t, g, x_idx, y_idx):
+        return solve_ridge(train, x_idx, y_idx, ridge_lambda)
+
+    return _heldout_r2(heldout, selected_layers, head_mode, fit)
 
 
 def mapped_heldout_r2(mapper, heldout: KVStatistics) -> torch.Tensor:
@@ -89,14 +82,23 @@ def mapped_heldout_r2(mapper, heldout: KVStatistics) -> torch.Tensor:
     Returns:
         `torch.Tensor` of shape `(target_layers, 2)`: R² of K and V per target layer, averaged over heads.
     """
+
+    def weights(t, g, x_idx, y_idx):
+        return mapper.layer_weight(t)[g].double(), mapper.layers[t].bias[g].double()  # (p, q), (q,)
+
+    return _heldout_r2(heldout, mapper.selected_layers, mapper.head_mode, weights)
+
+
+def _heldout_r2(heldout: KVStatistics, selected_layers, head_mode: str, weights) -> torch.Tensor:
+    """R² on `heldout` per target layer (K, V; mean over heads) of the maps `weights(t, group, x_idx, y_idx)`
+    returns as `(weight (p, q), bias (q,))`."""
     heads, dim = heldout.num_kv_heads, heldout.head_dim
     out = torch.zeros(heldout.target_layers, 2, dtype=torch.float64)
-    for t, layers in enumerate(mapper.selected_layers):
-        weight, bias = mapper.layer_weight(t).double(), mapper.layers[t].bias.double()  # (G, p, q), (G, q)
+    for t, layers in enumerate(selected_layers):
         sse_all, sst_all = [], []
-        for g, head in enumerate([None] if mapper.head_mode == "all_heads" else range(heads)):
+        for g, head in enumerate([None] if head_mode == "all_heads" else range(heads)):
             x_idx, y_idx = heldout.source_index(layers, head), heldout.target_index(t, head)
-            sse, sst = heldout.residual_sums(x_idx, y_idx, weight[g], bias[g])
+            sse, sst = heldout.residual_sums(x_idx, y_idx, *weights(t, g, x_idx, y_idx))
             sse_all.append(sse)
             sst_all.append(sst)
         out[t] = _r2_by_head(torch.cat(sse_all), torch.cat(sst_all), heads, dim).mean(0)
