@@ -138,7 +138,6 @@ def prepare_pair(
         "eval_windows": eval_windows,
         "cloze": cloze,
         "timing_ids": timing_ids,
-        "source_cache": source.model(input_ids=timing_ids, use_cache=True).cache,
         "bridges": {"ridge": (ridge, ridge_s)},
         "settings": {
             "num_sequences": int(len(windows)),
@@ -184,7 +183,7 @@ def _linear_variant(ridge, name: str):
     return None
 
 
-def _bf16_r2(name: str, bridge) -> dict | None:
+def _bf16_r2(bridge) -> dict | None:
     """Held-out R² of a linear mapper whose weights are rounded to bfloat16: the training-split fit of the same kind,
     rounded, measured on the held-out statistics."""
     import torch
@@ -245,7 +244,7 @@ def measure_mapper(
     bridge, fit_s = context["bridges"][base_name]
     r2 = bridge.config.heldout_r2 if bridge.config.mapper_type in ("ridge", "low_rank") else None
     if bf16:
-        r2 = _bf16_r2(name, bridge)
+        r2 = _bf16_r2(bridge)
         if r2 is None:
             raise ValueError(f"{name!r}: only the closed-form linear mappers have a bfloat16 variant here")
         bridge = type(bridge)(bridge.config, bridge.source, bridge.target, copy.deepcopy(bridge.mapper))
@@ -274,25 +273,17 @@ def measure_mapper(
 
 
 def _speed(bridge, context: dict) -> dict:
-    """Mapper against the target's re-prefill on the timing context, medians of runs in a row (see
-    `bench.mapper_vs_prefill`)."""
-    from .bench import mapper_flops, median_seconds, prefill_flops
+    """Mapper against the target's re-prefill on the timing context (`bench.mapper_vs_prefill`, runs in a row)."""
+    from .bench import mapper_vs_prefill
 
-    ids, source_cache = context["timing_ids"], context["source_cache"]
-    repeats = context["settings"]["timing_repeats"]
-    seconds = {
-        "target": median_seconds(lambda: bridge.target.model(input_ids=ids, use_cache=True), bridge.device, repeats),
-        "mapper": median_seconds(lambda: bridge.map_cache(source_cache), bridge.device, repeats),
-    }
-    bound = prefill_flops(bridge.target.config, ids.shape[1]) / mapper_flops(bridge.mapper, ids.shape[1])
-    warm = seconds["target"] / seconds["mapper"]
+    row = mapper_vs_prefill(bridge, context["timing_ids"], repeats=context["settings"]["timing_repeats"])
     return {
-        "map_ms": seconds["mapper"] * 1e3,
-        "target_prefill_ms": seconds["target"] * 1e3,
+        "map_ms": row["mapper_s"] * 1e3,
+        "target_prefill_ms": row["target_prefill_s"] * 1e3,
         "mapper_flops_per_token": bridge.mapper.flops_per_token(),
-        "warm_speedup": warm,
-        "flop_ratio_bound": bound,
-        "fraction_of_bound": warm / bound,
+        "warm_speedup": row["warm_speedup"],
+        "flop_ratio_bound": row["flop_ratio_bound"],
+        "fraction_of_bound": row["fraction_of_bound"],
     }
 
 
