@@ -247,7 +247,7 @@ def measure_mapper(
         r2 = _bf16_r2(bridge)
         if r2 is None:
             raise ValueError(f"{name!r}: only the closed-form linear mappers have a bfloat16 variant here")
-        bridge = type(bridge)(bridge.config, bridge.source, bridge.target, copy.deepcopy(bridge.mapper))
+        bridge = bridge.with_mapper(copy.deepcopy(bridge.mapper), bridge.config)
         bridge.mapper.to(torch.bfloat16)  # after __init__, which keeps a float32 target's mapper in float32
     nll = continuation_nll(bridge, context["eval_windows"], context["settings"]["nll_context"], batch_size=batch_size)
     cos = attention_output_cosine(bridge, context["eval_windows"][:4])

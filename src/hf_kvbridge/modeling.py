@@ -271,6 +271,16 @@ class KVBridgeForCausalLM(nn.Module):
                 append_layer(cache, t, kv[0, i], kv[1, i])
         return cache
 
+    def with_mapper(self, mapper: KVMapper, config: KVBridgeConfig) -> KVBridgeForCausalLM:
+        """A bridge over the same two models with another mapper and its config (a refit of this one), keeping the
+        calibration statistics, the single-layer R² matrix and the reverse bridge."""
+        new = type(self)(config, self.source, self.target, mapper)
+        for name in ("layer_r2", "calibration_statistics"):
+            if hasattr(self, name):
+                setattr(new, name, getattr(self, name))
+        new.reverse = self.reverse
+        return new
+
     def _workspace(self, name: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A flat buffer of at least `numel` elements kept for this thread between mappings (fresh memory on every
         call costs page faults on a CPU that can exceed the arithmetic of a small mapping). Buffers are per thread,

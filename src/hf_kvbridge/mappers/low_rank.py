@@ -212,7 +212,6 @@ def low_rank_bridge(
     True
     ```
     """
-    from ..modeling import KVBridgeForCausalLM
     from ..selection import mapped_heldout_r2
 
     if statistics is None:
@@ -228,9 +227,4 @@ def low_rank_bridge(
     new_config.mapper_type = "low_rank"
     new_config.mapper_kwargs = {"rank": int(rank)}
     new_config.heldout_r2 = {"k": [round(float(v), 6) for v in r2[:, 0]], "v": [round(float(v), 6) for v in r2[:, 1]]}
-    new = KVBridgeForCausalLM(new_config, bridge.source, bridge.target, mapper)
-    for name in ("layer_r2", "calibration_statistics"):
-        if hasattr(bridge, name):
-            setattr(new, name, getattr(bridge, name))
-    new.reverse = bridge.reverse
-    return new
+    return bridge.with_mapper(mapper, new_config)

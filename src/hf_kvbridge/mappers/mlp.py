@@ -235,7 +235,6 @@ def train_mlp_mapper(
     """
     from ..calibration import cache_rows
     from ..diagnostics import _decoder_layers, target_queries
-    from ..modeling import KVBridgeForCausalLM
     from ..rope import rotary_cos_sin
 
     if loss not in LOSSES:
@@ -333,9 +332,4 @@ def train_mlp_mapper(
         "epoch_losses": [round(v, 6) for v in epoch_losses],
         "train_seconds": round(time.perf_counter() - started, 2),
     }
-    new = KVBridgeForCausalLM(config, source, target, mapper)
-    for name in ("layer_r2", "calibration_statistics"):
-        if hasattr(bridge, name):
-            setattr(new, name, getattr(bridge, name))
-    new.reverse = bridge.reverse
-    return new
+    return bridge.with_mapper(mapper, config)

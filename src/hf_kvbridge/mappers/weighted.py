@@ -130,7 +130,6 @@ def fit_attention_weighted(
     """
     from ..calibration import cache_rows
     from ..diagnostics import _decoder_layers, target_queries
-    from ..modeling import KVBridgeForCausalLM
 
     if weighting not in WEIGHTINGS:
         raise ValueError(f"weighting must be one of {WEIGHTINGS}, got {weighting!r}")
@@ -177,9 +176,4 @@ def fit_attention_weighted(
         "seq_len": int(windows.shape[1]),
         "fit_seconds": round(time.perf_counter() - started, 2),
     }
-    new = KVBridgeForCausalLM(new_config, source, target, mapper)
-    for name in ("layer_r2", "calibration_statistics"):
-        if hasattr(bridge, name):
-            setattr(new, name, getattr(bridge, name))
-    new.reverse = bridge.reverse
-    return new
+    return bridge.with_mapper(mapper, new_config)
