@@ -113,34 +113,19 @@ class LowRankKVMapper(KVMapper):
         layer = self.layers[target_layer]
         return torch.bmm(layer.down, layer.up)  # (G, p, q)
 
-    def _stacked(self, sources: list[int], targets: list[int]):
+    def _stack(self, sources: list[int], targets: list[int]):
         """`A` of `targets` side by side `(G, k·span, n·r)` (input rows in `sources` order), and their `B` `(n·G, r,
-        q)` and bias `(n·G, 1, q)` stacked for one batched product (cached until a weight or the layer order
-        changes). The targets of a step read the same source layers, so their maps have one shape and one rank."""
+        q)` and bias `(n·G, 1, q)` stacked for one batched product. The targets of a step read the same source layers,
+        so their maps have one shape and one rank."""
         layers = [self.layers[t] for t in targets]
-        versions = tuple(
-            (layer.down._version, layer.up._version, layer.bias._version, layer.down.data_ptr(), tuple(order))
-            for layer, order in zip(layers, (self.selected_layers[t] for t in targets))
-        )
-        key = (tuple(sources), tuple(targets))
-        cache = self.__dict__.setdefault("_stacked_cache", {})
-        if key in cache and cache[key][0] == versions:
-            return cache[key][1]
-        blocks = []
-        for t, layer in zip(targets, layers):
-            order = self.selected_layers[t]
-            span = layer.down.shape[1] // len(order)
-            index = [order.index(s) for s in sources]
-            blocks.append(torch.cat([layer.down[:, i * span : (i + 1) * span] for i in index], dim=1))
+        down = torch.cat([self._in_source_order(self.layers[t].down, t, sources) for t in targets], dim=2)
         if self.head_mode == "all_heads":  # G = 1: batch over targets
             up = torch.cat([layer.up for layer in layers])  # (n, r, q)
             bias = torch.cat([layer.bias for layer in layers]).unsqueeze(1)  # (n, 1, q)
         else:  # batch over (head, target), heads outer
             up = torch.stack([layer.up for layer in layers], 1).flatten(0, 1)  # (H·n, r, q)
             bias = torch.stack([layer.bias for layer in layers], 1).flatten(0, 1).unsqueeze(1)  # (H·n, 1, q)
-        stacked = torch.cat(blocks, dim=2), up, bias
-        cache[key] = (versions, stacked)
-        return stacked
+        return down, up, bias
 
     def map_layer(self, target_layer: int, rows: list[torch.Tensor]) -> torch.Tensor:
         """`(x A) B + b` for the selected source layers' rows (see [`KVMapper.map_layer`])."""

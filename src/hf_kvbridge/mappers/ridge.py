@@ -363,31 +363,30 @@ class KVMapper(nn.Module):
                 plan.extend((list(self.selected_layers[t]), [t]) for t in targets)
         return sorted(plan, key=lambda step: step[1][0])
 
-    def _stacked(self, sources: list[int], targets: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Weights `(G, k·span, n·out)` and bias `(G, n·out)` of `targets`, inputs in `sources` order (cached until
-        any of their weights or their layer order change)."""
+    def _stacked(self, sources: list[int], targets: list[int]):
+        """`_stack(sources, targets)`, cached until any parameter of those target layers or their layer order
+        changes."""
         versions = tuple(
-            (
-                self.layers[t].weight._version,
-                self.layers[t].bias._version,
-                self.layers[t].weight.data_ptr(),
-                tuple(self.selected_layers[t]),
-            )
+            (tuple((p._version, p.data_ptr()) for p in self.layers[t].parameters()), tuple(self.selected_layers[t]))
             for t in targets
         )
         key = (tuple(sources), tuple(targets))
         cache = self.__dict__.setdefault("_stacked_cache", {})
-        if key in cache and cache[key][0] == versions:
-            return cache[key][1]
-        blocks = []
-        for t in targets:
-            weight, order = self.layers[t].weight, self.selected_layers[t]  # (G, k·span, out)
-            span = weight.shape[1] // len(order)
-            index = [order.index(s) for s in sources]
-            blocks.append(torch.cat([weight[:, i * span : (i + 1) * span] for i in index], dim=1))
-        stacked = torch.cat(blocks, dim=2), torch.cat([self.layers[t].bias for t in targets], dim=1)
-        cache[key] = (versions, stacked)
-        return stacked
+        if key not in cache or cache[key][0] != versions:
+            cache[key] = (versions, self._stack(sources, targets))
+        return cache[key][1]
+
+    def _stack(self, sources: list[int], targets: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Weights `(G, k·span, n·out)` and bias `(G, n·out)` of `targets`, inputs in `sources` order."""
+        weight = torch.cat([self._in_source_order(self.layers[t].weight, t, sources) for t in targets], dim=2)
+        return weight, torch.cat([self.layers[t].bias for t in targets], dim=1)
+
+    def _in_source_order(self, weight: torch.Tensor, target: int, sources: list[int]) -> torch.Tensor:
+        """Target layer `target`'s `(G, k·span, ·)` input weights with their row blocks moved from its selected order
+        to `sources` order."""
+        order = self.selected_layers[target]
+        span = weight.shape[1] // len(order)
+        return torch.cat([weight[:, order.index(s) * span : (order.index(s) + 1) * span] for s in sources], dim=1)
 
     def step_product(
         self,
