@@ -286,3 +286,20 @@ def test_threads_map_at_once_with_their_own_workspaces(pair_bridge):
     del threads, thread
     gc.collect()
     assert pair_bridge.workspace_bytes() == 0
+
+
+def test_stacked_weights_follow_in_place_edits(pair_bridge):
+    """The stacked weights of a step are cached; editing a layer's weight or bias in place, or its layer order, is
+    seen by the next mapping (the same cache as a bridge built fresh with the edited mapper)."""
+    import copy
+
+    bridge = pair_bridge.with_mapper(copy.deepcopy(pair_bridge.mapper), pair_bridge.config)
+    ids = torch.randint(0, VOCAB, (1, 11), generator=torch.Generator().manual_seed(7))
+    bridge.prefill(ids)  # fills the cache
+    with torch.no_grad():
+        bridge.mapper.layers[1].weight.mul_(0.5)
+        bridge.mapper.layers[2].bias.add_(1.0)
+    edited = bridge.prefill(ids)[0]
+    fresh = pair_bridge.with_mapper(copy.deepcopy(bridge.mapper), pair_bridge.config).prefill(ids)[0]
+    _same_cache(edited, fresh)
+    assert not torch.equal(edited.layers[1].keys, pair_bridge.prefill(ids)[0].layers[1].keys)
