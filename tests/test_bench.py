@@ -4,8 +4,8 @@ import json
 
 import torch
 
-from hf_kvbridge.bench import benchmark, mapper_flops, peak_extra_bytes, prefill_flops, random_bridge
-from hf_kvbridge.cli import main
+from hf_kvbridge.cli.main import main
+from hf_kvbridge.tools.bench import benchmark, mapper_flops, peak_extra_bytes, prefill_flops, random_bridge
 from tests.conftest import qwen3
 
 
@@ -37,7 +37,7 @@ def test_peak_memory_sees_a_large_temporary():
 
 
 def test_bench_cli_with_random_shapes(tmp_path, capsys, monkeypatch):
-    from hf_kvbridge import bench
+    from hf_kvbridge.tools import bench
 
     monkeypatch.setitem(bench.QWEN3_SHAPES, "tiny-a", (2, 32, 4, 2, 16, 64))
     monkeypatch.setitem(bench.QWEN3_SHAPES, "tiny-b", (3, 48, 4, 2, 16, 96))
@@ -53,7 +53,7 @@ def test_bench_cli_with_random_shapes(tmp_path, capsys, monkeypatch):
 def test_bench_cli_low_rank_bf16_interleaved(tmp_path, monkeypatch):
     """`--rank`, `--mapper-dtype` and `--interleave` reach the benchmark: a low-rank bfloat16 mapper's row says so
     and counts the low-rank FLOPs."""
-    from hf_kvbridge import bench
+    from hf_kvbridge.tools import bench
 
     monkeypatch.setitem(bench.QWEN3_SHAPES, "tiny-a", (2, 32, 4, 2, 16, 64))
     monkeypatch.setitem(bench.QWEN3_SHAPES, "tiny-b", (3, 48, 4, 2, 16, 96))

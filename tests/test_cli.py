@@ -1,6 +1,6 @@
 """The `kvbridge` command line, run in-process on local folders."""
 
-from hf_kvbridge.cli import main
+from hf_kvbridge.cli.main import main
 from tests.conftest import CORPUS
 
 

@@ -7,9 +7,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from hf_kvbridge.calibration import collect_statistics, fit_bridge
-from hf_kvbridge.cli import main
-from hf_kvbridge.diagnostics import INSPECT_FILES, _decoder_layers, inspect_bridge, target_queries
+from hf_kvbridge.cli.main import main
 from hf_kvbridge.mappers.mlp import train_mlp_mapper
+from hf_kvbridge.tools.diagnostics import INSPECT_FILES, _decoder_layers, inspect_bridge, target_queries
 from tests.conftest import CORPUS, VOCAB, qwen3
 
 

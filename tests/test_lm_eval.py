@@ -18,11 +18,11 @@ from lm_eval.api.instance import Instance
 from lm_eval.tasks import TaskManager
 
 import hf_kvbridge
-import hf_kvbridge.lm_eval_model  # noqa: F401  (registers "kvbridge")
-from hf_kvbridge.cli import main as cli_main
-from hf_kvbridge.eval_cli import format_table, retention_rows
-from hf_kvbridge.hub import read_eval_table
-from hf_kvbridge.lm_eval_model import KVBridgeLM, rolling_chunks
+import hf_kvbridge.integrations.lm_eval  # noqa: F401  (registers "kvbridge")
+from hf_kvbridge.cli.main import main as cli_main
+from hf_kvbridge.integrations.hub import read_eval_table
+from hf_kvbridge.integrations.lm_eval import KVBridgeLM, rolling_chunks
+from hf_kvbridge.tools.eval_cli import format_table, retention_rows
 from tests.conftest import CORPUS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -122,7 +122,7 @@ def test_generate_until_goes_through_the_bridge(checkpoints):
 def test_console_script_runs_a_small_to_large_bridge(checkpoints, tmp_path):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     script = Path(sys.executable).parent / "kvbridge-lm-eval"
-    command = [str(script)] if script.exists() else [sys.executable, "-m", "hf_kvbridge.lm_eval_model"]
+    command = [str(script)] if script.exists() else [sys.executable, "-m", "hf_kvbridge.integrations.lm_eval"]
     proc = subprocess.run(
         [
             *command,
@@ -240,9 +240,9 @@ def test_registration_and_entry_point():
 
     assert get_model("kvbridge") is KVBridgeLM
     names = {ep.name: ep.value for ep in entry_points(group="lm_eval.models")}
-    assert names.get("kvbridge") == "hf_kvbridge.lm_eval_model:KVBridgeLM"
+    assert names.get("kvbridge") == "hf_kvbridge.integrations.lm_eval:KVBridgeLM"
     scripts = {ep.name: ep.value for ep in entry_points(group="console_scripts")}
-    assert scripts.get("kvbridge-lm-eval") == "hf_kvbridge.lm_eval_model:cli_evaluate"
+    assert scripts.get("kvbridge-lm-eval") == "hf_kvbridge.integrations.lm_eval:cli_evaluate"
 
 
 def _coqa_story(text: str, turns: int) -> dict:

@@ -1,5 +1,5 @@
 """The residual MLP mapper, the attention-weighted closed form and the mapper study (`hf_kvbridge.mappers.mlp`,
-`.weighted`, `hf_kvbridge.mapper_study`)."""
+`.weighted`, `hf_kvbridge.tools.mapper_study`)."""
 
 import json
 
@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM
 import hf_kvbridge
 from hf_kvbridge import KVBridgeForCausalLM, KVStatistics
 from hf_kvbridge.calibration import cache_rows, collect_statistics, fit_bridge
-from hf_kvbridge.cli import main
+from hf_kvbridge.cli.main import main
 from hf_kvbridge.mappers import KVMapper, MLPKVMapper, build_mapper
 from hf_kvbridge.mappers.mlp import rows_from_layout, rows_in_layout, train_mlp_mapper
 from hf_kvbridge.mappers.weighted import WeightedKVStatistics, attention_mass, fit_attention_weighted

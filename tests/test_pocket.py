@@ -7,7 +7,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import hf_kvbridge
 from hf_kvbridge import KVLayoutError, pocket
-from hf_kvbridge.evaluation import continuation_nll, heldout_windows
+from hf_kvbridge.tools.evaluation import continuation_nll, heldout_windows
 
 
 def _load(name):
@@ -57,7 +57,7 @@ def test_bridge_keeps_the_context_and_breakage_would_not():
 
 @pytest.mark.slow
 def test_demo_quick_writes_results_and_plots(tmp_path, capsys):
-    from hf_kvbridge.cli import main
+    from hf_kvbridge.cli.main import main
 
     assert main(["demo", "--quick", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
@@ -69,7 +69,7 @@ def test_demo_quick_writes_results_and_plots(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_study_and_knob_sweep_run():
-    from hf_kvbridge.study import SETTINGS, run_knobs, run_study
+    from hf_kvbridge.tools.study import SETTINGS, run_knobs, run_study
 
     result = run_study(["pocket-s:pocket-m"], num_sequences=8, seq_len=256, windows=3, progress=lambda *_: None)
     points = len(SETTINGS["top_k"]) * len(SETTINGS["ridge_lambda"]) * len(SETTINGS["head_mode"]) + 1  # + MLP

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from hf_kvbridge.calibration import collect_statistics, fit_bridge
-from hf_kvbridge.drift import drift_conversation, drift_summary
 from hf_kvbridge.session import HandoffSession
+from hf_kvbridge.tools.drift import drift_conversation, drift_summary
 from tests.conftest import make_tokenizer, qwen3
 
 TEMPLATE = (
@@ -126,7 +126,7 @@ def test_drift_harness_real_pair(windows):
 
 def test_chat_cli(saved_pair, tmp_path, monkeypatch, capsys, chat_tokenizer):
     import hf_kvbridge
-    from hf_kvbridge.cli import main
+    from hf_kvbridge.cli.main import main
 
     chat_tokenizer.save_pretrained(saved_pair["large"])  # give the target a chat template
     bridge = hf_kvbridge.calibrate(

@@ -159,7 +159,7 @@ def evaluate_modes(
     import lm_eval
     from lm_eval.tasks import TaskManager, get_task_dict
 
-    from .lm_eval_model import KVBridgeLM
+    from ..integrations.lm_eval import KVBridgeLM
 
     task_manager = TaskManager(include_path=include_path) if include_path else TaskManager()
     by_mode = {}
@@ -187,8 +187,8 @@ def run_eval(args: argparse.Namespace) -> int:
     """`kvbridge eval`: prints the table, optionally writes JSON and the model card."""
     import torch
 
-    from .hub import read_eval_table, render_model_card
-    from .modeling import KVBridgeForCausalLM
+    from ..integrations.hub import read_eval_table, render_model_card
+    from ..modeling import KVBridgeForCausalLM
 
     modes = tuple(m.strip() for m in args.modes.split(",") if m.strip())
     unknown = sorted(set(modes) - set(EVAL_MODES))
@@ -215,7 +215,7 @@ def run_eval(args: argparse.Namespace) -> int:
     if args.output:
         import lm_eval
 
-        from . import __version__
+        from .. import __version__
 
         payload = {
             "bridge": str(args.bridge),

@@ -16,9 +16,9 @@ from collections.abc import Callable
 import torch
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
-from .configuration import KVBridgeConfig
-from .layout import check_matched
-from .mappers import KVMapper
+from ..configuration import KVBridgeConfig
+from ..layout import check_matched
+from ..mappers import KVMapper
 
 # Public Qwen3 shapes (layers, hidden, heads, KV heads, head dim, MLP width); vocab is cut to 1024 for random-weight
 # benchmarks: embeddings and the LM head are not part of what is timed.
@@ -69,7 +69,7 @@ def random_bridge(
     Each target layer reads the `top_k` source layers closest in relative depth. With `rank`, the mapper is a
     `LowRankKVMapper` of that rank.
     """
-    from .modeling import KVBridgeForCausalLM
+    from ..modeling import KVBridgeForCausalLM
 
     src, tgt = check_matched(source_config, target_config, "source", "target")
     with torch.device(device):
@@ -83,7 +83,7 @@ def random_bridge(
     if rank is None:
         mapper = KVMapper(selected, src.num_kv_heads, src.head_dim, head_mode)
     else:
-        from .mappers.low_rank import LowRankKVMapper
+        from ..mappers.low_rank import LowRankKVMapper
 
         mapper = LowRankKVMapper(selected, src.num_kv_heads, src.head_dim, head_mode, rank)
     with torch.no_grad():
@@ -201,7 +201,7 @@ def mapper_vs_prefill(
     with `interleave=True` the rounds run source, mapper, target, so the mapper runs right after a source prefill,
     as in a cascade, and each one after the others have evicted its data.
     """
-    from .modeling import execution_device
+    from ..modeling import execution_device
 
     device = bridge.device
     ids_t, ids_s = input_ids.to(device), input_ids.to(execution_device(bridge.source))

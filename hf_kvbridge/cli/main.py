@@ -125,7 +125,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
     import torch
 
-    from hf_kvbridge.bench import benchmark, format_table, qwen3_shape_config, random_bridge
+    from hf_kvbridge.tools.bench import benchmark, format_table, qwen3_shape_config, random_bridge
 
     dtype = getattr(torch, args.dtype)
     mapper_dtype = getattr(torch, args.mapper_dtype or args.dtype)
@@ -172,32 +172,32 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _cmd_drift(args: argparse.Namespace) -> int:
-    from hf_kvbridge.drift import run_drift
+    from hf_kvbridge.tools.drift import run_drift
 
     return run_drift(args)
 
 
 def _cmd_study(args: argparse.Namespace) -> int:
-    from hf_kvbridge.study import run_study_cli
+    from hf_kvbridge.tools.study import run_study_cli
 
     return run_study_cli(args)
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from hf_kvbridge.demo import run_demo
+    from hf_kvbridge.tools.demo import run_demo
 
     return run_demo(args)
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
-    from hf_kvbridge.eval_cli import run_eval
+    from hf_kvbridge.tools.eval_cli import run_eval
 
     return run_eval(args)
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
     from hf_kvbridge import KVBridgeForCausalLM
-    from hf_kvbridge.diagnostics import inspect_bridge, write_inspect_outputs
+    from hf_kvbridge.tools.diagnostics import inspect_bridge, write_inspect_outputs
 
     bridge = KVBridgeForCausalLM.from_pretrained(args.bridge)
     report = inspect_bridge(
@@ -222,13 +222,13 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def _cmd_mappers(args: argparse.Namespace) -> int:
-    from hf_kvbridge.mapper_study import run_study
+    from hf_kvbridge.tools.mapper_study import run_study
 
     return run_study(args)
 
 
 def _cmd_push(args: argparse.Namespace) -> int:
-    from hf_kvbridge.hub import push_checkpoint
+    from hf_kvbridge.integrations.hub import push_checkpoint
 
     commit = push_checkpoint(
         args.bridge,
@@ -345,13 +345,13 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="calibrate and measure a bridge of the shipped pocket family (offline)")
     demo.add_argument("--out", default="kvbridge-demo", help="parent folder; each run writes a new folder in it")
     demo.add_argument("--quick", action="store_true", help="smaller calibration and evaluation (for tests)")
-    from hf_kvbridge.demo import add_arguments
+    from hf_kvbridge.tools.demo import add_arguments
 
     add_arguments(demo)
     demo.set_defaults(func=_cmd_demo)
 
     ev = sub.add_parser("eval", help="source, target and bridge through lm-eval: one retention table")
-    from hf_kvbridge.eval_cli import add_arguments as add_eval_arguments
+    from hf_kvbridge.tools.eval_cli import add_arguments as add_eval_arguments
 
     add_eval_arguments(ev)
     ev.set_defaults(func=_cmd_eval)
@@ -366,7 +366,7 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.set_defaults(func=_cmd_inspect)
 
     mappers = sub.add_parser("mappers", help="ridge vs MLP vs attention-weighted mappers on a pocket pair (offline)")
-    from hf_kvbridge.mapper_study import add_arguments as add_mapper_arguments
+    from hf_kvbridge.tools.mapper_study import add_arguments as add_mapper_arguments
 
     add_mapper_arguments(mappers)
     mappers.set_defaults(func=_cmd_mappers)

@@ -28,7 +28,7 @@ AutoConfig.register("kvbridge", KVBridgeConfig, exist_ok=True)
 AutoModelForCausalLM.register(KVBridgeConfig, KVBridgeForCausalLM, exist_ok=True)
 
 try:  # registers the "kvbridge" model with lm-eval, so simple_evaluate(model="kvbridge") works after import
-    from . import lm_eval_model  # noqa: F401
+    from .integrations import lm_eval  # noqa: F401
 except ImportError:  # pragma: no cover - lm-eval is a dependency; never block the bridge on it
     pass
 

@@ -72,7 +72,7 @@ def _parse_pairs(text: str) -> list[tuple[str, str]]:
 
 
 def _installed(name: str) -> bool:
-    from . import pocket
+    from .. import pocket
 
     try:
         pocket.model_path(name)
@@ -113,9 +113,9 @@ def prepare_pair(
     import torch
     from transformers import AutoTokenizer
 
-    from . import pocket
-    from .calibration import collect_statistics, fit_bridge, split_heldout
-    from .data import token_windows
+    from .. import pocket
+    from ..calibration import collect_statistics, fit_bridge, split_heldout
+    from ..data import token_windows
     from .evaluation import build_cloze, heldout_windows
 
     torch.manual_seed(seed)
@@ -160,8 +160,8 @@ def prepare_pair(
 
 def _linear_variant(ridge, name: str):
     """The closed-form variants of the ridge bridge: `ridge_same_head`, `low_rank_<rank>`; `None` for others."""
-    from .calibration import fit_bridge
-    from .mappers.low_rank import low_rank_bridge
+    from ..calibration import fit_bridge
+    from ..mappers.low_rank import low_rank_bridge
 
     train, heldout = ridge.calibration_statistics
     config = ridge.config
@@ -188,9 +188,9 @@ def _bf16_r2(bridge) -> dict | None:
     rounded, measured on the held-out statistics."""
     import torch
 
-    from .mappers import KVMapper
-    from .mappers.low_rank import LowRankKVMapper
-    from .selection import mapped_heldout_r2
+    from ..mappers import KVMapper
+    from ..mappers.low_rank import LowRankKVMapper
+    from ..selection import mapped_heldout_r2
 
     train, heldout = bridge.calibration_statistics
     config = bridge.config
@@ -217,10 +217,10 @@ def measure_mapper(
     """Fits mapper `name` on a prepared pair (unless already there) and measures it (see `compare_mappers`)."""
     import torch
 
+    from ..mappers.mlp import train_mlp_mapper
+    from ..mappers.weighted import fit_attention_weighted
     from .diagnostics import attention_output_cosine
     from .evaluation import cloze_accuracy, continuation_nll
-    from .mappers.mlp import train_mlp_mapper
-    from .mappers.weighted import fit_attention_weighted
 
     ridge, ridge_s = context["bridges"]["ridge"]
     windows, batch_size = context["windows"], context["settings"]["batch_size"]
@@ -322,7 +322,7 @@ def compare_mappers(
     Example:
 
     ```python
-    >>> from hf_kvbridge.mapper_study import compare_mappers
+    >>> from hf_kvbridge.tools.mapper_study import compare_mappers
     >>> result = compare_mappers("pocket-s", "pocket-m", mappers=("ridge", "mlp_mse"))  # doctest: +SKIP
     >>> result["mappers"]["mlp_mse"]["retention"]  # doctest: +SKIP
     ```

@@ -29,8 +29,8 @@ from huggingface_hub import HfApi, ModelCard, ModelCardData, snapshot_download, 
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from .configuration import KVBridgeConfig
-from .constants import (
+from ..configuration import KVBridgeConfig
+from ..constants import (
     CONFIG_NAME,
     DEFAULT_MAX_SHARD_SIZE,
     LIBRARY_NAME,
@@ -57,7 +57,7 @@ EVAL_TABLE_START, EVAL_TABLE_END = "<!-- kvbridge-eval-table -->", "<!-- /kvbrid
 
 
 def _mapper_file_error(message: str) -> OSError:
-    from .modeling import MapperFileError  # modeling imports this module lazily; keep the cycle one-way at import
+    from ..modeling import MapperFileError  # modeling imports this module lazily; keep the cycle one-way at import
 
     return MapperFileError(message)
 
@@ -321,7 +321,7 @@ def render_model_card(
         repo_id (`str`, *optional*): the Hub repo the card describes (used in the usage snippet).
         eval_table (`str`, *optional*): a Markdown retention table, as `kvbridge eval` prints it.
         attention_cosine (`list[float]`, *optional*): attention-output cosine per target layer
-            (`hf_kvbridge.diagnostics.attention_output_cosine`).
+            (`hf_kvbridge.tools.diagnostics.attention_output_cosine`).
 
     Example:
 
@@ -351,7 +351,7 @@ def render_model_card(
     if attention_cosine:
         cosine_summary = {"mean": f"{_mean(attention_cosine):.4f}", "min": f"{min(attention_cosine):.4f}"}
     source_fp, target_fp = config.source_fingerprint or {}, config.target_fingerprint or {}
-    template = resources.files("hf_kvbridge").joinpath("model_cards", CARD_TEMPLATE).read_text(encoding="utf-8")
+    template = resources.files("hf_kvbridge.model_cards").joinpath(CARD_TEMPLATE).read_text(encoding="utf-8")
     return ModelCard.from_template(
         card_data,
         template_str=template,

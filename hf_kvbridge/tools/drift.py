@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .session import HandoffSession
+from ..session import HandoffSession
 
 
 @torch.no_grad()
@@ -133,8 +133,8 @@ def run_drift(args) -> int:
 
     from transformers import AutoTokenizer
 
-    from . import pocket
-    from .calibration import calibrate
+    from .. import pocket
+    from ..calibration import calibrate
 
     tokenizer = AutoTokenizer.from_pretrained(pocket.model_path(args.large))
     bridge = calibrate(

@@ -19,13 +19,13 @@ import torch
 from scipy import stats as scipy_stats
 from transformers import AutoTokenizer
 
-from . import pocket
-from .calibration import calibrate, fit_bridge
-from .data import token_windows
+from .. import pocket
+from ..calibration import calibrate, fit_bridge
+from ..data import token_windows
+from ..mappers.mlp import train_mlp_mapper
+from ..rope import rotary_cos_sin, strip_rotary
 from .diagnostics import _pyplot, attention_output_cosine
 from .evaluation import heldout_windows, score_tokens
-from .mappers.mlp import train_mlp_mapper
-from .rope import rotary_cos_sin, strip_rotary
 
 DEFAULT_PAIRS = ("pocket-s:pocket-l", "pocket-m:pocket-l", "pocket-l:pocket-s", "pocket-s:pocket-m")
 SETTINGS = {"top_k": (1, 2, None), "ridge_lambda": (0.01, 3.0), "head_mode": ("all_heads", "same_head")}

@@ -234,8 +234,8 @@ def train_mlp_mapper(
     ```
     """
     from ..calibration import cache_rows
-    from ..diagnostics import _decoder_layers, target_queries
     from ..rope import rotary_cos_sin
+    from ..tools.diagnostics import _decoder_layers, target_queries
 
     if loss not in LOSSES:
         raise ValueError(f"loss must be one of {LOSSES}, got {loss!r}")

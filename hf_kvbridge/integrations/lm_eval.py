@@ -21,7 +21,7 @@ bridge would have nothing to prefill. Here, in *every* mode, a document is score
 target alone. For documents that fit in `max_length`, target and source numbers equal `HFLM`'s; longer documents
 get a strided sliding window (more context than `HFLM`'s disjoint windows).
 
-After `import hf_kvbridge.lm_eval_model` (or `import hf_kvbridge`), `lm_eval.simple_evaluate(model="kvbridge",
+After `import hf_kvbridge.integrations.lm_eval` (or `import hf_kvbridge`), `lm_eval.simple_evaluate(model="kvbridge",
 model_args="pretrained=DIR,mode=bridge")` works.
 """
 
@@ -45,9 +45,9 @@ from lm_eval.models.utils import Collator
 from tqdm import tqdm
 from transformers import AutoTokenizer, PreTrainedModel
 
-from .configuration import KVBridgeConfig
-from .constants import MAPPER_CHECKSUMS_KEY
-from .modeling import KVBridgeForCausalLM, load_model, positions_from_mask, resolve_model_reference
+from ..configuration import KVBridgeConfig
+from ..constants import MAPPER_CHECKSUMS_KEY
+from ..modeling import KVBridgeForCausalLM, load_model, positions_from_mask, resolve_model_reference
 
 logger = logging.getLogger(__name__)
 
@@ -91,7 +91,7 @@ class KVBridgeLM(HFLM):
     Example:
 
     ```python
-    >>> import lm_eval, hf_kvbridge.lm_eval_model  # doctest: +SKIP
+    >>> import lm_eval, hf_kvbridge.integrations.lm_eval  # doctest: +SKIP
     >>> lm_eval.simple_evaluate(model="kvbridge", model_args="pretrained=my-bridge,mode=bridge",
     ...                         tasks=["hellaswag"])  # doctest: +SKIP
     ```
@@ -347,8 +347,8 @@ def build_pocket_task_data(
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m hf_kvbridge.lm_eval_model build-pocket-tasks [--out eval_tasks/pocket/data]`."""
-    parser = argparse.ArgumentParser(prog="python -m hf_kvbridge.lm_eval_model")
+    """`python -m hf_kvbridge.integrations.lm_eval build-pocket-tasks [--out eval_tasks/pocket/data]`."""
+    parser = argparse.ArgumentParser(prog="python -m hf_kvbridge.integrations.lm_eval")
     sub = parser.add_subparsers(dest="command", required=True)
     build = sub.add_parser("build-pocket-tasks", help="write the offline pocket tasks' JSONL from the held-out split")
     build.add_argument("--out", default="eval_tasks/pocket/data")

@@ -129,7 +129,7 @@ def fit_attention_weighted(
     ```
     """
     from ..calibration import cache_rows
-    from ..diagnostics import _decoder_layers, target_queries
+    from ..tools.diagnostics import _decoder_layers, target_queries
 
     if weighting not in WEIGHTINGS:
         raise ValueError(f"weighting must be one of {WEIGHTINGS}, got {weighting!r}")

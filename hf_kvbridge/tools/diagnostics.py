@@ -11,7 +11,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from .rope import apply_rotary
+from ..rope import apply_rotary
 
 
 def _decoder_layers(model: nn.Module) -> nn.ModuleList:
@@ -272,23 +272,23 @@ def inspect_bridge(
     Example:
 
     ```python
-    >>> from hf_kvbridge.diagnostics import inspect_bridge
+    >>> from hf_kvbridge.tools.diagnostics import inspect_bridge
     >>> report = inspect_bridge(bridge, "heldout.jsonl.gz", num_sequences=16, seq_len=256)  # doctest: +SKIP
     >>> report["attention_cosine"]  # one per target layer  # doctest: +SKIP
     ```
     """
-    from .calibration import cache_rows, split_heldout
-    from .mappers.mlp import rows_from_layout, rows_in_layout
-    from .selection import single_layer_r2
-    from .statistics import KVStatistics
+    from ..calibration import cache_rows, split_heldout
+    from ..mappers.mlp import rows_from_layout, rows_in_layout
+    from ..selection import single_layer_r2
+    from ..statistics import KVStatistics
 
     if isinstance(data, torch.Tensor):
         windows = data.long()
     else:
         from transformers import AutoTokenizer
 
-        from .data import token_windows
-        from .modeling import resolve_model_reference
+        from ..data import token_windows
+        from ..modeling import resolve_model_reference
 
         if tokenizer is None:
             name = bridge.config.target_name_or_path or bridge.target.config.name_or_path

@@ -520,7 +520,7 @@ class KVBridgeForCausalLM(nn.Module):
         Refuses a non-empty directory unless `overwrite=True` (then only the bridge's own files are replaced, and
         weight files of an earlier save that this one does not write are removed).
         """
-        from .hub import remove_stale_weight_files, render_model_card, save_mapper_weights
+        from .integrations.hub import remove_stale_weight_files, render_model_card, save_mapper_weights
 
         save_directory = Path(save_directory)
         if save_directory.is_file():
@@ -595,7 +595,7 @@ class KVBridgeForCausalLM(nn.Module):
         >>> bridge = KVBridgeForCausalLM.from_pretrained("me/qwen3-14b-to-32b")  # doctest: +SKIP
         ```
         """
-        from .hub import push_folder_to_hub
+        from .integrations.hub import push_folder_to_hub
 
         card_kwargs = {"repo_id": repo_id, **(model_card_kwargs or {})}
         with tempfile.TemporaryDirectory(prefix="kvbridge-push-") as tmp:
@@ -644,7 +644,7 @@ class KVBridgeForCausalLM(nn.Module):
         >>> bridge = KVBridgeForCausalLM.from_pretrained("my-bridge", torch_dtype=torch.bfloat16)  # doctest: +SKIP
         ```
         """
-        from .hub import read_config_dict, resolve_checkpoint
+        from .integrations.hub import read_config_dict, resolve_checkpoint
 
         for key in _AUTO_KWARGS:
             load_kwargs.pop(key, None)
@@ -668,7 +668,7 @@ class KVBridgeForCausalLM(nn.Module):
             target_model = load_model(config.target_name_or_path, config.target_revision, **load_kwargs)
         layout = KVLayout.from_config(target_model.config)
         if lazy_mapper:
-            from .hub import verify_mapper_checksums
+            from .integrations.hub import verify_mapper_checksums
             from .mappers.lazy import LazyKVMapper
 
             if config.mapper_type not in LINEAR_MAPPER_TYPES:
@@ -721,7 +721,7 @@ def load_mapper_weights(mapper: KVMapper, path: Path, checksums: dict[str, str] 
     (`{file name: sha256}`, from `config.json`) before it is read. Errors name the file for missing, corrupt,
     tampered or mismatched weights.
     """
-    from .hub import read_mapper_state
+    from .integrations.hub import read_mapper_state
 
     path = Path(path)
     folder = path if path.is_dir() else path.parent
