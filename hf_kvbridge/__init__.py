@@ -12,28 +12,40 @@ Example:
 ```
 """
 
-__version__ = "0.1.0"
+import importlib.util
 
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from .calibration import calibrate, collect_statistics, fit_bridge
 from .configuration import KVBridgeConfig
-from .data import CalibrationDataError
-from .layout import KVLayout, KVLayoutError
+from .errors import (
+    CalibrationDataError,
+    CheckpointNotFoundError,
+    KVBridgeError,
+    KVLayoutError,
+    MapperFileError,
+    StatisticsError,
+)
+from .layout import KVLayout
 from .mappers import KVMapper
-from .modeling import KVBridgeForCausalLM, MapperFileError
-from .statistics import KVStatistics, StatisticsError
+from .modeling import KVBridgeForCausalLM
+from .settings import CalibrationSettings
+from .statistics import KVStatistics
+from .version import __version__
 
 AutoConfig.register("kvbridge", KVBridgeConfig, exist_ok=True)
 AutoModelForCausalLM.register(KVBridgeConfig, KVBridgeForCausalLM, exist_ok=True)
 
-try:  # registers the "kvbridge" model with lm-eval, so simple_evaluate(model="kvbridge") works after import
+# registers the "kvbridge" model with lm-eval, so simple_evaluate(model="kvbridge") works after import. Only a
+# missing lm-eval is tolerated; an error inside the integration surfaces instead of vanishing.
+if importlib.util.find_spec("lm_eval") is not None:
     from .integrations import lm_eval  # noqa: F401
-except ImportError:  # pragma: no cover - lm-eval is a dependency; never block the bridge on it
-    pass
 
 __all__ = [
     "CalibrationDataError",
+    "CalibrationSettings",
+    "CheckpointNotFoundError",
+    "KVBridgeError",
     "KVBridgeConfig",
     "KVBridgeForCausalLM",
     "KVLayout",
@@ -42,6 +54,7 @@ __all__ = [
     "KVStatistics",
     "MapperFileError",
     "StatisticsError",
+    "__version__",
     "calibrate",
     "collect_statistics",
     "fit_bridge",

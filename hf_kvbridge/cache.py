@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import torch
+from torch import nn
 from transformers import Cache, DynamicCache, PretrainedConfig
 from transformers.cache_utils import DynamicLayer
+
+from .rope import rotary_cos_sin, strip_rotary
 
 
 def cache_layer_kv(cache: Cache, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -74,3 +77,29 @@ def slice_cache(cache: Cache, start: int, end: int) -> DynamicCache:
     for idx, layer in enumerate(cache.layers):
         append_layer(sliced, idx, layer.keys[:, :, start:end], layer.values[:, :, start:end])
     return sliced
+
+
+@torch.no_grad()
+def cache_rows(model: nn.Module, input_ids: torch.Tensor, device: torch.device | str | None = None):
+    """Runs `model` on unpadded windows and returns its cache as content-space rows.
+
+    Works with models sharded over devices (`device_map`), also with offloaded weights (`"disk"` in a `device_map`,
+    `accelerate.cpu_offload`): each layer's rows are moved to `device` (defaults to the device of the first layer)
+    before they are joined.
+
+    Returns:
+        `torch.Tensor` of shape `(batch·seq, layers·H·2d)`, float32: per layer and head, key (RoPE stripped), value.
+    """
+    if model.device.type != "meta":  # meta: weights offloaded by accelerate, whose hooks move the inputs
+        input_ids = input_ids.to(model.device)
+    out = model(input_ids=input_ids, use_cache=True, logits_to_keep=1)
+    batch, seq = input_ids.shape
+    positions = torch.arange(seq, device=input_ids.device).unsqueeze(0).expand(batch, -1)
+    cos, sin = rotary_cos_sin(model, positions)  # (B, T, d)
+    rows = []
+    for layer in range(len(out.cache.layers)):
+        keys, values = cache_layer_kv(out.cache, layer)  # (B, H, T, d)
+        device = device if device is not None else keys.device
+        content = strip_rotary(keys.float(), cos.to(keys.device), sin.to(keys.device))
+        rows.append(kv_to_rows(content, values.float()).to(device))
+    return torch.cat(rows, dim=-1).view(batch * seq, -1)  # (B·T, L·H·2d)

@@ -15,17 +15,19 @@ import torch
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
-from . import __version__
-from .cache import cache_layer_kv, kv_to_rows
+from .cache import cache_rows
 from .configuration import KVBridgeConfig
 from .constants import DEFAULT_CALIBRATION_DATA, HEAD_MODES
 from .data import describe_data, token_windows
-from .layout import KVLayoutError, check_matched
-from .mappers import KVMapper
-from .modeling import KVBridgeForCausalLM, model_reference, resolve_model_reference
-from .rope import rotary_cos_sin, strip_rotary
+from .errors import KVLayoutError, StatisticsError
+from .layout import check_matched
+from .loading import model_reference, resolve_model_reference
+from .mappers import KVMapper, get_mapper_type
+from .modeling import KVBridgeForCausalLM
 from .selection import mapper_r2, select_layers, single_layer_r2
-from .statistics import KVStatistics, StatisticsError
+from .settings import CalibrationSettings
+from .statistics import KVStatistics
+from .version import __version__
 
 logger = logging.getLogger(__name__)
 
@@ -58,32 +60,6 @@ def _shared_tokenizer(source: PreTrainedModel, target: PreTrainedModel):
             "needs one shared tokenizer"
         )
     return tokenizer
-
-
-@torch.no_grad()
-def cache_rows(model: PreTrainedModel, input_ids: torch.Tensor, device: torch.device | str | None = None):
-    """Runs `model` on unpadded windows and returns its cache as content-space rows.
-
-    Works with models sharded over devices (`device_map`), also with offloaded weights (`"disk"` in a `device_map`,
-    `accelerate.cpu_offload`): each layer's rows are moved to `device` (defaults to the device of the first layer)
-    before they are joined.
-
-    Returns:
-        `torch.Tensor` of shape `(batch·seq, layers·H·2d)`, float32: per layer and head, key (RoPE stripped), value.
-    """
-    if model.device.type != "meta":  # meta: weights offloaded by accelerate, whose hooks move the inputs
-        input_ids = input_ids.to(model.device)
-    out = model(input_ids=input_ids, use_cache=True, logits_to_keep=1)
-    batch, seq = input_ids.shape
-    positions = torch.arange(seq, device=input_ids.device).unsqueeze(0).expand(batch, -1)
-    cos, sin = rotary_cos_sin(model, positions)  # (B, T, d)
-    rows = []
-    for layer in range(len(out.cache.layers)):
-        keys, values = cache_layer_kv(out.cache, layer)  # (B, H, T, d)
-        device = device if device is not None else keys.device
-        content = strip_rotary(keys.float(), cos.to(keys.device), sin.to(keys.device))
-        rows.append(kv_to_rows(content, values.float()).to(device))
-    return torch.cat(rows, dim=-1).view(batch * seq, -1)  # (B·T, L·H·2d)
 
 
 def split_heldout(num_sequences: int, heldout_fraction: float, seed: int) -> tuple[list[int], list[int]]:
@@ -279,28 +255,12 @@ def calibrate(
     source: PreTrainedModel | str,
     target: PreTrainedModel | str,
     data: Any = DEFAULT_CALIBRATION_DATA,
+    settings: CalibrationSettings | None = None,
     *,
     tokenizer=None,
-    num_sequences: int = 500,
-    seq_len: int = 1024,
-    top_k: int | None = 6,
-    ridge_lambda: float = 0.01,
-    head_mode: str = "all_heads",
-    batch_size: int = 8,
-    heldout_fraction: float = 0.1,
-    hold_back: int = 1,
-    seed: int = 0,
-    text_field: str = "text",
     source_revision: str | None = None,
     target_revision: str | None = None,
-    statistics_device: torch.device | str | None = None,
-    progress: bool = False,
-    bidirectional: bool = False,
-    checkpoint_dir: str | os.PathLike | None = None,
-    mapper_type: str = "ridge",
-    mlp_kwargs: dict | None = None,
-    rank: int = 64,
-    **load_kwargs: Any,
+    **kwargs: Any,
 ) -> KVBridgeForCausalLM:
     r"""Calibrates a KV bridge from `source` to `target` on `data` and returns it.
 
@@ -308,29 +268,13 @@ def calibrate(
         source, target ([`PreTrainedModel`] or `str`): loaded models, or Hub ids / local paths to load.
         data (*optional*, defaults to `"HuggingFaceFW/fineweb-edu"`): a list of strings, a `.txt`/`.jsonl` file or
             folder, a `datasets.Dataset`, or a dataset name (streamed; `"name:config"` picks a config).
+        settings ([`CalibrationSettings`], *optional*): every calibration knob (windows, top-k, λ, head mode,
+            mapper type, …); defaults to `CalibrationSettings()`.
         tokenizer (*optional*): the shared tokenizer; by default the source's, checked against the target's.
-        num_sequences (`int`, *optional*, defaults to `500`), seq_len (`int`, *optional*, defaults to `1024`):
-            calibration windows.
-        top_k (`int`, *optional*, defaults to `6`): source layers per target layer (`None`: all).
-        ridge_lambda (`float`, *optional*, defaults to `0.01`): relative to each input feature's variance.
-        head_mode (`str`, *optional*, defaults to `"all_heads"`): or `"same_head"` (head h from head h only).
-        batch_size (`int`, *optional*, defaults to `8`): windows per forward pass.
-        heldout_fraction (`float`, *optional*, defaults to `0.1`): share of windows held out for R² and layer
-            selection (split by sequence).
-        hold_back (`int`, *optional*, defaults to `1`): prompt tokens the target computes itself.
-        bidirectional (`bool`, *optional*, defaults to `False`): also fit a target→source mapper from the same
-            forward passes (`bridge.reverse`), for conversations that switch both ways (see `HandoffSession`).
-        checkpoint_dir (`str`, *optional*): checkpoint the statistics there and resume from it after an
-            interruption (see `collect_statistics`).
-        statistics_device (*optional*): device of the statistics (defaults to the CPU).
-        mapper_type (`str`, *optional*, defaults to `"ridge"`): `"ridge"`; `"mlp"` (then a residual MLP is trained
-            on the calibration windows on top of the ridge map, see `mappers.mlp.train_mlp_mapper`, with
-            `mlp_kwargs`); or `"ridge_attention_weighted"` (ridge refitted with attention-mass token weights, see
-            `mappers.weighted`); or `"low_rank"` (each ridge map reduced to rank `rank`, see
-            `mappers.low_rank`). The reverse mapper of a bidirectional bridge stays ridge.
-        mlp_kwargs (`dict`, *optional*): `hidden`, `loss`, `epochs`, `lr`, `batch_size`, ... for `"mlp"`.
-        rank (`int`, *optional*, defaults to `64`): the rank of a `"low_rank"` mapper.
-        load_kwargs: passed to `from_pretrained` when `source`/`target` are names (`torch_dtype`, `device_map`).
+        source_revision, target_revision (`str`, *optional*): revisions of models given by name.
+        kwargs: fields of [`CalibrationSettings`] (they override `settings`: `calibrate(s, t, texts, top_k=8)`),
+            and otherwise keyword arguments of `from_pretrained` for models given by name (`dtype`, `device_map`).
+            `rank=` and `mlp_kwargs=` are accepted as shorthands for `mapper_kwargs`.
 
     Example:
 
@@ -340,39 +284,42 @@ def calibrate(
     >>> bridge.save_pretrained("qwen3-14b-to-32b")  # doctest: +SKIP
     ```
     """
-    from .mappers import MAPPER_TYPES
-
-    if mapper_type not in MAPPER_TYPES:  # before any work
-        raise ValueError(f"mapper_type must be one of {MAPPER_TYPES}, got {mapper_type!r}")
+    overrides = {key: kwargs.pop(key) for key in list(kwargs) if key in CalibrationSettings.field_names()}
+    mapper_kwargs = dict(overrides.pop("mapper_kwargs", None) or (settings.mapper_kwargs if settings else {}))
+    mapper_kwargs.update(kwargs.pop("mlp_kwargs", None) or {})
+    if "rank" in kwargs:
+        mapper_kwargs["rank"] = kwargs.pop("rank")
+    settings = (settings or CalibrationSettings()).replace(**overrides, mapper_kwargs=mapper_kwargs)  # validates
+    load_kwargs = kwargs
     started = time.perf_counter()
     source, source_revision = _load(source, source_revision, **load_kwargs)
     target, target_revision = _load(target, target_revision, **load_kwargs)
     check_matched(source.config, target.config, source.config.name_or_path, target.config.name_or_path)
     if tokenizer is None:
         tokenizer = _shared_tokenizer(source, target)
-    windows = token_windows(data, tokenizer, num_sequences, seq_len, text_field=text_field)
-    train_ids, heldout_ids = split_heldout(len(windows), heldout_fraction, seed)
+    windows = token_windows(data, tokenizer, settings.num_sequences, settings.seq_len, text_field=settings.text_field)
+    train_ids, heldout_ids = split_heldout(len(windows), settings.heldout_fraction, settings.seed)
     timings: dict = {}
     stats = collect_statistics(
         source,
         target,
         windows,
         heldout=heldout_ids,
-        batch_size=batch_size,
-        statistics_device=statistics_device,
-        progress=progress,
-        reverse=bidirectional,
-        checkpoint_dir=checkpoint_dir,
+        batch_size=settings.batch_size,
+        statistics_device=settings.statistics_device,
+        progress=settings.progress,
+        reverse=settings.bidirectional,
+        checkpoint_dir=settings.checkpoint_dir,
         timings=timings,
     )
     train, heldout = stats[:2]
     provenance = {
         "data": describe_data(data),
         "num_sequences": len(windows),
-        "seq_len": seq_len,
+        "seq_len": settings.seq_len,
         "heldout_sequences": len(heldout_ids),
         "tokens": int(windows.numel()),
-        "seed": seed,
+        "seed": settings.seed,
         "hf_kvbridge_version": __version__,
         "torch_version": torch.__version__,
         "date": datetime.date.today().isoformat(),
@@ -387,10 +334,10 @@ def calibrate(
         target,
         train,
         heldout,
-        top_k=top_k,
-        ridge_lambda=ridge_lambda,
-        head_mode=head_mode,
-        hold_back=hold_back,
+        top_k=settings.top_k,
+        ridge_lambda=settings.ridge_lambda,
+        head_mode=settings.head_mode,
+        hold_back=settings.hold_back,
         config_kwargs={
             "source_name_or_path": model_reference(source),
             "source_revision": source_revision,
@@ -399,27 +346,25 @@ def calibrate(
             "calibration": provenance,
         },
     )
-    if mapper_type == "mlp":
-        from .mappers.mlp import train_mlp_mapper
-
-        bridge = train_mlp_mapper(bridge, windows, **{"batch_size": batch_size, **(mlp_kwargs or {})})
-    elif mapper_type == "low_rank":
-        from .mappers.low_rank import low_rank_bridge
-
-        bridge = low_rank_bridge(bridge, rank, statistics=(train, heldout))
-    elif mapper_type == "ridge_attention_weighted":
-        from .mappers.weighted import fit_attention_weighted
-
-        bridge = fit_attention_weighted(bridge, windows, batch_size=batch_size)
-    if bidirectional:
+    entry = get_mapper_type(settings.mapper_type)
+    if entry.fit is not None:  # mappers beyond ridge start from the ridge bridge (see `mappers.MAPPER_REGISTRY`)
+        bridge = entry.fit(
+            bridge,
+            windows=windows,
+            statistics=(train, heldout),
+            batch_size=settings.batch_size,
+            progress=settings.progress,
+            **settings.mapper_kwargs,
+        )
+    if settings.bidirectional:
         reverse = fit_bridge(
             target,
             source,
             *stats[2:],
-            top_k=top_k,
-            ridge_lambda=ridge_lambda,
-            head_mode=head_mode,
-            hold_back=hold_back,
+            top_k=settings.top_k,
+            ridge_lambda=settings.ridge_lambda,
+            head_mode=settings.head_mode,
+            hold_back=settings.hold_back,
             config_kwargs={
                 "source_name_or_path": bridge.config.target_name_or_path,
                 "source_revision": target_revision,
@@ -432,7 +377,7 @@ def calibrate(
         bridge.reverse = reverse
     bridge.config.calibration["seconds"] = round(time.perf_counter() - started, 2)
     bridge.calibration_statistics = (train, heldout)
-    bridge.config.calibration["bidirectional"] = bidirectional
+    bridge.config.calibration["bidirectional"] = settings.bidirectional
     logger.info(
         "calibrated %s → %s in %.1fs",
         bridge.config.source_name_or_path,

@@ -18,13 +18,11 @@ from typing import Any
 
 import torch
 
+from .errors import CalibrationDataError
+
 logger = logging.getLogger(__name__)
 
 TEXT_SUFFIXES = (".txt", ".jsonl", ".txt.gz", ".jsonl.gz")
-
-
-class CalibrationDataError(ValueError):
-    """Calibration data is missing, empty or unreadable."""
 
 
 def _open_text(path: Path):

@@ -13,10 +13,7 @@ from typing import Any
 from transformers import PretrainedConfig
 
 from .constants import SUPPORTED_MODEL_TYPES, SUPPORTED_ROPE_TYPES
-
-
-class KVLayoutError(ValueError):
-    """The source and target (or a model and a saved mapper) do not share a KV layout the bridge can map."""
+from .errors import KVLayoutError
 
 
 def _jsonable(value: Any) -> Any:

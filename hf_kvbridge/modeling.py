@@ -8,50 +8,27 @@ prompt ──source prefill──▶ source cache ──strip RoPE──▶ cont
 
 from __future__ import annotations
 
-import json
 import logging
 import os
-import shutil
 import tempfile
-import threading
-import weakref
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
-from transformers import AutoModelForCausalLM, Cache, DynamicCache, PreTrainedModel
+from transformers import Cache, DynamicCache, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from .cache import append_layer, cache_layer_kv, check_cache_shape, new_target_cache, slice_cache
 from .configuration import KVBridgeConfig
-from .constants import (
-    CONFIG_NAME,
-    DEFAULT_MAX_SHARD_SIZE,
-    FORMAT_VERSION,
-    MAPPER_CHECKSUMS_KEY,
-    MAPPER_WEIGHTS_NAME,
-    MODEL_CARD_NAME,
-    REVERSE_FOLDER,
-)
+from .constants import CONFIG_NAME, DEFAULT_MAX_SHARD_SIZE, REVERSE_FOLDER
 from .layout import KVLayout, check_fingerprint, check_matched
-from .mappers import LINEAR_MAPPER_TYPES, KVMapper, build_mapper
-from .rope import Rotation, inverse_cos_sin, rotary_cos_sin
+from .loading import execution_device, load_model
+from .mappers import KVMapper
+from .mapping import Workspace, map_cache
+from .persistence import load_mapper, push_folder_to_hub, read_checkpoint_config, resolve_checkpoint, save_bridge
+from .session import HandoffSession
+from .transfer import positions_from_mask, transfer_prefill
 
 logger = logging.getLogger(__name__)
-
-
-def execution_device(model: nn.Module) -> torch.device:
-    """The device `model` computes on: `model.device`, or, when accelerate offloads its weights (`model.device` is
-    `meta`), the execution device of its offloading hooks."""
-    device = model.device
-    if device.type != "meta":
-        return device
-    for module in model.modules():
-        hook_device = getattr(getattr(module, "_hf_hook", None), "execution_device", None)
-        if hook_device is not None:
-            return torch.device(hook_device)
-    return torch.device("cpu")
 
 
 # kwargs that AutoModelForCausalLM.from_pretrained forwards and that have no meaning for the bridge itself
@@ -66,60 +43,6 @@ _AUTO_KWARGS = (
     "user_agent",
     "_from_pipeline",
 )
-
-
-class MapperFileError(OSError):
-    """A mapper weights file is missing, truncated, corrupt or does not fit the config."""
-
-
-def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
-    """Per-row positions of a (left-)padded batch, as `generate` computes them: `cumsum(mask) - 1`, pads at 0."""
-    positions = attention_mask.long().cumsum(-1) - 1
-    return positions.masked_fill(attention_mask == 0, 0)
-
-
-@torch.no_grad()
-def probe_agreement(own: Cache, mapped: Cache, start: int, mask: torch.Tensor) -> float:
-    """Mean cosine between the target's own K/V rows of tokens `[start, start + n)` in `own` and the mapped ones in
-    `mapped` (which holds only those n tokens), over layers and real (unpadded) tokens."""
-    scores = []
-    weight = mask.float()  # (B, n)
-    for own_layer, mapped_layer in zip(own.layers, mapped.layers):
-        n = mapped_layer.keys.shape[2]
-        a = torch.cat([own_layer.keys[:, :, start : start + n], own_layer.values[:, :, start : start + n]], -1)
-        b = torch.cat([mapped_layer.keys, mapped_layer.values], -1)  # (B, H, n, 2d)
-        cos = nn.functional.cosine_similarity(a.float(), b.float(), dim=-1).mean(1)  # (B, n)
-        scores.append((cos * weight).sum() / weight.sum().clamp_min(1))
-    return float(torch.stack(scores).mean())
-
-
-def resolve_model_reference(name_or_path: str) -> str:
-    """Turns a checkpoint's model reference into something `from_pretrained` loads.
-
-    `pocket/<name>` names a model of the pocket family shipped inside this package (see `hf_kvbridge.pocket`);
-    anything else (Hub id, local path) is returned unchanged.
-    """
-    if name_or_path.startswith("pocket/"):
-        from .pocket import model_path
-
-        return str(model_path(name_or_path.split("/", 1)[1]))
-    return name_or_path
-
-
-def model_reference(model: PreTrainedModel) -> str:
-    """The id a checkpoint records for `model`: its Hub id, `pocket/<name>` for shipped pocket models, or a path."""
-    name = model.config.name_or_path or ""
-    if not name or not Path(name).is_dir():
-        return name
-    from .pocket import POCKET_MODELS, model_path
-
-    for pocket_name in POCKET_MODELS:
-        try:
-            if Path(name).resolve() == model_path(pocket_name).resolve():
-                return f"pocket/{pocket_name}"
-        except FileNotFoundError:  # not installed in this build
-            continue
-    return name
 
 
 class KVBridgeForCausalLM(nn.Module):
@@ -207,7 +130,7 @@ class KVBridgeForCausalLM(nn.Module):
         position_ids: torch.Tensor | None = None,
         target_cache: DynamicCache | None = None,
     ) -> DynamicCache:
-        """Maps a source cache to the cache the target would have built for the same tokens.
+        """Maps a source cache to the cache the target would have built for the same tokens (`hf_kvbridge.mapping`).
 
         The mapping streams over the sequence in chunks of tokens (`KVMapper.chunk_tokens`). For each chunk every
         source layer is stripped of its rotation once, into a slot of one row buffer that it holds from the first
@@ -227,49 +150,16 @@ class KVBridgeForCausalLM(nn.Module):
         Returns:
             `DynamicCache` with `L_t` layers in the target's dtype and device.
         """
-        src = self.source_layout
-        seq = check_cache_shape(source_cache, src.num_layers, src.num_kv_heads, src.head_dim, "source")
-        first_keys, _ = cache_layer_kv(source_cache, 0)
-        batch, device = first_keys.shape[0], self.device
-        if position_ids is None:
-            position_ids = torch.arange(seq, device=first_keys.device).unsqueeze(0).expand(batch, -1)
-        if position_ids.shape[-1] != seq:
-            raise ValueError(f"position_ids cover {position_ids.shape[-1]} tokens but the source cache holds {seq}")
-        strip = Rotation(*inverse_cos_sin(*rotary_cos_sin(self.source, position_ids.to(device))))
-        rotate = Rotation(*rotary_cos_sin(self.target, position_ids.to(device)))  # cos/sin (B, T, d) each
-        mapper = self.mapper
-        plan, last_use, slots, num_slots, widest, _, chunk = mapper.schedule(batch, seq)  # steps, row slots, chunk
-        heads, dim = src.num_kv_heads, src.head_dim
-        outputs = [  # the new cache's tensors, one (2, n, B, H, T, d) block per step: [0] keys, [1] values
-            torch.empty((2, len(targets), batch, heads, seq, dim), dtype=self.target.dtype, device=device)
-            for _, targets in plan
-        ]
-        dtype = mapper.layout_dtype()
-        row_space = self._workspace("rows", batch * chunk * num_slots * heads * 2 * dim, dtype, device)
-        out_space = self._workspace("mapped", batch * chunk * widest, dtype, device)
-        for start in range(0, seq, chunk):
-            end = min(start + chunk, seq)
-            strip_c, rotate_c = strip.narrow(start, end), rotate.narrow(start, end)
-            rows = mapper.new_rows(batch, end - start, num_slots, out=row_space)  # (B·c, slots·H·2d) or so
-            loaded: set[int] = set()
-            for step, (sources, targets) in enumerate(plan):
-                for s in sources:
-                    if s not in loaded:  # first step that reads source layer s: strip its rotation into its slot
-                        keys, values = cache_layer_kv(source_cache, s)  # (B, H, T, d), keys post-RoPE
-                        keys, values = keys[:, :, start:end].to(device), values[:, :, start:end].to(device)
-                        mapper.write_rows(rows, slots[s], keys, values, write_keys=strip_c)
-                        loaded.add(s)
-                mapped = mapper.map_targets(sources, targets, rows, out=out_space, slots=slots)
-                loaded -= {s for s in sources if last_use[s] == step}  # their slots go to later layers
-                keys_c, values = mapper.split_rows(mapped, batch, end - start, layers=len(targets))  # (n,B,H,c,d)
-                block = outputs[step][:, :, :, :, start:end]  # (2, n, B, H, c, d) view of the cache tensors
-                rotate_c(keys_c, out=block[0])
-                block[1].copy_(values)
-        cache = target_cache if target_cache is not None else new_target_cache(self.target.config)
-        for (_, targets), kv in zip(plan, outputs):
-            for i, t in enumerate(targets):
-                append_layer(cache, t, kv[0, i], kv[1, i])
-        return cache
+        return map_cache(
+            self.source,
+            self.target,
+            self.mapper,
+            self.source_layout,
+            source_cache,
+            position_ids=position_ids,
+            target_cache=target_cache,
+            workspace=self._mapping_workspace,
+        )
 
     def with_mapper(self, mapper: KVMapper, config: KVBridgeConfig) -> KVBridgeForCausalLM:
         """A bridge over the same two models with another mapper and its config (a refit of this one), keeping the
@@ -281,29 +171,23 @@ class KVBridgeForCausalLM(nn.Module):
         new.reverse = self.reverse
         return new
 
-    def _workspace(self, name: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """A flat buffer of at least `numel` elements kept for this thread between mappings (fresh memory on every
-        call costs page faults on a CPU that can exceed the arithmetic of a small mapping). Buffers are per thread,
-        so threads can map at once, and go with their thread."""
-        per_thread = self.__dict__.setdefault("_workspaces", weakref.WeakKeyDictionary())
-        spaces = per_thread.setdefault(threading.current_thread(), {})
-        key = (name, dtype, torch.device(device))
-        buffer = spaces.get(key)
-        if buffer is None or buffer.numel() < numel:
-            spaces.pop(key, None)  # drop the old one first: never two at once
-            buffer = spaces[key] = torch.empty(numel, dtype=dtype, device=device)
-        return buffer
+    @property
+    def _mapping_workspace(self) -> Workspace:
+        workspace = self.__dict__.get("_workspace")
+        if workspace is None:  # kept out of nn.Module's attribute machinery: it holds no parameters
+            workspace = self.__dict__["_workspace"] = Workspace()
+        return workspace
 
     def free_workspace(self) -> None:
         """Frees the buffers `map_cache` keeps between calls, for every thread (they come back on the next mapping)."""
-        self.__dict__.pop("_workspaces", None)
+        self._mapping_workspace.free()
 
     def workspace_bytes(self) -> int:
         """Bytes held by `map_cache`'s workspace buffers (all threads)."""
-        per_thread = self.__dict__.get("_workspaces", {})
-        return sum(b.numel() * b.element_size() for spaces in list(per_thread.values()) for b in spaces.values())
+        return self._mapping_workspace.nbytes()
 
-    def _check_length(self, length: int) -> None:
+    def check_length(self, length: int) -> None:
+        """Refuses an input longer than both models' maximum positions."""
         if length > self.max_positions:
             raise ValueError(
                 f"input of {length} tokens is longer than the models' maximum of {self.max_positions} positions"
@@ -316,69 +200,11 @@ class KVBridgeForCausalLM(nn.Module):
         """Builds the target cache for every token of `input_ids` and returns `(target cache, source outputs)`.
 
         Call it on the prompt without its held-back tokens. The source prefills all of `input_ids`; its KV is mapped,
-        except for the first `config.sink_tokens` real tokens of each row (attention sinks), which the target computes
-        itself. With a quality gate (`config.gate_threshold`), the target also computes the last
-        `config.gate_probe_tokens` tokens itself and compares its own K/V there with the mapped ones (cosine, mean
-        over layers and tokens); below the threshold the mapped cache is dropped and the target prefills everything
-        (fallback). The decision is in `self.last_transfer` and counted in `self.transfer_counts`.
-        With `source_logits=False` the source computes logits for the last position only (generation needs none).
+        except for attention sinks and the quality gate's probe tokens, which the target computes itself (see
+        `hf_kvbridge.transfer.transfer_prefill`). The decision is in `self.last_transfer` and counted in
+        `self.transfer_counts`. With `source_logits=False` the source computes logits for the last position only.
         """
-        if attention_mask is None:
-            attention_mask = torch.ones_like(input_ids)
-        length = input_ids.shape[1]
-        self._check_length(length)
-        positions = positions_from_mask(attention_mask)
-        src_device, device = execution_device(self.source), self.device
-        source_out = self.source(
-            input_ids=input_ids.to(src_device),
-            attention_mask=attention_mask.to(src_device),
-            position_ids=positions.to(src_device),
-            use_cache=True,
-            logits_to_keep=0 if source_logits else 1,
-        )
-        ids, mask, pos = input_ids.to(device), attention_mask.to(device), positions.to(device)
-
-        def target_run(start: int, end: int, cache: DynamicCache | None) -> DynamicCache:
-            return self.target(
-                input_ids=ids[:, start:end],
-                attention_mask=mask[:, :end],
-                position_ids=pos[:, start:end],
-                cache=cache,
-                use_cache=True,
-            ).cache
-
-        pads = (mask.cumsum(-1) == 0).sum(-1)  # (B,) left padding of each row
-        sink_end = min(length, int((pads + self.config.sink_tokens).max())) if self.config.sink_tokens else 0
-        gated = self.config.gate_threshold is not None
-        probe = min(self.config.gate_probe_tokens, length - sink_end) if gated else 0
-        map_end = length - probe
-        cache = target_run(0, sink_end, None) if sink_end > 0 else None
-        if map_end > sink_end:
-            piece = slice_cache(source_out.cache, sink_end, map_end)
-            cache = self.map_cache(piece, positions[:, sink_end:map_end], target_cache=cache)
-        decision = {
-            "transferred": True,
-            "mapped_tokens": map_end - sink_end,
-            "target_tokens": sink_end + probe,
-            "score": None,
-        }
-        if probe > 0:
-            cache = target_run(map_end, length, cache)  # the target's own K/V for the probe tokens
-            mapped_probe = self.map_cache(slice_cache(source_out.cache, map_end, length), positions[:, map_end:])
-            score = probe_agreement(cache, mapped_probe, map_end, mask[:, map_end:])
-            decision.update(score=score, transferred=score >= self.config.gate_threshold)
-            if not decision["transferred"]:
-                logger.info(
-                    "quality gate: probe K/V cosine %.4f < %.4f, the target prefills itself",
-                    score,
-                    self.config.gate_threshold,
-                )
-                cache = target_run(0, length, None)
-                decision.update(mapped_tokens=0, target_tokens=length)
-        self.last_transfer = decision
-        key = "transferred" if decision["transferred"] else "fallback"
-        self.transfer_counts[key] = self.transfer_counts.get(key, 0) + 1
-        return cache, source_out
+        return transfer_prefill(self, input_ids, attention_mask, source_logits=source_logits)
 
     def forward(
         self,
@@ -423,7 +249,7 @@ class KVBridgeForCausalLM(nn.Module):
                 **kwargs,
             )
         seq = input_ids.shape[1]
-        self._check_length(seq)
+        self.check_length(seq)
         prefill_length = seq if prefill_length is None else int(prefill_length)
         if not 1 <= prefill_length <= seq:
             raise ValueError(f"prefill_length must be in [1, {seq}], got {prefill_length}")
@@ -496,7 +322,7 @@ class KVBridgeForCausalLM(nn.Module):
             kwargs["cache"] = kwargs.pop("past_key_values")
         split = input_ids.shape[1] - self.config.hold_back
         if kwargs.get("cache") is None and split > 0:
-            self._check_length(input_ids.shape[1])
+            self.check_length(input_ids.shape[1])
             kwargs["cache"], _ = self.prefill(input_ids[:, :split], attention_mask[:, :split], source_logits=False)
         return self.target.generate(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
 
@@ -515,48 +341,18 @@ class KVBridgeForCausalLM(nn.Module):
         The mapper goes to `mapper.safetensors`, or, when larger than `max_shard_size` (e.g. `"2GB"`), to
         `mapper-0000i-of-0000N.safetensors` shards listed in `mapper.safetensors.index.json`. The sha256 of every
         weight file is recorded in `config.json` (`mapper_sha256`) and verified on load. `model_card_kwargs` go to
-        `hub.render_model_card` (`repo_id`, `eval_table`, `attention_cosine`).
+        `card.render_model_card` (`repo_id`, `eval_table`, `attention_cosine`).
 
         Refuses a non-empty directory unless `overwrite=True` (then only the bridge's own files are replaced, and
         weight files of an earlier save that this one does not write are removed).
         """
-        from .integrations.hub import remove_stale_weight_files, render_model_card, save_mapper_weights
-
-        save_directory = Path(save_directory)
-        if save_directory.is_file():
-            raise FileExistsError(f"{save_directory} is a file")
-        if save_directory.exists() and any(save_directory.iterdir()) and not overwrite:
-            raise FileExistsError(
-                f"{save_directory} is not empty; pass overwrite=True to replace the bridge files in it "
-                f"({CONFIG_NAME}, {MAPPER_WEIGHTS_NAME}, {MODEL_CARD_NAME})"
-            )
-        save_directory.mkdir(parents=True, exist_ok=True)
-        # write into a temporary folder first, so a failure leaves the old files intact
-        with tempfile.TemporaryDirectory(dir=save_directory, prefix=".tmp-kvbridge-") as tmp:
-            tmp = Path(tmp)
-            checksums = save_mapper_weights(
-                self.mapper.state_dict(),
-                tmp,
-                max_shard_size=max_shard_size,
-                metadata={
-                    "format": "pt",
-                    "format_version": str(FORMAT_VERSION),
-                    "mapper_type": self.config.mapper_type,
-                },
-            )
-            self.config.save_pretrained(tmp)
-            config_dict = json.loads((tmp / CONFIG_NAME).read_text(encoding="utf-8"))
-            config_dict[MAPPER_CHECKSUMS_KEY] = checksums
-            (tmp / CONFIG_NAME).write_text(json.dumps(config_dict, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-            render_model_card(self.config, **(model_card_kwargs or {})).save(tmp / MODEL_CARD_NAME)
-            if self.reverse is not None:  # the target→source mapper, in a folder of its own
-                self.reverse.save_pretrained(tmp / REVERSE_FOLDER, max_shard_size=max_shard_size)
-            written = {p.name for p in tmp.iterdir()}
-            remove_stale_weight_files(save_directory, keep=written)
-            if (save_directory / REVERSE_FOLDER).is_dir():  # a reverse mapper of an earlier save (overwrite=True)
-                shutil.rmtree(save_directory / REVERSE_FOLDER)
-            for name in sorted(written):
-                os.replace(tmp / name, save_directory / name)
+        save_bridge(
+            self,
+            save_directory,
+            overwrite=overwrite,
+            max_shard_size=max_shard_size,
+            model_card_kwargs=model_card_kwargs,
+        )
 
     def push_to_hub(
         self,
@@ -595,8 +391,6 @@ class KVBridgeForCausalLM(nn.Module):
         >>> bridge = KVBridgeForCausalLM.from_pretrained("me/qwen3-14b-to-32b")  # doctest: +SKIP
         ```
         """
-        from .integrations.hub import push_folder_to_hub
-
         card_kwargs = {"repo_id": repo_id, **(model_card_kwargs or {})}
         with tempfile.TemporaryDirectory(prefix="kvbridge-push-") as tmp:
             self.save_pretrained(tmp, max_shard_size=max_shard_size, model_card_kwargs=card_kwargs)
@@ -644,8 +438,6 @@ class KVBridgeForCausalLM(nn.Module):
         >>> bridge = KVBridgeForCausalLM.from_pretrained("my-bridge", torch_dtype=torch.bfloat16)  # doctest: +SKIP
         ```
         """
-        from .integrations.hub import read_config_dict, resolve_checkpoint
-
         for key in _AUTO_KWARGS:
             load_kwargs.pop(key, None)
         folder = resolve_checkpoint(
@@ -656,30 +448,13 @@ class KVBridgeForCausalLM(nn.Module):
             token=token,
             force_download=force_download,
         )
-        config_dict = read_config_dict(folder)
-        checksums = config_dict.pop(MAPPER_CHECKSUMS_KEY, None)  # not a config field: verified here, then dropped
-        if config is None:
-            config = KVBridgeConfig.from_dict(config_dict)
-        if config.model_type != "kvbridge" or not config.selected_layers:
-            raise ValueError(f"{pretrained_model_name_or_path} is not a kvbridge checkpoint")
+        config, checksums = read_checkpoint_config(folder, config)
         if source_model is None:
             source_model = load_model(config.source_name_or_path, config.source_revision, **load_kwargs)
         if target_model is None:
             target_model = load_model(config.target_name_or_path, config.target_revision, **load_kwargs)
         layout = KVLayout.from_config(target_model.config)
-        if lazy_mapper:
-            from .integrations.hub import verify_mapper_checksums
-            from .mappers.lazy import LazyKVMapper
-
-            if config.mapper_type not in LINEAR_MAPPER_TYPES:
-                raise ValueError(f"lazy_mapper=True supports linear mappers, not {config.mapper_type!r}")
-            files = [folder / name for name in verify_mapper_checksums(folder, checksums)]
-            mapper = LazyKVMapper(
-                config.selected_layers, layout.num_kv_heads, layout.head_dim, config.head_mode, files
-            )
-        else:
-            mapper = build_mapper(config, layout)  # the class config.mapper_type names (ridge, mlp, ...)
-            load_mapper_weights(mapper, folder, checksums)
+        mapper = load_mapper(config, layout, folder, checksums, lazy=lazy_mapper)
         bridge = cls(config, source_model, target_model, mapper)
         bridge.config.name_or_path = str(pretrained_model_name_or_path)
         if (folder / REVERSE_FOLDER / CONFIG_NAME).is_file():
@@ -699,45 +474,4 @@ class KVBridgeForCausalLM(nn.Module):
         >>> session.generate(model="source", max_new_tokens=20).text  # doctest: +SKIP
         ```
         """
-        from .session import HandoffSession
-
         return HandoffSession(self, tokenizer, **kwargs)
-
-
-def load_model(name_or_path: str, revision: str | None = None, **load_kwargs: Any) -> PreTrainedModel:
-    """Loads a source/target model by its recorded reference (Hub id, local path or `pocket/<name>`)."""
-    if not name_or_path:
-        raise ValueError("the checkpoint does not record the model; pass source_model=/target_model=")
-    model = AutoModelForCausalLM.from_pretrained(
-        resolve_model_reference(name_or_path), revision=revision, **load_kwargs
-    )
-    return model.eval()
-
-
-def load_mapper_weights(mapper: KVMapper, path: Path, checksums: dict[str, str] | None = None) -> None:
-    """Loads a checkpoint folder's mapper weights (one file or shards) into `mapper`.
-
-    `path` is the checkpoint folder (or its single weights file). Every weight file is checked against `checksums`
-    (`{file name: sha256}`, from `config.json`) before it is read. Errors name the file for missing, corrupt,
-    tampered or mismatched weights.
-    """
-    from .integrations.hub import read_mapper_state
-
-    path = Path(path)
-    folder = path if path.is_dir() else path.parent
-    state = read_mapper_state(folder, checksums)
-    expected = mapper.state_dict()
-    missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
-    if missing or unexpected:
-        raise MapperFileError(
-            f"mapper weights in {folder} do not fit the config: missing {missing[:4]}, unexpected {unexpected[:4]}"
-        )
-    for key, tensor in state.items():
-        if tensor.shape != expected[key].shape:
-            raise MapperFileError(
-                f"mapper weights in {folder}: {key} has shape {tuple(tensor.shape)}, the config "
-                f"implies {tuple(expected[key].shape)}"
-            )
-        if not torch.isfinite(tensor).all():
-            raise MapperFileError(f"mapper weights in {folder}: {key} holds NaN/Inf")
-    mapper.load_state_dict(state)

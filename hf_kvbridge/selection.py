@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from .mappers.ridge import solve_ridge
+from .solve import solve_ridge
 from .statistics import KVStatistics
 
 

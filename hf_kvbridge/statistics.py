@@ -17,13 +17,11 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from .errors import StatisticsError
+
 logger = logging.getLogger(__name__)
 
 _FIELDS = ("x_sum", "y_sum", "xx", "xy", "yy")
-
-
-class StatisticsError(ValueError):
-    """Statistics are unusable: non-finite values, too few tokens, or mismatched layouts."""
 
 
 class KVStatistics:

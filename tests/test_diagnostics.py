@@ -6,10 +6,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from hf_kvbridge.attention import decoder_layers, target_queries
 from hf_kvbridge.calibration import collect_statistics, fit_bridge
 from hf_kvbridge.cli.main import main
 from hf_kvbridge.mappers.mlp import train_mlp_mapper
-from hf_kvbridge.tools.diagnostics import INSPECT_FILES, _decoder_layers, inspect_bridge, target_queries
+from hf_kvbridge.tools.diagnostics import INSPECT_FILES, inspect_bridge
 from tests.conftest import CORPUS, VOCAB, qwen3
 
 
@@ -28,7 +29,7 @@ def test_target_queries_reproduce_the_layers_attention():
     model = qwen3(layers=2)
     ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(2))
     outputs = {}
-    layers = _decoder_layers(model)
+    layers = decoder_layers(model)
     handles = [
         layer.self_attn.register_forward_hook(lambda m, a, out, i=i: outputs.__setitem__(i, out[0]))
         for i, layer in enumerate(layers)

@@ -11,8 +11,9 @@ from safetensors.torch import load, load_file
 
 import hf_kvbridge
 from hf_kvbridge import KVBridgeForCausalLM, MapperFileError
+from hf_kvbridge.card import read_eval_table, render_model_card
 from hf_kvbridge.cli.main import main as cli_main
-from hf_kvbridge.integrations.hub import read_eval_table, render_model_card, sha256_file
+from hf_kvbridge.persistence import sha256_file
 from tests.conftest import CORPUS, VOCAB
 
 BRIDGE_FILES = {"config.json", "mapper.safetensors", "README.md"}

@@ -19,8 +19,8 @@ from lm_eval.tasks import TaskManager
 
 import hf_kvbridge
 import hf_kvbridge.integrations.lm_eval  # noqa: F401  (registers "kvbridge")
+from hf_kvbridge.card import read_eval_table
 from hf_kvbridge.cli.main import main as cli_main
-from hf_kvbridge.integrations.hub import read_eval_table
 from hf_kvbridge.integrations.lm_eval import KVBridgeLM, rolling_chunks
 from hf_kvbridge.tools.eval_cli import format_table, retention_rows
 from tests.conftest import CORPUS

@@ -9,7 +9,8 @@ from transformers import AutoModelForCausalLM
 
 import hf_kvbridge
 from hf_kvbridge import KVBridgeForCausalLM, KVStatistics
-from hf_kvbridge.calibration import cache_rows, collect_statistics, fit_bridge
+from hf_kvbridge.cache import cache_rows
+from hf_kvbridge.calibration import collect_statistics, fit_bridge
 from hf_kvbridge.cli.main import main
 from hf_kvbridge.mappers import KVMapper, MLPKVMapper, build_mapper
 from hf_kvbridge.mappers.mlp import rows_from_layout, rows_in_layout, train_mlp_mapper
@@ -135,7 +136,7 @@ def test_calibrate_with_mlp(saved_pair):
     )
     assert bridge.config.mapper_type == "mlp" and isinstance(bridge.mapper, MLPKVMapper)
     assert bridge.config.mapper_kwargs["windows"] == 10
-    with pytest.raises(ValueError, match="mapper_type must be"):
+    with pytest.raises(ValueError, match="unknown mapper_type .svm.; this hf_kvbridge knows ridge"):
         hf_kvbridge.calibrate(saved_pair["small"], saved_pair["large"], CORPUS, mapper_type="svm")
 
 

@@ -2,7 +2,7 @@
 
 import torch
 
-from hf_kvbridge.mappers import solve_ridge
+from hf_kvbridge.solve import solve_ridge
 from hf_kvbridge.statistics import KVStatistics
 
 

@@ -7,6 +7,8 @@ import logging
 import sys
 from collections.abc import Sequence
 
+from ..mappers import MAPPER_TYPES
+
 
 def _top_k(value: str) -> int | None:
     return None if value == "all" else int(value)
@@ -43,7 +45,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
         text_field=args.text_field,
         progress=True,
         mapper_type=args.mapper_type,
-        rank=args.rank,
+        mapper_kwargs={"rank": args.rank} if args.mapper_type == "low_rank" else {},
         **load_kwargs,
     )
     bridge.save_pretrained(out, overwrite=args.overwrite)
@@ -64,7 +66,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
 
     from hf_kvbridge import KVBridgeForCausalLM
-    from hf_kvbridge.modeling import resolve_model_reference
+    from hf_kvbridge.loading import resolve_model_reference
 
     bridge = KVBridgeForCausalLM.from_pretrained(args.bridge)
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_reference(bridge.config.target_name_or_path))
@@ -84,7 +86,7 @@ def _cmd_chat(args: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
 
     from hf_kvbridge import KVBridgeForCausalLM
-    from hf_kvbridge.modeling import resolve_model_reference
+    from hf_kvbridge.loading import resolve_model_reference
     from hf_kvbridge.session import HandoffSession
 
     bridge = KVBridgeForCausalLM.from_pretrained(args.bridge)
@@ -264,7 +266,7 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--head-mode", choices=["all_heads", "same_head"], default="all_heads")
     cal.add_argument(
         "--mapper-type",
-        choices=["ridge", "low_rank", "ridge_attention_weighted", "mlp"],
+        choices=list(MAPPER_TYPES),
         default="ridge",
         help="low_rank: each ridge map reduced to --rank (cheaper to apply)",
     )

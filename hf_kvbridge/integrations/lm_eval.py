@@ -47,7 +47,10 @@ from transformers import AutoTokenizer, PreTrainedModel
 
 from ..configuration import KVBridgeConfig
 from ..constants import MAPPER_CHECKSUMS_KEY
-from ..modeling import KVBridgeForCausalLM, load_model, positions_from_mask, resolve_model_reference
+from ..loading import load_model, resolve_model_reference
+from ..modeling import KVBridgeForCausalLM
+from ..persistence import read_config_dict, resolve_checkpoint
+from ..transfer import positions_from_mask
 
 logger = logging.getLogger(__name__)
 
@@ -122,8 +125,6 @@ class KVBridgeLM(HFLM):
             self.bridge, config = pretrained, pretrained.config
             name = config.name_or_path or "kvbridge"
         else:
-            from .hub import read_config_dict, resolve_checkpoint
-
             name = str(pretrained)
             if mode == "bridge":
                 self.bridge = KVBridgeForCausalLM.from_pretrained(pretrained, revision=revision, **load_kwargs)

@@ -1,12 +1,32 @@
-"""Mappers: from the selected source layers' KV rows to one target layer's KV rows."""
+"""Mappers: from the selected source layers' KV rows to one target layer's KV rows.
 
+`MAPPER_REGISTRY` maps each `mapper_type` to its [`MapperType`] (class, fit, whether it is linear). Adding a mapper
+type is one new file defining `MAPPER = MapperType(...)` and one line below.
+"""
+
+from . import low_rank, mlp, ridge, weighted
+from .base import KVMapper, MapperType
 from .low_rank import LowRankKVMapper
 from .mlp import MLPKVMapper
-from .ridge import KVMapper, solve_ridge
 
-# mapper types stored as a plain linear `KVMapper` (same weights layout; they differ only in how W, b were fitted)
-LINEAR_MAPPER_TYPES = ("ridge", "ridge_attention_weighted")
-MAPPER_TYPES = (*LINEAR_MAPPER_TYPES, "mlp", "low_rank")
+MAPPER_REGISTRY: dict[str, MapperType] = {
+    entry.name: entry
+    for entry in (
+        ridge.MAPPER,
+        weighted.MAPPER,
+        mlp.MAPPER,
+        low_rank.MAPPER,
+    )
+}
+MAPPER_TYPES = tuple(MAPPER_REGISTRY)
+LINEAR_MAPPER_TYPES = tuple(name for name, entry in MAPPER_REGISTRY.items() if entry.linear)
+
+
+def get_mapper_type(name: str) -> MapperType:
+    """The registry entry of `mapper_type` `name`; a `ValueError` naming the known types otherwise."""
+    if name not in MAPPER_REGISTRY:
+        raise ValueError(f"unknown mapper_type {name!r}; this hf_kvbridge knows {', '.join(MAPPER_TYPES)}")
+    return MAPPER_REGISTRY[name]
 
 
 def build_mapper(config, layout) -> KVMapper:
@@ -14,24 +34,17 @@ def build_mapper(config, layout) -> KVMapper:
 
     Used by `from_pretrained` before the weights are loaded into it.
     """
-    args = (config.selected_layers, layout.num_kv_heads, layout.head_dim, config.head_mode)
-    if config.mapper_type in LINEAR_MAPPER_TYPES:
-        return KVMapper(*args)
-    if config.mapper_type == "mlp":
-        return MLPKVMapper(*args, hidden=(config.mapper_kwargs or {}).get("hidden", 256))
-    if config.mapper_type == "low_rank":
-        if "rank" not in (config.mapper_kwargs or {}):
-            raise ValueError("a low_rank mapper's config lacks mapper_kwargs['rank']")
-        return LowRankKVMapper(*args, rank=config.mapper_kwargs["rank"])
-    raise ValueError(f"unknown mapper_type {config.mapper_type!r}; this hf_kvbridge knows {MAPPER_TYPES}")
+    return get_mapper_type(config.mapper_type).mapper_class.from_config(config, layout)
 
 
 __all__ = [
     "LINEAR_MAPPER_TYPES",
+    "MAPPER_REGISTRY",
     "MAPPER_TYPES",
     "KVMapper",
     "LowRankKVMapper",
     "MLPKVMapper",
+    "MapperType",
     "build_mapper",
-    "solve_ridge",
+    "get_mapper_type",
 ]

@@ -14,7 +14,8 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from .ridge import KVMapper
+from ..errors import MapperFileError
+from .base import KVMapper
 
 
 class LazyKVMapper(KVMapper):
@@ -45,8 +46,6 @@ class LazyKVMapper(KVMapper):
                     self._where[key] = path
         missing = [k for k in self.state_dict() if k not in self._where]
         if missing:
-            from ..modeling import MapperFileError
-
             raise MapperFileError(f"mapper weights in {files[0].parent} lack {missing[:4]}")
         self._device, self._dtype = torch.device("cpu"), torch.float32
         self.loaded: set[int] = set()  # target layers whose weights are in memory now
@@ -64,9 +63,7 @@ class LazyKVMapper(KVMapper):
                 tensor = handle.get_tensor(key)
             param = getattr(layer, name)
             if tensor.shape != param.shape:
-                from ..modeling import MapperFileError
-
-                raise MapperFileError(
+                    raise MapperFileError(
                     f"{self._where[key]}: {key} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}"
                 )
             setattr(layer, name, nn.Parameter(tensor.to(self._device, self._dtype), requires_grad=False))

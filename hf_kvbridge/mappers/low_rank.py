@@ -16,16 +16,14 @@ from __future__ import annotations
 
 import copy
 import math
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
+from ..selection import mapped_heldout_r2
+from ..solve import solve_ridge
 from ..statistics import KVStatistics
-from .ridge import KVMapper, solve_ridge
-
-if TYPE_CHECKING:
-    from ..modeling import KVBridgeForCausalLM
+from .base import KVMapper, MapperType
 
 
 class LowRankLayerMap(nn.Module):
@@ -78,6 +76,13 @@ class LowRankKVMapper(KVMapper):
             raise ValueError(f"rank must be ≥ 1, got {rank}")
         self.rank = int(rank)
         super().__init__(selected_layers, num_kv_heads, head_dim, head_mode)
+
+    @classmethod
+    def from_config(cls, config, layout) -> LowRankKVMapper:
+        if "rank" not in (config.mapper_kwargs or {}):
+            raise ValueError("a low_rank mapper's config lacks mapper_kwargs['rank']")
+        rank = config.mapper_kwargs["rank"]
+        return cls(config.selected_layers, layout.num_kv_heads, layout.head_dim, config.head_mode, rank=rank)
 
     def make_layer(self, groups: int, in_features: int, out_features: int) -> nn.Module:
         return LowRankLayerMap(groups, in_features, out_features, min(self.rank, in_features, out_features))
@@ -173,8 +178,8 @@ class LowRankKVMapper(KVMapper):
 
 
 def low_rank_bridge(
-    bridge: KVBridgeForCausalLM, rank: int, statistics: tuple[KVStatistics, KVStatistics] | None = None
-) -> KVBridgeForCausalLM:
+    bridge: nn.Module, rank: int, statistics: tuple[KVStatistics, KVStatistics] | None = None
+) -> nn.Module:
     r"""A new bridge with `bridge`'s ridge maps reduced to rank `rank` (same layers, head mode and λ).
 
     Args:
@@ -197,8 +202,6 @@ def low_rank_bridge(
     True
     ```
     """
-    from ..selection import mapped_heldout_r2
-
     if statistics is None:
         statistics = getattr(bridge, "calibration_statistics", None)
         if statistics is None:
@@ -213,3 +216,18 @@ def low_rank_bridge(
     new_config.mapper_kwargs = {"rank": int(rank)}
     new_config.heldout_r2 = {"k": [round(float(v), 6) for v in r2[:, 0]], "v": [round(float(v), 6) for v in r2[:, 1]]}
     return bridge.with_mapper(mapper, new_config)
+
+
+def fit_low_rank(bridge: nn.Module, *, statistics=None, rank: int = 64, **_ignored) -> nn.Module:
+    """The registry's fit: `low_rank_bridge` from the calibration statistics `calibrate` hands over."""
+    return low_rank_bridge(bridge, rank, statistics=statistics)
+
+
+MAPPER = MapperType(
+    "low_rank",
+    LowRankKVMapper,
+    fit=fit_low_rank,
+    linear=False,
+    kwargs=("rank",),
+    description="each ridge map reduced to rank `rank` (two factors): fewer FLOPs and bytes",
+)

@@ -24,15 +24,14 @@ import copy
 import logging
 import math
 import time
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from .ridge import KVMapper
-
-if TYPE_CHECKING:
-    from ..modeling import KVBridgeForCausalLM
+from ..attention import attend, decoder_layers, target_queries
+from ..cache import cache_rows
+from ..rope import rotary_cos_sin, rotate_half
+from .base import KVMapper, MapperType
 
 logger = logging.getLogger(__name__)
 
@@ -95,6 +94,11 @@ class MLPKVMapper(KVMapper):
             ResidualMLP(*layer_map.weight.shape, self.hidden)
             for layer_map in self.layers  # (G, p, q)
         )
+
+    @classmethod
+    def from_config(cls, config, layout) -> MLPKVMapper:
+        hidden = (config.mapper_kwargs or {}).get("hidden", 256)
+        return cls(config.selected_layers, layout.num_kv_heads, layout.head_dim, config.head_mode, hidden=hidden)
 
     @classmethod
     def from_linear(cls, linear: KVMapper, hidden: int = 256, seed: int = 0) -> MLPKVMapper:
@@ -167,30 +171,14 @@ def rows_from_layout(mapper: KVMapper, mapped: torch.Tensor) -> torch.Tensor:
 def _rotate(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Differentiable rotate-half RoPE, `(B, H, T, d)` with `(B, T, d)` cos/sin (`rope.apply_rotary` writes with
     `out=`, which autograd does not support)."""
-    from ..rope import rotate_half
-
     return keys * cos.unsqueeze(1) + rotate_half(keys) * sin.unsqueeze(1)
 
 
-def _attend(attn: nn.Module, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """Causal attention of `queries (B, H_q, T, d)` over `keys, values (B, H_kv, T, d)`, after `o_proj`: `(B, T, D)`.
-
-    `o_proj`'s weights are detached: gradients flow to the mapped K/V only, never into the target.
-    """
-    batch, _, seq, _ = queries.shape
-    rep = queries.shape[1] // keys.shape[1]
-    attended = nn.functional.scaled_dot_product_attention(
-        queries, keys.repeat_interleave(rep, 1), values.repeat_interleave(rep, 1), is_causal=True, scale=attn.scaling
-    )  # (B, H_q, T, d)
-    bias = attn.o_proj.bias.detach() if attn.o_proj.bias is not None else None
-    flat = attended.transpose(1, 2).reshape(batch, seq, -1)  # (B, T, H_q·d)
-    return nn.functional.linear(flat, attn.o_proj.weight.detach().to(flat.dtype), bias)
-
-
 def train_mlp_mapper(
-    bridge: KVBridgeForCausalLM,
+    bridge: nn.Module,
     windows: torch.Tensor,
     *,
+    statistics=None,
     hidden: int = 256,
     loss: str = "mse",
     epochs: int = 2,
@@ -200,7 +188,7 @@ def train_mlp_mapper(
     weight_decay: float = 0.0,
     seed: int = 0,
     progress: bool = False,
-) -> KVBridgeForCausalLM:
+) -> nn.Module:
     r"""Trains a residual MLP mapper on top of `bridge`'s ridge mapper and returns a new bridge that uses it.
 
     The source and target models are shared with `bridge` (not copied); `bridge` itself is left unchanged. The new
@@ -233,9 +221,6 @@ def train_mlp_mapper(
     'mlp'
     ```
     """
-    from ..calibration import cache_rows
-    from ..rope import rotary_cos_sin
-    from ..tools.diagnostics import _decoder_layers, target_queries
 
     if loss not in LOSSES:
         raise ValueError(f"loss must be one of {LOSSES}, got {loss!r}")
@@ -251,7 +236,7 @@ def train_mlp_mapper(
     device = target.device
     mapper = MLPKVMapper.from_linear(bridge.mapper, hidden=hidden, seed=seed).to(device=device, dtype=torch.float32)
     width = mapper.num_kv_heads * 2 * mapper.head_dim  # features of one layer
-    attn_layers = [layer.self_attn for layer in _decoder_layers(target)]
+    attn_layers = [layer.self_attn for layer in decoder_layers(target)]
     params = [p for residual in mapper.residuals for p in residual.parameters()]
     for param in params:
         param.requires_grad_(True)
@@ -282,7 +267,7 @@ def train_mlp_mapper(
                         positions = torch.arange(seq, device=device).unsqueeze(0).expand(batch, -1)
                         cos, sin = rotary_cos_sin(target, positions)  # (B, T, d)
                         true_out = [
-                            _attend(attn_layers[t], queries[t], layer.keys.float(), layer.values.float())
+                            attend(attn_layers[t], queries[t], layer.keys.float(), layer.values.float())
                             for t, layer in enumerate(true_cache.layers)
                         ]  # (B, T, D) per layer
                 # several optimiser steps on each streamed batch: the forward passes cost far more than a step
@@ -299,7 +284,7 @@ def train_mlp_mapper(
                             layer_loss = ((mapped - true) / scale).pow(2).mean()
                         else:
                             keys_c, values = mapper.split_rows(mapped, batch, seq)  # (B, H, T, d)
-                            out = _attend(attn_layers[t], queries[t], _rotate(keys_c, cos, sin), values)
+                            out = attend(attn_layers[t], queries[t], _rotate(keys_c, cos, sin), values)
                             energy = true_out[t].pow(2).sum(-1).mean()
                             layer_loss = (out - true_out[t]).pow(2).sum(-1).mean() / energy
                         # backward per layer: only one target layer's graph is alive at a time
@@ -333,3 +318,13 @@ def train_mlp_mapper(
         "train_seconds": round(time.perf_counter() - started, 2),
     }
     return bridge.with_mapper(mapper, config)
+
+
+MAPPER = MapperType(
+    "mlp",
+    MLPKVMapper,
+    fit=train_mlp_mapper,
+    linear=False,
+    kwargs=("hidden", "loss", "epochs", "lr", "steps_per_batch", "weight_decay", "seed"),
+    description="a residual MLP per target layer on top of the ridge map, trained on the calibration windows",
+)

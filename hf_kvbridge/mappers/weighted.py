@@ -22,15 +22,15 @@ from __future__ import annotations
 import copy
 import logging
 import time
-from typing import TYPE_CHECKING
 
 import torch
+from torch import nn
 
+from ..attention import decoder_layers, target_queries
+from ..cache import cache_rows
+from ..solve import solve_ridge
 from ..statistics import KVStatistics
-from .ridge import KVMapper, solve_ridge
-
-if TYPE_CHECKING:
-    from ..modeling import KVBridgeForCausalLM
+from .base import KVMapper, MapperType
 
 logger = logging.getLogger(__name__)
 
@@ -96,13 +96,14 @@ def attention_mass(queries: torch.Tensor, keys: torch.Tensor, scaling: float) ->
 
 
 def fit_attention_weighted(
-    bridge: KVBridgeForCausalLM,
+    bridge: nn.Module,
     windows: torch.Tensor,
     *,
+    statistics=None,
     batch_size: int = 8,
     weighting: str = "attention",
     progress: bool = False,
-) -> KVBridgeForCausalLM:
+) -> nn.Module:
     r"""Refits `bridge`'s ridge mapper with per-token attention-mass weights; returns a new bridge.
 
     Keeps `bridge`'s layer selection, head mode and λ; one streamed pass of both models over `windows` accumulates,
@@ -128,9 +129,6 @@ def fit_attention_weighted(
     'ridge_attention_weighted'
     ```
     """
-    from ..calibration import cache_rows
-    from ..tools.diagnostics import _decoder_layers, target_queries
-
     if weighting not in WEIGHTINGS:
         raise ValueError(f"weighting must be one of {WEIGHTINGS}, got {weighting!r}")
     started = time.perf_counter()
@@ -138,7 +136,7 @@ def fit_attention_weighted(
     source, target = bridge.source, bridge.target
     heads, dim = base.num_kv_heads, base.head_dim
     width = heads * 2 * dim  # features of one layer
-    attn_layers = [layer.self_attn for layer in _decoder_layers(target)]
+    attn_layers = [layer.self_attn for layer in decoder_layers(target)]
     # per target layer: statistics of its k selected source layers (in the selected order) → that layer
     stats = [WeightedKVStatistics(len(layers), 1, heads, dim) for layers in base.selected_layers]
     from tqdm.auto import tqdm
@@ -177,3 +175,13 @@ def fit_attention_weighted(
         "fit_seconds": round(time.perf_counter() - started, 2),
     }
     return bridge.with_mapper(mapper, new_config)
+
+
+MAPPER = MapperType(
+    "ridge_attention_weighted",
+    KVMapper,
+    fit=fit_attention_weighted,
+    linear=True,
+    kwargs=("weighting",),
+    description="ridge refitted with the target's attention mass as token weights",
+)

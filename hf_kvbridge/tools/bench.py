@@ -201,7 +201,7 @@ def mapper_vs_prefill(
     with `interleave=True` the rounds run source, mapper, target, so the mapper runs right after a source prefill,
     as in a cascade, and each one after the others have evicted its data.
     """
-    from ..modeling import execution_device
+    from ..loading import execution_device
 
     device = bridge.device
     ids_t, ids_s = input_ids.to(device), input_ids.to(execution_device(bridge.source))

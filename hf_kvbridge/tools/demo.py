@@ -18,10 +18,11 @@ import torch
 from transformers import AutoTokenizer
 
 from .. import pocket
+from ..attention import attention_output_cosine
 from ..calibration import calibrate
 from ..selection import mapper_r2, select_layers
 from .bench import mapper_vs_prefill
-from .diagnostics import attention_output_cosine, plot_layer_bars, plot_r2_heatmap, plot_r2_vs_k
+from .diagnostics import plot_layer_bars, plot_r2_heatmap, plot_r2_vs_k
 from .evaluation import build_cloze, cloze_accuracy, continuation_nll, heldout_windows
 
 # (full, quick) sizes; quick is for tests and smoke runs

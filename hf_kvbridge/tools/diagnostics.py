@@ -9,83 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from torch import nn
 
-from ..rope import apply_rotary
-
-
-def _decoder_layers(model: nn.Module) -> nn.ModuleList:
-    base = getattr(model, "model", model)
-    return base.layers
-
-
-@torch.no_grad()
-def attention_output_cosine(bridge, input_ids: torch.Tensor) -> torch.Tensor:
-    """Mean cosine, per target layer, between attention outputs over mapped and over true K/V.
-
-    Args:
-        bridge ([`KVBridgeForCausalLM`]): the bridge to diagnose.
-        input_ids (`torch.LongTensor` of shape `(batch, seq)`): unpadded held-out text.
-
-    Returns:
-        `torch.Tensor` of shape `(target_layers,)`, float64.
-
-    Example:
-
-    ```python
-    >>> cos = attention_output_cosine(bridge, heldout_ids)  # doctest: +SKIP
-    >>> cos.mean()  # doctest: +SKIP
-    ```
-    """
-    target = bridge.target
-    layers = _decoder_layers(target)
-    captured: dict[int, dict] = {}
-
-    def capture(idx):
-        def hook(module, args, kwargs):
-            captured[idx] = {
-                "hidden_states": kwargs.get("hidden_states", args[0] if args else None),
-                "position_embeddings": kwargs.get("position_embeddings"),
-            }
-
-        return hook
-
-    handles = [
-        layer.self_attn.register_forward_pre_hook(capture(i), with_kwargs=True) for i, layer in enumerate(layers)
-    ]
-    try:
-        ids = input_ids.to(target.device)
-        true_cache = target(input_ids=ids, use_cache=True, logits_to_keep=1).cache
-    finally:
-        for handle in handles:
-            handle.remove()
-    source_cache = bridge.source(input_ids=input_ids.to(bridge.source.device), use_cache=True, logits_to_keep=1).cache
-    mapped = bridge.map_cache(source_cache)
-    out = torch.zeros(len(layers), dtype=torch.float64)
-    for t, layer in enumerate(layers):
-        attn = layer.self_attn
-        hidden = captured[t]["hidden_states"]  # (B, T, hidden)
-        cos, sin = captured[t]["position_embeddings"]  # (B, T, d)
-        batch, seq, _ = hidden.shape
-        head_dim = true_cache.layers[t].keys.shape[-1]
-        query = attn.q_proj(hidden).view(batch, seq, -1, head_dim)
-        if getattr(attn, "q_norm", None) is not None:
-            query = attn.q_norm(query)
-        query = apply_rotary(query.transpose(1, 2), cos, sin)  # (B, H_q, T, d)
-        outputs = []
-        for cache in (true_cache, mapped):
-            keys, values = cache.layers[t].keys, cache.layers[t].values  # (B, H_kv, T, d)
-            rep = query.shape[1] // keys.shape[1]
-            attended = nn.functional.scaled_dot_product_attention(
-                query,
-                keys.repeat_interleave(rep, 1),
-                values.repeat_interleave(rep, 1),
-                is_causal=True,
-                scale=attn.scaling,
-            )  # (B, H_q, T, d)
-            outputs.append(attn.o_proj(attended.transpose(1, 2).reshape(batch, seq, -1)).double())
-        out[t] = nn.functional.cosine_similarity(outputs[0], outputs[1], dim=-1).mean()
-    return out
+from ..attention import attention_output_cosine, target_queries
 
 
 def _pyplot():
@@ -148,58 +73,6 @@ def plot_r2_heatmap(r2: torch.Tensor, path, title: str = "held-out single-layer 
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
-
-
-@torch.no_grad()
-def target_queries(target: nn.Module, input_ids: torch.Tensor):
-    """The target's own post-RoPE queries at every layer, and its cache, from one forward pass over `input_ids`.
-
-    Queries are rebuilt from the hidden states each `self_attn` receives (captured with forward pre-hooks, removed
-    afterwards), as the layer itself builds them: `q_proj`, `q_norm` when the model has one, the layer's rotary.
-
-    Args:
-        target ([`PreTrainedModel`]): a decoder of the supported families.
-        input_ids (`torch.LongTensor` of shape `(batch, seq)`): unpadded text.
-
-    Returns:
-        `(queries, cache)`: `queries[t]` of shape `(batch, q_heads, seq, head_dim)`, float32, and the target's cache
-        (keys post-RoPE) for the same tokens.
-
-    Example:
-
-    ```python
-    >>> queries, cache = target_queries(model, ids)  # doctest: +SKIP
-    >>> queries[0].shape  # (B, H_q, T, d)  # doctest: +SKIP
-    ```
-    """
-    layers = _decoder_layers(target)
-    captured: dict[int, tuple] = {}
-
-    def capture(idx):
-        def hook(module, args, kwargs):
-            captured[idx] = (kwargs.get("hidden_states", args[0] if args else None), kwargs["position_embeddings"])
-
-        return hook
-
-    handles = [
-        layer.self_attn.register_forward_pre_hook(capture(i), with_kwargs=True) for i, layer in enumerate(layers)
-    ]
-    try:
-        cache = target(input_ids=input_ids.to(target.device), use_cache=True, logits_to_keep=1).cache
-    finally:
-        for handle in handles:
-            handle.remove()
-    queries = []
-    for t, layer in enumerate(layers):
-        attn = layer.self_attn
-        hidden, (cos, sin) = captured[t]  # (B, T, hidden), (B, T, d) each
-        batch, seq, _ = hidden.shape
-        head_dim = cache.layers[t].keys.shape[-1]
-        query = attn.q_proj(hidden).view(batch, seq, -1, head_dim)
-        if getattr(attn, "q_norm", None) is not None:
-            query = attn.q_norm(query)
-        queries.append(apply_rotary(query.transpose(1, 2).float(), cos.float(), sin.float()))  # (B, H_q, T, d)
-    return queries, cache
 
 
 def _causal_logit_energy(queries: torch.Tensor, keys: torch.Tensor, centered: bool = False) -> torch.Tensor:
@@ -277,7 +150,8 @@ def inspect_bridge(
     >>> report["attention_cosine"]  # one per target layer  # doctest: +SKIP
     ```
     """
-    from ..calibration import cache_rows, split_heldout
+    from ..cache import cache_rows
+    from ..calibration import split_heldout
     from ..mappers.mlp import rows_from_layout, rows_in_layout
     from ..selection import single_layer_r2
     from ..statistics import KVStatistics
@@ -288,7 +162,7 @@ def inspect_bridge(
         from transformers import AutoTokenizer
 
         from ..data import token_windows
-        from ..modeling import resolve_model_reference
+        from ..loading import resolve_model_reference
 
         if tokenizer is None:
             name = bridge.config.target_name_or_path or bridge.target.config.name_or_path

@@ -215,7 +215,7 @@ def run_eval(args: argparse.Namespace) -> int:
     if args.output:
         import lm_eval
 
-        from .. import __version__
+        from ..version import __version__
 
         payload = {
             "bridge": str(args.bridge),

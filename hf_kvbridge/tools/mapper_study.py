@@ -217,9 +217,9 @@ def measure_mapper(
     """Fits mapper `name` on a prepared pair (unless already there) and measures it (see `compare_mappers`)."""
     import torch
 
+    from ..attention import attention_output_cosine
     from ..mappers.mlp import train_mlp_mapper
     from ..mappers.weighted import fit_attention_weighted
-    from .diagnostics import attention_output_cosine
     from .evaluation import cloze_accuracy, continuation_nll
 
     ridge, ridge_s = context["bridges"]["ridge"]

@@ -20,11 +20,12 @@ from scipy import stats as scipy_stats
 from transformers import AutoTokenizer
 
 from .. import pocket
+from ..attention import attention_output_cosine
 from ..calibration import calibrate, fit_bridge
 from ..data import token_windows
 from ..mappers.mlp import train_mlp_mapper
 from ..rope import rotary_cos_sin, strip_rotary
-from .diagnostics import _pyplot, attention_output_cosine
+from .diagnostics import _pyplot
 from .evaluation import heldout_windows, score_tokens
 
 DEFAULT_PAIRS = ("pocket-s:pocket-l", "pocket-m:pocket-l", "pocket-l:pocket-s", "pocket-s:pocket-m")

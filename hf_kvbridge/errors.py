@@ -1,0 +1,40 @@
+"""Every error hf_kvbridge raises on purpose, in one place.
+
+Each names what is wrong and what to do about it. They derive from `KVBridgeError` (catch that for "anything the
+bridge refused") and from the builtin a caller would expect (`ValueError` for bad input, `OSError` for files), so
+code written against the builtins keeps working.
+"""
+
+
+class KVBridgeError(Exception):
+    """Base class of hf_kvbridge's own errors."""
+
+
+class KVLayoutError(KVBridgeError, ValueError):
+    """The source and target (or a model and a saved mapper) do not share a KV layout the bridge can map."""
+
+
+class CalibrationDataError(KVBridgeError, ValueError):
+    """Calibration data is missing, empty or unreadable."""
+
+
+class StatisticsError(KVBridgeError, ValueError):
+    """Statistics are unusable: non-finite values, too few tokens, or mismatched layouts."""
+
+
+class MapperFileError(KVBridgeError, OSError):
+    """A mapper weights file is missing, truncated, corrupt or does not fit the config."""
+
+
+class CheckpointNotFoundError(KVBridgeError, FileNotFoundError):
+    """A bridge checkpoint is neither a local folder nor a repository reachable on the Hub."""
+
+
+__all__ = [
+    "CalibrationDataError",
+    "CheckpointNotFoundError",
+    "KVBridgeError",
+    "KVLayoutError",
+    "MapperFileError",
+    "StatisticsError",
+]

@@ -1,0 +1,60 @@
+"""Finding and loading the two models of a bridge: model references (Hub id, path, `pocket/<name>`) and devices."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import AutoModelForCausalLM, PreTrainedModel
+
+from .pocket import POCKET_MODELS, model_path
+
+
+def execution_device(model: nn.Module) -> torch.device:
+    """The device `model` computes on: `model.device`, or, when accelerate offloads its weights (`model.device` is
+    `meta`), the execution device of its offloading hooks."""
+    device = model.device
+    if device.type != "meta":
+        return device
+    for module in model.modules():
+        hook_device = getattr(getattr(module, "_hf_hook", None), "execution_device", None)
+        if hook_device is not None:
+            return torch.device(hook_device)
+    return torch.device("cpu")
+
+
+def resolve_model_reference(name_or_path: str) -> str:
+    """Turns a checkpoint's model reference into something `from_pretrained` loads.
+
+    `pocket/<name>` names a model of the pocket family shipped inside this package (see `hf_kvbridge.pocket`);
+    anything else (Hub id, local path) is returned unchanged.
+    """
+    if name_or_path.startswith("pocket/"):
+        return str(model_path(name_or_path.split("/", 1)[1]))
+    return name_or_path
+
+
+def model_reference(model: PreTrainedModel) -> str:
+    """The id a checkpoint records for `model`: its Hub id, `pocket/<name>` for shipped pocket models, or a path."""
+    name = model.config.name_or_path or ""
+    if not name or not Path(name).is_dir():
+        return name
+    for pocket_name in POCKET_MODELS:
+        try:
+            if Path(name).resolve() == model_path(pocket_name).resolve():
+                return f"pocket/{pocket_name}"
+        except FileNotFoundError:  # not installed in this build
+            continue
+    return name
+
+
+def load_model(name_or_path: str, revision: str | None = None, **load_kwargs: Any) -> PreTrainedModel:
+    """Loads a source/target model by its recorded reference (Hub id, local path or `pocket/<name>`)."""
+    if not name_or_path:
+        raise ValueError("the checkpoint does not record the model; pass source_model=/target_model=")
+    model = AutoModelForCausalLM.from_pretrained(
+        resolve_model_reference(name_or_path), revision=revision, **load_kwargs
+    )
+    return model.eval()

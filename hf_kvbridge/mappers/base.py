@@ -1,0 +1,433 @@
+"""The runtime every mapper shares: `KVMapper`, a linear map per target layer (and head group) from the selected
+source layers' content-space KV rows to the target layer's, with the row layout, the mapping plan (target layers
+that read the same source layers are mapped by one wide product), chunking and stacking that the mapping engine
+uses. Subclasses change the per-layer map (`make_layer`, `map_layer`, `map_targets`): low rank, residual MLP.
+The ridge fit itself (`from_statistics`) is `hf_kvbridge.solve.solve_ridge` per layer and head group."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+from torch import nn
+
+from ..constants import HEAD_MODES
+from ..solve import solve_ridge
+from ..statistics import KVStatistics
+
+
+@dataclass(frozen=True)
+class MapperType:
+    """One entry of the mapper registry (`hf_kvbridge.mappers.MAPPER_REGISTRY`).
+
+    Args:
+        name (`str`): the `mapper_type` saved in the config.
+        mapper_class (`type[KVMapper]`): what `from_pretrained` builds (with `mapper_class.from_config`) before
+            loading the weights.
+        fit (`Callable`, *optional*): `fit(ridge_bridge, *, windows, statistics, batch_size, progress, **kwargs)`,
+            returning a bridge with the new mapper (`ridge_bridge.with_mapper`); `None` for the ridge fit itself.
+            Mappers never import calibration or modeling: `calibrate` hands them the ridge bridge, the calibration
+            windows and statistics.
+        linear (`bool`): its weights are a plain `KVMapper`'s (lazy per-layer loading works).
+        kwargs (`tuple[str, ...]`): the `mapper_kwargs` its `fit` accepts (validated before any work).
+        description (`str`): one line for `--help` and the docs.
+    """
+
+    name: str
+    mapper_class: type
+    fit: Callable | None
+    linear: bool
+    kwargs: tuple[str, ...] = ()
+    description: str = ""
+
+
+class MappingSchedule(NamedTuple):
+    """How `map_cache` maps one batch (`KVMapper.schedule`)."""
+
+    plan: list[tuple[list[int], list[int]]]  # steps of (source layers, target layers mapped together)
+    last_use: dict[int, int]  # source layer → the last step that reads it
+    slots: dict[int, int]  # source layer → its slot in the chunk's row buffer
+    num_slots: int
+    widest: int  # output features per token of the widest step
+    bytes_per_token: int  # working set per token: the slots' rows and the widest output
+    chunk: int  # tokens per chunk
+
+
+class LayerMap(nn.Module):
+    """The affine map of one target layer: `weight (G, p_g, out_g)`, `bias (G, out_g)`, `G` head groups."""
+
+    def __init__(self, groups: int, in_features: int, out_features: int, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(groups, in_features, out_features, dtype=dtype), requires_grad=False)
+        self.bias = nn.Parameter(torch.zeros(groups, out_features, dtype=dtype), requires_grad=False)
+
+
+class KVMapper(nn.Module):
+    """Maps content-space source KV rows to content-space target KV rows, one target layer at a time.
+
+    Args:
+        selected_layers (`list[list[int]]`): for each target layer, the source layers whose rows are concatenated,
+            in this order (the order is part of the artifact).
+        num_kv_heads (`int`), head_dim (`int`): the shared KV layout.
+        head_mode (`str`): `"all_heads"` (each target head sees all heads of the selected layers) or `"same_head"`
+            (head h sees only head h).
+
+    Example:
+
+    ```python
+    >>> mapper = KVMapper([[0], [1, 0]], num_kv_heads=2, head_dim=4, head_mode="same_head")
+    >>> keys = values = torch.randn(1, 2, 5, 4)  # (B, H, T, d) of one source layer
+    >>> rows = [mapper.layout_rows(keys, values)] * 2  # one per selected source layer
+    >>> mapped = mapper.map_layer(1, rows)  # (H, B·T, 2d)
+    >>> [t.shape for t in mapper.split_rows(mapped, batch=1, seq=5)]
+    [torch.Size([1, 2, 5, 4]), torch.Size([1, 2, 5, 4])]
+    ```
+    """
+
+    def __init__(self, selected_layers: list[list[int]], num_kv_heads: int, head_dim: int, head_mode: str):
+        super().__init__()
+        if head_mode not in HEAD_MODES:
+            raise ValueError(f"head_mode must be one of {HEAD_MODES}, got {head_mode!r}")
+        self.selected_layers = [list(map(int, layers)) for layers in selected_layers]
+        self.num_kv_heads, self.head_dim, self.head_mode = num_kv_heads, head_dim, head_mode
+        row = num_kv_heads * 2 * head_dim
+        span = 2 * head_dim
+        self.layers = nn.ModuleList(
+            self.make_layer(1, len(layers) * row, row)
+            if head_mode == "all_heads"
+            else self.make_layer(num_kv_heads, len(layers) * span, span)
+            for layers in self.selected_layers
+        )
+
+    @classmethod
+    def from_config(cls, config, layout) -> KVMapper:
+        """An empty mapper shaped for `config` (a `KVBridgeConfig`) and the target's `layout`, to load weights into."""
+        return cls(config.selected_layers, layout.num_kv_heads, layout.head_dim, config.head_mode)
+
+    def make_layer(self, groups: int, in_features: int, out_features: int) -> nn.Module:
+        """The map of one target layer (`groups` head groups of `in_features → out_features`)."""
+        return LayerMap(groups, in_features, out_features)
+
+    @classmethod
+    def from_statistics(
+        cls,
+        stats: KVStatistics,
+        selected_layers: list[list[int]],
+        head_mode: str,
+        ridge_lambda: float,
+    ) -> KVMapper:
+        """Solves the ridge problems of every target layer (and head, in `same_head` mode)."""
+        mapper = cls(selected_layers, stats.num_kv_heads, stats.head_dim, head_mode)
+        for t, layers in enumerate(mapper.selected_layers):
+            layer_map = mapper.layers[t]
+            heads = [None] if head_mode == "all_heads" else range(stats.num_kv_heads)
+            for g, head in enumerate(heads):
+                weight, bias = solve_ridge(
+                    stats, stats.source_index(layers, head), stats.target_index(t, head), ridge_lambda
+                )
+                layer_map.weight.data[g] = weight.to(layer_map.weight.dtype)
+                layer_map.bias.data[g] = bias.to(layer_map.bias.dtype)
+        return mapper
+
+    def layout_dtype(self) -> torch.dtype:
+        """dtype of the mapper's inputs (its weights' dtype)."""
+        return self.layers[0].bias.dtype
+
+    def layer_weight(self, target_layer: int) -> torch.Tensor:
+        """Target layer `target_layer`'s weight `(G, p, q)` as one matrix per head group (inputs in selected order)."""
+        return self.layers[target_layer].weight
+
+    def flops_per_token(self) -> int:
+        """Matmul FLOPs of mapping one token to every target layer: 2 × the weights a token's rows meet."""
+        return sum(2 * layer.weight.numel() for layer in self.layers)
+
+    def materialize(self, target_layer: int) -> None:
+        """Makes target layer `target_layer`'s weights available; a no-op here (see `LazyKVMapper`)."""
+
+    def release(self, target_layer: int) -> None:
+        """Lets go of target layer `target_layer`'s weights after mapping; a no-op here (see `LazyKVMapper`)."""
+
+    def new_rows(
+        self, batch: int, seq: int, num_layers: int, device=None, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """An uninitialised buffer for the rows of `num_layers` source layers side by side, in the mapper's input
+        layout: `(B·T, L·H·2d)` for `all_heads`, `(H, B·T, L·2d)` for `same_head` (see `write_rows`).
+
+        Args:
+            out (`torch.Tensor`, *optional*): a flat tensor of at least that many elements to use as storage (a
+                reused workspace); a new tensor otherwise.
+        """
+        width = num_layers * self.row_width
+        shape = (batch * seq, width) if self.head_mode == "all_heads" else (self.num_kv_heads, batch * seq, width)
+        if out is None:
+            return torch.empty(shape, dtype=self.layout_dtype(), device=device)
+        return out[: math.prod(shape)].view(shape)
+
+    @property
+    def row_width(self) -> int:
+        """Width of one source layer in the mapper's input layout: `H·2d` for `all_heads`, `2d` for `same_head`."""
+        return self.num_kv_heads * 2 * self.head_dim if self.head_mode == "all_heads" else 2 * self.head_dim
+
+    def layer_rows(self, rows: torch.Tensor, index: int, count: int = 1) -> torch.Tensor:
+        """Layers `index … index+count-1` of a `new_rows` buffer, side by side (a view): the input of a map."""
+        return rows[..., index * self.row_width : (index + count) * self.row_width]
+
+    def write_rows(self, rows: torch.Tensor, index: int, keys: torch.Tensor, values: torch.Tensor, write_keys=None):
+        """Writes one source layer's keys and values, `(B, H, T, d)` each, into layer `index` of a `new_rows`
+        buffer; per head the key then the value.
+
+        Args:
+            write_keys (`Callable`, *optional*): `write_keys(keys, out)` writes the keys into `out` (a `(B, H, T, d)`
+                view of the buffer); used to strip RoPE straight into the buffer. Defaults to a copy.
+        """
+        batch, heads, seq, dim = values.shape
+        layers = rows.shape[-1] // self.row_width
+        if self.head_mode == "all_heads":
+            slot = rows.view(batch, seq, layers, heads, 2, dim)[:, :, index]  # (B, T, H, 2, d)
+            key_view, value_view = slot[:, :, :, 0].transpose(1, 2), slot[:, :, :, 1].transpose(1, 2)
+        else:
+            slot = rows.view(heads, batch, seq, layers, 2, dim)[:, :, :, index]  # (H, B, T, 2, d)
+            key_view, value_view = slot[:, :, :, 0].transpose(0, 1), slot[:, :, :, 1].transpose(0, 1)
+        if write_keys is None:
+            key_view.copy_(keys)
+        else:
+            write_keys(keys, key_view)
+        value_view.copy_(values)
+
+    def layout_rows(self, keys: torch.Tensor, values: torch.Tensor, write_keys=None) -> torch.Tensor:
+        """One source layer's keys and values, `(B, H, T, d)` each, in the mapper's input layout: `(B·T, H·2d)` for
+        `all_heads`, `(H, B·T, 2d)` for `same_head` (`new_rows` + `write_rows` for a single layer)."""
+        batch, _, seq, _ = values.shape
+        rows = self.new_rows(batch, seq, 1, device=values.device)
+        self.write_rows(rows, 0, keys, values, write_keys)
+        return rows
+
+    def split_rows(
+        self, mapped: torch.Tensor, batch: int, seq: int, layers: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Inverse of `layout_rows` for the output: content-space keys and values `(B, H, T, d)` (views).
+
+        With `layers=n`, `mapped` holds `n` target layers side by side (a `map_targets` output) and the keys and
+        values are `(n, B, H, T, d)` views, so one elementwise op can cover all `n` layers.
+        """
+        heads, dim = self.num_kv_heads, self.head_dim
+        n = 1 if layers is None else layers
+        if self.head_mode == "all_heads":
+            kv = mapped.view(batch, seq, n, heads, 2, dim).permute(4, 2, 0, 3, 1, 5)  # (2, n, B, H, T, d)
+        else:
+            kv = mapped.view(heads, batch, seq, n, 2, dim).permute(4, 3, 1, 0, 2, 5)  # (2, n, B, H, T, d)
+        if layers is None:
+            kv = kv[:, 0]
+        return kv[0], kv[1]
+
+    def map_layer(self, target_layer: int, rows: list[torch.Tensor]) -> torch.Tensor:
+        """Maps the selected source layers' rows to target layer `target_layer`'s rows.
+
+        One matrix product per selected source layer, accumulated in place (no concatenated copy of the inputs).
+
+        Args:
+            rows (`list[torch.Tensor]`): one tensor per selected source layer, in the selected order, from
+                `layout_rows`.
+
+        Returns:
+            `torch.Tensor` in the same layout: the target layer's content-space keys and values.
+        """
+        layer_map = self.layers[target_layer]
+        return self.accumulated_product(rows, layer_map.weight, layer_map.bias)  # (B·T, H·2d) or (H, B·T, 2d)
+
+    def accumulated_product(
+        self,
+        parts: list[torch.Tensor],
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """`cat(parts, -1) @ weight (+ bias)` without the concatenation: each part meets its own block of weight rows,
+        in order, and the products are accumulated in place.
+
+        Args:
+            parts (`list[torch.Tensor]`): inputs in the mapper's layout, `(B·T, ·)` for `all_heads`, `(H, B·T, ·)` for
+                `same_head` (views of a row buffer are fine).
+            weight (`torch.Tensor` of shape `(G, p, N)`), bias (`(G, N)`, *optional*).
+            out (`torch.Tensor`, *optional*): flat storage for the result.
+
+        Returns:
+            `(B·T, N)` for `all_heads` (G = 1), `(G, B·T, N)` for `same_head`.
+        """
+        all_heads = self.head_mode == "all_heads"
+        shape = (*parts[0].shape[:-1], weight.shape[-1])
+        if out is None:
+            result = torch.empty(shape, dtype=parts[0].dtype, device=parts[0].device)
+        else:
+            result = out[: math.prod(shape)].view(shape)
+        start = 0
+        for i, x in enumerate(parts):
+            block = weight[:, start : start + x.shape[-1]]  # (G, ·, N)
+            start += x.shape[-1]
+            if all_heads:
+                block = block[0]
+            if i > 0 and all_heads:
+                result.addmm_(x, block)
+            elif i > 0:
+                result.baddbmm_(x, block)
+            elif bias is None:
+                torch.matmul(x, block, out=result)
+            elif all_heads:
+                torch.addmm(bias[0], x, block, out=result)
+            else:
+                torch.baddbmm(bias.unsqueeze(1), x, block, out=result)
+        return result
+
+    # -- mapping several target layers at once -------------------------------------------------------------------
+    # Target layers that read the same set of source layers are mapped with one wide matrix product (their weights'
+    # row blocks put in one order and stacked along the output). One product per layer is narrow (output H·2d) and
+    # runs far below a CPU's or GPU's peak; the stacked product runs near it. Exact: same weights, same sums.
+    groupable = True  # False where `map_layer` is not one affine map per layer (MLP) or weights load lazily
+    max_group_bytes = 2**28  # stacked weights are a copy: don't stack more than this per group
+    # `map_cache` maps the sequence in chunks of tokens whose working set (the live source rows of the chunk and the
+    # widest step's output) is about this many bytes, but with products of at least `min_chunk_rows` rows (batch ×
+    # chunk tokens: each chunk reads every weight once more, and short products run below peak); None maps the whole
+    # sequence at once
+    max_chunk_bytes: int | None = 2**26
+    min_chunk_rows = 512
+
+    def schedule(self, batch: int, seq: int) -> MappingSchedule:
+        """How `map_cache` maps `batch` sequences of `seq` tokens: the plan, where each source layer's rows live, and
+        the tokens per chunk (see `max_chunk_bytes`), worked out once per mapping."""
+        plan = self.mapping_plan()
+        last_use = {s: step for step, (sources, _) in enumerate(plan) for s in sources}
+        slots, num_slots = self.row_slots(plan, last_use)
+        features = self.num_kv_heads * 2 * self.head_dim  # of one layer, per token
+        widest = max(len(targets) for _, targets in plan) * features
+        bytes_per_token = (num_slots * features + widest) * torch.finfo(self.layout_dtype()).bits // 8
+        if self.max_chunk_bytes is None:
+            chunk = seq
+        else:
+            fits = self.max_chunk_bytes // (batch * bytes_per_token)
+            chunk = max(1, min(seq, max(-(-self.min_chunk_rows // batch), fits)))
+        return MappingSchedule(plan, last_use, slots, num_slots, widest, bytes_per_token, chunk)
+
+    def row_slots(self, plan=None, last_use=None) -> tuple[dict[int, int], int]:
+        """Where `map_cache` keeps each source layer's rows within a chunk: `(slot of each source layer, slots)`.
+
+        A source layer takes the lowest free slot when the first step that reads it comes, and frees it after the
+        last one, so the buffer holds the layers that are live at once (about `top_k + 1` when each target layer
+        reads the source layers of about its own relative depth), not all of them. A step's layers are placed in
+        ascending order, so consecutive layers read together sit side by side (read as a view, not gathered)."""
+        plan = self.mapping_plan() if plan is None else plan
+        if last_use is None:
+            last_use = {s: step for step, (sources, _) in enumerate(plan) for s in sources}
+        slot_of: dict[int, int] = {}
+        free: list[int] = []
+        slots = 0
+        for step, (sources, _) in enumerate(plan):
+            for s in sorted(sources):
+                if s not in slot_of:
+                    if free:
+                        slot_of[s] = free.pop(0)
+                    else:
+                        slot_of[s], slots = slots, slots + 1
+            free = sorted(free + [slot_of[s] for s in sources if last_use[s] == step])
+        return slot_of, slots
+
+    def chunk_tokens(self, batch: int, seq: int) -> int:
+        """Tokens per chunk when `map_cache` maps `batch` sequences of `seq` tokens (see `max_chunk_bytes`)."""
+        return self.schedule(batch, seq).chunk
+
+    def chunk_bytes_per_token(self) -> int:
+        """Bytes of `map_cache`'s working set per token: the live source rows and the widest step's output."""
+        return self.schedule(1, 1).bytes_per_token
+
+    def mapping_plan(self) -> list[tuple[list[int], list[int]]]:
+        """`(source layers in input order, target layers)` steps covering every target layer once."""
+        if not self.groupable:
+            return [(list(layers), [t]) for t, layers in enumerate(self.selected_layers)]
+        groups: dict[tuple[int, ...], list[int]] = {}
+        for t, layers in enumerate(self.selected_layers):
+            groups.setdefault(tuple(sorted(layers)), []).append(t)
+        plan = []
+        for sources, targets in groups.items():
+            size = sum(p.numel() * p.element_size() for t in targets for p in self.layers[t].parameters())
+            if len(targets) > 1 and size <= self.max_group_bytes:
+                plan.append((list(sources), targets))
+            else:
+                plan.extend((list(self.selected_layers[t]), [t]) for t in targets)
+        return sorted(plan, key=lambda step: step[1][0])
+
+    def _stacked(self, sources: list[int], targets: list[int]):
+        """`_stack(sources, targets)`, cached until any parameter of those target layers or their layer order
+        changes."""
+        versions = tuple(
+            (tuple((p._version, p.data_ptr()) for p in self.layers[t].parameters()), tuple(self.selected_layers[t]))
+            for t in targets
+        )
+        key = (tuple(sources), tuple(targets))
+        cache = self.__dict__.setdefault("_stacked_cache", {})
+        if key not in cache or cache[key][0] != versions:
+            cache[key] = (versions, self._stack(sources, targets))
+        return cache[key][1]
+
+    def _stack(self, sources: list[int], targets: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Weights `(G, k·span, n·out)` and bias `(G, n·out)` of `targets`, inputs in `sources` order."""
+        weight = torch.cat([self._in_source_order(self.layers[t].weight, t, sources) for t in targets], dim=2)
+        return weight, torch.cat([self.layers[t].bias for t in targets], dim=1)
+
+    def _in_source_order(self, weight: torch.Tensor, target: int, sources: list[int]) -> torch.Tensor:
+        """Target layer `target`'s `(G, k·span, ·)` input weights with their row blocks moved from its selected order
+        to `sources` order."""
+        order = self.selected_layers[target]
+        span = weight.shape[1] // len(order)
+        return torch.cat([weight[:, order.index(s) * span : (order.index(s) + 1) * span] for s in sources], dim=1)
+
+    def step_product(
+        self,
+        sources: list[int],
+        rows: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        out: torch.Tensor | None = None,
+        slots: dict[int, int] | None = None,
+    ) -> torch.Tensor:
+        """`[rows of sources] @ weight (+ bias)`, the source layers read from a `new_rows` buffer (layer `s` at index
+        `slots[s]`, default `s`): one product when they sit side by side in `sources` order (a view), otherwise one
+        product per source layer accumulated in place (as fast, and no gathered copy of the inputs); see
+        `accumulated_product` for the shapes."""
+        index = [s if slots is None else slots[s] for s in sources]
+        if index == list(range(index[0], index[0] + len(index))):
+            parts = [self.layer_rows(rows, index[0], len(index))]
+        else:
+            parts = [self.layer_rows(rows, i) for i in index]
+        return self.accumulated_product(parts, weight, bias, out)
+
+    def map_targets(
+        self,
+        sources: list[int],
+        targets: list[int],
+        rows: torch.Tensor,
+        out: torch.Tensor | None = None,
+        slots: dict[int, int] | None = None,
+    ) -> torch.Tensor:
+        """Maps one step of `mapping_plan`.
+
+        Args:
+            sources, targets: the step.
+            rows (`torch.Tensor`): a `new_rows` buffer holding (at least) the step's source layers, layer `s` at
+                index `slots[s]` (default: at index `s`).
+            out (`torch.Tensor`, *optional*): flat storage for the result (a reused workspace).
+            slots (`dict[int, int]`, *optional*): where each source layer sits in `rows` (see `row_slots`).
+
+        Returns:
+            the `len(targets)` target layers side by side in `map_layer`'s layout (`split_rows(..., layers=n)` takes
+            them apart).
+        """
+        if len(targets) == 1 and sources == self.selected_layers[targets[0]]:
+            self.materialize(targets[0])
+            index = [s if slots is None else slots[s] for s in sources]
+            mapped = self.map_layer(targets[0], [self.layer_rows(rows, i) for i in index])
+            self.release(targets[0])
+            return mapped
+        weight, bias = self._stacked(sources, targets)  # (G, k·span, n·out), (G, n·out)
+        return self.step_product(sources, rows, weight, bias, out, slots)  # (B·T, n·H·2d) or (H, B·T, n·2d)

@@ -1,0 +1,130 @@
+"""The mapping engine: a source cache in, the cache the target would have built out.
+
+```
+source cache ──strip source RoPE──▶ content rows ──mapper──▶ target content rows ──apply target RoPE──▶ DynamicCache
+```
+
+The engine streams over the sequence in chunks of tokens (`KVMapper.chunk_tokens`). For each chunk every source layer
+is stripped of its rotation once, into a slot of one row buffer that it holds from the first step that reads it to
+the last (`KVMapper.row_slots`); each step of `KVMapper.mapping_plan` (target layers reading the same source layers,
+mapped by one wide matrix product) reads its source layers from there and writes its rotated keys and its values
+straight into the new cache's tensors. The chunk's buffers are a `Workspace` kept between calls (per thread, at
+most `KVMapper.max_chunk_bytes`), so mapping allocates nothing but the cache it returns.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+
+import torch
+from torch import nn
+from transformers import Cache, DynamicCache
+
+from .cache import append_layer, cache_layer_kv, check_cache_shape, new_target_cache
+from .layout import KVLayout
+from .loading import execution_device
+from .mappers import KVMapper
+from .rope import Rotation, inverse_cos_sin, rotary_cos_sin
+
+
+class Workspace:
+    """Flat buffers kept per thread between mappings.
+
+    Fresh memory on every call costs page faults on a CPU that can exceed the arithmetic of a small mapping. Buffers
+    are per thread, so threads can map at once, and go with their thread.
+    """
+
+    def __init__(self):
+        self._per_thread: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    def buffer(self, name: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A flat buffer of at least `numel` elements for this thread."""
+        spaces = self._per_thread.setdefault(threading.current_thread(), {})
+        key = (name, dtype, torch.device(device))
+        buffer = spaces.get(key)
+        if buffer is None or buffer.numel() < numel:
+            spaces.pop(key, None)  # drop the old one first: never two at once
+            buffer = spaces[key] = torch.empty(numel, dtype=dtype, device=device)
+        return buffer
+
+    def free(self) -> None:
+        """Frees every thread's buffers (they come back on the next mapping)."""
+        self._per_thread = weakref.WeakKeyDictionary()
+
+    def nbytes(self) -> int:
+        """Bytes held by all threads' buffers."""
+        spaces = list(self._per_thread.values())
+        return sum(b.numel() * b.element_size() for per_thread in spaces for b in per_thread.values())
+
+
+@torch.no_grad()
+def map_cache(
+    source: nn.Module,
+    target: nn.Module,
+    mapper: KVMapper,
+    source_layout: KVLayout,
+    source_cache: Cache,
+    position_ids: torch.Tensor | None = None,
+    target_cache: DynamicCache | None = None,
+    workspace: Workspace | None = None,
+) -> DynamicCache:
+    """Maps `source_cache` (of `source`) to the cache `target` would have built for the same tokens.
+
+    Args:
+        source, target (`nn.Module`): the two models; only their rotary modules, the target's dtype, device and
+            config are read.
+        mapper ([`KVMapper`]): the fitted mapper.
+        source_layout ([`KVLayout`]): the source's KV layout (checked against the cache).
+        source_cache (`Cache`): `L_s` layers of `(batch, kv_heads, seq, head_dim)`, keys post-RoPE.
+        position_ids (`torch.LongTensor` of shape `(batch, seq)`, *optional*): positions of the cached tokens (per
+            row for left-padded batches); defaults to `0 … seq-1`.
+        target_cache (`DynamicCache`, *optional*): a cache to append to (positions must continue it).
+        workspace ([`Workspace`], *optional*): buffers to reuse; fresh ones otherwise.
+
+    Returns:
+        `DynamicCache` with `L_t` layers in the target's dtype, on the target's device.
+    """
+    src = source_layout
+    seq = check_cache_shape(source_cache, src.num_layers, src.num_kv_heads, src.head_dim, "source")
+    first_keys, _ = cache_layer_kv(source_cache, 0)
+    batch, device = first_keys.shape[0], execution_device(target)
+    if position_ids is None:
+        position_ids = torch.arange(seq, device=first_keys.device).unsqueeze(0).expand(batch, -1)
+    if position_ids.shape[-1] != seq:
+        raise ValueError(f"position_ids cover {position_ids.shape[-1]} tokens but the source cache holds {seq}")
+    workspace = workspace if workspace is not None else Workspace()
+    strip = Rotation(*inverse_cos_sin(*rotary_cos_sin(source, position_ids.to(device))))
+    rotate = Rotation(*rotary_cos_sin(target, position_ids.to(device)))  # cos/sin (B, T, d) each
+    plan, last_use, slots, num_slots, widest, _, chunk = mapper.schedule(batch, seq)  # steps, row slots, chunk
+    heads, dim = src.num_kv_heads, src.head_dim
+    outputs = [  # the new cache's tensors, one (2, n, B, H, T, d) block per step: [0] keys, [1] values
+        torch.empty((2, len(targets), batch, heads, seq, dim), dtype=target.dtype, device=device)
+        for _, targets in plan
+    ]
+    dtype = mapper.layout_dtype()
+    row_space = workspace.buffer("rows", batch * chunk * num_slots * heads * 2 * dim, dtype, device)
+    out_space = workspace.buffer("mapped", batch * chunk * widest, dtype, device)
+    for start in range(0, seq, chunk):
+        end = min(start + chunk, seq)
+        strip_c, rotate_c = strip.narrow(start, end), rotate.narrow(start, end)
+        rows = mapper.new_rows(batch, end - start, num_slots, out=row_space)  # (B·c, slots·H·2d) or so
+        loaded: set[int] = set()
+        for step, (sources, targets) in enumerate(plan):
+            for s in sources:
+                if s not in loaded:  # first step that reads source layer s: strip its rotation into its slot
+                    keys, values = cache_layer_kv(source_cache, s)  # (B, H, T, d), keys post-RoPE
+                    keys, values = keys[:, :, start:end].to(device), values[:, :, start:end].to(device)
+                    mapper.write_rows(rows, slots[s], keys, values, write_keys=strip_c)
+                    loaded.add(s)
+            mapped = mapper.map_targets(sources, targets, rows, out=out_space, slots=slots)
+            loaded -= {s for s in sources if last_use[s] == step}  # their slots go to later layers
+            keys_c, values = mapper.split_rows(mapped, batch, end - start, layers=len(targets))  # (n, B, H, c, d)
+            block = outputs[step][:, :, :, :, start:end]  # (2, n, B, H, c, d) view of the cache tensors
+            rotate_c(keys_c, out=block[0])
+            block[1].copy_(values)
+    cache = target_cache if target_cache is not None else new_target_cache(target.config)
+    for (_, targets), kv in zip(plan, outputs):
+        for i, t in enumerate(targets):
+            append_layer(cache, t, kv[0, i], kv[1, i])
+    return cache

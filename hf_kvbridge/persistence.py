@@ -1,0 +1,349 @@
+"""A bridge checkpoint on disk and on the Hub: saving and loading it, its (sharded, checksummed) mapper files.
+
+Kept apart from the model class, as peft keeps `utils/save_and_load.py` apart from `PeftModel`. A checkpoint folder
+holds exactly:
+
+- `config.json`: the [`KVBridgeConfig`], plus `mapper_sha256`: `{weight file name: sha256 hex digest}` for every
+  mapper weight file, verified before the weights are read;
+- the mapper weights: `mapper.safetensors`, or, above `max_shard_size`, `mapper-00001-of-0000N.safetensors` shards
+  and `mapper.safetensors.index.json` (`{"metadata": {"total_size": ...}, "weight_map": {tensor: shard}}`, the
+  layout transformers uses for `model.safetensors.index.json`);
+- `README.md`: the model card (`card.render_model_card`);
+- `reverse/`: the target→source mapper of a bidirectional bridge, a checkpoint of its own.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from huggingface_hub import HfApi, snapshot_download, split_torch_state_dict_into_shards
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from .card import render_model_card
+from .configuration import KVBridgeConfig
+from .constants import (
+    CONFIG_NAME,
+    DEFAULT_MAX_SHARD_SIZE,
+    FORMAT_VERSION,
+    MAPPER_CHECKSUMS_KEY,
+    MAPPER_SHARD_PATTERN,
+    MAPPER_WEIGHTS_INDEX_NAME,
+    MAPPER_WEIGHTS_NAME,
+    MODEL_CARD_NAME,
+    REVERSE_FOLDER,
+)
+from .errors import MapperFileError
+from .layout import KVLayout
+from .mappers import KVMapper, build_mapper, get_mapper_type
+from .mappers.lazy import LazyKVMapper
+
+logger = logging.getLogger(__name__)
+
+SHARD_GLOB = "mapper-*-of-*.safetensors"
+# every file a checkpoint may hold; pushes upload these and nothing else
+WEIGHT_FILE_PATTERNS = [MAPPER_WEIGHTS_NAME, MAPPER_WEIGHTS_INDEX_NAME, SHARD_GLOB]
+CHECKPOINT_FILE_PATTERNS = [CONFIG_NAME, MODEL_CARD_NAME, *WEIGHT_FILE_PATTERNS]
+# what travels to and from the Hub: the checkpoint, and the reverse mapper of a bidirectional one
+HUB_FILE_PATTERNS = [*CHECKPOINT_FILE_PATTERNS, f"{REVERSE_FOLDER}/*"]
+
+
+# -- resolving -------------------------------------------------------------------------------------------------------
+def resolve_checkpoint(
+    name_or_path: str | os.PathLike,
+    *,
+    revision: str | None = None,
+    cache_dir: str | os.PathLike | None = None,
+    local_files_only: bool = False,
+    token: str | bool | None = None,
+    force_download: bool = False,
+) -> Path:
+    """A local folder holding the checkpoint: `name_or_path` itself, or a snapshot from the Hub cache.
+
+    Honours `HF_HUB_OFFLINE` (through huggingface_hub): offline, only what is already cached resolves.
+    """
+    path = Path(name_or_path)
+    if path.is_dir():
+        if not (path / CONFIG_NAME).is_file():
+            raise FileNotFoundError(f"{path} has no {CONFIG_NAME}; it is not a kvbridge checkpoint")
+        return path
+    snapshot = snapshot_download(
+        str(name_or_path),
+        revision=revision,
+        cache_dir=cache_dir,
+        local_files_only=local_files_only,
+        token=token,
+        force_download=force_download,
+        allow_patterns=HUB_FILE_PATTERNS,
+    )
+    return Path(snapshot)
+
+
+def read_config_dict(folder: str | os.PathLike) -> dict[str, Any]:
+    """The raw `config.json` of a checkpoint folder (with `mapper_sha256`, which `KVBridgeConfig` does not keep)."""
+    path = Path(folder) / CONFIG_NAME
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as err:
+        raise OSError(f"cannot read the bridge config {path}: {err}") from err
+
+
+# -- mapper weight files ----------------------------------------------------------------------------------------------
+def sha256_file(path: str | os.PathLike, chunk_size: int = 1 << 20) -> str:
+    """Hex sha256 of a file, read in 1 MiB chunks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk_size):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def save_mapper_weights(
+    state_dict: dict[str, torch.Tensor],
+    folder: str | os.PathLike,
+    *,
+    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
+    metadata: dict[str, str] | None = None,
+) -> dict[str, str]:
+    """Writes the mapper weights into `folder` (one file, or shards + index above `max_shard_size`).
+
+    Returns:
+        `dict[str, str]`: `{weight file name: sha256}` of every safetensors file written (the index is plain JSON
+        and is checked against the shards' own headers on load instead).
+    """
+    folder = Path(folder)
+    state = {k: v.detach().to("cpu").contiguous() for k, v in state_dict.items()}
+    split = split_torch_state_dict_into_shards(
+        state, filename_pattern=MAPPER_SHARD_PATTERN, max_shard_size=max_shard_size
+    )
+    checksums = {}
+    for filename, keys in split.filename_to_tensors.items():
+        save_file({k: state[k] for k in sorted(keys)}, folder / filename, metadata=metadata)  # deterministic bytes
+        checksums[filename] = sha256_file(folder / filename)
+    if split.is_sharded:
+        index = {"metadata": {**split.metadata, **(metadata or {})}, "weight_map": split.tensor_to_filename}
+        (folder / MAPPER_WEIGHTS_INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    return checksums
+
+
+def mapper_weight_files(folder: str | os.PathLike) -> list[str]:
+    """Names of the mapper's safetensors files in a checkpoint folder: the shards listed in the index, or the single
+    file. Raises `MapperFileError` for an unreadable index or a missing file."""
+    folder = Path(folder)
+    index_path = folder / MAPPER_WEIGHTS_INDEX_NAME
+    if index_path.is_file():
+        try:
+            weight_map = json.loads(index_path.read_text(encoding="utf-8"))["weight_map"]
+        except (OSError, json.JSONDecodeError, KeyError, TypeError) as err:
+            raise MapperFileError(f"mapper index {index_path} is unreadable: {err}") from err
+        names = sorted(set(weight_map.values()))
+    else:
+        names = [MAPPER_WEIGHTS_NAME]
+    for name in names:
+        if not (folder / name).is_file():
+            raise MapperFileError(f"mapper weights {folder / name} not found")
+    return names
+
+
+def verify_mapper_checksums(folder: str | os.PathLike, checksums: dict[str, str] | None) -> list[str]:
+    """Checks every mapper weight file against the sha256 recorded in `config.json`; returns the file names.
+
+    A checkpoint without recorded checksums (saved before they existed) is accepted with a log message.
+    """
+    folder = Path(folder)
+    names = mapper_weight_files(folder)
+    if not checksums:
+        logger.info("%s records no mapper checksums; weight files are not verified", folder / CONFIG_NAME)
+        return names
+    unlisted = [name for name in names if name not in checksums]
+    if unlisted:
+        raise MapperFileError(f"mapper weights {folder / unlisted[0]} have no sha256 in {CONFIG_NAME}")
+    for name in names:
+        actual = sha256_file(folder / name)
+        if actual != checksums[name]:
+            raise MapperFileError(
+                f"mapper weights {folder / name} fail their checksum: sha256 {actual}, {CONFIG_NAME} records "
+                f"{checksums[name]} (a damaged or partial download, or a file replaced after saving)"
+            )
+    return names
+
+
+def read_mapper_state(folder: str | os.PathLike, checksums: dict[str, str] | None = None) -> dict[str, torch.Tensor]:
+    """The mapper's tensors from a checkpoint folder (one file or shards), after verifying their checksums."""
+    folder = Path(folder)
+    state: dict[str, torch.Tensor] = {}
+    for name in verify_mapper_checksums(folder, checksums):
+        path = folder / name
+        try:
+            part = load_file(str(path))
+        except (SafetensorError, OSError, ValueError) as err:
+            raise MapperFileError(f"mapper weights {path} are corrupt or truncated: {err}") from err
+        overlap = sorted(set(part) & set(state))
+        if overlap:
+            raise MapperFileError(f"mapper weights {path} repeat tensors of another shard: {overlap[:4]}")
+        state.update(part)
+    return state
+
+
+def remove_stale_weight_files(folder: str | os.PathLike, keep: set[str]) -> None:
+    """Deletes mapper weight files of an earlier save (e.g. shards after a save into one file) not in `keep`."""
+    folder = Path(folder)
+    for pattern in WEIGHT_FILE_PATTERNS:
+        for path in folder.glob(pattern):
+            if path.name not in keep and path.is_file():
+                path.unlink()
+
+
+def checkpoint_files(folder: str | os.PathLike) -> list[str]:
+    """The names of a checkpoint's own files present in `folder` (what a push uploads)."""
+    folder = Path(folder)
+    names = {p.name for pattern in CHECKPOINT_FILE_PATTERNS for p in folder.glob(pattern) if p.is_file()}
+    return sorted(names)
+
+
+# -- the Hub ---------------------------------------------------------------------------------------------------------
+def push_folder_to_hub(
+    folder: str | os.PathLike,
+    repo_id: str,
+    *,
+    revision: str | None = None,
+    private: bool | None = None,
+    token: str | bool | None = None,
+    commit_message: str | None = None,
+    create_pr: bool = False,
+):
+    """Uploads a checkpoint folder's own files to `repo_id` in one commit (as `ModelHubMixin.push_to_hub` does).
+
+    The repo is created if needed (`exist_ok=True`). Mapper weight files of an earlier push that this checkpoint does
+    not hold (e.g. old shards) are deleted in the same commit. The folder's checksums are verified first.
+
+    Returns:
+        `CommitInfo` of the commit (or of the pull request with `create_pr=True`).
+    """
+    folder = Path(folder)
+    verify_mapper_checksums(folder, read_config_dict(folder).get(MAPPER_CHECKSUMS_KEY))
+    api = HfApi(token=token)
+    repo_id = api.create_repo(repo_id, private=private, exist_ok=True, token=token).repo_id
+    return api.upload_folder(
+        repo_id=repo_id,
+        folder_path=folder,
+        commit_message=commit_message or "Upload kvbridge mapper",
+        revision=revision,
+        create_pr=create_pr,
+        token=token,
+        allow_patterns=HUB_FILE_PATTERNS,
+        delete_patterns=WEIGHT_FILE_PATTERNS,
+    )
+
+
+# -- a bridge: save and load -----------------------------------------------------------------------------------------
+def save_bridge(
+    bridge,
+    save_directory: str | os.PathLike,
+    *,
+    overwrite: bool = False,
+    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
+    model_card_kwargs: dict[str, Any] | None = None,
+) -> None:
+    """`KVBridgeForCausalLM.save_pretrained`: config, mapper weights, card (and `reverse/`), never the models.
+
+    Writes into a temporary folder inside `save_directory` first, so a failure leaves the old files intact.
+    """
+    save_directory = Path(save_directory)
+    if save_directory.is_file():
+        raise FileExistsError(f"{save_directory} is a file")
+    if save_directory.exists() and any(save_directory.iterdir()) and not overwrite:
+        raise FileExistsError(
+            f"{save_directory} is not empty; pass overwrite=True to replace the bridge files in it "
+            f"({CONFIG_NAME}, {MAPPER_WEIGHTS_NAME}, {MODEL_CARD_NAME})"
+        )
+    save_directory.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=save_directory, prefix=".tmp-kvbridge-") as tmp:
+        tmp = Path(tmp)
+        checksums = save_mapper_weights(
+            bridge.mapper.state_dict(),
+            tmp,
+            max_shard_size=max_shard_size,
+            metadata={
+                "format": "pt",
+                "format_version": str(FORMAT_VERSION),
+                "mapper_type": bridge.config.mapper_type,
+            },
+        )
+        bridge.config.save_pretrained(tmp)
+        config_dict = json.loads((tmp / CONFIG_NAME).read_text(encoding="utf-8"))
+        config_dict[MAPPER_CHECKSUMS_KEY] = checksums
+        (tmp / CONFIG_NAME).write_text(json.dumps(config_dict, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+        render_model_card(bridge.config, **(model_card_kwargs or {})).save(tmp / MODEL_CARD_NAME)
+        if bridge.reverse is not None:  # the target→source mapper, in a folder of its own
+            save_bridge(bridge.reverse, tmp / REVERSE_FOLDER, max_shard_size=max_shard_size)
+        written = {p.name for p in tmp.iterdir()}
+        remove_stale_weight_files(save_directory, keep=written)
+        if (save_directory / REVERSE_FOLDER).is_dir():  # a reverse mapper of an earlier save (overwrite=True)
+            shutil.rmtree(save_directory / REVERSE_FOLDER)
+        for name in sorted(written):
+            os.replace(tmp / name, save_directory / name)
+
+
+def read_checkpoint_config(folder: Path, config: KVBridgeConfig | None = None) -> tuple[KVBridgeConfig, dict | None]:
+    """The checkpoint's config (or `config`, when given) and the mapper checksums its `config.json` records."""
+    config_dict = read_config_dict(folder)
+    checksums = config_dict.pop(MAPPER_CHECKSUMS_KEY, None)  # not a config field: verified on load, then dropped
+    if config is None:
+        config = KVBridgeConfig.from_dict(config_dict)
+    if config.model_type != "kvbridge" or not config.selected_layers:
+        raise ValueError(f"{folder} is not a kvbridge checkpoint (its {CONFIG_NAME} has no kvbridge mapper)")
+    return config, checksums
+
+
+def load_mapper(
+    config: KVBridgeConfig, layout: KVLayout, folder: Path, checksums: dict | None, lazy: bool = False
+) -> KVMapper:
+    """The mapper a checkpoint folder holds, shaped by `config` and the target's `layout`.
+
+    With `lazy=True` the weights stay on disk and one target layer's weights are read at a time while mapping
+    (linear mappers only).
+    """
+    if lazy:
+        if not get_mapper_type(config.mapper_type).linear:
+            raise ValueError(f"lazy_mapper=True supports linear mappers, not {config.mapper_type!r}")
+        files = [folder / name for name in verify_mapper_checksums(folder, checksums)]
+        return LazyKVMapper(config.selected_layers, layout.num_kv_heads, layout.head_dim, config.head_mode, files)
+    mapper = build_mapper(config, layout)  # the class config.mapper_type names (ridge, mlp, ...)
+    load_mapper_weights(mapper, folder, checksums)
+    return mapper
+
+
+def load_mapper_weights(mapper: KVMapper, path: Path, checksums: dict[str, str] | None = None) -> None:
+    """Loads a checkpoint folder's mapper weights (one file or shards) into `mapper`.
+
+    `path` is the checkpoint folder (or its single weights file). Every weight file is checked against `checksums`
+    (`{file name: sha256}`, from `config.json`) before it is read. Errors name the file for missing, corrupt,
+    tampered or mismatched weights.
+    """
+    path = Path(path)
+    folder = path if path.is_dir() else path.parent
+    state = read_mapper_state(folder, checksums)
+    expected = mapper.state_dict()
+    missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
+    if missing or unexpected:
+        raise MapperFileError(
+            f"mapper weights in {folder} do not fit the config: missing {missing[:4]}, unexpected {unexpected[:4]}"
+        )
+    for key, tensor in state.items():
+        if tensor.shape != expected[key].shape:
+            raise MapperFileError(
+                f"mapper weights in {folder}: {key} has shape {tuple(tensor.shape)}, the config "
+                f"implies {tuple(expected[key].shape)}"
+            )
+        if not torch.isfinite(tensor).all():
+            raise MapperFileError(f"mapper weights in {folder}: {key} holds NaN/Inf")
+    mapper.load_state_dict(state)

@@ -1,0 +1,115 @@
+"""The transfer policy: which prompt tokens the source prefills and the mapper carries over, which the target
+computes itself (attention sinks, the quality gate's probe), and whether a transfer is trusted at all.
+
+```
+prompt ──source prefill──▶ source cache ──map (all but sinks and probe)──▶ target cache
+       ──target runs the sinks and the probe──▶ gate: own vs mapped K/V of the probe ──▶ keep, or re-prefill
+```
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import Cache, DynamicCache
+
+from .cache import slice_cache
+from .loading import execution_device
+
+logger = logging.getLogger(__name__)
+
+
+def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Per-row positions of a (left-)padded batch, as `generate` computes them: `cumsum(mask) - 1`, pads at 0."""
+    positions = attention_mask.long().cumsum(-1) - 1
+    return positions.masked_fill(attention_mask == 0, 0)
+
+
+@torch.no_grad()
+def probe_agreement(own: Cache, mapped: Cache, start: int, mask: torch.Tensor) -> float:
+    """Mean cosine between the target's own K/V rows of tokens `[start, start + n)` in `own` and the mapped ones in
+    `mapped` (which holds only those n tokens), over layers and real (unpadded) tokens."""
+    scores = []
+    weight = mask.float()  # (B, n)
+    for own_layer, mapped_layer in zip(own.layers, mapped.layers):
+        n = mapped_layer.keys.shape[2]
+        a = torch.cat([own_layer.keys[:, :, start : start + n], own_layer.values[:, :, start : start + n]], -1)
+        b = torch.cat([mapped_layer.keys, mapped_layer.values], -1)  # (B, H, n, 2d)
+        cos = nn.functional.cosine_similarity(a.float(), b.float(), dim=-1).mean(1)  # (B, n)
+        scores.append((cos * weight).sum() / weight.sum().clamp_min(1))
+    return float(torch.stack(scores).mean())
+
+
+@torch.no_grad()
+def transfer_prefill(
+    bridge, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None = None, *, source_logits: bool = True
+) -> tuple[DynamicCache, Any]:
+    """Builds `bridge`'s target cache for every token of `input_ids` and returns `(target cache, source outputs)`.
+
+    Call it on the prompt without its held-back tokens. The source prefills all of `input_ids`; its KV is mapped,
+    except for the first `config.sink_tokens` real tokens of each row (attention sinks), which the target computes
+    itself. With a quality gate (`config.gate_threshold`), the target also computes the last
+    `config.gate_probe_tokens` tokens itself and compares its own K/V there with the mapped ones (cosine, mean
+    over layers and tokens); below the threshold the mapped cache is dropped and the target prefills everything
+    (fallback). The decision is in `bridge.last_transfer` and counted in `bridge.transfer_counts`.
+    With `source_logits=False` the source computes logits for the last position only (generation needs none).
+    """
+    if attention_mask is None:
+        attention_mask = torch.ones_like(input_ids)
+    length = input_ids.shape[1]
+    bridge.check_length(length)
+    positions = positions_from_mask(attention_mask)
+    src_device, device = execution_device(bridge.source), bridge.device
+    source_out = bridge.source(
+        input_ids=input_ids.to(src_device),
+        attention_mask=attention_mask.to(src_device),
+        position_ids=positions.to(src_device),
+        use_cache=True,
+        logits_to_keep=0 if source_logits else 1,
+    )
+    ids, mask, pos = input_ids.to(device), attention_mask.to(device), positions.to(device)
+
+    def target_run(start: int, end: int, cache: DynamicCache | None) -> DynamicCache:
+        return bridge.target(
+            input_ids=ids[:, start:end],
+            attention_mask=mask[:, :end],
+            position_ids=pos[:, start:end],
+            cache=cache,
+            use_cache=True,
+        ).cache
+
+    pads = (mask.cumsum(-1) == 0).sum(-1)  # (B,) left padding of each row
+    sink_end = min(length, int((pads + bridge.config.sink_tokens).max())) if bridge.config.sink_tokens else 0
+    gated = bridge.config.gate_threshold is not None
+    probe = min(bridge.config.gate_probe_tokens, length - sink_end) if gated else 0
+    map_end = length - probe
+    cache = target_run(0, sink_end, None) if sink_end > 0 else None
+    if map_end > sink_end:
+        piece = slice_cache(source_out.cache, sink_end, map_end)
+        cache = bridge.map_cache(piece, positions[:, sink_end:map_end], target_cache=cache)
+    decision = {
+        "transferred": True,
+        "mapped_tokens": map_end - sink_end,
+        "target_tokens": sink_end + probe,
+        "score": None,
+    }
+    if probe > 0:
+        cache = target_run(map_end, length, cache)  # the target's own K/V for the probe tokens
+        mapped_probe = bridge.map_cache(slice_cache(source_out.cache, map_end, length), positions[:, map_end:])
+        score = probe_agreement(cache, mapped_probe, map_end, mask[:, map_end:])
+        decision.update(score=score, transferred=score >= bridge.config.gate_threshold)
+        if not decision["transferred"]:
+            logger.info(
+                "quality gate: probe K/V cosine %.4f < %.4f, the target prefills itself",
+                score,
+                bridge.config.gate_threshold,
+            )
+            cache = target_run(0, length, None)
+            decision.update(mapped_tokens=0, target_tokens=length)
+    bridge.last_transfer = decision
+    key = "transferred" if decision["transferred"] else "fallback"
+    bridge.transfer_counts[key] = bridge.transfer_counts.get(key, 0) + 1
+    return cache, source_out
