@@ -97,7 +97,9 @@ class CalibrationSettings:
         if not 0 < self.heldout_fraction < 1:
             raise ValueError(f"heldout_fraction must lie strictly between 0 and 1, got {self.heldout_fraction!r}")
         if not isinstance(self.hold_back, int) or self.hold_back < 1:
-            raise ValueError(f"hold_back must be an integer ≥ 1 (the target runs the last prompt token), got {self.hold_back!r}")
+            raise ValueError(
+                f"hold_back must be an integer ≥ 1 (the target runs the last prompt token), got {self.hold_back!r}"
+            )
         entry = get_mapper_type(self.mapper_type)
         unknown = sorted(set(self.mapper_kwargs or {}) - set(entry.kwargs))
         if unknown:
