@@ -19,14 +19,15 @@ from .cache import cache_rows
 from .configuration import KVBridgeConfig
 from .constants import DEFAULT_CALIBRATION_DATA, HEAD_MODES
 from .data import describe_data, token_windows
-from .errors import KVLayoutError, StatisticsError
-from .layout import check_matched
+from .errors import StatisticsError
+from .layout import check_matched, check_models
 from .loading import model_reference, resolve_model_reference
 from .mappers import KVMapper, get_mapper_type
 from .modeling import KVBridgeForCausalLM
 from .selection import mapper_r2, select_layers, single_layer_r2
 from .settings import CalibrationSettings
 from .statistics import KVStatistics
+from .tokenization import check_same_tokenizer
 from .version import __version__
 
 logger = logging.getLogger(__name__)
@@ -54,11 +55,7 @@ def _shared_tokenizer(source: PreTrainedModel, target: PreTrainedModel):
     except Exception:  # a target without tokenizer files: the vocab-size check is all we can do
         logger.warning("no tokenizer found for target %r; assuming it shares the source's", target.config.name_or_path)
         return tokenizer
-    if tokenizer.get_vocab() != target_tokenizer.get_vocab():
-        raise KVLayoutError(
-            f"source {source_name!r} and target {target.config.name_or_path!r} use different tokenizers; the bridge "
-            "needs one shared tokenizer"
-        )
+    check_same_tokenizer(tokenizer, target_tokenizer, f"source {source_name}", f"target {target.config.name_or_path}")
     return tokenizer
 
 
@@ -294,7 +291,7 @@ def calibrate(
     started = time.perf_counter()
     source, source_revision = _load(source, source_revision, **load_kwargs)
     target, target_revision = _load(target, target_revision, **load_kwargs)
-    check_matched(source.config, target.config, source.config.name_or_path, target.config.name_or_path)
+    check_models(source, target, source.config.name_or_path, target.config.name_or_path)  # before any work
     if tokenizer is None:
         tokenizer = _shared_tokenizer(source, target)
     windows = token_windows(data, tokenizer, settings.num_sequences, settings.seq_len, text_field=settings.text_field)

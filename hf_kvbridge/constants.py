@@ -19,8 +19,6 @@ DEFAULT_CALIBRATION_DATA = "HuggingFaceFW/fineweb-edu"
 
 HEAD_MODES = ("all_heads", "same_head")
 
-# Decoder families whose attention uses the rotate-half RoPE convention and full (global) attention.
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
 
 # A bidirectional checkpoint keeps its target→source mapper (config, weights) in this sub-folder.

@@ -10,10 +10,12 @@ import json
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from torch import nn
 from transformers import PretrainedConfig
 
-from .constants import SUPPORTED_MODEL_TYPES, SUPPORTED_ROPE_TYPES
+from .constants import SUPPORTED_ROPE_TYPES
 from .errors import KVLayoutError
+from .rope import check_rotary
 
 
 def _jsonable(value: Any) -> Any:
@@ -81,23 +83,26 @@ class KVLayout:
 def check_supported(config: PretrainedConfig, name: str) -> KVLayout:
     """Returns the layout of `config`, or raises `KVLayoutError` for what the bridge cannot map faithfully.
 
-    Refused: model types outside the rotate-half RoPE families we test, unknown rotary types, sliding-window or
-    hybrid attention layers, and partial rotary embeddings.
+    Any decoder is judged by what its config says about its cache, not by its model type: refused are rotary types
+    whose frequencies depend on more than the position, sliding-window or hybrid attention layers, layers without
+    RoPE, and partial rotary embeddings. `rope.check_rotary` then checks the model's own rotary module.
     """
     text_config = config.get_text_config(decoder=True)
     layout = KVLayout.from_config(text_config)
-    if layout.model_type not in SUPPORTED_MODEL_TYPES:
-        raise KVLayoutError(
-            f"{name}: model_type {layout.model_type!r} is not supported; the bridge maps rotate-half RoPE decoders "
-            f"with full attention: {', '.join(SUPPORTED_MODEL_TYPES)}."
-        )
     rope_type = layout.rope_parameters.get("rope_type", "default")
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise KVLayoutError(
             f"{name}: rotary type {rope_type!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})."
         )
-    if layout.rope_parameters.get("partial_rotary_factor", 1.0) != 1.0:
-        raise KVLayoutError(f"{name}: partial rotary embeddings are not supported.")
+    partial = layout.rope_parameters.get("partial_rotary_factor", getattr(text_config, "partial_rotary_factor", 1.0))
+    if partial not in (None, 1.0):
+        raise KVLayoutError(f"{name}: partial rotary embeddings (factor {partial}) are not supported.")
+    no_rope = getattr(text_config, "no_rope_layers", None)
+    if no_rope and not all(no_rope):
+        skipped = [i for i, use in enumerate(no_rope) if not use]
+        raise KVLayoutError(
+            f"{name}: layers {skipped} use no rotary embedding (NoPE); the bridge strips RoPE from every layer's keys."
+        )
     layer_types = getattr(text_config, "layer_types", None)
     if layer_types is not None:
         other = sorted({t for t in layer_types if t != "full_attention"})
@@ -136,6 +141,18 @@ def check_matched(source: PretrainedConfig, target: PretrainedConfig, source_nam
                 f"KV layouts do not match: source {source_name!r} has {what} = {a} but target {target_name!r} has "
                 f"{what} = {b}. The bridge maps between models with the same KV heads, head dim and tokenizer."
             )
+    return src, tgt
+
+
+def check_models(source: nn.Module, target: nn.Module, source_name: str, target_name: str):
+    """`check_matched` on the two models' configs, then `rope.check_rotary` on each model's own rotary module.
+
+    Returns:
+        the `(source, target)` [`KVLayout`]s.
+    """
+    src, tgt = check_matched(source.config, target.config, source_name, target_name)
+    check_rotary(source, src.head_dim, f"source model {source_name!r}")
+    check_rotary(target, tgt.head_dim, f"target model {target_name!r}")
     return src, tgt
 
 

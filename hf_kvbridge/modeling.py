@@ -20,7 +20,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .configuration import KVBridgeConfig
 from .constants import CONFIG_NAME, DEFAULT_MAX_SHARD_SIZE, REVERSE_FOLDER
-from .layout import KVLayout, check_fingerprint, check_matched
+from .layout import KVLayout, check_fingerprint, check_models
 from .loading import execution_device, load_model
 from .mappers import KVMapper
 from .mapping import Workspace, map_cache
@@ -75,7 +75,7 @@ class KVBridgeForCausalLM(nn.Module):
         super().__init__()
         source_name = config.source_name_or_path or source.config.name_or_path
         target_name = config.target_name_or_path or target.config.name_or_path
-        self.source_layout, self.target_layout = check_matched(source.config, target.config, source_name, target_name)
+        self.source_layout, self.target_layout = check_models(source, target, source_name, target_name)
         if config.source_fingerprint is not None:
             check_fingerprint(config.source_fingerprint, self.source_layout, "source", source_name)
         if config.target_fingerprint is not None:

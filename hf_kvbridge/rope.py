@@ -9,8 +9,13 @@ The rotation is the rotate-half convention of Llama/Qwen/Mistral: `k * cos + rot
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from torch import nn
+
+from .errors import KVLayoutError
+from .loading import execution_device
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -26,6 +31,48 @@ def rotary_module(model: nn.Module) -> nn.Module:
         if candidate is not None and hasattr(candidate, "rotary_emb"):
             return candidate.rotary_emb
     raise ValueError(f"{type(model).__name__} has no `rotary_emb` module; cannot factor RoPE out of its cache.")
+
+
+@torch.no_grad()
+def check_rotary(model: nn.Module, head_dim: int, name: str) -> None:
+    """Refuses a model whose cached keys this module cannot un-rotate and re-rotate, naming the reason.
+
+    Support is decided from what the model exposes, not from a list of model types: it must have one `rotary_emb`
+    module, called as `rotary_emb(x, position_ids)`, whose cos/sin span the whole head (no partial rotary) and follow
+    the rotate-half layout that transformers builds as `cat(freqs, freqs)` (interleaved rotary, as in Cohere, pairs
+    adjacent dimensions instead and is refused). Models with one rotary per layer type (Gemma 3) are refused.
+
+    Example:
+
+    ```python
+    >>> from transformers import LlamaConfig, LlamaForCausalLM
+    >>> config = LlamaConfig(hidden_size=32, num_attention_heads=2, num_hidden_layers=1, vocab_size=16)
+    >>> check_rotary(LlamaForCausalLM(config), head_dim=16, name="llama")  # passes silently
+    ```
+    """
+    try:
+        rotary = rotary_module(model)
+    except ValueError as err:
+        raise KVLayoutError(f"{name}: {err}") from None
+    parameters = inspect.signature(rotary.forward).parameters
+    required = [p for p in list(parameters)[2:] if parameters[p].default is inspect.Parameter.empty]
+    if required:
+        raise KVLayoutError(
+            f"{name}: its rotary embedding needs {required} (one rotary per layer type, as in Gemma 3); the bridge "
+            "supports one rotary per model."
+        )
+    positions = torch.tensor([[0, 1, 7, 123]])
+    cos, sin = rotary_cos_sin(model, positions.to(execution_device(model)))
+    if cos.shape[-1] != head_dim:
+        raise KVLayoutError(
+            f"{name}: its rotary embedding covers {cos.shape[-1]} of {head_dim} head dimensions (partial rotary); "
+            "the bridge supports rotary over the whole head."
+        )
+    if _halves(cos, sin) is None:
+        raise KVLayoutError(
+            f"{name}: its rotary embedding is not the rotate-half layout (cos/sin halves differ, e.g. interleaved "
+            "rotary); the bridge would strip and re-apply the wrong rotation."
+        )
 
 
 @torch.no_grad()

@@ -1,0 +1,92 @@
+"""Any rotate-half RoPE decoder: the identity oracle on tiny random models of many architectures, and refusals that
+name the reason for the rest. Support is decided from what a model exposes (rotary module, cache layout), never from
+a list of model types."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from hf_kvbridge.calibration import collect_statistics, fit_bridge
+from hf_kvbridge.errors import KVLayoutError
+from hf_kvbridge.layout import check_models
+from tests.conftest import VOCAB
+
+SUPPORTED = ["llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2", "gemma2", "gemma", "granite", "starcoder2"]
+
+
+def tiny(model_type: str, **overrides) -> torch.nn.Module:
+    """A 2-layer random model of `model_type` (head dim 16, 2 KV heads), full attention in every layer."""
+    kwargs = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=256,
+        pad_token_id=None,
+        bos_token_id=None,
+        eos_token_id=None,
+    )
+    kwargs.update(overrides)
+    config = AutoConfig.for_model(model_type, **kwargs)
+    if getattr(config, "layer_types", None) is not None:  # hybrid families: make every layer full attention
+        config.layer_types = ["full_attention"] * config.num_hidden_layers
+    elif hasattr(config, "sliding_window"):
+        config.sliding_window = None
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config).eval()
+
+
+@pytest.mark.parametrize("model_type", SUPPORTED)
+def test_identity_oracle_for_every_supported_architecture(model_type):
+    model = tiny(model_type)
+    windows = torch.randint(0, VOCAB, (24, 32), generator=torch.Generator().manual_seed(0))
+    train, heldout = collect_statistics(model, model, windows, heldout=[0, 1, 2, 3])
+    bridge = fit_bridge(model, model, train, heldout, top_k=2, ridge_lambda=1e-9)
+    ids = torch.randint(0, VOCAB, (2, 26), generator=torch.Generator().manual_seed(5))
+    out = bridge(ids, prefill_length=20)
+    ref = model(ids).logits
+    torch.testing.assert_close(out.logits[:, 19:], ref[:, 19:], atol=2e-4, rtol=1e-4)
+    prompt = ids[:, :20]
+    assert torch.equal(
+        bridge.generate(prompt, max_new_tokens=8, do_sample=False),
+        model.generate(prompt, max_new_tokens=8, do_sample=False),
+    )
+
+
+@pytest.mark.parametrize(
+    ("model_type", "overrides", "reason"),
+    [
+        ("cohere", {}, "not the rotate-half layout"),  # interleaved rotary: an identity pair would not notice
+        ("gpt_neox", {"partial_rotary_factor": 0.25}, "partial rotary"),
+        ("stablelm", {"partial_rotary_factor": 0.25}, "partial rotary"),
+        ("gemma3_text", {"sliding_window": 64}, "one rotary per layer type"),
+        ("smollm3", {"no_rope_layers": [1, 0]}, "NoPE"),
+        ("mistral", {"sliding_window": 8}, "sliding-window"),
+    ],
+)
+def test_unsupported_models_are_refused_with_the_reason(model_type, overrides, reason):
+    config = AutoConfig.for_model(
+        model_type,
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=256,
+        pad_token_id=None,
+        bos_token_id=None,
+        eos_token_id=None,
+        **overrides,
+    )
+    if model_type == "gemma3_text":
+        config.layer_types = ["full_attention"] * 2  # so that only the per-layer-type rotary stands in the way
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with pytest.raises(KVLayoutError, match=reason):
+        check_models(model, model, "a", "b")
