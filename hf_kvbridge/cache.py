@@ -42,11 +42,17 @@ def append_layer(cache: DynamicCache, layer_idx: int, keys: torch.Tensor, values
         layer.update(keys, values)
 
 
-def check_cache_shape(cache: Cache, num_layers: int, num_kv_heads: int, head_dim: int, what: str) -> int:
-    """Checks every layer of `cache` against the expected layout and returns its sequence length."""
+def check_cache_shape(
+    cache: Cache, num_layers: int, num_kv_heads: int, head_dim: int, what: str, windows=None, seq: int | None = None
+) -> int:
+    """Checks every layer of `cache` against the expected layout and returns the number of tokens it covers.
+
+    Full-attention layers hold every token; a sliding-window layer (`windows[layer]` not `None`) may hold only the
+    last ones. `seq` (the tokens the caller has positions for) defaults to the longest layer.
+    """
     if cache_num_layers(cache) != num_layers:
         raise ValueError(f"{what} cache has {cache_num_layers(cache)} layers, expected {num_layers}")
-    lengths = set()
+    lengths = []
     for idx in range(num_layers):
         keys, values = cache_layer_kv(cache, idx)
         for name, tensor in (("keys", keys), ("values", values)):
@@ -55,10 +61,16 @@ def check_cache_shape(cache: Cache, num_layers: int, num_kv_heads: int, head_dim
                     f"{what} cache layer {idx} {name} have shape {tuple(tensor.shape)}, expected "
                     f"(batch, {num_kv_heads}, seq, {head_dim})"
                 )
-        lengths.add(keys.shape[2])
-    if len(lengths) != 1:
-        raise ValueError(f"{what} cache layers have different lengths: {sorted(lengths)}")
-    return lengths.pop()
+        lengths.append(keys.shape[2])
+    seq = max(lengths) if seq is None else seq
+    for idx, length in enumerate(lengths):
+        sliding = windows is not None and windows[idx] is not None
+        if length > seq or (length < seq and not sliding):
+            raise ValueError(
+                f"{what} cache layer {idx} holds {length} tokens, expected {seq}"
+                + ("" if sliding else " (a full-attention layer holds every token)")
+            )
+    return seq
 
 
 def kv_to_rows(keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
@@ -72,10 +84,17 @@ def kv_to_rows(keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
 
 
 def slice_cache(cache: Cache, start: int, end: int) -> DynamicCache:
-    """A new `DynamicCache` with tokens `[start, end)` of every layer (views of the original tensors)."""
+    """A new `DynamicCache` with tokens `[start, end)` of every layer (views of the original tensors).
+
+    Positions are absolute: a sliding-window layer holds only its last tokens, so it contributes the part of
+    `[start, end)` it still holds (possibly fewer tokens, always the last ones of the range).
+    """
     sliced = DynamicCache()
     for idx, layer in enumerate(cache.layers):
-        append_layer(sliced, idx, layer.keys[:, :, start:end], layer.values[:, :, start:end])
+        held = layer.keys.shape[2]
+        offset = layer.get_seq_length() - held  # tokens this layer has dropped (0 for a full layer)
+        lo, hi = max(start - offset, 0), max(end - offset, 0)
+        append_layer(sliced, idx, layer.keys[:, :, lo:hi], layer.values[:, :, lo:hi])
     return sliced
 
 
@@ -92,7 +111,9 @@ def cache_rows(model: nn.Module, input_ids: torch.Tensor, device: torch.device |
     """
     if model.device.type != "meta":  # meta: weights offloaded by accelerate, whose hooks move the inputs
         input_ids = input_ids.to(model.device)
-    out = model(input_ids=input_ids, use_cache=True, logits_to_keep=1)
+    # a plain DynamicCache keeps every token of every layer, sliding-window layers included (the model still masks
+    # them to their window): each source layer's rows must exist for every token
+    out = model(input_ids=input_ids, use_cache=True, cache=DynamicCache(), logits_to_keep=1)
     batch, seq = input_ids.shape
     positions = torch.arange(seq, device=input_ids.device).unsqueeze(0).expand(batch, -1)
     cos, sin = rotary_cos_sin(model, positions)  # (B, T, d)

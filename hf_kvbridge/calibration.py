@@ -20,7 +20,7 @@ from .configuration import KVBridgeConfig
 from .constants import DEFAULT_CALIBRATION_DATA, HEAD_MODES
 from .data import describe_data, token_windows
 from .errors import StatisticsError
-from .layout import check_matched, check_models
+from .layout import allowed_sources, check_matched, check_models
 from .loading import model_reference, resolve_model_reference
 from .mappers import KVMapper, get_mapper_type
 from .modeling import KVBridgeForCausalLM
@@ -221,7 +221,7 @@ def fit_bridge(
         )
     r2 = single_layer_r2(train, heldout, head_mode, ridge_lambda)  # (L_t, L_s, 2)
     if selected_layers is None:
-        selected_layers = select_layers(r2, top_k)
+        selected_layers = select_layers(r2, top_k, allowed_sources(src, tgt))
     elif len(selected_layers) != tgt.num_layers:
         raise ValueError(f"selected_layers has {len(selected_layers)} entries, target has {tgt.num_layers} layers")
     fitted_r2 = mapper_r2(train, heldout, selected_layers, head_mode, ridge_lambda)  # (L_t, 2)

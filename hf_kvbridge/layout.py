@@ -35,6 +35,8 @@ class KVLayout:
         vocab_size (`int`): size of the embedding matrix.
         rope_parameters (`dict`): the model's `config.rope_parameters` (type, θ, scaling factors).
         max_position_embeddings (`int`): longest sequence the model accepts.
+        layer_windows (`tuple`, *optional*): per layer, the sliding window it attends over (`None`: all tokens);
+            `None` when every layer attends to all tokens.
 
     Example:
 
@@ -53,6 +55,7 @@ class KVLayout:
     vocab_size: int
     rope_parameters: dict
     max_position_embeddings: int
+    layer_windows: tuple[int | None, ...] | None = None
 
     @classmethod
     def from_config(cls, config: PretrainedConfig) -> KVLayout:
@@ -68,7 +71,18 @@ class KVLayout:
             vocab_size=config.vocab_size,
             rope_parameters=_jsonable(dict(rope)),
             max_position_embeddings=config.max_position_embeddings,
+            layer_windows=attention_windows(config),
         )
+
+    def window(self, layer: int) -> int | None:
+        """The sliding window of `layer` (`None`: it attends to all tokens)."""
+        return None if self.layer_windows is None else self.layer_windows[layer]
+
+    def kept_tokens(self, layer: int, seq: int) -> int:
+        """How many of `seq` tokens `layer`'s cache keeps: all, or the last `window - 1` (as transformers'
+        `DynamicSlidingWindowLayer` does: the next token's attention adds itself)."""
+        window = self.window(layer)
+        return seq if window is None else min(seq, window - 1)
 
     @property
     def features_per_layer(self) -> int:
@@ -76,8 +90,48 @@ class KVLayout:
         return self.num_kv_heads * 2 * self.head_dim
 
     def fingerprint(self) -> dict:
-        """The config facts a saved mapper depends on; stored in the checkpoint and compared on load."""
-        return _jsonable(asdict(self))
+        """The config facts a saved mapper depends on; stored in the checkpoint and compared on load.
+
+        `layer_windows` is left out for full-attention models, so fingerprints saved before it existed still match.
+        """
+        facts = asdict(self)
+        if facts["layer_windows"] is None:
+            del facts["layer_windows"]
+        return _jsonable(facts)
+
+
+def attention_windows(config: PretrainedConfig) -> tuple[int | None, ...] | None:
+    """Per decoder layer, the sliding window it attends over (`None`: all tokens), as transformers builds its cache
+    layers (`config.layer_types`, else `sliding_window` on every layer); `None` when all layers are full attention."""
+    text = config.get_text_config(decoder=True)
+    window = getattr(text, "sliding_window", None)
+    types = getattr(text, "layer_types", None)
+    if types is not None:
+        windows = tuple(window if kind == "sliding_attention" else None for kind in types)
+    elif window is not None and getattr(text, "use_sliding_window", True):
+        windows = (window,) * text.num_hidden_layers
+    else:
+        return None
+    return windows if any(w is not None for w in windows) else None
+
+
+def allowed_sources(source: KVLayout, target: KVLayout) -> list[list[bool]]:
+    """`allowed[t][s]`: may target layer `t` read source layer `s`?
+
+    A target layer that attends to all tokens needs every token's K/V, which only the source's full-attention layers
+    keep; a sliding target layer of window `W` needs the last `W - 1` tokens, which a source layer keeps when it is
+    full or slides over a window at least as wide. Selection only picks allowed layers.
+    """
+    allowed = []
+    for t in range(target.num_layers):
+        need = target.window(t)
+        allowed.append(
+            [
+                source.window(s) is None or (need is not None and source.window(s) >= need)
+                for s in range(source.num_layers)
+            ]
+        )
+    return allowed
 
 
 def check_supported(config: PretrainedConfig, name: str) -> KVLayout:
@@ -105,16 +159,11 @@ def check_supported(config: PretrainedConfig, name: str) -> KVLayout:
         )
     layer_types = getattr(text_config, "layer_types", None)
     if layer_types is not None:
-        other = sorted({t for t in layer_types if t != "full_attention"})
+        other = sorted({t for t in layer_types if t not in ("full_attention", "sliding_attention")})
         if other:
             raise KVLayoutError(
-                f"{name}: layers of type {other} found; only full attention is supported (no sliding-window or "
-                "hybrid attention)."
+                f"{name}: layers of type {other} found; the bridge maps full-attention and sliding-window layers."
             )
-    elif getattr(text_config, "sliding_window", None) is not None and getattr(text_config, "use_sliding_window", True):
-        raise KVLayoutError(
-            f"{name}: sliding-window attention (window {text_config.sliding_window}) is not supported."
-        )
     return layout
 
 
@@ -145,7 +194,8 @@ def check_matched(source: PretrainedConfig, target: PretrainedConfig, source_nam
 
 
 def check_models(source: nn.Module, target: nn.Module, source_name: str, target_name: str):
-    """`check_matched` on the two models' configs, then `rope.check_rotary` on each model's own rotary module.
+    """`check_matched` on the two models' configs, then `rope.check_rotary` on each model's own rotary module, and
+    that every target layer has a source layer that keeps the tokens it needs (`allowed_sources`).
 
     Returns:
         the `(source, target)` [`KVLayout`]s.
@@ -153,6 +203,13 @@ def check_models(source: nn.Module, target: nn.Module, source_name: str, target_
     src, tgt = check_matched(source.config, target.config, source_name, target_name)
     check_rotary(source, src.head_dim, f"source model {source_name!r}")
     check_rotary(target, tgt.head_dim, f"target model {target_name!r}")
+    for t, row in enumerate(allowed_sources(src, tgt)):
+        if not any(row):
+            need = "all tokens" if tgt.window(t) is None else f"the last {tgt.window(t) - 1} tokens"
+            raise KVLayoutError(
+                f"target {target_name!r} layer {t} needs {need}, but no layer of source {source_name!r} keeps them "
+                f"(source windows {list(src.layer_windows or [])}); no mapper can fill that layer."
+            )
     return src, tgt
 
 

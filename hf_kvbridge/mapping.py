@@ -68,63 +68,118 @@ def map_cache(
     position_ids: torch.Tensor | None = None,
     target_cache: DynamicCache | None = None,
     workspace: Workspace | None = None,
+    target_layout: KVLayout | None = None,
 ) -> DynamicCache:
     """Maps `source_cache` (of `source`) to the cache `target` would have built for the same tokens.
+
+    Target layers that attend to all tokens are mapped over every token; a sliding-window target layer only over the
+    last tokens its cache keeps, and it is stored in the target's own sliding-window cache layer. A sliding-window
+    source layer supplies the tokens it holds (its last ones); selection (`layout.allowed_sources`) makes sure the
+    layers a target layer reads hold what it needs.
 
     Args:
         source, target (`nn.Module`): the two models; only their rotary modules, the target's dtype, device and
             config are read.
         mapper ([`KVMapper`]): the fitted mapper.
         source_layout ([`KVLayout`]): the source's KV layout (checked against the cache).
-        source_cache (`Cache`): `L_s` layers of `(batch, kv_heads, seq, head_dim)`, keys post-RoPE.
+        source_cache (`Cache`): `L_s` layers of `(batch, kv_heads, seq, head_dim)` (sliding layers may hold only
+            their last tokens), keys post-RoPE.
         position_ids (`torch.LongTensor` of shape `(batch, seq)`, *optional*): positions of the cached tokens (per
             row for left-padded batches); defaults to `0 … seq-1`.
         target_cache (`DynamicCache`, *optional*): a cache to append to (positions must continue it).
         workspace ([`Workspace`], *optional*): buffers to reuse; fresh ones otherwise.
+        target_layout ([`KVLayout`], *optional*): the target's layout (read from its config otherwise).
 
     Returns:
         `DynamicCache` with `L_t` layers in the target's dtype, on the target's device.
     """
     src = source_layout
-    seq = check_cache_shape(source_cache, src.num_layers, src.num_kv_heads, src.head_dim, "source")
+    tgt = target_layout if target_layout is not None else KVLayout.from_config(target.config)
+    seq_hint = None if position_ids is None else position_ids.shape[-1]
+    seq = check_cache_shape(
+        source_cache, src.num_layers, src.num_kv_heads, src.head_dim, "source", src.layer_windows, seq_hint
+    )
+    first_keys, _ = cache_layer_kv(source_cache, 0)
+    if position_ids is None:
+        position_ids = torch.arange(seq, device=first_keys.device).unsqueeze(0).expand(first_keys.shape[0], -1)
+    workspace = workspace if workspace is not None else Workspace()
+    # target layers by the tokens they keep: all of them (full attention) or the last `window - 1` (sliding)
+    by_span: dict[int, set[int]] = {}
+    for t in range(tgt.num_layers):
+        by_span.setdefault(tgt.kept_tokens(t, seq), set()).add(t)
+    mapped: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    for span, targets in sorted(by_span.items(), reverse=True):
+        mapped.update(
+            _map_span(source, target, mapper, src, source_cache, position_ids, seq - span, targets, workspace)
+        )
+    cache = target_cache if target_cache is not None else new_target_cache(target.config)
+    for t in range(tgt.num_layers):
+        keys, values = mapped[t]
+        append_layer(cache, t, keys, values)
+        layer = cache.layers[t]
+        if keys.shape[2] < seq and hasattr(layer, "cumulative_length"):  # a sliding layer got only its window
+            layer.cumulative_length += seq - keys.shape[2]
+    return cache
+
+
+def _map_span(
+    source: nn.Module,
+    target: nn.Module,
+    mapper: KVMapper,
+    src: KVLayout,
+    source_cache: Cache,
+    position_ids: torch.Tensor,
+    first: int,
+    targets: set[int],
+    workspace: Workspace,
+) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """Maps tokens `[first, seq)` of the target layers `targets`: `{target layer: (keys, values)}`, each
+    `(B, H, seq - first, d)` views into one block per step."""
+    seq = position_ids.shape[-1]
     first_keys, _ = cache_layer_kv(source_cache, 0)
     batch, device = first_keys.shape[0], execution_device(target)
-    if position_ids is None:
-        position_ids = torch.arange(seq, device=first_keys.device).unsqueeze(0).expand(batch, -1)
-    if position_ids.shape[-1] != seq:
-        raise ValueError(f"position_ids cover {position_ids.shape[-1]} tokens but the source cache holds {seq}")
-    workspace = workspace if workspace is not None else Workspace()
-    strip = Rotation(*inverse_cos_sin(*rotary_cos_sin(source, position_ids.to(device))))
-    rotate = Rotation(*rotary_cos_sin(target, position_ids.to(device)))  # cos/sin (B, T, d) each
-    plan, last_use, slots, num_slots, widest, _, chunk = mapper.schedule(batch, seq)  # steps, row slots, chunk
+    positions = position_ids[:, first:].to(device)
+    strip = Rotation(*inverse_cos_sin(*rotary_cos_sin(source, positions)))
+    rotate = Rotation(*rotary_cos_sin(target, positions))  # cos/sin (B, T, d) each
+    span = seq - first
+    plan, last_use, slots, num_slots, widest, _, chunk = mapper.schedule(batch, span, targets)  # steps, slots, chunk
     heads, dim = src.num_kv_heads, src.head_dim
+    offsets = {}  # source layer → tokens it has dropped (a sliding layer holds only its last ones)
+    for sources, _ in plan:
+        for s in sources:
+            held = cache_layer_kv(source_cache, s)[0].shape[2]
+            offsets[s] = seq - held
+            if offsets[s] > first:
+                raise ValueError(
+                    f"source layer {s} holds only its last {held} of {seq} tokens, but the mapper reads it for "
+                    f"tokens from {first} on (a sliding-window layer chosen for a layer that needs more tokens)"
+                )
     outputs = [  # the new cache's tensors, one (2, n, B, H, T, d) block per step: [0] keys, [1] values
-        torch.empty((2, len(targets), batch, heads, seq, dim), dtype=target.dtype, device=device)
-        for _, targets in plan
+        torch.empty((2, len(step_targets), batch, heads, span, dim), dtype=target.dtype, device=device)
+        for _, step_targets in plan
     ]
     dtype = mapper.layout_dtype()
     row_space = workspace.buffer("rows", batch * chunk * num_slots * heads * 2 * dim, dtype, device)
     out_space = workspace.buffer("mapped", batch * chunk * widest, dtype, device)
-    for start in range(0, seq, chunk):
-        end = min(start + chunk, seq)
+    for start in range(0, span, chunk):
+        end = min(start + chunk, span)
         strip_c, rotate_c = strip.narrow(start, end), rotate.narrow(start, end)
         rows = mapper.new_rows(batch, end - start, num_slots, out=row_space)  # (B·c, slots·H·2d) or so
         loaded: set[int] = set()
-        for step, (sources, targets) in enumerate(plan):
+        for step, (sources, step_targets) in enumerate(plan):
             for s in sources:
                 if s not in loaded:  # first step that reads source layer s: strip its rotation into its slot
-                    keys, values = cache_layer_kv(source_cache, s)  # (B, H, T, d), keys post-RoPE
-                    keys, values = keys[:, :, start:end].to(device), values[:, :, start:end].to(device)
+                    keys, values = cache_layer_kv(source_cache, s)  # (B, H, T_held, d), keys post-RoPE
+                    lo, hi = first + start - offsets[s], first + end - offsets[s]
+                    keys, values = keys[:, :, lo:hi].to(device), values[:, :, lo:hi].to(device)
                     mapper.write_rows(rows, slots[s], keys, values, write_keys=strip_c)
                     loaded.add(s)
-            mapped = mapper.map_targets(sources, targets, rows, out=out_space, slots=slots)
+            mapped = mapper.map_targets(sources, step_targets, rows, out=out_space, slots=slots)
             loaded -= {s for s in sources if last_use[s] == step}  # their slots go to later layers
-            keys_c, values = mapper.split_rows(mapped, batch, end - start, layers=len(targets))  # (n, B, H, c, d)
+            keys_c, values = mapper.split_rows(mapped, batch, end - start, layers=len(step_targets))  # (n,B,H,c,d)
             block = outputs[step][:, :, :, :, start:end]  # (2, n, B, H, c, d) view of the cache tensors
             rotate_c(keys_c, out=block[0])
             block[1].copy_(values)
-    cache = target_cache if target_cache is not None else new_target_cache(target.config)
-    for (_, targets), kv in zip(plan, outputs):
-        for i, t in enumerate(targets):
-            append_layer(cache, t, kv[0, i], kv[1, i])
-    return cache
+    return {
+        t: (kv[0, i], kv[1, i]) for (_, step_targets), kv in zip(plan, outputs) for i, t in enumerate(step_targets)
+    }

@@ -159,6 +159,7 @@ class KVBridgeForCausalLM(nn.Module):
             position_ids=position_ids,
             target_cache=target_cache,
             workspace=self._mapping_workspace,
+            target_layout=self.target_layout,
         )
 
     def with_mapper(self, mapper: KVMapper, config: KVBridgeConfig) -> KVBridgeForCausalLM:

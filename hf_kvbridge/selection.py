@@ -48,13 +48,20 @@ def single_layer_r2(
     return out
 
 
-def select_layers(r2: torch.Tensor, top_k: int | None) -> list[list[int]]:
-    """The `top_k` source layers of each target layer, best first (mean of K and V R²); `None` keeps all."""
+def select_layers(r2: torch.Tensor, top_k: int | None, allowed: list[list[bool]] | None = None) -> list[list[int]]:
+    """The `top_k` source layers of each target layer, best first (mean of K and V R²); `None` keeps all.
+
+    `allowed[t][s]` (`layout.allowed_sources`) restricts target layer `t` to the source layers that keep the tokens
+    it needs (sliding-window layers); a target layer then gets at most as many layers as it is allowed.
+    """
     score = r2.mean(-1)  # (L_t, L_s)
     k = score.shape[1] if top_k is None else min(int(top_k), score.shape[1])
     if k < 1:
         raise ValueError(f"top_k must be ≥ 1, got {top_k}")
-    return [torch.argsort(row, descending=True, stable=True)[:k].tolist() for row in score]
+    ranked = [torch.argsort(row, descending=True, stable=True).tolist() for row in score]
+    if allowed is None:
+        return [order[:k] for order in ranked]
+    return [[s for s in order if allowed[t][s]][:k] for t, order in enumerate(ranked)]
 
 
 def mapper_r2(

@@ -66,7 +66,6 @@ def test_identity_oracle_for_every_supported_architecture(model_type):
         ("stablelm", {"partial_rotary_factor": 0.25}, "partial rotary"),
         ("gemma3_text", {"sliding_window": 64}, "one rotary per layer type"),
         ("smollm3", {"no_rope_layers": [1, 0]}, "NoPE"),
-        ("mistral", {"sliding_window": 8}, "sliding-window"),
     ],
 )
 def test_unsupported_models_are_refused_with_the_reason(model_type, overrides, reason):
@@ -90,3 +89,95 @@ def test_unsupported_models_are_refused_with_the_reason(model_type, overrides, r
     model = AutoModelForCausalLM.from_config(config).eval()
     with pytest.raises(KVLayoutError, match=reason):
         check_models(model, model, "a", "b")
+
+
+@pytest.mark.parametrize(
+    ("model_type", "overrides"),
+    [
+        ("mistral", {"sliding_window": 8}),  # every layer slides
+        ("gemma2", {"sliding_window": 8, "num_hidden_layers": 4}),  # sliding and full layers alternate
+        ("qwen2", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1, "num_hidden_layers": 3}),
+    ],
+)
+def test_identity_oracle_with_sliding_window_layers_beyond_the_window(model_type, overrides):
+    config = AutoConfig.for_model(
+        model_type,
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=256,
+        pad_token_id=None,
+        bos_token_id=None,
+        eos_token_id=None,
+        **{"num_hidden_layers": 2, **overrides},
+    )
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    windows = torch.randint(0, VOCAB, (24, 32), generator=torch.Generator().manual_seed(0))
+    train, heldout = collect_statistics(model, model, windows, heldout=[0, 1, 2, 3])
+    bridge = fit_bridge(model, model, train, heldout, top_k=2, ridge_lambda=1e-9)
+    assert bridge.target_layout.layer_windows is not None
+    ids = torch.randint(0, VOCAB, (2, 26), generator=torch.Generator().manual_seed(5))
+    out = bridge(ids, prefill_length=20)  # 19 mapped tokens: more than the window of 8
+    own = model(ids[:, :19], use_cache=True).cache
+    for t, layer in enumerate(out.past_key_values.layers):
+        assert type(layer) is type(own.layers[t])  # the target's own cache layer types
+        assert layer.get_seq_length() == 26
+    torch.testing.assert_close(out.logits[:, 19:], model(ids).logits[:, 19:], atol=2e-4, rtol=1e-4)
+    prompt = ids[:, :20]
+    assert torch.equal(  # generation runs far past the window
+        bridge.generate(prompt, max_new_tokens=16, do_sample=False),
+        model.generate(prompt, max_new_tokens=16, do_sample=False),
+    )
+
+
+def test_a_full_attention_target_layer_never_reads_a_sliding_source_layer():
+    source = AutoModelForCausalLM.from_config(
+        AutoConfig.for_model(
+            "gemma2",
+            vocab_size=VOCAB,
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            sliding_window=8,
+            pad_token_id=None,
+            bos_token_id=None,
+            eos_token_id=None,
+        )
+    ).eval()
+    target = tiny("gemma2", num_hidden_layers=3)  # full attention everywhere
+    windows = torch.randint(0, VOCAB, (24, 32), generator=torch.Generator().manual_seed(0))
+    train, heldout = collect_statistics(source, target, windows, heldout=[0, 1, 2, 3])
+    bridge = fit_bridge(source, target, train, heldout, top_k=4, ridge_lambda=0.01)
+    full_source_layers = {s for s, w in enumerate(bridge.source_layout.layer_windows) if w is None}
+    assert all(set(layers) <= full_source_layers for layers in bridge.config.selected_layers)
+    assert all(len(layers) == len(full_source_layers) for layers in bridge.config.selected_layers)
+    out = bridge(torch.randint(0, VOCAB, (1, 30)), prefill_length=28)  # the mapping reads every token
+    assert out.past_key_values.get_seq_length() == 30
+
+
+def test_a_target_layer_no_source_layer_can_fill_is_refused():
+    sliding = AutoModelForCausalLM.from_config(
+        AutoConfig.for_model(
+            "mistral",
+            vocab_size=VOCAB,
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            sliding_window=8,
+            pad_token_id=None,
+            bos_token_id=None,
+            eos_token_id=None,
+        )
+    ).eval()
+    with pytest.raises(KVLayoutError, match="layer 0 needs all tokens, but no layer of source 's' keeps them"):
+        check_models(sliding, tiny("mistral"), "s", "t")

@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-from transformers import MistralConfig, MistralForCausalLM
 
 import hf_kvbridge
 from hf_kvbridge import (
@@ -56,23 +55,13 @@ def test_different_tokenizers(tmp_path):
         hf_kvbridge.calibrate(*paths, CORPUS, num_sequences=4, seq_len=16)
 
 
-def test_sliding_window_and_unsupported_types_are_refused():
-    mistral = MistralForCausalLM(
-        MistralConfig(
-            num_hidden_layers=1,
-            hidden_size=32,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            vocab_size=VOCAB,
-            intermediate_size=64,
-            sliding_window=16,
-        )
-    )
-    with pytest.raises(KVLayoutError, match="sliding"):
-        hf_kvbridge.calibrate(mistral, mistral, CORPUS, tokenizer=make_tokenizer(), num_sequences=4, seq_len=16)
-    hybrid = qwen3(layers=2, use_sliding_window=True, sliding_window=8, max_window_layers=1)
-    with pytest.raises(KVLayoutError, match="sliding_attention"):
-        hf_kvbridge.calibrate(hybrid, hybrid, CORPUS, tokenizer=make_tokenizer(), num_sequences=4, seq_len=16)
+def test_layer_types_other_than_full_and_sliding_are_refused():
+    from hf_kvbridge.layout import check_supported
+
+    config = qwen3(layers=2).config
+    config.layer_types = ["full_attention", "linear_attention"]  # e.g. a hybrid linear-attention model
+    with pytest.raises(KVLayoutError, match=r"layers of type \['linear_attention'\] found"):
+        check_supported(config, "hybrid")
 
 
 def test_wrong_pair_for_mapper(bridge, tmp_path):

@@ -294,10 +294,11 @@ class KVMapper(nn.Module):
     max_chunk_bytes: int | None = 2**26
     min_chunk_rows = 512
 
-    def schedule(self, batch: int, seq: int) -> MappingSchedule:
+    def schedule(self, batch: int, seq: int, targets: set[int] | None = None) -> MappingSchedule:
         """How `map_cache` maps `batch` sequences of `seq` tokens: the plan, where each source layer's rows live, and
-        the tokens per chunk (see `max_chunk_bytes`), worked out once per mapping."""
-        plan = self.mapping_plan()
+        the tokens per chunk (see `max_chunk_bytes`), worked out once per mapping. `targets` restricts the plan to
+        those target layers (the engine maps sliding-window layers over their window only)."""
+        plan = self.mapping_plan(targets)
         last_use = {s: step for step, (sources, _) in enumerate(plan) for s in sources}
         slots, num_slots = self.row_slots(plan, last_use)
         features = self.num_kv_heads * 2 * self.head_dim  # of one layer, per token
@@ -341,12 +342,13 @@ class KVMapper(nn.Module):
         """Bytes of `map_cache`'s working set per token: the live source rows and the widest step's output."""
         return self.schedule(1, 1).bytes_per_token
 
-    def mapping_plan(self) -> list[tuple[list[int], list[int]]]:
-        """`(source layers in input order, target layers)` steps covering every target layer once."""
+    def mapping_plan(self, targets: set[int] | None = None) -> list[tuple[list[int], list[int]]]:
+        """`(source layers in input order, target layers)` steps covering every target layer (of `targets`) once."""
+        chosen = [(t, layers) for t, layers in enumerate(self.selected_layers) if targets is None or t in targets]
         if not self.groupable:
-            return [(list(layers), [t]) for t, layers in enumerate(self.selected_layers)]
+            return [(list(layers), [t]) for t, layers in chosen]
         groups: dict[tuple[int, ...], list[int]] = {}
-        for t, layers in enumerate(self.selected_layers):
+        for t, layers in chosen:
             groups.setdefault(tuple(sorted(layers)), []).append(t)
         plan = []
         for sources, targets in groups.items():
