@@ -7,7 +7,7 @@ from typing import Any
 
 from transformers import PretrainedConfig
 
-from .constants import FORMAT_VERSION, HEAD_MODES
+from .constants import FORMAT_VERSION, HEAD_MODES, RECOMPUTE_POLICIES
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +82,8 @@ class KVBridgeConfig(PretrainedConfig):
     sink_tokens: int = 0
     gate_threshold: float | None = None
     gate_probe_tokens: int = 8
+    recompute_fraction: float = 0.0
+    recompute_policy: str = "probe"
     calibration: dict | None = None
     format_version: int = FORMAT_VERSION
     mapper_sha256: dict | None = None
@@ -114,6 +116,10 @@ class KVBridgeConfig(PretrainedConfig):
             raise ValueError(
                 f"hold_back must be ≥ 1 (the target computes at least the last prompt token), got {self.hold_back}"
             )
+        if not 0.0 <= self.recompute_fraction <= 1.0:
+            raise ValueError(f"recompute_fraction must lie in [0, 1], got {self.recompute_fraction}")
+        if self.recompute_policy not in RECOMPUTE_POLICIES:
+            raise ValueError(f"recompute_policy must be one of {RECOMPUTE_POLICIES}, got {self.recompute_policy!r}")
         if self.format_version > FORMAT_VERSION:
             raise ValueError(
                 f"this checkpoint has format version {self.format_version}, newer than this hf_kvbridge supports "

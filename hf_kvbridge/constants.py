@@ -23,3 +23,6 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
 
 # A bidirectional checkpoint keeps its target→source mapper (config, weights) in this sub-folder.
 REVERSE_FOLDER = "reverse"
+
+# How selective recompute chooses the context tokens the target recomputes (see `hf_kvbridge.recompute`).
+RECOMPUTE_POLICIES = ("tail", "random", "spread", "probe")

@@ -18,6 +18,7 @@ from transformers import Cache, DynamicCache
 
 from .cache import slice_cache
 from .loading import execution_device
+from .recompute import choose_tokens, layer0_disagreement, recompute_count, recompute_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -90,10 +91,12 @@ def transfer_prefill(
     if map_end > sink_end:
         piece = slice_cache(source_out.cache, sink_end, map_end)
         cache = bridge.map_cache(piece, positions[:, sink_end:map_end], target_cache=cache)
+    recomputed = _recompute(bridge, cache, ids[:, :map_end], mask[:, :map_end], pos[:, :map_end], sink_end)
     decision = {
         "transferred": True,
-        "mapped_tokens": map_end - sink_end,
-        "target_tokens": sink_end + probe,
+        "mapped_tokens": map_end - sink_end - recomputed,
+        "target_tokens": sink_end + probe + recomputed,
+        "recomputed_tokens": recomputed,
         "score": None,
     }
     if probe > 0:
@@ -113,3 +116,19 @@ def transfer_prefill(
     key = "transferred" if decision["transferred"] else "fallback"
     bridge.transfer_counts[key] = bridge.transfer_counts.get(key, 0) + 1
     return cache, source_out
+
+
+def _recompute(bridge, cache: DynamicCache | None, ids, mask, pos, first_mapped: int) -> int:
+    """Selective recompute (`config.recompute_fraction` of the mapped tokens, chosen by `config.recompute_policy`)
+    of the mapped columns `[first_mapped, T)` of `cache`, in place; returns the most tokens a row recomputed."""
+    config = bridge.config
+    count = recompute_count(config.recompute_fraction, ids.shape[1] - first_mapped)
+    if count == 0 or cache is None:
+        return 0
+    mapped = mask.clone()
+    mapped[:, :first_mapped] = 0  # sink tokens are the target's own already
+    score = layer0_disagreement(bridge.target, cache, ids, pos) if config.recompute_policy == "probe" else None
+    generator = torch.Generator().manual_seed(0)
+    chosen = choose_tokens(config.recompute_policy, count, mapped, score=score, generator=generator)
+    recompute_tokens(bridge.target, cache, ids, mask, pos, chosen)
+    return int(chosen.sum(-1).max())

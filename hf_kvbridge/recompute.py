@@ -1,0 +1,165 @@
+"""Selective recompute: the target recomputes chosen context tokens over the mapped cache, in one forward pass.
+
+The mapped cache holds a K/V row for every context token. The target then runs only the chosen tokens, at their own
+positions, with a mask that lets chosen token `i` attend to
+
+- the mapped K/V of every *unchosen* context token before it, and
+- the recomputed K/V of every chosen token up to and including itself,
+
+so each chosen token sees exactly the context it would see in a plain prefill, with mapped K/V standing in for the
+tokens nobody recomputed. Its own K/V then replace the mapped ones. With every token chosen this *is* the target's
+own prefill; with the last `m` tokens chosen it is `hold_back = m + 1`.
+
+Which tokens to choose (`choose_tokens`): `"tail"` (the last ones), `"random"`, `"spread"` (evenly spaced), or
+`"probe"`: the tokens whose mapped keys and values disagree most with the target's own at its first layer, which
+the target computes for every token at the cost of one key/value projection (no attention, no MLP).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+from .attention import decoder_layers
+from .constants import RECOMPUTE_POLICIES
+from .rope import apply_rotary, rotary_cos_sin
+
+
+def recompute_count(fraction: float, length: int) -> int:
+    """How many of `length` context tokens a `fraction` recomputes (rounded up, so any fraction > 0 recomputes one)."""
+    if not 0.0 <= fraction <= 1.0:
+        raise ValueError(f"recompute_fraction must lie in [0, 1], got {fraction}")
+    return min(length, math.ceil(fraction * length))
+
+
+@torch.no_grad()
+def layer0_disagreement(target: nn.Module, mapped: DynamicCache, input_ids: torch.Tensor, positions: torch.Tensor):
+    """Per token, how far the mapped layer-0 K/V lie from the target's own: `(B, T)` relative squared error.
+
+    The target's own layer-0 keys and values depend on the token embeddings only, so they cost one normalisation
+    and the `k_proj`/`v_proj` products (with `k_norm` and the rotation, as the layer builds them).
+    """
+    layer = decoder_layers(target)[0]
+    attn = layer.self_attn
+    hidden = layer.input_layernorm(target.get_input_embeddings()(input_ids))  # (B, T, D)
+    batch, seq, _ = hidden.shape
+    keys_mapped, values_mapped = mapped.layers[0].keys, mapped.layers[0].values  # (B, H, T, d)
+    dim = keys_mapped.shape[-1]
+    keys = attn.k_proj(hidden).view(batch, seq, -1, dim)
+    if getattr(attn, "k_norm", None) is not None:
+        keys = attn.k_norm(keys)
+    cos, sin = rotary_cos_sin(target, positions, dtype=keys.dtype)
+    keys = apply_rotary(keys.transpose(1, 2), cos, sin)  # (B, H, T, d)
+    values = attn.v_proj(hidden).view(batch, seq, -1, dim).transpose(1, 2)
+    own = torch.cat([keys, values], -1).float()  # (B, H, T, 2d)
+    approx = torch.cat([keys_mapped, values_mapped], -1).float()
+    return (own - approx).pow(2).sum((1, 3)) / own.pow(2).sum((1, 3)).clamp_min(1e-12)  # (B, T)
+
+
+def choose_tokens(
+    policy: str,
+    count: int,
+    attention_mask: torch.Tensor,
+    *,
+    score: torch.Tensor | None = None,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """A `(B, T)` boolean mask of the `count` real (unpadded) tokens of each row that `policy` recomputes.
+
+    Args:
+        policy (`str`): one of `RECOMPUTE_POLICIES`.
+        count (`int`): tokens per row (capped at the row's real tokens).
+        attention_mask (`torch.Tensor` of shape `(B, T)`): 1 for real tokens.
+        score (`torch.Tensor` of shape `(B, T)`, *optional*): for `"probe"`, the per-token error estimate
+            (`layer0_disagreement`); the highest are chosen.
+    """
+    if policy not in RECOMPUTE_POLICIES:
+        raise ValueError(f"recompute_policy must be one of {RECOMPUTE_POLICIES}, got {policy!r}")
+    real = attention_mask.bool()
+    batch, seq = real.shape
+    chosen = torch.zeros_like(real)
+    if count <= 0:
+        return chosen
+    for b in range(batch):
+        index = real[b].nonzero().squeeze(-1)  # real token columns, in order
+        n = min(count, index.numel())
+        if policy == "tail":
+            pick = index[index.numel() - n :]
+        elif policy == "spread":
+            pick = index[torch.linspace(0, index.numel() - 1, n).round().long()]
+        elif policy == "random":
+            pick = index[torch.randperm(index.numel(), generator=generator)[:n]]
+        else:
+            if score is None:
+                raise ValueError("the 'probe' policy needs the per-token score")
+            pick = index[torch.topk(score[b, index].float(), n).indices]
+        chosen[b, pick] = True
+    return chosen
+
+
+@torch.no_grad()
+def recompute_tokens(
+    target: nn.Module,
+    cache: DynamicCache,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    positions: torch.Tensor,
+    chosen: torch.Tensor,
+) -> DynamicCache:
+    """Recomputes the `chosen` context tokens of `cache` with `target` in one forward pass (see the module docstring).
+
+    Args:
+        target ([`PreTrainedModel`]): the model whose cache `cache` stands in for.
+        cache (`DynamicCache`): the mapped cache of the `T` context tokens (full-attention layers).
+        input_ids, attention_mask, positions (`torch.Tensor` of shape `(B, T)`): the context, its padding mask and
+            its positions.
+        chosen (`torch.BoolTensor` of shape `(B, T)`): the tokens to recompute (rows may choose different numbers).
+
+    Returns:
+        `cache`, with the chosen tokens' K/V replaced by the target's own, still `T` tokens long.
+    """
+    if not chosen.any():
+        return cache
+    for layer in cache.layers:
+        if type(layer) is not DynamicLayer:
+            raise ValueError(
+                f"selective recompute needs full-attention cache layers, got {type(layer).__name__} (sliding-window "
+                "targets recompute with hold_back instead)"
+            )
+    device = cache.layers[0].keys.device
+    chosen, real = chosen.to(device), attention_mask.to(device).bool()
+    batch, seq = chosen.shape
+    n = int(chosen.sum(-1).max())
+    columns = torch.zeros(batch, n, dtype=torch.long, device=device)  # context column of each recomputed slot
+    used = torch.zeros(batch, n, dtype=torch.bool, device=device)  # padding slots for rows that choose fewer
+    for b in range(batch):
+        picked = chosen[b].nonzero().squeeze(-1)
+        columns[b, : picked.numel()] = picked
+        used[b, : picked.numel()] = True
+    col = torch.arange(seq, device=device)
+    query_col = columns.unsqueeze(-1)  # (B, n, 1)
+    # mapped K/V of an unchosen real token before the query
+    sees_mapped = (col < query_col) & ~chosen.unsqueeze(1) & real.unsqueeze(1)  # (B, n, T)
+    # recomputed K/V of a chosen token up to and including the query (padding slots see only themselves)
+    sees_new = (columns.unsqueeze(1) <= query_col) & used.unsqueeze(1) & used.unsqueeze(-1)  # (B, n, n)
+    sees_new |= torch.eye(n, dtype=torch.bool, device=device).unsqueeze(0) & ~used.unsqueeze(-1)
+    allowed = torch.cat([sees_mapped, sees_new], dim=-1).unsqueeze(1)  # (B, 1, n, T + n)
+    dtype = cache.layers[0].keys.dtype
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)
+    target_device = input_ids.device if target.device.type == "meta" else target.device
+    ids = torch.gather(input_ids.to(device), 1, columns).to(target_device)
+    pos = torch.gather(positions.to(device), 1, columns).to(target_device)
+    out = target(input_ids=ids, position_ids=pos, attention_mask=mask, cache=cache, use_cache=True, logits_to_keep=1)
+    for layer in out.cache.layers:
+        for name in ("keys", "values"):
+            tensor = getattr(layer, name)  # (B, H, T + n, d)
+            context, fresh = tensor[:, :, :seq].clone(), tensor[:, :, seq:]
+            for b in range(batch):
+                k = int(used[b].sum())
+                context[b, :, columns[b, :k]] = fresh[b, :, :k]
+            setattr(layer, name, context)
+    return out.cache
