@@ -83,7 +83,7 @@ class KVBridgeConfig(PretrainedConfig):
     gate_threshold: float | None = None
     gate_probe_tokens: int = 8
     recompute_fraction: float = 0.0
-    recompute_policy: str = "probe"
+    recompute_policy: str = "tail"
     calibration: dict | None = None
     format_version: int = FORMAT_VERSION
     mapper_sha256: dict | None = None

@@ -25,4 +25,4 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
 REVERSE_FOLDER = "reverse"
 
 # How selective recompute chooses the context tokens the target recomputes (see `hf_kvbridge.recompute`).
-RECOMPUTE_POLICIES = ("tail", "random", "spread", "probe")
+RECOMPUTE_POLICIES = ("tail", "random", "spread", "probe", "tail_probe")

@@ -10,9 +10,10 @@ so each chosen token sees exactly the context it would see in a plain prefill, w
 tokens nobody recomputed. Its own K/V then replace the mapped ones. With every token chosen this *is* the target's
 own prefill; with the last `m` tokens chosen it is `hold_back = m + 1`.
 
-Which tokens to choose (`choose_tokens`): `"tail"` (the last ones), `"random"`, `"spread"` (evenly spaced), or
-`"probe"`: the tokens whose mapped keys and values disagree most with the target's own at its first layer, which
-the target computes for every token at the cost of one key/value projection (no attention, no MLP).
+Which tokens to choose (`choose_tokens`): `"tail"` (the last ones), `"random"`, `"spread"` (evenly spaced),
+`"probe"` (the largest expected damage at the target's first layer, `probe_scores`: mapped vs own layer-0 K/V,
+weighted by the attention the last context tokens pay there; layer-0 projections only), or `"tail_probe"` (half
+the budget on the last tokens, half by the probe score).
 """
 
 from __future__ import annotations
@@ -37,11 +38,15 @@ def recompute_count(fraction: float, length: int) -> int:
 
 
 @torch.no_grad()
-def layer0_disagreement(target: nn.Module, mapped: DynamicCache, input_ids: torch.Tensor, positions: torch.Tensor):
-    """Per token, how far the mapped layer-0 K/V lie from the target's own: `(B, T)` relative squared error.
+def probe_scores(
+    target: nn.Module, mapped: DynamicCache, input_ids: torch.Tensor, positions: torch.Tensor, queries: int = 8
+) -> torch.Tensor:
+    """Per token, the expected damage of its mapped K/V at the target's first layer: `(B, T)`.
 
-    The target's own layer-0 keys and values depend on the token embeddings only, so they cost one normalisation
-    and the `k_proj`/`v_proj` products (with `k_norm` and the rotation, as the layer builds them).
+    The score is the relative squared error of the mapped layer-0 keys and values against the target's own, weighted
+    by the attention the last `queries` context tokens pay to that token at layer 0 (what the continuation that
+    follows is most likely to read). The target's layer-0 keys, values and queries depend on the token embeddings
+    only: one normalisation and the `q/k/v` projections, no attention output, no MLP.
     """
     layer = decoder_layers(target)[0]
     attn = layer.self_attn
@@ -49,15 +54,25 @@ def layer0_disagreement(target: nn.Module, mapped: DynamicCache, input_ids: torc
     batch, seq, _ = hidden.shape
     keys_mapped, values_mapped = mapped.layers[0].keys, mapped.layers[0].values  # (B, H, T, d)
     dim = keys_mapped.shape[-1]
-    keys = attn.k_proj(hidden).view(batch, seq, -1, dim)
-    if getattr(attn, "k_norm", None) is not None:
-        keys = attn.k_norm(keys)
-    cos, sin = rotary_cos_sin(target, positions, dtype=keys.dtype)
-    keys = apply_rotary(keys.transpose(1, 2), cos, sin)  # (B, H, T, d)
-    values = attn.v_proj(hidden).view(batch, seq, -1, dim).transpose(1, 2)
+    cos, sin = rotary_cos_sin(target, positions, dtype=hidden.dtype)  # (B, T, d)
+
+    def project(proj, norm_name):
+        states = proj(hidden).view(batch, seq, -1, dim)
+        norm = getattr(attn, norm_name, None)
+        return (norm(states) if norm is not None else states).transpose(1, 2)  # (B, heads, T, d)
+
+    keys = apply_rotary(project(attn.k_proj, "k_norm"), cos, sin)
+    values = project(attn.v_proj, "none")
     own = torch.cat([keys, values], -1).float()  # (B, H, T, 2d)
     approx = torch.cat([keys_mapped, values_mapped], -1).float()
-    return (own - approx).pow(2).sum((1, 3)) / own.pow(2).sum((1, 3)).clamp_min(1e-12)  # (B, T)
+    error = (own - approx).pow(2).sum((1, 3)) / own.pow(2).sum((1, 3)).clamp_min(1e-12)  # (B, T)
+    last = min(queries, seq)
+    q = apply_rotary(project(attn.q_proj, "q_norm"), cos, sin)[:, :, seq - last :].float()  # (B, H_q, last, d)
+    k = keys.float().repeat_interleave(q.shape[1] // keys.shape[1], 1)  # (B, H_q, T, d)
+    logits = (q @ k.transpose(-1, -2)) * attn.scaling  # (B, H_q, last, T)
+    causal = torch.arange(seq, device=q.device)[None, :] <= torch.arange(seq - last, seq, device=q.device)[:, None]
+    weight = logits.masked_fill(~causal, float("-inf")).softmax(-1).mean((1, 2))  # (B, T)
+    return error * (weight + 1.0 / seq)
 
 
 def choose_tokens(
@@ -75,7 +90,7 @@ def choose_tokens(
         count (`int`): tokens per row (capped at the row's real tokens).
         attention_mask (`torch.Tensor` of shape `(B, T)`): 1 for real tokens.
         score (`torch.Tensor` of shape `(B, T)`, *optional*): for `"probe"`, the per-token error estimate
-            (`layer0_disagreement`); the highest are chosen.
+            (`probe_scores`); the highest are chosen.
     """
     if policy not in RECOMPUTE_POLICIES:
         raise ValueError(f"recompute_policy must be one of {RECOMPUTE_POLICIES}, got {policy!r}")
@@ -95,8 +110,11 @@ def choose_tokens(
             pick = index[torch.randperm(index.numel(), generator=generator)[:n]]
         else:
             if score is None:
-                raise ValueError("the 'probe' policy needs the per-token score")
-            pick = index[torch.topk(score[b, index].float(), n).indices]
+                raise ValueError(f"the {policy!r} policy needs the per-token score")
+            tail = n // 2 if policy == "tail_probe" else 0  # the last tokens first, then the best scores of the rest
+            rest = index[: index.numel() - tail]
+            best = rest[torch.topk(score[b, rest].float(), n - tail).indices]
+            pick = torch.cat([index[index.numel() - tail :], best])
         chosen[b, pick] = True
     return chosen
 

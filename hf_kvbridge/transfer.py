@@ -18,7 +18,7 @@ from transformers import Cache, DynamicCache
 
 from .cache import slice_cache
 from .loading import execution_device
-from .recompute import choose_tokens, layer0_disagreement, recompute_count, recompute_tokens
+from .recompute import choose_tokens, probe_scores, recompute_count, recompute_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -127,7 +127,7 @@ def _recompute(bridge, cache: DynamicCache | None, ids, mask, pos, first_mapped:
         return 0
     mapped = mask.clone()
     mapped[:, :first_mapped] = 0  # sink tokens are the target's own already
-    score = layer0_disagreement(bridge.target, cache, ids, pos) if config.recompute_policy == "probe" else None
+    score = probe_scores(bridge.target, cache, ids, pos) if "probe" in config.recompute_policy else None
     generator = torch.Generator().manual_seed(0)
     chosen = choose_tokens(config.recompute_policy, count, mapped, score=score, generator=generator)
     recompute_tokens(bridge.target, cache, ids, mask, pos, chosen)

@@ -45,14 +45,19 @@ def test_bridge_keeps_the_context_and_breakage_would_not():
     )
     assert bridge.config.source_name_or_path == "pocket/pocket-m"
     windows = heldout_windows(pocket.load_texts("heldout"), tokenizer, 192 + 16, 24)
-    result = continuation_nll(bridge, windows, 192)
+    result = continuation_nll(bridge, windows, 192, controls=True)
     nll = result["nll"]
     assert nll["target"] < nll["no_context"] - 0.3  # the context is worth something to the target
     assert nll["bridge"] < nll["no_context"] - 0.2
     assert result["context_benefit_retention"] > RETENTION_FLOOR, result
-    # the same bridge with its layer order broken falls far below the floor (the test can fail)
+    # controls: caches that carry no information keep far less, and the real bridge is not flagged
+    assert max(result["control_retention"].values()) < result["context_benefit_retention"] - 0.2, result
+    assert not result["controls_flag"]
+    # the same bridge with its layer order broken falls far below the floor and the controls flag it
     bridge.mapper.selected_layers = [list(reversed(layers)) for layers in bridge.mapper.selected_layers]
-    assert continuation_nll(bridge, windows[:8], 192)["context_benefit_retention"] < RETENTION_FLOOR
+    broken = continuation_nll(bridge, windows[:8], 192, controls=True)
+    assert broken["context_benefit_retention"] < RETENTION_FLOOR
+    assert broken["controls_flag"], broken
 
 
 @pytest.mark.slow

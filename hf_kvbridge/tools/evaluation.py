@@ -5,7 +5,11 @@ Every mode scores the same tokens:
 - `target`: the target with its own prefill of the context;
 - `source`: the source alone;
 - `bridge`: the source prefills the context, the mapped cache is scored by the target;
-- `no_context`: the target sees only the continuation.
+- `no_context`: the target sees only the continuation;
+- controls (`CONTROL_MODES`): the target scores the continuation on a cache of the context's length that carries no
+  information: `zero_cache` (all keys and values zero) and `random_cache` (Gaussian keys and values with the mapped
+  cache's norm per layer and head). A bridge whose retention a control comes close to transfers little: a study of
+  cross-model transfer found such caches reproducing most of the teacher-forced gain on some tasks.
 
 Context-benefit retention = (NLL_no_context − NLL_bridge) / (NLL_no_context − NLL_target): 1 means the bridge keeps all
 that the context is worth to the target, 0 means the mapped cache is worth nothing.
@@ -20,6 +24,9 @@ import torch
 from torch import nn
 
 MODES = ("target", "source", "bridge", "no_context")
+CONTROL_MODES = ("zero_cache", "random_cache")
+# a control whose retention comes within this of the bridge's is flagged
+CONTROL_MARGIN = 0.1
 
 
 def heldout_windows(texts: list[str], tokenizer, length: int, max_windows: int) -> torch.Tensor:
@@ -56,39 +63,79 @@ def score_tokens(bridge, ids: torch.Tensor, context_len: int, mode: str, first: 
         logits = bridge.source(input_ids=ids.to(bridge.source.device)).logits
     elif mode == "bridge":
         logits = bridge(ids, prefill_length=context_len).logits
+    elif mode in CONTROL_MODES:
+        return _token_logprobs(_control_logits(bridge, ids, context_len, mode), ids, first)
     elif mode == "no_context":
         tail = ids[:, context_len:]
         return _token_logprobs(
             bridge.target(input_ids=tail.to(bridge.target.device)).logits, tail, max(1, first - context_len)
         )
     else:
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        raise ValueError(f"mode must be one of {MODES + CONTROL_MODES}, got {mode!r}")
     return _token_logprobs(logits, ids, first)
 
 
-def continuation_nll(bridge, windows: torch.Tensor, context_len: int, batch_size: int = 8) -> dict:
+@torch.no_grad()
+def _control_logits(bridge, ids: torch.Tensor, context_len: int, mode: str) -> torch.Tensor:
+    """Target logits over `ids` whose context K/V are replaced by a control cache of the same shape."""
+    target, device = bridge.target, bridge.device
+    mapped, _ = bridge.prefill(ids[:, :context_len], source_logits=False)
+    generator = torch.Generator().manual_seed(0)
+    for layer in mapped.layers:
+        for name in ("keys", "values"):
+            tensor = getattr(layer, name)  # (B, H, T, d)
+            if mode == "zero_cache":
+                control = torch.zeros_like(tensor)
+            else:
+                noise = torch.randn(tensor.shape, generator=generator).to(tensor)
+                norm = tensor.float().pow(2).mean((2, 3), keepdim=True).sqrt()  # (B, H, 1, 1): the mapped rows' RMS
+                control = (noise * norm / noise.float().pow(2).mean((2, 3), keepdim=True).sqrt()).to(tensor.dtype)
+            setattr(layer, name, control)
+    rest = target(input_ids=ids[:, context_len:].to(device), cache=mapped).logits
+    # positions before the context's end are never scored (first > context_len); pad them to keep the indexing
+    return torch.cat([rest.new_zeros(rest.shape[0], context_len, rest.shape[-1]), rest], dim=1)
+
+
+def retention(nll: dict[str, float], mode: str = "bridge") -> float:
+    """Context-benefit retention of `mode`: `(NLL_no_context − NLL_mode) / (NLL_no_context − NLL_target)`."""
+    gain = nll["no_context"] - nll["target"]
+    return (nll["no_context"] - nll[mode]) / gain if gain > 0 else float("nan")
+
+
+def continuation_nll(
+    bridge, windows: torch.Tensor, context_len: int, batch_size: int = 8, controls: bool = False
+) -> dict:
     """Mean continuation NLL (nats/token) and perplexity of every mode, and the context-benefit retention.
 
     Args:
         windows (`torch.LongTensor` of shape `(N, context_len + continuation_len)`): held-out text.
+        controls (`bool`, *optional*, defaults to `False`): also score the zero- and random-cache controls, report
+            their retention, and flag the bridge's when a control comes within `CONTROL_MARGIN` of it.
     """
-    totals = dict.fromkeys(MODES, 0.0)
+    modes = MODES + (CONTROL_MODES if controls else ())
+    totals = dict.fromkeys(modes, 0.0)
     count = 0
     for start in range(0, len(windows), batch_size):
         batch = windows[start : start + batch_size]
-        for mode in MODES:
+        for mode in modes:
             totals[mode] -= score_tokens(bridge, batch, context_len, mode).sum().item()
         count += batch.shape[0] * (batch.shape[1] - context_len - 1)
-    nll = {mode: totals[mode] / count for mode in MODES}
-    gain = nll["no_context"] - nll["target"]
-    return {
+    nll = {mode: totals[mode] / count for mode in modes}
+    result = {
         "nll": nll,
         "perplexity": {mode: float(torch.tensor(v).exp()) for mode, v in nll.items()},
-        "context_benefit_retention": (nll["no_context"] - nll["bridge"]) / gain if gain > 0 else float("nan"),
+        "context_benefit_retention": retention(nll),
         "tokens_scored": count,
         "windows": int(len(windows)),
         "context_len": context_len,
     }
+    if controls:
+        control_retention = {mode: retention(nll, mode) for mode in CONTROL_MODES}
+        result["control_retention"] = control_retention
+        result["controls_flag"] = any(
+            value >= result["context_benefit_retention"] - CONTROL_MARGIN for value in control_retention.values()
+        )
+    return result
 
 
 @dataclass

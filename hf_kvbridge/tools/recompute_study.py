@@ -1,0 +1,153 @@
+"""The selective-recompute frontier: context-benefit retention against the share of the context the target recomputes.
+
+For one pocket pair (the hard direction first: pocket-l → pocket-s), one calibration, and the same held-out windows
+for every point, each policy recomputes a fraction of the mapped context (`hf_kvbridge.recompute`); `sinks` computes
+the first tokens instead (`config.sink_tokens`). Every point reports its cost: the share of the context's tokens the
+target runs (its prefill FLOPs, to first order) and the wall time of the bridged prefill. The zero- and random-cache
+controls are reported next to the bridge.
+
+    python -m hf_kvbridge.tools.recompute_study --source pocket-l --target pocket-s --out runs/recompute
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import time
+from pathlib import Path
+
+import torch
+from transformers import AutoTokenizer
+
+from .. import pocket
+from ..calibration import calibrate
+from .evaluation import continuation_nll, heldout_windows, retention, score_tokens
+
+POLICIES = ("tail", "sinks", "random", "spread", "probe", "tail_probe")
+FRACTIONS = (0.0, 0.02, 0.05, 0.1, 0.2, 0.3)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--source", default="pocket-l", help="pocket model that prefills")
+    parser.add_argument("--target", default="pocket-s", help="pocket model that decodes")
+    parser.add_argument("--policies", default=",".join(POLICIES), help=f"comma-separated, of {POLICIES}")
+    parser.add_argument("--fractions", default=",".join(map(str, FRACTIONS)), help="recomputed shares of the context")
+    parser.add_argument("--num-sequences", type=int, default=128)
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--top-k", type=int, default=6)
+    parser.add_argument("--windows", type=int, default=48, help="held-out windows")
+    parser.add_argument("--context", type=int, default=192)
+    parser.add_argument("--continuation", type=int, default=32)
+    parser.add_argument("--out", default="runs/recompute", help="folder for recompute.json and recompute.png")
+
+
+def _bridge_nll(bridge, windows: torch.Tensor, context: int, batch_size: int = 8) -> tuple[float, float]:
+    """Mean NLL of the continuation in bridge mode, and the seconds spent in the bridged prefills."""
+    total, count, seconds = 0.0, 0, 0.0
+    for start in range(0, len(windows), batch_size):
+        batch = windows[start : start + batch_size]
+        started = time.perf_counter()
+        total -= score_tokens(bridge, batch, context, "bridge").sum().item()
+        seconds += time.perf_counter() - started
+        count += batch.shape[0] * (batch.shape[1] - context - 1)
+    return total / count, seconds
+
+
+def run_frontier(args: argparse.Namespace) -> dict:
+    """Calibrates the pair once and measures every (policy, fraction) point on the same windows."""
+    tokenizer = AutoTokenizer.from_pretrained(pocket.model_path(args.target))
+    source, target = pocket.load_model(args.source), pocket.load_model(args.target)
+    bridge = calibrate(
+        source,
+        target,
+        pocket.load_texts("calibration"),
+        tokenizer=tokenizer,
+        num_sequences=args.num_sequences,
+        seq_len=args.seq_len,
+        top_k=args.top_k,
+    )
+    windows = heldout_windows(pocket.load_texts("heldout"), tokenizer, args.context + args.continuation, args.windows)
+    reference = continuation_nll(bridge, windows, args.context, controls=True)
+    nll = dict(reference["nll"])
+    points = []
+    mapped_context = args.context - bridge.config.hold_back  # the tokens the source prefills
+    for policy in args.policies.split(","):
+        for fraction in (float(f) for f in args.fractions.split(",")):
+            variant = bridge.with_mapper(bridge.mapper, copy.deepcopy(bridge.config))
+            if policy == "sinks":
+                variant.config.sink_tokens = round(fraction * mapped_context)
+            else:
+                variant.config.recompute_fraction, variant.config.recompute_policy = fraction, policy
+            bridge_nll, seconds = _bridge_nll(variant, windows, args.context)
+            computed = (variant.last_transfer or {}).get("target_tokens", 0) + variant.config.hold_back
+            points.append(
+                {
+                    "policy": policy,
+                    "fraction": fraction,
+                    "retention": retention({**nll, "bridge": bridge_nll}),
+                    "nll": bridge_nll,
+                    "target_token_share": computed / args.context,
+                    "prefill_seconds": seconds,
+                }
+            )
+            print(f"{policy:7s} {fraction:5.2f}  retention {points[-1]['retention']:.4f}  ({seconds:.1f}s)")
+    return {
+        "pair": {"source": args.source, "target": args.target},
+        "settings": {k: v for k, v in vars(args).items() if k != "func"},
+        "reference": {k: v for k, v in reference.items()},
+        "points": points,
+        "torch_threads": torch.get_num_threads(),
+    }
+
+
+def format_table(result: dict) -> str:
+    fractions = sorted({p["fraction"] for p in result["points"]})
+    policies = list(dict.fromkeys(p["policy"] for p in result["points"]))
+    by = {(p["policy"], p["fraction"]): p for p in result["points"]}
+    lines = ["| policy | " + " | ".join(f"{f:.0%}" for f in fractions) + " |", "|---" * (len(fractions) + 1) + "|"]
+    for policy in policies:
+        cells = [f"{by[(policy, f)]['retention']:.3f}" if (policy, f) in by else "–" for f in fractions]
+        lines.append(f"| {policy} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot_frontier(result: dict, path: Path) -> None:
+    from .diagnostics import _pyplot
+
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6.4, 4.2), constrained_layout=True)
+    for policy in dict.fromkeys(p["policy"] for p in result["points"]):
+        pts = [p for p in result["points"] if p["policy"] == policy]
+        ax.plot([p["target_token_share"] for p in pts], [p["retention"] for p in pts], marker="o", label=policy)
+    for mode, value in result["reference"].get("control_retention", {}).items():
+        ax.axhline(value, linestyle=":", color="grey")
+        ax.annotate(mode.replace("_", " "), (0.0, value), fontsize=8, color="grey", va="bottom")
+    pair = result["pair"]
+    ax.set_title(f"Selective recompute: {pair['source']} → {pair['target']}")
+    ax.set_xlabel("share of the context the target computes")
+    ax.set_ylabel("context-benefit retention")
+    ax.legend(title="policy")
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def run(args: argparse.Namespace) -> int:
+    result = run_frontier(args)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "recompute.json").write_text(json.dumps(result, indent=2) + "\n")
+    plot_frontier(result, out / "recompute.png")
+    print(format_table(result))
+    print(f"controls: {result['reference'].get('control_retention')}; written to {out}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
