@@ -254,7 +254,8 @@ def test_checkpoint_carries_the_tokenizer_and_world_readable_weights(bridge, sav
     from transformers import AutoTokenizer
 
     bridge.save_pretrained(tmp_path / "b")
-    loaded, reference = AutoTokenizer.from_pretrained(tmp_path / "b"), AutoTokenizer.from_pretrained(saved_pair["large"])
+    loaded = AutoTokenizer.from_pretrained(tmp_path / "b")
+    reference = AutoTokenizer.from_pretrained(saved_pair["large"])
     assert loaded.get_vocab() == reference.get_vocab()
     assert loaded("The quick brown fox")["input_ids"] == reference("The quick brown fox")["input_ids"]
     # what a push uploads and what save_pretrained writes stay the same set
