@@ -35,7 +35,7 @@ def _run(command: list[str], cwd: Path) -> subprocess.CompletedProcess:
         "HF_HUB_OFFLINE": "1",
         "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
     }
-    return subprocess.run(command, cwd=cwd, env=env, text=True, capture_output=True, timeout=900)
+    return subprocess.run(command, cwd=cwd, env=env, text=True, capture_output=True, timeout=1800)
 
 
 @pytest.mark.slow
