@@ -4,6 +4,18 @@ CONFIG_NAME = "config.json"
 MAPPER_WEIGHTS_NAME = "mapper.safetensors"
 MAPPER_WEIGHTS_INDEX_NAME = "mapper.safetensors.index.json"
 MODEL_CARD_NAME = "README.md"
+# the shared tokenizer a checkpoint carries (so `AutoTokenizer.from_pretrained(bridge_dir)` works): whatever of these
+# `tokenizer.save_pretrained` writes
+TOKENIZER_FILE_NAMES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+)
 # shards of a large mapper: mapper-00001-of-00003.safetensors, ... (listed in MAPPER_WEIGHTS_INDEX_NAME)
 MAPPER_SHARD_PATTERN = "mapper{suffix}.safetensors"
 DEFAULT_MAX_SHARD_SIZE = "2GB"

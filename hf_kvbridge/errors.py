@@ -30,9 +30,14 @@ class CheckpointNotFoundError(KVBridgeError, FileNotFoundError):
     """A bridge checkpoint is neither a local folder nor a repository reachable on the Hub."""
 
 
+class ContextLengthError(KVBridgeError, ValueError):
+    """A prompt, generation or benchmark length runs past the models' maximum positions."""
+
+
 __all__ = [
     "CalibrationDataError",
     "CheckpointNotFoundError",
+    "ContextLengthError",
     "KVBridgeError",
     "KVLayoutError",
     "MapperFileError",

@@ -9,6 +9,8 @@ holds exactly:
   and `mapper.safetensors.index.json` (`{"metadata": {"total_size": ...}, "weight_map": {tensor: shard}}`, the
   layout transformers uses for `model.safetensors.index.json`);
 - `README.md`: the model card (`card.render_model_card`);
+- the shared tokenizer's files (`tokenizer.json`, `tokenizer_config.json`, ...), when the bridge knows its tokenizer,
+  so `AutoTokenizer.from_pretrained(bridge_dir)` works;
 - `reverse/`: the target→source mapper of a bidirectional bridge, a checkpoint of its own.
 """
 
@@ -40,9 +42,11 @@ from .constants import (
     MAPPER_WEIGHTS_NAME,
     MODEL_CARD_NAME,
     REVERSE_FOLDER,
+    TOKENIZER_FILE_NAMES,
 )
-from .errors import MapperFileError
+from .errors import CheckpointNotFoundError, MapperFileError
 from .layout import KVLayout
+from .loading import resolve_model_reference
 from .mappers import KVMapper, build_mapper, get_mapper_type
 from .mappers.lazy import LazyKVMapper
 
@@ -51,7 +55,7 @@ logger = logging.getLogger(__name__)
 SHARD_GLOB = "mapper-*-of-*.safetensors"
 # every file a checkpoint may hold; pushes upload these and nothing else
 WEIGHT_FILE_PATTERNS = [MAPPER_WEIGHTS_NAME, MAPPER_WEIGHTS_INDEX_NAME, SHARD_GLOB]
-CHECKPOINT_FILE_PATTERNS = [CONFIG_NAME, MODEL_CARD_NAME, *WEIGHT_FILE_PATTERNS]
+CHECKPOINT_FILE_PATTERNS = [CONFIG_NAME, MODEL_CARD_NAME, *WEIGHT_FILE_PATTERNS, *TOKENIZER_FILE_NAMES]
 # what travels to and from the Hub: the checkpoint, and the reverse mapper of a bidirectional one
 HUB_FILE_PATTERNS = [*CHECKPOINT_FILE_PATTERNS, f"{REVERSE_FOLDER}/*"]
 
@@ -69,21 +73,45 @@ def resolve_checkpoint(
     """A local folder holding the checkpoint: `name_or_path` itself, or a snapshot from the Hub cache.
 
     Honours `HF_HUB_OFFLINE` (through huggingface_hub): offline, only what is already cached resolves.
+
+    Raises:
+        [`CheckpointNotFoundError`]: the folder does not exist (for a path that can only be local: absolute, `./`,
+            `~`, or more than one `/`), is not a checkpoint, or the Hub repo is neither cached nor reachable.
     """
-    path = Path(name_or_path)
+    path = Path(name_or_path).expanduser()
     if path.is_dir():
         if not (path / CONFIG_NAME).is_file():
-            raise FileNotFoundError(f"{path} has no {CONFIG_NAME}; it is not a kvbridge checkpoint")
+            raise CheckpointNotFoundError(
+                f"{path} has no {CONFIG_NAME}; it is not a kvbridge checkpoint (make one with `kvbridge calibrate "
+                f"... --out {path}` or `bridge.save_pretrained`)"
+            )
         return path
-    snapshot = snapshot_download(
-        str(name_or_path),
-        revision=revision,
-        cache_dir=cache_dir,
-        local_files_only=local_files_only,
-        token=token,
-        force_download=force_download,
-        allow_patterns=HUB_FILE_PATTERNS,
-    )
+    text = str(name_or_path)
+    if path.exists():
+        raise CheckpointNotFoundError(f"{text} is a file; a bridge checkpoint is a folder holding {CONFIG_NAME}")
+    if text.startswith((".", "/", "~")) or "\\" in text or text.count("/") > 1:  # cannot be a Hub repo id
+        raise CheckpointNotFoundError(
+            f"bridge checkpoint folder {text} does not exist; check the path, or make it with `kvbridge calibrate "
+            f"SOURCE TARGET --out {text}`"
+        )
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError, RepositoryNotFoundError
+
+    try:
+        snapshot = snapshot_download(
+            text,
+            revision=revision,
+            cache_dir=cache_dir,
+            local_files_only=local_files_only,
+            token=token,
+            force_download=force_download,
+            allow_patterns=HUB_FILE_PATTERNS,
+        )
+    except (HFValidationError, LocalEntryNotFoundError, RepositoryNotFoundError) as err:
+        offline = " (offline: not in the local Hub cache)" if isinstance(err, LocalEntryNotFoundError) else ""
+        raise CheckpointNotFoundError(
+            f"bridge checkpoint {text} not found: no folder {text} here, and no Hub repository {text}{offline}; "
+            f"check the name, or make it with `kvbridge calibrate SOURCE TARGET --out {text}`"
+        ) from err
     return Path(snapshot)
 
 
@@ -283,6 +311,14 @@ def save_bridge(
         config_dict[MAPPER_CHECKSUMS_KEY] = checksums
         (tmp / CONFIG_NAME).write_text(json.dumps(config_dict, indent=2, sort_keys=True) + "\n", encoding="utf-8")
         render_model_card(bridge.config, **(model_card_kwargs or {})).save(tmp / MODEL_CARD_NAME)
+        # safetensors writes its files 0600; give them the mode the umask gives every other file here (0644)
+        for name in checksums:
+            (tmp / name).chmod((tmp / CONFIG_NAME).stat().st_mode & 0o777)
+        tokenizer = bridge_tokenizer(bridge)
+        if tokenizer is not None:
+            for name in tokenizer.save_pretrained(tmp):
+                if Path(name).name not in TOKENIZER_FILE_NAMES:  # only the tokenizer's own files travel
+                    Path(name).unlink(missing_ok=True)
         if bridge.reverse is not None:  # the target→source mapper, in a folder of its own
             save_bridge(bridge.reverse, tmp / REVERSE_FOLDER, max_shard_size=max_shard_size)
         written = {p.name for p in tmp.iterdir()}
@@ -291,6 +327,26 @@ def save_bridge(
             shutil.rmtree(save_directory / REVERSE_FOLDER)
         for name in sorted(written):
             os.replace(tmp / name, save_directory / name)
+
+
+def bridge_tokenizer(bridge):
+    """The tokenizer a checkpoint carries: `bridge.tokenizer` when set, else the target's own when it loads from
+    local files (a local folder, a `pocket/` model, or the Hub cache); `None` when there is none at hand."""
+    tokenizer = getattr(bridge, "tokenizer", None)
+    if tokenizer is not None:
+        return tokenizer
+    reference = bridge.config.target_name_or_path
+    if not reference:
+        return None
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(
+            resolve_model_reference(reference), revision=bridge.config.target_revision, local_files_only=True
+        )
+    except Exception as err:  # a target without tokenizer files, or not cached: the checkpoint is still valid
+        logger.info("no tokenizer saved with the bridge (target %r: %s)", reference, err)
+        return None
 
 
 def read_checkpoint_config(folder: Path, config: KVBridgeConfig | None = None) -> tuple[KVBridgeConfig, dict | None]:

@@ -67,3 +67,11 @@ def test_bench_cli_low_rank_bf16_interleaved(tmp_path, monkeypatch):
     # all heads, 3 target layers reading 2 source layers: p = 2·64, q = 64; rank 4 against the full p·q
     assert low["mapper_flops"] == 16 * 3 * 2 * (128 + 64) * 4
     assert ref["mapper_flops"] == 16 * 3 * 2 * 128 * 64
+
+
+def test_cpu_memory_records_print_no_profiler_noise(capfd):
+    from hf_kvbridge.tools.bench import _cpu_peak_bytes
+
+    assert _cpu_peak_bytes(lambda: torch.ones(1000) * 2) >= 4000
+    captured = capfd.readouterr()
+    assert "USDT" not in captured.out + captured.err and "profiler_start" not in captured.out + captured.err

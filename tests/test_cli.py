@@ -29,7 +29,8 @@ def test_calibrate_then_generate(saved_pair, tmp_path, capsys):
     )
     assert code == 0
     assert "held-out R²" in capsys.readouterr().out
-    assert {p.name for p in out.iterdir()} == {"config.json", "mapper.safetensors", "README.md"}
+    tokenizer_files = {"tokenizer.json", "tokenizer_config.json"}  # the shared tokenizer travels with the bridge
+    assert {p.name for p in out.iterdir()} == {"config.json", "mapper.safetensors", "README.md", *tokenizer_files}
     assert main(["generate", str(out), "The quick brown", "--max-new-tokens", "5"]) == 0
     assert capsys.readouterr().out.startswith("The quick brown")
     # a second calibrate into the same folder refuses before doing any work

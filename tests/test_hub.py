@@ -13,10 +13,12 @@ import hf_kvbridge
 from hf_kvbridge import KVBridgeForCausalLM, MapperFileError
 from hf_kvbridge.card import read_eval_table, render_model_card
 from hf_kvbridge.cli.main import main as cli_main
-from hf_kvbridge.persistence import sha256_file
+from hf_kvbridge.persistence import checkpoint_files, sha256_file
 from tests.conftest import CORPUS, VOCAB
 
-BRIDGE_FILES = {"config.json", "mapper.safetensors", "README.md"}
+# the pair's shared tokenizer travels with the checkpoint (so AutoTokenizer.from_pretrained(bridge_dir) works)
+TOKENIZER_FILES = {"tokenizer.json", "tokenizer_config.json"}
+BRIDGE_FILES = {"config.json", "mapper.safetensors", "README.md", *TOKENIZER_FILES}
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
 
@@ -91,7 +93,7 @@ def test_sharded_save_load_round_trip(bridge, tmp_path):
     files = {p.name for p in (tmp_path / "b").iterdir()}
     shards = sorted(f for f in files if f.startswith("mapper-"))
     assert len(shards) >= 3 and all(f.endswith(f"-of-{len(shards):05d}.safetensors") for f in shards)
-    assert files == {"config.json", "README.md", "mapper.safetensors.index.json", *shards}
+    assert files == {"config.json", "README.md", "mapper.safetensors.index.json", *shards, *TOKENIZER_FILES}
     index = json.loads((tmp_path / "b" / "mapper.safetensors.index.json").read_text())
     assert set(index["weight_map"]) == set(bridge.mapper.state_dict())
     assert set(index["weight_map"].values()) == set(shards)
@@ -170,12 +172,14 @@ def test_cli_push_keeps_the_eval_table(bridge, tmp_path, hub_calls, capsys):
     assert "pushed" in capsys.readouterr().out
 
 
-def test_cli_push_refuses_a_damaged_checkpoint(bridge, tmp_path, hub_calls):
+def test_cli_push_refuses_a_damaged_checkpoint(bridge, tmp_path, hub_calls, capsys):
     bridge.save_pretrained(tmp_path / "b")
     weights = tmp_path / "b" / "mapper.safetensors"
     weights.write_bytes(weights.read_bytes()[:-1] + b"\x00")
     with pytest.raises(MapperFileError, match="checksum"):
-        cli_main(["push", str(tmp_path / "b"), "me/tiny-bridge"])
+        cli_main(["push", str(tmp_path / "b"), "me/tiny-bridge", "--debug"])
+    assert cli_main(["push", str(tmp_path / "b"), "me/tiny-bridge"]) == 1  # one line, no traceback
+    assert "checksum" in capsys.readouterr().err
     assert hub_calls["upload_folder"] == []
 
 
@@ -236,9 +240,31 @@ def test_bidirectional_checkpoint_pushes_its_reverse_mapper(saved_pair, tmp_path
     both = hf_kvbridge.calibrate(
         saved_pair["small"], saved_pair["large"], CORPUS, num_sequences=16, seq_len=32, top_k=2, bidirectional=True
     )
-    reverse_files = {"reverse/config.json", "reverse/mapper.safetensors", "reverse/README.md"}
+    reverse_files = {
+        f"reverse/{name}" for name in ("config.json", "mapper.safetensors", "README.md", *TOKENIZER_FILES)
+    }
     both.push_to_hub("me/both-ways")
     both.save_pretrained(tmp_path / "b")
     assert cli_main(["push", str(tmp_path / "b"), "me/both-ways"]) == 0
     for call in hub_calls["upload_folder"]:  # the method and the CLI upload the same files
         assert _uploaded_names(call) == BRIDGE_FILES | reverse_files
+
+
+def test_checkpoint_carries_the_tokenizer_and_world_readable_weights(bridge, saved_pair, tmp_path):
+    from transformers import AutoTokenizer
+
+    bridge.save_pretrained(tmp_path / "b")
+    loaded = AutoTokenizer.from_pretrained(tmp_path / "b")
+    reference = AutoTokenizer.from_pretrained(saved_pair["large"])
+    assert loaded.get_vocab() == reference.get_vocab()
+    assert loaded("The quick brown fox")["input_ids"] == reference("The quick brown fox")["input_ids"]
+    # what a push uploads and what save_pretrained writes stay the same set
+    assert set(checkpoint_files(tmp_path / "b")) == BRIDGE_FILES == {p.name for p in (tmp_path / "b").iterdir()}
+    mode = (tmp_path / "b" / "config.json").stat().st_mode & 0o777
+    assert (tmp_path / "b" / "mapper.safetensors").stat().st_mode & 0o777 == mode  # not safetensors' 0600
+
+
+def test_checkpoint_without_a_tokenizer_at_hand_still_saves(bridge, tmp_path, monkeypatch):
+    monkeypatch.setattr(bridge.config, "target_name_or_path", str(tmp_path / "gone"))
+    bridge.save_pretrained(tmp_path / "b")
+    assert {p.name for p in (tmp_path / "b").iterdir()} == BRIDGE_FILES - TOKENIZER_FILES

@@ -155,7 +155,8 @@ def test_console_script_runs_a_small_to_large_bridge(checkpoints, tmp_path):
     assert 0.0 <= acc <= 1.0 and results["n-samples"]["kvbridge_pocket_cloze"]["effective"] == 4
 
 
-def test_kvbridge_eval_table_json_and_card(checkpoints, tmp_path, capsys):
+def test_kvbridge_eval_table_json_and_card(checkpoints, tmp_path, capfd, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # outside any git clone: lm-eval's git call must stay quiet
     out = tmp_path / "retention.json"
     code = cli_main(
         [
@@ -177,7 +178,10 @@ def test_kvbridge_eval_table_json_and_card(checkpoints, tmp_path, capsys):
         ]
     )
     assert code == 0
-    printed = capsys.readouterr().out
+    captured = capfd.readouterr()
+    printed = captured.out
+    assert "not a git repository" not in captured.err
+    assert "[1/3] mode source" in captured.err and "[3/3] mode bridge" in captured.err  # every mode is labelled
     payload = json.loads(out.read_text())
     rows = {(r["task"], r["metric"]): r for r in payload["rows"]}
     row = rows[("kvbridge_pocket_cloze", "acc")]
@@ -189,7 +193,8 @@ def test_kvbridge_eval_table_json_and_card(checkpoints, tmp_path, capsys):
     assert "| kvbridge_pocket_cloze | acc |" in printed and payload["table"] in printed
     assert set(payload["lm_eval_results"]) == {"source", "target", "bridge"}
     card = (Path(checkpoints["pair"]) / "README.md").read_text()
-    assert read_eval_table(card) == payload["table"]
+    card_table = read_eval_table(card)
+    assert card_table.startswith(payload["table"]) and "(`--limit 4`), not the full tasks" in card_table
 
 
 def test_retention_rows_directions_and_chance():

@@ -12,7 +12,8 @@ from hf_kvbridge import KVBridgeConfig, KVBridgeForCausalLM
 from hf_kvbridge.calibration import collect_statistics, fit_bridge
 from tests.conftest import CORPUS, VOCAB, qwen3
 
-BRIDGE_FILES = {"config.json", "mapper.safetensors", "README.md"}
+# config, mapper, card and the pair's shared tokenizer (persistence.save_bridge)
+BRIDGE_FILES = {"config.json", "mapper.safetensors", "README.md", "tokenizer.json", "tokenizer_config.json"}
 
 
 @pytest.fixture(scope="module")

@@ -2,6 +2,7 @@
 
 import gc
 import io
+import shutil
 import weakref
 
 import pytest
@@ -128,9 +129,11 @@ def test_chat_cli(saved_pair, tmp_path, monkeypatch, capsys, chat_tokenizer):
     import hf_kvbridge
     from hf_kvbridge.cli.main import main
 
-    chat_tokenizer.save_pretrained(saved_pair["large"])  # give the target a chat template
+    large = tmp_path / "large"  # a copy: the session-wide pair stays without a chat template for other tests
+    shutil.copytree(saved_pair["large"], large)
+    chat_tokenizer.save_pretrained(large)  # give the target a chat template
     bridge = hf_kvbridge.calibrate(
-        saved_pair["small"], saved_pair["large"], [" ".join(QUESTIONS) * 20], num_sequences=12, seq_len=32, top_k=2
+        saved_pair["small"], str(large), [" ".join(QUESTIONS) * 20], num_sequences=12, seq_len=32, top_k=2
     )
     bridge.save_pretrained(tmp_path / "b")
     monkeypatch.setattr("sys.stdin", io.StringIO("the fox\n/switch\na key\n/source\nridge\n/quit\n"))

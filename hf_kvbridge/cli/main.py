@@ -1,4 +1,9 @@
-"""The `kvbridge` command: `calibrate`, `generate`, `demo`."""
+"""The `kvbridge` command: `calibrate`, `generate`, `chat`, `demo`, `eval`, ...
+
+Arguments are validated when they are parsed, before any model is loaded. Any error a command meets is printed as
+one line (what is wrong, what to do) with exit status 1 (`--debug` shows the traceback instead); Ctrl-C exits with
+status 130 and one line.
+"""
 
 from __future__ import annotations
 
@@ -6,23 +11,108 @@ import argparse
 import logging
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
+from ..errors import ContextLengthError
 from ..mappers import MAPPER_TYPES
+
+# `--data pocket` names the calibration split shipped with the pocket family
+POCKET_DATA = "pocket"
+
+
+def _positive_int(value: str) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a whole number") from None
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not a positive whole number (1 or more)")
+    return number
 
 
 def _top_k(value: str) -> int | None:
-    return None if value == "all" else int(value)
+    if value == "all":
+        return None
+    try:
+        return _positive_int(value)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"{value!r}: pass a number of source layers ≥ 1, or 'all'") from None
+
+
+def _fraction(value: str) -> float:
+    try:
+        number = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a number") from None
+    if not 0.0 < number < 1.0:
+        raise argparse.ArgumentTypeError(f"{value} is not a fraction between 0 and 1 (exclusive)")
+    return number
+
+
+def _lengths(value: str) -> list[int]:
+    try:
+        return [_positive_int(n.strip()) for n in value.split(",") if n.strip()] or _positive_int("")
+    except argparse.ArgumentTypeError as err:
+        raise argparse.ArgumentTypeError(
+            f"{value!r}: comma-separated positive token counts, e.g. 256,1024 ({err})"
+        ) from None
+
+
+def _calibration_data(value: str) -> str:
+    """`pocket` → the shipped calibration split; a path that can only be local must exist."""
+    if value == POCKET_DATA:
+        from ..pocket import data_path
+
+        return str(data_path("calibration"))
+    from ..data import TEXT_SUFFIXES
+
+    path = Path(value).expanduser()
+    if not path.exists() and (value.endswith(TEXT_SUFFIXES) or value.startswith((".", "/", "~"))):
+        raise argparse.ArgumentTypeError(
+            f"calibration data {value} does not exist; pass a .txt/.jsonl(.gz) file or folder, "
+            f"`--data {POCKET_DATA}` for the pocket family's shipped calibration split, or a dataset name"
+        )
+    return value
+
+
+def _heldout_data(value: str) -> str:
+    """`pocket` → the shipped held-out split (seen by no model and no calibration); else as `_calibration_data`."""
+    if value == POCKET_DATA:
+        from ..pocket import data_path
+
+        return str(data_path("heldout"))
+    return _calibration_data(value)
+
+
+def _check_context(what: str, tokens: int, limit: int, hint: str) -> None:
+    if tokens > limit:
+        raise ContextLengthError(
+            f"{what} is {tokens:,} tokens but the models take at most {limit:,} positions; {hint}"
+        )
+
+
+def _max_positions(reference: str) -> int | None:
+    """`max_position_embeddings` of a model reference, read from its config alone (no weights)."""
+    from transformers import AutoConfig
+
+    from ..loading import resolve_model_reference
+
+    try:
+        return getattr(AutoConfig.from_pretrained(resolve_model_reference(reference)), "max_position_embeddings", None)
+    except Exception:  # not resolvable here: loading the model later says why
+        return None
 
 
 def _cmd_calibrate(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     import hf_kvbridge
 
     out = Path(args.out)
     if out.exists() and any(out.iterdir()) and not args.overwrite:  # refuse before hours of calibration, not after
         print(f"error: {out} is not empty; pass --overwrite to replace the bridge files in it", file=sys.stderr)
         return 2
+    limits = [n for n in (_max_positions(args.source), _max_positions(args.target)) if n]
+    if limits:
+        _check_context("--seq-len", args.seq_len, min(limits), "pass a smaller --seq-len")
     load_kwargs = {}
     if args.dtype:
         load_kwargs["dtype"] = args.dtype
@@ -71,6 +161,14 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     bridge = KVBridgeForCausalLM.from_pretrained(args.bridge)
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_reference(bridge.config.target_name_or_path))
     inputs = tokenizer(args.prompt, return_tensors="pt")
+    prompt_tokens = inputs["input_ids"].shape[1]
+    _check_context("the prompt", prompt_tokens, bridge.max_positions, "shorten it")
+    _check_context(
+        f"the prompt ({prompt_tokens:,}) plus --max-new-tokens ({args.max_new_tokens:,})",
+        prompt_tokens + args.max_new_tokens,
+        bridge.max_positions,
+        f"pass --max-new-tokens {max(bridge.max_positions - prompt_tokens, 1)} or less, or shorten the prompt",
+    )
     torch.manual_seed(args.seed)
     output = bridge.generate(
         **inputs,
@@ -80,6 +178,15 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     )
     print(tokenizer.decode(output[0], skip_special_tokens=True))
     return 0
+
+
+CHAT_HELP = """commands:
+  /source   next answers from the source model
+  /target   next answers from the target model
+  /switch   swap models
+  /help     this list
+  /quit     leave (or Ctrl-D)
+anything else is your next message"""
 
 
 def _cmd_chat(args: argparse.Namespace) -> int:
@@ -95,14 +202,28 @@ def _cmd_chat(args: argparse.Namespace) -> int:
     model = args.start
     print(
         f"chatting with {bridge.config.source_name_or_path} (source) and {bridge.config.target_name_or_path} "
-        f"(target); /source, /target or /switch to change model, /quit to leave"
+        f"(target), starting with the {model}; /help lists the commands"
     )
-    for line in sys.stdin:
+    interactive = sys.stdin.isatty()
+    while True:
+        if interactive:
+            try:
+                line = input(f"{model}> ")
+            except EOFError:
+                break
+        else:
+            print(f"{model}> ", end="", flush=True)
+            line = sys.stdin.readline()
+            if not line:
+                break
         text = line.strip()
         if not text:
             continue
         if text in ("/quit", "/exit"):
             break
+        if text in ("/help", "/?"):
+            print(CHAT_HELP)
+            continue
         if text in ("/source", "/target"):
             model = text[1:]
             print(f"[next answers from the {model}]")
@@ -111,7 +232,16 @@ def _cmd_chat(args: argparse.Namespace) -> int:
             model = "target" if model == "source" else "source"
             print(f"[next answers from the {model}]")
             continue
+        if text.startswith("/"):
+            print(f"[unknown command {text.split()[0]}; /help lists the commands]")
+            continue
         session.add_user(text)
+        _check_context(
+            "the conversation plus --max-new-tokens",
+            len(session.prompt_tokens()) + args.max_new_tokens,
+            bridge.max_positions,
+            "start a new chat",
+        )
         turn = session.generate(model=model, max_new_tokens=args.max_new_tokens, do_sample=args.do_sample)
         print(turn.text)
         print(
@@ -120,6 +250,9 @@ def _cmd_chat(args: argparse.Namespace) -> int:
         )
         sys.stdout.flush()
     return 0
+
+
+DEFAULT_BENCH_LENGTHS = (256, 1024, 4096)
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
@@ -156,7 +289,12 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         return 2
     if args.threads:
         torch.set_num_threads(args.threads)
-    lengths = [int(n) for n in args.lengths.split(",")]
+    limit = bridge.max_positions
+    if args.lengths is None:  # the defaults, cut to what the models take
+        lengths = [n for n in DEFAULT_BENCH_LENGTHS if n <= limit] or [limit]
+    else:
+        lengths = args.lengths
+        _check_context("a --lengths entry", max(lengths), limit, f"pass lengths up to {limit:,}")
     rows = benchmark(
         bridge, lengths, batch=args.batch, repeats=args.repeats, warmup=args.warmup, interleave=args.interleave
     )
@@ -202,6 +340,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     from hf_kvbridge.tools.diagnostics import inspect_bridge, write_inspect_outputs
 
     bridge = KVBridgeForCausalLM.from_pretrained(args.bridge)
+    _check_context("--seq-len", args.seq_len, bridge.max_positions, "pass a smaller --seq-len")
     report = inspect_bridge(
         bridge, args.data, num_sequences=args.num_sequences, seq_len=args.seq_len, batch_size=args.batch_size
     )
@@ -245,9 +384,20 @@ def _cmd_push(args: argparse.Namespace) -> int:
     return 0
 
 
+DEBUG_HELP = "on an error, show the full traceback instead of one line"
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a bad argument gets one line (what is wrong, where to look) instead of the whole usage."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvbridge", description="Cross-model KV cache transfer within an LLM family")
+    parser = _Parser(prog="kvbridge", description="Cross-model KV cache transfer within an LLM family")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    parser.add_argument("--debug", action="store_true", help=DEBUG_HELP)
     sub = parser.add_subparsers(dest="command", required=True)
 
     cal = sub.add_parser("calibrate", help="calibrate a source→target mapper and save it")
@@ -255,14 +405,16 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("target", help="target model (Hub id, local path, or pocket/<name>)")
     cal.add_argument(
         "--data",
+        type=_calibration_data,
         default="HuggingFaceFW/fineweb-edu",
-        help="a .txt/.jsonl file or folder, or a dataset name (streamed)",
+        help=f"a .txt/.jsonl file or folder, '{POCKET_DATA}' (the pocket family's shipped calibration split), or a "
+        "dataset name (streamed; default HuggingFaceFW/fineweb-edu, needs the Hub)",
     )
     cal.add_argument("--out", required=True, help="output folder for the bridge checkpoint")
     cal.add_argument("--top-k", type=_top_k, default=6, help="source layers per target layer, or 'all'")
     cal.add_argument("--ridge-lambda", type=float, default=0.01, help="relative to each input feature's variance")
-    cal.add_argument("--num-sequences", type=int, default=500)
-    cal.add_argument("--seq-len", type=int, default=1024)
+    cal.add_argument("--num-sequences", type=_positive_int, default=500)
+    cal.add_argument("--seq-len", type=_positive_int, default=1024)
     cal.add_argument("--head-mode", choices=["all_heads", "same_head"], default="all_heads")
     cal.add_argument(
         "--mapper-type",
@@ -270,9 +422,9 @@ def build_parser() -> argparse.ArgumentParser:
         default="ridge",
         help="low_rank: each ridge map reduced to --rank (cheaper to apply)",
     )
-    cal.add_argument("--rank", type=int, default=64, help="rank of a low_rank mapper")
-    cal.add_argument("--batch-size", type=int, default=8)
-    cal.add_argument("--heldout-fraction", type=float, default=0.1)
+    cal.add_argument("--rank", type=_positive_int, default=64, help="rank of a low_rank mapper")
+    cal.add_argument("--batch-size", type=_positive_int, default=8)
+    cal.add_argument("--heldout-fraction", type=_fraction, default=0.1)
     cal.add_argument("--seed", type=int, default=0)
     cal.add_argument("--text-field", default="text", help="JSON/dataset field holding the text")
     cal.add_argument("--source-revision")
@@ -285,7 +437,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="generate with a saved bridge")
     gen.add_argument("bridge", help="bridge checkpoint folder or Hub id")
     gen.add_argument("prompt")
-    gen.add_argument("--max-new-tokens", type=int, default=40)
+    gen.add_argument("--max-new-tokens", type=_positive_int, default=40)
     gen.add_argument("--do-sample", action="store_true")
     gen.add_argument("--seed", type=int, default=0)
     gen.set_defaults(func=_cmd_generate)
@@ -295,27 +447,31 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--start", choices=["source", "target"], default="source", help="model of the first answer")
     chat.add_argument("--remap", choices=["incremental", "full"], default="incremental")
     chat.add_argument("--system", help="system prompt")
-    chat.add_argument("--max-new-tokens", type=int, default=64)
+    chat.add_argument("--max-new-tokens", type=_positive_int, default=64)
     chat.add_argument("--do-sample", action="store_true")
     chat.set_defaults(func=_cmd_chat)
 
     bench = sub.add_parser("bench", help="mapper time vs the target's re-prefill, per context length")
     bench.add_argument("bridge", nargs="?", help="bridge checkpoint (or use --shapes for random weights)")
     bench.add_argument("--shapes", help="random-weight Qwen3 shapes, e.g. qwen3-0.6b:qwen3-4b")
-    bench.add_argument("--top-k", type=int, default=6, help="with --shapes")
+    bench.add_argument("--top-k", type=_positive_int, default=6, help="with --shapes")
     bench.add_argument("--head-mode", choices=["all_heads", "same_head"], default="all_heads", help="with --shapes")
-    bench.add_argument("--rank", type=int, help="with --shapes: a low-rank mapper of this rank")
+    bench.add_argument("--rank", type=_positive_int, help="with --shapes: a low-rank mapper of this rank")
     bench.add_argument("--mapper-dtype", choices=["float32", "bfloat16", "float16"], help="defaults to --dtype")
     bench.add_argument(
         "--interleave", action="store_true", help="alternate source, mapper and target runs (in cascade order)"
     )
-    bench.add_argument("--lengths", default="256,1024,4096")
-    bench.add_argument("--batch", type=int, default=1)
-    bench.add_argument("--repeats", type=int, default=5)
+    bench.add_argument(
+        "--lengths",
+        type=_lengths,
+        help="context lengths in tokens (default 256,1024,4096, cut to the models' maximum positions)",
+    )
+    bench.add_argument("--batch", type=_positive_int, default=1)
+    bench.add_argument("--repeats", type=_positive_int, default=5)
     bench.add_argument("--warmup", type=int, default=1)
     bench.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     bench.add_argument("--device", default="cpu")
-    bench.add_argument("--threads", type=int, help="torch threads on CPU")
+    bench.add_argument("--threads", type=_positive_int, help="torch threads on CPU")
     bench.add_argument("--json", help="write the rows as JSON here")
     bench.set_defaults(func=_cmd_bench)
 
@@ -327,7 +483,7 @@ def build_parser() -> argparse.ArgumentParser:
     drift.add_argument("--conversations", type=int, default=8)
     drift.add_argument("--num-sequences", type=int, default=128)
     drift.add_argument("--seq-len", type=int, default=512)
-    drift.add_argument("--top-k", type=int, default=6)
+    drift.add_argument("--top-k", type=_positive_int, default=6)
     drift.add_argument("--seed", type=int, default=0)
     drift.add_argument("--out", default="kvbridge-demo")
     drift.set_defaults(func=_cmd_drift)
@@ -360,10 +516,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     inspect = sub.add_parser("inspect", help="diagnostics report of a saved bridge on held-out text (JSON + PNG)")
     inspect.add_argument("bridge", help="bridge checkpoint folder or Hub id")
-    inspect.add_argument("--data", required=True, help="held-out text: a .txt/.jsonl file or folder, or a dataset")
-    inspect.add_argument("--num-sequences", type=int, default=16)
-    inspect.add_argument("--seq-len", type=int, default=256)
-    inspect.add_argument("--batch-size", type=int, default=4)
+    inspect.add_argument(
+        "--data",
+        required=True,
+        type=_heldout_data,
+        help=f"held-out text: a .txt/.jsonl file or folder, '{POCKET_DATA}' (the pocket family's held-out split), "
+        "or a dataset",
+    )
+    inspect.add_argument("--num-sequences", type=_positive_int, default=16)
+    inspect.add_argument("--seq-len", type=_positive_int, default=256)
+    inspect.add_argument("--batch-size", type=_positive_int, default=4)
     inspect.add_argument("--out", default="kvbridge-inspect", help="folder for report.json and the plots")
     inspect.set_defaults(func=_cmd_inspect)
 
@@ -385,10 +547,39 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _one_line(err: BaseException) -> str:
+    """An error as one line: its message (lines joined), prefixed with its type when that is not ours."""
+    from ..errors import KVBridgeError
+
+    message = " ".join(line.strip() for line in str(err).splitlines() if line.strip()) or repr(err)
+    if isinstance(err, KVBridgeError | FileNotFoundError | FileExistsError | ValueError):
+        return message
+    return f"{type(err).__name__}: {message}"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    """Runs one `kvbridge` command; returns its exit status (0 ok, 1 error, 2 bad arguments, 130 interrupted)."""
+    parser = build_parser()
+    for subparser in parser._subparsers._group_actions[0].choices.values():  # `--debug` after the command, too
+        subparser.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=DEBUG_HELP)
+    args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(message)s")
-    return args.func(args)
+    if not args.verbose:  # transformers' "Loading weights" bar on every model load says nothing to a user
+        from transformers.utils import logging as transformers_logging
+
+        transformers_logging.disable_progress_bar()
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        if args.debug:
+            raise
+        print(f"\ninterrupted: kvbridge {args.command} stopped (nothing more was written)", file=sys.stderr)
+        return 130
+    except Exception as err:
+        if args.debug:
+            raise
+        print(f"error: {_one_line(err)} (--debug shows the traceback)", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

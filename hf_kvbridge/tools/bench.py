@@ -9,7 +9,10 @@ warm-up. Weights do not change timings, so real-size shapes can be benchmarked w
 
 from __future__ import annotations
 
+import contextlib
+import os
 import statistics
+import sys
 import time
 from collections.abc import Callable
 
@@ -152,12 +155,31 @@ def interleaved_medians(
     return {name: statistics.median(values) for name, values in times.items()}
 
 
+@contextlib.contextmanager
+def _native_output_silenced():
+    """Sends what native code writes to stdout/stderr to /dev/null: the profiler's tracing backend prints
+    `USDT ... profiler_start` lines there, which say nothing to a user."""
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    saved = [os.dup(1), os.dup(2)]
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 1)
+        os.dup2(devnull, 2)
+        yield
+    finally:
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        for fd in (*saved, devnull):
+            os.close(fd)
+
+
 def _cpu_peak_bytes(fn: Callable[[], object]) -> int:
     """Peak of PyTorch's CPU allocations during `fn()` above where they started, from the allocator's own records
     (every allocation and free, in order, as `torch.profiler` logs them with `profile_memory=True`)."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with _native_output_silenced(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         result = fn()
     events = sorted(
         (e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"), key=lambda e: e.start_ns()

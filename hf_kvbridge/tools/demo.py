@@ -11,6 +11,9 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
+import os
+import sys
 import time
 from pathlib import Path
 
@@ -20,6 +23,7 @@ from transformers import AutoTokenizer
 from .. import pocket
 from ..attention import attention_output_cosine
 from ..calibration import calibrate
+from ..errors import ContextLengthError
 from ..selection import mapper_r2, select_layers
 from .bench import mapper_vs_prefill
 from .diagnostics import plot_layer_bars, plot_r2_heatmap, plot_r2_vs_k
@@ -41,74 +45,251 @@ SIZES = {
 }
 
 
+# the pocket models a demo can bridge: pocket-x has another KV layout and is there to be refused
+DEMO_MODELS = tuple(name for name in pocket.POCKET_MODELS if name != "pocket-x")
+# a machine whose other processes keep more than this share of the CPUs busy gives timings that do not compare
+BUSY_WARNING_SHARE = 0.25
+
+
+def _positive_int(value: str) -> int:
+    if not value.isdigit() or int(value) < 1:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a positive whole number")
+    return int(value)
+
+
+def _top_k(value: str) -> int | None:
+    if value == "all":
+        return None
+    if not value.isdigit() or int(value) < 1:
+        raise argparse.ArgumentTypeError(f"{value!r}: pass a number of source layers ≥ 1, or 'all'")
+    return int(value)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--source", default="pocket-s", choices=pocket.POCKET_MODELS, help="pocket model that prefills"
-    )
-    parser.add_argument("--target", default="pocket-l", choices=pocket.POCKET_MODELS, help="pocket model that decodes")
-    parser.add_argument("--top-k", type=lambda v: None if v == "all" else int(v), default=6)
+    parser.add_argument("--source", default="pocket-s", choices=DEMO_MODELS, help="pocket model that prefills")
+    parser.add_argument("--target", default="pocket-l", choices=DEMO_MODELS, help="pocket model that decodes")
+    parser.add_argument("--top-k", type=_top_k, default=6, help="source layers per target layer, or 'all'")
     parser.add_argument("--ridge-lambda", type=float, default=0.01)
     parser.add_argument("--head-mode", choices=["all_heads", "same_head"], default="all_heads")
-    parser.add_argument("--num-sequences", type=int, help="calibration windows (default 128; 24 with --quick)")
-    parser.add_argument("--seq-len", type=int, help="calibration window length (default 512; 256 with --quick)")
+    parser.add_argument(
+        "--num-sequences", type=_positive_int, help="calibration windows (default 128; 24 with --quick)"
+    )
+    parser.add_argument(
+        "--seq-len", type=_positive_int, help="calibration window length (default 512; 256 with --quick)"
+    )
+    parser.add_argument(
+        "--threads", type=_positive_int, help="torch threads (default: the physical cores, fewer when others are busy)"
+    )
     parser.add_argument("--seed", type=int, default=0)
+
+
+def physical_cores() -> int:
+    """Physical CPU cores this process may use (logical CPUs / hyper-threads per core; Linux `/proc/cpuinfo`)."""
+    logical = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+        siblings = int(info.split("siblings")[1].split(":")[1].split()[0])
+        cores = int(info.split("cpu cores")[1].split(":")[1].split()[0])
+        return max(1, logical * cores // siblings)
+    except (OSError, IndexError, ValueError, ZeroDivisionError):
+        return logical
+
+
+def busy_share(seconds: float = 0.5) -> float | None:
+    """Share of all CPUs kept busy by other processes over `seconds` (this one sleeps meanwhile): from
+    `/proc/stat`, else the 1-minute load average over the CPU count; `None` when neither is available."""
+
+    def read() -> tuple[int, int]:
+        fields = [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+        idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+        return sum(fields[:8]) - idle, sum(fields[:8])
+
+    try:
+        busy0, total0 = read()
+        time.sleep(seconds)
+        busy1, total1 = read()
+        return (busy1 - busy0) / max(total1 - total0, 1)
+    except (OSError, IndexError, ValueError):
+        pass
+    try:
+        return min(os.getloadavg()[0] / (os.cpu_count() or 1), 1.0)
+    except (OSError, AttributeError):
+        return None
+
+
+def choose_threads(requested: int | None, busy: float | None) -> tuple[int, str]:
+    """The torch thread count for the demo and why: `requested`, else the physical cores less those others keep
+    busy (oversubscribed threads made a pocket-l forward 10× slower under load than one thread)."""
+    if requested:
+        return requested, "--threads"
+    cores = physical_cores()
+    if busy is None or busy < BUSY_WARNING_SHARE:
+        return cores, f"the {cores} physical cores"
+    logical = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    free = max(1, cores - math.ceil(busy * logical))
+    return free, f"{cores} physical cores, {cores - free} kept busy by other processes"
+
+
+class Stages:
+    """Prints one line as each stage of the demo starts (elapsed time, ETA of the rest) and one as it ends.
+
+    The ETA comes from a cost per stage in "token forwards" (tokens × model passes) and the rate the stages done so
+    far ran at; before any is done it is not shown.
+    """
+
+    def __init__(self, costs: dict[str, float], stream=None):
+        self.costs, self.stream = costs, stream or sys.stdout
+        self.started = time.perf_counter()
+        self.done_cost = 0.0
+        self.names = list(costs)
+
+    def _eta(self, remaining: float) -> str:
+        elapsed = time.perf_counter() - self.started
+        if self.done_cost <= 0:
+            return "ETA after the first stage"
+        return f"ETA {_duration(remaining * elapsed / self.done_cost)}"
+
+    def run(self, name: str, label: str, fn):
+        index = self.names.index(name) + 1
+        remaining = sum(self.costs[n] for n in self.names[index - 1 :])
+        elapsed = time.perf_counter() - self.started
+        print(
+            f"[{index}/{len(self.names)}] {label} (elapsed {_duration(elapsed)}, {self._eta(remaining)})",
+            file=self.stream,
+            flush=True,
+        )
+        stage_started = time.perf_counter()
+        result = fn()
+        self.done_cost += self.costs[name]
+        print(f"      done in {_duration(time.perf_counter() - stage_started)}", file=self.stream, flush=True)
+        return result
+
+
+def _threads(count: int) -> str:
+    return f"{count} torch thread" + ("" if count == 1 else "s")
+
+
+def _duration(seconds: float) -> str:
+    seconds = max(seconds, 0.0)
+    if seconds < 60:
+        return f"{seconds:.0f}s" if seconds >= 10 else f"{seconds:.1f}s"
+    return f"{int(seconds // 60)}m{int(seconds % 60):02d}s"
 
 
 def _fmt_row(cells, widths) -> str:
     return "  ".join(str(c).ljust(w) for c, w in zip(cells, widths))
 
 
-def measure(args: argparse.Namespace) -> dict:
-    """Runs every measurement of the demo and returns the results (also used by the tests)."""
+def stage_costs(size: dict, num_sequences: int, seq_len: int) -> dict[str, float]:
+    """Rough cost of each stage in token forwards (tokens × model passes), for the ETA."""
+    nll_tokens = size["nll_windows"] * (size["nll_context"] + size["nll_continuation"])
+    cloze_tokens = size["cloze_items"] * 4 * (size["cloze_context"] + size["cloze_continuation"])
+    return {
+        "calibration": 2.0 * num_sequences * seq_len,  # source + target forward
+        "r2_by_k": 0.05 * num_sequences * seq_len,  # closed-form fits from the statistics
+        "cosine": 3.0 * size["cosine_windows"] * (size["nll_context"] + size["nll_continuation"]),
+        "nll": 4.0 * nll_tokens,  # target, source, bridge, no context
+        "cloze": 4.0 * cloze_tokens,
+        "timing": 3.0 * (size["timing_repeats"] + 2) * size["timing_context"],
+        "generation": 2.0 * 32 * 48,
+    }
+
+
+def measure(args: argparse.Namespace, stages: Stages | None = None) -> dict:
+    """Runs every measurement of the demo and returns the results (also used by the tests).
+
+    `stages` (a [`Stages`]) prints progress with an ETA; by default one is made that prints to stdout.
+    """
     size = {key: value[1] if args.quick else value[0] for key, value in SIZES.items()}
     torch.manual_seed(args.seed)
     tokenizer = AutoTokenizer.from_pretrained(pocket.model_path(args.target))
     source, target = pocket.load_model(args.source), pocket.load_model(args.target)
     num_sequences = args.num_sequences or size["num_sequences"]
     seq_len = args.seq_len or size["seq_len"]
+    limit = min(source.config.max_position_embeddings, target.config.max_position_embeddings)
+    for what, length in (("--seq-len", seq_len), ("the timing context", size["timing_context"])):
+        if length > limit:
+            raise ContextLengthError(
+                f"{what} is {length:,} tokens but {args.source}/{args.target} take at most {limit:,} positions; "
+                "pass a smaller --seq-len"
+            )
+    stages = stages or Stages(stage_costs(size, num_sequences, seq_len))
 
     started = time.perf_counter()
-    bridge = calibrate(
-        source,
-        target,
-        pocket.load_texts("calibration"),
-        tokenizer=tokenizer,
-        num_sequences=num_sequences,
-        seq_len=seq_len,
-        top_k=args.top_k,
-        ridge_lambda=args.ridge_lambda,
-        head_mode=args.head_mode,
-        seed=args.seed,
-        progress=not args.quick,
+    bridge = stages.run(
+        "calibration",
+        f"calibrating {args.source} → {args.target} on {num_sequences} × {seq_len} tokens",
+        lambda: calibrate(
+            source,
+            target,
+            pocket.load_texts("calibration"),
+            tokenizer=tokenizer,
+            num_sequences=num_sequences,
+            seq_len=seq_len,
+            top_k=args.top_k,
+            ridge_lambda=args.ridge_lambda,
+            head_mode=args.head_mode,
+            seed=args.seed,
+            progress=not args.quick,
+        ),
     )
     calibration_s = time.perf_counter() - started
     train, heldout = bridge.calibration_statistics
     num_source = bridge.source_layout.num_layers
 
-    r2_by_k = {}
-    for k in (1, 2, 4, 6, None):
-        if k is not None and k >= num_source:
-            continue
-        fitted = mapper_r2(train, heldout, select_layers(bridge.layer_r2, k), args.head_mode, args.ridge_lambda)
-        r2_by_k["all" if k is None else str(k)] = {"k": float(fitted[:, 0].mean()), "v": float(fitted[:, 1].mean())}
+    def fit_by_k() -> dict:
+        r2_by_k = {}
+        for k in (1, 2, 4, 6, None):
+            if k is not None and k >= num_source:
+                continue
+            fitted = mapper_r2(train, heldout, select_layers(bridge.layer_r2, k), args.head_mode, args.ridge_lambda)
+            r2_by_k["all" if k is None else str(k)] = {
+                "k": float(fitted[:, 0].mean()),
+                "v": float(fitted[:, 1].mean()),
+            }
+        return r2_by_k
+
+    r2_by_k = stages.run("r2_by_k", "held-out R² against the number of source layers", fit_by_k)
 
     heldout_texts = pocket.load_texts("heldout")
     nll_windows = heldout_windows(
         heldout_texts, tokenizer, size["nll_context"] + size["nll_continuation"], size["nll_windows"]
     )
-    cosine = attention_output_cosine(bridge, nll_windows[: size["cosine_windows"]])
-    nll = continuation_nll(bridge, nll_windows, size["nll_context"])
+    cosine = stages.run(
+        "cosine",
+        f"attention-output cosine on {size['cosine_windows']} held-out windows",
+        lambda: attention_output_cosine(bridge, nll_windows[: size["cosine_windows"]]),
+    )
+    nll = stages.run(
+        "nll",
+        f"continuation NLL of target, source, bridge, no context on {size['nll_windows']} held-out windows",
+        lambda: continuation_nll(bridge, nll_windows, size["nll_context"]),
+    )
     cloze_windows = heldout_windows(
         heldout_texts, tokenizer, size["cloze_context"] + size["cloze_continuation"], size["cloze_items"]
     )
-    cloze = cloze_accuracy(bridge, build_cloze(cloze_windows, size["cloze_context"], seed=args.seed))
+    cloze = stages.run(
+        "cloze",
+        f"cloze accuracy on {size['cloze_items']} held-out items × 4 choices",
+        lambda: cloze_accuracy(bridge, build_cloze(cloze_windows, size["cloze_context"], seed=args.seed)),
+    )
     timing_ids = heldout_windows(heldout_texts, tokenizer, size["timing_context"], 1)
-    timing = mapper_vs_prefill(bridge, timing_ids, repeats=size["timing_repeats"])
+    timing = stages.run(
+        "timing",
+        f"timing mapper vs target re-prefill at {size['timing_context']} tokens ({_threads(torch.get_num_threads())})",
+        lambda: mapper_vs_prefill(bridge, timing_ids, repeats=size["timing_repeats"]),
+    )
 
     prompt = heldout_windows(heldout_texts, tokenizer, 48, 1)
     gen_kw = {"max_new_tokens": 32, "do_sample": False, "pad_token_id": tokenizer.pad_token_id}
-    target_tokens = target.generate(prompt, attention_mask=torch.ones_like(prompt), **gen_kw)[0, 48:]
-    bridge_tokens = bridge.generate(prompt, **gen_kw)[0, 48:]
+    target_tokens, bridge_tokens = stages.run(
+        "generation",
+        "greedy generation, target and bridge",
+        lambda: (
+            target.generate(prompt, attention_mask=torch.ones_like(prompt), **gen_kw)[0, 48:],
+            bridge.generate(prompt, **gen_kw)[0, 48:],
+        ),
+    )
     generation = {
         "prompt": tokenizer.decode(prompt[0]),
         "target": tokenizer.decode(target_tokens),
@@ -179,16 +360,18 @@ def report(results: dict) -> str:
         f"cloze ({cloze['items']} items, {round(1 / cloze['chance'])} choices, chance {cloze['chance']:.2f}):",
     ]
     lines.append("  ".join(f"{mode} {acc:.3f}" for mode, acc in cloze["accuracy"].items()))
-    lines.append(
-        f"retention {cloze['retention']:.3f}   chance-normalised retention {cloze['chance_normalised_retention']:.3f}"
-    )
+    normalised = cloze["chance_normalised_retention"]
+    normalised = "undefined (target at or below chance)" if normalised is None else f"{normalised:.3f}"
+    lines.append(f"retention {cloze['retention']:.3f}   chance-normalised retention {normalised}")
     timing = results["timing"]
     lines += [
         "",
         f"latency at {timing['context_tokens']} context tokens (median of {timing['repeats']}): target "
         f"re-prefill {timing['target_prefill_s'] * 1e3:.1f} ms, mapper {timing['mapper_s'] * 1e3:.1f} ms, "
         f"source prefill {timing['source_prefill_s'] * 1e3:.1f} ms → warm speedup "
-        f"{timing['warm_speedup']:.2f}×, cold {timing['cold_speedup']:.2f}×",
+        f"{timing['warm_speedup']:.2f}×, cold {timing['cold_speedup']:.2f}× ({_threads(results['torch_threads'])}"
+        + (", measured on a busy machine" if results.get("machine_busy") else "")
+        + ")",
     ]
     gen = results["generation"]
     lines += [
@@ -199,7 +382,51 @@ def report(results: dict) -> str:
         f"  bridge: {gen['bridge']!r}",
         f"  same token at {gen['same_tokens']}/{gen['new_tokens']} positions",
     ]
+    lines += ["", summary(results)]
     return "\n".join(lines)
+
+
+# below this many nats of benefit from its context, a target's context-benefit retention is mostly noise
+SMALL_CONTEXT_BENEFIT = 0.1
+
+
+def summary(results: dict) -> str:
+    """A few sentences in plain words: what was bridged, how much of the target's quality it kept, how much faster."""
+    pair, cont, cloze, timing = results["pair"], results["continuation"], results["cloze"], results["timing"]
+    source, target = pair["source"], pair["target"]
+    nll = cont["nll"]
+    benefit = nll["no_context"] - nll["target"]
+    kept = cont["context_benefit_retention"]
+    normalised = cloze["chance_normalised_retention"]
+    text = [
+        f"In short: {source} read each {cont['context_len']}-token context and the mapper turned its KV cache into "
+        f"the one {target} would have built; {target} then continued from that cache.",
+        f"It kept {kept:.0%} of what {target}'s own context is worth to it (continuation NLL)"
+        + (
+            f" and {normalised:.0%} of its above-chance cloze accuracy."
+            if normalised is not None
+            else f"; the cloze test says nothing here ({target} is at or below chance on it)."
+        ),
+    ]
+    if benefit < SMALL_CONTEXT_BENEFIT:
+        text.append(
+            f"Careful: {target} gains only {benefit:.3f} nats per token from its context here, so that share rests on "
+            "a small difference and says little."
+        )
+    text.append(
+        f"Mapping a {timing['context_tokens']:,}-token context took {timing['mapper_s'] * 1e3:.1f} ms instead of "
+        f"{target}'s own prefill of {timing['target_prefill_s'] * 1e3:.1f} ms: {timing['warm_speedup']:.1f}× faster "
+        f"when {source}'s cache is already there, {timing['cold_speedup']:.1f}× counting {source}'s prefill too."
+    )
+    if results.get("machine_busy"):
+        text.append("The timings were taken while other processes kept the machine busy; rerun on a quiet machine.")
+    return "\n".join(_wrap(line) for line in text)
+
+
+def _wrap(line: str, width: int = 100) -> str:
+    import textwrap
+
+    return textwrap.fill(line, width)
 
 
 def write_outputs(results: dict, out: Path) -> None:
@@ -208,23 +435,41 @@ def write_outputs(results: dict, out: Path) -> None:
     public = {k: v for k, v in results.items() if not k.startswith("_")}
     (out / "results.json").write_text(json.dumps(public, indent=2, sort_keys=True))
     pair = f"{results['pair']['source']} → {results['pair']['target']}"
-    plot_r2_vs_k(results["r2_by_k"], out / "r2_vs_k.png")
+    plot_r2_vs_k(results["r2_by_k"], out / "r2_vs_k.png", f"{pair}: held-out R² of the mapper vs source layers used")
     plot_layer_bars(
         results["attention_output_cosine"],
         out / "attention_cosine.png",
-        "attention-output cosine",
-        f"mapped vs true KV, {pair}",
+        "attention-output cosine (1 = same)",
+        f"{pair}: target attention output over mapped vs its own K/V",
     )
-    plot_r2_heatmap(results["_bridge"].layer_r2, out / "r2_heatmap.png", f"held-out single-layer R², {pair}")
+    plot_r2_heatmap(
+        results["_bridge"].layer_r2,
+        out / "r2_heatmap.png",
+        f"{pair}: R² of each target layer's K/V from one source layer alone (held-out calibration windows)",
+    )
 
 
 def run_demo(args: argparse.Namespace) -> int:
     if args.source == args.target:
-        print("error: --source and --target must differ")
+        print("error: --source and --target must differ; pick two pocket models", file=sys.stderr)
         return 2
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     out = Path(args.out) / f"{args.source}-to-{args.target}-{stamp}"  # a new folder: earlier runs are kept
+    busy = busy_share()
+    threads, why = choose_threads(getattr(args, "threads", None), busy)
+    torch.set_num_threads(threads)
+    print(f"using {_threads(threads)} ({why})")
+    machine_busy = busy is not None and busy >= BUSY_WARNING_SHARE
+    if machine_busy:
+        print(
+            f"warning: other processes keep {busy:.0%} of the CPUs busy; timings will be slower and noisier than on "
+            "a quiet machine (quality figures are not affected)",
+            file=sys.stderr,
+        )
     results = measure(args)
+    results["machine_busy"] = machine_busy
+    results["cpu_busy_share_before"] = busy
+    print()
     print(report(results))
     write_outputs(results, out)
     print(f"\nwrote {out}/results.json, r2_vs_k.png, attention_cosine.png, r2_heatmap.png")

@@ -23,44 +23,71 @@ def _pyplot():
     return plt
 
 
-def plot_r2_vs_k(table: dict, path) -> None:
-    """Line plot of held-out R² (K and V) against the number of source layers."""
+def _title(ax, title: str, width: int = 60) -> None:
+    """A title wrapped to the figure, so that nothing is clipped."""
+    import textwrap
+
+    ax.set_title(textwrap.fill(title, width), fontsize=9)
+
+
+def plot_r2_vs_k(table: dict, path, title: str = "held-out R² of the mapper") -> None:
+    """Line plot of held-out R² (K and V) against the number of source layers, on the full 0–1 scale."""
     plt = _pyplot()
     labels = list(table)
-    fig, ax = plt.subplots(figsize=(5, 3.5))
-    ax.plot(labels, [table[k]["k"] for k in labels], marker="o", label="K")
-    ax.plot(labels, [table[k]["v"] for k in labels], marker="s", label="V")
+    fig, ax = plt.subplots(figsize=(5.5, 3.8), layout="constrained")
+    for key, marker, name in (("k", "o", "K"), ("v", "s", "V")):
+        values = [table[k][key] for k in labels]
+        (line,) = ax.plot(labels, values, marker=marker, label=name)
+        for x, y in zip(labels, values):  # the values themselves: the 0–1 axis does not show small gains
+            ax.annotate(
+                f"{y:.3f}",
+                (x, y),
+                textcoords="offset points",
+                xytext=(0, 6 if key == "k" else -12),
+                ha="center",
+                fontsize=7,
+                color=line.get_color(),
+            )
     ax.set_xlabel("source layers per target layer (top-k)")
     ax.set_ylabel("held-out R² (mean over target layers)")
-    ax.set_ylim(top=1.0)
+    ax.set_ylim(0.0, 1.05)
     ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
+    ax.legend(loc="lower right")
+    _title(ax, title)
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
 
 def plot_layer_bars(values, path, ylabel: str, title: str) -> None:
-    """Bar chart of one number per target layer (e.g. attention-output cosine)."""
+    """Bar chart of one number per target layer (e.g. attention-output cosine), on a scale from 0 (or below) to 1."""
     plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(5, 3.5))
+    fig, ax = plt.subplots(figsize=(5.5, 3.8), layout="constrained")
     ax.bar(range(len(values)), values, color="tab:blue")
+    for i, value in enumerate(values):
+        ax.text(i, value, f"{value:.2f}", ha="center", va="bottom", fontsize=7)
     ax.set_xlabel("target layer")
     ax.set_ylabel(ylabel)
-    ax.set_title(title)
+    ax.set_xticks(range(len(values)))
+    _title(ax, title)
     low = min(values)
-    ax.set_ylim(min(0.0, low - 0.05), 1.0)
+    ax.set_ylim(min(0.0, low - 0.05), 1.05)
     ax.grid(alpha=0.3, axis="y")
-    fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
 
-def plot_r2_heatmap(r2: torch.Tensor, path, title: str = "held-out single-layer R² (mean of K, V)") -> None:
+def plot_r2_heatmap(
+    r2: torch.Tensor,
+    path,
+    title: str = "held-out single-layer R² (mean of K, V)",
+    colorbar_label: str = "held-out R² (mean of K and V)",
+) -> None:
     """Heatmap of the source→target single-layer R² matrix `(target_layers, source_layers)`."""
     plt = _pyplot()
     matrix = r2.mean(-1).numpy() if r2.dim() == 3 else r2.numpy()
-    fig, ax = plt.subplots(figsize=(1.2 + 0.6 * matrix.shape[1], 1.2 + 0.45 * matrix.shape[0]))
+    fig, ax = plt.subplots(
+        figsize=(max(5.5, 2.5 + 0.6 * matrix.shape[1]), max(3.8, 1.6 + 0.45 * matrix.shape[0])), layout="constrained"
+    )
     image = ax.imshow(matrix, cmap="viridis", aspect="auto", vmin=min(0.0, float(matrix.min())), vmax=1.0)
     ax.set_xlabel("source layer")
     ax.set_ylabel("target layer")
@@ -68,9 +95,8 @@ def plot_r2_heatmap(r2: torch.Tensor, path, title: str = "held-out single-layer 
     ax.set_yticks(range(matrix.shape[0]))
     for (i, j), value in np.ndenumerate(matrix):
         ax.text(j, i, f"{value:.2f}", ha="center", va="center", color="white" if value < 0.6 else "black", fontsize=7)
-    ax.set_title(title, fontsize=9)
-    fig.colorbar(image, ax=ax)
-    fig.tight_layout()
+    _title(ax, title, width=50)
+    fig.colorbar(image, ax=ax, label=colorbar_label)
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
@@ -252,23 +278,25 @@ def inspect_bridge(
     }
 
 
-def plot_layer_series(series: dict, path, ylabel: str, title: str) -> None:
-    """Grouped bars, one group per target layer and one bar per named series (e.g. `{"K": [...], "V": [...]}`)."""
+def plot_layer_series(series: dict, path, ylabel: str, title: str, ylim: tuple[float, float] | None = None) -> None:
+    """Grouped bars, one group per target layer and one bar per named series (e.g. `{"K": [...], "V": [...]}`);
+    the legend sits below the axes, so it covers no bar."""
     plt = _pyplot()
     names = list(series)
     layers = len(series[names[0]])
     width = 0.8 / len(names)
-    fig, ax = plt.subplots(figsize=(max(5, 0.6 * layers + 2), 3.5))
+    fig, ax = plt.subplots(figsize=(max(5.5, 0.6 * layers + 3), 3.8), layout="constrained")
     for i, name in enumerate(names):
         ax.bar(np.arange(layers) + (i - (len(names) - 1) / 2) * width, series[name], width, label=name)
     ax.set_xlabel("target layer")
     ax.set_ylabel(ylabel)
-    ax.set_title(title)
+    _title(ax, title)
     ax.set_xticks(range(layers))
+    if ylim is not None:
+        ax.set_ylim(*ylim)
     ax.grid(alpha=0.3, axis="y")
     if len(names) > 1:
-        ax.legend()
-    fig.tight_layout()
+        fig.legend(loc="outside lower center", ncol=len(names), fontsize=8)
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
@@ -286,18 +314,30 @@ def write_inspect_outputs(report: dict, out) -> list[str]:
     out.mkdir(parents=True, exist_ok=True)
     (out / "report.json").write_text(json.dumps(report, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     pair = f"{report['source']} → {report['target']} ({report['mapper_type']})"
-    plot_r2_heatmap(torch.tensor(report["single_layer_r2"]), out / "r2_heatmap.png", f"single-layer R², {pair}")
-    plot_layer_bars(report["attention_cosine"], out / "attention_cosine.png", "attention-output cosine", pair)
+    plot_r2_heatmap(
+        torch.tensor(report["single_layer_r2"]),
+        out / "r2_heatmap.png",
+        f"{pair}: R² of each target layer's K/V from one source layer alone (held-out text)",
+    )
+    plot_layer_bars(
+        report["attention_cosine"],
+        out / "attention_cosine.png",
+        "attention-output cosine (1 = same)",
+        f"{pair}: target attention output over mapped vs its own K/V",
+    )
+    r2 = report["mapper_r2_layer"]
     plot_layer_series(
-        {"K": report["mapper_r2_layer"]["k"], "V": report["mapper_r2_layer"]["v"]},
+        {"K": r2["k"], "V": r2["v"]},
         out / "mapper_r2.png",
-        "R² of the mapper",
-        pair,
+        "R² of the mapped K/V (1 = exact)",
+        f"{pair}: how much of the target's own K/V the mapper explains, per layer",
+        ylim=(min(0.0, *r2["k"], *r2["v"]), 1.0),
     )
     plot_layer_series(
-        {"key error": report["key_error_layer"], "centered per query": report["key_error_centered_layer"]},
+        {"all logits": report["key_error_layer"], "each query's shift removed": report["key_error_centered_layer"]},
         out / "key_error.png",
-        "Σ(q·(k̂−k))² / Σ(q·k)²",
-        pair,
+        "attention-logit error (0 = exact)",
+        f"{pair}: error of the target's attention logits (its queries · mapped keys), relative to their size",
+        ylim=(0.0, max(1.0, *report["key_error_layer"], *report["key_error_centered_layer"])),
     )
     return list(INSPECT_FILES)

@@ -106,20 +106,21 @@ def document_segments(texts: list[str], tokenizer, turns: int, segment_len: int,
     return conversations
 
 
-def plot_drift(results: dict, path) -> None:
-    """Top-1 agreement per turn for each direction and remap mode."""
-    from .diagnostics import _pyplot
+def plot_drift(results: dict, path, title: str = "multi-turn drift") -> None:
+    """Top-1 agreement per turn for each direction and remap mode (on a 0–100 % axis)."""
+    from .diagnostics import _pyplot, _title
 
     plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(6, 3.8))
+    fig, ax = plt.subplots(figsize=(6.5, 4.0), layout="constrained")
+    _title(ax, title, width=70)
+    ax.set_ylim(0, 100)
     for label, summary in results.items():
         turns = [p["turn"] for p in summary["per_turn"]]
         ax.plot(turns, [p["agreement_pct"] for p in summary["per_turn"]], marker="o", label=label)
     ax.set_xlabel("turn")
     ax.set_ylabel("top-1 agreement with own-prefill run (%)")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
+    ax.legend(fontsize=8, loc="lower left")
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
@@ -170,6 +171,10 @@ def run_drift(args) -> int:
     out.mkdir(parents=True)
     settings = {k: v for k, v in vars(args).items() if k != "func"}
     (out / "drift.json").write_text(json.dumps({"settings": settings, "results": results}, indent=2))
-    plot_drift(results, out / "drift.png")
+    plot_drift(
+        results,
+        out / "drift.png",
+        f"{args.small} ↔ {args.large}: does the evaluated model still predict as on its own prefill, turn by turn?",
+    )
     print(f"wrote {out}/drift.json, drift.png")
     return 0

@@ -17,10 +17,15 @@ import argparse
 import json
 import logging
 import math
+import os
+import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
+from unittest import mock
+
+from .evaluation import chance_normalised_retention
 
 logger = logging.getLogger(__name__)
 
@@ -112,11 +117,8 @@ def retention_rows(by_mode: dict[str, dict], chance: dict[str, float | None]) ->
                 row["retention"] = num / den if den else None
             level = chance.get(task) if metric in CHANCE_METRICS else None
             row["chance"] = level
-            row["chance_normalised_retention"] = (
-                (bridge - level) / (target - level)
-                if level is not None and target is not None and bridge is not None and target != level
-                else None
-            )
+            # undefined (None) when the target is at or below chance: there is no ability above chance to retain
+            row["chance_normalised_retention"] = chance_normalised_retention(bridge, target, level)
             rows.append(row)
     return rows
 
@@ -138,9 +140,22 @@ def format_table(rows: list[dict[str, Any]], modes: tuple[str, ...] = EVAL_MODES
         metric += "" if row.get("higher_is_better", True) else " ↓"
         cells = [row["task"], metric]
         cells += [_fmt(row.get(mode), row.get(f"{mode}_stderr")) for mode in modes]
-        cells += [_fmt(row.get("retention")), _fmt(row.get("chance")), _fmt(row.get("chance_normalised_retention"))]
+        normalised = _fmt(row.get("chance_normalised_retention"))
+        if row.get("chance") is not None and row.get("chance_normalised_retention") is None:
+            normalised = "undefined (target ≤ chance)"
+        cells += [_fmt(row.get("retention")), _fmt(row.get("chance")), normalised]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def _quiet_git_commit_hash() -> str | None:
+    """lm-eval's `get_git_commit_hash` without git's `fatal: not a git repository` on stderr outside a clone."""
+    try:
+        return subprocess.check_output(["git", "describe", "--always"], stderr=subprocess.DEVNULL).strip().decode()
+    except (subprocess.CalledProcessError, FileNotFoundError):
+        from lm_eval.loggers.utils import get_commit_from_path
+
+        return get_commit_from_path(os.getcwd())
 
 
 def evaluate_modes(
@@ -164,18 +179,26 @@ def evaluate_modes(
     task_manager = TaskManager(include_path=include_path) if include_path else TaskManager()
     by_mode = {}
     extra = {"rolling_stride": rolling_stride} if rolling_stride else {}
-    for mode in modes:
+    what = {
+        "source": f"the source alone ({bridge.config.source_name_or_path})",
+        "target": f"the target alone ({bridge.config.target_name_or_path})",
+        "bridge": "the bridge (source prefill, mapped cache, target decodes)",
+    }
+    for index, mode in enumerate(modes, 1):
         started = time.perf_counter()
+        # lm-eval's own progress bars do not say which model runs: this line does
+        print(f"[{index}/{len(modes)}] mode {mode}: {what.get(mode, mode)}", file=sys.stderr, flush=True)
         lm = KVBridgeLM(pretrained=bridge, mode=mode, batch_size=batch_size, **extra)
-        by_mode[mode] = lm_eval.simple_evaluate(
-            model=lm,
-            tasks=tasks,
-            num_fewshot=num_fewshot,
-            limit=limit,
-            bootstrap_iters=bootstrap_iters,
-            task_manager=task_manager,
-            log_samples=False,
-        )
+        with mock.patch("lm_eval.evaluator.get_git_commit_hash", _quiet_git_commit_hash):
+            by_mode[mode] = lm_eval.simple_evaluate(
+                model=lm,
+                tasks=tasks,
+                num_fewshot=num_fewshot,
+                limit=limit,
+                bootstrap_iters=bootstrap_iters,
+                task_manager=task_manager,
+                log_samples=False,
+            )
         logger.info("mode %s: %.1fs", mode, time.perf_counter() - started)
     reference = by_mode.get("target") or next(iter(by_mode.values()))
     chance = chance_levels(reference, get_task_dict(tasks, task_manager), limit)
@@ -244,6 +267,10 @@ def run_eval(args: argparse.Namespace) -> int:
         previous = card_path.read_text(encoding="utf-8") if card_path.is_file() else ""
         if read_eval_table(previous):
             logger.info("replacing the retention table in %s", card_path)
-        render_model_card(bridge.config, eval_table=out["table"]).save(card_path)
+        table = out["table"]
+        if limit is not None:  # a subset is not the task: say so next to the numbers
+            docs = f"the first {limit}" if isinstance(limit, int) else f"the first {limit:.0%} of the"
+            table += f"\n\nEvaluated on {docs} documents of each task (`--limit {args.limit:g}`), not the full tasks."
+        render_model_card(bridge.config, eval_table=table).save(card_path)
         print(f"wrote the table into {card_path}")
     return 0

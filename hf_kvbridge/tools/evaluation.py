@@ -178,7 +178,25 @@ def cloze_accuracy(bridge, items: list[ClozeItem]) -> dict:
         "chance": chance,
         "items": len(items),
         "retention": acc["bridge"] / acc["target"] if acc["target"] > 0 else float("nan"),
-        "chance_normalised_retention": (acc["bridge"] - chance) / (acc["target"] - chance)
-        if acc["target"] > chance
-        else float("nan"),
+        "chance_normalised_retention": chance_normalised_retention(acc["bridge"], acc["target"], chance),
     }
+
+
+def chance_normalised_retention(bridge: float | None, target: float | None, chance: float | None) -> float | None:
+    """(bridge − chance) / (target − chance), or `None` (undefined) when the target is at or below chance.
+
+    At or below chance the target shows no ability for the bridge to retain, and the ratio would be meaningless (a
+    bridge exactly as bad as the target would read 1.0).
+
+    Example:
+
+    ```python
+    >>> chance_normalised_retention(0.40, 0.50, 0.25)
+    0.6
+    >>> chance_normalised_retention(0.20, 0.20, 0.25) is None
+    True
+    ```
+    """
+    if bridge is None or target is None or chance is None or not target > chance:
+        return None
+    return (bridge - chance) / (target - chance)

@@ -46,7 +46,13 @@ MAPPERS = (
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pairs", default=DEFAULT_PAIRS, help="candidate SOURCE:TARGET pairs; the hardest is studied")
     parser.add_argument("--pair", help="study this SOURCE:TARGET pair directly (skips the search for the hardest)")
-    parser.add_argument("--mappers", default=",".join(MAPPERS), help="comma-separated mapper names (see above)")
+    parser.add_argument(
+        "--mappers",
+        default=",".join(MAPPERS),
+        help="comma-separated mapper names: ridge, ridge_same_head, low_rank_<rank> (e.g. low_rank_32), mlp_mse, "
+        "mlp_attention, ridge_attention_weighted; a linear one with _bf16 appended keeps its weights in bfloat16 "
+        f"(default: {','.join(MAPPERS)})",
+    )
     parser.add_argument("--num-sequences", type=int, default=128, help="calibration windows")
     parser.add_argument("--seq-len", type=int, default=256, help="calibration window length")
     parser.add_argument("--top-k", type=int, default=6)

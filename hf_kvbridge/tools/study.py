@@ -169,7 +169,7 @@ def run_study(
 def plot_study(result: dict, path) -> None:
     """Scatter of retention against R² and against attention cosine, one colour per pair."""
     plt = _pyplot()
-    fig, axes = plt.subplots(1, 2, figsize=(9, 3.8), sharey=True)
+    fig, axes = plt.subplots(1, 2, figsize=(10, 5.2), sharey=True, layout="constrained")
     pairs = sorted({p["pair"] for p in result["points"]})
     for ax, key, label in zip(
         axes, ("r2", "attention_cosine"), ("held-out R² (mean K, V)", "attention-output cosine")
@@ -190,8 +190,8 @@ def plot_study(result: dict, path) -> None:
         ax.set_xlabel(label)
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("context-benefit retention")
-    axes[1].legend(fontsize=7)
-    fig.tight_layout()
+    fig.legend(*axes[1].get_legend_handles_labels(), loc="outside lower center", ncol=4, fontsize=7)
+    fig.suptitle(f"Does fit quality predict retention? Pocket pairs (source:target) {', '.join(pairs)}", fontsize=10)
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
