@@ -128,7 +128,8 @@ def test_save_load_keeps_per_layer_lambda_and_old_scalar_checkpoints_load(pair_s
     auto = fit_bridge(source, target, train, heldout, top_k=2)
     auto.save_pretrained(tmp_path / "auto")
     saved = json.loads((tmp_path / "auto" / "config.json").read_text())
-    assert saved["ridge_lambda"] == "auto" and saved["ridge_lambdas"] == auto.config.ridge_lambdas
+    expected, _ = choose_ridge_lambdas(train, heldout, auto.config.selected_layers, "all_heads", 2, train.head_dim)
+    assert saved["ridge_lambda"] == "auto" and saved["ridge_lambdas"] == expected
     loaded = KVBridgeForCausalLM.from_pretrained(tmp_path / "auto", source_model=source, target_model=target)
     assert loaded.config.ridge_lambdas == auto.config.ridge_lambdas
     ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(5))
