@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from .solve import LAMBDA_GRID, group_lambda, heldout_r2_path, solve_ridge
+from .solve import LAMBDA_GRID, choose_ridge_lambdas, group_lambda, heldout_r2_path, solve_ridge
 from .statistics import KVStatistics
 
 
@@ -80,12 +80,16 @@ def mapper_r2(
 ) -> torch.Tensor:
     """Held-out R² of a mapper fitted on `train` with `selected_layers`.
 
-    `ridge_lambda` is one number or per-layer choices (see `hf_kvbridge.solve.group_lambda`).
+    `ridge_lambda` is one number, per-layer choices (see `hf_kvbridge.solve.group_lambda`), or `"auto"`: each
+    layer, head group and K/V at its best λ of `LAMBDA_GRID` (`hf_kvbridge.solve.choose_ridge_lambdas`).
 
     Returns:
         `torch.Tensor` of shape `(target_layers, 2)`: R² of K and V per target layer, averaged over heads.
     """
 
+    if ridge_lambda == "auto":
+        heads, dim = train.num_kv_heads, train.head_dim
+        return choose_ridge_lambdas(train, heldout, selected_layers, head_mode, heads, dim, LAMBDA_GRID)[1]
     group_heads = train.num_kv_heads if head_mode == "all_heads" else 1
 
     def fit(t, g, x_idx, y_idx):

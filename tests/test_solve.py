@@ -115,6 +115,7 @@ def test_fit_bridge_records_lambda_per_layer_and_head(pair_statistics, head_mode
     r2 = torch.tensor([config.heldout_r2["k"], config.heldout_r2["v"]]).T  # (L_t, 2)
     chosen = mapper_r2(train, heldout, config.selected_layers, head_mode, config.ridge_lambdas)
     torch.testing.assert_close(r2, chosen.float(), atol=1e-5, rtol=0)
+    torch.testing.assert_close(mapper_r2(train, heldout, config.selected_layers, head_mode, "auto"), chosen)
     for lam in LAMBDA_GRID[::3]:
         fixed = mapper_r2(train, heldout, config.selected_layers, head_mode, lam)
         assert (chosen >= fixed - 1e-9).all()
@@ -163,3 +164,12 @@ def test_bad_ridge_lambda_is_refused_before_any_work():
         with pytest.raises(ValueError, match="ridge_lambda must be 'auto' or a number"):
             CalibrationSettings(ridge_lambda=bad)
     assert CalibrationSettings().ridge_lambda == "auto"
+
+
+def test_cli_ridge_lambda_accepts_auto_or_a_number(capsys):
+    from hf_kvbridge.cli.main import _ridge_lambda, main
+
+    assert _ridge_lambda("auto") == "auto" and _ridge_lambda("0.5") == 0.5
+    with pytest.raises(SystemExit) as exit_info:
+        main(["calibrate", "src", "tgt", "--out", "unused", "--ridge-lambda", "-1"])
+    assert exit_info.value.code == 2 and "expected 'auto' or a number ≥ 0" in capsys.readouterr().err

@@ -47,7 +47,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--target", default="pocket-l", choices=pocket.POCKET_MODELS, help="pocket model that decodes")
     parser.add_argument("--top-k", type=lambda v: None if v == "all" else int(v), default=6)
-    parser.add_argument("--ridge-lambda", type=float, default=0.01)
+    parser.add_argument("--ridge-lambda", type=lambda v: v if v == "auto" else float(v), default="auto")
     parser.add_argument("--head-mode", choices=["all_heads", "same_head"], default="all_heads")
     parser.add_argument("--num-sequences", type=int, help="calibration windows (default 128; 24 with --quick)")
     parser.add_argument("--seq-len", type=int, help="calibration window length (default 512; 256 with --quick)")

@@ -50,8 +50,12 @@ def run_lambda_study(
     fixed_grid=FIXED_GRID,
     seed: int = 0,
     progress=print,
+    partial_path: str | Path | None = None,
 ) -> dict:
     """Measures the old default (λ = 0.01), auto-λ and every fixed λ of `fixed_grid` on each pair.
+
+    Args:
+        partial_path (`str` or `Path`, *optional*): rewrite the rows measured so far there after every pair.
 
     Returns:
         `dict` with `rows` (one per pair: retention, R² and attention cosine of `old_default`, `auto`,
@@ -116,6 +120,8 @@ def run_lambda_study(
         old = next(p for p in fixed if p["ridge_lambda"] == 0.01)
         best = max(fixed, key=lambda p: p["retention"])
         rows.append({"pair": pair, "old_default": old, "auto": auto, "best_fixed": best})
+        if partial_path is not None:
+            Path(partial_path).write_text(json.dumps({"rows": rows, "points": points}, indent=2) + "\n")
     return {
         "rows": rows,
         "points": points,
@@ -158,10 +164,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--top-k", type=int, default=3)
     parser.add_argument("--windows", type=int, default=16)
+    parser.add_argument("--fixed-grid", type=float, nargs="+", default=list(FIXED_GRID), help="fixed λ to compare")
     parser.add_argument("--out", default="lambda_study.json")
     args = parser.parse_args(argv)
     result = run_lambda_study(
-        args.pairs, num_sequences=args.num_sequences, seq_len=args.seq_len, top_k=args.top_k, windows=args.windows
+        args.pairs,
+        num_sequences=args.num_sequences,
+        seq_len=args.seq_len,
+        top_k=args.top_k,
+        windows=args.windows,
+        fixed_grid=args.fixed_grid,
+        partial_path=Path(args.out).with_suffix(".partial.json"),
     )
     Path(args.out).write_text(json.dumps(result, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     print(markdown_table(result))
