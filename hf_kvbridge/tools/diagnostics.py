@@ -7,6 +7,8 @@ two outputs is averaged over tokens.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 
@@ -108,10 +110,13 @@ def layer_ridge_lambdas(config, target_layers: int) -> dict[str, list[float]]:
     if not chosen:
         value = float(config.ridge_lambda)
         return {"k": [value] * target_layers, "v": [value] * target_layers}
-    return {
-        kv: [float(torch.tensor(groups, dtype=torch.float64).log().mean().exp()) for groups in chosen[kv]]
-        for kv in ("k", "v")
-    }
+
+    def mean(groups: list[float]) -> float:  # the one value of an all_heads layer as it is
+        if len(set(groups)) == 1:
+            return groups[0]
+        return float(f"{math.exp(sum(map(math.log, groups)) / len(groups)):.3g}")
+
+    return {kv: [mean(groups) for groups in chosen[kv]] for kv in ("k", "v")}
 
 
 def inspect_bridge(
