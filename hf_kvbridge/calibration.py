@@ -26,6 +26,7 @@ from .mappers import KVMapper, get_mapper_type
 from .modeling import KVBridgeForCausalLM
 from .selection import mapper_r2, select_layers, single_layer_r2
 from .settings import CalibrationSettings
+from .solve import LAMBDA_GRID, choose_ridge_lambdas
 from .statistics import KVStatistics
 from .tokenization import check_same_tokenizer
 from .version import __version__
@@ -196,7 +197,7 @@ def fit_bridge(
     heldout: KVStatistics,
     *,
     top_k: int | None = 6,
-    ridge_lambda: float = 0.01,
+    ridge_lambda: float | str = "auto",
     head_mode: str = "all_heads",
     hold_back: int = 1,
     selected_layers: list[list[int]] | None = None,
@@ -205,6 +206,9 @@ def fit_bridge(
     """Selects layers (held-out single-layer R²), fits the ridge mapper on all statistics and builds the bridge.
 
     Args:
+        ridge_lambda (`float` or `"auto"`, *optional*, defaults to `"auto"`): relative ridge strength; `"auto"`
+            chooses it per target layer, head group and K/V by held-out R² over `hf_kvbridge.solve.LAMBDA_GRID`
+            (fit on `train`, scored on `heldout`, refitted on both; stored in `config.ridge_lambdas`).
         selected_layers (`list[list[int]]`, *optional*): force these source layers (per target layer, in order)
             instead of selecting them.
         config_kwargs (`dict`, *optional*): extra [`KVBridgeConfig`] fields (references, provenance).
@@ -224,13 +228,20 @@ def fit_bridge(
         selected_layers = select_layers(r2, top_k, allowed_sources(src, tgt))
     elif len(selected_layers) != tgt.num_layers:
         raise ValueError(f"selected_layers has {len(selected_layers)} entries, target has {tgt.num_layers} layers")
-    fitted_r2 = mapper_r2(train, heldout, selected_layers, head_mode, ridge_lambda)  # (L_t, 2)
-    mapper = KVMapper.from_statistics(train + heldout, selected_layers, head_mode, ridge_lambda)
+    ridge_lambdas = None
+    if ridge_lambda == "auto":
+        ridge_lambdas, fitted_r2 = choose_ridge_lambdas(
+            train, heldout, selected_layers, head_mode, src.num_kv_heads, src.head_dim, LAMBDA_GRID
+        )  # fitted_r2: (L_t, 2)
+    else:
+        fitted_r2 = mapper_r2(train, heldout, selected_layers, head_mode, ridge_lambda)  # (L_t, 2)
+    mapper = KVMapper.from_statistics(train + heldout, selected_layers, head_mode, ridge_lambdas or ridge_lambda)
     config = KVBridgeConfig(
         source_fingerprint=src.fingerprint(),
         target_fingerprint=tgt.fingerprint(),
         top_k=top_k,
         ridge_lambda=ridge_lambda,
+        ridge_lambdas=ridge_lambdas,
         head_mode=head_mode,
         selected_layers=selected_layers,
         selected_layer_r2=[

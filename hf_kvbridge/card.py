@@ -16,6 +16,15 @@ CARD_TAGS = ["kv-cache", "kvbridge", "prefill-reuse"]
 EVAL_TABLE_START, EVAL_TABLE_END = "<!-- kvbridge-eval-table -->", "<!-- /kvbridge-eval-table -->"
 
 
+def _describe_lambda(config) -> str:
+    """`0.01`, or for an auto-λ bridge the range of the λ chosen per layer."""
+    chosen = getattr(config, "ridge_lambdas", None)
+    if not chosen:
+        return str(config.ridge_lambda)
+    values = [v for kv in ("k", "v") for layer in chosen[kv] for v in layer]
+    return f"auto (held-out R² per target layer, K and V): {min(values):g} – {max(values):g}"
+
+
 def _mean(values: list[float] | None) -> float | None:
     return sum(values) / len(values) if values else None
 
@@ -85,7 +94,7 @@ def render_model_card(
         mapper_type=config.mapper_type,
         head_mode=config.head_mode,
         top_k=config.top_k,
-        ridge_lambda=config.ridge_lambda,
+        ridge_lambda=_describe_lambda(config),
         hold_back=config.hold_back,
         calibration=config.calibration or {},
         r2_summary=r2_summary,

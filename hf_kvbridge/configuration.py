@@ -26,8 +26,11 @@ class KVBridgeConfig(PretrainedConfig):
         source_fingerprint (`dict`), target_fingerprint (`dict`): layers, KV heads, head dim, vocab size, rotary
             parameters and maximum positions of each model (see [`KVLayout`]).
         top_k (`int`, *optional*, defaults to `6`): number of source layers feeding each target layer.
-        ridge_lambda (`float`, *optional*, defaults to `0.01`): ridge strength, relative to each input feature's
-            variance (ridge on standardized inputs).
+        ridge_lambda (`float` or `str`, *optional*, defaults to `"auto"`): ridge strength, relative to each input
+            feature's variance (ridge on standardized inputs), or `"auto"`: chosen per target layer by held-out R²
+            (then `ridge_lambdas` holds the choices). Checkpoints from before auto-λ hold one number here.
+        ridge_lambdas (`dict`, *optional*): the λ chosen per target layer, head group (one in `all_heads` mode, one
+            per KV head in `same_head` mode) and K/V: `{"k": [[λ per group] per target layer], "v": [...]}`.
         head_mode (`str`, *optional*, defaults to `"all_heads"`): `"all_heads"` or `"same_head"`.
         mapper_type (`str`, *optional*, defaults to `"ridge"`): kind of mapper stored in the weights file:
             `"ridge"`, `"ridge_attention_weighted"` (same linear layout, see `mappers.weighted`), `"mlp"` (a residual
@@ -71,7 +74,8 @@ class KVBridgeConfig(PretrainedConfig):
     source_fingerprint: dict | None = None
     target_fingerprint: dict | None = None
     top_k: int | None = 6
-    ridge_lambda: float = 0.01
+    ridge_lambda: float | str = "auto"
+    ridge_lambdas: dict | None = None
     head_mode: str = "all_heads"
     mapper_type: str = "ridge"
     mapper_kwargs: dict | None = None
@@ -120,6 +124,15 @@ class KVBridgeConfig(PretrainedConfig):
             raise ValueError(f"recompute_fraction must lie in [0, 1], got {self.recompute_fraction}")
         if self.recompute_policy not in RECOMPUTE_POLICIES:
             raise ValueError(f"recompute_policy must be one of {RECOMPUTE_POLICIES}, got {self.recompute_policy!r}")
+        if self.ridge_lambda != "auto" and (
+            isinstance(self.ridge_lambda, bool) or not isinstance(self.ridge_lambda, (int, float))
+        ):
+            raise ValueError(f"ridge_lambda must be a number ≥ 0 or 'auto', got {self.ridge_lambda!r}")
+        if self.ridge_lambdas is not None and set(self.ridge_lambdas) != {"k", "v"}:
+            raise ValueError(
+                f"ridge_lambdas must be {{'k': [[...]], 'v': [[...]]}} (λ per target layer and head group), got keys "
+                f"{sorted(self.ridge_lambdas)}"
+            )
         if self.format_version > FORMAT_VERSION:
             raise ValueError(
                 f"this checkpoint has format version {self.format_version}, newer than this hf_kvbridge supports "

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from .solve import solve_ridge
+from .solve import LAMBDA_GRID, choose_ridge_lambdas, group_lambda, heldout_r2_path, solve_ridge
 from .statistics import KVStatistics
 
 
@@ -20,9 +20,12 @@ def _r2_by_head(sse: torch.Tensor, sst: torch.Tensor, heads: int, head_dim: int)
 
 
 def single_layer_r2(
-    train: KVStatistics, heldout: KVStatistics, head_mode: str = "all_heads", ridge_lambda: float = 0.01
+    train: KVStatistics, heldout: KVStatistics, head_mode: str = "all_heads", ridge_lambda: float | str = 0.01
 ) -> torch.Tensor:
     """Held-out R² of predicting each target layer from each single source layer.
+
+    With `ridge_lambda="auto"` each (target layer, source layer, K/V) scores at its best λ of `LAMBDA_GRID`
+    (one eigendecomposition per source layer and head group; see `hf_kvbridge.solve`).
 
     Returns:
         `torch.Tensor` of shape `(target_layers, source_layers, 2)`: R² for K (`[..., 0]`) and V (`[..., 1]`),
@@ -38,6 +41,17 @@ def single_layer_r2(
             x_idx = train.source_index([s], head)
             # every target layer at once: same inputs, more output columns
             y_idx = torch.cat([train.target_index(int(t), head) for t in all_targets])
+            if ridge_lambda == "auto":
+                path = heldout_r2_path(train, heldout, x_idx, y_idx, dim, LAMBDA_GRID)  # (Λ, L_t·heads, 2)
+                blocks = train.target_layers if head is not None else train.target_layers * heads
+                path = path.view(len(LAMBDA_GRID), train.target_layers, blocks // train.target_layers, 2)
+                best = path.mean(2).argmax(0)  # (L_t, 2): best λ per target layer and K/V
+                chosen = path.gather(0, best.view(1, -1, 1, 2).expand(1, -1, path.shape[2], 2))[0]  # (L_t, h, 2)
+                if head is None:
+                    per_head = chosen
+                else:
+                    per_head[:, head] = chosen[:, 0]
+                continue
             weight, bias = solve_ridge(train, x_idx, y_idx, ridge_lambda)
             sse, sst = heldout.residual_sums(x_idx, y_idx, weight, bias)
             if head is None:
@@ -69,16 +83,24 @@ def mapper_r2(
     heldout: KVStatistics,
     selected_layers: list[list[int]],
     head_mode: str = "all_heads",
-    ridge_lambda: float = 0.01,
+    ridge_lambda: float | dict = 0.01,
 ) -> torch.Tensor:
     """Held-out R² of a mapper fitted on `train` with `selected_layers`.
+
+    `ridge_lambda` is one number, per-layer choices (see `hf_kvbridge.solve.group_lambda`), or `"auto"`: each
+    layer, head group and K/V at its best λ of `LAMBDA_GRID` (`hf_kvbridge.solve.choose_ridge_lambdas`).
 
     Returns:
         `torch.Tensor` of shape `(target_layers, 2)`: R² of K and V per target layer, averaged over heads.
     """
 
+    if ridge_lambda == "auto":
+        heads, dim = train.num_kv_heads, train.head_dim
+        return choose_ridge_lambdas(train, heldout, selected_layers, head_mode, heads, dim, LAMBDA_GRID)[1]
+    group_heads = train.num_kv_heads if head_mode == "all_heads" else 1
+
     def fit(t, g, x_idx, y_idx):
-        return solve_ridge(train, x_idx, y_idx, ridge_lambda)
+        return solve_ridge(train, x_idx, y_idx, group_lambda(ridge_lambda, t, g, group_heads, train.head_dim))
 
     return _heldout_r2(heldout, selected_layers, head_mode, fit)
 

@@ -25,8 +25,9 @@ class CalibrationSettings:
         num_sequences (`int`, *optional*, defaults to `500`), seq_len (`int`, *optional*, defaults to `1024`):
             calibration windows of `seq_len` tokens.
         top_k (`int`, *optional*, defaults to `6`): source layers per target layer (`None`: all).
-        ridge_lambda (`float`, *optional*, defaults to `0.01`): relative to each input feature's variance (ridge
-            on standardised inputs; see `hf_kvbridge.solve`).
+        ridge_lambda (`float` or `"auto"`, *optional*, defaults to `"auto"`): relative to each input feature's
+            variance (ridge on standardised inputs; see `hf_kvbridge.solve`). `"auto"` chooses it per target layer
+            (and head, in `same_head` mode, and K/V) by held-out R² over `hf_kvbridge.solve.LAMBDA_GRID`.
         head_mode (`str`, *optional*, defaults to `"all_heads"`): or `"same_head"` (head h from head h only).
         mapper_type (`str`, *optional*, defaults to `"ridge"`): a key of `hf_kvbridge.mappers.MAPPER_REGISTRY`
             (`"ridge"`, `"ridge_attention_weighted"`, `"mlp"`, `"low_rank"`).
@@ -57,7 +58,7 @@ class CalibrationSettings:
     num_sequences: int = 500
     seq_len: int = 1024
     top_k: int | None = 6
-    ridge_lambda: float = 0.01
+    ridge_lambda: float | str = "auto"
     head_mode: str = "all_heads"
     mapper_type: str = "ridge"
     mapper_kwargs: dict[str, Any] = field(default_factory=dict)
@@ -90,8 +91,9 @@ class CalibrationSettings:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.top_k is not None and (not isinstance(self.top_k, int) or self.top_k < 1):
             raise ValueError(f"top_k must be a positive integer or None (all source layers), got {self.top_k!r}")
-        if not isinstance(self.ridge_lambda, (int, float)) or self.ridge_lambda < 0:
-            raise ValueError(f"ridge_lambda must be a number ≥ 0, got {self.ridge_lambda!r}")
+        number = isinstance(self.ridge_lambda, (int, float)) and not isinstance(self.ridge_lambda, bool)
+        if self.ridge_lambda != "auto" and (not number or self.ridge_lambda < 0):
+            raise ValueError(f"ridge_lambda must be 'auto' or a number ≥ 0, got {self.ridge_lambda!r}")
         if self.head_mode not in HEAD_MODES:
             raise ValueError(f"head_mode must be one of {HEAD_MODES}, got {self.head_mode!r}")
         if not 0 < self.heldout_fraction < 1:

@@ -7,7 +7,19 @@ For target layer `t` and head group `g` (all heads at once in `all_heads` mode, 
 `C` are covariances (centered sums divided by the token count), so λ is *relative to each input feature's own
 variance* — the same as plain ridge on standardized (z-scored) inputs. It does not change with the number of
 calibration tokens or with the scale of any feature (keys and values live at very different scales).
-λ = 0.01 adds 1 % of each feature's variance to its diagonal entry.
+λ = 0.01 adds 1 % of each feature's variance to its diagonal entry. With several correlated source layers
+concatenated, that shrinks the map much more than "1 %" suggests, and the best λ differs between pairs and layers.
+
+**Choosing λ** (`ridge_lambda="auto"`, the default): for each target layer and head group, one eigendecomposition
+of the standardized training Gram block, `Z = D^-½ C_xx D^-½ = V Λ Vᵀ`, gives the ridge map for every λ of a grid
+at the cost of one matrix product each,
+
+    W(λ) = D^-½ V diag(1 / (Λ + λ)) Vᵀ D^-½ C_xy,
+
+and the held-out statistics' moments give each W(λ)'s held-out residual sum of squares without another pass over
+the data. Ridge decouples over output columns, so the K columns and the V columns each get the λ with the best
+held-out R² (mean over heads) — exactly what two separate K and V maps would get. The map is then refitted on
+train + held-out statistics with the chosen λ per column (`solve_ridge` with a per-column λ).
 """
 
 from __future__ import annotations
@@ -15,37 +27,225 @@ from __future__ import annotations
 import torch
 
 from .errors import StatisticsError
-from .statistics import KVStatistics
+
+# 1e-6 … 1 in half decades: the search grid of `ridge_lambda="auto"` (relative λ, see the module docstring)
+LAMBDA_GRID: tuple[float, ...] = tuple(float(f"{10 ** (e / 2):.3g}") for e in range(-12, 1))
 
 
-def solve_ridge(
-    stats: KVStatistics, x_idx: torch.Tensor, y_idx: torch.Tensor, ridge_lambda: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Fits `y[y_idx] ≈ x[x_idx] W + b` by centered ridge in float64.
-
-    Returns:
-        `(weight (p, q), bias (q,))`, float64.
-
-    Raises:
-        `StatisticsError` if there are no more tokens than features, or the statistics are not finite.
-    """
-    p = x_idx.numel()
+def _check_count(stats, p: int) -> None:
+    """An unregularised (λ = 0) fit needs more tokens than features; any λ > 0 makes the problem well posed."""
     if stats.count <= p:
         raise StatisticsError(
             f"fewer calibration tokens ({stats.count}) than mapper input features ({p}); use more or longer "
             "calibration sequences, a smaller top_k, or head_mode='same_head'"
         )
-    mx, my, cxx, cxy, _ = stats.moments(x_idx, y_idx)
+
+
+def _feature_scale(cxx: torch.Tensor) -> torch.Tensor:
+    """Each feature's own variance `(p,)`, floored so a constant feature still gets a ridge."""
+    variance = torch.diagonal(cxx)
+    return variance.clamp_min(1e-6 * variance.mean().clamp_min(torch.finfo(torch.float64).tiny))
+
+
+def _moments(stats, x_idx: torch.Tensor, y_idx: torch.Tensor):
+    mx, my, cxx, cxy, vy = stats.moments(x_idx, y_idx)
     if not (torch.isfinite(cxx).all() and torch.isfinite(cxy).all()):
         raise StatisticsError("NaN/Inf in calibration statistics; cannot fit the mapper")
-    variance = torch.diagonal(cxx)
-    # each feature's own variance (floored so a constant feature still gets a ridge): ridge on standardized inputs
-    scale = variance.clamp_min(1e-6 * variance.mean().clamp_min(torch.finfo(torch.float64).tiny))
-    system = cxx + torch.diag(ridge_lambda * scale)
-    chol, info = torch.linalg.cholesky_ex(system)
-    if info.item() == 0:
-        weight = torch.cholesky_solve(cxy, chol)  # (p, q)
-    else:  # λ = 0 on rank-deficient inputs: minimum-norm least squares
-        weight = torch.linalg.lstsq(system, cxy, driver="gelsd").solution
+    return mx, my, cxx, cxy, vy
+
+
+def solve_ridge(
+    stats, x_idx: torch.Tensor, y_idx: torch.Tensor, ridge_lambda: float | torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fits `y[y_idx] ≈ x[x_idx] W + b` by centered ridge in float64.
+
+    Args:
+        stats ([`KVStatistics`]): anything with `count` and `moments(x_idx, y_idx)`.
+        x_idx (`torch.Tensor` of shape `(p,)`), y_idx (`(q,)`): input and output feature indices.
+        ridge_lambda (`float` or `torch.Tensor` of shape `(q,)`): relative ridge strength, one for all output
+            columns or one per column (ridge decouples over columns, so this is one ridge fit per distinct value).
+
+    Returns:
+        `(weight (p, q), bias (q,))`, float64.
+
+    Raises:
+        `StatisticsError` if λ = 0 and there are no more tokens than features, or the statistics are not finite.
+
+    Example:
+
+    ```python
+    >>> from hf_kvbridge.statistics import KVStatistics
+    >>> stats = KVStatistics(source_layers=1, target_layers=1, num_kv_heads=1, head_dim=2)
+    >>> stats.update(torch.randn(50, 4), torch.randn(50, 4))
+    >>> weight, bias = solve_ridge(stats, torch.arange(4), torch.arange(4), 0.01)
+    >>> weight.shape, bias.shape
+    (torch.Size([4, 4]), torch.Size([4]))
+    ```
+    """
+    p = x_idx.numel()
+    smallest = float(ridge_lambda.min()) if isinstance(ridge_lambda, torch.Tensor) else float(ridge_lambda)
+    if smallest <= 0:
+        _check_count(stats, p)
+    mx, my, cxx, cxy, _ = _moments(stats, x_idx, y_idx)
+    scale = _feature_scale(cxx)  # ridge on standardized inputs
+    if isinstance(ridge_lambda, torch.Tensor):
+        lambdas = ridge_lambda.to(torch.float64).reshape(-1)
+        if lambdas.numel() != cxy.shape[1]:
+            raise ValueError(f"{lambdas.numel()} ridge λ for {cxy.shape[1]} output columns")
+        weight = torch.empty_like(cxy)  # (p, q)
+        for value in lambdas.unique().tolist():
+            columns = (lambdas == value).nonzero().squeeze(1)
+            weight[:, columns] = _ridge_weight(cxx, cxy[:, columns], scale, value)
+    else:
+        weight = _ridge_weight(cxx, cxy, scale, float(ridge_lambda))
     bias = my - mx @ weight
     return weight, bias
+
+
+def _ridge_weight(cxx: torch.Tensor, cxy: torch.Tensor, scale: torch.Tensor, ridge_lambda: float) -> torch.Tensor:
+    system = cxx + torch.diag(ridge_lambda * scale)  # (p, p)
+    chol, info = torch.linalg.cholesky_ex(system)
+    if info.item() == 0:
+        return torch.cholesky_solve(cxy, chol)  # (p, q)
+    # λ = 0 on rank-deficient inputs: minimum-norm least squares
+    return torch.linalg.lstsq(system, cxy, driver="gelsd").solution
+
+
+def heldout_r2_path(
+    train,
+    heldout,
+    x_idx: torch.Tensor,
+    y_idx: torch.Tensor,
+    head_dim: int,
+    lambdas: tuple[float, ...] | list[float] = LAMBDA_GRID,
+) -> torch.Tensor:
+    """Held-out R² of the ridge map fitted on `train` for every λ of `lambdas`, from one eigendecomposition.
+
+    The output columns `y_idx` must be whole heads laid out as the statistics lay them out (per head: key `d`
+    columns, then value `d` columns).
+
+    Args:
+        train, heldout ([`KVStatistics`]): statistics with `count` and `moments`; the fit uses `train`, the R² is
+            measured on `heldout`.
+        head_dim (`int`): `d`.
+        lambdas (`tuple[float]`, *optional*, defaults to `LAMBDA_GRID`): relative ridge strengths (> 0).
+
+    Returns:
+        `torch.Tensor` of shape `(len(lambdas), q // (2d), 2)`: held-out R² per λ, head and K/V (pooled over the
+        head's `d` columns).
+
+    Example:
+
+    ```python
+    >>> from hf_kvbridge.statistics import KVStatistics
+    >>> train, held = (KVStatistics(1, 1, num_kv_heads=1, head_dim=2) for _ in range(2))
+    >>> for stats in (train, held):
+    ...     x = torch.randn(200, 4)
+    ...     stats.update(x, x + 0.1 * torch.randn(200, 4))
+    >>> heldout_r2_path(train, held, torch.arange(4), torch.arange(4), head_dim=2, lambdas=[1e-4, 1.0]).shape
+    torch.Size([2, 1, 2])
+    ```
+    """
+    if not lambdas or min(lambdas) <= 0:
+        raise ValueError(f"the λ grid must be non-empty and positive, got {list(lambdas)}")
+    q = y_idx.numel()
+    if q % (2 * head_dim):
+        raise ValueError(f"{q} output columns are not whole heads of 2·{head_dim}")
+    mx, my, cxx, cxy, _ = _moments(train, x_idx, y_idx)
+    hmx, hmy, hcxx, hcxy, hvy = _moments(heldout, x_idx, y_idx)
+    root = _feature_scale(cxx).sqrt()  # (p,) D^½
+    z = cxx / root[:, None] / root[None, :]  # (p, p) standardized Gram block
+    evals, evecs = torch.linalg.eigh((z + z.T) / 2)  # Z = V Λ Vᵀ
+    evals = evals.clamp_min(0)
+    a = evecs.T @ (cxy / root[:, None])  # (p, q): Vᵀ D^-½ C_xy, so W(λ) = D^-½ V diag(1/(Λ+λ)) a
+    # the held-out moments in the same rotated, standardized coordinates
+    m = evecs.T @ (hcxx / root[:, None] / root[None, :]) @ evecs  # (p, p)
+    c = evecs.T @ (hcxy / root[:, None])  # (p, q)
+    shift = evecs.T @ ((hmx - mx) / root)  # (p,): held-out minus train input mean
+    offset = hmy - my  # (q,)
+    blocks = q // (2 * head_dim)
+    sst = hvy.view(blocks, 2, head_dim).sum(-1).clamp_min(torch.finfo(torch.float64).tiny)  # (blocks, 2)
+    out = torch.empty(len(lambdas), blocks, 2, dtype=torch.float64)
+    for i, lam in enumerate(lambdas):
+        w = a / (evals + lam)[:, None]  # (p, q) rotated map
+        # per column, mean squared held-out residual: var_y − 2 wᵀc + wᵀ M w + (mean residual)²
+        mse = hvy - 2 * (c * w).sum(0) + ((m @ w) * w).sum(0) + (offset - shift @ w) ** 2  # (q,)
+        sse = mse.clamp_min(0).view(blocks, 2, head_dim).sum(-1)  # (blocks, 2)
+        out[i] = 1 - sse / sst
+    return out
+
+
+def group_lambda(ridge_lambda, target_layer: int, group: int, heads: int, head_dim: int) -> float | torch.Tensor:
+    """The λ of target layer `target_layer`, head group `group` for `solve_ridge`.
+
+    Args:
+        ridge_lambda (`float` or `dict`): one number for every map, or per-layer choices
+            `{"k": [[λ per head group] per target layer], "v": [...]}` (as `choose_ridge_lambdas` returns and
+            `KVBridgeConfig.ridge_lambdas` stores).
+        heads (`int`): heads in the group (all KV heads in `all_heads` mode, 1 in `same_head` mode).
+
+    Returns:
+        a float, or a per-column `torch.Tensor` of shape `(heads · 2d,)` (K columns then V columns, per head).
+    """
+    if not isinstance(ridge_lambda, dict):
+        return float(ridge_lambda)
+    lam_k = float(ridge_lambda["k"][target_layer][group])
+    lam_v = float(ridge_lambda["v"][target_layer][group])
+    per_head = torch.tensor([lam_k, lam_v], dtype=torch.float64).repeat_interleave(head_dim)  # (2d,)
+    return per_head.repeat(heads)  # (heads·2d,)
+
+
+def choose_ridge_lambdas(
+    train,
+    heldout,
+    selected_layers: list[list[int]],
+    head_mode: str,
+    num_kv_heads: int,
+    head_dim: int,
+    lambdas: tuple[float, ...] | list[float] = LAMBDA_GRID,
+) -> tuple[dict[str, list[list[float]]], torch.Tensor]:
+    r"""Chooses λ per target layer, head group and K/V by held-out R² (fit on `train`, scored on `heldout`).
+
+    Args:
+        train, heldout ([`KVStatistics`]): the calibration statistics, split by sequence.
+        selected_layers (`list[list[int]]`): per target layer, its source layers in order.
+        head_mode (`str`): `"all_heads"` (one group per layer) or `"same_head"` (one group per head).
+        lambdas (`tuple[float]`, *optional*, defaults to `LAMBDA_GRID`): the grid searched.
+
+    Returns:
+        `(ridge_lambdas, r2)`: `{"k": [[λ per group] per layer], "v": [...]}` and the held-out R² at the chosen λ,
+        `torch.Tensor` of shape `(target_layers, 2)` (K, V; mean over heads). On ties the smaller λ wins.
+
+    Example:
+
+    ```python
+    >>> lambdas, r2 = choose_ridge_lambdas(train, held, [[0, 1]], "all_heads", 2, 8)  # doctest: +SKIP
+    >>> lambdas["k"][0]  # doctest: +SKIP
+    [0.0001]
+    ```
+    """
+    grid = [float(v) for v in lambdas]
+    chosen: dict[str, list[list[float]]] = {"k": [], "v": []}
+    r2 = torch.zeros(len(selected_layers), 2, dtype=torch.float64)
+    groups = [None] if head_mode == "all_heads" else list(range(num_kv_heads))
+    for t, layers in enumerate(selected_layers):
+        per_group = []
+        for head in groups:
+            x_idx, y_idx = train.source_index(layers, head), train.target_index(t, head)
+            path = heldout_r2_path(train, heldout, x_idx, y_idx, head_dim, grid).mean(1)  # (L, 2)
+            best = path.argmax(0)  # (2,) first maximum: the smaller λ on ties
+            per_group.append((best, path[best, torch.arange(2)]))
+        chosen["k"].append([grid[int(best[0])] for best, _ in per_group])
+        chosen["v"].append([grid[int(best[1])] for best, _ in per_group])
+        r2[t] = torch.stack([score for _, score in per_group]).mean(0)
+    return chosen, r2
+
+
+def effective_ridge_lambda(config) -> float | dict:
+    """The λ a bridge's maps were fitted with: its per-layer choices (`config.ridge_lambdas`) when it has them,
+    else its one number (`config.ridge_lambda`; checkpoints from before auto-λ)."""
+    if getattr(config, "ridge_lambdas", None):
+        return config.ridge_lambdas
+    if config.ridge_lambda == "auto":
+        raise ValueError("config.ridge_lambda is 'auto' but config.ridge_lambdas (the chosen λ per layer) is missing")
+    return float(config.ridge_lambda)

@@ -96,7 +96,10 @@ def test_inspect_cli_writes_json_and_plots(saved_pair, windows, tmp_path, capsys
     out = tmp_path / "inspect"
     args = ["inspect", str(tmp_path / "bridge"), "--data", str(data), "--num-sequences", "4", "--seq-len", "24"]
     assert main([*args, "--out", str(out)]) == 0
-    assert "attention cosine" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "attention cosine" in printed and "λ K" in printed  # the ridge λ of each target layer
     assert sorted(p.name for p in out.iterdir()) == sorted(INSPECT_FILES)
     report = json.loads((out / "report.json").read_text())
+    assert report["ridge_lambda"] == "auto"  # the MLP starts from the auto-λ ridge and keeps its λ per layer
+    assert report["ridge_lambda_layer"]["k"] == [v for (v,) in bridge.config.ridge_lambdas["k"]]
     assert report["mapper_type"] == "mlp" and report["windows"] == 4 and len(report["attention_cosine"]) == 3

@@ -78,7 +78,9 @@ def test_lower_rank_costs_less_and_explains_less(ridge_pair):
     assert r2 == sorted(r2) and r2[0] < r2[-1] - 0.05
     assert flops[1] < ridge_pair.mapper.flops_per_token()
     train, heldout = ridge_pair.calibration_statistics
-    measured = mapped_heldout_r2(LowRankKVMapper.from_statistics(train, [[0, 1]] * 3, "all_heads", 0.01, 4), heldout)
+    config = ridge_pair.config  # the low-rank fit reuses the ridge's layers and its per-layer (auto) λ
+    rank_4 = LowRankKVMapper.from_statistics(train, config.selected_layers, "all_heads", config.ridge_lambdas, 4)
+    measured = mapped_heldout_r2(rank_4, heldout)
     assert float(measured[:, 0].sum()) == pytest.approx(sum(bridges[1].config.heldout_r2["k"]), abs=1e-5)
 
 

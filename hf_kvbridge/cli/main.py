@@ -30,6 +30,19 @@ def _positive_int(value: str) -> int:
     return number
 
 
+def _ridge_lambda(value: str) -> str | float:
+    """`--ridge-lambda`: `auto` or a number ≥ 0."""
+    if value == "auto":
+        return value
+    try:
+        number = float(value)
+    except ValueError:
+        number = -1.0
+    if not number >= 0:
+        raise argparse.ArgumentTypeError(f"expected 'auto' or a number ≥ 0, got {value!r}")
+    return number
+
+
 def _top_k(value: str) -> int | None:
     if value == "all":
         return None
@@ -350,10 +363,15 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         f"{report['source']} → {report['target']} ({report['mapper_type']}), {report['windows']} windows × "
         f"{report['seq_len']} tokens"
     )
-    print(f"{'layer':<6}{'R² K':>8}{'R² V':>8}{'attn cos':>10}{'key err':>9}")
+    print(f"ridge λ: {report['ridge_lambda']} (relative to each input feature's variance)")
+    print(f"{'layer':<6}{'R² K':>8}{'R² V':>8}{'attn cos':>10}{'key err':>9}{'λ K':>10}{'λ V':>10}")
+    lam = report["ridge_lambda_layer"]
     for t, cos in enumerate(report["attention_cosine"]):
         r2 = report["mapper_r2_layer"]
-        print(f"{t:<6}{r2['k'][t]:>8.4f}{r2['v'][t]:>8.4f}{cos:>10.4f}{report['key_error_layer'][t]:>9.4f}")
+        print(
+            f"{t:<6}{r2['k'][t]:>8.4f}{r2['v'][t]:>8.4f}{cos:>10.4f}{report['key_error_layer'][t]:>9.4f}"
+            f"{lam['k'][t]:>10.3g}{lam['v'][t]:>10.3g}"
+        )
     print(
         f"mean  R² K {summary['mapper_r2_k']:.4f}  R² V {summary['mapper_r2_v']:.4f}  attention cosine "
         f"{summary['attention_cosine']:.4f}  key error {summary['key_error']:.4f}"
@@ -412,7 +430,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     cal.add_argument("--out", required=True, help="output folder for the bridge checkpoint")
     cal.add_argument("--top-k", type=_top_k, default=6, help="source layers per target layer, or 'all'")
-    cal.add_argument("--ridge-lambda", type=float, default=0.01, help="relative to each input feature's variance")
+    cal.add_argument(
+        "--ridge-lambda",
+        type=_ridge_lambda,
+        default="auto",
+        help="'auto' (chosen per target layer by held-out R²) or a number ≥ 0, relative to each input feature's "
+        "variance",
+    )
     cal.add_argument("--num-sequences", type=_positive_int, default=500)
     cal.add_argument("--seq-len", type=_positive_int, default=1024)
     cal.add_argument("--head-mode", choices=["all_heads", "same_head"], default="all_heads")

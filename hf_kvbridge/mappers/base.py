@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from ..constants import HEAD_MODES
-from ..solve import solve_ridge
+from ..solve import group_lambda, solve_ridge
 from ..statistics import KVStatistics
 
 
@@ -117,17 +117,21 @@ class KVMapper(nn.Module):
         stats: KVStatistics,
         selected_layers: list[list[int]],
         head_mode: str,
-        ridge_lambda: float,
+        ridge_lambda: float | dict,
     ) -> KVMapper:
-        """Solves the ridge problems of every target layer (and head, in `same_head` mode)."""
+        """Solves the ridge problems of every target layer (and head, in `same_head` mode).
+
+        `ridge_lambda` is one relative λ for every map, or the per-layer choices `{"k": [[...]], "v": [[...]]}` of
+        `hf_kvbridge.solve.choose_ridge_lambdas` (see `hf_kvbridge.solve.group_lambda`).
+        """
         mapper = cls(selected_layers, stats.num_kv_heads, stats.head_dim, head_mode)
+        group_heads = stats.num_kv_heads if head_mode == "all_heads" else 1
         for t, layers in enumerate(mapper.selected_layers):
             layer_map = mapper.layers[t]
             heads = [None] if head_mode == "all_heads" else range(stats.num_kv_heads)
             for g, head in enumerate(heads):
-                weight, bias = solve_ridge(
-                    stats, stats.source_index(layers, head), stats.target_index(t, head), ridge_lambda
-                )
+                lam = group_lambda(ridge_lambda, t, g, group_heads, stats.head_dim)
+                weight, bias = solve_ridge(stats, stats.source_index(layers, head), stats.target_index(t, head), lam)
                 layer_map.weight.data[g] = weight.to(layer_map.weight.dtype)
                 layer_map.bias.data[g] = bias.to(layer_map.bias.dtype)
         return mapper

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from ..selection import mapped_heldout_r2
-from ..solve import solve_ridge
+from ..solve import effective_ridge_lambda, group_lambda, solve_ridge
 from ..statistics import KVStatistics
 from .base import KVMapper, MapperType
 
@@ -93,17 +93,20 @@ class LowRankKVMapper(KVMapper):
         stats: KVStatistics,
         selected_layers: list[list[int]],
         head_mode: str,
-        ridge_lambda: float,
+        ridge_lambda: float | dict,
         rank: int = 64,
     ) -> LowRankKVMapper:
-        """Solves each ridge problem, as [`KVMapper.from_statistics`], and keeps its best rank-`rank` part."""
+        """Solves each ridge problem, as [`KVMapper.from_statistics`] (same λ, one number or per layer), and keeps
+        its best rank-`rank` part."""
         mapper = cls(selected_layers, stats.num_kv_heads, stats.head_dim, head_mode, rank)
+        group_heads = stats.num_kv_heads if head_mode == "all_heads" else 1
         for t, layers in enumerate(mapper.selected_layers):
             layer = mapper.layers[t]
             heads = [None] if head_mode == "all_heads" else range(stats.num_kv_heads)
             for g, head in enumerate(heads):
                 x_idx, y_idx = stats.source_index(layers, head), stats.target_index(t, head)
-                weight, _ = solve_ridge(stats, x_idx, y_idx, ridge_lambda)
+                lam = group_lambda(ridge_lambda, t, g, group_heads, stats.head_dim)
+                weight, _ = solve_ridge(stats, x_idx, y_idx, lam)
                 mx, my, cxx, _, var_y = stats.moments(x_idx, y_idx)
                 down, up = reduce_rank(weight, cxx, var_y.clamp_min(0).sqrt(), layer.down.shape[-1])
                 layer.down.data[g] = down.to(layer.down.dtype)
@@ -180,7 +183,8 @@ class LowRankKVMapper(KVMapper):
 def low_rank_bridge(
     bridge: nn.Module, rank: int, statistics: tuple[KVStatistics, KVStatistics] | None = None
 ) -> nn.Module:
-    r"""A new bridge with `bridge`'s ridge maps reduced to rank `rank` (same layers, head mode and λ).
+    r"""A new bridge with `bridge`'s ridge maps reduced to rank `rank` (same layers, head mode and λ: the per-layer
+    λ chosen for the ridge base when it was fitted with `ridge_lambda="auto"`).
 
     Args:
         bridge ([`KVBridgeForCausalLM`]): a calibrated ridge bridge.
@@ -208,7 +212,7 @@ def low_rank_bridge(
             raise ValueError("low_rank_bridge needs the calibration statistics (train, held-out) of the bridge")
     train, heldout = statistics
     config = bridge.config
-    args = (config.selected_layers, config.head_mode, config.ridge_lambda)
+    args = (config.selected_layers, config.head_mode, effective_ridge_lambda(config))
     r2 = mapped_heldout_r2(LowRankKVMapper.from_statistics(train, *args, rank=rank), heldout)  # (L_t, 2)
     mapper = LowRankKVMapper.from_statistics(train + heldout, *args, rank=rank)
     new_config = copy.deepcopy(config)

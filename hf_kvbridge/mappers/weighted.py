@@ -28,7 +28,7 @@ from torch import nn
 
 from ..attention import decoder_layers, target_queries
 from ..cache import cache_rows
-from ..solve import solve_ridge
+from ..solve import effective_ridge_lambda, group_lambda, solve_ridge
 from ..statistics import KVStatistics
 from .base import KVMapper, MapperType
 
@@ -106,9 +106,10 @@ def fit_attention_weighted(
 ) -> nn.Module:
     r"""Refits `bridge`'s ridge mapper with per-token attention-mass weights; returns a new bridge.
 
-    Keeps `bridge`'s layer selection, head mode and λ; one streamed pass of both models over `windows` accumulates,
-    per target layer, weighted statistics of its selected source features only. The result is a plain linear
-    [`KVMapper`] (same weights layout as ridge), with `config.mapper_type == "ridge_attention_weighted"`.
+    Keeps `bridge`'s layer selection, head mode and λ (the per-layer choices of an auto-λ bridge); one streamed
+    pass of both models over `windows` accumulates, per target layer, weighted statistics of its selected source
+    features only. The result is a plain linear [`KVMapper`] (same weights layout as ridge), with
+    `config.mapper_type == "ridge_attention_weighted"`.
 
     Args:
         bridge ([`KVBridgeForCausalLM`]): a calibrated bridge (its selection and λ are reused).
@@ -156,13 +157,15 @@ def fit_attention_weighted(
                 weight = attention_mass(queries[t], true_cache.layers[t].keys, attn_layers[t].scaling).reshape(-1)
             stats[t].update(x_t, y_t, weight)
     mapper = KVMapper(base.selected_layers, heads, dim, base.head_mode)
+    ridge_lambda = effective_ridge_lambda(config)
+    group_heads = heads if base.head_mode == "all_heads" else 1
     for t, layers in enumerate(base.selected_layers):
         for g, head in enumerate([None] if base.head_mode == "all_heads" else range(heads)):
             weight, bias = solve_ridge(
                 stats[t],
                 stats[t].source_index(list(range(len(layers))), head),
                 stats[t].target_index(0, head),
-                config.ridge_lambda,
+                group_lambda(ridge_lambda, t, g, group_heads, dim),
             )
             mapper.layers[t].weight.data[g] = weight.to(mapper.layers[t].weight.dtype)
             mapper.layers[t].bias.data[g] = bias.to(mapper.layers[t].bias.dtype)

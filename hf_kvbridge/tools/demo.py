@@ -69,7 +69,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--source", default="pocket-s", choices=DEMO_MODELS, help="pocket model that prefills")
     parser.add_argument("--target", default="pocket-l", choices=DEMO_MODELS, help="pocket model that decodes")
     parser.add_argument("--top-k", type=_top_k, default=6, help="source layers per target layer, or 'all'")
-    parser.add_argument("--ridge-lambda", type=float, default=0.01)
+    parser.add_argument("--ridge-lambda", type=lambda v: v if v == "auto" else float(v), default="auto")
     parser.add_argument("--head-mode", choices=["all_heads", "same_head"], default="all_heads")
     parser.add_argument(
         "--num-sequences", type=_positive_int, help="calibration windows (default 128; 24 with --quick)"

@@ -7,6 +7,8 @@ two outputs is averaged over tokens.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 
@@ -127,6 +129,22 @@ def _causal_logit_energy(queries: torch.Tensor, keys: torch.Tensor, centered: bo
 
 
 @torch.no_grad()
+def layer_ridge_lambdas(config, target_layers: int) -> dict[str, list[float]]:
+    """The ridge λ each target layer's map was fitted with, for K and V: the chosen one of an auto-λ bridge
+    (geometric mean over its head groups in `same_head` mode), or the one number of a fixed-λ bridge."""
+    chosen = getattr(config, "ridge_lambdas", None)
+    if not chosen:
+        value = float(config.ridge_lambda)
+        return {"k": [value] * target_layers, "v": [value] * target_layers}
+
+    def mean(groups: list[float]) -> float:  # the one value of an all_heads layer as it is
+        if len(set(groups)) == 1:
+            return groups[0]
+        return float(f"{math.exp(sum(map(math.log, groups)) / len(groups)):.3g}")
+
+    return {kv: [mean(groups) for groups in chosen[kv]] for kv in ("k", "v")}
+
+
 def inspect_bridge(
     bridge,
     data,
@@ -151,6 +169,8 @@ def inspect_bridge(
       (0 is perfect; it is the relative error of the attention logits); `key_error_layer` pools the heads;
       `key_error_centered_layer` first centers each query's logits over the keys it sees, so an error that shifts
       all of a query's logits alike (which softmax ignores) does not count;
+    - `ridge_lambda`: how λ was set (`"auto"` or the number) and `ridge_lambda_layer` the λ of each target layer's
+      K and V maps ([`layer_ridge_lambdas`]); `ridge_lambdas` the per-head-group choices of an auto-λ bridge;
     - `single_layer_r2`: the source→target single-layer R² matrix `(target_layers, source_layers)` (mean of K
       and V; `single_layer_r2_kv` keeps both), fitted on a train part of `data` and scored on the rest (split by
       window, `heldout_fraction`), as calibration does.
@@ -257,6 +277,9 @@ def inspect_bridge(
         "windows": num,
         "seq_len": seq,
         "tokens": tokens,
+        "ridge_lambda": bridge.config.ridge_lambda,
+        "ridge_lambdas": getattr(bridge.config, "ridge_lambdas", None),
+        "ridge_lambda_layer": layer_ridge_lambdas(bridge.config, tgt.num_layers),
         "single_layer_split": {"train_windows": len(train_ids), "heldout_windows": len(heldout_ids)},
         "mapper_r2": {"k": rounded(per_head[..., 0]), "v": rounded(per_head[..., 1])},
         "mapper_r2_layer": {"k": rounded(per_head[..., 0].mean(1)), "v": rounded(per_head[..., 1].mean(1))},

@@ -197,10 +197,11 @@ def _bf16_r2(bridge) -> dict | None:
     from ..mappers import KVMapper
     from ..mappers.low_rank import LowRankKVMapper
     from ..selection import mapped_heldout_r2
+    from ..solve import effective_ridge_lambda
 
     train, heldout = bridge.calibration_statistics
     config = bridge.config
-    args = (train, config.selected_layers, config.head_mode, config.ridge_lambda)
+    args = (train, config.selected_layers, config.head_mode, effective_ridge_lambda(config))
     if config.mapper_type == "low_rank":
         mapper = LowRankKVMapper.from_statistics(*args, rank=config.mapper_kwargs["rank"])
     elif config.mapper_type == "ridge":
