@@ -23,7 +23,7 @@ from transformers import Cache, DynamicCache
 
 from .cache import append_layer, cache_layer_kv, check_cache_shape, new_target_cache
 from .layout import KVLayout
-from .loading import execution_device
+from .loading import execution_device, layer_devices
 from .mappers import KVMapper
 from .rope import Rotation, inverse_cos_sin, rotary_cos_sin
 
@@ -83,7 +83,8 @@ def map_cache(
         workspace ([`Workspace`], *optional*): buffers to reuse; fresh ones otherwise.
 
     Returns:
-        `DynamicCache` with `L_t` layers in the target's dtype, on the target's device.
+        `DynamicCache` with `L_t` layers in the target's dtype, each on the device of its target layer
+        (`loading.layer_devices`: one device, or the layers' devices of a target split by a `device_map`).
     """
     src = source_layout
     seq = check_cache_shape(source_cache, src.num_layers, src.num_kv_heads, src.head_dim, "source")
@@ -124,7 +125,10 @@ def map_cache(
             rotate_c(keys_c, out=block[0])
             block[1].copy_(values)
     cache = target_cache if target_cache is not None else new_target_cache(target.config)
+    # a target split over devices reads each layer's cache on that layer's device (peft's
+    # `map_cache_to_layer_device_map`); `.to` is free where it is the device the mapping ran on
+    places = layer_devices(target, len(mapper.selected_layers))
     for (_, targets), kv in zip(plan, outputs):
         for i, t in enumerate(targets):
-            append_layer(cache, t, kv[0, i], kv[1, i])
+            append_layer(cache, t, kv[0, i].to(places[t]), kv[1, i].to(places[t]))
     return cache
