@@ -45,11 +45,18 @@ def layer_devices(model: nn.Module, num_layers: int) -> list[torch.device]:
     device_map = getattr(model, "hf_device_map", None)
     if not device_map:
         return [execution_device(model)] * num_layers
+
+    def as_device(device) -> torch.device:
+        if isinstance(device, int):  # an accelerator index, as accelerate writes it
+            accelerator = torch.accelerator.current_accelerator()
+            return torch.device(accelerator.type if accelerator is not None else "cuda", device)
+        return torch.device(device)
+
     accelerators = [d for d in device_map.values() if d not in ("cpu", "disk")]
-    main = torch.device(accelerators[0]) if accelerators else execution_device(model)
+    main = as_device(accelerators[0]) if accelerators else execution_device(model)
 
     def resolve(device) -> torch.device:
-        return main if device in ("cpu", "disk") else torch.device(device)
+        return main if device in ("cpu", "disk") else as_device(device)
 
     devices = []
     for idx in range(num_layers):

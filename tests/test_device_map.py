@@ -193,7 +193,8 @@ def test_bridge_over_offloaded_models_maps_and_generates_like_plain(saved_pair, 
 
 
 def test_layer_devices_follow_the_device_map():
-    """Each layer's device as transformers/peft read it from `hf_device_map` (device objects need no GPU)."""
+    """Each layer's device as transformers/peft read it from `hf_device_map` (an int is an accelerator index: `cuda`
+    on a machine without one; device objects need no GPU)."""
     from hf_kvbridge.loading import layer_devices
 
     model = qwen3(layers=3)
@@ -207,10 +208,10 @@ def test_layer_devices_follow_the_device_map():
         "model.norm": 1,
         "lm_head": "cpu",
     }
-    assert layer_devices(model, 3) == [torch.device(0), torch.device(1), torch.device(2)]
+    assert layer_devices(model, 3) == [torch.device("cuda", 0), torch.device("cuda", 1), torch.device("cuda", 2)]
     # offloaded layers ("cpu", "disk") run on the main device, the first accelerator of the map
     model.hf_device_map = {"model.embed_tokens": 1, "model.layers.0": "disk", "model.layers.1": "cpu", "": 1}
-    assert layer_devices(model, 3) == [torch.device(1)] * 3
+    assert layer_devices(model, 3) == [torch.device("cuda", 1)] * 3
     model.hf_device_map = {"model.embed_tokens": "cpu", "model.layers": "disk", "lm_head": "cpu"}
     assert layer_devices(model, 3) == [torch.device("cpu")] * 3
 
