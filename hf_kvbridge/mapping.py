@@ -23,7 +23,7 @@ from transformers import Cache, DynamicCache
 
 from .cache import append_layer, cache_layer_kv, check_cache_shape, new_target_cache
 from .layout import KVLayout
-from .loading import execution_device
+from .loading import execution_device, layer_devices
 from .mappers import KVMapper
 from .rope import Rotation, inverse_cos_sin, rotary_cos_sin
 
@@ -91,7 +91,8 @@ def map_cache(
         target_layout ([`KVLayout`], *optional*): the target's layout (read from its config otherwise).
 
     Returns:
-        `DynamicCache` with `L_t` layers in the target's dtype, on the target's device.
+        `DynamicCache` with `L_t` layers in the target's dtype, each on the device of its target layer
+        (`loading.layer_devices`: one device, or the layers' devices of a target split by a `device_map`).
     """
     src = source_layout
     tgt = target_layout if target_layout is not None else KVLayout.from_config(target.config)
@@ -113,9 +114,12 @@ def map_cache(
             _map_span(source, target, mapper, src, source_cache, position_ids, seq - span, targets, workspace)
         )
     cache = target_cache if target_cache is not None else new_target_cache(target.config)
+    # a target split over devices reads each layer's cache on that layer's device (peft's
+    # `map_cache_to_layer_device_map`); `.to` is free where it is the device the mapping ran on
+    places = layer_devices(target, tgt.num_layers)
     for t in range(tgt.num_layers):
         keys, values = mapped[t]
-        append_layer(cache, t, keys, values)
+        append_layer(cache, t, keys.to(places[t]), values.to(places[t]))
         layer = cache.layers[t]
         if keys.shape[2] < seq and hasattr(layer, "cumulative_length"):  # a sliding layer got only its window
             layer.cumulative_length += seq - keys.shape[2]

@@ -8,6 +8,7 @@ prompt ──source prefill──▶ source cache ──strip RoPE──▶ cont
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import tempfile
@@ -23,12 +24,36 @@ from .constants import CONFIG_NAME, DEFAULT_MAX_SHARD_SIZE, REVERSE_FOLDER
 from .layout import KVLayout, check_fingerprint, check_models
 from .loading import execution_device, load_model
 from .mappers import KVMapper
+from .mappers.lazy import LazyKVMapper
 from .mapping import Workspace, map_cache
 from .persistence import load_mapper, push_folder_to_hub, read_checkpoint_config, resolve_checkpoint, save_bridge
 from .session import HandoffSession
 from .transfer import positions_from_mask, transfer_prefill
 
 logger = logging.getLogger(__name__)
+
+
+def converted_mapper(mapper: KVMapper, device: torch.device, dtype: torch.dtype) -> KVMapper:
+    """`mapper` itself when its weights are already on `device` in `dtype`, else a converted copy.
+
+    The copy is made tensor by tensor (the original's weights are never duplicated in their own dtype); weights on
+    the meta device (a lazily loaded mapper) stay there and the copy records where they will be loaded.
+    """
+    tensors = [*mapper.parameters(), *mapper.buffers()]
+    floating = [t for t in tensors if t.is_floating_point() and t.device.type != "meta"]
+    if all(t.device == device and t.dtype == dtype for t in floating) and not isinstance(mapper, LazyKVMapper):
+        return mapper
+    memo: dict[int, Any] = {}
+    if "_stacked_cache" in mapper.__dict__:  # weights derived from the originals: rebuilt on demand
+        memo[id(mapper.__dict__["_stacked_cache"])] = {}
+    for tensor in tensors:
+        if tensor.device.type == "meta":
+            continue
+        new = tensor.detach().to(device, dtype if tensor.is_floating_point() else tensor.dtype, copy=True)
+        memo[id(tensor)] = (
+            nn.Parameter(new, requires_grad=tensor.requires_grad) if isinstance(tensor, nn.Parameter) else new
+        )
+    return copy.deepcopy(mapper, memo).to(device=device, dtype=dtype)
 
 
 # kwargs that AutoModelForCausalLM.from_pretrained forwards and that have no meaning for the bridge itself
@@ -92,15 +117,39 @@ class KVBridgeForCausalLM(nn.Module):
                 f"{self.source_layout.num_layers} layers"
             )
         self.config = config
+        # the mapper lives in the target's dtype when that is a half type (matmuls accumulate in float32 anyway); a
+        # mapper in another dtype or on another device is converted into a copy, never in the caller's hands
+        half = target.dtype in (torch.bfloat16, torch.float16)
+        mapper = converted_mapper(mapper, execution_device(target), target.dtype if half else torch.float32)
         self.source, self.target, self.mapper = source, target, mapper
-        # the mapper lives in the target's dtype when that is a half type (matmuls accumulate in float32 anyway)
-        half = self.target.dtype in (torch.bfloat16, torch.float16)
-        self.mapper.to(device=execution_device(self.target), dtype=self.target.dtype if half else torch.float32)
         self.reverse: KVBridgeForCausalLM | None = None  # target→source bridge, for handoffs both ways
         self.last_transfer: dict | None = None  # what the last prefill did (mapped vs target tokens, gate score)
         self.transfer_counts: dict[str, int] = {}  # prefills that transferred / fell back to the target
 
-    # -- properties that let tools treat the bridge like a model ------------------------------------------------
+    # -- what tools (pipelines, generation utilities, lm-eval) read on a model: the target's ----------------------
+    def __getattr__(self, name: str) -> Any:
+        """Attributes the bridge does not have come from the target (as peft's `PeftModel` forwards to its base
+        model): `hf_device_map`, `vocab_size`, `prepare_inputs_for_generation`, ..."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name in ("source", "target", "mapper") or name.startswith("__"):
+                raise
+            return getattr(super().__getattr__("target"), name)
+
+    @classmethod
+    def can_generate(cls) -> bool:
+        """`True`: the bridge generates (with the target's `generate`), so pipelines may call `generate`."""
+        return True
+
+    def get_input_embeddings(self) -> nn.Module:
+        """The target's input embeddings (the tokens the bridge decodes are the target's)."""
+        return self.target.get_input_embeddings()
+
+    def get_output_embeddings(self) -> nn.Module | None:
+        """The target's output embeddings (`lm_head`)."""
+        return self.target.get_output_embeddings()
+
     @property
     def device(self) -> torch.device:
         """Where the target computes (its embedding's device; accelerate's execution device when offloaded)."""
@@ -196,16 +245,25 @@ class KVBridgeForCausalLM(nn.Module):
 
     @torch.no_grad()
     def prefill(
-        self, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None = None, *, source_logits: bool = True
+        self,
+        input_ids: torch.LongTensor,
+        attention_mask: torch.Tensor | None = None,
+        *,
+        position_ids: torch.LongTensor | None = None,
+        source_logits: bool = True,
     ) -> tuple[DynamicCache, Any]:
         """Builds the target cache for every token of `input_ids` and returns `(target cache, source outputs)`.
 
         Call it on the prompt without its held-back tokens. The source prefills all of `input_ids`; its KV is mapped,
         except for attention sinks and the quality gate's probe tokens, which the target computes itself (see
         `hf_kvbridge.transfer.transfer_prefill`). The decision is in `self.last_transfer` and counted in
-        `self.transfer_counts`. With `source_logits=False` the source computes logits for the last position only.
+        `self.transfer_counts`. `position_ids` (`(batch, seq)`, *optional*) are the tokens' positions for both models
+        (default: `cumsum(attention_mask) - 1`). With `source_logits=False` the source computes logits for the last
+        position only.
         """
-        return transfer_prefill(self, input_ids, attention_mask, source_logits=source_logits)
+        return transfer_prefill(
+            self, input_ids, attention_mask, position_ids=position_ids, source_logits=source_logits
+        )
 
     def forward(
         self,
@@ -257,6 +315,7 @@ class KVBridgeForCausalLM(nn.Module):
         split = prefill_length - self.config.hold_back
         if position_ids is None:
             position_ids = positions_from_mask(attention_mask)
+        position_ids = position_ids.expand(input_ids.shape[0], -1)
         if split <= 0:  # nothing for the source to prefill: the target computes everything itself
             logger.info(
                 "prompt too short to bridge (prefill_length=%d, hold_back=%d): target only",
@@ -271,7 +330,9 @@ class KVBridgeForCausalLM(nn.Module):
                 use_cache=use_cache,
                 **kwargs,
             )
-        mapped, source_out = self.prefill(input_ids[:, :split], attention_mask[:, :split])
+        mapped, source_out = self.prefill(
+            input_ids[:, :split], attention_mask[:, :split], position_ids=position_ids[:, :split]
+        )
         device = self.device
         target_out = self.target(
             input_ids=input_ids[:, split:].to(device),

@@ -251,7 +251,8 @@ def push_folder_to_hub(
     """Uploads a checkpoint folder's own files to `repo_id` in one commit (as `ModelHubMixin.push_to_hub` does).
 
     The repo is created if needed (`exist_ok=True`). Mapper weight files of an earlier push that this checkpoint does
-    not hold (e.g. old shards) are deleted in the same commit. The folder's checksums are verified first.
+    not hold (e.g. old shards, or the `reverse/` mapper of an earlier bidirectional push) are deleted in the same
+    commit. The folder's checksums are verified first.
 
     Returns:
         `CommitInfo` of the commit (or of the pull request with `create_pr=True`).
@@ -268,7 +269,9 @@ def push_folder_to_hub(
         create_pr=create_pr,
         token=token,
         allow_patterns=HUB_FILE_PATTERNS,
-        delete_patterns=WEIGHT_FILE_PATTERNS,
+        # old weight files, and a `reverse/` of an earlier bidirectional push that this checkpoint does not replace
+        # (`from_pretrained` would attach it): files uploaded in this commit are kept
+        delete_patterns=[*WEIGHT_FILE_PATTERNS, f"{REVERSE_FOLDER}/*"],
     )
 
 
@@ -296,8 +299,10 @@ def save_bridge(
     save_directory.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=save_directory, prefix=".tmp-kvbridge-") as tmp:
         tmp = Path(tmp)
+        mapper = bridge.mapper  # a lazily loaded mapper holds meta tensors: its weights come from its files
+        state = mapper.stored_state_dict() if isinstance(mapper, LazyKVMapper) else mapper.state_dict()
         checksums = save_mapper_weights(
-            bridge.mapper.state_dict(),
+            state,
             tmp,
             max_shard_size=max_shard_size,
             metadata={

@@ -15,6 +15,7 @@ import torch
 from transformers import DynamicCache
 
 from .cache import slice_cache
+from .transfer import probe_agreement
 
 logger = logging.getLogger(__name__)
 
@@ -31,6 +32,8 @@ class HandoffTurn:
     mapped_tokens: int
     prefilled_tokens: int
     cache_tokens: int
+    gate_score: float | None = None  # the quality gate's probe cosine of this turn's mapping (`None`: no gate ran)
+    fell_back: bool = False  # the gate refused the mapping and the model computed those tokens itself
 
 
 @dataclass
@@ -89,6 +92,7 @@ class HandoffSession:
         self.tokens: list[int] = []  # the whole conversation so far, as the models computed it
         self.states = {name: _ModelState() for name in MODELS}
         self.turns: list[HandoffTurn] = []
+        self.last_sync: dict[str, Any] = {"mapped_tokens": 0, "score": None, "fell_back": False}
 
     # -- conversation ----------------------------------------------------------------------------------------------
     def add_user(self, text: str) -> None:
@@ -120,23 +124,75 @@ class HandoffSession:
     @torch.no_grad()
     def sync(self, name: str, tokens: list[int], upto: int) -> int:
         """Brings `name`'s cache up to `tokens[:upto]` with what the other model has computed; returns how many
-        tokens were mapped. Tokens neither model has computed are left for `name` to compute itself."""
+        tokens were mapped. Tokens neither model has computed are left for `name` to compute itself.
+
+        The mapping follows the bridge's transfer policy (`hf_kvbridge.transfer`): the first `sink_tokens` of the
+        conversation are computed by `name` itself, and with a quality gate (`gate_threshold`) `name` computes the
+        last `gate_probe_tokens` of the span itself and compares its own K/V there with the mapped ones; below the
+        threshold the mapped span is dropped and left for `name` to compute (`self.last_sync` records it).
+        """
         other = "target" if name == "source" else "source"
         for model in MODELS:
             self._crop_to(model, tokens)
         mine, theirs = self.states[name], self.states[other]
         mapper = self.mappers[name]
         end = min(len(theirs.tokens), upto)
+        self.last_sync = {"mapped_tokens": 0, "score": None, "fell_back": False}
         if mapper is None or end <= len(mine.tokens):
             return 0  # nothing the other model has that this one lacks (or no mapper this way: prefill instead)
         if self.remap == "full":  # re-map the other model's whole cache, dropping this model's own
             mine.cache, mine.tokens = None, []
+        config = mapper.config
+        sink_end = min(config.sink_tokens, end)
+        if len(mine.tokens) < sink_end:  # attention sinks: this model's own K/V, never mapped ones
+            self._run(name, tokens[:sink_end])
         start = len(mine.tokens)
-        positions = torch.arange(start, end, device=mapper.device).unsqueeze(0)
-        piece = theirs.cache if (start, end) == (0, len(theirs.tokens)) else slice_cache(theirs.cache, start, end)
+        probe = min(config.gate_probe_tokens, end - start) if config.gate_threshold is not None else 0
+        map_end = end - probe
+        if map_end <= start:  # the sinks and the probe cover the span: nothing to map, this model computes it
+            return 0
+        positions = torch.arange(start, map_end, device=mapper.device).unsqueeze(0)
+        whole = (start, map_end) == (0, len(theirs.tokens))
+        piece = theirs.cache if whole else slice_cache(theirs.cache, start, map_end)
         mine.cache = mapper.map_cache(piece, positions, target_cache=mine.cache)
-        mine.tokens = tokens[:end]
-        return end - start
+        mine.tokens = tokens[:map_end]
+        if probe:
+            self._run(name, tokens[:end])  # this model's own K/V for the probe tokens
+            probe_positions = torch.arange(map_end, end, device=mapper.device).unsqueeze(0)
+            mapped_probe = mapper.map_cache(slice_cache(theirs.cache, map_end, end), probe_positions)
+            ones = torch.ones(1, probe, dtype=torch.long, device=mapper.device)
+            score = float(probe_agreement(mine.cache, mapped_probe, map_end, ones)[0])
+            self.last_sync["score"] = score
+            if score < config.gate_threshold:
+                logger.info(
+                    "quality gate: probe K/V cosine %.4f < %.4f, the %s computes tokens %d-%d itself",
+                    score,
+                    config.gate_threshold,
+                    name,
+                    start,
+                    end,
+                )
+                _crop(mine.cache, start)
+                if start == 0:
+                    mine.cache = None
+                mine.tokens = tokens[:start]
+                self.last_sync["fell_back"] = True
+                return 0
+        self.last_sync["mapped_tokens"] = map_end - start
+        return map_end - start
+
+    def _run(self, name: str, tokens: list[int]) -> None:
+        """Runs `name` over the tokens of `tokens` its cache lacks, appending to its cache."""
+        state, net = self.states[name], self.models[name]
+        new = tokens[len(state.tokens) :]
+        if not new:
+            return
+        if state.cache is None:
+            state.cache = DynamicCache(config=net.config)
+        ids = torch.tensor([new], device=net.device)
+        positions = torch.arange(len(state.tokens), len(tokens), device=net.device).unsqueeze(0)
+        out = net(input_ids=ids, position_ids=positions, cache=state.cache, use_cache=True, logits_to_keep=1)
+        state.cache, state.tokens = out.cache, list(tokens)
 
     @torch.no_grad()
     def feed(self, token_ids: list[int], model: str = "target") -> torch.Tensor:
@@ -193,7 +249,16 @@ class HandoffSession:
         self.tokens = sequence
         text = self.tokenizer.decode(reply, skip_special_tokens=True) if self.tokenizer is not None else ""
         self.messages.append({"role": "assistant", "content": text})
-        turn = HandoffTurn(model, text, reply, mapped, len(prompt) - cached, len(state.tokens))
+        turn = HandoffTurn(
+            model,
+            text,
+            reply,
+            mapped,
+            len(prompt) - cached,
+            len(state.tokens),
+            gate_score=self.last_sync["score"],
+            fell_back=self.last_sync["fell_back"],
+        )
         self.turns.append(turn)
         return turn
 

@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM
 
 import hf_kvbridge
 from hf_kvbridge.calibration import collect_statistics, fit_bridge
-from tests.conftest import CORPUS, VOCAB
+from tests.conftest import CORPUS, VOCAB, qwen3
 
 FIELDS = ("x_sum", "y_sum", "xx", "xy", "yy")
 # small: 2 layers, large: 3 layers (conftest.saved_pair); lm_head is tied to embed_tokens, so it goes with it
@@ -190,3 +190,54 @@ def test_bridge_over_offloaded_models_maps_and_generates_like_plain(saved_pair, 
         offloaded.generate(ids, max_new_tokens=5, do_sample=False),
         plain.generate(ids, max_new_tokens=5, do_sample=False),
     )
+
+
+def test_layer_devices_follow_the_device_map():
+    """Each layer's device as transformers/peft read it from `hf_device_map` (an int is an accelerator index: `cuda`
+    on a machine without one; device objects need no GPU)."""
+    from hf_kvbridge.loading import layer_devices
+
+    model = qwen3(layers=3)
+    assert layer_devices(model, 3) == [torch.device("cpu")] * 3  # no device map: the model's device
+    model.hf_device_map = {
+        "model.embed_tokens": 0,
+        "model.layers.0": 0,
+        "model.layers.1": 1,
+        "model.layers.2.self_attn": 2,  # split inside a layer: the attention's device reads the cache
+        "model.layers.2.mlp": 1,
+        "model.norm": 1,
+        "lm_head": "cpu",
+    }
+    assert layer_devices(model, 3) == [torch.device("cuda", 0), torch.device("cuda", 1), torch.device("cuda", 2)]
+    # offloaded layers ("cpu", "disk") run on the main device, the first accelerator of the map
+    model.hf_device_map = {"model.embed_tokens": 1, "model.layers.0": "disk", "model.layers.1": "cpu", "": 1}
+    assert layer_devices(model, 3) == [torch.device("cuda", 1)] * 3
+    model.hf_device_map = {"model.embed_tokens": "cpu", "model.layers": "disk", "lm_head": "cpu"}
+    assert layer_devices(model, 3) == [torch.device("cpu")] * 3
+
+
+def test_mapped_layers_land_on_their_target_layers_devices(monkeypatch):
+    """A target split over devices gets each mapped layer on that layer's device, not all on the first device.
+
+    A CPU-only machine has no second device to split a model over; `meta` stands in for one (tensors moved there keep
+    their shape), with the per-layer lookup faked. What this shows: the engine asks for each layer's device and puts
+    the layer there. That a real GPU split's devices are read right is `test_layer_devices_follow_the_device_map`.
+    """
+    from hf_kvbridge import mapping
+
+    model = qwen3(layers=3)
+    windows = torch.randint(0, VOCAB, (8, 24), generator=torch.Generator().manual_seed(0))
+    bridge = fit_bridge(model, model, *collect_statistics(model, model, windows, heldout=[0, 1]), top_k=1)
+    asked = []
+
+    def fake_layer_devices(target, num_layers):
+        asked.append((target, num_layers))
+        return [torch.device("cpu"), torch.device("meta"), torch.device("cpu")]
+
+    monkeypatch.setattr(mapping, "layer_devices", fake_layer_devices)
+    ids = torch.randint(0, VOCAB, (2, 10), generator=torch.Generator().manual_seed(1))
+    cache = bridge.map_cache(model(ids, use_cache=True).cache)
+    assert asked == [(bridge.target, 3)]
+    assert [layer.keys.device.type for layer in cache.layers] == ["cpu", "meta", "cpu"]
+    assert [layer.values.device.type for layer in cache.layers] == ["cpu", "meta", "cpu"]
+    assert cache.layers[1].keys.shape == (2, 2, 10, 16)

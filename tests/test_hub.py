@@ -268,3 +268,33 @@ def test_checkpoint_without_a_tokenizer_at_hand_still_saves(bridge, tmp_path, mo
     monkeypatch.setattr(bridge.config, "target_name_or_path", str(tmp_path / "gone"))
     bridge.save_pretrained(tmp_path / "b")
     assert {p.name for p in (tmp_path / "b").iterdir()} == BRIDGE_FILES - TOKENIZER_FILES
+
+
+def test_one_way_push_over_a_bidirectional_repo_leaves_no_stale_reverse(bridge, tmp_path, hub_calls):
+    """The repo after two pushes, replayed as the Hub applies `upload_folder` (deletions matching `delete_patterns`,
+    except files uploaded in the same commit, then the uploads): the one-way bridge's repo has no `reverse/`, and
+    `from_pretrained` attaches none."""
+    import fnmatch
+
+    from hf_kvbridge.calibration import fit_bridge
+
+    two_way = bridge.with_mapper(bridge.mapper, bridge.config)  # same models and mapper, plus a target→source one
+    windows = torch.randint(0, VOCAB, (8, 24), generator=torch.Generator().manual_seed(0))
+    stats = hf_kvbridge.collect_statistics(bridge.target, bridge.source, windows, heldout=[0, 1])
+    two_way.reverse = fit_bridge(bridge.target, bridge.source, *stats[:2], top_k=1)
+    two_way.push_to_hub("me/tiny-bridge")
+    bridge.push_to_hub("me/tiny-bridge")
+    repo: dict[str, bytes] = {}
+    for call in hub_calls["upload_folder"]:
+        uploaded = _uploaded_names(call)
+        for name in list(repo):
+            if name not in uploaded and any(fnmatch.fnmatch(name, p) for p in call.get("delete_patterns") or []):
+                del repo[name]
+        repo.update({name: call["files"][name] for name in uploaded})
+    assert any(name.startswith("reverse/") for name in _uploaded_names(hub_calls["upload_folder"][0]))
+    assert set(repo) == BRIDGE_FILES  # before the fix: reverse/config.json and reverse/mapper.safetensors stayed
+    snapshot = tmp_path / "snapshot"
+    for name, data in repo.items():
+        (snapshot / name).parent.mkdir(parents=True, exist_ok=True)
+        (snapshot / name).write_bytes(data)
+    assert _load(snapshot, bridge).reverse is None

@@ -138,8 +138,6 @@ def test_console_script_runs_a_small_to_large_bridge(checkpoints, tmp_path):
             "4",
             "--batch_size",
             "2",
-            "--device",
-            "cpu",
             "--output_path",
             str(tmp_path / "out"),
         ],
@@ -152,7 +150,17 @@ def test_console_script_runs_a_small_to_large_bridge(checkpoints, tmp_path):
     (results_file,) = (tmp_path / "out").rglob("results_*.json")
     results = json.loads(results_file.read_text())
     acc = results["results"]["kvbridge_pocket_cloze"]["acc,none"]
-    assert 0.0 <= acc <= 1.0 and results["n-samples"]["kvbridge_pocket_cloze"]["effective"] == 4
+    assert results["n-samples"]["kvbridge_pocket_cloze"]["effective"] == 4
+    # no --device on a machine without CUDA: the bridge picked one that exists; the numbers are the Python API's
+    want = lm_eval.simple_evaluate(
+        model="kvbridge",
+        model_args=f"pretrained={checkpoints['pair']},mode=bridge",
+        tasks=["kvbridge_pocket_cloze"],
+        limit=4,
+        batch_size=2,
+        task_manager=TaskManager(include_path=str(POCKET_TASKS)),
+    )
+    assert acc == want["results"]["kvbridge_pocket_cloze"]["acc,none"]
 
 
 def test_kvbridge_eval_table_json_and_card(checkpoints, tmp_path, capfd, monkeypatch):
@@ -186,8 +194,20 @@ def test_kvbridge_eval_table_json_and_card(checkpoints, tmp_path, capfd, monkeyp
     rows = {(r["task"], r["metric"]): r for r in payload["rows"]}
     row = rows[("kvbridge_pocket_cloze", "acc")]
     assert row["chance"] == pytest.approx(0.25)  # 4 choices per document, read from the task's docs
-    for mode in ("source", "target", "bridge"):
-        assert 0.0 <= row[mode] <= 1.0 and row[f"{mode}_stderr"] is not None
+    manager = TaskManager(include_path=str(POCKET_TASKS))
+    for mode in ("source", "target", "bridge"):  # each column is that mode's own lm-eval run
+        run = lm_eval.simple_evaluate(
+            model="kvbridge",
+            model_args=f"pretrained={checkpoints['pair']},mode={mode}",
+            tasks=["kvbridge_pocket_cloze"],
+            limit=4,
+            batch_size=4,
+            device="cpu",
+            task_manager=manager,
+        )["results"]["kvbridge_pocket_cloze"]
+        assert row[mode] == pytest.approx(run["acc,none"]) and row[f"{mode}_stderr"] == pytest.approx(
+            run["acc_stderr,none"]
+        )
     if row["target"]:
         assert row["retention"] == pytest.approx(row["bridge"] / row["target"])
     assert "| kvbridge_pocket_cloze | acc |" in printed and payload["table"] in printed
@@ -312,3 +332,35 @@ def test_coqa_scoring_is_squad_style():
     doc = _coqa_story("one two three", turns=2)
     assert utils.doc_to_text(doc).endswith("Q: what is word 0?\n\nA: one\n\nQ: what is word 1?\n\nA:")
     assert utils.doc_to_target(doc) == ["two", "three"]
+
+
+def test_bridge_mode_asks_the_source_for_no_logits_it_throws_away(checkpoints, monkeypatch):
+    lm = KVBridgeLM(pretrained=checkpoints["pair"], mode="bridge", device="cpu", batch_size=2)
+    shapes = []
+    forward = lm.bridge.source.forward
+
+    def spy(*args, **kwargs):
+        out = forward(*args, **kwargs)
+        shapes.append(tuple(out.logits.shape))
+        return out
+
+    monkeypatch.setattr(lm.bridge.source, "forward", spy)
+    context, continuation = list(range(5, 25)), [30, 31, 32]
+    lm._loglikelihood_tokens([(None, context, continuation), (None, context[:12], continuation)])
+    assert shapes and all(shape[1] == 1 for shape in shapes)  # last position only, not (B, prefix, vocab)
+
+
+def test_device_defaults_to_the_models_device(checkpoints, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a CPU-only machine
+    lm = KVBridgeLM(pretrained=checkpoints["identity"], mode="bridge")  # no device given
+    assert lm.device == torch.device("cpu") and lm.bridge.device == torch.device("cpu")
+    bridge = lm.bridge
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a loaded bridge is not moved when no device is given")
+
+    monkeypatch.setattr(bridge, "to", refuse)
+    again = KVBridgeLM(pretrained=bridge, mode="target")
+    assert again.device == bridge.device and again.model is bridge.target
+    # lm-eval's command line passes device="cuda" when --device is not given: not a crash on a CPU-only machine
+    assert KVBridgeLM(pretrained=bridge, mode="bridge", device="cuda").device == torch.device("cpu")

@@ -78,7 +78,8 @@ def test_mlp_training_lowers_heldout_error(pair, windows, head_mode):
     assert mlp.config.mapper_kwargs["hidden"] == 64 and mlp.config.mapper_kwargs["loss"] == "mse"
     assert not any(p.requires_grad for p in mlp.mapper.parameters())
     fresh = torch.randint(0, VOCAB, (8, 48), generator=torch.Generator().manual_seed(11))  # never trained on
-    assert _normalised_error(mlp, fresh) <= _normalised_error(ridge, fresh)
+    # strictly lower: the residual starts at zero, so an untrained MLP equals the ridge map exactly (`<=` would hold)
+    assert _normalised_error(mlp, fresh) < _normalised_error(ridge, fresh)
 
 
 def test_mlp_attention_loss_trains(ridge_bridge, few):

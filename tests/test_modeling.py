@@ -1,5 +1,6 @@
 """Saving, loading, Auto classes, layer order, and batched generation of a real small→large bridge."""
 
+import copy
 import json
 
 import pytest
@@ -304,3 +305,100 @@ def test_stacked_weights_follow_in_place_edits(pair_bridge):
     fresh = pair_bridge.with_mapper(copy.deepcopy(bridge.mapper), pair_bridge.config).prefill(ids)[0]
     _same_cache(edited, fresh)
     assert not torch.equal(edited.layers[1].keys, pair_bridge.prefill(ids)[0].layers[1].keys)
+
+
+def test_a_lazily_loaded_mapper_saves_its_weights(pair_bridge, tmp_path):
+    pair_bridge.save_pretrained(tmp_path / "b", max_shard_size=3000)
+    lazy = KVBridgeForCausalLM.from_pretrained(
+        tmp_path / "b", source_model=pair_bridge.source, target_model=pair_bridge.target, lazy_mapper=True
+    )
+    lazy.save_pretrained(tmp_path / "again")  # meta tensors before the fix: nothing to write
+    saved = load_file(tmp_path / "again" / "mapper.safetensors")
+    want = pair_bridge.mapper.state_dict()
+    assert saved.keys() == want.keys() and all(torch.equal(saved[k], want[k]) for k in want)
+    reloaded = KVBridgeForCausalLM.from_pretrained(
+        tmp_path / "again", source_model=pair_bridge.source, target_model=pair_bridge.target
+    )
+    ids = torch.randint(0, VOCAB, (1, 10), generator=torch.Generator().manual_seed(4))
+    _same_cache(reloaded.prefill(ids)[0], pair_bridge.prefill(ids)[0])
+
+
+def test_the_bridge_never_casts_the_callers_mapper(pair_bridge):
+    mapper = pair_bridge.mapper
+    before = {k: (v.dtype, v.data_ptr(), v.clone()) for k, v in mapper.state_dict().items()}
+    source = copy.deepcopy(pair_bridge.source).to(torch.bfloat16)
+    target = copy.deepcopy(pair_bridge.target).to(torch.bfloat16)
+    half = KVBridgeForCausalLM(pair_bridge.config, source, target, mapper)
+    assert half.mapper is not mapper and all(p.dtype == torch.bfloat16 for p in half.mapper.parameters())
+    for key, tensor in mapper.state_dict().items():  # the caller's mapper: same tensors, same dtype, same values
+        dtype, ptr, values = before[key]
+        assert (tensor.dtype, tensor.data_ptr()) == (dtype, ptr) and torch.equal(tensor, values)
+    # a mapper already in the right dtype and place is used as it is (no copy of a large mapper)
+    assert KVBridgeForCausalLM(pair_bridge.config, pair_bridge.source, pair_bridge.target, mapper).mapper is mapper
+
+
+@pytest.fixture(scope="module")
+def identity(windows):
+    """A bridge whose source is its target, with a near-exact mapper: it must reproduce the target."""
+    model = qwen3(layers=2)
+    train, heldout = collect_statistics(model, model, windows, heldout=[0, 1, 2, 3])
+    return fit_bridge(model, model, train, heldout, top_k=2, ridge_lambda=1e-9)
+
+
+def test_labels_loss_is_the_targets_own_loss(identity):
+    ids = torch.randint(0, VOCAB, (2, 14), generator=torch.Generator().manual_seed(7))
+    labels = ids.clone()
+    labels[0, :4] = -100  # ignored positions
+    out = identity(ids, labels=labels)
+    want = identity.target(ids, labels=labels).loss  # transformers' own causal LM loss
+    torch.testing.assert_close(out.loss, want, atol=1e-4, rtol=1e-4)
+    assert out.loss.ndim == 0 and torch.isfinite(out.loss)
+
+
+def test_caller_position_ids_reach_the_prefill(identity):
+    ids = torch.randint(0, VOCAB, (1, 14), generator=torch.Generator().manual_seed(8))
+    positions = torch.arange(14).unsqueeze(0) + 9  # e.g. a continuation of an earlier segment
+    out = identity(ids, position_ids=positions)
+    want = identity.target(ids, position_ids=positions).logits
+    torch.testing.assert_close(out.logits[:, -1], want[:, -1], atol=2e-4, rtol=1e-4)
+    cache, _ = identity.prefill(ids[:, :13], position_ids=positions[:, :13])
+    own = identity.target(ids[:, :13], position_ids=positions[:, :13], use_cache=True).cache
+    for a, b in zip(cache.layers, own.layers):  # keys rotated at the caller's positions, not at 0 … 12
+        torch.testing.assert_close(a.keys, b.keys, atol=2e-4, rtol=1e-4)
+
+
+def test_bfloat16_bridge_end_to_end(identity, tmp_path):
+    model = copy.deepcopy(identity.target).to(torch.bfloat16)
+    bridge = KVBridgeForCausalLM(identity.config, model, model, identity.mapper)
+    ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(9))
+    cache, _ = bridge.prefill(ids[:, :15])
+    assert all(layer.keys.dtype == torch.bfloat16 for layer in cache.layers)
+    out = bridge(ids)
+    assert out.logits.dtype == torch.bfloat16
+    want = model(ids).logits
+    # bfloat16 keeps ~3 significant digits: the bridged last-token logits are the target's up to that
+    torch.testing.assert_close(out.logits[:, -1].float(), want[:, -1].float(), atol=3e-2, rtol=3e-2)
+    generated = bridge.generate(ids, max_new_tokens=4, do_sample=False)
+    assert generated.shape == (2, 20) and torch.equal(generated[:, :16], ids)
+    bridge.save_pretrained(tmp_path / "bf16")
+    reloaded = KVBridgeForCausalLM.from_pretrained(tmp_path / "bf16", source_model=model, target_model=model)
+    assert reloaded.mapper.layers[0].weight.dtype == torch.bfloat16
+    torch.testing.assert_close(reloaded(ids).logits, out.logits)
+
+
+def test_text_generation_pipeline(pair_bridge, saved_pair):
+    from transformers import pipeline
+
+    tokenizer = AutoTokenizer.from_pretrained(saved_pair["small"])
+    assert pair_bridge.can_generate()
+    assert pair_bridge.get_input_embeddings() is pair_bridge.target.get_input_embeddings()
+    assert pair_bridge.get_output_embeddings() is pair_bridge.target.get_output_embeddings()
+    generator = pipeline("text-generation", model=pair_bridge, tokenizer=tokenizer)
+    kw = {"max_new_tokens": 6, "do_sample": False, "pad_token_id": tokenizer.pad_token_id}
+    (result,) = generator("The quick brown fox", **kw)
+    inputs = tokenizer("The quick brown fox", return_tensors="pt")
+    want = tokenizer.decode(pair_bridge.generate(**inputs, **kw)[0], skip_special_tokens=True)
+    assert result["generated_text"] == want
+    pair_bridge.transfer_counts.clear()
+    generator("A key and a value", **kw)
+    assert pair_bridge.transfer_counts == {"transferred": 1}  # the pipeline went through the bridge's prefill

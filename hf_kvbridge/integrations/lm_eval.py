@@ -86,7 +86,8 @@ class KVBridgeLM(HFLM):
         mode (`str`, *optional*, defaults to `"bridge"`): `"bridge"`, `"target"` or `"source"`.
         revision (`str`, *optional*): revision of the bridge checkpoint on the Hub.
         tokenizer (`str`, *optional*): defaults to the target's (both models share it).
-        device (`str`, *optional*): defaults to `cuda` when available, else `cpu`.
+        device (`str`, *optional*): defaults to the device of a loaded bridge's models; for a checkpoint, `cuda` when
+            available, else `cpu`.
         dtype (`str`, *optional*, defaults to `"auto"`): dtype of the two models.
         rolling_stride (`int`, *optional*, defaults to `256`): chunk size of `loglikelihood_rolling` (module doc).
         kwargs: the other `HFLM` arguments (`batch_size`, `max_length`, `softmax_dtype`, `add_bos_token`, ...).
@@ -116,7 +117,14 @@ class KVBridgeLM(HFLM):
         for key in ("parallelize", "tp_plan", "peft", "delta", "autogptq", "gptqmodel", "gguf_file"):
             if kwargs.get(key):
                 raise ValueError(f"KVBridgeLM does not support {key}=")
-        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        if device is not None and torch.device(device).type == "cuda" and not torch.cuda.is_available():
+            # lm-eval's command line asks for "cuda" when --device is not given: on a machine without CUDA, take the
+            # models' device instead of crashing in `.to("cuda")`
+            logger.warning("device=%r requested but CUDA is not available: using the models' device", device)
+            device = None
+        if device is None and isinstance(pretrained, KVBridgeForCausalLM):
+            device = str(pretrained.device)  # a loaded bridge stays where its models are
+        device = device or ("cuda" if torch.cuda.is_available() else "cpu")  # a device that exists
         if isinstance(dtype, str) and dtype != "auto":
             dtype = getattr(torch, dtype)
         load_kwargs = {} if dtype in (None, "auto") else {"dtype": dtype}
@@ -134,7 +142,9 @@ class KVBridgeLM(HFLM):
                 config_dict.pop(MAPPER_CHECKSUMS_KEY, None)
                 config = KVBridgeConfig.from_dict(config_dict)
         if self.bridge is not None:
-            self.bridge.to(device).eval()
+            if torch.device(device) != self.bridge.device:  # never move a bridge already on that device
+                self.bridge.to(device)
+            self.bridge.eval()
             model = self.bridge.source if mode == "source" else self.bridge.target
         else:
             ref, rev = getattr(config, f"{mode}_name_or_path"), getattr(config, f"{mode}_revision")
@@ -226,7 +236,12 @@ class KVBridgeLM(HFLM):
         ):
             # `bridge.prefill` + target on the mapped cache, as `bridge.forward` does; called directly because the
             # padded batch may be wider than max_length although no row's positions are
-            cache = self.bridge.prefill(ids[:, :prefix_len], mask[:, :prefix_len])[0] if prefix_len else None
+            # the source's logits are not scored: keep only the last position's (`source_logits=False`)
+            cache = (
+                self.bridge.prefill(ids[:, :prefix_len], mask[:, :prefix_len], source_logits=False)[0]
+                if prefix_len
+                else None
+            )
             logits = self.bridge.target(
                 input_ids=ids[:, prefix_len:],
                 attention_mask=mask,

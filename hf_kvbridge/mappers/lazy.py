@@ -63,7 +63,7 @@ class LazyKVMapper(KVMapper):
                 tensor = handle.get_tensor(key)
             param = getattr(layer, name)
             if tensor.shape != param.shape:
-                    raise MapperFileError(
+                raise MapperFileError(
                     f"{self._where[key]}: {key} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}"
                 )
             setattr(layer, name, nn.Parameter(tensor.to(self._device, self._dtype), requires_grad=False))
@@ -77,6 +77,15 @@ class LazyKVMapper(KVMapper):
                 layer, name, nn.Parameter(torch.empty(shape, dtype=self._dtype, device="meta"), requires_grad=False)
             )
         self.loaded.discard(target_layer)
+
+    def stored_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every weight, read from the checkpoint files (its `state_dict()` holds meta tensors: shapes only), in
+        the dtype this mapper maps in. What `save_pretrained` writes for a lazily loaded bridge."""
+        state = {}
+        for key in self.state_dict():
+            with safe_open(str(self._where[key]), framework="pt") as handle:
+                state[key] = handle.get_tensor(key).to(dtype=self._dtype)
+        return state
 
     def layout_dtype(self) -> torch.dtype:
         return self._dtype
