@@ -18,6 +18,8 @@ FORMAT_VERSION = 1
 DEFAULT_CALIBRATION_DATA = "HuggingFaceFW/fineweb-edu"
 
 HEAD_MODES = ("all_heads", "same_head")
+# "joint": keys and values of the selected layers → keys and values; "separate": keys from keys, values from values
+KV_MODES = ("joint", "separate")
 
 # Decoder families whose attention uses the rotate-half RoPE convention and full (global) attention.
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
