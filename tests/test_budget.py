@@ -130,7 +130,8 @@ def test_calibrate_refuses_an_impossible_budget_before_any_forward(monkeypatch):
 
     monkeypatch.setattr(calibration, "cache_rows", no_forward)
     source, target = _pair()
-    with pytest.raises(StatisticsMemoryError, match=r"need 415\.7 kB \(4 source × 5 target layers.* but statistics_memory allows 2\.0 kB"):
+    message = r"need 415\.7 kB \(4 source × 5 target layers.* but statistics_memory allows 2\.0 kB"
+    with pytest.raises(StatisticsMemoryError, match=message):
         hf_kvbridge.calibrate(
             source, target, CORPUS, tokenizer=make_tokenizer(), num_sequences=8, seq_len=16, statistics_memory="2kB"
         )
