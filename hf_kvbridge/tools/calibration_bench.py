@@ -83,6 +83,7 @@ def run(args: argparse.Namespace) -> dict:
             statistics_memory=budget,
             top_k=args.top_k,
             head_mode=args.head_mode,
+            kv_mode=args.kv_mode,
             statistics_dtype=statistics_dtype,
             batch_size=args.batch_size,
             statistics_device=args.statistics_device,
@@ -103,6 +104,7 @@ def run(args: argparse.Namespace) -> dict:
         "mode_if_calibrate": mode,
         "tokens": tokens,
         "head_mode": args.head_mode,
+        "kv_mode": args.kv_mode,
         "top_k": args.top_k,
         "statistics_memory": budget,
         "statistics_dtype": args.statistics_dtype,
@@ -131,6 +133,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--heldout-fraction", type=float, default=0.125)
     parser.add_argument("--top-k", type=int, default=6)
     parser.add_argument("--head-mode", default="same_head", choices=["all_heads", "same_head"])
+    parser.add_argument("--kv-mode", default="joint", choices=["joint", "separate"])
     parser.add_argument("--statistics-memory", default="8GB")
     parser.add_argument("--statistics-dtype", default="float32", choices=["float32", "float64"])
     parser.add_argument("--statistics-device", default=None)
