@@ -25,6 +25,7 @@ from .errors import (
     KVLayoutError,
     MapperFileError,
     StatisticsError,
+    StatisticsMemoryError,
 )
 from .layout import KVLayout
 from .mappers import KVMapper
@@ -54,6 +55,7 @@ __all__ = [
     "KVStatistics",
     "MapperFileError",
     "StatisticsError",
+    "StatisticsMemoryError",
     "__version__",
     "calibrate",
     "collect_statistics",

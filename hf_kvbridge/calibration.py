@@ -15,11 +15,12 @@ import torch
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
+from .budget import available_bytes, check_budget, format_bytes, parse_bytes, plan_passes
 from .cache import cache_rows
 from .configuration import KVBridgeConfig
 from .constants import DEFAULT_CALIBRATION_DATA, HEAD_MODES
 from .data import describe_data, token_windows
-from .errors import StatisticsError
+from .errors import StatisticsError, StatisticsMemoryError
 from .layout import allowed_sources, check_matched, check_models
 from .loading import model_reference, resolve_model_reference
 from .mappers import KVMapper, get_mapper_type
@@ -27,11 +28,14 @@ from .modeling import KVBridgeForCausalLM
 from .selection import mapper_r2, select_layers, single_layer_r2
 from .settings import CalibrationSettings
 from .solve import LAMBDA_GRID, choose_ridge_lambdas
-from .statistics import KVStatistics
+from .statistics import BlockStatistics, KVStatistics, SelectionStatistics
 from .tokenization import check_same_tokenizer
 from .version import __version__
 
 logger = logging.getLogger(__name__)
+
+# λ at which the budgeted path's selection statistic scores single source layers when the fit λ is "auto"
+SELECTION_LAMBDA = 1e-3
 
 
 def _load(
@@ -95,7 +99,7 @@ def _save_checkpoint(folder: Path, stats: list[KVStatistics], done: int, digest:
     os.replace(record, folder / "progress.json")
 
 
-def _load_checkpoint(folder: Path, digest: str, device) -> tuple[list[KVStatistics], int] | None:
+def _load_checkpoint(folder: Path, digest: str, device, part_class=KVStatistics) -> tuple[list, int] | None:
     record = folder / "progress.json"
     if not record.is_file():
         return None
@@ -105,7 +109,7 @@ def _load_checkpoint(folder: Path, digest: str, device) -> tuple[list[KVStatisti
             f"checkpoint in {folder} belongs to other calibration data or settings; use another checkpoint_dir "
             "or delete it"
         )
-    stats = [KVStatistics.load(folder / f"statistics-{i}.safetensors", device) for i in range(progress["parts"])]
+    stats = [part_class.load(folder / f"statistics-{i}.safetensors", device) for i in range(progress["parts"])]
     return stats, int(progress["batches_done"])
 
 
@@ -122,6 +126,9 @@ def collect_statistics(
     checkpoint_dir: str | os.PathLike | None = None,
     checkpoint_every: int = 10,
     timings: dict | None = None,
+    make_parts=None,
+    checkpoint_tag: str | None = None,
+    gather_rows: bool = False,
 ) -> tuple[KVStatistics, ...]:
     """One pass of both models over `windows`, accumulating train and held-out statistics.
 
@@ -136,7 +143,16 @@ def collect_statistics(
         checkpoint_dir (`str` or `os.PathLike`, *optional*): save the statistics there every `checkpoint_every`
             batches (per rank), and resume from what is there: an interrupted run restarts where it stopped and
             ends with the same statistics.
-        timings (`dict`, *optional*): filled with `forward_seconds` (both models) and `statistics_seconds`.
+        timings (`dict`, *optional*): `forward_seconds` (both models) and `statistics_seconds` are added to it.
+        make_parts (`Callable`, *optional*): returns the empty statistics to fill, `[train, held-out]` (then the
+            reverse pair when `reverse`), e.g. [`SelectionStatistics`] or [`BlockStatistics`]; defaults to dense
+            [`KVStatistics`]. Anything with `update`, `all_reduce_`, `check_finite`, `save` and `load` works.
+        checkpoint_tag (`str`, *optional*): sub-folder of `checkpoint_dir` for this pass (one per pass of a
+            budgeted calibration).
+        gather_rows (`bool`, *optional*, defaults to `False`): under `torch.distributed`, every rank still runs its
+            share of the batches, but the rows of each round of batches are all-gathered and every rank adds *all*
+            of them to its own statistics (which may differ per rank: each holds the target layers it fits); no
+            all-reduce at the end.
 
     Returns:
         `(train, heldout)` [`KVStatistics`], followed by `(reverse_train, reverse_heldout)` when `reverse`.
@@ -147,47 +163,97 @@ def collect_statistics(
     reverse_shape = (tgt.num_layers, src.num_layers, src.num_kv_heads, src.head_dim)
     shapes = [forward_shape, reverse_shape] if reverse else [forward_shape]
     # parts: [train, held] forward, then [train, held] reverse
-    parts = [KVStatistics(*shape, device=statistics_device) for shape in shapes for _ in range(2)]
+    if make_parts is None:
+        parts = [KVStatistics(*shape, device=statistics_device) for shape in shapes for _ in range(2)]
+    else:
+        parts = list(make_parts())
     train_ids = [i for i in range(len(windows)) if i not in set(heldout_list)]
     batches = [(0, train_ids[i : i + batch_size]) for i in range(0, len(train_ids), batch_size)]
     batches += [(1, heldout_list[i : i + batch_size]) for i in range(0, len(heldout_list), batch_size)]
     rank, world = _distributed()
-    mine = [b for i, b in enumerate(batches) if i % world == rank]
+    gather = gather_rows and world > 1
+    if gather:  # one step per round of `world` batches, one batch per rank (the last round may be short)
+        mine = [batches[i : i + world] for i in range(0, len(batches), world)]
+    else:
+        mine = [b for i, b in enumerate(batches) if i % world == rank]
     done = 0
     folder = digest = None
     if checkpoint_dir is not None:
-        folder = Path(checkpoint_dir) / (f"rank{rank}-of-{world}" if world > 1 else "")
+        folder = Path(checkpoint_dir) / (checkpoint_tag or "") / (f"rank{rank}-of-{world}" if world > 1 else "")
         digest = _windows_digest(windows, heldout_list, batch_size, reverse)
-        resumed = _load_checkpoint(folder, digest, statistics_device)
+        if checkpoint_tag is not None:  # the pass's layers are part of what it sums
+            layers = [part._key() if hasattr(part, "_key") else part.shape_key for part in parts]
+            digest = hashlib.sha256(f"{digest}{checkpoint_tag}{layers}".encode()).hexdigest()
+        resumed = _load_checkpoint(folder, digest, statistics_device, type(parts[0]))
         if resumed is not None:
             parts, done = resumed
             logger.info("resuming calibration from %s after %d batches", folder, done)
     forward_s = stats_s = 0.0
     with tqdm(total=len(mine), initial=done, desc="calibrating", unit="batch", disable=not progress) as bar:
-        for index, (group, ids) in enumerate(mine):
+        for index, step in enumerate(mine):
             if index < done:
                 continue
             started = time.perf_counter()
-            batch = windows[ids]
-            x = cache_rows(source, batch, statistics_device)
-            y = cache_rows(target, batch, statistics_device)
+            if gather:
+                rows = _gathered_rows(source, target, windows, step, rank, statistics_device)
+            else:
+                group, ids = step
+                batch = windows[ids]
+                x = cache_rows(source, batch, statistics_device)
+                rows = [(group, x, cache_rows(target, batch, statistics_device))]
             forward_s += time.perf_counter() - started
             started = time.perf_counter()
-            parts[group].update(x, y)
-            if reverse:
-                parts[2 + group].update(y, x)
+            for group, x, y in rows:
+                parts[group].update(x, y)
+                if reverse:
+                    parts[2 + group].update(y, x)
             stats_s += time.perf_counter() - started
             bar.update(1)
             if folder is not None and ((index + 1) % checkpoint_every == 0 or index + 1 == len(mine)):
                 _save_checkpoint(folder, parts, index + 1, digest)
-    if world > 1:
+    if world > 1 and not gather:
         for part in parts:
             part.all_reduce_()
     if timings is not None:
-        timings.update({"forward_seconds": forward_s, "statistics_seconds": stats_s})
+        timings["forward_seconds"] = timings.get("forward_seconds", 0.0) + forward_s
+        timings["statistics_seconds"] = timings.get("statistics_seconds", 0.0) + stats_s
     for i, part in enumerate(parts):
         part.check_finite(("reverse " if i >= 2 else "") + ("held-out" if i % 2 else "train") + " statistics")
     return tuple(parts)
+
+
+def _features_per_layer(layout, head_mode: str, kv_mode: str) -> int:
+    """Input features one source layer gives each independent map (see [`KVMapper`]'s table of groups)."""
+    heads = layout.num_kv_heads if head_mode == "all_heads" else 1
+    return heads * (2 if kv_mode == "joint" else 1) * layout.head_dim
+
+
+def _gathered_rows(source, target, windows, step, rank, device) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
+    """Runs this rank's batch of a round (`step`: one `(group, ids)` per rank) and all-gathers every rank's rows:
+    `[(group, x, y)]` in rank order, the same on every rank."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size()
+    if rank < len(step):
+        batch = windows[step[rank][1]]
+        x, y = cache_rows(source, batch, device), cache_rows(target, batch, device)
+    else:
+        x = y = None
+    widths = torch.tensor([-1, -1] if x is None else [x.shape[1], y.shape[1]], dtype=torch.long)
+    all_widths = [torch.zeros_like(widths) for _ in range(world)]
+    dist.all_gather(all_widths, widths)
+    f, g = max(int(w[0]) for w in all_widths), max(int(w[1]) for w in all_widths)
+    lengths = [len(step[r][1]) * windows.shape[1] if r < len(step) else 0 for r in range(world)]
+    longest = max(lengths)
+    out = []
+    for width, local in ((f, x), (g, y)):
+        padded = torch.zeros(longest, width, dtype=torch.float32, device=device or "cpu")
+        if local is not None:
+            padded[: local.shape[0]] = local
+        gathered = [torch.empty_like(padded) for _ in range(world)]
+        dist.all_gather(gathered, padded)
+        out.append(gathered)
+    return [(step[r][0], out[0][r][: lengths[r]], out[1][r][: lengths[r]]) for r in range(len(step))]
 
 
 def fit_bridge(
@@ -202,6 +268,7 @@ def fit_bridge(
     hold_back: int = 1,
     selected_layers: list[list[int]] | None = None,
     config_kwargs: dict | None = None,
+    kv_mode: str = "joint",
 ) -> KVBridgeForCausalLM:
     """Selects layers (held-out single-layer R²), fits the ridge mapper on all statistics and builds the bridge.
 
@@ -212,12 +279,13 @@ def fit_bridge(
         selected_layers (`list[list[int]]`, *optional*): force these source layers (per target layer, in order)
             instead of selecting them.
         config_kwargs (`dict`, *optional*): extra [`KVBridgeConfig`] fields (references, provenance).
+        kv_mode (`str`, *optional*, defaults to `"joint"`): or `"separate"` (keys from keys, values from values).
     """
     if head_mode not in HEAD_MODES:
         raise ValueError(f"head_mode must be one of {HEAD_MODES}, got {head_mode!r}")
     src, tgt = check_matched(source.config, target.config, source.config.name_or_path, target.config.name_or_path)
     k = max(map(len, selected_layers)) if selected_layers else min(top_k or src.num_layers, src.num_layers)
-    features = k * (src.features_per_layer if head_mode == "all_heads" else 2 * src.head_dim)
+    features = k * _features_per_layer(src, head_mode, kv_mode)
     if train.count <= features:
         raise StatisticsError(
             f"fewer calibration tokens ({train.count}) than mapper input features ({features}); use more or longer "
@@ -233,9 +301,25 @@ def fit_bridge(
         ridge_lambdas, fitted_r2 = choose_ridge_lambdas(
             train, heldout, selected_layers, head_mode, src.num_kv_heads, src.head_dim, LAMBDA_GRID
         )  # fitted_r2: (L_t, 2)
+        if kv_mode != "joint":  # the λ were chosen with joint inputs; score the separate maps themselves
+            fitted_r2 = mapper_r2(train, heldout, selected_layers, head_mode, ridge_lambdas, kv_mode=kv_mode)
     else:
-        fitted_r2 = mapper_r2(train, heldout, selected_layers, head_mode, ridge_lambda)  # (L_t, 2)
-    mapper = KVMapper.from_statistics(train + heldout, selected_layers, head_mode, ridge_lambdas or ridge_lambda)
+        fitted_r2 = mapper_r2(train, heldout, selected_layers, head_mode, ridge_lambda, kv_mode=kv_mode)  # (L_t, 2)
+    mapper = KVMapper.from_statistics(
+        train + heldout, selected_layers, head_mode, ridge_lambdas or ridge_lambda, kv_mode=kv_mode
+    )
+    return _assemble_bridge(
+        source, target, mapper, r2, fitted_r2, top_k, ridge_lambda, ridge_lambdas, head_mode, hold_back, config_kwargs
+    )
+
+
+def _assemble_bridge(
+    source, target, mapper, r2, fitted_r2, top_k, ridge_lambda, ridge_lambdas, head_mode, hold_back, config_kwargs
+) -> KVBridgeForCausalLM:
+    """The bridge of a fitted `mapper`, with its selection R² `r2` `(L_t, L_s, 2)` and held-out R² `fitted_r2`
+    `(L_t, 2)` recorded in the config."""
+    src, tgt = check_matched(source.config, target.config, source.config.name_or_path, target.config.name_or_path)
+    selected_layers = mapper.selected_layers
     config = KVBridgeConfig(
         source_fingerprint=src.fingerprint(),
         target_fingerprint=tgt.fingerprint(),
@@ -243,6 +327,7 @@ def fit_bridge(
         ridge_lambda=ridge_lambda,
         ridge_lambdas=ridge_lambdas,
         head_mode=head_mode,
+        kv_mode=mapper.kv_mode,
         selected_layers=selected_layers,
         selected_layer_r2=[
             [round(float(r2[t, s].mean()), 6) for s in layers] for t, layers in enumerate(selected_layers)
@@ -257,6 +342,135 @@ def fit_bridge(
     bridge = KVBridgeForCausalLM(config, source, target, mapper)
     bridge.layer_r2 = r2  # the full single-layer R² matrix, for diagnostics and plots
     return bridge
+
+
+def fit_bridge_in_passes(
+    source: PreTrainedModel,
+    target: PreTrainedModel,
+    windows: torch.Tensor,
+    heldout: list[int],
+    *,
+    statistics_memory: int,
+    top_k: int | None = 6,
+    ridge_lambda: float | str = "auto",
+    head_mode: str = "all_heads",
+    hold_back: int = 1,
+    statistics_dtype: torch.dtype = torch.float32,
+    batch_size: int = 8,
+    statistics_device: torch.device | str | None = None,
+    progress: bool = False,
+    checkpoint_dir: str | os.PathLike | None = None,
+    timings: dict | None = None,
+    config_kwargs: dict | None = None,
+    keep_statistics: bool = False,
+    kv_mode: str = "joint",
+) -> tuple[KVBridgeForCausalLM, tuple | None]:
+    """Calibration on a memory budget (see `hf_kvbridge.budget`): a selection pass over `windows` picks the top-k
+    source layers of each target layer from [`SelectionStatistics`], then fit passes accumulate
+    [`BlockStatistics`] of the selected source layers only, for as many target layers per pass as
+    `statistics_memory` allows, and solve them.
+
+    Args:
+        keep_statistics (`bool`, *optional*, defaults to `False`): return the `(train, held-out)` statistics when one
+            pass held every target layer (a copy more while fitting).
+
+    Returns:
+        `(bridge, statistics)`: `statistics` is `(train, held-out)` [`BlockStatistics`] or `None`.
+    """
+    src, tgt = check_matched(source.config, target.config, source.config.name_or_path, target.config.name_or_path)
+    shape = (src.num_layers, tgt.num_layers, src.num_kv_heads, src.head_dim)
+    row = src.features_per_layer
+    timings = {} if timings is None else timings
+    common = {
+        "heldout": heldout,
+        "batch_size": batch_size,
+        "statistics_device": statistics_device,
+        "progress": progress,
+        "checkpoint_dir": checkpoint_dir,
+        "timings": timings,
+    }
+    train, held = collect_statistics(
+        source,
+        target,
+        windows,
+        make_parts=lambda: [SelectionStatistics(*shape, statistics_dtype, statistics_device) for _ in range(2)],
+        checkpoint_tag="selection",
+        **common,
+    )
+    # selection scores each source layer at one λ (the smallest of the auto grid's typical choices for "auto")
+    r2 = train.single_layer_r2(held, SELECTION_LAMBDA if ridge_lambda == "auto" else ridge_lambda)  # (L_t, L_s, 2)
+    del train, held
+    selected = select_layers(r2, top_k, allowed_sources(src, tgt))
+    passes = plan_passes(selected, row, statistics_memory, statistics_dtype)
+    logger.info("fitting %d target layers in %d pass(es) over the data", tgt.num_layers, len(passes))
+    mapper = KVMapper(selected, src.num_kv_heads, src.head_dim, head_mode, kv_mode=kv_mode)
+    fitted_r2 = torch.zeros(tgt.num_layers, 2, dtype=torch.float64)
+    chosen_lambdas = {"k": [[] for _ in selected], "v": [[] for _ in selected]}
+    features = max(map(len, selected)) * _features_per_layer(src, head_mode, kv_mode)
+    statistics = None
+    rank, world = _distributed()
+    # under torch.distributed each rank accumulates (and solves) its own pass of a round of `world` passes, from the
+    # rows of every rank's batches: the fit statistics are split by target layer, the forward passes by data
+    owner = {}
+    for start in range(0, len(passes), world):
+        mine = start + rank
+        targets = passes[mine] if mine < len(passes) else []
+        union = sorted(set().union(*(selected[t] for t in targets))) if targets else []
+
+        def make_parts(union=union, targets=targets):
+            return [BlockStatistics(*shape, union, targets, statistics_dtype, statistics_device) for _ in range(2)]
+
+        train, held = collect_statistics(
+            source,
+            target,
+            windows,
+            make_parts=make_parts,
+            checkpoint_tag=f"fit-{start // world}",
+            gather_rows=True,
+            **common,
+        )
+        for i in range(start, min(start + world, len(passes))):
+            owner.update(dict.fromkeys(passes[i], i - start))
+        if not targets:
+            continue
+        if train.count <= features:
+            raise StatisticsError(
+                f"fewer calibration tokens ({train.count}) than mapper input features ({features}); use more or "
+                "longer calibration sequences, a smaller top_k, or head_mode='same_head'"
+            )
+        lam = ridge_lambda
+        if ridge_lambda == "auto":  # λ per layer, head group and K/V of this pass's target layers
+            heads, dim = src.num_kv_heads, src.head_dim
+            lam, _ = choose_ridge_lambdas(train, held, selected, head_mode, heads, dim, LAMBDA_GRID, targets=targets)
+            for kind in ("k", "v"):
+                for t in targets:
+                    chosen_lambdas[kind][t] = lam[kind][t]
+        fitted_r2 += mapper_r2(train, held, selected, head_mode, lam, targets, kv_mode)
+        if keep_statistics and len(passes) == 1:
+            statistics = (train, held)
+            mapper.fit_targets(train + held, targets, lam)  # the final fit sees every token
+        else:
+            mapper.fit_targets(train.merge_(held), targets, lam)  # merged in place: no third copy
+        del train, held
+    if world > 1:  # every rank ends with every target layer's weights
+        import torch.distributed as dist
+
+        for t, layer_map in enumerate(mapper.layers):
+            for tensor in (layer_map.weight.data, layer_map.bias.data, fitted_r2[t]):
+                dist.broadcast(tensor, src=owner[t])
+    if ridge_lambda == "auto" and world > 1:  # every rank ends with every target layer's λ
+        import torch.distributed as dist
+
+        gathered = [None] * world
+        dist.all_gather_object(gathered, chosen_lambdas)
+        for kind in ("k", "v"):
+            for t in range(tgt.num_layers):
+                chosen_lambdas[kind][t] = gathered[owner[t]][kind][t]
+    ridge_lambdas = chosen_lambdas if ridge_lambda == "auto" else None
+    bridge = _assemble_bridge(
+        source, target, mapper, r2, fitted_r2, top_k, ridge_lambda, ridge_lambdas, head_mode, hold_back, config_kwargs
+    )
+    return bridge, statistics
 
 
 def calibrate(
@@ -302,25 +516,45 @@ def calibrate(
     started = time.perf_counter()
     source, source_revision = _load(source, source_revision, **load_kwargs)
     target, target_revision = _load(target, target_revision, **load_kwargs)
-    check_models(source, target, source.config.name_or_path, target.config.name_or_path)  # before any work
+    src, tgt = check_models(source, target, source.config.name_or_path, target.config.name_or_path)
+    # the memory plan, before any text is read or any forward pass runs
+    budget = (
+        parse_bytes(settings.statistics_memory)
+        if settings.statistics_memory is not None
+        else available_bytes(settings.statistics_device)
+    )
+    dtype = getattr(torch, settings.statistics_dtype)
+    top_k = settings.top_k or src.num_layers
+    plan = [check_budget(budget, src.num_layers, tgt.num_layers, src.num_kv_heads, src.head_dim, top_k, dtype)]
+    if settings.bidirectional:
+        plan.append(check_budget(budget, tgt.num_layers, src.num_layers, src.num_kv_heads, src.head_dim, top_k, dtype))
+    mode = "dense" if set(plan) == {"dense"} else "blocks"
+    logger.info("calibration statistics: %s (budget %s)", mode, format_bytes(budget))
     if tokenizer is None:
         tokenizer = _shared_tokenizer(source, target)
     windows = token_windows(data, tokenizer, settings.num_sequences, settings.seq_len, text_field=settings.text_field)
     train_ids, heldout_ids = split_heldout(len(windows), settings.heldout_fraction, settings.seed)
     timings: dict = {}
-    stats = collect_statistics(
-        source,
-        target,
-        windows,
-        heldout=heldout_ids,
-        batch_size=settings.batch_size,
-        statistics_device=settings.statistics_device,
-        progress=settings.progress,
-        reverse=settings.bidirectional,
-        checkpoint_dir=settings.checkpoint_dir,
-        timings=timings,
-    )
-    train, heldout = stats[:2]
+    entry = get_mapper_type(settings.mapper_type)
+    references = {
+        "source_name_or_path": model_reference(source),
+        "source_revision": source_revision,
+        "target_name_or_path": model_reference(target),
+        "target_revision": target_revision,
+    }
+    reverse_references = {
+        "source_name_or_path": references["target_name_or_path"],
+        "source_revision": target_revision,
+        "target_name_or_path": references["source_name_or_path"],
+        "target_revision": source_revision,
+    }
+    fit_kwargs = {
+        "top_k": settings.top_k,
+        "ridge_lambda": settings.ridge_lambda,
+        "head_mode": settings.head_mode,
+        "hold_back": settings.hold_back,
+        "kv_mode": settings.kv_mode,
+    }
     provenance = {
         "data": describe_data(data),
         "num_sequences": len(windows),
@@ -331,60 +565,93 @@ def calibrate(
         "hf_kvbridge_version": __version__,
         "torch_version": torch.__version__,
         "date": datetime.date.today().isoformat(),
-        "forward_seconds": round(timings["forward_seconds"], 2),
-        "statistics_seconds": round(timings["statistics_seconds"], 2),
+        "statistics": mode,
+        "statistics_memory": budget,
     }
     import transformers
 
     provenance["transformers_version"] = transformers.__version__
-    bridge = fit_bridge(
-        source,
-        target,
-        train,
-        heldout,
-        top_k=settings.top_k,
-        ridge_lambda=settings.ridge_lambda,
-        head_mode=settings.head_mode,
-        hold_back=settings.hold_back,
-        config_kwargs={
-            "source_name_or_path": model_reference(source),
-            "source_revision": source_revision,
-            "target_name_or_path": model_reference(target),
-            "target_revision": target_revision,
-            "calibration": provenance,
-        },
-    )
-    entry = get_mapper_type(settings.mapper_type)
+    if mode == "dense":
+        stats = collect_statistics(
+            source,
+            target,
+            windows,
+            heldout=heldout_ids,
+            batch_size=settings.batch_size,
+            statistics_device=settings.statistics_device,
+            progress=settings.progress,
+            reverse=settings.bidirectional,
+            checkpoint_dir=settings.checkpoint_dir,
+            timings=timings,
+        )
+        statistics, reverse_statistics = stats[:2], stats[2:] or None
+        bridge = fit_bridge(
+            source, target, *statistics, **fit_kwargs, config_kwargs={**references, "calibration": provenance}
+        )
+        if settings.bidirectional:
+            reverse = fit_bridge(
+                target,
+                source,
+                *reverse_statistics,
+                **fit_kwargs,
+                config_kwargs={**reverse_references, "calibration": dict(provenance)},
+            )
+    else:
+        passes = {
+            "windows": windows,
+            "heldout": heldout_ids,
+            "statistics_memory": budget,
+            "statistics_dtype": dtype,
+            "batch_size": settings.batch_size,
+            "statistics_device": settings.statistics_device,
+            "progress": settings.progress,
+            "timings": timings,
+            **fit_kwargs,
+        }
+        want = settings.keep_statistics or entry.fit is not None
+        checkpoint = settings.checkpoint_dir
+        bridge, statistics = fit_bridge_in_passes(
+            source,
+            target,
+            **passes,
+            checkpoint_dir=checkpoint,
+            keep_statistics=want,
+            config_kwargs={**references, "calibration": provenance},
+        )
+        if settings.bidirectional:
+            reverse, reverse_statistics = fit_bridge_in_passes(
+                target,
+                source,
+                **passes,
+                checkpoint_dir=None if checkpoint is None else Path(checkpoint) / "reverse",
+                keep_statistics=settings.keep_statistics,
+                config_kwargs={**reverse_references, "calibration": dict(provenance)},
+            )
+        if entry.fit is not None and statistics is None:
+            raise StatisticsMemoryError(
+                f"mapper_type {settings.mapper_type!r} starts from the statistics of every target layer at once, but "
+                f"statistics_memory={format_bytes(budget)} needed several passes over the data; raise "
+                "statistics_memory or use mapper_type='ridge'"
+            )
+    for part in [bridge] + ([reverse] if settings.bidirectional else []):
+        part.config.calibration["forward_seconds"] = round(timings["forward_seconds"], 2)
+        part.config.calibration["statistics_seconds"] = round(timings["statistics_seconds"], 2)
     if entry.fit is not None:  # mappers beyond ridge start from the ridge bridge (see `mappers.MAPPER_REGISTRY`)
         bridge = entry.fit(
             bridge,
             windows=windows,
-            statistics=(train, heldout),
+            statistics=statistics,
             batch_size=settings.batch_size,
             progress=settings.progress,
             **settings.mapper_kwargs,
         )
     if settings.bidirectional:
-        reverse = fit_bridge(
-            target,
-            source,
-            *stats[2:],
-            top_k=settings.top_k,
-            ridge_lambda=settings.ridge_lambda,
-            head_mode=settings.head_mode,
-            hold_back=settings.hold_back,
-            config_kwargs={
-                "source_name_or_path": bridge.config.target_name_or_path,
-                "source_revision": target_revision,
-                "target_name_or_path": bridge.config.source_name_or_path,
-                "target_revision": source_revision,
-                "calibration": dict(provenance),
-            },
-        )
-        reverse.calibration_statistics = tuple(stats[2:])
+        if settings.keep_statistics:
+            reverse.calibration_statistics = reverse_statistics
         bridge.reverse = reverse
     bridge.config.calibration["seconds"] = round(time.perf_counter() - started, 2)
-    bridge.calibration_statistics = (train, heldout)
+    if settings.keep_statistics:
+        bridge.calibration_statistics = statistics
     bridge.config.calibration["bidirectional"] = settings.bidirectional
     logger.info(
         "calibrated %s → %s in %.1fs",

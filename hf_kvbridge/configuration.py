@@ -7,7 +7,7 @@ from typing import Any
 
 from transformers import PretrainedConfig
 
-from .constants import FORMAT_VERSION, HEAD_MODES, RECOMPUTE_POLICIES
+from .constants import FORMAT_VERSION, HEAD_MODES, KV_MODES, RECOMPUTE_POLICIES
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +32,8 @@ class KVBridgeConfig(PretrainedConfig):
         ridge_lambdas (`dict`, *optional*): the λ chosen per target layer, head group (one in `all_heads` mode, one
             per KV head in `same_head` mode) and K/V: `{"k": [[λ per group] per target layer], "v": [...]}`.
         head_mode (`str`, *optional*, defaults to `"all_heads"`): `"all_heads"` or `"same_head"`.
+        kv_mode (`str`, *optional*, defaults to `"joint"`): `"joint"` (keys and values → keys and values) or
+            `"separate"` (keys from keys, values from values). Checkpoints saved without it are `"joint"`.
         mapper_type (`str`, *optional*, defaults to `"ridge"`): kind of mapper stored in the weights file:
             `"ridge"`, `"ridge_attention_weighted"` (same linear layout, see `mappers.weighted`), `"mlp"` (a residual
             MLP on top of the ridge map, see `mappers.mlp`) or `"low_rank"` (reduced-rank ridge, see
@@ -77,6 +79,7 @@ class KVBridgeConfig(PretrainedConfig):
     ridge_lambda: float | str = "auto"
     ridge_lambdas: dict | None = None
     head_mode: str = "all_heads"
+    kv_mode: str = "joint"
     mapper_type: str = "ridge"
     mapper_kwargs: dict | None = None
     selected_layers: list | None = None
@@ -114,6 +117,8 @@ class KVBridgeConfig(PretrainedConfig):
         super().__post_init__(**kwargs)
         if self.head_mode not in HEAD_MODES:
             raise ValueError(f"head_mode must be one of {HEAD_MODES}, got {self.head_mode!r}")
+        if self.kv_mode not in KV_MODES:
+            raise ValueError(f"kv_mode must be one of {KV_MODES}, got {self.kv_mode!r}")
         if self.sink_tokens < 0 or self.gate_probe_tokens < 1:
             raise ValueError("sink_tokens must be ≥ 0 and gate_probe_tokens ≥ 1")
         if self.hold_back < 1:

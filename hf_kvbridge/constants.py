@@ -30,6 +30,8 @@ FORMAT_VERSION = 1
 DEFAULT_CALIBRATION_DATA = "HuggingFaceFW/fineweb-edu"
 
 HEAD_MODES = ("all_heads", "same_head")
+# "joint": keys and values of the selected layers → keys and values; "separate": keys from keys, values from values
+KV_MODES = ("joint", "separate")
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
 

@@ -22,6 +22,10 @@ class StatisticsError(KVBridgeError, ValueError):
     """Statistics are unusable: non-finite values, too few tokens, or mismatched layouts."""
 
 
+class StatisticsMemoryError(StatisticsError, MemoryError):
+    """The calibration statistics do not fit the memory budget (`statistics_memory`); raised before any work."""
+
+
 class MapperFileError(KVBridgeError, OSError):
     """A mapper weights file is missing, truncated, corrupt or does not fit the config."""
 
@@ -42,4 +46,5 @@ __all__ = [
     "KVLayoutError",
     "MapperFileError",
     "StatisticsError",
+    "StatisticsMemoryError",
 ]

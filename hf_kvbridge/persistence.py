@@ -377,7 +377,9 @@ def load_mapper(
         if not get_mapper_type(config.mapper_type).linear:
             raise ValueError(f"lazy_mapper=True supports linear mappers, not {config.mapper_type!r}")
         files = [folder / name for name in verify_mapper_checksums(folder, checksums)]
-        return LazyKVMapper(config.selected_layers, layout.num_kv_heads, layout.head_dim, config.head_mode, files)
+        return LazyKVMapper(
+            config.selected_layers, layout.num_kv_heads, layout.head_dim, config.head_mode, files, config.kv_mode
+        )
     mapper = build_mapper(config, layout)  # the class config.mapper_type names (ridge, mlp, ...)
     load_mapper_weights(mapper, folder, checksums)
     return mapper

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from .solve import LAMBDA_GRID, choose_ridge_lambdas, group_lambda, heldout_r2_path, solve_ridge
-from .statistics import KVStatistics
+from .solve import LAMBDA_GRID, choose_ridge_lambdas, heldout_r2_path, map_group_lambda, solve_ridge
+from .statistics import KVStatistics, map_groups
 
 
 def _r2_by_head(sse: torch.Tensor, sst: torch.Tensor, heads: int, head_dim: int) -> torch.Tensor:
@@ -83,26 +83,36 @@ def mapper_r2(
     heldout: KVStatistics,
     selected_layers: list[list[int]],
     head_mode: str = "all_heads",
-    ridge_lambda: float | dict = 0.01,
+    ridge_lambda: float | dict | str = 0.01,
+    targets: list[int] | None = None,
+    kv_mode: str = "joint",
 ) -> torch.Tensor:
     """Held-out R² of a mapper fitted on `train` with `selected_layers`.
 
     `ridge_lambda` is one number, per-layer choices (see `hf_kvbridge.solve.group_lambda`), or `"auto"`: each
     layer, head group and K/V at its best λ of `LAMBDA_GRID` (`hf_kvbridge.solve.choose_ridge_lambdas`).
 
+    Args:
+        targets (`list[int]`, *optional*): only these target layers (the rows of the others stay 0), e.g. the target
+            layers of one fit pass's `BlockStatistics`.
+        kv_mode (`str`, *optional*, defaults to `"joint"`): `"separate"` fits keys from keys and values from values.
+
     Returns:
         `torch.Tensor` of shape `(target_layers, 2)`: R² of K and V per target layer, averaged over heads.
     """
 
+    heads, dim = train.num_kv_heads, train.head_dim
     if ridge_lambda == "auto":
-        heads, dim = train.num_kv_heads, train.head_dim
-        return choose_ridge_lambdas(train, heldout, selected_layers, head_mode, heads, dim, LAMBDA_GRID)[1]
-    group_heads = train.num_kv_heads if head_mode == "all_heads" else 1
+        ridge_lambda, r2 = choose_ridge_lambdas(
+            train, heldout, selected_layers, head_mode, heads, dim, LAMBDA_GRID, targets=targets
+        )
+        if kv_mode == "joint":
+            return r2
 
     def fit(t, g, x_idx, y_idx):
-        return solve_ridge(train, x_idx, y_idx, group_lambda(ridge_lambda, t, g, group_heads, train.head_dim))
+        return solve_ridge(train, x_idx, y_idx, map_group_lambda(ridge_lambda, t, g, head_mode, kv_mode, heads, dim))
 
-    return _heldout_r2(heldout, selected_layers, head_mode, fit)
+    return _heldout_r2(heldout, selected_layers, head_mode, fit, targets, kv_mode)
 
 
 def mapped_heldout_r2(mapper, heldout: KVStatistics) -> torch.Tensor:
@@ -115,20 +125,24 @@ def mapped_heldout_r2(mapper, heldout: KVStatistics) -> torch.Tensor:
     def weights(t, g, x_idx, y_idx):
         return mapper.layer_weight(t)[g].double(), mapper.layers[t].bias[g].double()  # (p, q), (q,)
 
-    return _heldout_r2(heldout, mapper.selected_layers, mapper.head_mode, weights)
+    kv_mode = getattr(mapper, "kv_mode", "joint")
+    return _heldout_r2(heldout, mapper.selected_layers, mapper.head_mode, weights, kv_mode=kv_mode)
 
 
-def _heldout_r2(heldout: KVStatistics, selected_layers, head_mode: str, weights) -> torch.Tensor:
+def _heldout_r2(heldout, selected_layers, head_mode: str, weights, targets=None, kv_mode="joint") -> torch.Tensor:
     """R² on `heldout` per target layer (K, V; mean over heads) of the maps `weights(t, group, x_idx, y_idx)`
     returns as `(weight (p, q), bias (q,))`."""
     heads, dim = heldout.num_kv_heads, heldout.head_dim
     out = torch.zeros(heldout.target_layers, 2, dtype=torch.float64)
-    for t, layers in enumerate(selected_layers):
-        sse_all, sst_all = [], []
-        for g, head in enumerate([None] if head_mode == "all_heads" else range(heads)):
-            x_idx, y_idx = heldout.source_index(layers, head), heldout.target_index(t, head)
+    for t in range(len(selected_layers)) if targets is None else targets:
+        layers = selected_layers[t]
+        # each group's output columns put back at their place in the target layer's row (H, 2, d)
+        sse_all = torch.zeros(heads * 2 * dim, dtype=torch.float64)
+        sst_all = torch.zeros(heads * 2 * dim, dtype=torch.float64)
+        offset = int(heldout.target_index(t)[0])
+        for g, (x_idx, y_idx) in enumerate(map_groups(heldout, layers, t, head_mode, kv_mode)):
             sse, sst = heldout.residual_sums(x_idx, y_idx, *weights(t, g, x_idx, y_idx))
-            sse_all.append(sse)
-            sst_all.append(sst)
-        out[t] = _r2_by_head(torch.cat(sse_all), torch.cat(sst_all), heads, dim).mean(0)
+            sse_all[y_idx.cpu() - offset] = sse.cpu()
+            sst_all[y_idx.cpu() - offset] = sst.cpu()
+        out[t] = _r2_by_head(sse_all, sst_all, heads, dim).mean(0)
     return out

@@ -13,7 +13,8 @@ from typing import Any
 
 import torch
 
-from .constants import HEAD_MODES
+from .budget import parse_bytes
+from .constants import HEAD_MODES, KV_MODES
 from .mappers import get_mapper_type
 
 
@@ -29,6 +30,8 @@ class CalibrationSettings:
             variance (ridge on standardised inputs; see `hf_kvbridge.solve`). `"auto"` chooses it per target layer
             (and head, in `same_head` mode, and K/V) by held-out R² over `hf_kvbridge.solve.LAMBDA_GRID`.
         head_mode (`str`, *optional*, defaults to `"all_heads"`): or `"same_head"` (head h from head h only).
+        kv_mode (`str`, *optional*, defaults to `"joint"`): `"separate"` maps keys from keys and values from values
+            (half the mapper's weights and FLOPs; `"ridge"` mappers only).
         mapper_type (`str`, *optional*, defaults to `"ridge"`): a key of `hf_kvbridge.mappers.MAPPER_REGISTRY`
             (`"ridge"`, `"ridge_attention_weighted"`, `"mlp"`, `"low_rank"`).
         mapper_kwargs (`dict`, *optional*): options of that mapper type (e.g. `{"rank": 64}` for `"low_rank"`,
@@ -43,6 +46,14 @@ class CalibrationSettings:
             forward passes (`bridge.reverse`).
         checkpoint_dir (`str`, *optional*): checkpoint the statistics there and resume after an interruption.
         statistics_device (*optional*): device of the statistics (defaults to the CPU).
+        statistics_memory (`str` or `int`, *optional*): bytes the calibration statistics may take (`"16GB"`,
+            `"512MiB"`); defaults to half the free memory of the statistics device. Dense statistics (exact, one
+            pass) are used when they fit, otherwise a selection pass and as many fit passes as the budget needs (see
+            `hf_kvbridge.budget`); a budget too small for one target layer is refused before any work.
+        statistics_dtype (`str`, *optional*, defaults to `"float32"`): of the budgeted statistics' Gram blocks
+            (`"float32"` or `"float64"`; sums are centred, so float32 stays accurate).
+        keep_statistics (`bool`, *optional*, defaults to `False`): leave the statistics on the returned bridge as
+            `bridge.calibration_statistics` (for studies and diagnostics; they can take gigabytes).
         progress (`bool`, *optional*, defaults to `False`): progress bars.
 
     Example:
@@ -60,6 +71,7 @@ class CalibrationSettings:
     top_k: int | None = 6
     ridge_lambda: float | str = "auto"
     head_mode: str = "all_heads"
+    kv_mode: str = "joint"
     mapper_type: str = "ridge"
     mapper_kwargs: dict[str, Any] = field(default_factory=dict)
     batch_size: int = 8
@@ -70,6 +82,9 @@ class CalibrationSettings:
     bidirectional: bool = False
     checkpoint_dir: str | os.PathLike | None = None
     statistics_device: torch.device | str | None = None
+    statistics_memory: int | str | None = None
+    statistics_dtype: str = "float32"
+    keep_statistics: bool = False
     progress: bool = False
 
     def __post_init__(self):
@@ -102,6 +117,17 @@ class CalibrationSettings:
             raise ValueError(
                 f"hold_back must be an integer ≥ 1 (the target runs the last prompt token), got {self.hold_back!r}"
             )
+        if self.kv_mode not in KV_MODES:
+            raise ValueError(f"kv_mode must be one of {KV_MODES}, got {self.kv_mode!r}")
+        if self.kv_mode == "separate" and self.mapper_type != "ridge":
+            raise ValueError(
+                f"kv_mode='separate' is implemented for mapper_type='ridge' only, not {self.mapper_type!r}; use "
+                "kv_mode='joint'"
+            )
+        if self.statistics_memory is not None:
+            parse_bytes(self.statistics_memory)
+        if self.statistics_dtype not in ("float32", "float64"):
+            raise ValueError(f"statistics_dtype must be 'float32' or 'float64', got {self.statistics_dtype!r}")
         entry = get_mapper_type(self.mapper_type)
         unknown = sorted(set(self.mapper_kwargs or {}) - set(entry.kwargs))
         if unknown:

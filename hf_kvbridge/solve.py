@@ -203,6 +203,7 @@ def choose_ridge_lambdas(
     num_kv_heads: int,
     head_dim: int,
     lambdas: tuple[float, ...] | list[float] = LAMBDA_GRID,
+    targets: list[int] | None = None,
 ) -> tuple[dict[str, list[list[float]]], torch.Tensor]:
     r"""Chooses λ per target layer, head group and K/V by held-out R² (fit on `train`, scored on `heldout`).
 
@@ -211,6 +212,11 @@ def choose_ridge_lambdas(
         selected_layers (`list[list[int]]`): per target layer, its source layers in order.
         head_mode (`str`): `"all_heads"` (one group per layer) or `"same_head"` (one group per head).
         lambdas (`tuple[float]`, *optional*, defaults to `LAMBDA_GRID`): the grid searched.
+        targets (`list[int]`, *optional*): only these target layers (e.g. one fit pass's); the others get empty
+            lists and R² 0.
+
+    The λ of a map is chosen with joint inputs (keys and values of the selected layers); a `kv_mode="separate"`
+    mapper uses the K choice for its key map and the V choice for its value map.
 
     Returns:
         `(ridge_lambdas, r2)`: `{"k": [[λ per group] per layer], "v": [...]}` and the held-out R² at the chosen λ,
@@ -229,6 +235,10 @@ def choose_ridge_lambdas(
     r2 = torch.zeros(len(selected_layers), 2, dtype=torch.float64)
     groups = [None] if head_mode == "all_heads" else list(range(num_kv_heads))
     for t, layers in enumerate(selected_layers):
+        if targets is not None and t not in targets:
+            chosen["k"].append([])
+            chosen["v"].append([])
+            continue
         per_group = []
         for head in groups:
             x_idx, y_idx = train.source_index(layers, head), train.target_index(t, head)
@@ -249,3 +259,21 @@ def effective_ridge_lambda(config) -> float | dict:
     if config.ridge_lambda == "auto":
         raise ValueError("config.ridge_lambda is 'auto' but config.ridge_lambdas (the chosen λ per layer) is missing")
     return float(config.ridge_lambda)
+
+
+def map_group_lambda(
+    ridge_lambda, target_layer: int, group: int, head_mode: str, kv_mode: str, num_kv_heads: int, head_dim: int
+):
+    """The λ of map `group` of target layer `target_layer` (in `statistics.map_groups` order) for `solve_ridge`.
+
+    Joint maps take `group_lambda`'s per-column λ (K columns, V columns); a separate map (`kv_mode="separate"`:
+    keys from keys, or values from values) takes the K or the V choice of its head group.
+    """
+    if not isinstance(ridge_lambda, dict):
+        return float(ridge_lambda)
+    heads = num_kv_heads if head_mode == "all_heads" else 1
+    if kv_mode == "joint":
+        return group_lambda(ridge_lambda, target_layer, group, heads, head_dim)
+    head_groups = 1 if head_mode == "all_heads" else num_kv_heads
+    kind = "k" if group < head_groups else "v"  # separate groups: keys of every head group, then values
+    return float(ridge_lambda[kind][target_layer][group % head_groups])

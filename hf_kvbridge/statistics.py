@@ -3,10 +3,13 @@
 For every calibration token we see one source row `x` (all source layers, `F = L_s · H · 2d` features: per layer,
 per head, content-space key then value) and one target row `y` (`G = L_t · H · 2d`). We keep
 
-    count = n,   x_sum = Σx (F),   y_sum = Σy (G),   xx = Σxxᵀ (F, F),   xy = Σxyᵀ (F, G),   yy = Σy² (G)
+    count = n,   x_sum = Σx (F),   y_sum = Σy (G),
+    xx = Σ(x − x̄)(x − x̄)ᵀ (F, F),   xy = Σ(x − x̄)(y − ȳ)ᵀ (F, G),   yy = Σ(y − ȳ)² (G)
 
-in float64. Any subset of source layers, any head mode and any `top_k` is then a slice of these, so one pass over
-the models is enough for layer selection and every fit. Memory is independent of the number of tokens.
+in float64: *centred* sums, merged with Chan et al.'s pairwise update, so no large raw sums cancel when means,
+variances and residuals are taken from them. Any subset of source layers, any head mode and any `top_k` is then a
+slice of these, so one pass over the models is enough for layer selection and every fit. Memory is independent of the
+number of tokens, but grows as `L_s·L_t·(H·2d)²`: see `BlockStatistics` below for real model pairs.
 """
 
 from __future__ import annotations
@@ -22,6 +25,43 @@ from .errors import StatisticsError
 logger = logging.getLogger(__name__)
 
 _FIELDS = ("x_sum", "y_sum", "xx", "xy", "yy")
+
+
+def centred_residual_sums(n, mx, my, cxx, cxy, vy, weight, bias) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(Σ(y − xW − b)², Σ(y − ȳ)²)` per output column from centred moments (covariances divided by `n`).
+
+    With `r = (y − ȳ) − (x − x̄)W + e`, `e = ȳ − x̄W − b`, the cross terms of the centred parts with the constant `e`
+    vanish, so `Σr² = n·(var_y − 2·diag(Wᵀ C_xy) + diag(Wᵀ C_xx W) + e²)`: no large raw sums cancel.
+
+    Args:
+        n (`int` or `float`): the token count. mx (`(p,)`), my (`(q,)`), cxx (`(p, p)`), cxy (`(p, q)`), vy (`(q,)`):
+            float64 moments. weight (`(p, q)`), bias (`(q,)`).
+    """
+    w, b = weight.to(torch.float64), bias.to(torch.float64)
+    offset = my - mx @ w - b  # (q,)
+    explained = ((cxx @ w) * w).sum(0) - 2 * (cxy * w).sum(0)  # (q,)
+    sse = n * (vy + explained + offset * offset)
+    return sse, n * vy
+
+
+def map_groups(stats, layers: list[int], target: int, head_mode: str, kv_mode: str = "joint"):
+    """Feature indices `[(x_idx, y_idx)]` of each independent map ("group") of target layer `target` fitted from source
+    `layers`, in the mapper's group order: one (`all_heads`, `joint`), one per head (`same_head`), keys then values
+    (`all_heads`, `separate`: K from K, V from V), or per K/V then per head (`same_head`, `separate`).
+
+    Args:
+        stats: anything with `source_index`, `target_index` and `head_dim` ([`KVStatistics`], [`BlockStatistics`]).
+    """
+    heads = [None] if head_mode == "all_heads" else range(stats.num_kv_heads)
+    d = stats.head_dim
+    groups = []
+    for kv in [None] if kv_mode == "joint" else [0, 1]:
+        for head in heads:
+            x_idx, y_idx = stats.source_index(layers, head), stats.target_index(target, head)
+            if kv is not None:  # each (layer, head) chunk of 2d features is the key then the value
+                x_idx, y_idx = x_idx.view(-1, 2, d)[:, kv].reshape(-1), y_idx.view(-1, 2, d)[:, kv].reshape(-1)
+            groups.append((x_idx, y_idx))
+    return groups
 
 
 class KVStatistics:
@@ -74,33 +114,69 @@ class KVStatistics:
                 f"rows of shape {tuple(x.shape)} / {tuple(y.shape)} do not fit statistics with F={self.x_sum.numel()}"
                 f", G={self.y_sum.numel()}"
             )
+        if x.shape[0] == 0:
+            return
         x = x.to(self.xx.device, torch.float64)
         y = y.to(self.xx.device, torch.float64)
-        self.count += x.shape[0]
-        self.x_sum += x.sum(0)
-        self.y_sum += y.sum(0)
-        self.xx.addmm_(x.T, x)  # (F, N) @ (N, F)
-        self.xy.addmm_(x.T, y)  # (F, N) @ (N, G)
-        self.yy += (y * y).sum(0)
+        mx, my = x.mean(0), y.mean(0)
+        xc, yc = x - mx, y - my  # centred on the batch's own means
+        self._add_centred(x.shape[0], mx, my, xc.T @ xc, xc.T @ yc, (yc * yc).sum(0))  # (F, F), (F, G), (G,)
+
+    def _add_centred(self, n_b, mx_b, my_b, xx_b, xy_b, yy_b) -> None:
+        """Adds a part of `n_b` tokens (a count or a total weight) with means `mx_b`, `my_b` and centred sums:
+        `M = M_a + M_b + (n_a·n_b / n)·δδᵀ` with `δ` the difference of the means (Chan et al.)."""
+        n_a = self.count
+        f, _ = _chan_merge(n_a, n_b)
+        mx_a = self.x_sum / n_a if n_a else torch.zeros_like(self.x_sum)
+        my_a = self.y_sum / n_a if n_a else torch.zeros_like(self.y_sum)
+        dx, dy = mx_b - mx_a, my_b - my_a  # (F,), (G,)
+        self.xx.add_(xx_b).addr_(dx, dx, alpha=f)
+        self.xy.add_(xy_b).addr_(dx, dy, alpha=f)
+        self.yy.add_(yy_b).add_(f * dy * dy)
+        self.x_sum.add_(n_b * mx_b)
+        self.y_sum.add_(n_b * my_b)
+        self.count = n_a + n_b
 
     def merge_(self, other: KVStatistics) -> KVStatistics:
         """Adds `other` into `self` in place and returns `self` (statistics are additive)."""
         if other.shape_key != self.shape_key:
             raise StatisticsError(f"cannot merge statistics of layouts {self.shape_key} and {other.shape_key}")
-        self.count += other.count
-        for name in _FIELDS:
-            getattr(self, name).add_(getattr(other, name).to(self.xx.device))
+        if other.count:
+            dev = self.xx.device
+            n = other.count
+            self._add_centred(
+                n,
+                other.x_sum.to(dev) / n,
+                other.y_sum.to(dev) / n,
+                other.xx.to(dev),
+                other.xy.to(dev),
+                other.yy.to(dev),
+            )
         return self
 
     def all_reduce_(self) -> KVStatistics:
-        """Sums the statistics of every `torch.distributed` rank into each of them (in place)."""
+        """Sums the statistics of every `torch.distributed` rank into each of them (in place): each rank re-centres
+        its sums on the global mean (`Σ(x − c)(x − c)ᵀ = M + n(x̄ − c)(x̄ − c)ᵀ`), then they are all-reduced."""
         import torch.distributed as dist
 
         count = torch.tensor([float(self.count)], dtype=torch.float64, device=self.xx.device)
         dist.all_reduce(count)
-        self.count = int(count.item())
-        for name in _FIELDS:
-            dist.all_reduce(getattr(self, name))
+        total = count.item()
+        if total == 0:
+            return self
+        x_sum, y_sum = self.x_sum.clone(), self.y_sum.clone()
+        dist.all_reduce(x_sum)
+        dist.all_reduce(y_sum)
+        n = self.count
+        if n:
+            dx, dy = self.x_sum / n - x_sum / total, self.y_sum / n - y_sum / total
+            self.xx.addr_(dx, dx, alpha=n)
+            self.xy.addr_(dx, dy, alpha=n)
+            self.yy.add_(n * dy * dy)
+        for tensor in (self.xx, self.xy, self.yy):
+            dist.all_reduce(tensor)
+        self.x_sum, self.y_sum = x_sum, y_sum
+        self.count = int(total) if float(total).is_integer() else total
         return self
 
     def __add__(self, other: KVStatistics) -> KVStatistics:
@@ -151,10 +227,7 @@ class KVStatistics:
             raise StatisticsError("statistics hold no tokens")
         n = self.count
         mx, my = self.x_sum[x_idx] / n, self.y_sum[y_idx] / n
-        cxx = self.xx[x_idx][:, x_idx] / n - torch.outer(mx, mx)
-        cxy = self.xy[x_idx][:, y_idx] / n - torch.outer(mx, my)
-        vy = self.yy[y_idx] / n - my * my
-        return mx, my, cxx, cxy, vy
+        return mx, my, self.xx[x_idx][:, x_idx] / n, self.xy[x_idx][:, y_idx] / n, self.yy[y_idx] / n
 
     def residual_sums(self, x_idx, y_idx, weight: torch.Tensor, bias: torch.Tensor):
         """Per output column, `Σ(y - xW - b)²` and `Σ(y - ȳ)²` over these tokens, from the sums alone.
@@ -163,24 +236,18 @@ class KVStatistics:
             weight (`torch.Tensor` of shape `(p, q)`), bias (`(q,)`): a fitted map from `x[x_idx]` to `y[y_idx]`.
 
         Returns:
-            `(sse (q,), sst (q,))` float64, for R² = 1 - sse / sst.
+            `(sse (q,), sst (q,))` float64, for R² = 1 - sse / sst. Computed from centred moments (not from the raw
+            sums, where `Σy² − 2Σy·ŷ + Σŷ²` cancels catastrophically when the means are large).
         """
-        n = self.count
-        w, b = weight.to(torch.float64), bias.to(torch.float64)
-        xx = self.xx[x_idx][:, x_idx]
-        xy = self.xy[x_idx][:, y_idx]
-        sx, sy, yy = self.x_sum[x_idx], self.y_sum[y_idx], self.yy[y_idx]
-        pred_sq = ((xx @ w) * w).sum(0) + 2 * b * (sx @ w) + n * b * b  # Σ (xW + b)²
-        cross = (xy * w).sum(0) + b * sy  # Σ y (xW + b)
-        sse = (yy - 2 * cross + pred_sq).clamp_min(0)
-        sst = (yy - sy * sy / n).clamp_min(0)
-        return sse, sst
+        mx, my, cxx, cxy, vy = self.moments(x_idx, y_idx)
+        return centred_residual_sums(self.count, mx, my, cxx, cxy, vy, weight, bias)
 
     # -- persistence ---------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, torch.Tensor]:
         state = {name: getattr(self, name).contiguous() for name in _FIELDS}
         state["count"] = torch.tensor([self.count], dtype=torch.int64)
         state["shape_key"] = torch.tensor(self.shape_key, dtype=torch.int64)
+        state["centred"] = torch.tensor([1], dtype=torch.int64)
         return state
 
     def save(self, path: str | Path) -> None:
@@ -189,8 +256,449 @@ class KVStatistics:
     @classmethod
     def load(cls, path: str | Path, device: torch.device | str | None = None) -> KVStatistics:
         state = load_file(str(path))
+        if "centred" not in state:
+            raise StatisticsError(
+                f"{path} holds raw (uncentred) statistics of an older hf_kvbridge; delete the checkpoint and "
+                "calibrate again"
+            )
         stats = cls(*state["shape_key"].tolist(), device=device)
-        stats.count = int(state["count"].item())
+        stats.count = state["count"].item()
         for name in _FIELDS:
+            getattr(stats, name).copy_(state[name])
+        return stats
+
+
+# -- statistics on a memory budget ------------------------------------------------------------------------------------
+# `KVStatistics` holds every source layer against every target layer: F² + F·G numbers (52.6 GB in float64 for
+# Qwen3-0.6B → 1.7B). Calibration of real pairs instead runs two kinds of smaller statistics:
+#   1. `SelectionStatistics`: per KV head and per K/V, each source layer's d×d Gram block and its d×d cross blocks
+#      with every target layer (H·2·L_s·d·(d + L_t·d) numbers), enough for a single-layer held-out R² of every
+#      (target layer, source layer) pair, hence the top-k choice;
+#   2. `BlockStatistics`: for a group of target layers, the Gram matrix of the union of their selected source layers
+#      (shared by all target layers of the group) and the cross block with those target layers only.
+# Both keep *centred* sums (means plus Σ(x − x̄)(x − x̄)ᵀ, merged with Chan et al.'s pairwise update), so float32
+# Gram blocks lose no precision to the cancellation of large raw sums.
+
+
+def _chan_merge(n_a: int | float, n_b: int | float) -> tuple[float, float]:
+    """Weights of the pairwise update: `(n_a·n_b / n, n_b / n)` (0, 0 when both are empty)."""
+    n = n_a + n_b
+    return (n_a * n_b / n, n_b / n) if n else (0.0, 0.0)
+
+
+class BlockStatistics:
+    """Centred sums for `targets` (target layers) over the union `sources` of their selected source layers.
+
+    Same interface as [`KVStatistics`] for the layers it holds (`count`, `source_index`, `target_index`, `moments`,
+    `residual_sums`, `merge_`, `all_reduce_`, `save`/`load`), with global layer numbers, so `solve_ridge` and the λ
+    search run on it unchanged. Memory: `(U·row)² + U·row·T·row` numbers for `U` source and `T` target layers,
+    `row = H·2d`.
+
+    Args:
+        source_layers (`int`), target_layers (`int`), num_kv_heads (`int`), head_dim (`int`): the full layout.
+        sources (`list[int]`): the source layers kept. targets (`list[int]`): the target layers kept.
+        dtype (`torch.dtype`, *optional*, defaults to `torch.float32`): of the Gram and cross blocks (means are
+            float64).
+        device (*optional*): where the sums live.
+
+    Example:
+
+    ```python
+    >>> stats = BlockStatistics(3, 2, 1, 2, sources=[0, 2], targets=[1])
+    >>> stats.update(torch.randn(10, 3 * 4), torch.randn(10, 2 * 4))  # full rows: only the kept columns are summed
+    >>> stats.xx.shape, stats.xy.shape
+    (torch.Size([8, 8]), torch.Size([8, 4]))
+    ```
+    """
+
+    def __init__(
+        self,
+        source_layers: int,
+        target_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        sources: list[int],
+        targets: list[int],
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+    ):
+        self.source_layers, self.target_layers = source_layers, target_layers
+        self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
+        self.row = num_kv_heads * 2 * head_dim
+        self.sources, self.targets = sorted(set(map(int, sources))), sorted(set(map(int, targets)))
+        self.dtype = dtype
+        device = torch.device(device or "cpu")
+        p, q = len(self.sources) * self.row, len(self.targets) * self.row
+        self.count = 0
+        self.x_mean = torch.zeros(p, dtype=torch.float64, device=device)
+        self.y_mean = torch.zeros(q, dtype=torch.float64, device=device)
+        self.xx = torch.zeros(p, p, dtype=dtype, device=device)  # Σ(x − x̄)(x − x̄)ᵀ
+        self.xy = torch.zeros(p, q, dtype=dtype, device=device)  # Σ(x − x̄)(y − ȳ)ᵀ
+        self.yy = torch.zeros(q, dtype=torch.float64, device=device)  # Σ(y − ȳ)²
+        span = torch.arange(self.row)
+        none = [torch.zeros(0, dtype=torch.long)]  # a rank without a pass holds empty statistics
+        self._x_cols = torch.cat([s * self.row + span for s in self.sources] or none).to(device)  # (p,) of full rows
+        self._y_cols = torch.cat([t * self.row + span for t in self.targets] or none).to(device)  # (q,)
+        # global feature index → local position (-1: not held)
+        self._x_local = torch.full((source_layers * self.row,), -1, dtype=torch.long, device=device)
+        self._x_local[self._x_cols] = torch.arange(p, device=device)
+        self._y_local = torch.full((target_layers * self.row,), -1, dtype=torch.long, device=device)
+        self._y_local[self._y_cols] = torch.arange(q, device=device)
+
+    @staticmethod
+    def nbytes(sources: int, targets: int, row: int, dtype: torch.dtype = torch.float32) -> int:
+        """Bytes of one `BlockStatistics` of `sources` source and `targets` target layers of `row` features."""
+        p, q = sources * row, targets * row
+        return (p * p + p * q) * torch.finfo(dtype).bits // 8 + (p + 2 * q) * 8
+
+    @property
+    def shape_key(self) -> tuple:
+        return (self.source_layers, self.target_layers, self.num_kv_heads, self.head_dim)
+
+    def _key(self) -> tuple:
+        return (*self.shape_key, tuple(self.sources), tuple(self.targets))
+
+    # -- accumulation ---------------------------------------------------------------------------------------------
+    def _add_centred(self, n_b, mx_b, my_b, xx_b, xy_b, yy_b) -> None:
+        """Adds a part with `n_b` tokens, means `mx_b`, `my_b` (float64) and centred sums (Chan's update)."""
+        f, share = _chan_merge(self.count, n_b)
+        dx, dy = mx_b - self.x_mean, my_b - self.y_mean  # (p,), (q,) float64
+        self.xx.add_(xx_b).addr_(dx.to(self.dtype), dx.to(self.dtype), alpha=f)
+        self.xy.add_(xy_b).addr_(dx.to(self.dtype), dy.to(self.dtype), alpha=f)
+        self.yy.add_(yy_b).add_(f * dy * dy)
+        self.x_mean.add_(share * dx)
+        self.y_mean.add_(share * dy)
+        self.count += n_b
+
+    @torch.no_grad()
+    def update(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        """Adds full rows `x` `(N, F)` and `y` `(N, G)` (only the kept layers' columns are summed)."""
+        if x.shape[0] != y.shape[0] or x.shape[1] != self._x_local.numel() or y.shape[1] != self._y_local.numel():
+            raise StatisticsError(
+                f"rows of shape {tuple(x.shape)} / {tuple(y.shape)} do not fit statistics with "
+                f"F={self._x_local.numel()}, G={self._y_local.numel()}"
+            )
+        if x.shape[0] == 0:
+            return
+        device = self.xx.device
+        xs = x.to(device)[:, self._x_cols].to(torch.float64)  # (N, p)
+        ys = y.to(device)[:, self._y_cols].to(torch.float64)  # (N, q)
+        mx, my = xs.mean(0), ys.mean(0)
+        xc, yc = (xs - mx).to(self.dtype), (ys - my).to(self.dtype)  # centred on the batch's own means
+        self._add_centred(x.shape[0], mx, my, xc.T @ xc, xc.T @ yc, ((ys - my) ** 2).sum(0))
+
+    def merge_(self, other: BlockStatistics) -> BlockStatistics:
+        """Adds `other` (same layers) into `self` in place and returns `self`."""
+        if other._key() != self._key():
+            raise StatisticsError(f"cannot merge block statistics of layers {self._key()} and {other._key()}")
+        dev = self.xx.device
+        self._add_centred(
+            other.count,
+            other.x_mean.to(dev),
+            other.y_mean.to(dev),
+            other.xx.to(dev, self.dtype),
+            other.xy.to(dev, self.dtype),
+            other.yy.to(dev),
+        )
+        return self
+
+    def copy(self) -> BlockStatistics:
+        new = BlockStatistics(
+            *self.shape_key, sources=self.sources, targets=self.targets, dtype=self.dtype, device=self.xx.device
+        )
+        return new.merge_(self)
+
+    def __add__(self, other: BlockStatistics) -> BlockStatistics:
+        return self.copy().merge_(other)
+
+    def all_reduce_(self) -> BlockStatistics:
+        """Sums the statistics of every `torch.distributed` rank into each of them (in place): every rank re-centres
+        its sums on the global mean, then the sums are all-reduced."""
+        import torch.distributed as dist
+
+        dev = self.xx.device
+        count = torch.tensor([float(self.count)], dtype=torch.float64, device=dev)
+        dist.all_reduce(count)
+        total = count.item()
+        if total == 0:
+            return self
+        mx, my = self.x_mean * self.count, self.y_mean * self.count
+        dist.all_reduce(mx)
+        dist.all_reduce(my)
+        mx, my = mx / total, my / total
+        dx, dy = self.x_mean - mx, self.y_mean - my  # Σ(x − c)(x − c)ᵀ = M + n (x̄ − c)(x̄ − c)ᵀ
+        self.xx.addr_(dx.to(self.dtype), dx.to(self.dtype), alpha=self.count)
+        self.xy.addr_(dx.to(self.dtype), dy.to(self.dtype), alpha=self.count)
+        self.yy.add_(self.count * dy * dy)
+        for tensor in (self.xx, self.xy, self.yy):
+            dist.all_reduce(tensor)
+        self.x_mean, self.y_mean, self.count = mx, my, int(total)
+        return self
+
+    def check_finite(self, what: str = "statistics") -> None:
+        """Raises `StatisticsError` naming the field if any sum holds NaN or Inf."""
+        for name in ("x_mean", "y_mean", "xx", "xy", "yy"):
+            if not torch.isfinite(getattr(self, name)).all():
+                raise StatisticsError(
+                    f"{what}: non-finite (NaN/Inf) values in {name}; the source or target produced NaN/Inf KV on the "
+                    "calibration data (try float32, or check the models)."
+                )
+
+    # -- indexing (global layer numbers, as in `KVStatistics`) ------------------------------------------------------
+    def source_index(self, layers: list[int], head: int | None = None) -> torch.Tensor:
+        """Global feature indices of source `layers` (in that order), all heads or only `head`."""
+        return KVStatistics._index(self, layers, head)
+
+    def target_index(self, layer: int, head: int | None = None) -> torch.Tensor:
+        return KVStatistics._index(self, [layer], head)
+
+    def _local(self, table: torch.Tensor, index: torch.Tensor, what: str) -> torch.Tensor:
+        local = table[index.to(table.device)]
+        if (local < 0).any():
+            missing = sorted({int(i) // self.row for i in index[(local < 0).cpu()]})
+            raise StatisticsError(
+                f"these block statistics hold {what} layers {self.sources if what == 'source' else self.targets}, "
+                f"not {missing}; accumulate statistics for the layers the fit needs"
+            )
+        return local
+
+    def moments(self, x_idx: torch.Tensor, y_idx: torch.Tensor):
+        """Means and centred (co)variances over the selected (global) features, divided by `count`.
+
+        Returns:
+            `(mean_x (p,), mean_y (q,), cov_xx (p, p), cov_xy (p, q), var_y (q,))`, float64.
+        """
+        if self.count == 0:
+            raise StatisticsError("statistics hold no tokens")
+        xl, yl = self._local(self._x_local, x_idx, "source"), self._local(self._y_local, y_idx, "target")
+        n = self.count
+        cxx = self.xx[xl][:, xl].to(torch.float64) / n
+        cxy = self.xy[xl][:, yl].to(torch.float64) / n
+        return self.x_mean[xl], self.y_mean[yl], cxx, cxy, self.yy[yl] / n
+
+    def residual_sums(self, x_idx, y_idx, weight: torch.Tensor, bias: torch.Tensor):
+        """Per output column, `(Σ(y − xW − b)², Σ(y − ȳ)²)` over these tokens (see `centred_residual_sums`)."""
+        return centred_residual_sums(self.count, *self.moments(x_idx, y_idx), weight, bias)
+
+    # -- persistence ------------------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        state = {name: getattr(self, name).contiguous() for name in ("x_mean", "y_mean", "xx", "xy", "yy")}
+        state["count"] = torch.tensor([self.count], dtype=torch.int64)
+        state["shape_key"] = torch.tensor(self.shape_key, dtype=torch.int64)
+        state["sources"] = torch.tensor(self.sources, dtype=torch.int64)
+        state["targets"] = torch.tensor(self.targets, dtype=torch.int64)
+        return state
+
+    def save(self, path: str | Path) -> None:
+        save_file({k: v.cpu() for k, v in self.state_dict().items()}, str(path))
+
+    @classmethod
+    def load(cls, path: str | Path, device: torch.device | str | None = None) -> BlockStatistics:
+        state = load_file(str(path))
+        stats = cls(
+            *state["shape_key"].tolist(),
+            sources=state["sources"].tolist(),
+            targets=state["targets"].tolist(),
+            dtype=state["xx"].dtype,
+            device=device,
+        )
+        stats.count = int(state["count"].item())
+        for name in ("x_mean", "y_mean", "xx", "xy", "yy"):
+            getattr(stats, name).copy_(state[name])
+        return stats
+
+
+class SelectionStatistics:
+    """Small statistics for choosing layers: per KV head `h` and per K/V, source layer `s`'s `d × d` Gram block and
+    its `d × d` cross blocks with every target layer's same head and same K/V (centred sums).
+
+    They give the held-out R² of predicting target layer `t` from source layer `s` head by head and K from K, V from
+    V (`single_layer_r2`), which ranks source layers like the all-heads single-layer R² (see the README's
+    measurement) at `H·2·L_s·d·(d + L_t·d)` numbers instead of `L_s·row·(L_s + L_t)·row`.
+
+    Args:
+        source_layers (`int`), target_layers (`int`), num_kv_heads (`int`), head_dim (`int`): the layout.
+        dtype (`torch.dtype`, *optional*, defaults to `torch.float32`), device (*optional*).
+
+    Example:
+
+    ```python
+    >>> stats = SelectionStatistics(2, 3, 1, 2)
+    >>> stats.update(torch.randn(50, 2 * 4), torch.randn(50, 3 * 4))
+    >>> stats.xy.shape  # (H·2, L_s·d, L_t·d)
+    torch.Size([2, 4, 6])
+    ```
+    """
+
+    def __init__(
+        self,
+        source_layers: int,
+        target_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+    ):
+        self.source_layers, self.target_layers = source_layers, target_layers
+        self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
+        self.dtype = dtype
+        b, d = num_kv_heads * 2, head_dim
+        kw = {"device": device or "cpu"}
+        self.count = 0
+        self.x_mean = torch.zeros(b, source_layers * d, dtype=torch.float64, **kw)
+        self.y_mean = torch.zeros(b, target_layers * d, dtype=torch.float64, **kw)
+        self.xx = torch.zeros(b, source_layers, d, d, dtype=dtype, **kw)  # diagonal Gram blocks only
+        self.xy = torch.zeros(b, source_layers * d, target_layers * d, dtype=dtype, **kw)
+        self.yy = torch.zeros(b, target_layers * d, dtype=torch.float64, **kw)
+
+    @staticmethod
+    def nbytes(source_layers: int, target_layers: int, num_kv_heads: int, head_dim: int, dtype=torch.float32) -> int:
+        """Bytes of one `SelectionStatistics`."""
+        b, d = num_kv_heads * 2, head_dim
+        numbers = b * source_layers * d * (d + target_layers * d)
+        return numbers * torch.finfo(dtype).bits // 8 + b * (source_layers + 2 * target_layers) * d * 8
+
+    @property
+    def shape_key(self) -> tuple[int, int, int, int]:
+        return (self.source_layers, self.target_layers, self.num_kv_heads, self.head_dim)
+
+    def _split(self, rows: torch.Tensor, layers: int) -> torch.Tensor:
+        """`(N, L·H·2d)` rows → `(H·2, N, L·d)`: per head and K/V, the layers side by side."""
+        n = rows.shape[0]
+        return (
+            rows.view(n, layers, self.num_kv_heads, 2, self.head_dim)
+            .permute(2, 3, 0, 1, 4)
+            .reshape(self.num_kv_heads * 2, n, layers * self.head_dim)
+        )
+
+    def _add_centred(self, n_b, mx_b, my_b, xx_b, xy_b, yy_b) -> None:
+        f, share = _chan_merge(self.count, n_b)
+        b, d, ls = self.num_kv_heads * 2, self.head_dim, self.source_layers
+        dx, dy = mx_b - self.x_mean, my_b - self.y_mean  # (B, L_s·d), (B, L_t·d)
+        dxb = dx.view(b, ls, d).to(self.dtype)
+        self.xx.add_(xx_b).add_(f * dxb.unsqueeze(-1) * dxb.unsqueeze(-2))
+        self.xy.add_(xy_b).add_(f * dx.to(self.dtype).unsqueeze(-1) * dy.to(self.dtype).unsqueeze(-2))
+        self.yy.add_(yy_b).add_(f * dy * dy)
+        self.x_mean.add_(share * dx)
+        self.y_mean.add_(share * dy)
+        self.count += n_b
+
+    @torch.no_grad()
+    def update(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        """Adds full rows `x` `(N, F)` and `y` `(N, G)`."""
+        if x.shape[0] != y.shape[0] or x.shape[1] != self.x_mean.numel() or y.shape[1] != self.yy.numel():
+            raise StatisticsError(
+                f"rows of shape {tuple(x.shape)} / {tuple(y.shape)} do not fit selection statistics with "
+                f"F={self.x_mean.numel()}, G={self.yy.numel()}"
+            )
+        if x.shape[0] == 0:
+            return
+        device = self.xx.device
+        xs = self._split(x.to(device, torch.float64), self.source_layers)  # (B, N, L_s·d)
+        ys = self._split(y.to(device, torch.float64), self.target_layers)  # (B, N, L_t·d)
+        mx, my = xs.mean(1), ys.mean(1)  # (B, L_s·d), (B, L_t·d)
+        yc64 = ys - my.unsqueeze(1)
+        xc, yc = (xs - mx.unsqueeze(1)).to(self.dtype), yc64.to(self.dtype)
+        b, n, d = xc.shape[0], xc.shape[1], self.head_dim
+        blocks = xc.view(b, n, self.source_layers, d).permute(0, 2, 1, 3)  # (B, L_s, N, d)
+        xx = blocks.transpose(-1, -2) @ blocks  # (B, L_s, d, d)
+        self._add_centred(n, mx, my, xx, xc.transpose(1, 2) @ yc, (yc64 * yc64).sum(1))
+
+    def merge_(self, other: SelectionStatistics) -> SelectionStatistics:
+        if other.shape_key != self.shape_key:
+            raise StatisticsError(f"cannot merge statistics of layouts {self.shape_key} and {other.shape_key}")
+        dev = self.xx.device
+        self._add_centred(
+            other.count,
+            other.x_mean.to(dev),
+            other.y_mean.to(dev),
+            other.xx.to(dev, self.dtype),
+            other.xy.to(dev, self.dtype),
+            other.yy.to(dev),
+        )
+        return self
+
+    def all_reduce_(self) -> SelectionStatistics:
+        """Sums every `torch.distributed` rank's statistics into each of them (re-centred on the global mean)."""
+        import torch.distributed as dist
+
+        dev = self.xx.device
+        count = torch.tensor([float(self.count)], dtype=torch.float64, device=dev)
+        dist.all_reduce(count)
+        total = count.item()
+        if total == 0:
+            return self
+        mx, my = self.x_mean * self.count, self.y_mean * self.count
+        dist.all_reduce(mx)
+        dist.all_reduce(my)
+        mx, my = mx / total, my / total
+        b, d, ls = self.num_kv_heads * 2, self.head_dim, self.source_layers
+        dx, dy = self.x_mean - mx, self.y_mean - my
+        dxb = dx.view(b, ls, d).to(self.dtype)
+        self.xx.add_(self.count * dxb.unsqueeze(-1) * dxb.unsqueeze(-2))
+        self.xy.add_(self.count * dx.to(self.dtype).unsqueeze(-1) * dy.to(self.dtype).unsqueeze(-2))
+        self.yy.add_(self.count * dy * dy)
+        for tensor in (self.xx, self.xy, self.yy):
+            dist.all_reduce(tensor)
+        self.x_mean, self.y_mean, self.count = mx, my, int(total)
+        return self
+
+    def check_finite(self, what: str = "statistics") -> None:
+        BlockStatistics.check_finite(self, what)
+
+    def single_layer_r2(self, heldout: SelectionStatistics, ridge_lambda: float = 0.01) -> torch.Tensor:
+        """Held-out R² of predicting each target layer from each single source layer, head h from head h, K from K
+        and V from V (centred ridge, λ relative to each feature's variance as in `hf_kvbridge.solve`).
+
+        Returns:
+            `torch.Tensor` of shape `(target_layers, source_layers, 2)`: R² of K and V, averaged over heads.
+        """
+        if self.count <= self.head_dim or heldout.count == 0:
+            raise StatisticsError(
+                f"selection needs more than {self.head_dim} train tokens and some held-out tokens, got {self.count} "
+                f"and {heldout.count}; use more calibration sequences"
+            )
+        b, d, ls, lt = self.num_kv_heads * 2, self.head_dim, self.source_layers, self.target_layers
+        n, m = self.count, heldout.count
+        sse = torch.zeros(b, ls, lt, dtype=torch.float64)
+        sst = torch.zeros(b, 1, lt, dtype=torch.float64)
+        for i in range(b):  # one (head, K/V) block at a time: float64 copies of 1/(2H) of the cross sums
+            cxx = self.xx[i].to(torch.float64) / n  # (L_s, d, d)
+            var = torch.diagonal(cxx, dim1=-2, dim2=-1)  # (L_s, d)
+            floor = 1e-6 * var.mean(-1, keepdim=True).clamp_min(torch.finfo(torch.float64).tiny)
+            system = cxx + torch.diag_embed(ridge_lambda * torch.maximum(var, floor))
+            cxy = (self.xy[i].to(torch.float64) / n).view(ls, d, lt * d)  # (L_s, d, L_t·d)
+            weight = torch.linalg.lstsq(system, cxy).solution if ridge_lambda == 0 else torch.linalg.solve(system, cxy)
+            del cxy
+            mx, my = self.x_mean[i].view(ls, 1, d), self.y_mean[i].view(1, lt * d)
+            bias = my - (mx @ weight).squeeze(-2)  # (L_s, L_t·d)
+            # held-out residuals from held-out centred moments (see `centred_residual_sums`)
+            hxx = heldout.xx[i].to(torch.float64) / m  # (L_s, d, d)
+            hxy = (heldout.xy[i].to(torch.float64) / m).view(ls, d, lt * d)
+            hvy = (heldout.yy[i] / m).view(1, lt * d)
+            hmx, hmy = heldout.x_mean[i].view(ls, 1, d), heldout.y_mean[i].view(1, lt * d)
+            offset = hmy - (hmx @ weight).squeeze(-2) - bias  # (L_s, L_t·d)
+            explained = ((hxx @ weight) * weight).sum(-2) - 2 * (hxy * weight).sum(-2)  # (L_s, L_t·d)
+            sse[i] = (hvy + explained + offset * offset).view(ls, lt, d).sum(-1)
+            sst[i] = hvy.view(1, lt, d).sum(-1)
+        sse, sst = sse.view(self.num_kv_heads, 2, ls, lt), sst.view(self.num_kv_heads, 2, 1, lt)
+        r2 = (1 - sse / sst.clamp_min(torch.finfo(torch.float64).tiny)).mean(0)  # (2, L_s, L_t): mean over heads
+        return r2.permute(2, 1, 0).contiguous()  # (L_t, L_s, 2)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        state = {name: getattr(self, name).contiguous() for name in ("x_mean", "y_mean", "xx", "xy", "yy")}
+        state["count"] = torch.tensor([self.count], dtype=torch.int64)
+        state["shape_key"] = torch.tensor(self.shape_key, dtype=torch.int64)
+        return state
+
+    def save(self, path: str | Path) -> None:
+        save_file({k: v.cpu() for k, v in self.state_dict().items()}, str(path))
+
+    @classmethod
+    def load(cls, path: str | Path, device: torch.device | str | None = None) -> SelectionStatistics:
+        state = load_file(str(path))
+        stats = cls(*state["shape_key"].tolist(), dtype=state["xx"].dtype, device=device)
+        stats.count = int(state["count"].item())
+        for name in ("x_mean", "y_mean", "xx", "xy", "yy"):
             getattr(stats, name).copy_(state[name])
         return stats

@@ -98,3 +98,51 @@ def test_killed_calibration_resumes_to_the_same_mapper(tmp_path):
     again = fit_bridge(source, target, train, heldout, top_k=2)
     for key, value in bridge.mapper.state_dict().items():
         torch.testing.assert_close(again.mapper.state_dict()[key], value)
+
+
+def test_two_processes_split_fit_statistics_by_target_layer(tmp_path):
+    """On a memory budget, each rank accumulates only its own target layers' fit statistics (from every rank's rows);
+    the fitted mapper equals the single-process one."""
+    budget = "fit_bytes(2, 1, 64, torch.float64)"  # one target layer per pass: 3 passes over 2 ranks
+    script = tmp_path / "split.py"
+    script.write_text(
+        textwrap.dedent(f"""
+        import torch, torch.distributed as dist
+        import hf_kvbridge.statistics as statistics
+        from hf_kvbridge.budget import fit_bytes
+        from hf_kvbridge.calibration import fit_bridge_in_passes
+        dist.init_process_group("gloo")
+        {PAIR.replace(chr(10), chr(10) + "        ")}
+        {WINDOWS}
+        held = []
+        real = statistics.BlockStatistics.__init__
+        def record(self, *args, **kwargs):
+            real(self, *args, **kwargs)
+            held.append(list(self.targets))
+        statistics.BlockStatistics.__init__ = record
+        bridge, _ = fit_bridge_in_passes(source, target, windows, [3, 7, 11], statistics_memory={budget}, top_k=2,
+                                         statistics_dtype=torch.float64, batch_size=2)
+        torch.save({{"state": bridge.mapper.state_dict(), "selected": bridge.config.selected_layers,
+                    "r2": bridge.config.heldout_r2, "held": held}}, {str(tmp_path)!r} + f"/out{{dist.get_rank()}}.pt")
+        dist.destroy_process_group()
+    """)
+    )
+    result = _torchrun(script)
+    assert result.returncode == 0, result.stderr[-3000:]
+    from hf_kvbridge.budget import fit_bytes
+    from hf_kvbridge.calibration import fit_bridge_in_passes
+
+    source, target = qwen3(layers=2, seed=1), qwen3(layers=3, hidden=48, seed=2)
+    windows = torch.randint(0, 128, (20, 24), generator=torch.Generator().manual_seed(0))
+    want, _ = fit_bridge_in_passes(
+        source, target, windows, [3, 7, 11], statistics_memory=fit_bytes(2, 1, 64, torch.float64), top_k=2,
+        statistics_dtype=torch.float64, batch_size=2,
+    )  # fmt: skip
+    outs = [torch.load(tmp_path / f"out{rank}.pt") for rank in range(2)]
+    # fit statistics (train + held-out) each rank built: rank 0 target layers 0 and 2, rank 1 target layer 1
+    assert outs[0]["held"] == [[0], [0], [2], [2]] and outs[1]["held"] == [[1], [1], [], []]
+    for out in outs:
+        assert out["selected"] == want.config.selected_layers
+        assert out["r2"] == want.config.heldout_r2
+        for key, value in want.mapper.state_dict().items():
+            torch.testing.assert_close(out["state"][key], value, atol=1e-9, rtol=1e-7)

@@ -132,6 +132,7 @@ def test_calibrate_with_device_map_and_cpu_offload_equals_plain(saved_pair, tmp_
     loads, watch = hook_loads
     # 8 windows: 7 train (2 batches of ≤4) and 1 held out (1 batch), so 3 forwards per model
     kw = {"num_sequences": 8, "seq_len": 24, "top_k": 1, "batch_size": 4, "statistics_device": "cpu"}
+    kw["keep_statistics"] = True  # compared below
     want = hf_kvbridge.calibrate(saved_pair["small"], saved_pair["large"], CORPUS, **kw)
     # loaded by calibrate itself: every decoder layer of both models on disk, through `**load_kwargs`
     got = hf_kvbridge.calibrate(

@@ -149,6 +149,8 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
         progress=True,
         mapper_type=args.mapper_type,
         mapper_kwargs={"rank": args.rank} if args.mapper_type == "low_rank" else {},
+        statistics_memory=args.statistics_memory,
+        statistics_dtype=args.statistics_dtype,
         **load_kwargs,
     )
     bridge.save_pretrained(out, overwrite=args.overwrite)
@@ -448,6 +450,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     cal.add_argument("--rank", type=_positive_int, default=64, help="rank of a low_rank mapper")
     cal.add_argument("--batch-size", type=_positive_int, default=8)
+    cal.add_argument(
+        "--statistics-memory",
+        help="memory the calibration statistics may take, e.g. 16GB (default: half the free memory); refused up "
+        "front when too small",
+    )
+    cal.add_argument("--statistics-dtype", choices=["float32", "float64"], default="float32")
     cal.add_argument("--heldout-fraction", type=_fraction, default=0.1)
     cal.add_argument("--seed", type=int, default=0)
     cal.add_argument("--text-field", default="text", help="JSON/dataset field holding the text")

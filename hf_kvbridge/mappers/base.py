@@ -14,9 +14,9 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from ..constants import HEAD_MODES
-from ..solve import group_lambda, solve_ridge
-from ..statistics import KVStatistics
+from ..constants import HEAD_MODES, KV_MODES
+from ..solve import map_group_lambda, solve_ridge
+from ..statistics import KVStatistics, map_groups
 
 
 @dataclass(frozen=True)
@@ -74,6 +74,17 @@ class KVMapper(nn.Module):
         num_kv_heads (`int`), head_dim (`int`): the shared KV layout.
         head_mode (`str`): `"all_heads"` (each target head sees all heads of the selected layers) or `"same_head"`
             (head h sees only head h).
+        kv_mode (`str`, *optional*, defaults to `"joint"`): `"joint"` (keys and values → keys and values) or
+            `"separate"` (keys from keys, values from values: half the weights and FLOPs).
+
+    The map of a target layer is `G` independent affine maps ("groups") over its own input features:
+
+    | head_mode, kv_mode | G | input width per source layer | output width |
+    |---|---|---|---|
+    | all_heads, joint | 1 | H·2d | H·2d |
+    | same_head, joint | H | 2d | 2d |
+    | all_heads, separate | 2 (K, V) | H·d | H·d |
+    | same_head, separate | 2H (K of each head, then V) | d | d |
 
     Example:
 
@@ -87,25 +98,39 @@ class KVMapper(nn.Module):
     ```
     """
 
-    def __init__(self, selected_layers: list[list[int]], num_kv_heads: int, head_dim: int, head_mode: str):
+    def __init__(
+        self,
+        selected_layers: list[list[int]],
+        num_kv_heads: int,
+        head_dim: int,
+        head_mode: str,
+        kv_mode: str = "joint",
+    ):
         super().__init__()
         if head_mode not in HEAD_MODES:
             raise ValueError(f"head_mode must be one of {HEAD_MODES}, got {head_mode!r}")
+        if kv_mode not in KV_MODES:
+            raise ValueError(f"kv_mode must be one of {KV_MODES}, got {kv_mode!r}")
         self.selected_layers = [list(map(int, layers)) for layers in selected_layers]
-        self.num_kv_heads, self.head_dim, self.head_mode = num_kv_heads, head_dim, head_mode
-        row = num_kv_heads * 2 * head_dim
-        span = 2 * head_dim
+        self.num_kv_heads, self.head_dim, self.head_mode, self.kv_mode = num_kv_heads, head_dim, head_mode, kv_mode
+        self.groups = (1 if head_mode == "all_heads" else num_kv_heads) * (1 if kv_mode == "joint" else 2)
+        # one plain matrix product per layer only for all_heads + joint; every other mode is a batched product
+        self.grouped = self.groups > 1
+        width = self.row_width
         self.layers = nn.ModuleList(
-            self.make_layer(1, len(layers) * row, row)
-            if head_mode == "all_heads"
-            else self.make_layer(num_kv_heads, len(layers) * span, span)
-            for layers in self.selected_layers
+            self.make_layer(self.groups, len(layers) * width, width) for layers in self.selected_layers
         )
 
     @classmethod
     def from_config(cls, config, layout) -> KVMapper:
         """An empty mapper shaped for `config` (a `KVBridgeConfig`) and the target's `layout`, to load weights into."""
-        return cls(config.selected_layers, layout.num_kv_heads, layout.head_dim, config.head_mode)
+        return cls(
+            config.selected_layers,
+            layout.num_kv_heads,
+            layout.head_dim,
+            config.head_mode,
+            kv_mode=getattr(config, "kv_mode", "joint"),
+        )
 
     def make_layer(self, groups: int, in_features: int, out_features: int) -> nn.Module:
         """The map of one target layer (`groups` head groups of `in_features → out_features`)."""
@@ -118,23 +143,29 @@ class KVMapper(nn.Module):
         selected_layers: list[list[int]],
         head_mode: str,
         ridge_lambda: float | dict,
+        kv_mode: str = "joint",
     ) -> KVMapper:
-        """Solves the ridge problems of every target layer (and head, in `same_head` mode).
+        """Solves the ridge problems of every target layer (and group: head, K/V).
 
         `ridge_lambda` is one relative λ for every map, or the per-layer choices `{"k": [[...]], "v": [[...]]}` of
-        `hf_kvbridge.solve.choose_ridge_lambdas` (see `hf_kvbridge.solve.group_lambda`).
+        `hf_kvbridge.solve.choose_ridge_lambdas` (see `hf_kvbridge.solve.map_group_lambda`).
         """
-        mapper = cls(selected_layers, stats.num_kv_heads, stats.head_dim, head_mode)
-        group_heads = stats.num_kv_heads if head_mode == "all_heads" else 1
-        for t, layers in enumerate(mapper.selected_layers):
-            layer_map = mapper.layers[t]
-            heads = [None] if head_mode == "all_heads" else range(stats.num_kv_heads)
-            for g, head in enumerate(heads):
-                lam = group_lambda(ridge_lambda, t, g, group_heads, stats.head_dim)
-                weight, bias = solve_ridge(stats, stats.source_index(layers, head), stats.target_index(t, head), lam)
+        mapper = cls(selected_layers, stats.num_kv_heads, stats.head_dim, head_mode, kv_mode=kv_mode)
+        mapper.fit_targets(stats, range(len(mapper.selected_layers)), ridge_lambda)
+        return mapper
+
+    def fit_targets(self, stats, targets, ridge_lambda: float | dict) -> None:
+        """Solves the ridge problems of target layers `targets` from `stats` (statistics holding at least their
+        selected source layers, e.g. one pass's `BlockStatistics`) into this mapper's weights, in place."""
+        for t in targets:
+            layers, layer_map = self.selected_layers[t], self.layers[t]
+            for g, (x_idx, y_idx) in enumerate(map_groups(stats, layers, t, self.head_mode, self.kv_mode)):
+                lam = map_group_lambda(
+                    ridge_lambda, t, g, self.head_mode, self.kv_mode, self.num_kv_heads, self.head_dim
+                )
+                weight, bias = solve_ridge(stats, x_idx, y_idx, lam)
                 layer_map.weight.data[g] = weight.to(layer_map.weight.dtype)
                 layer_map.bias.data[g] = bias.to(layer_map.bias.dtype)
-        return mapper
 
     def layout_dtype(self) -> torch.dtype:
         """dtype of the mapper's inputs (its weights' dtype)."""
@@ -165,15 +196,17 @@ class KVMapper(nn.Module):
                 reused workspace); a new tensor otherwise.
         """
         width = num_layers * self.row_width
-        shape = (batch * seq, width) if self.head_mode == "all_heads" else (self.num_kv_heads, batch * seq, width)
+        shape = (self.groups, batch * seq, width) if self.grouped else (batch * seq, width)
         if out is None:
             return torch.empty(shape, dtype=self.layout_dtype(), device=device)
         return out[: math.prod(shape)].view(shape)
 
     @property
     def row_width(self) -> int:
-        """Width of one source layer in the mapper's input layout: `H·2d` for `all_heads`, `2d` for `same_head`."""
-        return self.num_kv_heads * 2 * self.head_dim if self.head_mode == "all_heads" else 2 * self.head_dim
+        """Width of one source layer in the mapper's input layout, per group: `H·2d` for `all_heads`, `2d` for
+        `same_head`, half of that when `kv_mode="separate"`."""
+        heads = self.num_kv_heads if self.head_mode == "all_heads" else 1
+        return heads * (2 if self.kv_mode == "joint" else 1) * self.head_dim
 
     def layer_rows(self, rows: torch.Tensor, index: int, count: int = 1) -> torch.Tensor:
         """Layers `index … index+count-1` of a `new_rows` buffer, side by side (a view): the input of a map."""
@@ -189,7 +222,13 @@ class KVMapper(nn.Module):
         """
         batch, heads, seq, dim = values.shape
         layers = rows.shape[-1] // self.row_width
-        if self.head_mode == "all_heads":
+        if self.kv_mode == "separate" and self.head_mode == "all_heads":
+            slot = rows.view(2, batch, seq, layers, heads, dim)[:, :, :, index]  # (2, B, T, H, d)
+            key_view, value_view = slot[0].transpose(1, 2), slot[1].transpose(1, 2)
+        elif self.kv_mode == "separate":
+            slot = rows.view(2, heads, batch, seq, layers, dim)[:, :, :, :, index]  # (2, H, B, T, d)
+            key_view, value_view = slot[0].transpose(0, 1), slot[1].transpose(0, 1)
+        elif self.head_mode == "all_heads":
             slot = rows.view(batch, seq, layers, heads, 2, dim)[:, :, index]  # (B, T, H, 2, d)
             key_view, value_view = slot[:, :, :, 0].transpose(1, 2), slot[:, :, :, 1].transpose(1, 2)
         else:
@@ -219,7 +258,11 @@ class KVMapper(nn.Module):
         """
         heads, dim = self.num_kv_heads, self.head_dim
         n = 1 if layers is None else layers
-        if self.head_mode == "all_heads":
+        if self.kv_mode == "separate" and self.head_mode == "all_heads":
+            kv = mapped.view(2, batch, seq, n, heads, dim).permute(0, 3, 1, 4, 2, 5)  # (2, n, B, H, T, d)
+        elif self.kv_mode == "separate":
+            kv = mapped.view(2, heads, batch, seq, n, dim).permute(0, 4, 2, 1, 3, 5)  # (2, n, B, H, T, d)
+        elif self.head_mode == "all_heads":
             kv = mapped.view(batch, seq, n, heads, 2, dim).permute(4, 2, 0, 3, 1, 5)  # (2, n, B, H, T, d)
         else:
             kv = mapped.view(heads, batch, seq, n, 2, dim).permute(4, 3, 1, 0, 2, 5)  # (2, n, B, H, T, d)
@@ -261,7 +304,7 @@ class KVMapper(nn.Module):
         Returns:
             `(B·T, N)` for `all_heads` (G = 1), `(G, B·T, N)` for `same_head`.
         """
-        all_heads = self.head_mode == "all_heads"
+        all_heads = not self.grouped  # one plain matrix (G = 1, no group dimension in the layout)
         shape = (*parts[0].shape[:-1], weight.shape[-1])
         if out is None:
             result = torch.empty(shape, dtype=parts[0].dtype, device=parts[0].device)

@@ -60,17 +60,18 @@ class WeightedKVStatistics(KVStatistics):
             weight = torch.ones(x.shape[0])
         if weight.numel() != x.shape[0]:
             raise ValueError(f"{weight.numel()} weights for {x.shape[0]} tokens")
-        super_count = self.count
         x = x.to(self.xx.device, torch.float64)
         y = y.to(self.xx.device, torch.float64)
         w = weight.to(self.xx.device, torch.float64).reshape(-1, 1)  # (N, 1)
-        wx = w * x  # (N, F)
-        self.count = float(super_count) + float(w.sum())
-        self.x_sum += wx.sum(0)
-        self.y_sum += (w * y).sum(0)
-        self.xx.addmm_(wx.T, x)  # Σ w x xᵀ
-        self.xy.addmm_(wx.T, y)  # Σ w x yᵀ
-        self.yy += (w * y * y).sum(0)
+        total = float(w.sum())
+        if total == 0:
+            return
+        mx, my = (w * x).sum(0) / total, (w * y).sum(0) / total  # weighted means
+        xc, yc = x - mx, y - my
+        wx = w * xc  # (N, F)
+        self.count = float(self.count)
+        # Σ w (x − x̄)(x − x̄)ᵀ, Σ w (x − x̄)(y − ȳ)ᵀ, Σ w (y − ȳ)², merged as in `KVStatistics`
+        self._add_centred(total, mx, my, wx.T @ xc, wx.T @ yc, (w * yc * yc).sum(0))
 
 
 def attention_mass(queries: torch.Tensor, keys: torch.Tensor, scaling: float) -> torch.Tensor:

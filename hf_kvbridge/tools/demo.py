@@ -231,6 +231,7 @@ def measure(args: argparse.Namespace, stages: Stages | None = None) -> dict:
             head_mode=args.head_mode,
             seed=args.seed,
             progress=not args.quick,
+            keep_statistics=True,  # the top-k sweep below re-fits from them
         ),
     )
     calibration_s = time.perf_counter() - started

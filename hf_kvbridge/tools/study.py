@@ -104,7 +104,14 @@ def run_study(
         source_name, target_name = pair.split(":")
         started = time.perf_counter()
         base = _calibrated(
-            source_name, target_name, tokenizer, models, num_sequences=num_sequences, seq_len=seq_len, seed=seed
+            source_name,
+            target_name,
+            tokenizer,
+            models,
+            num_sequences=num_sequences,
+            seq_len=seq_len,
+            seed=seed,
+            keep_statistics=True,  # every setting below re-fits from them
         )
         train, heldout = base.calibration_statistics
         reference = _reference_nll(base, held, context)

@@ -1,0 +1,152 @@
+"""The memory plan of calibration: how many bytes the statistics need, and which target layers each pass holds.
+
+Dense statistics (`KVStatistics`: every source layer against every target layer) are exact and need one pass over the
+data, but grow with `L_s·L_t·(H·2d)²`. When they do not fit `statistics_memory`, calibration runs
+
+1. one *selection pass* accumulating [`SelectionStatistics`] (per head and K/V blocks, train + held-out), which picks
+   the top-k source layers of every target layer, then
+2. one or more *fit passes*, each accumulating [`BlockStatistics`] (train + held-out) for a group of consecutive
+   target layers that fits the budget: the Gram matrix of the union of their selected source layers, shared by the
+   group, and their cross blocks.
+
+Memory model (numbers, times 4 bytes in float32; `row = H·2d`, `U` source layers in a group of `T` target layers):
+
+    dense        2 · (F² + F·G)                         F = L_s·row, G = L_t·row   (float64: times 8 bytes)
+    selection    2 · H·2·L_s·d·(d + L_t·d)  (+ the same again in float64 while scoring)
+    fit pass     2 · ((U·row)² + U·row·T·row)           at least U = k, T = 1
+
+Every figure is per rank: under `torch.distributed` each rank holds the statistics of the pass it accumulates.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+
+import torch
+
+from .errors import StatisticsMemoryError
+from .statistics import BlockStatistics, SelectionStatistics
+
+logger = logging.getLogger(__name__)
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2**10, "mib": 2**20,
+          "gib": 2**30, "tib": 2**40}  # fmt: skip
+
+
+def parse_bytes(value: int | float | str) -> int:
+    """`"16GB"` → 16·10⁹, `"16GiB"` → 16·2³⁰, `1e9` → 10⁹.
+
+    Example:
+
+    ```python
+    >>> parse_bytes("1.5GB")
+    1500000000
+    ```
+    """
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+        return int(value)
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kmgt]i?b|b)?\s*", str(value).lower())
+    if not match or float(match.group(1)) <= 0:
+        raise ValueError(f"statistics_memory must be a size such as '16GB', '512MiB' or a byte count, got {value!r}")
+    return int(float(match.group(1)) * _UNITS[match.group(2) or ""])
+
+
+def format_bytes(n: int | float) -> str:
+    """`1.6e10` → `'16.0 GB'`."""
+    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{int(n)} B"
+
+
+def available_bytes(device: torch.device | str | None = None) -> int:
+    """Memory the statistics may take by default: half of what is free on the statistics device (the CPU's available
+    RAM, or a GPU's free memory), leaving room for the models, their activations and the rows of a batch."""
+    device = torch.device(device or "cpu")
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free // 2
+    try:
+        with open("/proc/meminfo") as f:
+            info = dict(line.split(":", 1) for line in f)
+        free = int(info["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        free = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return free // 2
+
+
+def dense_bytes(source_layers: int, target_layers: int, row: int) -> int:
+    """Bytes of dense calibration: train + held-out `KVStatistics` in float64 and the merged copy the fit makes."""
+    f, g = source_layers * row, target_layers * row
+    return 3 * (f * f + f * g + 2 * f + 2 * g) * 8
+
+
+def selection_bytes(source_layers: int, target_layers: int, num_kv_heads: int, head_dim: int, dtype) -> int:
+    """Bytes of the selection pass: train + held-out [`SelectionStatistics`] and the float64 weights of scoring."""
+    one = SelectionStatistics.nbytes(source_layers, target_layers, num_kv_heads, head_dim, dtype)
+    scoring = 5 * source_layers * head_dim * target_layers * head_dim * 8  # float64 of one (head, K/V) block at a time
+    return 2 * one + scoring
+
+
+def fit_bytes(sources: int, targets: int, row: int, dtype) -> int:
+    """Bytes of one fit pass over `sources` (union) and `targets` layers: train + held-out [`BlockStatistics`]."""
+    return 2 * BlockStatistics.nbytes(sources, targets, row, dtype)
+
+
+def check_budget(
+    budget: int, source_layers: int, target_layers: int, num_kv_heads: int, head_dim: int, top_k: int, dtype
+) -> str:
+    """Which calibration fits `budget` bytes: `"dense"` or `"blocks"`; raises `StatisticsMemoryError` (naming bytes
+    needed, bytes available and what to change) when not even the smallest block plan fits. Runs before any work."""
+    row = num_kv_heads * 2 * head_dim
+    if dense_bytes(source_layers, target_layers, row) <= budget:
+        return "dense"
+    selection = selection_bytes(source_layers, target_layers, num_kv_heads, head_dim, dtype)
+    k = min(top_k, source_layers)
+    smallest = fit_bytes(k, 1, row, dtype)
+    dtype_name = str(dtype).replace("torch.", "")
+    if selection > budget:
+        raise StatisticsMemoryError(
+            f"layer selection statistics need {format_bytes(selection)} ({source_layers} source × {target_layers} "
+            f"target layers, {num_kv_heads} KV heads × {head_dim}, train + held-out, {dtype_name}) but "
+            f"statistics_memory allows {format_bytes(budget)}; raise statistics_memory"
+            + (" or use statistics_dtype='float32'" if dtype == torch.float64 else "")
+        )
+    if smallest > budget:
+        fits = [j for j in range(1, k) if fit_bytes(j, 1, row, dtype) <= budget]
+        hint = f", or use top_k ≤ {fits[-1]}" if fits else ""
+        if dtype == torch.float64:
+            hint += ", or statistics_dtype='float32'"
+        raise StatisticsMemoryError(
+            f"fitting one target layer from top_k={k} source layers needs {format_bytes(smallest)} of statistics "
+            f"({k}·{row} input features, train + held-out, {dtype_name}) but statistics_memory allows "
+            f"{format_bytes(budget)}; raise statistics_memory{hint}"
+        )
+    return "blocks"
+
+
+def plan_passes(selected_layers: list[list[int]], row: int, budget: int, dtype) -> list[list[int]]:
+    """Groups target layers into fit passes: consecutive target layers (which select similar source layers, so their
+    union stays small) join a pass while its train + held-out [`BlockStatistics`] fit `budget` bytes.
+
+    Returns:
+        `list[list[int]]`: the target layers of each pass.
+    """
+    passes: list[list[int]] = []
+    union: set[int] = set()
+    for t, layers in enumerate(selected_layers):
+        grown = union | set(layers)
+        if passes and fit_bytes(len(grown), len(passes[-1]) + 1, row, dtype) <= budget:
+            passes[-1].append(t)
+            union = grown
+        else:
+            if fit_bytes(len(layers), 1, row, dtype) > budget:
+                raise StatisticsMemoryError(
+                    f"target layer {t} needs {format_bytes(fit_bytes(len(layers), 1, row, dtype))} of statistics but "
+                    f"statistics_memory allows {format_bytes(budget)}; raise statistics_memory or lower top_k"
+                )
+            passes.append([t])
+            union = set(layers)
+    return passes

@@ -1,0 +1,162 @@
+"""Calibration at real layer shapes with random weights: tokens/s, statistics memory, peak RSS, and the overhead over
+the two models' forward passes.
+
+    python -m hf_kvbridge.tools.calibration_bench --pair qwen3-0.6b:qwen3-1.7b --statistics-memory 8GB
+
+Random weights give meaningless maps but real shapes, so the memory plan, the statistics' cost and the passes over the
+data are those of the real pair. Timing figures need a quiet machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import time
+
+import torch
+from transformers import Qwen3Config, Qwen3ForCausalLM
+
+from ..budget import check_budget, fit_bytes, format_bytes, parse_bytes, plan_passes, selection_bytes
+from ..calibration import fit_bridge_in_passes, split_heldout
+
+# layer shapes of real checkpoints (hidden, layers, attention heads, KV heads, head dim, MLP width, vocabulary, tied)
+SHAPES = {
+    "qwen3-0.6b": (1024, 28, 16, 8, 128, 3072, 151936, True),
+    "qwen3-1.7b": (2048, 28, 16, 8, 128, 6144, 151936, True),
+    "qwen3-4b": (2560, 36, 32, 8, 128, 9728, 151936, True),
+    "qwen3-8b": (4096, 36, 32, 8, 128, 12288, 151936, False),
+    "qwen3-14b": (5120, 40, 40, 8, 128, 17408, 151936, False),
+    "qwen3-32b": (5120, 64, 64, 8, 128, 25600, 151936, False),
+}
+
+
+def random_model(name: str, dtype: torch.dtype, device: str = "cpu", vocab: int | None = None) -> Qwen3ForCausalLM:
+    """A Qwen3 with the layer shapes of `name` (a key of `SHAPES`) and random weights, built directly in `dtype`."""
+    hidden, layers, heads, kv_heads, head_dim, mlp, vocab_size, tied = SHAPES[name]
+    config = Qwen3Config(
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        intermediate_size=mlp,
+        vocab_size=vocab or vocab_size,
+        tie_word_embeddings=tied,
+        max_position_embeddings=4096,
+    )
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # no float32 copy of the weights on the way
+    try:
+        with torch.device(device):
+            model = Qwen3ForCausalLM(config).eval()
+    finally:
+        torch.set_default_dtype(default)
+    model.config.name_or_path = name
+    return model
+
+
+def run(args: argparse.Namespace) -> dict:
+    source_name, target_name = args.pair.split(":")
+    dtype = getattr(torch, args.dtype)
+    statistics_dtype = getattr(torch, args.statistics_dtype)
+    budget = parse_bytes(args.statistics_memory)
+    started = time.perf_counter()
+    source = random_model(source_name, dtype, args.device, args.vocab)
+    target = random_model(target_name, dtype, args.device, args.vocab)
+    build_s = time.perf_counter() - started
+    ls, lt = source.config.num_hidden_layers, target.config.num_hidden_layers
+    heads, dim = source.config.num_key_value_heads, source.config.head_dim
+    row = heads * 2 * dim
+    mode = check_budget(budget, ls, lt, heads, dim, args.top_k, statistics_dtype)  # refuses before any work
+    windows = torch.randint(0, source.config.vocab_size, (args.num_sequences, args.seq_len),
+                            generator=torch.Generator().manual_seed(0))  # fmt: skip
+    _, heldout = split_heldout(len(windows), args.heldout_fraction, 0)
+    timings: dict = {}
+    started = time.perf_counter()
+    with torch.no_grad():
+        bridge, _ = fit_bridge_in_passes(
+            source,
+            target,
+            windows,
+            heldout,
+            statistics_memory=budget,
+            top_k=args.top_k,
+            head_mode=args.head_mode,
+            kv_mode=args.kv_mode,
+            statistics_dtype=statistics_dtype,
+            batch_size=args.batch_size,
+            statistics_device=args.statistics_device,
+            progress=args.progress,
+            timings=timings,
+        )
+    wall = time.perf_counter() - started
+    passes = plan_passes(bridge.config.selected_layers, row, budget, statistics_dtype)
+    pass_bytes = [
+        fit_bytes(len(set().union(*(bridge.config.selected_layers[t] for t in group))), len(group), row,
+                  statistics_dtype)
+        for group in passes
+    ]  # fmt: skip
+    one_pass_forward = timings["forward_seconds"] / (1 + len(passes))
+    tokens = int(windows.numel())
+    result = {
+        "pair": args.pair,
+        "mode_if_calibrate": mode,
+        "tokens": tokens,
+        "head_mode": args.head_mode,
+        "kv_mode": args.kv_mode,
+        "top_k": args.top_k,
+        "statistics_memory": budget,
+        "statistics_dtype": args.statistics_dtype,
+        "fit_passes": len(passes),
+        "selection_statistics_bytes": selection_bytes(ls, lt, heads, dim, statistics_dtype),
+        "largest_fit_pass_bytes": max(pass_bytes),
+        "build_seconds": round(build_s, 1),
+        "calibration_seconds": round(wall, 1),
+        "forward_seconds": round(timings["forward_seconds"], 1),
+        "statistics_seconds": round(timings["statistics_seconds"], 1),
+        "tokens_per_second": round(tokens / wall, 1),
+        "overhead_over_two_forward_passes": round(wall / one_pass_forward, 2),
+        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+    }
+    if args.device == "cuda":
+        result["peak_cuda_bytes"] = torch.cuda.max_memory_allocated()
+    return result
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--pair", default="qwen3-0.6b:qwen3-1.7b", help=f"source:target, of {sorted(SHAPES)}")
+    parser.add_argument("--num-sequences", type=int, default=8)
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--batch-size", type=int, default=2)
+    parser.add_argument("--heldout-fraction", type=float, default=0.125)
+    parser.add_argument("--top-k", type=int, default=6)
+    parser.add_argument("--head-mode", default="same_head", choices=["all_heads", "same_head"])
+    parser.add_argument("--kv-mode", default="joint", choices=["joint", "separate"])
+    parser.add_argument("--statistics-memory", default="8GB")
+    parser.add_argument("--statistics-dtype", default="float32", choices=["float32", "float64"])
+    parser.add_argument("--statistics-device", default=None)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--vocab", type=int, default=None, help="override the vocabulary size (smaller embeddings)")
+    parser.add_argument("--progress", action="store_true")
+    parser.add_argument("--json", default=None, help="also write the result here")
+    args = parser.parse_args(argv)
+    result = run(args)
+    text = json.dumps(result, indent=2)
+    print(text)
+    print(
+        f"{result['tokens_per_second']} tokens/s; statistics: selection "
+        f"{format_bytes(result['selection_statistics_bytes'])}"
+        f", largest fit pass {format_bytes(result['largest_fit_pass_bytes'])} in {result['fit_passes']} pass(es); "
+        f"peak RSS {format_bytes(result['peak_rss_bytes'])}"
+    )
+    if args.json:
+        with open(args.json, "w") as f:
+            f.write(text)
+    return result
+
+
+if __name__ == "__main__":
+    main()

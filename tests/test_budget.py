@@ -1,0 +1,202 @@
+"""Calibration on a memory budget: small selection statistics, block fit statistics, the planner's refusals."""
+
+import pytest
+import torch
+
+import hf_kvbridge
+import hf_kvbridge.calibration as calibration
+from hf_kvbridge import StatisticsMemoryError
+from hf_kvbridge.budget import check_budget, fit_bytes, parse_bytes, plan_passes, selection_bytes
+from hf_kvbridge.calibration import collect_statistics, fit_bridge_in_passes, split_heldout
+from hf_kvbridge.mappers import KVMapper
+from hf_kvbridge.selection import select_layers
+from hf_kvbridge.solve import solve_ridge
+from hf_kvbridge.statistics import BlockStatistics, KVStatistics, SelectionStatistics
+from tests.conftest import CORPUS, make_tokenizer, qwen3
+
+LS, LT, H, D = 3, 4, 2, 3
+ROW = H * 2 * D
+
+
+def _rows(n, seed, mean=0.0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, LS * ROW, generator=gen, dtype=torch.float64) * 3 + mean
+    w = torch.randn(LS * ROW, LT * ROW, generator=gen, dtype=torch.float64) * 0.2
+    y = x @ w + torch.randn(n, LT * ROW, generator=gen, dtype=torch.float64) + 7
+    return x, y
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_block_statistics_fit_like_dense(dtype, tmp_path):
+    x, y = _rows(600, 0, mean=40.0)  # large means: raw float32 sums would cancel
+    dense = KVStatistics(LS, LT, H, D)
+    dense.update(x, y)
+    parts = [BlockStatistics(LS, LT, H, D, sources=[2, 0], targets=[1, 3], dtype=dtype) for _ in range(2)]
+    for i in range(0, 300, 64):
+        parts[0].update(x[i : min(i + 64, 300)], y[i : min(i + 64, 300)])
+    parts[1].update(x[300:], y[300:])
+    parts[1].save(tmp_path / "b.safetensors")
+    block = parts[0] + BlockStatistics.load(tmp_path / "b.safetensors")
+    assert block.count == 600
+    tol = {"atol": 1e-9, "rtol": 1e-7} if dtype == torch.float64 else {"atol": 2e-4, "rtol": 2e-4}
+    for head in (None, 1):
+        x_idx, y_idx = dense.source_index([2, 0], head), dense.target_index(3, head)
+        want = solve_ridge(dense, x_idx, y_idx, 0.01)
+        got = solve_ridge(block, x_idx, y_idx, 0.01)
+        torch.testing.assert_close(got[0], want[0], **tol)
+        torch.testing.assert_close(got[1], want[1], **tol)
+        sse_want, sst_want = dense.residual_sums(x_idx, y_idx, *want)
+        sse_got, sst_got = block.residual_sums(x_idx, y_idx, *want)
+        torch.testing.assert_close(sse_got, sse_want, **tol)
+        torch.testing.assert_close(sst_got, sst_want, **tol)
+    with pytest.raises(hf_kvbridge.StatisticsError, match=r"hold source layers \[0, 2\], not \[1\]"):
+        block.moments(dense.source_index([1]), dense.target_index(1))
+
+
+def test_residual_sums_are_centred():
+    """R² from raw sums loses everything to cancellation when the means dwarf the spread; centred sums do not."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(500, LS * ROW, generator=gen, dtype=torch.float64)
+    y = torch.randn(500, LT * ROW, generator=gen, dtype=torch.float64) * 1e-3 + 1e5  # tiny spread, huge mean
+    stats = KVStatistics(LS, LT, H, D)
+    stats.update(x, y)
+    x_idx, y_idx = stats.source_index([0]), stats.target_index(0)
+    weight, bias = solve_ridge(stats, x_idx, y_idx, 0.01)
+    sse, sst = stats.residual_sums(x_idx, y_idx, weight, bias)
+    resid = y[:, y_idx] - x[:, x_idx] @ weight - bias
+    torch.testing.assert_close(sse, (resid**2).sum(0), rtol=1e-3, atol=0)
+
+
+def _direct_same_head_r2(x, y, train, held, ridge_lambda):
+    """Reference selection score from raw rows: per head and K/V, ridge on the train rows, R² on held-out rows."""
+    xv, yv = x.view(len(x), LS, H, 2, D), y.view(len(y), LT, H, 2, D)
+    out = torch.zeros(LT, LS, 2, dtype=torch.float64)
+    for t in range(LT):
+        for s in range(LS):
+            for kv in range(2):
+                for h in range(H):
+                    a, b = xv[train, s, h, kv], yv[train, t, h, kv]
+                    ac, bc = a - a.mean(0), b - b.mean(0)
+                    cxx = ac.T @ ac / len(a)
+                    weight = torch.linalg.solve(cxx + ridge_lambda * torch.diag(torch.diag(cxx)), ac.T @ bc / len(a))
+                    bias = b.mean(0) - a.mean(0) @ weight
+                    ha, hb = xv[held, s, h, kv], yv[held, t, h, kv]
+                    sse = ((hb - ha @ weight - bias) ** 2).sum()
+                    out[t, s, kv] += (1 - sse / ((hb - hb.mean(0)) ** 2).sum()) / H
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_selection_statistics_score_like_direct_fits(dtype):
+    x, y = _rows(500, 1, mean=20.0)
+    train, held = SelectionStatistics(LS, LT, H, D, dtype), SelectionStatistics(LS, LT, H, D, dtype)
+    for i in range(0, 400, 48):
+        train.update(x[i : min(i + 48, 400)], y[i : min(i + 48, 400)])
+    held.update(x[400:], y[400:])
+    want = _direct_same_head_r2(x, y, slice(0, 400), slice(400, None), 0.01)
+    tol = 1e-8 if dtype == torch.float64 else 1e-4
+    torch.testing.assert_close(train.single_layer_r2(held, 0.01), want, atol=tol, rtol=0)
+
+
+def test_parse_bytes_and_bad_sizes():
+    assert parse_bytes("16GB") == 16 * 10**9 and parse_bytes("2GiB") == 2 * 2**30 and parse_bytes(4096) == 4096
+    with pytest.raises(ValueError, match="statistics_memory must be a size"):
+        parse_bytes("lots")
+    with pytest.raises(ValueError, match="statistics_memory must be a size"):
+        hf_kvbridge.CalibrationSettings(statistics_memory="-3GB")
+
+
+def test_planner_names_the_numbers():
+    # Qwen3-0.6B → 1.7B shapes: 28 → 28 layers, 8 KV heads × 128
+    assert check_budget(parse_bytes("16GB"), 28, 28, 8, 128, 6, torch.float32) == "blocks"
+    with pytest.raises(StatisticsMemoryError, match=r"top_k=16 .* needs 9\.1 GB .*allows 8\.0 GB.*top_k ≤ 14"):
+        check_budget(parse_bytes("8GB"), 28, 28, 8, 128, 16, torch.float32)
+    with pytest.raises(StatisticsMemoryError, match=r"selection statistics need 2\.2 GB .*allows 1\.0 GB"):
+        check_budget(parse_bytes("1GB"), 28, 28, 8, 128, 6, torch.float32)
+    assert selection_bytes(28, 28, 8, 128, torch.float32) < parse_bytes("2.5GB")
+    # consecutive target layers share a pass while the union of their source layers fits
+    selected = [[0, 1], [1, 2], [5, 6], [6, 7]]
+    budget = fit_bytes(3, 2, ROW, torch.float32)
+    assert plan_passes(selected, ROW, budget, torch.float32) == [[0, 1], [2, 3]]
+
+
+def _pair():
+    return qwen3(layers=4, seed=1), qwen3(layers=5, hidden=48, seed=2)
+
+
+def test_calibrate_refuses_an_impossible_budget_before_any_forward(monkeypatch):
+    def no_forward(*args, **kwargs):
+        raise AssertionError("a forward pass ran before the budget was checked")
+
+    monkeypatch.setattr(calibration, "cache_rows", no_forward)
+    source, target = _pair()
+    message = r"need 415\.7 kB \(4 source × 5 target layers.* but statistics_memory allows 2\.0 kB"
+    with pytest.raises(StatisticsMemoryError, match=message):
+        hf_kvbridge.calibrate(
+            source, target, CORPUS, tokenizer=make_tokenizer(), num_sequences=8, seq_len=16, statistics_memory="2kB"
+        )
+
+
+@pytest.mark.parametrize("head_mode", ["all_heads", "same_head"])
+def test_passes_select_and_fit_like_a_dense_reference(windows, head_mode):
+    source, target = _pair()
+    _, heldout = split_heldout(len(windows), 0.25, 0)
+    row = 2 * 2 * 16
+    budget = fit_bytes(3, 2, row, torch.float64)  # forces several fit passes
+    bridge, _ = fit_bridge_in_passes(
+        source, target, windows, heldout, statistics_memory=budget, top_k=2, head_mode=head_mode, ridge_lambda=0.01,
+        statistics_dtype=torch.float64, batch_size=6,
+    )  # fmt: skip
+    assert len(plan_passes(bridge.config.selected_layers, row, budget, torch.float64)) > 1
+    # the dense reference: all sums of every layer, the selection score and the fit computed from them here
+    train, held = collect_statistics(source, target, windows, heldout=heldout, batch_size=6)
+    score = torch.zeros(5, 4, 2, dtype=torch.float64)
+    for t in range(5):
+        for s in range(4):
+            for kv in range(2):
+                for h in range(2):
+                    x_idx = train.source_index([s], h)[kv * 16 : (kv + 1) * 16]
+                    y_idx = train.target_index(t, h)[kv * 16 : (kv + 1) * 16]
+                    sse, sst = held.residual_sums(x_idx, y_idx, *solve_ridge(train, x_idx, y_idx, 0.01))
+                    score[t, s, kv] += (1 - sse.sum() / sst.sum()) / 2
+    torch.testing.assert_close(bridge.layer_r2, score, atol=1e-8, rtol=0)
+    assert bridge.config.selected_layers == select_layers(score, 2)
+    want = KVMapper.from_statistics(train + held, bridge.config.selected_layers, head_mode, 0.01)
+    for key, value in want.state_dict().items():
+        torch.testing.assert_close(bridge.mapper.state_dict()[key], value, atol=1e-5, rtol=1e-5)
+
+
+def _peak_allocated(fn) -> int:
+    """Peak bytes of CPU tensors alive at once while `fn` runs, from the profiler's allocation records."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    records = sorted(
+        (e.time_range.start, e.cpu_memory_usage) for e in prof.profiler.function_events if e.name == "[memory]"
+    )
+    live = peak = 0
+    for _, change in records:
+        live += change
+        peak = max(peak, live)
+    return peak
+
+
+def test_fit_statistics_memory_does_not_grow_with_layer_counts():
+    """At fixed top_k, a fit pass's statistics hold k source layers, however many layers the models have; the selection
+    statistics hold per-head d×d blocks, 1/(2H) of the dense cross blocks."""
+    peaks = {}
+    for layers in (2, 12):
+        gen = torch.Generator().manual_seed(layers)
+        x, y = torch.randn(256, layers * ROW, generator=gen), torch.randn(256, layers * ROW, generator=gen)
+        selected = [[(t + 1) % layers, t % layers] for t in range(layers)]
+
+        def fit(layers=layers, x=x, y=y, selected=selected):
+            for t in range(layers):  # one target layer per pass: train + held-out
+                parts = [BlockStatistics(layers, layers, H, D, selected[t], [t]) for _ in range(2)]
+                for part in parts:
+                    part.update(x, y)
+                del parts
+
+        peaks[layers] = _peak_allocated(fit)
+    assert 0 < peaks[12] <= 1.05 * peaks[2], peaks
+    dense_cross = 12 * 12 * ROW * ROW  # numbers of `KVStatistics.xy` for 12 → 12 layers
+    assert SelectionStatistics(12, 12, H, D).xy.numel() * 2 * H == dense_cross
