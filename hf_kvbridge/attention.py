@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .cache import output_cache
 from .rope import apply_rotary
 
 
@@ -55,7 +56,7 @@ def target_queries(target: nn.Module, input_ids: torch.Tensor):
         layer.self_attn.register_forward_pre_hook(capture(i), with_kwargs=True) for i, layer in enumerate(layers)
     ]
     try:
-        cache = target(input_ids=input_ids.to(target.device), use_cache=True, logits_to_keep=1).cache
+        cache = output_cache(target(input_ids=input_ids.to(target.device), use_cache=True, logits_to_keep=1))
     finally:
         for handle in handles:
             handle.remove()
@@ -110,7 +111,7 @@ def attention_output_cosine(bridge, input_ids: torch.Tensor) -> torch.Tensor:
     attn_layers = [layer.self_attn for layer in decoder_layers(target)]
     queries, true_cache = target_queries(target, input_ids)  # (B, H_q, T, d) per layer, float32
     source = bridge.source
-    source_cache = source(input_ids=input_ids.to(source.device), use_cache=True, logits_to_keep=1).cache
+    source_cache = output_cache(source(input_ids=input_ids.to(source.device), use_cache=True, logits_to_keep=1))
     mapped = bridge.map_cache(source_cache)
     out = torch.zeros(len(attn_layers), dtype=torch.float64)
     for t, attn in enumerate(attn_layers):

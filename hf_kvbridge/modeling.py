@@ -19,6 +19,7 @@ from torch import nn
 from transformers import Cache, DynamicCache, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from .cache import CACHE_KWARG, cache_kwargs, output_cache
 from .configuration import KVBridgeConfig
 from .constants import CONFIG_NAME, DEFAULT_MAX_SHARD_SIZE, REVERSE_FOLDER
 from .layout import KVLayout, check_fingerprint, check_models
@@ -301,7 +302,7 @@ class KVBridgeForCausalLM(nn.Module):
             return self.target(
                 input_ids=input_ids,
                 attention_mask=attention_mask,
-                cache=cache,
+                **cache_kwargs(cache),
                 position_ids=position_ids,
                 labels=labels,
                 use_cache=use_cache,
@@ -338,7 +339,7 @@ class KVBridgeForCausalLM(nn.Module):
             input_ids=input_ids[:, split:].to(device),
             attention_mask=attention_mask.to(device),
             position_ids=position_ids[:, split:].to(device),
-            cache=mapped,
+            **cache_kwargs(mapped),
             use_cache=True,
             **kwargs,
         )
@@ -350,7 +351,9 @@ class KVBridgeForCausalLM(nn.Module):
             loss = nn.functional.cross_entropy(
                 shift_logits.reshape(-1, shift_logits.shape[-1]), shift_labels.reshape(-1), ignore_index=-100
             )
-        return CausalLMOutputWithPast(loss=loss, logits=logits, cache=target_out.cache if use_cache else None)
+        return CausalLMOutputWithPast(
+            loss=loss, logits=logits, **cache_kwargs(output_cache(target_out) if use_cache else None)
+        )
 
     @torch.no_grad()
     def generate(
@@ -380,12 +383,13 @@ class KVBridgeForCausalLM(nn.Module):
             attention_mask = torch.ones_like(input_ids)
         device = self.device
         input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
-        if "past_key_values" in kwargs:
-            kwargs["cache"] = kwargs.pop("past_key_values")
+        for spelling in ("cache", "past_key_values"):  # either spelling, passed on as this transformers names it
+            if spelling in kwargs and spelling != CACHE_KWARG:
+                kwargs[CACHE_KWARG] = kwargs.pop(spelling)
         split = input_ids.shape[1] - self.config.hold_back
-        if kwargs.get("cache") is None and split > 0:
+        if kwargs.get(CACHE_KWARG) is None and split > 0:
             self.check_length(input_ids.shape[1])
-            kwargs["cache"], _ = self.prefill(input_ids[:, :split], attention_mask[:, :split], source_logits=False)
+            kwargs[CACHE_KWARG], _ = self.prefill(input_ids[:, :split], attention_mask[:, :split], source_logits=False)
         return self.target.generate(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
 
     # -- saving and loading --------------------------------------------------------------------------------------

@@ -26,6 +26,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from .attention import decoder_layers
+from .cache import cache_kwargs, output_cache
 from .constants import RECOMPUTE_POLICIES
 from .rope import apply_rotary, rotary_cos_sin
 
@@ -171,8 +172,10 @@ def recompute_tokens(
     target_device = input_ids.device if target.device.type == "meta" else target.device
     ids = torch.gather(input_ids.to(device), 1, columns).to(target_device)
     pos = torch.gather(positions.to(device), 1, columns).to(target_device)
-    out = target(input_ids=ids, position_ids=pos, attention_mask=mask, cache=cache, use_cache=True, logits_to_keep=1)
-    for layer in out.cache.layers:
+    out = target(
+        input_ids=ids, position_ids=pos, attention_mask=mask, **cache_kwargs(cache), use_cache=True, logits_to_keep=1
+    )
+    for layer in output_cache(out).layers:
         for name in ("keys", "values"):
             tensor = getattr(layer, name)  # (B, H, T + n, d)
             context, fresh = tensor[:, :, :seq].clone(), tensor[:, :, seq:]
@@ -180,4 +183,4 @@ def recompute_tokens(
                 k = int(used[b].sum())
                 context[b, :, columns[b, :k]] = fresh[b, :, :k]
             setattr(layer, name, context)
-    return out.cache
+    return output_cache(out)

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
-from .cache import slice_cache
+from .cache import cache_kwargs, output_cache, slice_cache
 from .transfer import probe_agreement
 
 logger = logging.getLogger(__name__)
@@ -191,8 +191,8 @@ class HandoffSession:
             state.cache = DynamicCache(config=net.config)
         ids = torch.tensor([new], device=net.device)
         positions = torch.arange(len(state.tokens), len(tokens), device=net.device).unsqueeze(0)
-        out = net(input_ids=ids, position_ids=positions, cache=state.cache, use_cache=True, logits_to_keep=1)
-        state.cache, state.tokens = out.cache, list(tokens)
+        out = net(input_ids=ids, position_ids=positions, **cache_kwargs(state.cache), use_cache=True, logits_to_keep=1)
+        state.cache, state.tokens = output_cache(out), list(tokens)
 
     @torch.no_grad()
     def feed(self, token_ids: list[int], model: str = "target") -> torch.Tensor:
@@ -208,8 +208,8 @@ class HandoffSession:
             state.cache = DynamicCache(config=net.config)
         ids = torch.tensor([new], device=net.device)
         positions = torch.arange(len(state.tokens), len(tokens), device=net.device).unsqueeze(0)
-        out = net(input_ids=ids, position_ids=positions, cache=state.cache, use_cache=True)
-        state.cache, state.tokens, self.tokens = out.cache, tokens, tokens
+        out = net(input_ids=ids, position_ids=positions, **cache_kwargs(state.cache), use_cache=True)
+        state.cache, state.tokens, self.tokens = output_cache(out), tokens, tokens
         return out.logits[0, -len(token_ids) :]
 
     @torch.no_grad()
@@ -238,13 +238,13 @@ class HandoffSession:
         output = net.generate(
             input_ids=ids,
             attention_mask=torch.ones_like(ids),
-            cache=state.cache,
+            **cache_kwargs(state.cache),
             return_dict_in_generate=True,
             **generate_kwargs,
         )
         sequence = output.sequences[0].tolist()
         reply = sequence[len(prompt) :]
-        state.cache = output.cache
+        state.cache = output_cache(output)
         state.tokens = sequence[: state.cache.get_seq_length()]
         self.tokens = sequence
         text = self.tokenizer.decode(reply, skip_special_tokens=True) if self.tokenizer is not None else ""

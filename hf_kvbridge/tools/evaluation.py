@@ -23,6 +23,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..cache import cache_kwargs
+
 MODES = ("target", "source", "bridge", "no_context")
 CONTROL_MODES = ("zero_cache", "random_cache")
 # a control whose retention comes within this of the bridge's is flagged
@@ -91,7 +93,7 @@ def _control_logits(bridge, ids: torch.Tensor, context_len: int, mode: str) -> t
                 norm = tensor.float().pow(2).mean((2, 3), keepdim=True).sqrt()  # (B, H, 1, 1): the mapped rows' RMS
                 control = (noise * norm / noise.float().pow(2).mean((2, 3), keepdim=True).sqrt()).to(tensor.dtype)
             setattr(layer, name, control)
-    rest = target(input_ids=ids[:, context_len:].to(device), cache=mapped).logits
+    rest = target(input_ids=ids[:, context_len:].to(device), **cache_kwargs(mapped)).logits
     # positions before the context's end are never scored (first > context_len); pad them to keep the indexing
     return torch.cat([rest.new_zeros(rest.shape[0], context_len, rest.shape[-1]), rest], dim=1)
 

@@ -21,6 +21,7 @@ from transformers import AutoTokenizer
 
 from .. import pocket
 from ..attention import attention_output_cosine
+from ..cache import output_cache
 from ..calibration import calibrate, fit_bridge
 from ..data import token_windows
 from ..mappers.mlp import train_mlp_mapper
@@ -45,9 +46,9 @@ def _nll(bridge, windows, context_len, mode, batch_size=8) -> float:
 def mapped_r2(bridge, input_ids: torch.Tensor) -> dict:
     """R² of the mapped K (content space) and V against the target's own, pooled over layers, heads and tokens of
     `input_ids`. Measured on the mapper's outputs, so it applies to any mapper type (ridge or MLP) alike."""
-    source_cache = bridge.source(input_ids=input_ids, use_cache=True, logits_to_keep=1).cache
+    source_cache = output_cache(bridge.source(input_ids=input_ids, use_cache=True, logits_to_keep=1))
     mapped = bridge.map_cache(source_cache)
-    true = bridge.target(input_ids=input_ids, use_cache=True, logits_to_keep=1).cache
+    true = output_cache(bridge.target(input_ids=input_ids, use_cache=True, logits_to_keep=1))
     positions = torch.arange(input_ids.shape[1]).unsqueeze(0).expand(input_ids.shape[0], -1)
     cos, sin = rotary_cos_sin(bridge.target, positions)
     sums = {"k": [0.0, 0.0], "v": [0.0, 0.0]}  # [Σ residual², Σ deviation²]

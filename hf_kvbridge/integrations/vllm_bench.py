@@ -1,0 +1,266 @@
+"""Time to first token and throughput in vLLM, with and without the bridge.
+
+```bash
+# CPU, pocket-s → pocket-l (calibrated here, 64 × 512 tokens), bfloat16, prompts of 512 / 1,024 / 2,000 tokens
+HF_HUB_OFFLINE=1 python -m hf_kvbridge.integrations.vllm_bench --lengths 512,1024,2000 --json vllm-bench.json
+# an existing bridge
+python -m hf_kvbridge.integrations.vllm_bench --bridge DIR --lengths 1024 --json out.json
+# GPU, Qwen3-shaped random weights (0.6B → 8B shapes, vocabulary of the pocket tokenizer), needs a CUDA vLLM
+python -m hf_kvbridge.integrations.vllm_bench --shapes qwen3-0.6b:qwen3-8b --lengths 1024,4096,16384 --json gpu.json
+```
+
+One engine serves the target with the connector; requests that do not opt in are the target alone, requests that
+opt in are bridged, so both modes share every setting. Prefix caching is off (each timed request has a prompt of its
+own anyway). Per length and mode:
+
+- **TTFT**: one request at a time with `max_tokens=1`, wall time of `llm.generate` (median of `--repeats`);
+- **throughput**: `--requests` requests of that length submitted together, `--max-tokens` each: requests/s,
+  output tokens/s and prompt + output tokens/s.
+
+Bridged rows also record how many requests were mapped (`kv_transfer_params["kvbridge"]`) — a benchmark whose
+mappings fell back would time the target twice.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+
+def calibrated_pocket_bridge(
+    out: Path, source: str, target: str, num_sequences: int, seq_len: int, top_k: int
+) -> Path:
+    """Calibrates `pocket/<source>` → `pocket/<target>` on the shipped calibration split and saves it to `out`."""
+    from transformers import AutoTokenizer
+
+    import hf_kvbridge
+    from hf_kvbridge import pocket
+
+    tokenizer = AutoTokenizer.from_pretrained(pocket.model_path(target))
+    bridge = hf_kvbridge.calibrate(
+        f"pocket/{source}",
+        f"pocket/{target}",
+        pocket.load_texts("calibration"),
+        tokenizer=tokenizer,
+        num_sequences=num_sequences,
+        seq_len=seq_len,
+        top_k=top_k,
+    )
+    bridge.save_pretrained(out)
+    return out
+
+
+def random_shapes_bridge(out: Path, shapes: str, top_k: int, max_positions: int) -> Path:
+    """Random-weight models of public Qwen3 shapes (`"qwen3-0.6b:qwen3-8b"`) with the pocket tokenizer, saved in
+    bfloat16 under `out`, and a random mapper between them (timings only: random weights time like real ones)."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from hf_kvbridge import pocket
+    from hf_kvbridge.bench import qwen3_shape_config, random_bridge
+    from hf_kvbridge.layout import KVLayout
+
+    tokenizer = AutoTokenizer.from_pretrained(pocket.model_path("pocket-l"))
+    source_name, target_name = shapes.split(":")
+    configs = [
+        qwen3_shape_config(n, vocab_size=len(tokenizer), max_positions=max_positions) for n in shapes.split(":")
+    ]
+    bridge = random_bridge(*configs, top_k=top_k, dtype=torch.bfloat16)
+    for name, model in ((source_name, bridge.source), (target_name, bridge.target)):
+        model.save_pretrained(out / name)
+        tokenizer.save_pretrained(out / name)
+    bridge.config.source_name_or_path, bridge.config.target_name_or_path = (
+        str(out / source_name),
+        str(out / target_name),
+    )
+    bridge.config.source_fingerprint = KVLayout.from_config(configs[0]).fingerprint()
+    bridge.config.target_fingerprint = KVLayout.from_config(configs[1]).fingerprint()
+    bridge.save_pretrained(out / "bridge")
+    return out / "bridge"
+
+
+def prompt_pool(
+    tokenizer, vocab_size: int, lengths: list[int], count: int, seed: int = 0
+) -> dict[int, list[list[int]]]:
+    """`count` distinct prompts per length, cut from the pocket family's held-out text (random ids past its end)."""
+    import random
+
+    from hf_kvbridge import pocket
+
+    ids = tokenizer("\n".join(pocket.load_texts("heldout")))["input_ids"]
+    rng = random.Random(seed)
+    pool = {}
+    for length in lengths:
+        prompts = []
+        for _ in range(count):
+            if len(ids) > length:
+                start = rng.randrange(0, len(ids) - length)
+                prompts.append(ids[start : start + length])
+            else:
+                prompts.append([rng.randrange(2, vocab_size) for _ in range(length)])
+        pool[length] = prompts
+    return pool
+
+
+def run(
+    bridge_dir: str,
+    lengths: list[int],
+    *,
+    repeats: int,
+    requests: int,
+    max_tokens: int,
+    dtype: str,
+    block_size: int | None,
+    kv_cache_gb: float,
+    max_model_len: int,
+    log=print,
+) -> dict[str, Any]:
+    from transformers import AutoTokenizer
+    from vllm import LLM, SamplingParams
+
+    from hf_kvbridge.integrations import vllm as kvb
+
+    target = kvb.target_model(bridge_dir)
+    engine_args: dict[str, Any] = {
+        "model": target,
+        "kv_transfer_config": kvb.kv_transfer_config(bridge_dir),
+        "dtype": dtype,
+        "max_model_len": max_model_len,
+        "enable_prefix_caching": False,
+        "kv_cache_memory_bytes": int(kv_cache_gb * (1 << 30)),
+        "max_num_seqs": max(requests, 1),
+        "seed": 0,
+    }
+    if block_size is not None:
+        engine_args["block_size"] = block_size
+    llm = LLM(**engine_args)
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    pool = prompt_pool(tokenizer, len(tokenizer), lengths, repeats + requests + 2)
+
+    def generate(prompts, bridged: bool, tokens: int):
+        params = SamplingParams(max_tokens=tokens, min_tokens=tokens, temperature=0, extra_args=kvb.bridged(bridged))
+        start = time.perf_counter()
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        seconds = time.perf_counter() - start
+        mapped = sum(
+            ((o.kv_transfer_params or {}).get(kvb.PARAM_KEY) or {}).get("status") == "mapped" for o in outputs
+        )
+        return seconds, outputs, mapped
+
+    for bridged in (False, True):  # warm-up: both paths, the shortest length
+        generate(pool[lengths[0]][-1:], bridged, 2)
+    rows = []
+    for length in lengths:
+        for mode in ("target", "bridge"):
+            bridged = mode == "bridge"
+            prompts = pool[length]
+            ttft, mapped = [], 0
+            for i in range(repeats):
+                seconds, _, m = generate([prompts[i]], bridged, 1)
+                ttft.append(seconds)
+                mapped += m
+            seconds, outputs, m = generate(prompts[repeats : repeats + requests], bridged, max_tokens)
+            out_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+            row = {
+                "length": length,
+                "mode": mode,
+                "ttft_ms": 1000 * statistics.median(ttft),
+                "ttft_ms_all": [1000 * t for t in ttft],
+                "requests": requests,
+                "max_tokens": max_tokens,
+                "batch_seconds": seconds,
+                "requests_per_s": requests / seconds,
+                "output_tokens_per_s": out_tokens / seconds,
+                "total_tokens_per_s": (out_tokens + requests * length) / seconds,
+                "mapped_requests": mapped + m if bridged else 0,
+            }
+            rows.append(row)
+            log(
+                f"{length:>6} tokens  {mode:<6}  TTFT {row['ttft_ms']:9.1f} ms   {row['requests_per_s']:7.2f} req/s   "
+                f"{row['output_tokens_per_s']:8.1f} out tok/s   mapped {row['mapped_requests']}"
+            )
+    for length in lengths:
+        t, b = (next(r for r in rows if r["length"] == length and r["mode"] == m) for m in ("target", "bridge"))
+        b["ttft_speedup"] = t["ttft_ms"] / b["ttft_ms"]
+        b["throughput_ratio"] = b["requests_per_s"] / t["requests_per_s"]
+    return {"rows": rows, "engine": {k: v for k, v in engine_args.items() if k != "kv_transfer_config"}}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m hf_kvbridge.integrations.vllm_bench", description=__doc__.split("\n")[0]
+    )
+    parser.add_argument("--bridge", help="a bridge checkpoint (default: calibrate the pocket pair here)")
+    parser.add_argument(
+        "--pair", default="pocket-s:pocket-l", help="pocket pair to calibrate when --bridge is not given"
+    )
+    parser.add_argument("--shapes", help="random Qwen3-shaped models instead, e.g. qwen3-0.6b:qwen3-8b (GPU)")
+    parser.add_argument("--lengths", default="512,1024,2000")
+    parser.add_argument("--repeats", type=int, default=5, help="TTFT samples per length and mode")
+    parser.add_argument("--requests", type=int, default=8, help="requests per throughput batch")
+    parser.add_argument("--max-tokens", type=int, default=32, help="output tokens per throughput request")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--block-size", type=int, default=None, help="vLLM block size (CPU attention: multiple of 32)")
+    parser.add_argument("--kv-cache-gb", type=float, default=1.0)
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--num-sequences", type=int, default=64)
+    parser.add_argument("--seq-len", type=int, default=512)
+    parser.add_argument("--top-k", type=int, default=6)
+    parser.add_argument("--json", help="write the results here")
+    args = parser.parse_args(argv)
+    lengths = [int(x) for x in args.lengths.split(",")]
+    with tempfile.TemporaryDirectory(prefix="kvbridge-vllm-bench-") as tmp:
+        if args.bridge:
+            bridge_dir, what = args.bridge, args.bridge
+        elif args.shapes:
+            bridge_dir = str(random_shapes_bridge(Path(tmp), args.shapes, args.top_k, max(40960, max(lengths) + 64)))
+            what = f"random weights, shapes {args.shapes}"
+        else:
+            source, target = args.pair.split(":")
+            bridge_dir = str(
+                calibrated_pocket_bridge(
+                    Path(tmp) / "bridge", source, target, args.num_sequences, args.seq_len, args.top_k
+                )
+            )
+            what = f"{args.pair}, calibrated on {args.num_sequences} x {args.seq_len} tokens, top-k {args.top_k}"
+        max_model_len = args.max_model_len or max(lengths) + max(args.max_tokens, 1) + 8
+        import torch
+
+        on_cpu = not torch.cuda.is_available()
+        block_size = args.block_size or (32 if on_cpu else None)
+        result = run(
+            bridge_dir,
+            lengths,
+            repeats=args.repeats,
+            requests=args.requests,
+            max_tokens=args.max_tokens,
+            dtype=args.dtype,
+            block_size=block_size,
+            kv_cache_gb=args.kv_cache_gb,
+            max_model_len=max_model_len,
+        )
+    import vllm
+
+    result.update(
+        bridge=what,
+        settings=vars(args),
+        machine={"platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
+                 "vllm": vllm.__version__, "device": torch.cuda.get_device_name() if not on_cpu else "cpu"},
+    )  # fmt: skip
+    text = json.dumps(result, indent=2)
+    if args.json:
+        Path(args.json).write_text(text + "\n")
+    else:
+        print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

