@@ -40,3 +40,17 @@ REVERSE_FOLDER = "reverse"
 
 # How selective recompute chooses the context tokens the target recomputes (see `hf_kvbridge.recompute`).
 RECOMPUTE_POLICIES = ("tail", "random", "spread", "probe", "tail_probe")
+
+# Defaults of the tool commands, here so that the CLI's parser can name them without importing the tools.
+EVAL_MODES = ("source", "target", "bridge")
+MAPPER_STUDY_PAIRS = "pocket-s:pocket-l,pocket-m:pocket-l,pocket-l:pocket-s"
+MAPPER_STUDY_MAPPERS = (
+    "ridge",
+    "ridge_same_head",
+    "low_rank_32",
+    "low_rank_8",
+    "ridge_bf16",
+    "mlp_mse",
+    "mlp_attention",
+    "ridge_attention_weighted",
+)

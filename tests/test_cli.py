@@ -35,3 +35,16 @@ def test_calibrate_then_generate(saved_pair, tmp_path, capsys):
     assert capsys.readouterr().out.startswith("The quick brown")
     # a second calibrate into the same folder refuses before doing any work
     assert main(["calibrate", saved_pair["small"], saved_pair["large"], "--data", str(data), "--out", str(out)]) == 2
+
+
+def test_help_imports_no_tool():
+    """Building the parser (`kvbridge --help`) imports none of the studies, demo, bench or evaluation tools."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\nfrom hf_kvbridge.cli.main import build_parser\nbuild_parser().format_help()\n"
+        "print(sorted(m for m in sys.modules if m.startswith('hf_kvbridge.tools')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "[]", out.stdout

@@ -15,19 +15,10 @@ from pathlib import Path
 
 from ..errors import ContextLengthError
 from ..mappers import MAPPER_TYPES
+from .arguments import _positive_int, _top_k, add_demo_arguments, add_eval_arguments, add_mappers_arguments
 
 # `--data pocket` names the calibration split shipped with the pocket family
 POCKET_DATA = "pocket"
-
-
-def _positive_int(value: str) -> int:
-    try:
-        number = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{value!r} is not a whole number") from None
-    if number < 1:
-        raise argparse.ArgumentTypeError(f"{value} is not a positive whole number (1 or more)")
-    return number
 
 
 def _ridge_lambda(value: str) -> str | float:
@@ -41,15 +32,6 @@ def _ridge_lambda(value: str) -> str | float:
     if not number >= 0:
         raise argparse.ArgumentTypeError(f"expected 'auto' or a number ≥ 0, got {value!r}")
     return number
-
-
-def _top_k(value: str) -> int | None:
-    if value == "all":
-        return None
-    try:
-        return _positive_int(value)
-    except argparse.ArgumentTypeError:
-        raise argparse.ArgumentTypeError(f"{value!r}: pass a number of source layers ≥ 1, or 'all'") from None
 
 
 def _fraction(value: str) -> float:
@@ -535,13 +517,11 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="calibrate and measure a bridge of the shipped pocket family (offline)")
     demo.add_argument("--out", default="kvbridge-demo", help="parent folder; each run writes a new folder in it")
     demo.add_argument("--quick", action="store_true", help="smaller calibration and evaluation (for tests)")
-    from hf_kvbridge.tools.demo import add_arguments
 
-    add_arguments(demo)
+    add_demo_arguments(demo)
     demo.set_defaults(func=_cmd_demo)
 
     ev = sub.add_parser("eval", help="source, target and bridge through lm-eval: one retention table")
-    from hf_kvbridge.tools.eval_cli import add_arguments as add_eval_arguments
 
     add_eval_arguments(ev)
     ev.set_defaults(func=_cmd_eval)
@@ -562,9 +542,8 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.set_defaults(func=_cmd_inspect)
 
     mappers = sub.add_parser("mappers", help="ridge vs MLP vs attention-weighted mappers on a pocket pair (offline)")
-    from hf_kvbridge.tools.mapper_study import add_arguments as add_mapper_arguments
 
-    add_mapper_arguments(mappers)
+    add_mappers_arguments(mappers)
     mappers.set_defaults(func=_cmd_mappers)
 
     push = sub.add_parser("push", help="upload a saved bridge checkpoint to the Hub in one commit")

@@ -46,41 +46,8 @@ SIZES = {
 
 
 # the pocket models a demo can bridge: pocket-x has another KV layout and is there to be refused
-DEMO_MODELS = tuple(name for name in pocket.POCKET_MODELS if name != "pocket-x")
 # a machine whose other processes keep more than this share of the CPUs busy gives timings that do not compare
 BUSY_WARNING_SHARE = 0.25
-
-
-def _positive_int(value: str) -> int:
-    if not value.isdigit() or int(value) < 1:
-        raise argparse.ArgumentTypeError(f"{value!r} is not a positive whole number")
-    return int(value)
-
-
-def _top_k(value: str) -> int | None:
-    if value == "all":
-        return None
-    if not value.isdigit() or int(value) < 1:
-        raise argparse.ArgumentTypeError(f"{value!r}: pass a number of source layers ≥ 1, or 'all'")
-    return int(value)
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--source", default="pocket-s", choices=DEMO_MODELS, help="pocket model that prefills")
-    parser.add_argument("--target", default="pocket-l", choices=DEMO_MODELS, help="pocket model that decodes")
-    parser.add_argument("--top-k", type=_top_k, default=6, help="source layers per target layer, or 'all'")
-    parser.add_argument("--ridge-lambda", type=lambda v: v if v == "auto" else float(v), default="auto")
-    parser.add_argument("--head-mode", choices=["all_heads", "same_head"], default="all_heads")
-    parser.add_argument(
-        "--num-sequences", type=_positive_int, help="calibration windows (default 128; 24 with --quick)"
-    )
-    parser.add_argument(
-        "--seq-len", type=_positive_int, help="calibration window length (default 512; 256 with --quick)"
-    )
-    parser.add_argument(
-        "--threads", type=_positive_int, help="torch threads (default: the physical cores, fewer when others are busy)"
-    )
-    parser.add_argument("--seed", type=int, default=0)
 
 
 def physical_cores() -> int:

@@ -25,29 +25,12 @@ from pathlib import Path
 from typing import Any
 from unittest import mock
 
+from ..constants import EVAL_MODES
 from .evaluation import chance_normalised_retention
 
 logger = logging.getLogger(__name__)
 
-EVAL_MODES = ("source", "target", "bridge")
 CHANCE_METRICS = ("acc", "acc_norm")
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("bridge", help="bridge checkpoint folder or Hub id")
-    parser.add_argument("--tasks", required=True, help="comma-separated lm-eval tasks or groups")
-    parser.add_argument("--include-path", help="extra lm-eval task folder, e.g. eval_tasks/pocket")
-    parser.add_argument("--limit", type=float, help="documents per task (an int, or a fraction < 1)")
-    parser.add_argument("--num-fewshot", type=int)
-    parser.add_argument("--batch-size", type=int, default=1)
-    parser.add_argument("--device", help="default: cuda when available, else cpu")
-    parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--revision", help="revision of the bridge repo on the Hub")
-    parser.add_argument("--rolling-stride", type=int, help="chunk size of rolling log-likelihood (default 256)")
-    parser.add_argument("--bootstrap-iters", type=int, default=100000, help="lm-eval's, for non-mean metrics")
-    parser.add_argument("--modes", default=",".join(EVAL_MODES), help="subset of source,target,bridge")
-    parser.add_argument("--output", help="write the results (table rows and each mode's lm-eval results) as JSON")
-    parser.add_argument("--write-card", action="store_true", help="put the table into the checkpoint's README.md")
 
 
 def _leaf_tasks(task_dict: dict) -> dict[str, Any]:

@@ -27,50 +27,13 @@ import logging
 import time
 from pathlib import Path
 
+from ..constants import MAPPER_STUDY_MAPPERS, MAPPER_STUDY_PAIRS
+
 logger = logging.getLogger(__name__)
 
-DEFAULT_PAIRS = "pocket-s:pocket-l,pocket-m:pocket-l,pocket-l:pocket-s"
+DEFAULT_PAIRS = MAPPER_STUDY_PAIRS
 FALLBACK_PAIRS = "pocket-s:pocket-m,pocket-m:pocket-s"
-MAPPERS = (
-    "ridge",
-    "ridge_same_head",
-    "low_rank_32",
-    "low_rank_8",
-    "ridge_bf16",
-    "mlp_mse",
-    "mlp_attention",
-    "ridge_attention_weighted",
-)
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--pairs", default=DEFAULT_PAIRS, help="candidate SOURCE:TARGET pairs; the hardest is studied")
-    parser.add_argument("--pair", help="study this SOURCE:TARGET pair directly (skips the search for the hardest)")
-    parser.add_argument(
-        "--mappers",
-        default=",".join(MAPPERS),
-        help="comma-separated mapper names: ridge, ridge_same_head, low_rank_<rank> (e.g. low_rank_32), mlp_mse, "
-        "mlp_attention, ridge_attention_weighted; a linear one with _bf16 appended keeps its weights in bfloat16 "
-        f"(default: {','.join(MAPPERS)})",
-    )
-    parser.add_argument("--num-sequences", type=int, default=128, help="calibration windows")
-    parser.add_argument("--seq-len", type=int, default=256, help="calibration window length")
-    parser.add_argument("--top-k", type=int, default=6)
-    parser.add_argument("--ridge-lambda", type=float, default=0.01)
-    parser.add_argument("--head-mode", choices=["all_heads", "same_head"], default="all_heads")
-    parser.add_argument("--nll-windows", type=int, default=64)
-    parser.add_argument("--nll-context", type=int, default=256)
-    parser.add_argument("--nll-continuation", type=int, default=64)
-    parser.add_argument("--cloze-items", type=int, default=100, help="cloze items per mapper (0: skip the cloze)")
-    parser.add_argument("--mlp-hidden", type=int, default=128)
-    parser.add_argument("--mlp-epochs", type=int, default=3)
-    parser.add_argument("--mlp-lr", type=float, default=3e-3)
-    parser.add_argument("--mlp-steps-per-batch", type=int, default=8)
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--timing-context", type=int, default=1024)
-    parser.add_argument("--timing-repeats", type=int, default=5)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", default="kvbridge-mappers.json", help="where to write the results")
+MAPPERS = MAPPER_STUDY_MAPPERS
 
 
 def _parse_pairs(text: str) -> list[tuple[str, str]]:
