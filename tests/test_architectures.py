@@ -16,8 +16,8 @@ from tests.conftest import VOCAB
 SUPPORTED = ["llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2", "gemma2", "gemma", "granite", "starcoder2"]
 
 
-def tiny(model_type: str, **overrides) -> torch.nn.Module:
-    """A 2-layer random model of `model_type` (head dim 16, 2 KV heads), full attention in every layer."""
+def tiny_config(model_type: str, **overrides):
+    """A 2-layer config of `model_type` (head dim 16, 2 KV heads, vocabulary of the test tokenizer)."""
     kwargs = dict(
         vocab_size=VOCAB,
         hidden_size=64,
@@ -31,8 +31,12 @@ def tiny(model_type: str, **overrides) -> torch.nn.Module:
         bos_token_id=None,
         eos_token_id=None,
     )
-    kwargs.update(overrides)
-    config = AutoConfig.for_model(model_type, **kwargs)
+    return AutoConfig.for_model(model_type, **{**kwargs, **overrides})
+
+
+def tiny(model_type: str, **overrides) -> torch.nn.Module:
+    """A random model of `tiny_config`, full attention in every layer."""
+    config = tiny_config(model_type, **overrides)
     if getattr(config, "layer_types", None) is not None:  # hybrid families: make every layer full attention
         config.layer_types = ["full_attention"] * config.num_hidden_layers
     elif hasattr(config, "sliding_window"):
@@ -69,21 +73,7 @@ def test_identity_oracle_for_every_supported_architecture(model_type):
     ],
 )
 def test_unsupported_models_are_refused_with_the_reason(model_type, overrides, reason):
-    config = AutoConfig.for_model(
-        model_type,
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=256,
-        pad_token_id=None,
-        bos_token_id=None,
-        eos_token_id=None,
-        **overrides,
-    )
+    config = tiny_config(model_type, **overrides)
     if model_type == "gemma3_text":
         config.layer_types = ["full_attention"] * 2  # so that only the per-layer-type rotary stands in the way
     model = AutoModelForCausalLM.from_config(config).eval()
@@ -100,20 +90,7 @@ def test_unsupported_models_are_refused_with_the_reason(model_type, overrides, r
     ],
 )
 def test_identity_oracle_with_sliding_window_layers_beyond_the_window(model_type, overrides):
-    config = AutoConfig.for_model(
-        model_type,
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=96,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=256,
-        pad_token_id=None,
-        bos_token_id=None,
-        eos_token_id=None,
-        **{"num_hidden_layers": 2, **overrides},
-    )
+    config = tiny_config(model_type, **overrides)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config).eval()
     windows = torch.randint(0, VOCAB, (24, 32), generator=torch.Generator().manual_seed(0))
@@ -135,22 +112,7 @@ def test_identity_oracle_with_sliding_window_layers_beyond_the_window(model_type
 
 
 def test_a_full_attention_target_layer_never_reads_a_sliding_source_layer():
-    source = AutoModelForCausalLM.from_config(
-        AutoConfig.for_model(
-            "gemma2",
-            vocab_size=VOCAB,
-            hidden_size=64,
-            intermediate_size=96,
-            num_hidden_layers=4,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=16,
-            sliding_window=8,
-            pad_token_id=None,
-            bos_token_id=None,
-            eos_token_id=None,
-        )
-    ).eval()
+    source = AutoModelForCausalLM.from_config(tiny_config("gemma2", num_hidden_layers=4, sliding_window=8)).eval()
     target = tiny("gemma2", num_hidden_layers=3)  # full attention everywhere
     windows = torch.randint(0, VOCAB, (24, 32), generator=torch.Generator().manual_seed(0))
     train, heldout = collect_statistics(source, target, windows, heldout=[0, 1, 2, 3])
@@ -163,21 +125,6 @@ def test_a_full_attention_target_layer_never_reads_a_sliding_source_layer():
 
 
 def test_a_target_layer_no_source_layer_can_fill_is_refused():
-    sliding = AutoModelForCausalLM.from_config(
-        AutoConfig.for_model(
-            "mistral",
-            vocab_size=VOCAB,
-            hidden_size=64,
-            intermediate_size=96,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=16,
-            sliding_window=8,
-            pad_token_id=None,
-            bos_token_id=None,
-            eos_token_id=None,
-        )
-    ).eval()
+    sliding = AutoModelForCausalLM.from_config(tiny_config("mistral", sliding_window=8)).eval()
     with pytest.raises(KVLayoutError, match="layer 0 needs all tokens, but no layer of source 's' keeps them"):
         check_models(sliding, tiny("mistral"), "s", "t")
