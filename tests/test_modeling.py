@@ -64,8 +64,9 @@ def test_chunked_mapping_equals_one_pass(pair_bridge):
     finally:
         del mapper.max_chunk_bytes, mapper.min_chunk_rows
     for a, b, (keys, values) in zip(whole.layers, chunked.layers, kept):
-        torch.testing.assert_close(a.keys, b.keys)
-        torch.testing.assert_close(a.values, b.values)
+        # other row counts → other BLAS blockings of the same float32 sums: rounding-level differences only
+        torch.testing.assert_close(a.keys, b.keys, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(a.values, b.values, rtol=1e-4, atol=1e-4)
         assert torch.equal(b.keys, keys) and torch.equal(b.values, values)
     pair_bridge.free_workspace()
     assert pair_bridge.workspace_bytes() == 0
@@ -187,10 +188,54 @@ def test_non_monotone_layer_order_survives_save_load(windows, tmp_path):
     assert not torch.allclose(resorted.prefill(ids)[0].layers[0].keys, bridge.prefill(ids)[0].layers[0].keys)
 
 
-def test_selection_ranks_by_heldout_r2(pair_bridge):
-    r2 = pair_bridge.layer_r2.mean(-1)  # (L_t, L_s)
-    for t, layers in enumerate(pair_bridge.config.selected_layers):
-        assert layers == torch.argsort(r2[t], descending=True)[: len(layers)].tolist()
+def _independent_single_layer_r2(source, target, windows, train_ids, heldout_ids, ridge_lambda=1e-3):
+    """Dense reference, fitted here with `torch.linalg.solve` on each (target layer, source layer) pair: held-out R²
+    of the target layer's [K | V] rows from one source layer's, mean over heads and K/V → `(L_t, L_s)`."""
+    from hf_kvbridge.cache import cache_rows
+
+    heads, dim = target.config.num_key_value_heads, target.config.head_dim
+    width = heads * 2 * dim
+    x_train, x_held = (cache_rows(source, windows[ids]).double() for ids in (train_ids, heldout_ids))
+    y_train, y_held = (cache_rows(target, windows[ids]).double() for ids in (train_ids, heldout_ids))
+    out = torch.zeros(y_train.shape[1] // width, x_train.shape[1] // width, dtype=torch.float64)
+    for s in range(out.shape[1]):
+        x, xh = x_train[:, s * width : (s + 1) * width], x_held[:, s * width : (s + 1) * width]
+        xc = x - x.mean(0)
+        gram = xc.T @ xc
+        gram += torch.diag(ridge_lambda * gram.diagonal())  # λ relative to each feature's variance
+        for t in range(out.shape[0]):
+            y, yh = y_train[:, t * width : (t + 1) * width], y_held[:, t * width : (t + 1) * width]
+            weight = torch.linalg.solve(gram, xc.T @ (y - y.mean(0)))
+            predicted = (xh - x.mean(0)) @ weight + y.mean(0)
+            sse = ((yh - predicted) ** 2).sum(0).view(heads, 2, dim).sum(-1)
+            sst = ((yh - yh.mean(0)) ** 2).sum(0).view(heads, 2, dim).sum(-1)
+            out[t, s] = (1 - sse / sst).mean()
+    return out
+
+
+@pytest.mark.parametrize("statistics_memory", [None, "blocks"])
+def test_selection_picks_the_layers_an_independent_heldout_r2_ranks_best(saved_pair, tokenizer, statistics_memory):
+    """Selection (dense statistics, or the budgeted selection pass) against single-layer R² computed here from the
+    models' own caches: every chosen layer scores within 0.01 of the best layer it passed over."""
+    from hf_kvbridge.budget import fit_bytes
+    from hf_kvbridge.calibration import split_heldout
+    from hf_kvbridge.data import token_windows
+
+    source = AutoModelForCausalLM.from_pretrained(saved_pair["large"])  # 3 layers → 2: a real choice at top_k=1
+    target = AutoModelForCausalLM.from_pretrained(saved_pair["small"])
+    budget = None
+    if statistics_memory == "blocks":  # room for one target layer's top-1 block at a time, far from the dense sums
+        budget = fit_bytes(1, 1, target.config.num_key_value_heads * 2 * target.config.head_dim, torch.float64) * 2
+    bridge = hf_kvbridge.calibrate(
+        source, target, CORPUS, num_sequences=16, seq_len=32, top_k=1, ridge_lambda=1e-3, statistics_memory=budget
+    )
+    windows = token_windows(CORPUS, tokenizer, 16, 32)
+    train_ids, heldout_ids = split_heldout(len(windows), 0.1, 0)  # calibrate's defaults
+    reference = _independent_single_layer_r2(source, target, windows, train_ids, heldout_ids)
+    assert (reference.max(1).values - reference.min(1).values).min() > 0.02  # the layers differ: a wrong pick shows
+    for t, layers in enumerate(bridge.config.selected_layers):
+        passed_over = [s for s in range(reference.shape[1]) if s not in layers]
+        assert reference[t, layers].min() >= reference[t, passed_over].max() - 0.01, (t, layers, reference[t])
 
 
 def test_batched_left_padded_generation_equals_per_prompt(pair_bridge, saved_pair):

@@ -92,3 +92,37 @@ def test_study_and_knob_sweep_run():
     )
     assert [(r["sink_tokens"], r["hold_back"]) for r in knobs["rows"]] == [(0, 1), (4, 1)]
     assert all(r["retention"] == r["retention"] for r in knobs["rows"])  # not NaN
+
+
+def test_lambda_study_runs_on_a_pocket_pair(tmp_path):
+    """The README's `lambda_study` command end to end, small: one pair, every λ setting, the table it prints."""
+    from hf_kvbridge.tools.lambda_study import main
+
+    out = tmp_path / "lambda.json"
+    assert (
+        main(
+            [
+                "--pairs",
+                "pocket-s:pocket-m",
+                "--num-sequences",
+                "8",
+                "--seq-len",
+                "96",
+                "--windows",
+                "2",
+                "--fixed-grid",
+                "1e-4",
+                "1",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
+    import json
+
+    result = json.loads(out.read_text())
+    (row,) = result["rows"]
+    assert row["pair"] == "pocket-s:pocket-m" and row["best_fixed"]["ridge_lambda"] in (1e-4, 1.0)
+    assert {p["setting"] for p in result["points"]} >= {"auto", "fixed"}
+    assert all(abs(p["retention"]) < 10 and -1 < p["attention_cosine"] <= 1 for p in result["points"])

@@ -84,6 +84,7 @@ def run_lambda_study(
             seq_len=seq_len,
             top_k=top_k,
             seed=seed,
+            keep_statistics=True,  # every λ below re-fits from them
         )
         train, heldout = base.calibration_statistics
         reference = _reference_nll(base, held, context)
