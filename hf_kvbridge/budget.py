@@ -13,7 +13,9 @@ Memory model (numbers, times 4 bytes in float32; `row = H·2d`, `U` source layer
 
     dense        2 · (F² + F·G)                         F = L_s·row, G = L_t·row   (float64: times 8 bytes)
     selection    2 · H·2·L_s·d·(d + L_t·d)  (+ the same again in float64 while scoring)
-    fit pass     2 · ((U·row)² + U·row·T·row)           at least U = k, T = 1
+    fit pass     2 · ((U·row)² + U·row·T·row) / G       at least U = k, T = 1; G feature groups (1 all heads and
+                                                        joint, H same_head, 2 separate, 2H same_head + separate)
+                 + 64 · (p² + p·row/G) bytes             solving one map of p = k·row/G inputs (float64)
 
 Every figure is per rank: under `torch.distributed` each rank holds the statistics of the pass it accumulates.
 """
@@ -27,7 +29,7 @@ import re
 import torch
 
 from .errors import StatisticsMemoryError
-from .statistics import BlockStatistics, SelectionStatistics
+from .statistics import BlockStatistics, SelectionStatistics, feature_groups
 
 logger = logging.getLogger(__name__)
 
@@ -90,22 +92,41 @@ def selection_bytes(source_layers: int, target_layers: int, num_kv_heads: int, h
     return 2 * one + scoring
 
 
-def fit_bytes(sources: int, targets: int, row: int, dtype) -> int:
-    """Bytes of one fit pass over `sources` (union) and `targets` layers: train + held-out [`BlockStatistics`]."""
-    return 2 * BlockStatistics.nbytes(sources, targets, row, dtype)
+def solve_bytes(top_k: int, width: int) -> int:
+    """Peak bytes of solving one map of `top_k` source layers' `width` features each (`row` / groups) for one
+    target layer: the float64 Gram block, its eigendecomposition and the held-out moments of the λ search (about
+    eight `p × p` matrices alive at once, `p = top_k·width`), and as many `p × width` cross blocks."""
+    p = top_k * width
+    return 8 * (p * p + p * width) * 8
+
+
+def fit_bytes(sources: int, targets: int, row: int, dtype, groups: int = 1, top_k: int | None = None) -> int:
+    """Bytes of one fit pass over `sources` (union) and `targets` layers: train + held-out [`BlockStatistics`] kept
+    in `groups` feature groups, plus the transient of solving one map of `top_k` (default: `sources`) layers."""
+    width = row // groups
+    return 2 * BlockStatistics.nbytes(sources, targets, row, dtype, groups) + solve_bytes(top_k or sources, width)
 
 
 def check_budget(
-    budget: int, source_layers: int, target_layers: int, num_kv_heads: int, head_dim: int, top_k: int, dtype
+    budget: int,
+    source_layers: int,
+    target_layers: int,
+    num_kv_heads: int,
+    head_dim: int,
+    top_k: int,
+    dtype,
+    head_mode: str = "all_heads",
+    kv_mode: str = "joint",
 ) -> str:
     """Which calibration fits `budget` bytes: `"dense"` or `"blocks"`; raises `StatisticsMemoryError` (naming bytes
     needed, bytes available and what to change) when not even the smallest block plan fits. Runs before any work."""
     row = num_kv_heads * 2 * head_dim
+    groups = len(feature_groups(num_kv_heads, head_dim, head_mode, kv_mode))
     if dense_bytes(source_layers, target_layers, row) <= budget:
         return "dense"
     selection = selection_bytes(source_layers, target_layers, num_kv_heads, head_dim, dtype)
     k = min(top_k, source_layers)
-    smallest = fit_bytes(k, 1, row, dtype)
+    smallest = fit_bytes(k, 1, row, dtype, groups)
     dtype_name = str(dtype).replace("torch.", "")
     if selection > budget:
         raise StatisticsMemoryError(
@@ -115,36 +136,46 @@ def check_budget(
             + (" or use statistics_dtype='float32'" if dtype == torch.float64 else "")
         )
     if smallest > budget:
-        fits = [j for j in range(1, k) if fit_bytes(j, 1, row, dtype) <= budget]
+        fits = [j for j in range(1, k) if fit_bytes(j, 1, row, dtype, groups) <= budget]
         hint = f", or use top_k ≤ {fits[-1]}" if fits else ""
+        if groups < num_kv_heads * 2:
+            hint += ", or head_mode='same_head' / kv_mode='separate' (smaller Gram blocks)"
         if dtype == torch.float64:
             hint += ", or statistics_dtype='float32'"
+        solve = solve_bytes(k, row // groups)
         raise StatisticsMemoryError(
-            f"fitting one target layer from top_k={k} source layers needs {format_bytes(smallest)} of statistics "
-            f"({k}·{row} input features, train + held-out, {dtype_name}) but statistics_memory allows "
+            f"fitting one target layer from top_k={k} source layers needs {format_bytes(smallest)}: statistics "
+            f"{format_bytes(smallest - solve)} (train + held-out, {dtype_name}) and {format_bytes(solve)} to solve a "
+            f"map of {k}·{row // groups} input features (float64), but statistics_memory allows "
             f"{format_bytes(budget)}; raise statistics_memory{hint}"
         )
     return "blocks"
 
 
-def plan_passes(selected_layers: list[list[int]], row: int, budget: int, dtype) -> list[list[int]]:
+def plan_passes(selected_layers: list[list[int]], row: int, budget: int, dtype, groups: int = 1) -> list[list[int]]:
     """Groups target layers into fit passes: consecutive target layers (which select similar source layers, so their
-    union stays small) join a pass while its train + held-out [`BlockStatistics`] fit `budget` bytes.
+    union stays small) join a pass while its train + held-out [`BlockStatistics`] (kept in `groups` feature groups,
+    see `hf_kvbridge.statistics.feature_groups`) and the solve of one map fit `budget` bytes.
 
     Returns:
         `list[list[int]]`: the target layers of each pass.
     """
+    top_k = max(map(len, selected_layers))
+
+    def need(sources, targets):
+        return fit_bytes(sources, targets, row, dtype, groups, top_k)
+
     passes: list[list[int]] = []
     union: set[int] = set()
     for t, layers in enumerate(selected_layers):
         grown = union | set(layers)
-        if passes and fit_bytes(len(grown), len(passes[-1]) + 1, row, dtype) <= budget:
+        if passes and need(len(grown), len(passes[-1]) + 1) <= budget:
             passes[-1].append(t)
             union = grown
         else:
-            if fit_bytes(len(layers), 1, row, dtype) > budget:
+            if need(len(layers), 1) > budget:
                 raise StatisticsMemoryError(
-                    f"target layer {t} needs {format_bytes(fit_bytes(len(layers), 1, row, dtype))} of statistics but "
+                    f"target layer {t} needs {format_bytes(need(len(layers), 1))} of statistics but "
                     f"statistics_memory allows {format_bytes(budget)}; raise statistics_memory or lower top_k"
                 )
             passes.append([t])

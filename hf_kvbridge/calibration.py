@@ -28,7 +28,7 @@ from .modeling import KVBridgeForCausalLM
 from .selection import mapper_r2, select_layers, single_layer_r2
 from .settings import CalibrationSettings
 from .solve import LAMBDA_GRID, choose_ridge_lambdas
-from .statistics import BlockStatistics, KVStatistics, SelectionStatistics
+from .statistics import BlockStatistics, KVStatistics, SelectionStatistics, feature_groups
 from .tokenization import check_same_tokenizer
 from .version import __version__
 
@@ -299,10 +299,8 @@ def fit_bridge(
     ridge_lambdas = None
     if ridge_lambda == "auto":
         ridge_lambdas, fitted_r2 = choose_ridge_lambdas(
-            train, heldout, selected_layers, head_mode, src.num_kv_heads, src.head_dim, LAMBDA_GRID
-        )  # fitted_r2: (L_t, 2)
-        if kv_mode != "joint":  # the λ were chosen with joint inputs; score the separate maps themselves
-            fitted_r2 = mapper_r2(train, heldout, selected_layers, head_mode, ridge_lambdas, kv_mode=kv_mode)
+            train, heldout, selected_layers, head_mode, src.num_kv_heads, src.head_dim, LAMBDA_GRID, kv_mode=kv_mode
+        )  # fitted_r2: (L_t, 2), the held-out R² of the maps as kv_mode fits them
     else:
         fitted_r2 = mapper_r2(train, heldout, selected_layers, head_mode, ridge_lambda, kv_mode=kv_mode)  # (L_t, 2)
     mapper = KVMapper.from_statistics(
@@ -401,7 +399,8 @@ def fit_bridge_in_passes(
     r2 = train.single_layer_r2(held, SELECTION_LAMBDA if ridge_lambda == "auto" else ridge_lambda)  # (L_t, L_s, 2)
     del train, held
     selected = select_layers(r2, top_k, allowed_sources(src, tgt))
-    passes = plan_passes(selected, row, statistics_memory, statistics_dtype)
+    groups = len(feature_groups(src.num_kv_heads, src.head_dim, head_mode, kv_mode))
+    passes = plan_passes(selected, row, statistics_memory, statistics_dtype, groups)
     logger.info("fitting %d target layers in %d pass(es) over the data", tgt.num_layers, len(passes))
     mapper = KVMapper(selected, src.num_kv_heads, src.head_dim, head_mode, kv_mode=kv_mode)
     fitted_r2 = torch.zeros(tgt.num_layers, 2, dtype=torch.float64)
@@ -418,7 +417,12 @@ def fit_bridge_in_passes(
         union = sorted(set().union(*(selected[t] for t in targets))) if targets else []
 
         def make_parts(union=union, targets=targets):
-            return [BlockStatistics(*shape, union, targets, statistics_dtype, statistics_device) for _ in range(2)]
+            return [
+                BlockStatistics(
+                    *shape, union, targets, statistics_dtype, statistics_device, head_mode=head_mode, kv_mode=kv_mode
+                )
+                for _ in range(2)
+            ]
 
         train, held = collect_statistics(
             source,
@@ -441,11 +445,15 @@ def fit_bridge_in_passes(
         lam = ridge_lambda
         if ridge_lambda == "auto":  # λ per layer, head group and K/V of this pass's target layers
             heads, dim = src.num_kv_heads, src.head_dim
-            lam, _ = choose_ridge_lambdas(train, held, selected, head_mode, heads, dim, LAMBDA_GRID, targets=targets)
+            lam, pass_r2 = choose_ridge_lambdas(
+                train, held, selected, head_mode, heads, dim, LAMBDA_GRID, targets=targets, kv_mode=kv_mode
+            )  # pass_r2: held-out R² at the chosen λ, 0 outside this pass
             for kind in ("k", "v"):
                 for t in targets:
                     chosen_lambdas[kind][t] = lam[kind][t]
-        fitted_r2 += mapper_r2(train, held, selected, head_mode, lam, targets, kv_mode)
+        else:
+            pass_r2 = mapper_r2(train, held, selected, head_mode, lam, targets, kv_mode)
+        fitted_r2 += pass_r2
         if keep_statistics and len(passes) == 1:
             statistics = (train, held)
             mapper.fit_targets(train + held, targets, lam)  # the final fit sees every token
@@ -525,9 +533,12 @@ def calibrate(
     )
     dtype = getattr(torch, settings.statistics_dtype)
     top_k = settings.top_k or src.num_layers
-    plan = [check_budget(budget, src.num_layers, tgt.num_layers, src.num_kv_heads, src.head_dim, top_k, dtype)]
+    modes = (settings.head_mode, settings.kv_mode)
+    plan = [check_budget(budget, src.num_layers, tgt.num_layers, src.num_kv_heads, src.head_dim, top_k, dtype, *modes)]
     if settings.bidirectional:
-        plan.append(check_budget(budget, tgt.num_layers, src.num_layers, src.num_kv_heads, src.head_dim, top_k, dtype))
+        plan.append(
+            check_budget(budget, tgt.num_layers, src.num_layers, src.num_kv_heads, src.head_dim, top_k, dtype, *modes)
+        )
     mode = "dense" if set(plan) == {"dense"} else "blocks"
     logger.info("calibration statistics: %s (budget %s)", mode, format_bytes(budget))
     if tokenizer is None:

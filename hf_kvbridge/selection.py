@@ -103,11 +103,10 @@ def mapper_r2(
 
     heads, dim = train.num_kv_heads, train.head_dim
     if ridge_lambda == "auto":
-        ridge_lambda, r2 = choose_ridge_lambdas(
-            train, heldout, selected_layers, head_mode, heads, dim, LAMBDA_GRID, targets=targets
+        _, r2 = choose_ridge_lambdas(
+            train, heldout, selected_layers, head_mode, heads, dim, LAMBDA_GRID, targets=targets, kv_mode=kv_mode
         )
-        if kv_mode == "joint":
-            return r2
+        return r2  # the held-out R² of each map at its chosen λ, as kv_mode fits it
 
     def fit(t, g, x_idx, y_idx):
         return solve_ridge(train, x_idx, y_idx, map_group_lambda(ridge_lambda, t, g, head_mode, kv_mode, heads, dim))

@@ -146,31 +146,52 @@ def heldout_r2_path(
     torch.Size([2, 1, 2])
     ```
     """
-    if not lambdas or min(lambdas) <= 0:
-        raise ValueError(f"the λ grid must be non-empty and positive, got {list(lambdas)}")
     q = y_idx.numel()
     if q % (2 * head_dim):
         raise ValueError(f"{q} output columns are not whole heads of 2·{head_dim}")
+    return heldout_r2_chunks(train, heldout, x_idx, y_idx, head_dim, lambdas).view(
+        len(lambdas), q // (2 * head_dim), 2
+    )
+
+
+def heldout_r2_chunks(
+    train,
+    heldout,
+    x_idx: torch.Tensor,
+    y_idx: torch.Tensor,
+    head_dim: int,
+    lambdas: tuple[float, ...] | list[float] = LAMBDA_GRID,
+) -> torch.Tensor:
+    """`heldout_r2_path` for any output columns that are whole `head_dim` chunks (keys only, values only, or both):
+    held-out R² per λ and chunk, `torch.Tensor` of shape `(len(lambdas), q // d)`."""
+    if not lambdas or min(lambdas) <= 0:
+        raise ValueError(f"the λ grid must be non-empty and positive, got {list(lambdas)}")
+    q = y_idx.numel()
+    if q % head_dim:
+        raise ValueError(f"{q} output columns are not whole chunks of {head_dim}")
     mx, my, cxx, cxy, _ = _moments(train, x_idx, y_idx)
     hmx, hmy, hcxx, hcxy, hvy = _moments(heldout, x_idx, y_idx)
     root = _feature_scale(cxx).sqrt()  # (p,) D^½
     z = cxx / root[:, None] / root[None, :]  # (p, p) standardized Gram block
+    del cxx
     evals, evecs = torch.linalg.eigh((z + z.T) / 2)  # Z = V Λ Vᵀ
+    del z
     evals = evals.clamp_min(0)
     a = evecs.T @ (cxy / root[:, None])  # (p, q): Vᵀ D^-½ C_xy, so W(λ) = D^-½ V diag(1/(Λ+λ)) a
     # the held-out moments in the same rotated, standardized coordinates
     m = evecs.T @ (hcxx / root[:, None] / root[None, :]) @ evecs  # (p, p)
+    del hcxx
     c = evecs.T @ (hcxy / root[:, None])  # (p, q)
     shift = evecs.T @ ((hmx - mx) / root)  # (p,): held-out minus train input mean
     offset = hmy - my  # (q,)
-    blocks = q // (2 * head_dim)
-    sst = hvy.view(blocks, 2, head_dim).sum(-1).clamp_min(torch.finfo(torch.float64).tiny)  # (blocks, 2)
-    out = torch.empty(len(lambdas), blocks, 2, dtype=torch.float64)
+    chunks = q // head_dim
+    sst = hvy.view(chunks, head_dim).sum(-1).clamp_min(torch.finfo(torch.float64).tiny)  # (chunks,)
+    out = torch.empty(len(lambdas), chunks, dtype=torch.float64)
     for i, lam in enumerate(lambdas):
         w = a / (evals + lam)[:, None]  # (p, q) rotated map
         # per column, mean squared held-out residual: var_y − 2 wᵀc + wᵀ M w + (mean residual)²
         mse = hvy - 2 * (c * w).sum(0) + ((m @ w) * w).sum(0) + (offset - shift @ w) ** 2  # (q,)
-        sse = mse.clamp_min(0).view(blocks, 2, head_dim).sum(-1)  # (blocks, 2)
+        sse = mse.clamp_min(0).view(chunks, head_dim).sum(-1)  # (chunks,)
         out[i] = 1 - sse / sst
     return out
 
@@ -204,6 +225,7 @@ def choose_ridge_lambdas(
     head_dim: int,
     lambdas: tuple[float, ...] | list[float] = LAMBDA_GRID,
     targets: list[int] | None = None,
+    kv_mode: str = "joint",
 ) -> tuple[dict[str, list[list[float]]], torch.Tensor]:
     r"""Chooses λ per target layer, head group and K/V by held-out R² (fit on `train`, scored on `heldout`).
 
@@ -215,8 +237,9 @@ def choose_ridge_lambdas(
         targets (`list[int]`, *optional*): only these target layers (e.g. one fit pass's); the others get empty
             lists and R² 0.
 
-    The λ of a map is chosen with joint inputs (keys and values of the selected layers); a `kv_mode="separate"`
-    mapper uses the K choice for its key map and the V choice for its value map.
+        kv_mode (`str`, *optional*, defaults to `"joint"`): `"joint"` scores each λ with the keys and values of the
+            selected layers as inputs; `"separate"` scores the key map (keys from keys) and the value map (values
+            from values) as the mapper fits them.
 
     Returns:
         `(ridge_lambdas, r2)`: `{"k": [[λ per group] per layer], "v": [...]}` and the held-out R² at the chosen λ,
@@ -242,7 +265,23 @@ def choose_ridge_lambdas(
         per_group = []
         for head in groups:
             x_idx, y_idx = train.source_index(layers, head), train.target_index(t, head)
-            path = heldout_r2_path(train, heldout, x_idx, y_idx, head_dim, grid).mean(1)  # (L, 2)
+            if kv_mode == "joint":
+                path = heldout_r2_path(train, heldout, x_idx, y_idx, head_dim, grid).mean(1)  # (Λ, 2)
+            else:  # keys from keys, values from values: each (layer, head) chunk of 2d features is K then V
+                path = torch.stack(
+                    [
+                        heldout_r2_chunks(
+                            train,
+                            heldout,
+                            x_idx.view(-1, 2, head_dim)[:, kv].reshape(-1),
+                            y_idx.view(-1, 2, head_dim)[:, kv].reshape(-1),
+                            head_dim,
+                            grid,
+                        ).mean(1)
+                        for kv in range(2)
+                    ],
+                    dim=1,
+                )  # (Λ, 2)
             best = path.argmax(0)  # (2,) first maximum: the smaller λ on ties
             per_group.append((best, path[best, torch.arange(2)]))
         chosen["k"].append([grid[int(best[0])] for best, _ in per_group])

@@ -286,13 +286,43 @@ def _chan_merge(n_a: int | float, n_b: int | float) -> tuple[float, float]:
     return (n_a * n_b / n, n_b / n) if n else (0.0, 0.0)
 
 
-class BlockStatistics:
-    """Centred sums for `targets` (target layers) over the union `sources` of their selected source layers.
+def feature_groups(num_kv_heads: int, head_dim: int, head_mode: str = "all_heads", kv_mode: str = "joint"):
+    """The column offsets within one layer's row (`H·2d`: per head, key `d` then value `d`) that the maps of
+    `head_mode` and `kv_mode` read together: one group per independent Gram block a fit needs.
 
-    Same interface as [`KVStatistics`] for the layers it holds (`count`, `source_index`, `target_index`, `moments`,
+    `all_heads`/`joint` → one group (the whole row); `same_head`/`joint` → one per head (`2d`); `all_heads`/`separate`
+    → keys of every head, then values (`H·d` each); `same_head`/`separate` → per head, its keys and its values (`d`).
+    Statistics kept per group are `len(groups)` times smaller than one all-heads Gram block.
+
+    Returns:
+        `list[torch.LongTensor]`, each of shape `(row // len(groups),)`.
+
+    Example:
+
+    ```python
+    >>> [g.tolist() for g in feature_groups(2, 1, "same_head", "separate")]
+    [[0], [1], [2], [3]]
+    ```
+    """
+    d, row = head_dim, num_kv_heads * 2 * head_dim
+    offsets = torch.arange(row).view(num_kv_heads, 2, d)  # (H, K/V, d)
+    if head_mode == "all_heads" and kv_mode == "joint":
+        return [offsets.reshape(-1)]
+    if head_mode == "same_head" and kv_mode == "joint":
+        return [offsets[h].reshape(-1) for h in range(num_kv_heads)]
+    if head_mode == "all_heads":
+        return [offsets[:, kv].reshape(-1) for kv in range(2)]
+    return [offsets[h, kv] for h in range(num_kv_heads) for kv in range(2)]
+
+
+class BlockStatistics:
+    """Centred sums for `targets` (target layers) over the union `sources` of their selected source layers, kept per
+    feature group (see `feature_groups`): the Gram and cross blocks that the maps of one head mode and kv mode read.
+
+    Same interface as [`KVStatistics`] for the features it holds (`count`, `source_index`, `target_index`, `moments`,
     `residual_sums`, `merge_`, `all_reduce_`, `save`/`load`), with global layer numbers, so `solve_ridge` and the λ
-    search run on it unchanged. Memory: `(U·row)² + U·row·T·row` numbers for `U` source and `T` target layers,
-    `row = H·2d`.
+    search run on it unchanged, as long as every query stays inside one group. Memory: `(U·row)²/G + U·row·T·row/G`
+    numbers for `U` source and `T` target layers, `row = H·2d`, `G` groups.
 
     Args:
         source_layers (`int`), target_layers (`int`), num_kv_heads (`int`), head_dim (`int`): the full layout.
@@ -300,14 +330,15 @@ class BlockStatistics:
         dtype (`torch.dtype`, *optional*, defaults to `torch.float32`): of the Gram and cross blocks (means are
             float64).
         device (*optional*): where the sums live.
+        head_mode (`str`), kv_mode (`str`), *optional*, default to `"all_heads"`, `"joint"`: which blocks to keep.
 
     Example:
 
     ```python
     >>> stats = BlockStatistics(3, 2, 1, 2, sources=[0, 2], targets=[1])
     >>> stats.update(torch.randn(10, 3 * 4), torch.randn(10, 2 * 4))  # full rows: only the kept columns are summed
-    >>> stats.xx.shape, stats.xy.shape
-    (torch.Size([8, 8]), torch.Size([8, 4]))
+    >>> stats.xx.shape, stats.xy.shape  # (groups, U·row/G, U·row/G), (groups, U·row/G, T·row/G)
+    (torch.Size([1, 8, 8]), torch.Size([1, 8, 4]))
     ```
     """
 
@@ -321,51 +352,67 @@ class BlockStatistics:
         targets: list[int],
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
+        head_mode: str = "all_heads",
+        kv_mode: str = "joint",
     ):
         self.source_layers, self.target_layers = source_layers, target_layers
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
+        self.head_mode, self.kv_mode = head_mode, kv_mode
         self.row = num_kv_heads * 2 * head_dim
         self.sources, self.targets = sorted(set(map(int, sources))), sorted(set(map(int, targets)))
         self.dtype = dtype
         device = torch.device(device or "cpu")
-        p, q = len(self.sources) * self.row, len(self.targets) * self.row
+        groups = feature_groups(num_kv_heads, head_dim, head_mode, kv_mode)
+        width = groups[0].numel()
+        g, p, q = len(groups), len(self.sources) * width, len(self.targets) * width
         self.count = 0
-        self.x_mean = torch.zeros(p, dtype=torch.float64, device=device)
-        self.y_mean = torch.zeros(q, dtype=torch.float64, device=device)
-        self.xx = torch.zeros(p, p, dtype=dtype, device=device)  # Σ(x − x̄)(x − x̄)ᵀ
-        self.xy = torch.zeros(p, q, dtype=dtype, device=device)  # Σ(x − x̄)(y − ȳ)ᵀ
-        self.yy = torch.zeros(q, dtype=torch.float64, device=device)  # Σ(y − ȳ)²
-        span = torch.arange(self.row)
-        none = [torch.zeros(0, dtype=torch.long)]  # a rank without a pass holds empty statistics
-        self._x_cols = torch.cat([s * self.row + span for s in self.sources] or none).to(device)  # (p,) of full rows
-        self._y_cols = torch.cat([t * self.row + span for t in self.targets] or none).to(device)  # (q,)
-        # global feature index → local position (-1: not held)
-        self._x_local = torch.full((source_layers * self.row,), -1, dtype=torch.long, device=device)
-        self._x_local[self._x_cols] = torch.arange(p, device=device)
-        self._y_local = torch.full((target_layers * self.row,), -1, dtype=torch.long, device=device)
-        self._y_local[self._y_cols] = torch.arange(q, device=device)
+        self.x_mean = torch.zeros(g, p, dtype=torch.float64, device=device)
+        self.y_mean = torch.zeros(g, q, dtype=torch.float64, device=device)
+        self.xx = torch.zeros(g, p, p, dtype=dtype, device=device)  # per group Σ(x − x̄)(x − x̄)ᵀ
+        self.xy = torch.zeros(g, p, q, dtype=dtype, device=device)  # per group Σ(x − x̄)(y − ȳ)ᵀ
+        self.yy = torch.zeros(g, q, dtype=torch.float64, device=device)  # Σ(y − ȳ)²
+
+        def columns(layers):  # (G, len(layers)·width): global feature numbers of each group, layer by layer
+            if not layers:  # a rank without a pass holds empty statistics
+                return torch.zeros(g, 0, dtype=torch.long)
+            return torch.stack([torch.cat([layer * self.row + offsets for layer in layers]) for offsets in groups])
+
+        self._x_cols, self._y_cols = columns(self.sources).to(device), columns(self.targets).to(device)
+        # global feature number → (group, position in the group); -1: not held
+        self._x_group, self._x_pos = self._locate(self._x_cols, source_layers * self.row, device)
+        self._y_group, self._y_pos = self._locate(self._y_cols, target_layers * self.row, device)
 
     @staticmethod
-    def nbytes(sources: int, targets: int, row: int, dtype: torch.dtype = torch.float32) -> int:
-        """Bytes of one `BlockStatistics` of `sources` source and `targets` target layers of `row` features."""
+    def _locate(cols: torch.Tensor, size: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        group = torch.full((size,), -1, dtype=torch.long, device=device)
+        pos = torch.full((size,), -1, dtype=torch.long, device=device)
+        g, n = cols.shape
+        group[cols.reshape(-1)] = torch.arange(g, device=device).repeat_interleave(n)
+        pos[cols.reshape(-1)] = torch.arange(n, device=device).repeat(g)
+        return group, pos
+
+    @staticmethod
+    def nbytes(sources: int, targets: int, row: int, dtype: torch.dtype = torch.float32, groups: int = 1) -> int:
+        """Bytes of one `BlockStatistics` of `sources` source and `targets` target layers of `row` features, kept in
+        `groups` feature groups."""
         p, q = sources * row, targets * row
-        return (p * p + p * q) * torch.finfo(dtype).bits // 8 + (p + 2 * q) * 8
+        return (p * p + p * q) // groups * torch.finfo(dtype).bits // 8 + (p + 2 * q) * 8
 
     @property
     def shape_key(self) -> tuple:
         return (self.source_layers, self.target_layers, self.num_kv_heads, self.head_dim)
 
     def _key(self) -> tuple:
-        return (*self.shape_key, tuple(self.sources), tuple(self.targets))
+        return (*self.shape_key, tuple(self.sources), tuple(self.targets), self.head_mode, self.kv_mode)
 
-    # -- accumulation ---------------------------------------------------------------------------------------------
-    def _add_centred(self, n_b, mx_b, my_b, xx_b, xy_b, yy_b) -> None:
-        """Adds a part with `n_b` tokens, means `mx_b`, `my_b` (float64) and centred sums (Chan's update)."""
-        f, share = _chan_merge(self.count, n_b)
-        dx, dy = mx_b - self.x_mean, my_b - self.y_mean  # (p,), (q,) float64
-        self.xx.add_(xx_b).addr_(dx.to(self.dtype), dx.to(self.dtype), alpha=f)
-        self.xy.add_(xy_b).addr_(dx.to(self.dtype), dy.to(self.dtype), alpha=f)
-        self.yy.add_(yy_b).add_(f * dy * dy)
+    # -- accumulation (in place: no temporary the size of a Gram block) ---------------------------------------------
+    def _shift(self, f: float, share: float, n_b: int, mx_b, my_b) -> None:
+        """Chan's correction for adding `n_b` tokens of means `mx_b`, `my_b` `(G, p)`, `(G, q)`, then the new means."""
+        dx, dy = mx_b - self.x_mean, my_b - self.y_mean  # (G, p), (G, q) float64
+        dxs, dys = dx.to(self.dtype), dy.to(self.dtype)
+        self.xx.baddbmm_(dxs.unsqueeze(2), dxs.unsqueeze(1), alpha=f)  # += f·dx dxᵀ, per group
+        self.xy.baddbmm_(dxs.unsqueeze(2), dys.unsqueeze(1), alpha=f)
+        self.yy.add_(f * dy * dy)
         self.x_mean.add_(share * dx)
         self.y_mean.add_(share * dy)
         self.count += n_b
@@ -373,38 +420,48 @@ class BlockStatistics:
     @torch.no_grad()
     def update(self, x: torch.Tensor, y: torch.Tensor) -> None:
         """Adds full rows `x` `(N, F)` and `y` `(N, G)` (only the kept layers' columns are summed)."""
-        if x.shape[0] != y.shape[0] or x.shape[1] != self._x_local.numel() or y.shape[1] != self._y_local.numel():
+        if x.shape[0] != y.shape[0] or x.shape[1] != self._x_group.numel() or y.shape[1] != self._y_group.numel():
             raise StatisticsError(
                 f"rows of shape {tuple(x.shape)} / {tuple(y.shape)} do not fit statistics with "
-                f"F={self._x_local.numel()}, G={self._y_local.numel()}"
+                f"F={self._x_group.numel()}, G={self._y_group.numel()}"
             )
         if x.shape[0] == 0:
             return
         device = self.xx.device
-        xs = x.to(device)[:, self._x_cols].to(torch.float64)  # (N, p)
-        ys = y.to(device)[:, self._y_cols].to(torch.float64)  # (N, q)
-        mx, my = xs.mean(0), ys.mean(0)
-        xc, yc = (xs - mx).to(self.dtype), (ys - my).to(self.dtype)  # centred on the batch's own means
-        self._add_centred(x.shape[0], mx, my, xc.T @ xc, xc.T @ yc, ((ys - my) ** 2).sum(0))
+        x, y = x.to(device), y.to(device)
+        xs = torch.stack([x[:, cols] for cols in self._x_cols]).to(torch.float64)  # (G, N, p)
+        ys = torch.stack([y[:, cols] for cols in self._y_cols]).to(torch.float64)  # (G, N, q)
+        mx, my = xs.mean(1), ys.mean(1)  # (G, p), (G, q)
+        yc64 = ys - my.unsqueeze(1)
+        xc, yc = (xs - mx.unsqueeze(1)).to(self.dtype), yc64.to(self.dtype)  # centred on the batch's own means
+        del xs, ys
+        f, share = _chan_merge(self.count, x.shape[0])
+        self.xx.baddbmm_(xc.transpose(1, 2), xc)  # += Σ xc xcᵀ per group
+        self.xy.baddbmm_(xc.transpose(1, 2), yc)
+        self.yy.add_((yc64 * yc64).sum(1))
+        self._shift(f, share, x.shape[0], mx, my)
 
     def merge_(self, other: BlockStatistics) -> BlockStatistics:
-        """Adds `other` (same layers) into `self` in place and returns `self`."""
+        """Adds `other` (same layers and groups) into `self` in place and returns `self`."""
         if other._key() != self._key():
             raise StatisticsError(f"cannot merge block statistics of layers {self._key()} and {other._key()}")
         dev = self.xx.device
-        self._add_centred(
-            other.count,
-            other.x_mean.to(dev),
-            other.y_mean.to(dev),
-            other.xx.to(dev, self.dtype),
-            other.xy.to(dev, self.dtype),
-            other.yy.to(dev),
-        )
+        f, share = _chan_merge(self.count, other.count)
+        self.xx.add_(other.xx.to(dev, self.dtype))
+        self.xy.add_(other.xy.to(dev, self.dtype))
+        self.yy.add_(other.yy.to(dev))
+        self._shift(f, share, other.count, other.x_mean.to(dev), other.y_mean.to(dev))
         return self
 
     def copy(self) -> BlockStatistics:
         new = BlockStatistics(
-            *self.shape_key, sources=self.sources, targets=self.targets, dtype=self.dtype, device=self.xx.device
+            *self.shape_key,
+            sources=self.sources,
+            targets=self.targets,
+            dtype=self.dtype,
+            device=self.xx.device,
+            head_mode=self.head_mode,
+            kv_mode=self.kv_mode,
         )
         return new.merge_(self)
 
@@ -426,10 +483,11 @@ class BlockStatistics:
         dist.all_reduce(mx)
         dist.all_reduce(my)
         mx, my = mx / total, my / total
-        dx, dy = self.x_mean - mx, self.y_mean - my  # Σ(x − c)(x − c)ᵀ = M + n (x̄ − c)(x̄ − c)ᵀ
-        self.xx.addr_(dx.to(self.dtype), dx.to(self.dtype), alpha=self.count)
-        self.xy.addr_(dx.to(self.dtype), dy.to(self.dtype), alpha=self.count)
-        self.yy.add_(self.count * dy * dy)
+        dx, dy = (self.x_mean - mx).to(self.dtype), (self.y_mean - my).to(self.dtype)
+        # Σ(x − c)(x − c)ᵀ = M + n (x̄ − c)(x̄ − c)ᵀ
+        self.xx.baddbmm_(dx.unsqueeze(2), dx.unsqueeze(1), alpha=self.count)
+        self.xy.baddbmm_(dx.unsqueeze(2), dy.unsqueeze(1), alpha=self.count)
+        self.yy.add_(self.count * (self.y_mean - my) ** 2)
         for tensor in (self.xx, self.xy, self.yy):
             dist.all_reduce(tensor)
         self.x_mean, self.y_mean, self.count = mx, my, int(total)
@@ -452,15 +510,23 @@ class BlockStatistics:
     def target_index(self, layer: int, head: int | None = None) -> torch.Tensor:
         return KVStatistics._index(self, [layer], head)
 
-    def _local(self, table: torch.Tensor, index: torch.Tensor, what: str) -> torch.Tensor:
-        local = table[index.to(table.device)]
-        if (local < 0).any():
-            missing = sorted({int(i) // self.row for i in index[(local < 0).cpu()]})
+    def _local(self, index: torch.Tensor, what: str) -> tuple[int, torch.Tensor]:
+        """`(group, positions)` of global feature numbers `index`, which must all lie in one kept group."""
+        group_of, pos_of = (self._x_group, self._x_pos) if what == "source" else (self._y_group, self._y_pos)
+        index = index.to(group_of.device)
+        groups, pos = group_of[index], pos_of[index]
+        if (groups < 0).any():
+            missing = sorted({int(i) // self.row for i in index[groups < 0].cpu()})
             raise StatisticsError(
                 f"these block statistics hold {what} layers {self.sources if what == 'source' else self.targets}, "
                 f"not {missing}; accumulate statistics for the layers the fit needs"
             )
-        return local
+        if groups.numel() and (groups != groups[0]).any():
+            raise StatisticsError(
+                f"these block statistics keep {self.head_mode}/{self.kv_mode} blocks only; the fit asks for "
+                f"{what} features across them (fit with the head_mode and kv_mode they were accumulated for)"
+            )
+        return (int(groups[0]) if groups.numel() else 0), pos
 
     def moments(self, x_idx: torch.Tensor, y_idx: torch.Tensor):
         """Means and centred (co)variances over the selected (global) features, divided by `count`.
@@ -470,23 +536,31 @@ class BlockStatistics:
         """
         if self.count == 0:
             raise StatisticsError("statistics hold no tokens")
-        xl, yl = self._local(self._x_local, x_idx, "source"), self._local(self._y_local, y_idx, "target")
+        (gx, xl), (gy, yl) = self._local(x_idx, "source"), self._local(y_idx, "target")
+        if gx != gy:
+            raise StatisticsError(
+                f"these block statistics keep {self.head_mode}/{self.kv_mode} blocks only; source group {gx} and "
+                f"target group {gy} were not summed together"
+            )
         n = self.count
-        cxx = self.xx[xl][:, xl].to(torch.float64) / n
-        cxy = self.xy[xl][:, yl].to(torch.float64) / n
-        return self.x_mean[xl], self.y_mean[yl], cxx, cxy, self.yy[yl] / n
+        cxx = self.xx[gx][xl.unsqueeze(1), xl.unsqueeze(0)].to(torch.float64) / n  # one gather, no (p, P) copy
+        cxy = self.xy[gx][xl.unsqueeze(1), yl.unsqueeze(0)].to(torch.float64) / n
+        return self.x_mean[gx][xl], self.y_mean[gy][yl], cxx, cxy, self.yy[gy][yl] / n
 
     def residual_sums(self, x_idx, y_idx, weight: torch.Tensor, bias: torch.Tensor):
         """Per output column, `(Σ(y − xW − b)², Σ(y − ȳ)²)` over these tokens (see `centred_residual_sums`)."""
         return centred_residual_sums(self.count, *self.moments(x_idx, y_idx), weight, bias)
 
     # -- persistence ------------------------------------------------------------------------------------------------
+    _MODES = ({"all_heads": 0, "same_head": 1}, {"joint": 0, "separate": 1})
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         state = {name: getattr(self, name).contiguous() for name in ("x_mean", "y_mean", "xx", "xy", "yy")}
         state["count"] = torch.tensor([self.count], dtype=torch.int64)
         state["shape_key"] = torch.tensor(self.shape_key, dtype=torch.int64)
         state["sources"] = torch.tensor(self.sources, dtype=torch.int64)
         state["targets"] = torch.tensor(self.targets, dtype=torch.int64)
+        state["modes"] = torch.tensor([self._MODES[0][self.head_mode], self._MODES[1][self.kv_mode]])
         return state
 
     def save(self, path: str | Path) -> None:
@@ -495,12 +569,16 @@ class BlockStatistics:
     @classmethod
     def load(cls, path: str | Path, device: torch.device | str | None = None) -> BlockStatistics:
         state = load_file(str(path))
+        modes = state["modes"].tolist() if "modes" in state else [0, 0]  # saved before groups: all heads, joint
+        head_mode, kv_mode = (list(names)[int(i)] for names, i in zip(cls._MODES, modes))
         stats = cls(
             *state["shape_key"].tolist(),
             sources=state["sources"].tolist(),
             targets=state["targets"].tolist(),
             dtype=state["xx"].dtype,
             device=device,
+            head_mode=head_mode,
+            kv_mode=kv_mode,
         )
         stats.count = int(state["count"].item())
         for name in ("x_mean", "y_mean", "xx", "xy", "yy"):
@@ -571,14 +649,14 @@ class SelectionStatistics:
             .reshape(self.num_kv_heads * 2, n, layers * self.head_dim)
         )
 
-    def _add_centred(self, n_b, mx_b, my_b, xx_b, xy_b, yy_b) -> None:
-        f, share = _chan_merge(self.count, n_b)
+    def _shift(self, f: float, share: float, n_b: int, mx_b, my_b) -> None:
+        """Chan's correction for adding `n_b` tokens of means `mx_b`, `my_b`, in place; then the new means."""
         b, d, ls = self.num_kv_heads * 2, self.head_dim, self.source_layers
         dx, dy = mx_b - self.x_mean, my_b - self.y_mean  # (B, L_s·d), (B, L_t·d)
-        dxb = dx.view(b, ls, d).to(self.dtype)
-        self.xx.add_(xx_b).add_(f * dxb.unsqueeze(-1) * dxb.unsqueeze(-2))
-        self.xy.add_(xy_b).add_(f * dx.to(self.dtype).unsqueeze(-1) * dy.to(self.dtype).unsqueeze(-2))
-        self.yy.add_(yy_b).add_(f * dy * dy)
+        dxb = dx.view(b * ls, d).to(self.dtype)
+        self.xx.view(b * ls, d, d).baddbmm_(dxb.unsqueeze(2), dxb.unsqueeze(1), alpha=f)
+        self.xy.baddbmm_(dx.to(self.dtype).unsqueeze(2), dy.to(self.dtype).unsqueeze(1), alpha=f)
+        self.yy.add_(f * dy * dy)
         self.x_mean.add_(share * dx)
         self.y_mean.add_(share * dy)
         self.count += n_b
@@ -600,22 +678,23 @@ class SelectionStatistics:
         yc64 = ys - my.unsqueeze(1)
         xc, yc = (xs - mx.unsqueeze(1)).to(self.dtype), yc64.to(self.dtype)
         b, n, d = xc.shape[0], xc.shape[1], self.head_dim
-        blocks = xc.view(b, n, self.source_layers, d).permute(0, 2, 1, 3)  # (B, L_s, N, d)
-        xx = blocks.transpose(-1, -2) @ blocks  # (B, L_s, d, d)
-        self._add_centred(n, mx, my, xx, xc.transpose(1, 2) @ yc, (yc64 * yc64).sum(1))
+        del xs, ys
+        blocks = xc.view(b, n, self.source_layers, d).permute(0, 2, 1, 3).reshape(b * self.source_layers, n, d)
+        f, share = _chan_merge(self.count, n)
+        self.xx.view(-1, d, d).baddbmm_(blocks.transpose(1, 2), blocks)  # (B·L_s, d, d), in place
+        self.xy.baddbmm_(xc.transpose(1, 2), yc)  # (B, L_s·d, L_t·d), in place: no temporary of that size
+        self.yy.add_((yc64 * yc64).sum(1))
+        self._shift(f, share, n, mx, my)
 
     def merge_(self, other: SelectionStatistics) -> SelectionStatistics:
         if other.shape_key != self.shape_key:
             raise StatisticsError(f"cannot merge statistics of layouts {self.shape_key} and {other.shape_key}")
         dev = self.xx.device
-        self._add_centred(
-            other.count,
-            other.x_mean.to(dev),
-            other.y_mean.to(dev),
-            other.xx.to(dev, self.dtype),
-            other.xy.to(dev, self.dtype),
-            other.yy.to(dev),
-        )
+        f, share = _chan_merge(self.count, other.count)
+        self.xx.add_(other.xx.to(dev, self.dtype))
+        self.xy.add_(other.xy.to(dev, self.dtype))
+        self.yy.add_(other.yy.to(dev))
+        self._shift(f, share, other.count, other.x_mean.to(dev), other.y_mean.to(dev))
         return self
 
     def all_reduce_(self) -> SelectionStatistics:
@@ -634,9 +713,9 @@ class SelectionStatistics:
         mx, my = mx / total, my / total
         b, d, ls = self.num_kv_heads * 2, self.head_dim, self.source_layers
         dx, dy = self.x_mean - mx, self.y_mean - my
-        dxb = dx.view(b, ls, d).to(self.dtype)
-        self.xx.add_(self.count * dxb.unsqueeze(-1) * dxb.unsqueeze(-2))
-        self.xy.add_(self.count * dx.to(self.dtype).unsqueeze(-1) * dy.to(self.dtype).unsqueeze(-2))
+        dxb = dx.view(b * ls, d).to(self.dtype)
+        self.xx.view(b * ls, d, d).baddbmm_(dxb.unsqueeze(2), dxb.unsqueeze(1), alpha=self.count)
+        self.xy.baddbmm_(dx.to(self.dtype).unsqueeze(2), dy.to(self.dtype).unsqueeze(1), alpha=self.count)
         self.yy.add_(self.count * dy * dy)
         for tensor in (self.xx, self.xy, self.yy):
             dist.all_reduce(tensor)

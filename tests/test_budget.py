@@ -11,7 +11,7 @@ from hf_kvbridge.calibration import collect_statistics, fit_bridge_in_passes, sp
 from hf_kvbridge.mappers import KVMapper
 from hf_kvbridge.selection import select_layers
 from hf_kvbridge.solve import solve_ridge
-from hf_kvbridge.statistics import BlockStatistics, KVStatistics, SelectionStatistics
+from hf_kvbridge.statistics import BlockStatistics, KVStatistics, SelectionStatistics, map_groups
 from tests.conftest import CORPUS, make_tokenizer, qwen3
 
 LS, LT, H, D = 3, 4, 2, 3
@@ -51,6 +51,38 @@ def test_block_statistics_fit_like_dense(dtype, tmp_path):
         torch.testing.assert_close(sst_got, sst_want, **tol)
     with pytest.raises(hf_kvbridge.StatisticsError, match=r"hold source layers \[0, 2\], not \[1\]"):
         block.moments(dense.source_index([1]), dense.target_index(1))
+
+
+@pytest.mark.parametrize(
+    "head_mode, kv_mode, groups",
+    [("same_head", "joint", H), ("all_heads", "separate", 2), ("same_head", "separate", 2 * H)],
+)
+def test_grouped_block_statistics_fit_like_dense_and_are_smaller(head_mode, kv_mode, groups, tmp_path):
+    """Kept per head and/or per K/V, the blocks give the dense sums' fit for every map of that mode, take 1/groups
+    of the Gram and cross memory, survive save/load and merging, and refuse a fit that needs blocks they dropped."""
+    x, y = _rows(600, 1, mean=25.0)
+    dense = KVStatistics(LS, LT, H, D)
+    dense.update(x, y)
+    parts = [
+        BlockStatistics(LS, LT, H, D, sources=[2, 0], targets=[1, 3], head_mode=head_mode, kv_mode=kv_mode)
+        for _ in range(2)
+    ]
+    parts[0].update(x[:250], y[:250])
+    parts[1].update(x[250:], y[250:])
+    parts[1].save(tmp_path / "b.safetensors")
+    block = parts[0].merge_(BlockStatistics.load(tmp_path / "b.safetensors"))
+    full = BlockStatistics(LS, LT, H, D, sources=[2, 0], targets=[1, 3])
+    assert block.xx.numel() * groups == full.xx.numel() and block.xy.numel() * groups == full.xy.numel()
+    assert BlockStatistics.nbytes(2, 2, ROW, torch.float32, groups) < BlockStatistics.nbytes(2, 2, ROW, torch.float32)
+    maps = map_groups(dense, [2, 0], 3, head_mode, kv_mode)
+    assert len(maps) == groups
+    for x_idx, y_idx in maps:
+        want = solve_ridge(dense, x_idx, y_idx, 0.01)
+        got = solve_ridge(block, x_idx, y_idx, 0.01)
+        torch.testing.assert_close(got[0], want[0], atol=2e-4, rtol=2e-4)
+        torch.testing.assert_close(got[1], want[1], atol=2e-4, rtol=2e-4)
+    with pytest.raises(hf_kvbridge.StatisticsError, match=f"keep {head_mode}/{kv_mode} blocks only"):
+        block.moments(dense.source_index([2, 0]), dense.target_index(3))  # all heads, keys and values together
 
 
 def test_residual_sums_are_centred():
@@ -109,14 +141,18 @@ def test_parse_bytes_and_bad_sizes():
 def test_planner_names_the_numbers():
     # Qwen3-0.6B → 1.7B shapes: 28 → 28 layers, 8 KV heads × 128
     assert check_budget(parse_bytes("16GB"), 28, 28, 8, 128, 6, torch.float32) == "blocks"
-    with pytest.raises(StatisticsMemoryError, match=r"top_k=16 .* needs 9\.1 GB .*allows 8\.0 GB.*top_k ≤ 14"):
+    # all heads, joint: a 32,768-feature Gram block per map, and its float64 eigendecomposition
+    message = r"top_k=16 .* needs 82\.1 GB: statistics 9\.1 GB .* 73\.0 GB to solve .*allows 8\.0 GB.*top_k ≤ 4"
+    with pytest.raises(StatisticsMemoryError, match=message):
         check_budget(parse_bytes("8GB"), 28, 28, 8, 128, 16, torch.float32)
+    # per head and K/V (16 groups of 128 features per layer): the same k fits beside the 2.2 GB selection pass
+    assert check_budget(parse_bytes("3GB"), 28, 28, 8, 128, 16, torch.float32, "same_head", "separate") == "blocks"
     with pytest.raises(StatisticsMemoryError, match=r"selection statistics need 2\.2 GB .*allows 1\.0 GB"):
         check_budget(parse_bytes("1GB"), 28, 28, 8, 128, 6, torch.float32)
     assert selection_bytes(28, 28, 8, 128, torch.float32) < parse_bytes("2.5GB")
     # consecutive target layers share a pass while the union of their source layers fits
     selected = [[0, 1], [1, 2], [5, 6], [6, 7]]
-    budget = fit_bytes(3, 2, ROW, torch.float32)
+    budget = fit_bytes(3, 2, ROW, torch.float32, top_k=2)
     assert plan_passes(selected, ROW, budget, torch.float32) == [[0, 1], [2, 3]]
 
 
@@ -137,17 +173,20 @@ def test_calibrate_refuses_an_impossible_budget_before_any_forward(monkeypatch):
         )
 
 
-@pytest.mark.parametrize("head_mode", ["all_heads", "same_head"])
-def test_passes_select_and_fit_like_a_dense_reference(windows, head_mode):
+@pytest.mark.parametrize(
+    "head_mode, kv_mode", [("all_heads", "joint"), ("same_head", "joint"), ("same_head", "separate")]
+)
+def test_passes_select_and_fit_like_a_dense_reference(windows, head_mode, kv_mode):
     source, target = _pair()
     _, heldout = split_heldout(len(windows), 0.25, 0)
     row = 2 * 2 * 16
-    budget = fit_bytes(3, 2, row, torch.float64)  # forces several fit passes
+    groups = (1 if head_mode == "all_heads" else 2) * (1 if kv_mode == "joint" else 2)  # Gram blocks kept per pass
+    budget = fit_bytes(3, 2, row, torch.float64, groups, top_k=2)  # forces several fit passes
     bridge, _ = fit_bridge_in_passes(
         source, target, windows, heldout, statistics_memory=budget, top_k=2, head_mode=head_mode, ridge_lambda=0.01,
-        statistics_dtype=torch.float64, batch_size=6,
+        statistics_dtype=torch.float64, batch_size=6, kv_mode=kv_mode,
     )  # fmt: skip
-    assert len(plan_passes(bridge.config.selected_layers, row, budget, torch.float64)) > 1
+    assert len(plan_passes(bridge.config.selected_layers, row, budget, torch.float64, groups)) > 1
     # the dense reference: all sums of every layer, the selection score and the fit computed from them here
     train, held = collect_statistics(source, target, windows, heldout=heldout, batch_size=6)
     score = torch.zeros(5, 4, 2, dtype=torch.float64)
@@ -161,7 +200,7 @@ def test_passes_select_and_fit_like_a_dense_reference(windows, head_mode):
                     score[t, s, kv] += (1 - sse.sum() / sst.sum()) / 2
     torch.testing.assert_close(bridge.layer_r2, score, atol=1e-8, rtol=0)
     assert bridge.config.selected_layers == select_layers(score, 2)
-    want = KVMapper.from_statistics(train + held, bridge.config.selected_layers, head_mode, 0.01)
+    want = KVMapper.from_statistics(train + held, bridge.config.selected_layers, head_mode, 0.01, kv_mode=kv_mode)
     for key, value in want.state_dict().items():
         torch.testing.assert_close(bridge.mapper.state_dict()[key], value, atol=1e-5, rtol=1e-5)
 

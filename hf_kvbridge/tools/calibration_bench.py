@@ -19,6 +19,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from ..budget import check_budget, fit_bytes, format_bytes, parse_bytes, plan_passes, selection_bytes
 from ..calibration import fit_bridge_in_passes, split_heldout
+from ..statistics import feature_groups
 
 # layer shapes of real checkpoints (hidden, layers, attention heads, KV heads, head dim, MLP width, vocabulary, tied)
 SHAPES = {
@@ -68,7 +69,9 @@ def run(args: argparse.Namespace) -> dict:
     ls, lt = source.config.num_hidden_layers, target.config.num_hidden_layers
     heads, dim = source.config.num_key_value_heads, source.config.head_dim
     row = heads * 2 * dim
-    mode = check_budget(budget, ls, lt, heads, dim, args.top_k, statistics_dtype)  # refuses before any work
+    modes = (args.head_mode, args.kv_mode)
+    mode = check_budget(budget, ls, lt, heads, dim, args.top_k, statistics_dtype, *modes)  # refuses before any work
+    groups = len(feature_groups(heads, dim, *modes))
     windows = torch.randint(0, source.config.vocab_size, (args.num_sequences, args.seq_len),
                             generator=torch.Generator().manual_seed(0))  # fmt: skip
     _, heldout = split_heldout(len(windows), args.heldout_fraction, 0)
@@ -91,10 +94,10 @@ def run(args: argparse.Namespace) -> dict:
             timings=timings,
         )
     wall = time.perf_counter() - started
-    passes = plan_passes(bridge.config.selected_layers, row, budget, statistics_dtype)
+    passes = plan_passes(bridge.config.selected_layers, row, budget, statistics_dtype, groups)
     pass_bytes = [
         fit_bytes(len(set().union(*(bridge.config.selected_layers[t] for t in group))), len(group), row,
-                  statistics_dtype)
+                  statistics_dtype, groups, args.top_k)
         for group in passes
     ]  # fmt: skip
     one_pass_forward = timings["forward_seconds"] / (1 + len(passes))
@@ -110,7 +113,9 @@ def run(args: argparse.Namespace) -> dict:
         "statistics_dtype": args.statistics_dtype,
         "fit_passes": len(passes),
         "selection_statistics_bytes": selection_bytes(ls, lt, heads, dim, statistics_dtype),
+        "feature_groups": groups,
         "largest_fit_pass_bytes": max(pass_bytes),
+        "model_bytes": sum(p.numel() * p.element_size() for m in (source, target) for p in m.parameters()),
         "build_seconds": round(build_s, 1),
         "calibration_seconds": round(wall, 1),
         "forward_seconds": round(timings["forward_seconds"], 1),
