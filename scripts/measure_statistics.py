@@ -3,8 +3,8 @@
 1. layer selection: the small per-head K→K / V→V statistic (`SelectionStatistics`) against the exact all-heads
    single-layer held-out R² (dense `KVStatistics`): overlap of the top-k sets, and the held-out R² of the mapper
    fitted with each selection;
-2. kv_mode "joint" against "separate" (same selection): held-out R², parameters, FLOPs per token and context-benefit
-   retention on held-out pocket text;
+2. kv_mode "joint" against "separate" (same selection, all heads, auto-λ): held-out R², parameters, FLOPs per token
+   and context-benefit retention on 64 held-out pocket windows of 192 + 16 tokens;
 3. float32 against float64 block statistics: largest difference of the fitted weights.
 
     python scripts/measure_statistics.py > statistics_measurements.json
@@ -22,10 +22,17 @@ from hf_kvbridge.calibration import _assemble_bridge, collect_statistics, split_
 from hf_kvbridge.data import token_windows
 from hf_kvbridge.mappers import KVMapper
 from hf_kvbridge.selection import mapper_r2, select_layers, single_layer_r2
+from hf_kvbridge.solve import LAMBDA_GRID, choose_ridge_lambdas
 from hf_kvbridge.statistics import BlockStatistics, SelectionStatistics
 from hf_kvbridge.tools.evaluation import continuation_nll, heldout_windows
 
-PAIRS = [("pocket-s", "pocket-m"), ("pocket-m", "pocket-s"), ("pocket-m", "pocket-l"), ("pocket-s", "pocket-l")]
+PAIRS = [
+    ("pocket-l", "pocket-s"),
+    ("pocket-m", "pocket-s"),
+    ("pocket-s", "pocket-m"),
+    ("pocket-m", "pocket-l"),
+    ("pocket-s", "pocket-l"),
+]
 
 
 def _load(name):
@@ -67,10 +74,11 @@ def measure(source_name: str, target_name: str, tokenizer, eval_windows) -> dict
         "kv_mode": {},
     }
     both = train + held
-    for kv_mode in ("joint", "separate"):
-        r2 = mapper_r2(train, held, exact_sel, kv_mode=kv_mode)  # (L_t, 2)
-        mapper = KVMapper.from_statistics(both, exact_sel, "all_heads", 0.01, kv_mode=kv_mode)
-        bridge = _assemble_bridge(source, target, mapper, exact, r2, k, 0.01, "all_heads", 1, None)
+    heads, dim = train.num_kv_heads, train.head_dim
+    for kv_mode in ("joint", "separate"):  # both at the default auto-λ, chosen for the maps as each mode fits them
+        lam, r2 = choose_ridge_lambdas(train, held, exact_sel, "all_heads", heads, dim, LAMBDA_GRID, kv_mode=kv_mode)
+        mapper = KVMapper.from_statistics(both, exact_sel, "all_heads", lam, kv_mode=kv_mode)
+        bridge = _assemble_bridge(source, target, mapper, exact, r2, k, "auto", lam, "all_heads", 1, None)
         retention = continuation_nll(bridge, eval_windows, 192)["context_benefit_retention"]
         out["kv_mode"][kv_mode] = {
             "heldout_r2_k": round(r2[:, 0].mean().item(), 4),
@@ -106,7 +114,7 @@ def measure(source_name: str, target_name: str, tokenizer, eval_windows) -> dict
 
 def main():
     tokenizer = AutoTokenizer.from_pretrained(pocket.model_path("pocket-s"))
-    eval_windows = heldout_windows(pocket.load_texts("heldout"), tokenizer, 192 + 16, 24)
+    eval_windows = heldout_windows(pocket.load_texts("heldout"), tokenizer, 192 + 16, 64)
     results = [measure(s, t, tokenizer, eval_windows) for s, t in PAIRS]
     print(json.dumps(results, indent=1))
 

@@ -146,3 +146,51 @@ def test_two_processes_split_fit_statistics_by_target_layer(tmp_path):
         assert out["r2"] == want.config.heldout_r2
         for key, value in want.mapper.state_dict().items():
             torch.testing.assert_close(out["state"][key], value, atol=1e-9, rtol=1e-7)
+
+
+def test_killed_budgeted_calibration_resumes_to_the_same_mapper(tmp_path):
+    """On a memory budget (a selection pass, then one fit pass per target layer), a run killed -9 in the middle of the
+    second fit pass resumes from its checkpoints: the passes already done are not run again, and the mapper equals an
+    uninterrupted run's."""
+    checkpoint = tmp_path / "ckpt"
+    script = textwrap.dedent(f"""
+        import os, signal, sys, torch
+        import hf_kvbridge.calibration as calibration
+        from hf_kvbridge.budget import fit_bytes
+        {PAIR.replace(chr(10), chr(10) + "        ")}
+        {WINDOWS}
+        kill_after = int(sys.argv[1]) if len(sys.argv) > 1 else -1
+        real, calls = calibration.cache_rows, [0]
+        def cache_rows(*args, **kwargs):
+            calls[0] += 1
+            if calls[0] == kill_after:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return real(*args, **kwargs)
+        calibration.cache_rows = cache_rows
+        bridge, _ = calibration.fit_bridge_in_passes(
+            source, target, windows, [3, 7, 11], statistics_memory=fit_bytes(2, 1, 64, torch.float32, 4), top_k=2,
+            batch_size=2, head_mode="same_head", kv_mode="separate", checkpoint_dir={str(checkpoint)!r})
+        torch.save(bridge.mapper.state_dict(), {str(tmp_path / "mapper.pt")!r})
+        print("forward batches", calls[0] // 2)
+    """)
+    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
+    # 11 batches a pass (9 train + 2 held-out), 2 models each: the selection pass and fit pass 0 are calls 1–44
+    killed = subprocess.run([sys.executable, "-c", script, "51"], capture_output=True, text=True, env=env, cwd=ROOT)
+    assert killed.returncode == -9, killed.stderr[-3000:]
+    resumed = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=ROOT)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    # 4 passes of 11 batches in all; the selection pass and fit pass 0 were checkpointed whole and are not run again,
+    # fit pass 1 (killed before its first checkpoint, every 10 batches) and fit pass 2 are
+    assert "forward batches 22" in resumed.stdout, resumed.stdout
+    from hf_kvbridge.budget import fit_bytes
+    from hf_kvbridge.calibration import fit_bridge_in_passes
+
+    source, target = qwen3(layers=2, seed=1), qwen3(layers=3, hidden=48, seed=2)
+    windows = torch.randint(0, 128, (20, 24), generator=torch.Generator().manual_seed(0))
+    want, _ = fit_bridge_in_passes(
+        source, target, windows, [3, 7, 11], statistics_memory=fit_bytes(2, 1, 64, torch.float32, 4), top_k=2,
+        batch_size=2, head_mode="same_head", kv_mode="separate",
+    )  # fmt: skip
+    got = torch.load(tmp_path / "mapper.pt")
+    for key, value in want.mapper.state_dict().items():
+        torch.testing.assert_close(got[key], value, atol=1e-6, rtol=1e-6)

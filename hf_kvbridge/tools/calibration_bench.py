@@ -30,6 +30,44 @@ SHAPES = {
     "qwen3-14b": (5120, 40, 40, 8, 128, 17408, 151936, False),
     "qwen3-32b": (5120, 64, 64, 8, 128, 25600, 151936, False),
 }
+# (layers, KV heads, head dim) of the pairs in the README's memory model
+LAYOUTS = {
+    "Qwen3-0.6B → 1.7B": ((28, 8, 128), (28, 8, 128)),
+    "Qwen3-4B → 8B": ((36, 8, 128), (36, 8, 128)),
+    "Qwen3-14B → 32B": ((40, 8, 128), (64, 8, 128)),
+    "Llama-3.1-8B → 70B": ((32, 8, 128), (80, 8, 128)),
+}
+
+
+def memory_table(budget: int = 16 * 10**9, ranks: int = 8, dtype=torch.float32) -> str:
+    """The README's memory model: selection and fit statistics, passes and mapper parameters per pair, k and mode.
+
+    A fit pass of `T` target layers is counted without sharing of source layers between them (`U = min(T·k, L_s)`):
+    sharing only lowers it. "passes" counts the selection pass.
+    """
+    lines = [
+        "| pair | k | head / kv mode | selection | fit pass, 1 target layer | 1 pass, all target layers "
+        "| passes at 16 GB: 1 device / 8 ranks | mapper parameters |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for pair, ((ls, heads, dim), (lt, _, _)) in LAYOUTS.items():
+        row = heads * 2 * dim
+        for k in (6, 8):
+            for head_mode, kv_mode in (("all_heads", "joint"), ("all_heads", "separate"), ("same_head", "separate")):
+                groups = len(feature_groups(heads, dim, head_mode, kv_mode))
+                one = fit_bytes(k, 1, row, dtype, groups, k)
+                every = fit_bytes(ls, lt, row, dtype, groups, k)
+                per_pass = max(
+                    [t for t in range(1, lt + 1) if fit_bytes(min(t * k, ls), t, row, dtype, groups, k) <= budget],
+                    default=0,
+                )
+                passes = "–" if per_pass == 0 else f"{1 + -(-lt // per_pass)} / {1 + -(-lt // (ranks * per_pass))}"
+                params = lt * (k * row // groups) * (row // groups) * groups + lt * row  # weights + biases
+                lines.append(
+                    f"| {pair} | {k} | {head_mode} / {kv_mode} | {format_bytes(selection_bytes(ls, lt, heads, dim, dtype))} "
+                    f"| {format_bytes(one)} | {format_bytes(every)} | {passes} | {params / 1e6:,.0f} M |"
+                )
+    return "\n".join(lines)
 
 
 def random_model(name: str, dtype: torch.dtype, device: str = "cpu", vocab: int | None = None) -> Qwen3ForCausalLM:
@@ -147,7 +185,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--vocab", type=int, default=None, help="override the vocabulary size (smaller embeddings)")
     parser.add_argument("--progress", action="store_true")
     parser.add_argument("--json", default=None, help="also write the result here")
+    parser.add_argument("--memory-model", action="store_true", help="print the README's memory model table and exit")
     args = parser.parse_args(argv)
+    if args.memory_model:
+        print(memory_table())
+        return {}
     result = run(args)
     text = json.dumps(result, indent=2)
     print(text)
