@@ -41,13 +41,28 @@ prefix-cache hit on mapped blocks. Bridged requests share blocks among themselve
 blocks as failed loads, and vLLM (with `kv_load_failure_policy="recompute"`, which `kv_transfer_config` sets and
 the connector requires) truncates the request to its last good block and the target computes the prompt itself.
 Each fallback is logged (WARNING, with the request id and the reason) and counted; every bridged request's output
-carries `kv_transfer_params["kvbridge"]` = `{"status": "mapped" | "fallback", "mapped_tokens": n, ...}`, and
-`KVBridgeConnector.counters` (per process) counts requests and tokens. A prompt of `hold_back` tokens or fewer
-has nothing to map and is computed by the target (status "target").
+carries `kv_transfer_params["kvbridge"]` = `{"status": "mapped" | "fallback" | "gated", "mapped_tokens": n, ...}`,
+and `KVBridgeConnector.counters` (per process) counts requests and tokens. A prompt of `hold_back` tokens or fewer
+(`hold_back + gate_probe_tokens` with a gate) has nothing to map and is computed by the target (status "target").
 
-Not supported here: `config.sink_tokens` (vLLM can only load a prefix; refused at start-up) and the quality gate
-(`config.gate_threshold`: it compares the target's own K/V with the mapped ones, which needs the target's weights
-in the worker; a warning at start-up says it is not applied). Single-GPU/CPU only (no tensor parallelism).
+**Quality gate** (`config.gate_threshold`, the same score and threshold as `bridge.generate`). The connector claims
+the prompt except its last `hold_back + gate_probe_tokens` tokens, so vLLM's target computes the probe tokens in the
+step of the load, on the mapped cache, as `transfer.transfer_prefill` has the HF target do. The worker maps the
+probe positions too (not written) and, after the forward pass (`get_block_ids_with_load_errors`, which vLLM calls
+after it, also when `wait_for_save` is deferred), reads the target's own K/V of the probe back from the paged cache
+(`read_slots`) and scores them with `transfer.probe_agreement`. Below the threshold the load's blocks are reported
+as failed in that same step: vLLM's scheduler (`Scheduler.update_from_output` → `_handle_invalid_blocks` →
+`_update_requests_with_invalid_blocks`) sets the request's computed tokens back to the first failed block and skips
+the request's output of that step (its sampled token is dropped), so the target recomputes the prompt and samples
+its own first token (status "gated" with `score`, `threshold` and `probe_tokens`; WARNING with the request id and
+score; `requests_gated` counted). That is exact when a step's output is processed before the next step is scheduled
+(no async scheduling: vLLM's CPU platform turns it off); with async scheduling it is not verified, and a start-up
+warning says so. `read_slots` knows the CPU backend's portable layout and FlashAttention's; the worker checks it
+reads back what it just wrote, and where it cannot the gate rejects (fails safe, with the reason). If chunked
+prefill gives the request fewer tokens than the probe in the load step, the gate scores the probe tokens computed.
+
+Not supported here: `config.sink_tokens` (vLLM can only load a prefix; refused at start-up) and selective recompute
+(`config.recompute_fraction`, not applied). Single-GPU/CPU only (no tensor parallelism).
 """
 
 from __future__ import annotations
