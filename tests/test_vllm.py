@@ -10,6 +10,10 @@ mapping failure; the tests compare what it reports with oracles:
 - a request that did not opt in gets no prefix-cache hit on a bridged request's (mapped) blocks, and a bridged one
   does get a hit on them (so the check can see a hit);
 - a failing mapping falls back to the target's own prefill: same tokens as the target alone, reported and counted;
+- the quality gate: pocket-s → pocket-l with a threshold that passes gives `bridge.generate`'s tokens and gate score
+  (the probe tokens are computed by vLLM's target and read back from its paged cache); with a threshold no mapping
+  can pass (1.01) every bridged request is rolled back in the step of its load and vLLM's greedy tokens are the
+  target's alone (so vLLM discarded that step's sampled token), reported as "gated" and counted;
 - the worker holds no target weights (its stand-in target has no parameters).
 """
 
@@ -157,27 +161,47 @@ def identity_run(tmp_path_factory, tokenizer):
     return _engine(tmp, "identity", tmp / "bridge", rounds)
 
 
+PASSING_GATE, IMPOSSIBLE_GATE = 0.5, 1.01  # pocket-s → pocket-l scores ≈ 0.9 on its probe; a cosine is ≤ 1
+
+
 @pytest.fixture(scope="module")
-def pair_run(tmp_path_factory, tokenizer):
+def pair_bridges(tmp_path_factory, tokenizer):
+    """pocket-s → pocket-l saved twice: with a quality gate it passes, and with one no mapping can pass."""
     tmp = tmp_path_factory.mktemp("pair")
     bridge = calibrate(
         "pocket/pocket-s", "pocket/pocket-l", pocket.load_texts("calibration"), num_sequences=32, seq_len=256,
         top_k=2, tokenizer=tokenizer,
     )  # fmt: skip
-    bridge.save_pretrained(tmp / "bridge")
+    for name, threshold in (("bridge", PASSING_GATE), ("gated", IMPOSSIBLE_GATE)):
+        bridge.config.gate_threshold = threshold
+        bridge.save_pretrained(tmp / name)
+    return tmp
+
+
+@pytest.fixture(scope="module")
+def pair_run(pair_bridges, tokenizer):
     prompts = _prompts(tokenizer, LENGTHS, skip=5)
     shared = prompts[2]
+    one = _prompts(tokenizer, [*LENGTHS, 120], skip=5)[-1]  # a prompt of its own, after the others
     rounds = [
         [(p, True) for p in prompts],  # bridged batch
         [(shared, False)],  # the same prompt, not opted in: must not hit the mapped blocks
         [(shared, True)],  # bridged again: hits its own (salted) blocks
         [(shared, False)],  # not opted in again: hits the blocks of the first non-opted request
-        [(prompts[0], True, 1)],  # finishes in the step of its load: its outcome must still say "mapped"
+        [(one, True, 1)],  # finishes in the step of its load: its outcome must still say "mapped"
     ]
-    result = _engine(tmp, "pair", tmp / "bridge", rounds)
+    result = _engine(pair_bridges, "pair", pair_bridges / "bridge", rounds)
     result["prompts"] = prompts
-    result["bridge_dir"] = str(tmp / "bridge")
+    result["one"] = one
+    result["bridge_dir"] = str(pair_bridges / "bridge")
     return result
+
+
+@pytest.fixture(scope="module")
+def gated_run(pair_bridges, tokenizer):
+    prompts = _prompts(tokenizer, LENGTHS, skip=5)  # pair_run's prompts
+    rounds = [[(p, False) for p in prompts], [(p, True) for p in prompts]]  # target alone, then bridged (gated)
+    return _engine(pair_bridges, "gated", pair_bridges / "gated", rounds)
 
 
 def test_identity_bridge_in_vllm_equals_target_alone(identity_run):
@@ -214,10 +238,34 @@ def test_worker_holds_source_and_mapper_only(identity_run, pair_run):
 
 def test_pair_bridge_in_vllm_equals_bridge_generate(pair_run, tokenizer):
     bridge = KVBridgeForCausalLM.from_pretrained(pair_run["bridge_dir"], dtype=torch.float32)
+    assert bridge.config.gate_threshold == PASSING_GATE
     for ids, got in zip(pair_run["prompts"], pair_run["rounds"][0]):
         want = bridge.generate(torch.tensor([ids]), max_new_tokens=MAX_TOKENS, do_sample=False)[0, len(ids) :]
         assert got["tokens"] == want.tolist(), len(ids)
-        assert got["kvbridge"]["status"] == "mapped"
+        outcome = got["kvbridge"]
+        assert outcome["status"] == "mapped" and outcome["mapped_tokens"] == len(ids) - 1 - 8, outcome
+        # the same gate score as bridge.generate's: vLLM's target computed the probe, read back from its paged cache
+        assert bridge.last_transfer["transferred"] and outcome["probe_tokens"] == bridge.config.gate_probe_tokens
+        assert outcome["score"] == pytest.approx(bridge.last_transfer["score"], abs=1e-4)
+        assert PASSING_GATE <= outcome["score"] < 0.999  # not an identity: the score can tell mappings apart
+    assert "requests_gated" not in pair_run["counters"]
+
+
+def test_gate_that_says_no_gives_the_target_alone_visibly(gated_run, pair_run):
+    alone, bridged = gated_run["rounds"]
+    for i, n in enumerate(LENGTHS):
+        assert bridged[i]["tokens"] == alone[i]["tokens"], (n, bridged[i], alone[i])
+        outcome = bridged[i]["kvbridge"]
+        assert outcome["status"] == "gated" and outcome["mapped_tokens"] == 0, outcome
+        assert outcome["threshold"] == IMPOSSIBLE_GATE and outcome["score"] == pytest.approx(
+            pair_run["rounds"][0][i]["kvbridge"]["score"], abs=1e-4
+        )
+    assert gated_run["counters"]["requests_gated"] == len(LENGTHS)
+    assert gated_run["counters"]["tokens_gated"] == sum(n - 1 - 8 for n in LENGTHS)
+    assert "requests_mapped" not in gated_run["counters"]
+    assert gated_run["log"].count("quality gate rejected the mapping of request") == len(LENGTHS)
+    # the check has teeth: had the mapped cache been kept, some output would differ from the target's alone
+    assert any(pair_run["rounds"][0][i]["tokens"] != alone[i]["tokens"] for i in range(len(LENGTHS)))
 
 
 def test_request_not_opted_in_never_reuses_mapped_blocks(pair_run):
@@ -234,5 +282,7 @@ def test_request_not_opted_in_never_reuses_mapped_blocks(pair_run):
 
 def test_one_token_request_reports_its_mapping(pair_run):
     (one,) = pair_run["rounds"][4]
-    assert one["kvbridge"]["status"] == "mapped" and one["kvbridge"]["mapped_tokens"] > 0
-    assert one["tokens"] == pair_run["rounds"][0][0]["tokens"][:1]
+    assert one["kvbridge"]["status"] == "mapped" and one["kvbridge"]["mapped_tokens"] == len(pair_run["one"]) - 1 - 8
+    bridge = KVBridgeForCausalLM.from_pretrained(pair_run["bridge_dir"], dtype=torch.float32)
+    ids = torch.tensor([pair_run["one"]])
+    assert one["tokens"] == bridge.generate(ids, max_new_tokens=1, do_sample=False)[0, ids.shape[1] :].tolist()

@@ -41,13 +41,28 @@ prefix-cache hit on mapped blocks. Bridged requests share blocks among themselve
 blocks as failed loads, and vLLM (with `kv_load_failure_policy="recompute"`, which `kv_transfer_config` sets and
 the connector requires) truncates the request to its last good block and the target computes the prompt itself.
 Each fallback is logged (WARNING, with the request id and the reason) and counted; every bridged request's output
-carries `kv_transfer_params["kvbridge"]` = `{"status": "mapped" | "fallback", "mapped_tokens": n, ...}`, and
-`KVBridgeConnector.counters` (per process) counts requests and tokens. A prompt of `hold_back` tokens or fewer
-has nothing to map and is computed by the target (status "target").
+carries `kv_transfer_params["kvbridge"]` = `{"status": "mapped" | "fallback" | "gated", "mapped_tokens": n, ...}`,
+and `KVBridgeConnector.counters` (per process) counts requests and tokens. A prompt of `hold_back` tokens or fewer
+(`hold_back + gate_probe_tokens` with a gate) has nothing to map and is computed by the target (status "target").
 
-Not supported here: `config.sink_tokens` (vLLM can only load a prefix; refused at start-up) and the quality gate
-(`config.gate_threshold`: it compares the target's own K/V with the mapped ones, which needs the target's weights
-in the worker; a warning at start-up says it is not applied). Single-GPU/CPU only (no tensor parallelism).
+**Quality gate** (`config.gate_threshold`, the same score and threshold as `bridge.generate`). The connector claims
+the prompt except its last `hold_back + gate_probe_tokens` tokens, so vLLM's target computes the probe tokens in the
+step of the load, on the mapped cache, as `transfer.transfer_prefill` has the HF target do. The worker maps the
+probe positions too (not written) and, after the forward pass (`get_block_ids_with_load_errors`, which vLLM calls
+after it, also when `wait_for_save` is deferred), reads the target's own K/V of the probe back from the paged cache
+(`read_slots`) and scores them with `transfer.probe_agreement`. Below the threshold the load's blocks are reported
+as failed in that same step: vLLM's scheduler (`Scheduler.update_from_output` → `_handle_invalid_blocks` →
+`_update_requests_with_invalid_blocks`) sets the request's computed tokens back to the first failed block and skips
+the request's output of that step (its sampled token is dropped), so the target recomputes the prompt and samples
+its own first token (status "gated" with `score`, `threshold` and `probe_tokens`; WARNING with the request id and
+score; `requests_gated` counted). That is exact when a step's output is processed before the next step is scheduled
+(no async scheduling: vLLM's CPU platform turns it off); with async scheduling it is not verified, and a start-up
+warning says so. `read_slots` knows the CPU backend's portable layout and FlashAttention's; the worker checks it
+reads back what it just wrote, and where it cannot the gate rejects (fails safe, with the reason). If chunked
+prefill gives the request fewer tokens than the probe in the load step, the gate scores the probe tokens computed.
+
+Not supported here: `config.sink_tokens` (vLLM can only load a prefix; refused at start-up) and selective recompute
+(`config.recompute_fraction`, not applied). Single-GPU/CPU only (no tensor parallelism).
 """
 
 from __future__ import annotations
@@ -63,6 +78,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+from transformers import DynamicCache
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -82,6 +98,7 @@ if TYPE_CHECKING:
 
 logger = init_logger("vllm.hf_kvbridge")  # under "vllm", so vLLM's handlers format and show it
 
+FAILED = ("fallback", "gated")  # outcomes whose blocks are reported as failed loads: the target recomputes them
 PARAM_KEY = "kvbridge"  # the key in a request's kv_transfer_params, and in the output's kv_transfer_params
 CONNECTOR_NAME = "KVBridgeConnector"
 MODULE_PATH = "hf_kvbridge.integrations.vllm"  # what vLLM imports (not __main__ when run with -m)
@@ -191,14 +208,30 @@ def rotary_embedding_class(config) -> type:
 # -- metadata passed scheduler → worker and worker → scheduler --------------------------------------------------
 @dataclass
 class BridgeLoad:
-    """One request's mapping in this step: source-prefill `token_ids` (the prompt up to `end`), write the mapped
-    K/V of tokens `[start, end)` into the slots of `block_ids`."""
+    """One request's mapping in this step: source-prefill `token_ids` (the prompt up to `probe_end`), write the
+    mapped K/V of tokens `[start, end)` into the slots of `block_ids`. With a quality gate, the target computes tokens
+    `[end, probe_end)` itself in this step (the probe); their mapped K/V are computed too, not written, and compared
+    with the target's own after the forward pass. Without a gate `probe_end == end`."""
 
     req_id: str
     token_ids: list[int]
     start: int
     end: int
     block_ids: list[int]
+    probe_end: int
+
+
+@dataclass
+class GateCheck:
+    """A quality-gate check waiting for the forward pass: the mapped K/V of the probe tokens (`mapped`, a cache of
+    `(1, kv_heads, n, head_dim)` layers), the probe's slots in vLLM's paged cache, and the attention layers to read
+    the target's own K/V from (`None` when the written cache could not be read back, see `read_slots`)."""
+
+    load: BridgeLoad
+    written: int
+    mapped: Any
+    slots: torch.Tensor
+    layers: dict[str, nn.Module] | None
 
 
 @dataclass
@@ -215,7 +248,7 @@ class KVBridgeWorkerMetadata(KVConnectorWorkerMetadata):
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         merged = dict(self.outcomes)
         for req_id, outcome in getattr(other, "outcomes", {}).items():
-            if merged.get(req_id, {}).get("status") != "fallback":  # a failure on any worker wins
+            if merged.get(req_id, {}).get("status") not in FAILED:  # a failure on any worker wins
                 merged[req_id] = outcome
         return KVBridgeWorkerMetadata(merged)
 
@@ -248,14 +281,16 @@ class KVBridgeConnector(KVConnectorBase_V1):
                 f"bridge {self.bridge_ref} has sink_tokens={self.config.sink_tokens}: vLLM loads only a prefix of the "
                 "prompt, so the target cannot compute the first tokens itself; save the bridge with sink_tokens=0"
             )
-        if self.config.gate_threshold is not None:
-            logger.warning(
-                "bridge %s has a quality gate (gate_threshold=%s); it needs the target's own K/V, which the vLLM "
-                "worker does not compute: the gate is NOT applied here",
-                self.bridge_ref,
-                self.config.gate_threshold,
-            )
         self.hold_back = max(1, int(self.config.hold_back))  # vLLM must compute at least the last prompt token
+        self.gate_threshold = self.config.gate_threshold
+        self.probe = int(self.config.gate_probe_tokens) if self.gate_threshold is not None else 0
+        if role == KVConnectorRole.SCHEDULER and vllm_config.scheduler_config.async_scheduling:
+            logger.warning(
+                "KVBridgeConnector: async scheduling is on. A failed or gated mapping is rolled back by reporting its "
+                "blocks as failed loads after the step ran; vLLM discards that step's sampled token, but with async "
+                "scheduling it may already have scheduled the request's next step on it (not verified here): "
+                "set async_scheduling=False (--no-async-scheduling) for exact fallbacks"
+            )
         digest = hashlib.sha256(json.dumps(checksums, sort_keys=True).encode() + self.bridge_ref.encode())
         self.salt_tag = f"kvbridge:{digest.hexdigest()[:16]}"
         self.block_size = vllm_config.cache_config.block_size
@@ -270,6 +305,7 @@ class KVBridgeConnector(KVConnectorBase_V1):
         self.bridge = None
         self._invalid_blocks: set[int] = set()
         self._step_outcomes: dict[str, dict[str, Any]] = {}
+        self._gate_checks: list[GateCheck] = []
         if role == KVConnectorRole.WORKER:
             if self._kv_transfer_config.kv_load_failure_policy != "recompute":
                 logger.warning(
@@ -341,7 +377,7 @@ class KVBridgeConnector(KVConnectorBase_V1):
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         if not self._bridged.get(request.request_id, False):
             return 0, False
-        end = request.num_prompt_tokens - self.hold_back
+        end = request.num_prompt_tokens - self.hold_back - self.probe  # the target computes the probe itself
         if end <= num_computed_tokens:  # nothing to map (short prompt, or all of it is in the prefix cache)
             return 0, False
         self._claims[request.request_id] = (num_computed_tokens, end)
@@ -350,20 +386,22 @@ class KVBridgeConnector(KVConnectorBase_V1):
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int):
         if num_external_tokens <= 0:
             return
-        _, end = self._claims.pop(request.request_id, (None, request.num_prompt_tokens - self.hold_back))
+        default_end = request.num_prompt_tokens - self.hold_back - self.probe
+        _, end = self._claims.pop(request.request_id, (None, default_end))
         self._pending[request.request_id] = (request, end - num_external_tokens, end)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = KVBridgeConnectorMetadata()
+        scheduled = scheduler_output.num_scheduled_tokens
         for new_req in scheduler_output.scheduled_new_reqs:
             if new_req.req_id in self._pending:
                 request, start, end = self._pending.pop(new_req.req_id)
-                meta.loads.append(self._load(request, start, end, new_req.block_ids[0]))
+                meta.loads.append(self._load(request, start, end, new_req.block_ids[0], scheduled))
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             if req_id in self._pending and req_id in cached.resumed_req_ids and cached.new_block_ids[i] is not None:
                 request, start, end = self._pending.pop(req_id)
-                meta.loads.append(self._load(request, start, end, cached.new_block_ids[i][0]))
+                meta.loads.append(self._load(request, start, end, cached.new_block_ids[i][0], scheduled))
         self._pending.clear()
         for load in meta.loads:
             self._count(requests_claimed=1, tokens_claimed=load.end - load.start)
@@ -373,9 +411,12 @@ class KVBridgeConnector(KVConnectorBase_V1):
             self._sent[load.req_id] = {"status": "mapped", "mapped_tokens": load.end - load.start, "start": load.start}
         return meta
 
-    @staticmethod
-    def _load(request: Request, start: int, end: int, block_ids) -> BridgeLoad:
-        return BridgeLoad(request.request_id, list(request.prompt_token_ids[:end]), start, end, list(block_ids))
+    def _load(self, request: Request, start: int, end: int, block_ids, scheduled: dict[str, int]) -> BridgeLoad:
+        # The probe is what the target computes of it in this step: all of it, unless chunked prefill split the step
+        # (the target then computes at least one token, and the gate checks the probe tokens it computed).
+        probe_end = end + min(self.probe, scheduled.get(request.request_id, 0))
+        token_ids = list(request.prompt_token_ids[:probe_end])
+        return BridgeLoad(request.request_id, token_ids, start, end, list(block_ids), probe_end)
 
     def update_connector_output(self, connector_output: KVConnectorOutput):
         meta = connector_output.kv_connector_worker_meta
@@ -407,14 +448,7 @@ class KVBridgeConnector(KVConnectorBase_V1):
             try:
                 written = self.map_and_write(load, layers)
             except Exception as error:  # fall back: the target recomputes the claimed tokens
-                first, last = load.start // self.block_size, (load.end - 1) // self.block_size
-                self._invalid_blocks.update(load.block_ids[first : last + 1])
-                self._step_outcomes[load.req_id] = {
-                    "status": "fallback",
-                    "mapped_tokens": 0,
-                    "reason": f"{type(error).__name__}: {error}",
-                }
-                self._count(requests_fallback=1, tokens_fallback=load.end - load.start)
+                self._fall_back(load, "fallback", reason=f"{type(error).__name__}: {error}")
                 logger.warning(
                     "KVBridgeConnector: mapping failed for request %s (%d tokens): %s: %s; the target computes "
                     "the prompt itself",
@@ -424,12 +458,32 @@ class KVBridgeConnector(KVConnectorBase_V1):
                     error,
                 )
                 continue
-            self._step_outcomes[load.req_id] = {"status": "mapped", "mapped_tokens": written, "start": load.start}
-            self._count(requests_mapped=1, tokens_mapped=written)
+            if load.probe_end == load.end:  # no gate: mapped for good (a gated one is decided after the forward)
+                self._mapped(load, written)
+
+    def _mapped(self, load: BridgeLoad, written: int, **extra: Any) -> None:
+        self._step_outcomes[load.req_id] = {"status": "mapped", "mapped_tokens": written, "start": load.start, **extra}
+        self._count(requests_mapped=1, tokens_mapped=written)
+
+    def _fall_back(self, load: BridgeLoad, status: str, **extra: Any) -> None:
+        """Reports `load`'s blocks as failed loads: vLLM truncates the request to its last good block, discards this
+        step's sampled token and has the target compute the rest of the prompt."""
+        first, last = load.start // self.block_size, (load.end - 1) // self.block_size
+        self._invalid_blocks.update(load.block_ids[first : last + 1])
+        self._step_outcomes[load.req_id] = {"status": status, "mapped_tokens": 0, **extra}
+        self._count(**{f"requests_{status}": 1, f"tokens_{status}": load.end - load.start})
+
+    def _slots(self, load: BridgeLoad, start: int, end: int) -> torch.Tensor:
+        """Slots in vLLM's paged cache of prompt positions `[start, end)` of `load`'s request."""
+        offsets = torch.arange(start, end)
+        blocks = torch.tensor(load.block_ids, dtype=torch.long)[offsets // self.block_size]
+        return blocks * self.block_size + offsets % self.block_size
 
     def map_and_write(self, load: BridgeLoad, layers: dict[str, nn.Module]) -> int:
         """Source prefill over `load.token_ids`, mapping of tokens `[start, end)`, and one cache-update call per
-        target attention layer. Returns the number of tokens written."""
+        target attention layer. Returns the number of tokens written. With a quality gate, also maps the probe
+        tokens `[end, probe_end)` (not written: the target computes them in this step) and queues the gate's check
+        for after the forward pass (`check_gates`)."""
         from vllm.model_executor.models.utils import extract_layer_index
 
         from ..cache import output_cache, slice_cache
@@ -439,23 +493,72 @@ class KVBridgeConnector(KVConnectorBase_V1):
             raise RuntimeError("the bridge is not loaded in this worker")
         device = bridge.device
         ids = torch.tensor([load.token_ids], dtype=torch.long, device=device)
-        source_out = bridge.source(input_ids=ids, use_cache=True, logits_to_keep=1)
-        piece = slice_cache(output_cache(source_out), load.start, load.end)
+        source_cache = output_cache(bridge.source(input_ids=ids, use_cache=True, logits_to_keep=1))
         positions = torch.arange(load.start, load.end, device=device).unsqueeze(0)
-        mapped = bridge.map_cache(piece, positions)  # target layout, post-RoPE keys, the target's dtype
+        mapped = bridge.map_cache(slice_cache(source_cache, load.start, load.end), positions)  # target layout
         if len(layers) != len(mapped.layers):
             raise RuntimeError(f"vLLM has {len(layers)} attention layers, the mapped cache {len(mapped.layers)}")
-        offsets = torch.arange(load.start, load.end)
-        blocks = torch.tensor(load.block_ids, dtype=torch.long)[offsets // self.block_size]
+        slots = self._slots(load, load.start, load.end)
+        readable = True
         for name, layer in layers.items():
             cache_layer = mapped.layers[extract_layer_index(name)]
-            keys = cache_layer.keys[0].transpose(0, 1)  # (T, H, d)
+            keys = cache_layer.keys[0].transpose(0, 1)  # (T, H, d), post-RoPE
             values = cache_layer.values[0].transpose(0, 1)
             kv_cache = layer.kv_cache
-            slots = (blocks * self.block_size + offsets % self.block_size).to(kv_cache.device)
             keys, values = keys.to(kv_cache.device).contiguous(), values.to(kv_cache.device).contiguous()
-            layer.impl.do_kv_cache_update(layer, keys, values, kv_cache, slots)
-        return load.end - load.start
+            layer.impl.do_kv_cache_update(layer, keys, values, kv_cache, slots.to(kv_cache.device))
+            if load.probe_end > load.end:  # the gate reads the cache back: check that it reads what was written
+                tail = slice(-self.block_size, None)
+                readable = readable and _reads_back(layer, slots[tail], keys[tail], values[tail])
+        written = load.end - load.start
+        if load.probe_end > load.end:
+            probe_positions = torch.arange(load.end, load.probe_end, device=device).unsqueeze(0)
+            mapped_probe = bridge.map_cache(slice_cache(source_cache, load.end, load.probe_end), probe_positions)
+            probe_slots = self._slots(load, load.end, load.probe_end)
+            self._gate_checks.append(GateCheck(load, written, mapped_probe, probe_slots, layers if readable else None))
+        return written
+
+    def check_gates(self) -> None:
+        """The quality gate of this step's gated loads, after the forward pass wrote the target's own K/V of the probe
+        tokens into the paged cache: `hf_kvbridge.transfer.probe_agreement` of own vs mapped probe K/V (mean cosine
+        over layers and tokens, as `bridge.generate` scores it). Below `gate_threshold`, or if the cache cannot be
+        read, the load is reported as failed and the target computes the prompt itself."""
+        from vllm.model_executor.models.utils import extract_layer_index
+
+        from ..cache import append_layer
+        from ..transfer import probe_agreement
+
+        checks, self._gate_checks = self._gate_checks, []
+        for check in checks:
+            load, n = check.load, check.load.probe_end - check.load.end
+            score, reason = None, None
+            if check.layers is None:
+                reason = "the quality gate cannot read this attention backend's KV cache layout"
+            else:
+                try:
+                    own = DynamicCache()
+                    for name, layer in check.layers.items():
+                        keys, values = read_slots(layer, check.slots)  # (n, H, d) each
+                        append_layer(
+                            own, extract_layer_index(name), keys.transpose(0, 1)[None], values.transpose(0, 1)[None]
+                        )
+                    score = float(probe_agreement(own, check.mapped, 0, torch.ones(1, n))[0])
+                except Exception as error:
+                    reason = f"quality gate failed: {type(error).__name__}: {error}"
+            if score is not None and score >= self.gate_threshold:
+                self._mapped(load, check.written, score=score, probe_tokens=n)
+                continue
+            gate = {"score": score, "threshold": self.gate_threshold, "probe_tokens": n}
+            self._fall_back(load, "gated", **gate, **({"reason": reason} if reason else {}))
+            logger.warning(
+                "KVBridgeConnector: quality gate rejected the mapping of request %s (%d tokens): probe K/V cosine %s "
+                "below %s%s; the target computes the prompt itself",
+                load.req_id,
+                load.end - load.start,
+                "n/a" if score is None else f"{score:.4f}",
+                self.gate_threshold,
+                f" ({reason})" if reason else "",
+            )
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # every layer is written in start_load_kv, before the forward pass
@@ -467,6 +570,9 @@ class KVBridgeConnector(KVConnectorBase_V1):
         return
 
     def get_block_ids_with_load_errors(self) -> set[int]:
+        # Called after the forward pass (also when wait_for_save is deferred past a draft model), so the probe
+        # tokens' own K/V are in the cache: the gate decides here, and its failures reach the scheduler in this step.
+        self.check_gates()
         invalid, self._invalid_blocks = self._invalid_blocks, set()
         return invalid
 
@@ -475,6 +581,44 @@ class KVBridgeConnector(KVConnectorBase_V1):
             return None
         outcomes, self._step_outcomes = self._step_outcomes, {}
         return KVBridgeWorkerMetadata(outcomes)
+
+
+# -- reading vLLM's paged cache (the quality gate's side of do_kv_cache_update) ----------------------------------
+def read_slots(layer: nn.Module, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values `(len(slots), kv_heads, head_dim)` stored at `slots` of `layer`'s paged KV cache.
+
+    Knows two layouts: the CPU backend's with its portable kernels (`isa` "vec"/"vec16"): a cache of
+    `(blocks, kv_heads, block_size, 2 * head_dim)` whose `(block, head)` page holds the keys transposed,
+    `(head_dim, block_size)`, then the values, `(block_size, head_dim)` (found by writing through
+    `cpu_attn_reshape_and_cache`), and the `(2, blocks, block_size, kv_heads, head_dim)` of FlashAttention-style
+    backends (not run here: no GPU). Anything else raises `NotImplementedError`. `map_and_write` checks that it
+    reads back what the backend's own cache-update op wrote before the gate trusts it (`_reads_back`).
+    """
+    kv_cache = layer.kv_cache
+    slots = slots.to(kv_cache.device)
+    if layer.impl.__class__.__name__.startswith("CPUAttention") and getattr(layer, "isa", None) in ("vec", "vec16"):
+        num_blocks, heads, block_size, width = kv_cache.shape
+        head_dim = width // 2
+        pages = kv_cache.view(num_blocks, heads, 2, block_size * head_dim)  # per block and head: keys, values
+        blocks, offsets = slots // block_size, slots % block_size
+        keys = pages[:, :, 0].unflatten(-1, (head_dim, block_size))[blocks, :, :, offsets]  # (T, H, d)
+        values = pages[:, :, 1].unflatten(-1, (block_size, head_dim))[blocks, :, offsets]  # (T, H, d)
+        return keys, values
+    if kv_cache.dim() == 5 and kv_cache.shape[0] == 2:
+        block_size = kv_cache.shape[2]
+        keys, values = (part[slots // block_size, slots % block_size] for part in kv_cache.unbind(0))  # (T, H, d)
+        return keys, values
+    raise NotImplementedError(f"unknown KV cache layout {tuple(kv_cache.shape)} of {layer.impl.__class__.__name__}")
+
+
+def _reads_back(layer: nn.Module, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> bool:
+    """Whether `read_slots` returns the `keys`/`values` just written at `slots` (exactly, in the cache's dtype)."""
+    try:
+        got_keys, got_values = read_slots(layer, slots)
+    except NotImplementedError:
+        return False
+    dtype = got_keys.dtype
+    return torch.equal(got_keys, keys.to(dtype)) and torch.equal(got_values, values.to(dtype))
 
 
 # -- serving -----------------------------------------------------------------------------------------------------
