@@ -37,10 +37,17 @@ class LazyKVMapper(KVMapper):
     max_chunk_bytes = None  # the whole sequence at once: each layer's weights are read once per mapping
 
     def __init__(
-        self, selected_layers, num_kv_heads: int, head_dim: int, head_mode: str, files: list[Path], kv_mode="joint"
+        self,
+        selected_layers,
+        num_kv_heads: int,
+        head_dim: int,
+        head_mode: str,
+        files: list[Path],
+        kv_mode="joint",
+        **target_heads,
     ):
         with torch.device("meta"):  # shapes and dtype only: no memory
-            super().__init__(selected_layers, num_kv_heads, head_dim, head_mode, kv_mode=kv_mode)
+            super().__init__(selected_layers, num_kv_heads, head_dim, head_mode, kv_mode=kv_mode, **target_heads)
         self._where: dict[str, Path] = {}
         for path in files:
             with safe_open(str(path), framework="pt") as handle:
