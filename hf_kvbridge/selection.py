@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from .solve import LAMBDA_GRID, choose_ridge_lambdas, heldout_r2_path, map_group_lambda, solve_ridge
 from .layout import same_head_sources
+from .solve import LAMBDA_GRID, choose_ridge_lambdas, heldout_r2_path, map_group_lambda, solve_ridge
 from .statistics import KVStatistics, map_groups
 
 

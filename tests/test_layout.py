@@ -109,7 +109,9 @@ def _duplicated(model, scale_values: float = 2.0, scale_keys: float = 3.0):
             attn, orig = mine.self_attn, theirs.self_attn
             for name, scale in (("k_proj", 1.0), ("v_proj", scale_values)):
                 weight = getattr(orig, name).weight.view(2, config.head_dim, -1)  # (H, d, hidden)
-                getattr(attn, name).weight.copy_(scale * weight.repeat_interleave(2, 0).reshape(4 * config.head_dim, -1))
+                getattr(attn, name).weight.copy_(
+                    scale * weight.repeat_interleave(2, 0).reshape(4 * config.head_dim, -1)
+                )
             attn.o_proj.weight.copy_(orig.o_proj.weight / scale_values)
             attn.k_norm.weight.copy_(orig.k_norm.weight * scale_keys)
             attn.q_norm.weight.copy_(orig.q_norm.weight / scale_keys)
