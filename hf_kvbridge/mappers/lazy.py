@@ -24,6 +24,7 @@ class LazyKVMapper(KVMapper):
     Args:
         selected_layers, num_kv_heads, head_dim, head_mode: as for [`KVMapper`].
         files (`list[Path]`): the checkpoint's mapper weight files (one, or the shards), already verified.
+        target_kv_heads, target_head_dim (`int`, *optional*): as for [`KVMapper`].
 
     Example:
 
