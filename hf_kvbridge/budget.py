@@ -117,11 +117,13 @@ def check_budget(
     dtype,
     head_mode: str = "all_heads",
     kv_mode: str = "joint",
+    groups: int | None = None,
 ) -> str:
     """Which calibration fits `budget` bytes: `"dense"` or `"blocks"`; raises `StatisticsMemoryError` (naming bytes
     needed, bytes available and what to change) when not even the smallest block plan fits. Runs before any work."""
     row = num_kv_heads * 2 * head_dim
-    groups = len(feature_groups(num_kv_heads, head_dim, head_mode, kv_mode))
+    if groups is None:  # Gram blocks kept per layer (see `hf_kvbridge.statistics.feature_groups`)
+        groups = len(feature_groups(num_kv_heads, head_dim, head_mode, kv_mode))
     if dense_bytes(source_layers, target_layers, row) <= budget:
         return "dense"
     selection = selection_bytes(source_layers, target_layers, num_kv_heads, head_dim, dtype)

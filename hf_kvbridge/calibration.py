@@ -21,7 +21,7 @@ from .configuration import KVBridgeConfig
 from .constants import DEFAULT_CALIBRATION_DATA, HEAD_MODES
 from .data import describe_data, token_windows
 from .errors import StatisticsError, StatisticsMemoryError
-from .layout import allowed_sources, check_matched, check_models
+from .layout import allowed_sources, check_matched, check_models, same_head_sources
 from .loading import model_reference, resolve_model_reference
 from .mappers import KVMapper, get_mapper_type
 from .modeling import KVBridgeForCausalLM
@@ -159,12 +159,14 @@ def collect_statistics(
     """
     src, tgt = check_matched(source.config, target.config, source.config.name_or_path, target.config.name_or_path)
     heldout_list = sorted(set(heldout or []))
-    forward_shape = (src.num_layers, tgt.num_layers, src.num_kv_heads, src.head_dim)
-    reverse_shape = (tgt.num_layers, src.num_layers, src.num_kv_heads, src.head_dim)
-    shapes = [forward_shape, reverse_shape] if reverse else [forward_shape]
+    pairs = [(src, tgt), (tgt, src)] if reverse else [(src, tgt)]
     # parts: [train, held] forward, then [train, held] reverse
     if make_parts is None:
-        parts = [KVStatistics(*shape, device=statistics_device) for shape in shapes for _ in range(2)]
+        parts = [
+            KVStatistics(a.num_layers, b.num_layers, *_heads(a, b)[:2], statistics_device, **_heads(a, b)[2])
+            for a, b in pairs
+            for _ in range(2)
+        ]
     else:
         parts = list(make_parts())
     train_ids = [i for i in range(len(windows)) if i not in set(heldout_list)]
@@ -222,10 +224,16 @@ def collect_statistics(
     return tuple(parts)
 
 
-def _features_per_layer(layout, head_mode: str, kv_mode: str) -> int:
+def _heads(src, tgt) -> tuple[int, int, dict]:
+    """`(num_kv_heads, head_dim, target keywords)` of statistics and mappers from layout `src` to layout `tgt`."""
+    target = {"target_kv_heads": tgt.num_kv_heads, "target_head_dim": tgt.head_dim}
+    return src.num_kv_heads, src.head_dim, target
+
+
+def _features_per_layer(src, tgt, head_mode: str, kv_mode: str) -> int:
     """Input features one source layer gives each independent map (see [`KVMapper`]'s table of groups)."""
-    heads = layout.num_kv_heads if head_mode == "all_heads" else 1
-    return heads * (2 if kv_mode == "joint" else 1) * layout.head_dim
+    heads = src.num_kv_heads if head_mode == "all_heads" else max(1, src.num_kv_heads // tgt.num_kv_heads)
+    return heads * (2 if kv_mode == "joint" else 1) * src.head_dim
 
 
 def _gathered_rows(source, target, windows, step, rank, device) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
@@ -285,7 +293,7 @@ def fit_bridge(
         raise ValueError(f"head_mode must be one of {HEAD_MODES}, got {head_mode!r}")
     src, tgt = check_matched(source.config, target.config, source.config.name_or_path, target.config.name_or_path)
     k = max(map(len, selected_layers)) if selected_layers else min(top_k or src.num_layers, src.num_layers)
-    features = k * _features_per_layer(src, head_mode, kv_mode)
+    features = k * _features_per_layer(src, tgt, head_mode, kv_mode)
     if train.count <= features:
         raise StatisticsError(
             f"fewer calibration tokens ({train.count}) than mapper input features ({features}); use more or longer "
@@ -299,7 +307,7 @@ def fit_bridge(
     ridge_lambdas = None
     if ridge_lambda == "auto":
         ridge_lambdas, fitted_r2 = choose_ridge_lambdas(
-            train, heldout, selected_layers, head_mode, src.num_kv_heads, src.head_dim, LAMBDA_GRID, kv_mode=kv_mode
+            train, heldout, selected_layers, head_mode, tgt.num_kv_heads, tgt.head_dim, LAMBDA_GRID, kv_mode=kv_mode
         )  # fitted_r2: (L_t, 2), the held-out R² of the maps as kv_mode fits them
     else:
         fitted_r2 = mapper_r2(train, heldout, selected_layers, head_mode, ridge_lambda, kv_mode=kv_mode)  # (L_t, 2)
@@ -376,8 +384,10 @@ def fit_bridge_in_passes(
         `(bridge, statistics)`: `statistics` is `(train, held-out)` [`BlockStatistics`] or `None`.
     """
     src, tgt = check_matched(source.config, target.config, source.config.name_or_path, target.config.name_or_path)
-    shape = (src.num_layers, tgt.num_layers, src.num_kv_heads, src.head_dim)
-    row = src.features_per_layer
+    heads, dim, target_heads = _heads(src, tgt)
+    shape = (src.num_layers, tgt.num_layers, heads, dim)
+    # the memory plan counts one row size for both sides: the larger one, so it never plans too little
+    row = max(src.features_per_layer, tgt.features_per_layer)
     timings = {} if timings is None else timings
     common = {
         "heldout": heldout,
@@ -391,7 +401,9 @@ def fit_bridge_in_passes(
         source,
         target,
         windows,
-        make_parts=lambda: [SelectionStatistics(*shape, statistics_dtype, statistics_device) for _ in range(2)],
+        make_parts=lambda: [
+            SelectionStatistics(*shape, statistics_dtype, statistics_device, **target_heads) for _ in range(2)
+        ],
         checkpoint_tag="selection",
         **common,
     )
@@ -399,13 +411,13 @@ def fit_bridge_in_passes(
     r2 = train.single_layer_r2(held, SELECTION_LAMBDA if ridge_lambda == "auto" else ridge_lambda)  # (L_t, L_s, 2)
     del train, held
     selected = select_layers(r2, top_k, allowed_sources(src, tgt))
-    groups = len(feature_groups(src.num_kv_heads, src.head_dim, head_mode, kv_mode))
+    groups = len(feature_groups(src.num_kv_heads, src.head_dim, head_mode, kv_mode, tgt.num_kv_heads, tgt.head_dim))
     passes = plan_passes(selected, row, statistics_memory, statistics_dtype, groups)
     logger.info("fitting %d target layers in %d pass(es) over the data", tgt.num_layers, len(passes))
-    mapper = KVMapper(selected, src.num_kv_heads, src.head_dim, head_mode, kv_mode=kv_mode)
+    mapper = KVMapper(selected, heads, dim, head_mode, kv_mode=kv_mode, **target_heads)
     fitted_r2 = torch.zeros(tgt.num_layers, 2, dtype=torch.float64)
     chosen_lambdas = {"k": [[] for _ in selected], "v": [[] for _ in selected]}
-    features = max(map(len, selected)) * _features_per_layer(src, head_mode, kv_mode)
+    features = max(map(len, selected)) * _features_per_layer(src, tgt, head_mode, kv_mode)
     statistics = None
     rank, world = _distributed()
     # under torch.distributed each rank accumulates (and solves) its own pass of a round of `world` passes, from the
@@ -419,7 +431,14 @@ def fit_bridge_in_passes(
         def make_parts(union=union, targets=targets):
             return [
                 BlockStatistics(
-                    *shape, union, targets, statistics_dtype, statistics_device, head_mode=head_mode, kv_mode=kv_mode
+                    *shape,
+                    union,
+                    targets,
+                    statistics_dtype,
+                    statistics_device,
+                    head_mode=head_mode,
+                    kv_mode=kv_mode,
+                    **target_heads,
                 )
                 for _ in range(2)
             ]
@@ -444,9 +463,16 @@ def fit_bridge_in_passes(
             )
         lam = ridge_lambda
         if ridge_lambda == "auto":  # λ per layer, head group and K/V of this pass's target layers
-            heads, dim = src.num_kv_heads, src.head_dim
             lam, pass_r2 = choose_ridge_lambdas(
-                train, held, selected, head_mode, heads, dim, LAMBDA_GRID, targets=targets, kv_mode=kv_mode
+                train,
+                held,
+                selected,
+                head_mode,
+                tgt.num_kv_heads,
+                tgt.head_dim,
+                LAMBDA_GRID,
+                targets=targets,
+                kv_mode=kv_mode,
             )  # pass_r2: held-out R² at the chosen λ, 0 outside this pass
             for kind in ("k", "v"):
                 for t in targets:
@@ -525,6 +551,11 @@ def calibrate(
     source, source_revision = _load(source, source_revision, **load_kwargs)
     target, target_revision = _load(target, target_revision, **load_kwargs)
     src, tgt = check_models(source, target, source.config.name_or_path, target.config.name_or_path)
+    if settings.head_mode == "same_head":  # refuse head counts same_head cannot pair before any work
+        names = (source.config.name_or_path, target.config.name_or_path)
+        same_head_sources(src.num_kv_heads, tgt.num_kv_heads, *names)
+        if settings.bidirectional:
+            same_head_sources(tgt.num_kv_heads, src.num_kv_heads, *reversed(names))
     # the memory plan, before any text is read or any forward pass runs
     budget = (
         parse_bytes(settings.statistics_memory)
@@ -533,11 +564,15 @@ def calibrate(
     )
     dtype = getattr(torch, settings.statistics_dtype)
     top_k = settings.top_k or src.num_layers
+    # the budget counts one head layout for both sides: the larger one's, so it never plans too little; the Gram
+    # blocks kept per layer come from the two real layouts
+    heads, dim = max(src.num_kv_heads, tgt.num_kv_heads), max(src.head_dim, tgt.head_dim)
     modes = (settings.head_mode, settings.kv_mode)
-    plan = [check_budget(budget, src.num_layers, tgt.num_layers, src.num_kv_heads, src.head_dim, top_k, dtype, *modes)]
+    groups = len(feature_groups(src.num_kv_heads, src.head_dim, *modes, tgt.num_kv_heads, tgt.head_dim))
+    plan = [check_budget(budget, src.num_layers, tgt.num_layers, heads, dim, top_k, dtype, *modes, groups=groups)]
     if settings.bidirectional:
         plan.append(
-            check_budget(budget, tgt.num_layers, src.num_layers, src.num_kv_heads, src.head_dim, top_k, dtype, *modes)
+            check_budget(budget, tgt.num_layers, src.num_layers, heads, dim, top_k, dtype, *modes, groups=groups)
         )
     mode = "dense" if set(plan) == {"dense"} else "blocks"
     logger.info("calibration statistics: %s (budget %s)", mode, format_bytes(budget))

@@ -88,6 +88,8 @@ def render_model_card(
         target_revision=config.target_revision or "(default)",
         source_layers=source_fp.get("num_layers", "?"),
         target_layers=target_fp.get("num_layers", "?"),
+        source_kv_heads=source_fp.get("num_kv_heads", "?"),
+        source_head_dim=source_fp.get("head_dim", "?"),
         kv_heads=target_fp.get("num_kv_heads", "?"),
         head_dim=target_fp.get("head_dim", "?"),
         repo_id=repo_id or "path/to/this-bridge",

@@ -147,7 +147,7 @@ def _map_span(
     rotate = Rotation(*rotary_cos_sin(target, positions))  # cos/sin (B, T, d) each
     span = seq - first
     plan, last_use, slots, num_slots, widest, _, chunk = mapper.schedule(batch, span, targets)  # steps, slots, chunk
-    heads, dim = src.num_kv_heads, src.head_dim
+    heads, dim = mapper.target_kv_heads, mapper.target_head_dim  # of the new cache
     offsets = {}  # source layer → tokens it has dropped (a sliding layer holds only its last ones)
     for sources, _ in plan:
         for s in sources:
@@ -163,12 +163,12 @@ def _map_span(
         for _, step_targets in plan
     ]
     dtype = mapper.layout_dtype()
-    row_space = workspace.buffer("rows", batch * chunk * num_slots * heads * 2 * dim, dtype, device)
+    row_space = workspace.buffer("rows", batch * chunk * num_slots * mapper.slot_features, dtype, device)
     out_space = workspace.buffer("mapped", batch * chunk * widest, dtype, device)
     for start in range(0, span, chunk):
         end = min(start + chunk, span)
         strip_c, rotate_c = strip.narrow(start, end), rotate.narrow(start, end)
-        rows = mapper.new_rows(batch, end - start, num_slots, out=row_space)  # (B·c, slots·H·2d) or so
+        rows = mapper.new_rows(batch, end - start, num_slots, out=row_space)  # (B·c, slots·H_s·2d_s) or so
         loaded: set[int] = set()
         for step, (sources, step_targets) in enumerate(plan):
             for s in sources:

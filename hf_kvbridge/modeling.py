@@ -111,6 +111,14 @@ class KVBridgeForCausalLM(nn.Module):
                 f"mapper has {len(mapper.selected_layers)} target layers but target {target_name!r} has "
                 f"{self.target_layout.num_layers}"
             )
+        src, tgt = self.source_layout, self.target_layout
+        shapes = (mapper.source_kv_heads, mapper.source_head_dim, mapper.target_kv_heads, mapper.target_head_dim)
+        if shapes != (src.num_kv_heads, src.head_dim, tgt.num_kv_heads, tgt.head_dim):
+            raise ValueError(
+                f"mapper maps {shapes[0]} KV heads × {shapes[1]} to {shapes[2]} × {shapes[3]}, but source "
+                f"{source_name!r} has {src.num_kv_heads} × {src.head_dim} and target {target_name!r} has "
+                f"{tgt.num_kv_heads} × {tgt.head_dim}"
+            )
         used = {layer for layers in mapper.selected_layers for layer in layers}
         if used and max(used) >= self.source_layout.num_layers:
             raise ValueError(
@@ -520,6 +528,14 @@ class KVBridgeForCausalLM(nn.Module):
         if target_model is None:
             target_model = load_model(config.target_name_or_path, config.target_revision, **load_kwargs)
         layout = KVLayout.from_config(target_model.config)
+        # the models are checked against the checkpoint before its mapper, shaped by their layouts, is read
+        for role, model, fingerprint in (
+            ("source", source_model, config.source_fingerprint),
+            ("target", target_model, config.target_fingerprint),
+        ):
+            if fingerprint is not None:
+                name = getattr(config, f"{role}_name_or_path") or model.config.name_or_path
+                check_fingerprint(fingerprint, KVLayout.from_config(model.config), role, name)
         mapper = load_mapper(config, layout, folder, checksums, lazy=lazy_mapper)
         bridge = cls(config, source_model, target_model, mapper)
         bridge.config.name_or_path = str(pretrained_model_name_or_path)

@@ -378,7 +378,11 @@ def load_mapper(
             raise ValueError(f"lazy_mapper=True supports linear mappers, not {config.mapper_type!r}")
         files = [folder / name for name in verify_mapper_checksums(folder, checksums)]
         return LazyKVMapper(
-            config.selected_layers, layout.num_kv_heads, layout.head_dim, config.head_mode, files, config.kv_mode
+            config.selected_layers,
+            head_mode=config.head_mode,
+            files=files,
+            kv_mode=config.kv_mode,
+            **KVMapper.layout_kwargs(config, layout),
         )
     mapper = build_mapper(config, layout)  # the class config.mapper_type names (ridge, mlp, ...)
     load_mapper_weights(mapper, folder, checksums)

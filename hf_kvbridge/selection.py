@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from .layout import same_head_sources
 from .solve import LAMBDA_GRID, choose_ridge_lambdas, heldout_r2_path, map_group_lambda, solve_ridge
 from .statistics import KVStatistics, map_groups
 
@@ -31,14 +32,16 @@ def single_layer_r2(
         `torch.Tensor` of shape `(target_layers, source_layers, 2)`: R² for K (`[..., 0]`) and V (`[..., 1]`),
         averaged over heads.
     """
-    heads, dim = train.num_kv_heads, train.head_dim
+    heads, dim = train.target_kv_heads, train.target_head_dim
     out = torch.zeros(train.target_layers, train.source_layers, 2, dtype=torch.float64)
     all_targets = torch.arange(train.target_layers)
+    # per target head, the source heads it reads (`layout.same_head_sources`)
+    reads = None if head_mode == "all_heads" else same_head_sources(train.source_kv_heads, heads)
     for s in range(train.source_layers):
         head_list = [None] if head_mode == "all_heads" else list(range(heads))
         per_head = torch.zeros(train.target_layers, heads, 2, dtype=torch.float64)
         for head in head_list:
-            x_idx = train.source_index([s], head)
+            x_idx = train.source_index([s], None if head is None else reads[head])
             # every target layer at once: same inputs, more output columns
             y_idx = torch.cat([train.target_index(int(t), head) for t in all_targets])
             if ridge_lambda == "auto":
@@ -101,7 +104,7 @@ def mapper_r2(
         `torch.Tensor` of shape `(target_layers, 2)`: R² of K and V per target layer, averaged over heads.
     """
 
-    heads, dim = train.num_kv_heads, train.head_dim
+    heads, dim = train.target_kv_heads, train.target_head_dim
     if ridge_lambda == "auto":
         _, r2 = choose_ridge_lambdas(
             train, heldout, selected_layers, head_mode, heads, dim, LAMBDA_GRID, targets=targets, kv_mode=kv_mode
@@ -131,7 +134,7 @@ def mapped_heldout_r2(mapper, heldout: KVStatistics) -> torch.Tensor:
 def _heldout_r2(heldout, selected_layers, head_mode: str, weights, targets=None, kv_mode="joint") -> torch.Tensor:
     """R² on `heldout` per target layer (K, V; mean over heads) of the maps `weights(t, group, x_idx, y_idx)`
     returns as `(weight (p, q), bias (q,))`."""
-    heads, dim = heldout.num_kv_heads, heldout.head_dim
+    heads, dim = heldout.target_kv_heads, heldout.target_head_dim
     out = torch.zeros(heldout.target_layers, 2, dtype=torch.float64)
     for t in range(len(selected_layers)) if targets is None else targets:
         layers = selected_layers[t]

@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 
 from .errors import StatisticsError
+from .statistics import map_groups
 
 # 1e-6 … 1 in half decades: the search grid of `ridge_lambda="auto"` (relative λ, see the module docstring)
 LAMBDA_GRID: tuple[float, ...] = tuple(float(f"{10 ** (e / 2):.3g}") for e in range(-12, 1))
@@ -232,7 +233,8 @@ def choose_ridge_lambdas(
     Args:
         train, heldout ([`KVStatistics`]): the calibration statistics, split by sequence.
         selected_layers (`list[list[int]]`): per target layer, its source layers in order.
-        head_mode (`str`): `"all_heads"` (one group per layer) or `"same_head"` (one group per head).
+        head_mode (`str`): `"all_heads"` (one group per layer) or `"same_head"` (one group per target head).
+        num_kv_heads (`int`), head_dim (`int`): the target's KV heads and head dim.
         lambdas (`tuple[float]`, *optional*, defaults to `LAMBDA_GRID`): the grid searched.
         targets (`list[int]`, *optional*): only these target layers (e.g. one fit pass's); the others get empty
             lists and R² 0.
@@ -256,32 +258,33 @@ def choose_ridge_lambdas(
     grid = [float(v) for v in lambdas]
     chosen: dict[str, list[list[float]]] = {"k": [], "v": []}
     r2 = torch.zeros(len(selected_layers), 2, dtype=torch.float64)
-    groups = [None] if head_mode == "all_heads" else list(range(num_kv_heads))
+    if (num_kv_heads, head_dim) != (train.target_kv_heads, train.target_head_dim):
+        raise ValueError(
+            f"the target layout ({num_kv_heads} KV heads × {head_dim}) is not the statistics' "
+            f"({train.target_kv_heads} × {train.target_head_dim})"
+        )
     for t, layers in enumerate(selected_layers):
         if targets is not None and t not in targets:
             chosen["k"].append([])
             chosen["v"].append([])
             continue
         per_group = []
-        for head in groups:
-            x_idx, y_idx = train.source_index(layers, head), train.target_index(t, head)
-            if kv_mode == "joint":
-                path = heldout_r2_path(train, heldout, x_idx, y_idx, head_dim, grid).mean(1)  # (Λ, 2)
-            else:  # keys from keys, values from values: each (layer, head) chunk of 2d features is K then V
-                path = torch.stack(
-                    [
-                        heldout_r2_chunks(
-                            train,
-                            heldout,
-                            x_idx.view(-1, 2, head_dim)[:, kv].reshape(-1),
-                            y_idx.view(-1, 2, head_dim)[:, kv].reshape(-1),
-                            head_dim,
-                            grid,
-                        ).mean(1)
-                        for kv in range(2)
-                    ],
+        if kv_mode == "joint":
+            paths = [
+                heldout_r2_path(train, heldout, x_idx, y_idx, head_dim, grid).mean(1)  # (Λ, 2)
+                for x_idx, y_idx in map_groups(train, layers, t, head_mode)
+            ]
+        else:  # keys from keys, values from values: the key maps of every head group, then the value maps
+            maps = map_groups(train, layers, t, head_mode, "separate")
+            half = len(maps) // 2
+            paths = [
+                torch.stack(
+                    [heldout_r2_chunks(train, heldout, *maps[i + kv * half], head_dim, grid).mean(1) for kv in (0, 1)],
                     dim=1,
                 )  # (Λ, 2)
+                for i in range(half)
+            ]
+        for path in paths:
             best = path.argmax(0)  # (2,) first maximum: the smaller λ on ties
             per_group.append((best, path[best, torch.arange(2)]))
         chosen["k"].append([grid[int(best[0])] for best, _ in per_group])
@@ -303,7 +306,8 @@ def effective_ridge_lambda(config) -> float | dict:
 def map_group_lambda(
     ridge_lambda, target_layer: int, group: int, head_mode: str, kv_mode: str, num_kv_heads: int, head_dim: int
 ):
-    """The λ of map `group` of target layer `target_layer` (in `statistics.map_groups` order) for `solve_ridge`.
+    """The λ of map `group` of target layer `target_layer` (in `statistics.map_groups` order) for `solve_ridge`;
+    `num_kv_heads` and `head_dim` are the target's.
 
     Joint maps take `group_lambda`'s per-column λ (K columns, V columns); a separate map (`kv_mode="separate"`:
     keys from keys, or values from values) takes the K or the V choice of its head group.

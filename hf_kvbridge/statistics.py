@@ -1,7 +1,8 @@
 """Streamed sufficient statistics of source and target KV rows (additive, so they merge and all-reduce).
 
-For every calibration token we see one source row `x` (all source layers, `F = L_s · H · 2d` features: per layer,
-per head, content-space key then value) and one target row `y` (`G = L_t · H · 2d`). We keep
+For every calibration token we see one source row `x` (all source layers, `F = L_s · H_s · 2d_s` features: per
+layer, per head, content-space key then value) and one target row `y` (`G = L_t · H_t · 2d_t`; the target's KV heads
+and head dim may differ from the source's). We keep
 
     count = n,   x_sum = Σx (F),   y_sum = Σy (G),
     xx = Σ(x − x̄)(x − x̄)ᵀ (F, F),   xy = Σ(x − x̄)(y − ȳ)ᵀ (F, G),   yy = Σ(y − ȳ)² (G)
@@ -15,12 +16,14 @@ number of tokens, but grows as `L_s·L_t·(H·2d)²`: see `BlockStatistics` belo
 from __future__ import annotations
 
 import logging
+import math
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
 from .errors import StatisticsError
+from .layout import HeadLayouts, same_head_sources, target_heads_of
 
 logger = logging.getLogger(__name__)
 
@@ -46,31 +49,50 @@ def centred_residual_sums(n, mx, my, cxx, cxy, vy, weight, bias) -> tuple[torch.
 
 def map_groups(stats, layers: list[int], target: int, head_mode: str, kv_mode: str = "joint"):
     """Feature indices `[(x_idx, y_idx)]` of each independent map ("group") of target layer `target` fitted from source
-    `layers`, in the mapper's group order: one (`all_heads`, `joint`), one per head (`same_head`), keys then values
-    (`all_heads`, `separate`: K from K, V from V), or per K/V then per head (`same_head`, `separate`).
+    `layers`, in the mapper's group order: one (`all_heads`, `joint`), one per target head (`same_head`: its source
+    heads, see `layout.same_head_sources`), keys then values (`all_heads`, `separate`: K from K, V from V), or per K/V
+    then per target head (`same_head`, `separate`).
 
     Args:
-        stats: anything with `source_index`, `target_index` and `head_dim` ([`KVStatistics`], [`BlockStatistics`]).
+        stats: anything with `source_index`, `target_index` and the two head layouts ([`KVStatistics`],
+            [`BlockStatistics`]).
     """
-    heads = [None] if head_mode == "all_heads" else range(stats.num_kv_heads)
-    d = stats.head_dim
+    if head_mode == "all_heads":
+        heads = [(None, None)]
+    else:
+        heads = list(enumerate(same_head_sources(stats.source_kv_heads, stats.target_kv_heads)))
+    ds, dt = stats.source_head_dim, stats.target_head_dim
     groups = []
     for kv in [None] if kv_mode == "joint" else [0, 1]:
-        for head in heads:
-            x_idx, y_idx = stats.source_index(layers, head), stats.target_index(target, head)
+        for head, sources in heads:
+            x_idx, y_idx = stats.source_index(layers, sources), stats.target_index(target, head)
             if kv is not None:  # each (layer, head) chunk of 2d features is the key then the value
-                x_idx, y_idx = x_idx.view(-1, 2, d)[:, kv].reshape(-1), y_idx.view(-1, 2, d)[:, kv].reshape(-1)
+                x_idx, y_idx = x_idx.view(-1, 2, ds)[:, kv].reshape(-1), y_idx.view(-1, 2, dt)[:, kv].reshape(-1)
             groups.append((x_idx, y_idx))
     return groups
 
 
-class KVStatistics:
+def _head_index(row: int, head_dim: int, layers: list[int], heads, device) -> torch.Tensor:
+    """Feature indices of `layers` (in that order) in rows of `row` features per layer: all heads (`heads=None`),
+    one head (an `int`) or several (a list, in that order) of `2·head_dim` features each."""
+    span = 2 * head_dim
+    if heads is None:
+        parts = [torch.arange(layer * row, (layer + 1) * row) for layer in layers]
+    else:
+        heads = [heads] if isinstance(heads, int) else list(heads)
+        parts = [torch.arange(layer * row + h * span, layer * row + (h + 1) * span) for layer in layers for h in heads]
+    return torch.cat(parts).to(device)
+
+
+class KVStatistics(HeadLayouts):
     """Sums over calibration tokens of source rows `x` and target rows `y` (see the module docstring).
 
     Args:
         source_layers (`int`), target_layers (`int`): number of cache layers of each model.
-        num_kv_heads (`int`), head_dim (`int`): the shared KV layout.
+        num_kv_heads (`int`), head_dim (`int`): the source's KV layout (and the target's, unless given).
         device (`torch.device`, *optional*): where the sums live (defaults to CPU).
+        target_kv_heads (`int`, *optional*), target_head_dim (`int`, *optional*): the target's KV layout when it
+            differs from the source's.
 
     Example:
 
@@ -89,11 +111,13 @@ class KVStatistics:
         num_kv_heads: int,
         head_dim: int,
         device: torch.device | str | None = None,
+        *,
+        target_kv_heads: int | None = None,
+        target_head_dim: int | None = None,
     ):
         self.source_layers, self.target_layers = source_layers, target_layers
-        self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
-        self.row = num_kv_heads * 2 * head_dim  # features of one layer
-        f, g = source_layers * self.row, target_layers * self.row
+        self._set_head_layouts(num_kv_heads, head_dim, target_kv_heads, target_head_dim)
+        f, g = source_layers * self.x_row, target_layers * self.y_row  # x_row, y_row: features of one layer
         kw = {"dtype": torch.float64, "device": device or "cpu"}
         self.count = 0
         self.x_sum = torch.zeros(f, **kw)
@@ -103,8 +127,9 @@ class KVStatistics:
         self.yy = torch.zeros(g, **kw)
 
     @property
-    def shape_key(self) -> tuple[int, int, int, int]:
-        return (self.source_layers, self.target_layers, self.num_kv_heads, self.head_dim)
+    def shape_key(self) -> tuple[int, ...]:
+        """`(L_s, L_t, H, d)`, or `(L_s, L_t, H_s, d_s, H_t, d_t)` when the layouts differ."""
+        return (self.source_layers, self.target_layers, *self._head_key())
 
     @torch.no_grad()
     def update(self, x: torch.Tensor, y: torch.Tensor) -> None:
@@ -183,7 +208,8 @@ class KVStatistics:
         return self.copy().merge_(other)
 
     def copy(self) -> KVStatistics:
-        new = KVStatistics(*self.shape_key, device=self.xx.device)
+        key = self.shape_key
+        new = KVStatistics(*key[:4], device=self.xx.device, **target_heads_of(key))
         new.merge_(self)
         return new
 
@@ -199,22 +225,13 @@ class KVStatistics:
                 )
 
     # -- indexing -------------------------------------------------------------------------------------------------
-    def _index(self, layers: list[int], head: int | None) -> torch.Tensor:
-        if head is None:
-            parts = [torch.arange(layer * self.row, (layer + 1) * self.row) for layer in layers]
-        else:
-            span = 2 * self.head_dim
-            parts = [
-                torch.arange(layer * self.row + head * span, layer * self.row + (head + 1) * span) for layer in layers
-            ]
-        return torch.cat(parts).to(self.xx.device)
+    def source_index(self, layers: list[int], head: int | list[int] | None = None) -> torch.Tensor:
+        """Feature indices of source `layers` (in that order), all heads, only `head`, or the heads of a list."""
+        return _head_index(self.x_row, self.source_head_dim, layers, head, self.xx.device)
 
-    def source_index(self, layers: list[int], head: int | None = None) -> torch.Tensor:
-        """Feature indices of `layers` (in that order), all heads or only `head`."""
-        return self._index(layers, head)
-
-    def target_index(self, layer: int, head: int | None = None) -> torch.Tensor:
-        return self._index([layer], head)
+    def target_index(self, layer: int, head: int | list[int] | None = None) -> torch.Tensor:
+        """Feature indices of target `layer`, all heads or only `head`."""
+        return _head_index(self.y_row, self.target_head_dim, [layer], head, self.xx.device)
 
     # -- centered moments ----------------------------------------------------------------------------------------
     def moments(self, x_idx: torch.Tensor, y_idx: torch.Tensor):
@@ -261,7 +278,8 @@ class KVStatistics:
                 f"{path} holds raw (uncentred) statistics of an older hf_kvbridge; delete the checkpoint and "
                 "calibrate again"
             )
-        stats = cls(*state["shape_key"].tolist(), device=device)
+        key = state["shape_key"].tolist()
+        stats = cls(*key[:4], device=device, **target_heads_of(key))
         stats.count = state["count"].item()
         for name in _FIELDS:
             getattr(stats, name).copy_(state[name])
@@ -286,51 +304,68 @@ def _chan_merge(n_a: int | float, n_b: int | float) -> tuple[float, float]:
     return (n_a * n_b / n, n_b / n) if n else (0.0, 0.0)
 
 
-def feature_groups(num_kv_heads: int, head_dim: int, head_mode: str = "all_heads", kv_mode: str = "joint"):
-    """The column offsets within one layer's row (`H·2d`: per head, key `d` then value `d`) that the maps of
-    `head_mode` and `kv_mode` read together: one group per independent Gram block a fit needs.
+def feature_groups(
+    num_kv_heads: int,
+    head_dim: int,
+    head_mode: str = "all_heads",
+    kv_mode: str = "joint",
+    target_kv_heads: int | None = None,
+    target_head_dim: int | None = None,
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The column offsets within one source layer's row and one target layer's row (`H·2d`: per head, key `d` then
+    value `d`) that the maps of `head_mode` and `kv_mode` read together: one group per independent Gram block a fit
+    needs.
 
-    `all_heads`/`joint` → one group (the whole row); `same_head`/`joint` → one per head (`2d`); `all_heads`/`separate`
-    → keys of every head, then values (`H·d` each); `same_head`/`separate` → per head, its keys and its values (`d`).
-    Statistics kept per group are `len(groups)` times smaller than one all-heads Gram block.
+    `all_heads`/`joint` → one group (the whole rows); `all_heads`/`separate` → the keys of every head, then the values;
+    `same_head` → one group per head group (`g = gcd(H_s, H_t)` groups: one head each for equal counts; target head
+    `h` reads the source heads of its group, see `layout.same_head_sources`), with its keys and values together
+    (`joint`) or apart (`separate`). Statistics kept per group are `len(groups)` times smaller than one all-heads
+    Gram block.
 
     Returns:
-        `list[torch.LongTensor]`, each of shape `(row // len(groups),)`.
+        `list[tuple[torch.LongTensor, torch.LongTensor]]`: per group, its source and its target offsets.
 
     Example:
 
     ```python
-    >>> [g.tolist() for g in feature_groups(2, 1, "same_head", "separate")]
-    [[0], [1], [2], [3]]
+    >>> [(x.tolist(), y.tolist()) for x, y in feature_groups(2, 1, "same_head", "separate")]
+    [([0], [0]), ([2], [2]), ([1], [1]), ([3], [3])]
     ```
     """
-    d, row = head_dim, num_kv_heads * 2 * head_dim
-    offsets = torch.arange(row).view(num_kv_heads, 2, d)  # (H, K/V, d)
-    if head_mode == "all_heads" and kv_mode == "joint":
-        return [offsets.reshape(-1)]
-    if head_mode == "same_head" and kv_mode == "joint":
-        return [offsets[h].reshape(-1) for h in range(num_kv_heads)]
-    if head_mode == "all_heads":
-        return [offsets[:, kv].reshape(-1) for kv in range(2)]
-    return [offsets[h, kv] for h in range(num_kv_heads) for kv in range(2)]
+    heads_t = num_kv_heads if target_kv_heads is None else target_kv_heads
+    dim_t = head_dim if target_head_dim is None else target_head_dim
+    x = torch.arange(num_kv_heads * 2 * head_dim).view(num_kv_heads, 2, head_dim)  # (H_s, K/V, d_s)
+    y = torch.arange(heads_t * 2 * dim_t).view(heads_t, 2, dim_t)  # (H_t, K/V, d_t)
+    blocks = 1 if head_mode == "all_heads" else math.gcd(num_kv_heads, heads_t)
+    hx, hy = num_kv_heads // blocks, heads_t // blocks  # heads per block on each side
+    kinds = [slice(None)] if kv_mode == "joint" else [0, 1]
+    return [
+        (x[b * hx : (b + 1) * hx, kv].reshape(-1), y[b * hy : (b + 1) * hy, kv].reshape(-1))
+        for kv in kinds
+        for b in range(blocks)
+    ]
 
 
-class BlockStatistics:
+class BlockStatistics(HeadLayouts):
     """Centred sums for `targets` (target layers) over the union `sources` of their selected source layers, kept per
     feature group (see `feature_groups`): the Gram and cross blocks that the maps of one head mode and kv mode read.
 
     Same interface as [`KVStatistics`] for the features it holds (`count`, `source_index`, `target_index`, `moments`,
     `residual_sums`, `merge_`, `all_reduce_`, `save`/`load`), with global layer numbers, so `solve_ridge` and the λ
     search run on it unchanged, as long as every query stays inside one group. Memory: `(U·row)²/G + U·row·T·row/G`
-    numbers for `U` source and `T` target layers, `row = H·2d`, `G` groups.
+    numbers for `U` source and `T` target layers, `row = H·2d`, `G` groups (with `x_row = H_s·2d_s` and
+    `y_row = H_t·2d_t` for the two sides of a mismatched pair).
 
     Args:
-        source_layers (`int`), target_layers (`int`), num_kv_heads (`int`), head_dim (`int`): the full layout.
+        source_layers (`int`), target_layers (`int`), num_kv_heads (`int`), head_dim (`int`): the full layout (heads
+            and head dim of the source, and of the target unless given).
         sources (`list[int]`): the source layers kept. targets (`list[int]`): the target layers kept.
         dtype (`torch.dtype`, *optional*, defaults to `torch.float32`): of the Gram and cross blocks (means are
             float64).
         device (*optional*): where the sums live.
         head_mode (`str`), kv_mode (`str`), *optional*, default to `"all_heads"`, `"joint"`: which blocks to keep.
+        target_kv_heads (`int`, *optional*), target_head_dim (`int`, *optional*): the target's KV layout when it
+            differs.
 
     Example:
 
@@ -352,19 +387,23 @@ class BlockStatistics:
         targets: list[int],
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
+        *,
         head_mode: str = "all_heads",
         kv_mode: str = "joint",
+        target_kv_heads: int | None = None,
+        target_head_dim: int | None = None,
     ):
         self.source_layers, self.target_layers = source_layers, target_layers
-        self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
+        self._set_head_layouts(num_kv_heads, head_dim, target_kv_heads, target_head_dim)
         self.head_mode, self.kv_mode = head_mode, kv_mode
-        self.row = num_kv_heads * 2 * head_dim
         self.sources, self.targets = sorted(set(map(int, sources))), sorted(set(map(int, targets)))
         self.dtype = dtype
         device = torch.device(device or "cpu")
-        groups = feature_groups(num_kv_heads, head_dim, head_mode, kv_mode)
-        width = groups[0].numel()
-        g, p, q = len(groups), len(self.sources) * width, len(self.targets) * width
+        groups = feature_groups(
+            self.source_kv_heads, self.source_head_dim, head_mode, kv_mode, self.target_kv_heads, self.target_head_dim
+        )
+        g = len(groups)
+        p, q = len(self.sources) * groups[0][0].numel(), len(self.targets) * groups[0][1].numel()
         self.count = 0
         self.x_mean = torch.zeros(g, p, dtype=torch.float64, device=device)
         self.y_mean = torch.zeros(g, q, dtype=torch.float64, device=device)
@@ -372,15 +411,16 @@ class BlockStatistics:
         self.xy = torch.zeros(g, p, q, dtype=dtype, device=device)  # per group Σ(x − x̄)(y − ȳ)ᵀ
         self.yy = torch.zeros(g, q, dtype=torch.float64, device=device)  # Σ(y − ȳ)²
 
-        def columns(layers):  # (G, len(layers)·width): global feature numbers of each group, layer by layer
+        def columns(layers, row, side):  # (G, len(layers)·width): global feature numbers of each group, layer by layer
             if not layers:  # a rank without a pass holds empty statistics
                 return torch.zeros(g, 0, dtype=torch.long)
-            return torch.stack([torch.cat([layer * self.row + offsets for layer in layers]) for offsets in groups])
+            return torch.stack([torch.cat([layer * row + group[side] for layer in layers]) for group in groups])
 
-        self._x_cols, self._y_cols = columns(self.sources).to(device), columns(self.targets).to(device)
+        self._x_cols = columns(self.sources, self.x_row, 0).to(device)
+        self._y_cols = columns(self.targets, self.y_row, 1).to(device)
         # global feature number → (group, position in the group); -1: not held
-        self._x_group, self._x_pos = self._locate(self._x_cols, source_layers * self.row, device)
-        self._y_group, self._y_pos = self._locate(self._y_cols, target_layers * self.row, device)
+        self._x_group, self._x_pos = self._locate(self._x_cols, source_layers * self.x_row, device)
+        self._y_group, self._y_pos = self._locate(self._y_cols, target_layers * self.y_row, device)
 
     @staticmethod
     def _locate(cols: torch.Tensor, size: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -392,15 +432,22 @@ class BlockStatistics:
         return group, pos
 
     @staticmethod
-    def nbytes(sources: int, targets: int, row: int, dtype: torch.dtype = torch.float32, groups: int = 1) -> int:
-        """Bytes of one `BlockStatistics` of `sources` source and `targets` target layers of `row` features, kept in
-        `groups` feature groups."""
-        p, q = sources * row, targets * row
+    def nbytes(
+        sources: int,
+        targets: int,
+        row: int,
+        dtype: torch.dtype = torch.float32,
+        groups: int = 1,
+        target_row: int | None = None,
+    ) -> int:
+        """Bytes of one `BlockStatistics` of `sources` source layers of `row` features and `targets` target layers of
+        `target_row` features (defaults to `row`), kept in `groups` feature groups."""
+        p, q = sources * row, targets * (row if target_row is None else target_row)
         return (p * p + p * q) // groups * torch.finfo(dtype).bits // 8 + (p + 2 * q) * 8
 
     @property
     def shape_key(self) -> tuple:
-        return (self.source_layers, self.target_layers, self.num_kv_heads, self.head_dim)
+        return (self.source_layers, self.target_layers, *self._head_key())
 
     def _key(self) -> tuple:
         return (*self.shape_key, tuple(self.sources), tuple(self.targets), self.head_mode, self.kv_mode)
@@ -454,8 +501,10 @@ class BlockStatistics:
         return self
 
     def copy(self) -> BlockStatistics:
+        key = self.shape_key
         new = BlockStatistics(
-            *self.shape_key,
+            *key[:4],
+            **target_heads_of(key),
             sources=self.sources,
             targets=self.targets,
             dtype=self.dtype,
@@ -503,12 +552,12 @@ class BlockStatistics:
                 )
 
     # -- indexing (global layer numbers, as in `KVStatistics`) ------------------------------------------------------
-    def source_index(self, layers: list[int], head: int | None = None) -> torch.Tensor:
-        """Global feature indices of source `layers` (in that order), all heads or only `head`."""
-        return KVStatistics._index(self, layers, head)
+    def source_index(self, layers: list[int], head: int | list[int] | None = None) -> torch.Tensor:
+        """Global feature indices of source `layers` (in that order), all heads, only `head`, or a list of heads."""
+        return _head_index(self.x_row, self.source_head_dim, layers, head, self.xx.device)
 
-    def target_index(self, layer: int, head: int | None = None) -> torch.Tensor:
-        return KVStatistics._index(self, [layer], head)
+    def target_index(self, layer: int, head: int | list[int] | None = None) -> torch.Tensor:
+        return _head_index(self.y_row, self.target_head_dim, [layer], head, self.xx.device)
 
     def _local(self, index: torch.Tensor, what: str) -> tuple[int, torch.Tensor]:
         """`(group, positions)` of global feature numbers `index`, which must all lie in one kept group."""
@@ -516,7 +565,8 @@ class BlockStatistics:
         index = index.to(group_of.device)
         groups, pos = group_of[index], pos_of[index]
         if (groups < 0).any():
-            missing = sorted({int(i) // self.row for i in index[groups < 0].cpu()})
+            row = self.x_row if what == "source" else self.y_row
+            missing = sorted({int(i) // row for i in index[groups < 0].cpu()})
             raise StatisticsError(
                 f"these block statistics hold {what} layers {self.sources if what == 'source' else self.targets}, "
                 f"not {missing}; accumulate statistics for the layers the fit needs"
@@ -569,8 +619,7 @@ class BlockStatistics:
     @classmethod
     def load(cls, path: str | Path, device: torch.device | str | None = None) -> BlockStatistics:
         state = load_file(str(path))
-        modes = state["modes"].tolist() if "modes" in state else [0, 0]  # saved before groups: all heads, joint
-        head_mode, kv_mode = (list(names)[int(i)] for names, i in zip(cls._MODES, modes))
+        head_mode, kv_mode = (list(names)[int(i)] for names, i in zip(cls._MODES, state["modes"].tolist()))
         stats = cls(
             *state["shape_key"].tolist(),
             sources=state["sources"].tolist(),
@@ -586,7 +635,7 @@ class BlockStatistics:
         return stats
 
 
-class SelectionStatistics:
+class SelectionStatistics(HeadLayouts):
     """Small statistics for choosing layers: per KV head `h` and per K/V, source layer `s`'s `d × d` Gram block and
     its `d × d` cross blocks with every target layer's same head and same K/V (centred sums).
 
@@ -594,9 +643,15 @@ class SelectionStatistics:
     V (`single_layer_r2`), which ranks source layers like the all-heads single-layer R² (see the README's
     measurement) at `H·2·L_s·d·(d + L_t·d)` numbers instead of `L_s·row·(L_s + L_t)·row`.
 
+    When the two layouts differ, "head" is a head *group*: `g = gcd(H_s, H_t)` groups, group `i` holding source heads
+    `i·H_s/g …` and target heads `i·H_t/g …` (one head each for equal counts, all heads when the counts share no
+    factor), so a block is `d_x = (H_s/g)·d_s` source by `d_y = (H_t/g)·d_t` target features.
+
     Args:
-        source_layers (`int`), target_layers (`int`), num_kv_heads (`int`), head_dim (`int`): the layout.
+        source_layers (`int`), target_layers (`int`), num_kv_heads (`int`), head_dim (`int`): the layout (the
+            source's, and the target's unless given).
         dtype (`torch.dtype`, *optional*, defaults to `torch.float32`), device (*optional*).
+        target_kv_heads (`int`, *optional*), target_head_dim (`int`, *optional*): the target's layout when it differs.
 
     Example:
 
@@ -616,43 +671,68 @@ class SelectionStatistics:
         head_dim: int,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
+        *,
+        target_kv_heads: int | None = None,
+        target_head_dim: int | None = None,
     ):
         self.source_layers, self.target_layers = source_layers, target_layers
-        self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
+        self._set_head_layouts(num_kv_heads, head_dim, target_kv_heads, target_head_dim)
         self.dtype = dtype
-        b, d = num_kv_heads * 2, head_dim
+        self.groups = math.gcd(self.source_kv_heads, self.target_kv_heads)
+        b, dx, dy = self.groups * 2, self.x_width, self.y_width
         kw = {"device": device or "cpu"}
         self.count = 0
-        self.x_mean = torch.zeros(b, source_layers * d, dtype=torch.float64, **kw)
-        self.y_mean = torch.zeros(b, target_layers * d, dtype=torch.float64, **kw)
-        self.xx = torch.zeros(b, source_layers, d, d, dtype=dtype, **kw)  # diagonal Gram blocks only
-        self.xy = torch.zeros(b, source_layers * d, target_layers * d, dtype=dtype, **kw)
-        self.yy = torch.zeros(b, target_layers * d, dtype=torch.float64, **kw)
-
-    @staticmethod
-    def nbytes(source_layers: int, target_layers: int, num_kv_heads: int, head_dim: int, dtype=torch.float32) -> int:
-        """Bytes of one `SelectionStatistics`."""
-        b, d = num_kv_heads * 2, head_dim
-        numbers = b * source_layers * d * (d + target_layers * d)
-        return numbers * torch.finfo(dtype).bits // 8 + b * (source_layers + 2 * target_layers) * d * 8
+        self.x_mean = torch.zeros(b, source_layers * dx, dtype=torch.float64, **kw)
+        self.y_mean = torch.zeros(b, target_layers * dy, dtype=torch.float64, **kw)
+        self.xx = torch.zeros(b, source_layers, dx, dx, dtype=dtype, **kw)  # diagonal Gram blocks only
+        self.xy = torch.zeros(b, source_layers * dx, target_layers * dy, dtype=dtype, **kw)
+        self.yy = torch.zeros(b, target_layers * dy, dtype=torch.float64, **kw)
 
     @property
-    def shape_key(self) -> tuple[int, int, int, int]:
-        return (self.source_layers, self.target_layers, self.num_kv_heads, self.head_dim)
+    def x_width(self) -> int:
+        """Source features of one layer in one block: `(H_s / g)·d_s`."""
+        return self.source_kv_heads // self.groups * self.source_head_dim
 
-    def _split(self, rows: torch.Tensor, layers: int) -> torch.Tensor:
-        """`(N, L·H·2d)` rows → `(H·2, N, L·d)`: per head and K/V, the layers side by side."""
-        n = rows.shape[0]
+    @property
+    def y_width(self) -> int:
+        """Target features of one layer in one block: `(H_t / g)·d_t`."""
+        return self.target_kv_heads // self.groups * self.target_head_dim
+
+    @staticmethod
+    def nbytes(
+        source_layers: int,
+        target_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype=torch.float32,
+        target_kv_heads: int | None = None,
+        target_head_dim: int | None = None,
+    ) -> int:
+        """Bytes of one `SelectionStatistics`."""
+        heads_t = num_kv_heads if target_kv_heads is None else target_kv_heads
+        dim_t = head_dim if target_head_dim is None else target_head_dim
+        g = math.gcd(num_kv_heads, heads_t)
+        b, dx, dy = g * 2, num_kv_heads // g * head_dim, heads_t // g * dim_t
+        numbers = b * source_layers * dx * (dx + target_layers * dy)
+        return numbers * torch.finfo(dtype).bits // 8 + b * (source_layers * dx + 2 * target_layers * dy) * 8
+
+    @property
+    def shape_key(self) -> tuple[int, ...]:
+        return (self.source_layers, self.target_layers, *self._head_key())
+
+    def _split(self, rows: torch.Tensor, layers: int, heads: int, dim: int) -> torch.Tensor:
+        """`(N, L·H·2d)` rows → `(g·2, N, L·(H/g)·d)`: per head group and K/V, the layers side by side."""
+        n, g = rows.shape[0], self.groups
         return (
-            rows.view(n, layers, self.num_kv_heads, 2, self.head_dim)
-            .permute(2, 3, 0, 1, 4)
-            .reshape(self.num_kv_heads * 2, n, layers * self.head_dim)
+            rows.view(n, layers, g, heads // g, 2, dim)
+            .permute(2, 4, 0, 1, 3, 5)
+            .reshape(g * 2, n, layers * heads // g * dim)
         )
 
     def _shift(self, f: float, share: float, n_b: int, mx_b, my_b) -> None:
         """Chan's correction for adding `n_b` tokens of means `mx_b`, `my_b`, in place; then the new means."""
-        b, d, ls = self.num_kv_heads * 2, self.head_dim, self.source_layers
-        dx, dy = mx_b - self.x_mean, my_b - self.y_mean  # (B, L_s·d), (B, L_t·d)
+        b, d, ls = self.groups * 2, self.x_width, self.source_layers
+        dx, dy = mx_b - self.x_mean, my_b - self.y_mean  # (B, L_s·d_x), (B, L_t·d_y)
         dxb = dx.view(b * ls, d).to(self.dtype)
         self.xx.view(b * ls, d, d).baddbmm_(dxb.unsqueeze(2), dxb.unsqueeze(1), alpha=f)
         self.xy.baddbmm_(dx.to(self.dtype).unsqueeze(2), dy.to(self.dtype).unsqueeze(1), alpha=f)
@@ -672,17 +752,17 @@ class SelectionStatistics:
         if x.shape[0] == 0:
             return
         device = self.xx.device
-        xs = self._split(x.to(device, torch.float64), self.source_layers)  # (B, N, L_s·d)
-        ys = self._split(y.to(device, torch.float64), self.target_layers)  # (B, N, L_t·d)
-        mx, my = xs.mean(1), ys.mean(1)  # (B, L_s·d), (B, L_t·d)
+        xs = self._split(x.to(device, torch.float64), self.source_layers, self.source_kv_heads, self.source_head_dim)
+        ys = self._split(y.to(device, torch.float64), self.target_layers, self.target_kv_heads, self.target_head_dim)
+        mx, my = xs.mean(1), ys.mean(1)  # (B, L_s·d_x), (B, L_t·d_y)
         yc64 = ys - my.unsqueeze(1)
         xc, yc = (xs - mx.unsqueeze(1)).to(self.dtype), yc64.to(self.dtype)
-        b, n, d = xc.shape[0], xc.shape[1], self.head_dim
+        b, n, d = xc.shape[0], xc.shape[1], self.x_width
         del xs, ys
         blocks = xc.view(b, n, self.source_layers, d).permute(0, 2, 1, 3).reshape(b * self.source_layers, n, d)
         f, share = _chan_merge(self.count, n)
-        self.xx.view(-1, d, d).baddbmm_(blocks.transpose(1, 2), blocks)  # (B·L_s, d, d), in place
-        self.xy.baddbmm_(xc.transpose(1, 2), yc)  # (B, L_s·d, L_t·d), in place: no temporary of that size
+        self.xx.view(-1, d, d).baddbmm_(blocks.transpose(1, 2), blocks)  # (B·L_s, d_x, d_x), in place
+        self.xy.baddbmm_(xc.transpose(1, 2), yc)  # (B, L_s·d_x, L_t·d_y), in place: no temporary of that size
         self.yy.add_((yc64 * yc64).sum(1))
         self._shift(f, share, n, mx, my)
 
@@ -711,7 +791,7 @@ class SelectionStatistics:
         dist.all_reduce(mx)
         dist.all_reduce(my)
         mx, my = mx / total, my / total
-        b, d, ls = self.num_kv_heads * 2, self.head_dim, self.source_layers
+        b, d, ls = self.groups * 2, self.x_width, self.source_layers
         dx, dy = self.x_mean - mx, self.y_mean - my
         dxb = dx.view(b * ls, d).to(self.dtype)
         self.xx.view(b * ls, d, d).baddbmm_(dxb.unsqueeze(2), dxb.unsqueeze(1), alpha=self.count)
@@ -732,12 +812,13 @@ class SelectionStatistics:
         Returns:
             `torch.Tensor` of shape `(target_layers, source_layers, 2)`: R² of K and V, averaged over heads.
         """
-        if self.count <= self.head_dim or heldout.count == 0:
+        if self.count <= self.x_width or heldout.count == 0:
             raise StatisticsError(
-                f"selection needs more than {self.head_dim} train tokens and some held-out tokens, got {self.count} "
+                f"selection needs more than {self.x_width} train tokens and some held-out tokens, got {self.count} "
                 f"and {heldout.count}; use more calibration sequences"
             )
-        b, d, ls, lt = self.num_kv_heads * 2, self.head_dim, self.source_layers, self.target_layers
+        b, d, e = self.groups * 2, self.x_width, self.y_width  # e: target features of a block and layer
+        ls, lt = self.source_layers, self.target_layers
         n, m = self.count, heldout.count
         sse = torch.zeros(b, ls, lt, dtype=torch.float64)
         sst = torch.zeros(b, 1, lt, dtype=torch.float64)
@@ -746,21 +827,21 @@ class SelectionStatistics:
             var = torch.diagonal(cxx, dim1=-2, dim2=-1)  # (L_s, d)
             floor = 1e-6 * var.mean(-1, keepdim=True).clamp_min(torch.finfo(torch.float64).tiny)
             system = cxx + torch.diag_embed(ridge_lambda * torch.maximum(var, floor))
-            cxy = (self.xy[i].to(torch.float64) / n).view(ls, d, lt * d)  # (L_s, d, L_t·d)
+            cxy = (self.xy[i].to(torch.float64) / n).view(ls, d, lt * e)  # (L_s, d, L_t·e)
             weight = torch.linalg.lstsq(system, cxy).solution if ridge_lambda == 0 else torch.linalg.solve(system, cxy)
             del cxy
-            mx, my = self.x_mean[i].view(ls, 1, d), self.y_mean[i].view(1, lt * d)
-            bias = my - (mx @ weight).squeeze(-2)  # (L_s, L_t·d)
+            mx, my = self.x_mean[i].view(ls, 1, d), self.y_mean[i].view(1, lt * e)
+            bias = my - (mx @ weight).squeeze(-2)  # (L_s, L_t·e)
             # held-out residuals from held-out centred moments (see `centred_residual_sums`)
             hxx = heldout.xx[i].to(torch.float64) / m  # (L_s, d, d)
-            hxy = (heldout.xy[i].to(torch.float64) / m).view(ls, d, lt * d)
-            hvy = (heldout.yy[i] / m).view(1, lt * d)
-            hmx, hmy = heldout.x_mean[i].view(ls, 1, d), heldout.y_mean[i].view(1, lt * d)
-            offset = hmy - (hmx @ weight).squeeze(-2) - bias  # (L_s, L_t·d)
-            explained = ((hxx @ weight) * weight).sum(-2) - 2 * (hxy * weight).sum(-2)  # (L_s, L_t·d)
-            sse[i] = (hvy + explained + offset * offset).view(ls, lt, d).sum(-1)
-            sst[i] = hvy.view(1, lt, d).sum(-1)
-        sse, sst = sse.view(self.num_kv_heads, 2, ls, lt), sst.view(self.num_kv_heads, 2, 1, lt)
+            hxy = (heldout.xy[i].to(torch.float64) / m).view(ls, d, lt * e)
+            hvy = (heldout.yy[i] / m).view(1, lt * e)
+            hmx, hmy = heldout.x_mean[i].view(ls, 1, d), heldout.y_mean[i].view(1, lt * e)
+            offset = hmy - (hmx @ weight).squeeze(-2) - bias  # (L_s, L_t·e)
+            explained = ((hxx @ weight) * weight).sum(-2) - 2 * (hxy * weight).sum(-2)  # (L_s, L_t·e)
+            sse[i] = (hvy + explained + offset * offset).view(ls, lt, e).sum(-1)
+            sst[i] = hvy.view(1, lt, e).sum(-1)
+        sse, sst = sse.view(self.groups, 2, ls, lt), sst.view(self.groups, 2, 1, lt)
         r2 = (1 - sse / sst.clamp_min(torch.finfo(torch.float64).tiny)).mean(0)  # (2, L_s, L_t): mean over heads
         return r2.permute(2, 1, 0).contiguous()  # (L_t, L_s, 2)
 
@@ -776,7 +857,8 @@ class SelectionStatistics:
     @classmethod
     def load(cls, path: str | Path, device: torch.device | str | None = None) -> SelectionStatistics:
         state = load_file(str(path))
-        stats = cls(*state["shape_key"].tolist(), dtype=state["xx"].dtype, device=device)
+        key = state["shape_key"].tolist()
+        stats = cls(*key[:4], dtype=state["xx"].dtype, device=device, **target_heads_of(key))
         stats.count = int(state["count"].item())
         for name in ("x_mean", "y_mean", "xx", "xy", "yy"):
             getattr(stats, name).copy_(state[name])

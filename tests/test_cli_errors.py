@@ -8,12 +8,13 @@ import sys
 import time
 
 import pytest
+from transformers import Qwen3Config, Qwen3ForCausalLM
 
 import hf_kvbridge
 from hf_kvbridge.cli.main import main
 from hf_kvbridge.errors import CheckpointNotFoundError
 from hf_kvbridge.persistence import resolve_checkpoint
-from tests.conftest import CORPUS
+from tests.conftest import CORPUS, VOCAB, make_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -113,11 +114,17 @@ def test_bench_lengths_past_the_maximum(saved_bridge, capsys):
     _one_line_error(capsys, code, 1, "--lengths", "256")
 
 
-def test_mismatched_pair(tmp_path, capsys):
-    args = ["calibrate", "pocket/pocket-s", "pocket/pocket-x", "--data", "pocket", "--out", str(tmp_path / "o")]
-    code = main([*args, "--num-sequences", "4", "--seq-len", "32"])
-    line = _one_line_error(capsys, code, 1)
-    assert "pocket-x" in line or "KV" in line
+def test_same_head_with_head_counts_that_do_not_divide(saved_pair, tmp_path, capsys):
+    three = tmp_path / "three-heads"
+    config = Qwen3Config(
+        num_hidden_layers=2, hidden_size=48, num_attention_heads=6, num_key_value_heads=3, head_dim=16,
+        vocab_size=VOCAB, intermediate_size=64, max_position_embeddings=256, tie_word_embeddings=True,
+    )  # fmt: skip
+    Qwen3ForCausalLM(config).save_pretrained(three)
+    make_tokenizer().save_pretrained(three)
+    args = ["calibrate", saved_pair["small"], str(three), "--data", "pocket", "--out", str(tmp_path / "o")]
+    code = main([*args, "--num-sequences", "4", "--seq-len", "32", "--head-mode", "same_head"])
+    _one_line_error(capsys, code, 1, "2 KV heads", "has 3", "all_heads")
 
 
 def test_debug_shows_the_traceback(tmp_path):

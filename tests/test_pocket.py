@@ -1,12 +1,12 @@
-"""The shipped pocket family: loads offline, refuses its mismatched member, and a real small→large bridge keeps
-most of what the context is worth to the target on held-out text."""
+"""The shipped pocket family: loads offline, bridges its member with another KV layout (pocket-x) both ways, and a
+real small→large bridge keeps most of what the context is worth to the target on held-out text."""
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import hf_kvbridge
-from hf_kvbridge import KVLayoutError, pocket
+from hf_kvbridge import pocket
 from hf_kvbridge.tools.evaluation import continuation_nll, heldout_windows
 
 
@@ -23,11 +23,37 @@ def test_family_loads_offline_and_shares_a_tokenizer():
     assert (layouts["pocket-x"].num_kv_heads, layouts["pocket-x"].head_dim) != (2, 32)
 
 
-def test_mismatched_member_is_refused():
-    with pytest.raises(KVLayoutError, match="pocket-x"):
-        hf_kvbridge.calibrate(
-            "pocket/pocket-s", "pocket/pocket-x", pocket.load_texts("calibration"), num_sequences=4, seq_len=64
-        )
+def _bridge_both_ways(a, b, windows):
+    """`a → b` and `b → a` context-benefit retention on held-out `windows` (192 context tokens) of one bidirectional
+    bridge calibrated on 32 × 256 tokens (as `tools/lambda_study.py`)."""
+    tokenizer = AutoTokenizer.from_pretrained(pocket.model_path(a))
+    bridge = hf_kvbridge.calibrate(
+        _load(a), _load(b), pocket.load_texts("calibration"), tokenizer=tokenizer, num_sequences=32, seq_len=256,
+        top_k=3, bidirectional=True,
+    )  # fmt: skip
+    return bridge, [continuation_nll(x, windows, 192)["context_benefit_retention"] for x in (bridge, bridge.reverse)]
+
+
+@pytest.fixture(scope="module")
+def heldout():
+    tokenizer = AutoTokenizer.from_pretrained(pocket.model_path("pocket-s"))
+    return heldout_windows(pocket.load_texts("heldout"), tokenizer, 192 + 16, 12)
+
+
+def test_mismatched_member_bridges_both_ways(heldout):
+    """pocket-x (4 KV heads × 16) and pocket-s (2 × 32): both directions keep much of the context's benefit
+    (measured with this setup: x → s 0.695, s → x 0.993; pocket-x barely uses its context, so s → x is noisy)."""
+    bridge, (forward, backward) = _bridge_both_ways("pocket-x", "pocket-s", heldout)
+    assert (bridge.mapper.source_kv_heads, bridge.mapper.source_head_dim) == (4, 16)
+    assert (bridge.mapper.target_kv_heads, bridge.mapper.target_head_dim) == (2, 32)
+    assert forward > 0.5 and backward > 0.5, (forward, backward)
+
+
+@pytest.mark.slow
+def test_mismatched_member_bridges_the_large_model_both_ways(heldout):
+    """Measured with this setup: x → l 1.012, l → x 0.951."""
+    _, (forward, backward) = _bridge_both_ways("pocket-x", "pocket-l", heldout)
+    assert forward > 0.5 and backward > 0.5, (forward, backward)
 
 
 # Measured once with this exact setup (pocket-m → pocket-s, 32 × 256 calibration tokens, 24 held-out windows of

@@ -8,8 +8,8 @@ import argparse
 from ..constants import EVAL_MODES, MAPPER_STUDY_MAPPERS, MAPPER_STUDY_PAIRS
 from ..pocket import POCKET_MODELS
 
-# the pocket models the demo offers: pocket-x has another KV layout, which the bridge does not map yet
-DEMO_MODELS = tuple(name for name in POCKET_MODELS if name != "pocket-x")
+# the pocket models the demo offers: all of them (pocket-x has another KV layout, mapped like the others)
+DEMO_MODELS = POCKET_MODELS
 
 
 def _positive_int(value: str) -> int:

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from ..constants import HEAD_MODES, KV_MODES
+from ..layout import HeadLayouts, same_head_sources, target_heads_of
 from ..solve import map_group_lambda, solve_ridge
 from ..statistics import KVStatistics, map_groups
 
@@ -65,26 +66,30 @@ class LayerMap(nn.Module):
         self.bias = nn.Parameter(torch.zeros(groups, out_features, dtype=dtype), requires_grad=False)
 
 
-class KVMapper(nn.Module):
+class KVMapper(nn.Module, HeadLayouts):
     """Maps content-space source KV rows to content-space target KV rows, one target layer at a time.
 
     Args:
         selected_layers (`list[list[int]]`): for each target layer, the source layers whose rows are concatenated,
             in this order (the order is part of the artifact).
-        num_kv_heads (`int`), head_dim (`int`): the shared KV layout.
+        num_kv_heads (`int`), head_dim (`int`): the source's KV layout (and the target's, unless given).
         head_mode (`str`): `"all_heads"` (each target head sees all heads of the selected layers) or `"same_head"`
-            (head h sees only head h).
+            (target head h sees only its source heads: head h for equal counts, see `layout.same_head_sources`).
         kv_mode (`str`, *optional*, defaults to `"joint"`): `"joint"` (keys and values → keys and values) or
             `"separate"` (keys from keys, values from values: half the weights and FLOPs).
+        target_kv_heads (`int`, *optional*), target_head_dim (`int`, *optional*): the target's KV layout when it
+            differs from the source's.
 
-    The map of a target layer is `G` independent affine maps ("groups") over its own input features:
+    The map of a target layer is `G` independent affine maps ("groups") over its own input features (`H_s`, `d_s`
+    the source's heads and head dim, `H_t`, `d_t` the target's, `r = max(1, H_s / H_t)` source heads per target
+    head in `same_head` mode):
 
     | head_mode, kv_mode | G | input width per source layer | output width |
     |---|---|---|---|
-    | all_heads, joint | 1 | H·2d | H·2d |
-    | same_head, joint | H | 2d | 2d |
-    | all_heads, separate | 2 (K, V) | H·d | H·d |
-    | same_head, separate | 2H (K of each head, then V) | d | d |
+    | all_heads, joint | 1 | H_s·2d_s | H_t·2d_t |
+    | same_head, joint | H_t | r·2d_s | 2d_t |
+    | all_heads, separate | 2 (K, V) | H_s·d_s | H_t·d_t |
+    | same_head, separate | 2H_t (K of each head, then V) | r·d_s | d_t |
 
     Example:
 
@@ -105,6 +110,9 @@ class KVMapper(nn.Module):
         head_dim: int,
         head_mode: str,
         kv_mode: str = "joint",
+        *,
+        target_kv_heads: int | None = None,
+        target_head_dim: int | None = None,
     ):
         super().__init__()
         if head_mode not in HEAD_MODES:
@@ -112,24 +120,48 @@ class KVMapper(nn.Module):
         if kv_mode not in KV_MODES:
             raise ValueError(f"kv_mode must be one of {KV_MODES}, got {kv_mode!r}")
         self.selected_layers = [list(map(int, layers)) for layers in selected_layers]
-        self.num_kv_heads, self.head_dim, self.head_mode, self.kv_mode = num_kv_heads, head_dim, head_mode, kv_mode
-        self.groups = (1 if head_mode == "all_heads" else num_kv_heads) * (1 if kv_mode == "joint" else 2)
+        self._set_head_layouts(num_kv_heads, head_dim, target_kv_heads, target_head_dim)
+        self.head_mode, self.kv_mode = head_mode, kv_mode
+        # same_head: the source heads each target head reads (refuses head counts where neither divides the other)
+        self.head_sources = (
+            None if head_mode == "all_heads" else same_head_sources(self.source_kv_heads, self.target_kv_heads)
+        )
+        self.groups = (1 if head_mode == "all_heads" else self.target_kv_heads) * (1 if kv_mode == "joint" else 2)
         # one plain matrix product per layer only for all_heads + joint; every other mode is a batched product
         self.grouped = self.groups > 1
-        width = self.row_width
+        width, out = self.row_width, self.out_width
         self.layers = nn.ModuleList(
-            self.make_layer(self.groups, len(layers) * width, width) for layers in self.selected_layers
+            self.make_layer(self.groups, len(layers) * width, out) for layers in self.selected_layers
         )
+
+    def head_kwargs(self) -> dict:
+        """The `target_kv_heads` / `target_head_dim` keywords that rebuild this mapper's layouts (none if matched)."""
+        return target_heads_of((0, 0, *self._head_key()))
+
+    @staticmethod
+    def layout_kwargs(config, layout) -> dict:
+        """`num_kv_heads`, `head_dim` (the source's) and the target's keywords for a mapper of `config` (a
+        `KVBridgeConfig`, whose `source_fingerprint` holds the source layout) and the target's `layout`."""
+        source = getattr(config, "source_fingerprint", None) or {}
+        heads, dim = source.get("num_kv_heads", layout.num_kv_heads), source.get("head_dim", layout.head_dim)
+        if (heads, dim) == (layout.num_kv_heads, layout.head_dim):
+            return {"num_kv_heads": heads, "head_dim": dim}
+        return {
+            "num_kv_heads": heads,
+            "head_dim": dim,
+            "target_kv_heads": layout.num_kv_heads,
+            "target_head_dim": layout.head_dim,
+        }
 
     @classmethod
     def from_config(cls, config, layout) -> KVMapper:
-        """An empty mapper shaped for `config` (a `KVBridgeConfig`) and the target's `layout`, to load weights into."""
+        """An empty mapper shaped for `config` (a `KVBridgeConfig`; the source layout is its `source_fingerprint`'s)
+        and the target's `layout`, to load weights into."""
         return cls(
             config.selected_layers,
-            layout.num_kv_heads,
-            layout.head_dim,
-            config.head_mode,
+            head_mode=config.head_mode,
             kv_mode=getattr(config, "kv_mode", "joint"),
+            **cls.layout_kwargs(config, layout),
         )
 
     def make_layer(self, groups: int, in_features: int, out_features: int) -> nn.Module:
@@ -150,7 +182,8 @@ class KVMapper(nn.Module):
         `ridge_lambda` is one relative λ for every map, or the per-layer choices `{"k": [[...]], "v": [[...]]}` of
         `hf_kvbridge.solve.choose_ridge_lambdas` (see `hf_kvbridge.solve.map_group_lambda`).
         """
-        mapper = cls(selected_layers, stats.num_kv_heads, stats.head_dim, head_mode, kv_mode=kv_mode)
+        key = stats.shape_key
+        mapper = cls(selected_layers, *key[2:4], head_mode, kv_mode=kv_mode, **target_heads_of(key))
         mapper.fit_targets(stats, range(len(mapper.selected_layers)), ridge_lambda)
         return mapper
 
@@ -161,7 +194,7 @@ class KVMapper(nn.Module):
             layers, layer_map = self.selected_layers[t], self.layers[t]
             for g, (x_idx, y_idx) in enumerate(map_groups(stats, layers, t, self.head_mode, self.kv_mode)):
                 lam = map_group_lambda(
-                    ridge_lambda, t, g, self.head_mode, self.kv_mode, self.num_kv_heads, self.head_dim
+                    ridge_lambda, t, g, self.head_mode, self.kv_mode, self.target_kv_heads, self.target_head_dim
                 )
                 weight, bias = solve_ridge(stats, x_idx, y_idx, lam)
                 layer_map.weight.data[g] = weight.to(layer_map.weight.dtype)
@@ -189,7 +222,7 @@ class KVMapper(nn.Module):
         self, batch: int, seq: int, num_layers: int, device=None, out: torch.Tensor | None = None
     ) -> torch.Tensor:
         """An uninitialised buffer for the rows of `num_layers` source layers side by side, in the mapper's input
-        layout: `(B·T, L·H·2d)` for `all_heads`, `(H, B·T, L·2d)` for `same_head` (see `write_rows`).
+        layout: `(B·T, L·H_s·2d_s)` for `all_heads`, `(H_t, B·T, L·r·2d_s)` for `same_head` (see `write_rows`).
 
         Args:
             out (`torch.Tensor`, *optional*): a flat tensor of at least that many elements to use as storage (a
@@ -202,18 +235,35 @@ class KVMapper(nn.Module):
         return out[: math.prod(shape)].view(shape)
 
     @property
+    def heads_per_group(self) -> int:
+        """Source heads one group reads: all of them (`all_heads`), or `r = max(1, H_s / H_t)` (`same_head`)."""
+        return self.source_kv_heads if self.head_mode == "all_heads" else len(self.head_sources[0])
+
+    @property
     def row_width(self) -> int:
-        """Width of one source layer in the mapper's input layout, per group: `H·2d` for `all_heads`, `2d` for
-        `same_head`, half of that when `kv_mode="separate"`."""
-        heads = self.num_kv_heads if self.head_mode == "all_heads" else 1
-        return heads * (2 if self.kv_mode == "joint" else 1) * self.head_dim
+        """Width of one source layer in the mapper's input layout, per group: `H_s·2d_s` for `all_heads`, `r·2d_s`
+        for `same_head`, half of that when `kv_mode="separate"`."""
+        return self.heads_per_group * (2 if self.kv_mode == "joint" else 1) * self.source_head_dim
+
+    @property
+    def out_width(self) -> int:
+        """Width of one target layer in the mapper's output layout, per group: `H_t·2d_t` for `all_heads`, `2d_t`
+        for `same_head`, half of that when `kv_mode="separate"`."""
+        heads = self.target_kv_heads if self.head_mode == "all_heads" else 1
+        return heads * (2 if self.kv_mode == "joint" else 1) * self.target_head_dim
+
+    @property
+    def slot_features(self) -> int:
+        """Elements one source layer's rows take per token in a `new_rows` buffer: `H_s·2d_s`, more in `same_head`
+        mode when target heads share a source head (each reads its own copy)."""
+        return (self.groups if self.grouped else 1) * self.row_width
 
     def layer_rows(self, rows: torch.Tensor, index: int, count: int = 1) -> torch.Tensor:
         """Layers `index … index+count-1` of a `new_rows` buffer, side by side (a view): the input of a map."""
         return rows[..., index * self.row_width : (index + count) * self.row_width]
 
     def write_rows(self, rows: torch.Tensor, index: int, keys: torch.Tensor, values: torch.Tensor, write_keys=None):
-        """Writes one source layer's keys and values, `(B, H, T, d)` each, into layer `index` of a `new_rows`
+        """Writes one source layer's keys and values, `(B, H_s, T, d_s)` each, into layer `index` of a `new_rows`
         buffer; per head the key then the value.
 
         Args:
@@ -222,27 +272,40 @@ class KVMapper(nn.Module):
         """
         batch, heads, seq, dim = values.shape
         layers = rows.shape[-1] // self.row_width
-        if self.kv_mode == "separate" and self.head_mode == "all_heads":
-            slot = rows.view(2, batch, seq, layers, heads, dim)[:, :, :, index]  # (2, B, T, H, d)
-            key_view, value_view = slot[0].transpose(1, 2), slot[1].transpose(1, 2)
-        elif self.kv_mode == "separate":
-            slot = rows.view(2, heads, batch, seq, layers, dim)[:, :, :, :, index]  # (2, H, B, T, d)
-            key_view, value_view = slot[0].transpose(0, 1), slot[1].transpose(0, 1)
-        elif self.head_mode == "all_heads":
-            slot = rows.view(batch, seq, layers, heads, 2, dim)[:, :, index]  # (B, T, H, 2, d)
-            key_view, value_view = slot[:, :, :, 0].transpose(1, 2), slot[:, :, :, 1].transpose(1, 2)
-        else:
-            slot = rows.view(heads, batch, seq, layers, 2, dim)[:, :, :, index]  # (H, B, T, 2, d)
-            key_view, value_view = slot[:, :, :, 0].transpose(0, 1), slot[:, :, :, 1].transpose(0, 1)
-        if write_keys is None:
-            key_view.copy_(keys)
-        else:
+        write_keys = write_keys or (lambda k, out: out.copy_(k))
+        if self.head_mode == "all_heads":
+            if self.kv_mode == "separate":
+                slot = rows.view(2, batch, seq, layers, heads, dim)[:, :, :, index]  # (2, B, T, H, d)
+                key_view, value_view = slot[0].transpose(1, 2), slot[1].transpose(1, 2)
+            else:
+                slot = rows.view(batch, seq, layers, heads, 2, dim)[:, :, index]  # (B, T, H, 2, d)
+                key_view, value_view = slot[:, :, :, 0].transpose(1, 2), slot[:, :, :, 1].transpose(1, 2)
             write_keys(keys, key_view)
-        value_view.copy_(values)
+            value_view.copy_(values)
+            return
+        groups, per = self.target_kv_heads, self.heads_per_group  # group g reads `per` source heads
+        if self.kv_mode == "separate":
+            slot = rows.view(2, groups, batch, seq, layers, per, dim)[:, :, :, :, index]  # (2, G, B, T, r, d)
+            key_slot, value_slot = slot[0], slot[1]
+        else:
+            slot = rows.view(groups, batch, seq, layers, per, 2, dim)[:, :, :, index]  # (G, B, T, r, 2, d)
+            key_slot, value_slot = slot[..., 0, :], slot[..., 1, :]  # (G, B, T, r, d)
+        if groups > heads:  # target heads g·rep … g·rep+rep-1 read source head g: write the first copy, then copy it
+            rep = groups // heads
+            key_copies = key_slot[:, :, :, 0].unflatten(0, (heads, rep))  # (H_s, rep, B, T, d)
+            value_copies = value_slot[:, :, :, 0].unflatten(0, (heads, rep))
+            write_keys(keys, key_copies[:, 0].transpose(0, 1))  # (B, H_s, T, d) view
+            value_copies[:, 0].transpose(0, 1).copy_(values)
+            key_copies[:, 1:].copy_(key_copies[:, :1])
+            value_copies[:, 1:].copy_(value_copies[:, :1])
+            return
+        for j in range(per):  # member j of group g is source head g·per + j
+            write_keys(keys[:, j::per], key_slot[:, :, :, j].transpose(0, 1))  # (B, G, T, d) view
+            value_slot[:, :, :, j].transpose(0, 1).copy_(values[:, j::per])
 
     def layout_rows(self, keys: torch.Tensor, values: torch.Tensor, write_keys=None) -> torch.Tensor:
-        """One source layer's keys and values, `(B, H, T, d)` each, in the mapper's input layout: `(B·T, H·2d)` for
-        `all_heads`, `(H, B·T, 2d)` for `same_head` (`new_rows` + `write_rows` for a single layer)."""
+        """One source layer's keys and values, `(B, H_s, T, d_s)` each, in the mapper's input layout: `(B·T, H_s·2d_s)`
+        for `all_heads`, `(H_t, B·T, r·2d_s)` for `same_head` (`new_rows` + `write_rows` for a single layer)."""
         batch, _, seq, _ = values.shape
         rows = self.new_rows(batch, seq, 1, device=values.device)
         self.write_rows(rows, 0, keys, values, write_keys)
@@ -251,12 +314,12 @@ class KVMapper(nn.Module):
     def split_rows(
         self, mapped: torch.Tensor, batch: int, seq: int, layers: int | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Inverse of `layout_rows` for the output: content-space keys and values `(B, H, T, d)` (views).
+        """The output's content-space keys and values, `(B, H_t, T, d_t)` each (views).
 
         With `layers=n`, `mapped` holds `n` target layers side by side (a `map_targets` output) and the keys and
         values are `(n, B, H, T, d)` views, so one elementwise op can cover all `n` layers.
         """
-        heads, dim = self.num_kv_heads, self.head_dim
+        heads, dim = self.target_kv_heads, self.target_head_dim
         n = 1 if layers is None else layers
         if self.kv_mode == "separate" and self.head_mode == "all_heads":
             kv = mapped.view(2, batch, seq, n, heads, dim).permute(0, 3, 1, 4, 2, 5)  # (2, n, B, H, T, d)
@@ -348,9 +411,8 @@ class KVMapper(nn.Module):
         plan = self.mapping_plan(targets)
         last_use = {s: step for step, (sources, _) in enumerate(plan) for s in sources}
         slots, num_slots = self.row_slots(plan, last_use)
-        features = self.num_kv_heads * 2 * self.head_dim  # of one layer, per token
-        widest = max(len(targets) for _, targets in plan) * features
-        bytes_per_token = (num_slots * features + widest) * torch.finfo(self.layout_dtype()).bits // 8
+        widest = max(len(targets) for _, targets in plan) * self.y_row  # output features per token
+        bytes_per_token = (num_slots * self.slot_features + widest) * torch.finfo(self.layout_dtype()).bits // 8
         if self.max_chunk_bytes is None:
             chunk = seq
         else:

@@ -20,9 +20,10 @@ import math
 import torch
 from torch import nn
 
+from ..layout import target_heads_of
 from ..selection import mapped_heldout_r2
-from ..solve import effective_ridge_lambda, group_lambda, solve_ridge
-from ..statistics import KVStatistics
+from ..solve import effective_ridge_lambda, map_group_lambda, solve_ridge
+from ..statistics import KVStatistics, map_groups
 from .base import KVMapper, MapperType
 
 
@@ -58,6 +59,7 @@ class LowRankKVMapper(KVMapper):
     Args:
         selected_layers, num_kv_heads, head_dim, head_mode: as for [`KVMapper`].
         rank (`int`): the rank of every target layer's (and, in `same_head` mode, every head's) map.
+        target_kv_heads, target_head_dim (`int`, *optional*): as for [`KVMapper`].
 
     Example:
 
@@ -71,18 +73,18 @@ class LowRankKVMapper(KVMapper):
     ```
     """
 
-    def __init__(self, selected_layers, num_kv_heads: int, head_dim: int, head_mode: str, rank: int):
+    def __init__(self, selected_layers, num_kv_heads: int, head_dim: int, head_mode: str, rank: int, **target_heads):
         if rank < 1:
             raise ValueError(f"rank must be ≥ 1, got {rank}")
         self.rank = int(rank)
-        super().__init__(selected_layers, num_kv_heads, head_dim, head_mode)
+        super().__init__(selected_layers, num_kv_heads, head_dim, head_mode, **target_heads)
 
     @classmethod
     def from_config(cls, config, layout) -> LowRankKVMapper:
         if "rank" not in (config.mapper_kwargs or {}):
             raise ValueError("a low_rank mapper's config lacks mapper_kwargs['rank']")
         rank = config.mapper_kwargs["rank"]
-        return cls(config.selected_layers, layout.num_kv_heads, layout.head_dim, config.head_mode, rank=rank)
+        return cls(config.selected_layers, head_mode=config.head_mode, rank=rank, **cls.layout_kwargs(config, layout))
 
     def make_layer(self, groups: int, in_features: int, out_features: int) -> nn.Module:
         return LowRankLayerMap(groups, in_features, out_features, min(self.rank, in_features, out_features))
@@ -98,14 +100,13 @@ class LowRankKVMapper(KVMapper):
     ) -> LowRankKVMapper:
         """Solves each ridge problem, as [`KVMapper.from_statistics`] (same λ, one number or per layer), and keeps
         its best rank-`rank` part."""
-        mapper = cls(selected_layers, stats.num_kv_heads, stats.head_dim, head_mode, rank)
-        group_heads = stats.num_kv_heads if head_mode == "all_heads" else 1
+        key = stats.shape_key
+        mapper = cls(selected_layers, *key[2:4], head_mode, rank, **target_heads_of(key))
+        heads, dim = stats.target_kv_heads, stats.target_head_dim
         for t, layers in enumerate(mapper.selected_layers):
             layer = mapper.layers[t]
-            heads = [None] if head_mode == "all_heads" else range(stats.num_kv_heads)
-            for g, head in enumerate(heads):
-                x_idx, y_idx = stats.source_index(layers, head), stats.target_index(t, head)
-                lam = group_lambda(ridge_lambda, t, g, group_heads, stats.head_dim)
+            for g, (x_idx, y_idx) in enumerate(map_groups(stats, layers, t, head_mode)):
+                lam = map_group_lambda(ridge_lambda, t, g, head_mode, "joint", heads, dim)
                 weight, _ = solve_ridge(stats, x_idx, y_idx, lam)
                 mx, my, cxx, _, var_y = stats.moments(x_idx, y_idx)
                 down, up = reduce_rank(weight, cxx, var_y.clamp_min(0).sqrt(), layer.down.shape[-1])
@@ -172,7 +173,7 @@ class LowRankKVMapper(KVMapper):
         """As [`KVMapper.split_rows`]; with `layers=n`, reads `map_targets`' layers-first layout."""
         if layers is None:
             return super().split_rows(mapped, batch, seq)
-        heads, dim = self.num_kv_heads, self.head_dim
+        heads, dim = self.target_kv_heads, self.target_head_dim
         if self.head_mode == "all_heads":
             kv = mapped.view(layers, batch, seq, heads, 2, dim).permute(4, 0, 1, 3, 2, 5)  # (2, n, B, H, T, d)
         else:

@@ -66,6 +66,7 @@ class MLPKVMapper(KVMapper):
     Args:
         selected_layers, num_kv_heads, head_dim, head_mode: as for [`KVMapper`].
         hidden (`int`, *optional*, defaults to `256`): hidden width of each MLP.
+        target_kv_heads, target_head_dim (`int`, *optional*): as for [`KVMapper`].
 
     Example:
 
@@ -87,8 +88,9 @@ class MLPKVMapper(KVMapper):
         head_dim: int,
         head_mode: str,
         hidden: int = 256,
+        **target_heads,
     ):
-        super().__init__(selected_layers, num_kv_heads, head_dim, head_mode)
+        super().__init__(selected_layers, num_kv_heads, head_dim, head_mode, **target_heads)
         self.hidden = int(hidden)
         self.residuals = nn.ModuleList(
             ResidualMLP(*layer_map.weight.shape, self.hidden)
@@ -98,7 +100,9 @@ class MLPKVMapper(KVMapper):
     @classmethod
     def from_config(cls, config, layout) -> MLPKVMapper:
         hidden = (config.mapper_kwargs or {}).get("hidden", 256)
-        return cls(config.selected_layers, layout.num_kv_heads, layout.head_dim, config.head_mode, hidden=hidden)
+        return cls(
+            config.selected_layers, head_mode=config.head_mode, hidden=hidden, **cls.layout_kwargs(config, layout)
+        )
 
     @classmethod
     def from_linear(cls, linear: KVMapper, hidden: int = 256, seed: int = 0) -> MLPKVMapper:
@@ -106,7 +110,14 @@ class MLPKVMapper(KVMapper):
 
         The first MLP layer is drawn with a seeded generator (`N(0, 1/p)`), so the result is reproducible.
         """
-        mapper = cls(linear.selected_layers, linear.num_kv_heads, linear.head_dim, linear.head_mode, hidden)
+        mapper = cls(
+            linear.selected_layers,
+            linear.source_kv_heads,
+            linear.source_head_dim,
+            linear.head_mode,
+            hidden,
+            **linear.head_kwargs(),
+        )
         mapper.layers.load_state_dict(linear.layers.state_dict())
         generator = torch.Generator().manual_seed(seed)
         for residual in mapper.residuals:
@@ -121,7 +132,7 @@ class MLPKVMapper(KVMapper):
 
     def residual(self, target_layer: int, rows: list[torch.Tensor]) -> torch.Tensor:
         """The MLP's correction for `target_layer`, in the mapper's layout (same shape as `map_layer`'s output)."""
-        x = torch.cat(rows, dim=-1)  # (B·T, k·H·2d) all_heads, (H, B·T, k·2d) same_head
+        x = torch.cat(rows, dim=-1)  # (B·T, k·H_s·2d_s) all_heads, (H_t, B·T, k·r·2d_s) same_head
         if self.head_mode == "all_heads":
             return self.residuals[target_layer](x.unsqueeze(0)).squeeze(0)  # (B·T, H·2d)
         return self.residuals[target_layer](x)  # (H, B·T, 2d)
@@ -135,12 +146,13 @@ class MLPKVMapper(KVMapper):
         """Sets `μ_x, σ_x, σ_y` of every target layer from one batch of rows.
 
         Args:
-            x (`torch.Tensor` of shape `(N, L_s·H·2d)`), y (`(N, L_t·H·2d)`): content-space rows (`cache_rows`).
+            x (`torch.Tensor` of shape `(N, L_s·H_s·2d_s)`), y (`(N, L_t·H_t·2d_t)`): content-space rows
+                (`cache_rows`).
         """
-        width = self.num_kv_heads * 2 * self.head_dim
+        xw, yw = self.x_row, self.y_row
         for t, layers in enumerate(self.selected_layers):
-            inputs = torch.cat([rows_in_layout(self, x[:, s * width : (s + 1) * width]) for s in layers], dim=-1)
-            outputs = rows_in_layout(self, y[:, t * width : (t + 1) * width])
+            inputs = torch.cat([source_rows_in_layout(self, x[:, s * xw : (s + 1) * xw]) for s in layers], dim=-1)
+            outputs = rows_in_layout(self, y[:, t * yw : (t + 1) * yw])
             if self.head_mode == "all_heads":  # one head group
                 inputs, outputs = inputs.unsqueeze(0), outputs.unsqueeze(0)
             residual = self.residuals[t]
@@ -152,17 +164,32 @@ class MLPKVMapper(KVMapper):
 
 
 def rows_in_layout(mapper: KVMapper, rows: torch.Tensor) -> torch.Tensor:
-    """One layer's `(N, H·2d)` content-space rows (a slice of `cache_rows`) in `mapper`'s layout.
+    """One target layer's `(N, H_t·2d_t)` content-space rows (a slice of `cache_rows`) in `mapper`'s output layout.
 
-    `(N, H·2d)` for `all_heads` (unchanged), `(H, N, 2d)` for `same_head` (a view).
+    `(N, H_t·2d_t)` for `all_heads` (unchanged), `(H_t, N, 2d_t)` for `same_head` (a view).
     """
     if mapper.head_mode == "all_heads":
         return rows
-    return rows.view(rows.shape[0], mapper.num_kv_heads, 2 * mapper.head_dim).transpose(0, 1)  # (H, N, 2d)
+    return rows.view(rows.shape[0], mapper.target_kv_heads, 2 * mapper.target_head_dim).transpose(0, 1)
+
+
+def source_rows_in_layout(mapper: KVMapper, rows: torch.Tensor) -> torch.Tensor:
+    """One source layer's `(N, H_s·2d_s)` content-space rows in `mapper`'s input layout (joint K/V).
+
+    `(N, H_s·2d_s)` for `all_heads`; for `same_head`, `(H_t, N, r·2d_s)`: each target head's source heads (a view),
+    or, when target heads share a source head, a copy of it for each.
+    """
+    if mapper.head_mode == "all_heads":
+        return rows
+    n, source, target = rows.shape[0], mapper.source_kv_heads, mapper.target_kv_heads
+    if target > source:
+        heads = rows.view(n, source, 2 * mapper.source_head_dim).transpose(0, 1)  # (H_s, N, 2d_s)
+        return heads.repeat_interleave(target // source, dim=0)  # (H_t, N, 2d_s)
+    return rows.view(n, target, -1).transpose(0, 1)  # (H_t, N, r·2d_s)
 
 
 def rows_from_layout(mapper: KVMapper, mapped: torch.Tensor) -> torch.Tensor:
-    """Inverse of `rows_in_layout`: a layer's mapped rows back to `(N, H·2d)`."""
+    """Inverse of `rows_in_layout`: a layer's mapped rows back to `(N, H_t·2d_t)`."""
     if mapper.head_mode == "all_heads":
         return mapped
     return mapped.transpose(0, 1).reshape(mapped.shape[1], -1)  # (N, H·2d)
@@ -235,7 +262,7 @@ def train_mlp_mapper(
     source, target = bridge.source, bridge.target
     device = target.device
     mapper = MLPKVMapper.from_linear(bridge.mapper, hidden=hidden, seed=seed).to(device=device, dtype=torch.float32)
-    width = mapper.num_kv_heads * 2 * mapper.head_dim  # features of one layer
+    xw, yw = mapper.x_row, mapper.y_row  # features of one source / target layer
     attn_layers = [layer.self_attn for layer in decoder_layers(target)]
     params = [p for residual in mapper.residuals for p in residual.parameters()]
     for param in params:
@@ -275,10 +302,10 @@ def train_mlp_mapper(
                     optimizer.zero_grad(set_to_none=True)
                     step_loss = 0.0
                     for t, layers in enumerate(mapper.selected_layers):
-                        rows = [rows_in_layout(mapper, x[:, s * width : (s + 1) * width]) for s in layers]
+                        rows = [source_rows_in_layout(mapper, x[:, s * xw : (s + 1) * xw]) for s in layers]
                         mapped = mapper.map_layer(t, rows)  # mapper layout
                         if loss == "mse":
-                            true = rows_in_layout(mapper, y[:, t * width : (t + 1) * width])
+                            true = rows_in_layout(mapper, y[:, t * yw : (t + 1) * yw])
                             scale = mapper.residuals[t].out_scale
                             scale = scale if mapper.head_mode == "all_heads" else scale.unsqueeze(1)  # (1|H, ·, q)
                             layer_loss = ((mapped - true) / scale).pow(2).mean()

@@ -28,8 +28,8 @@ from torch import nn
 
 from ..attention import decoder_layers, target_queries
 from ..cache import cache_rows
-from ..solve import effective_ridge_lambda, group_lambda, solve_ridge
-from ..statistics import KVStatistics
+from ..solve import effective_ridge_lambda, map_group_lambda, solve_ridge
+from ..statistics import KVStatistics, map_groups
 from .base import KVMapper, MapperType
 
 logger = logging.getLogger(__name__)
@@ -136,11 +136,15 @@ def fit_attention_weighted(
     started = time.perf_counter()
     base, config = bridge.mapper, bridge.config
     source, target = bridge.source, bridge.target
-    heads, dim = base.num_kv_heads, base.head_dim
-    width = heads * 2 * dim  # features of one layer
+    heads, dim = base.target_kv_heads, base.target_head_dim
+    xw, yw = base.x_row, base.y_row  # features of one source / target layer
     attn_layers = [layer.self_attn for layer in decoder_layers(target)]
     # per target layer: statistics of its k selected source layers (in the selected order) → that layer
-    stats = [WeightedKVStatistics(len(layers), 1, heads, dim) for layers in base.selected_layers]
+    layouts = (base.source_kv_heads, base.source_head_dim)
+    stats = [
+        WeightedKVStatistics(len(layers), 1, *layouts, target_kv_heads=heads, target_head_dim=dim)
+        for layers in base.selected_layers
+    ]
     from tqdm.auto import tqdm
 
     for start in tqdm(range(0, len(windows), batch_size), desc="weighted ridge", disable=not progress):
@@ -151,23 +155,18 @@ def fit_attention_weighted(
         if weighting == "attention":
             queries, true_cache = target_queries(target, ids)
         for t, layers in enumerate(base.selected_layers):
-            x_t = torch.cat([x[:, s * width : (s + 1) * width] for s in layers], dim=-1)  # (B·T, k·H·2d)
-            y_t = y[:, t * width : (t + 1) * width]  # (B·T, H·2d)
+            x_t = torch.cat([x[:, s * xw : (s + 1) * xw] for s in layers], dim=-1)  # (B·T, k·H_s·2d_s)
+            y_t = y[:, t * yw : (t + 1) * yw]  # (B·T, H_t·2d_t)
             weight = None
             if weighting == "attention":
                 weight = attention_mass(queries[t], true_cache.layers[t].keys, attn_layers[t].scaling).reshape(-1)
             stats[t].update(x_t, y_t, weight)
-    mapper = KVMapper(base.selected_layers, heads, dim, base.head_mode)
+    mapper = KVMapper(base.selected_layers, *layouts, base.head_mode, **base.head_kwargs())
     ridge_lambda = effective_ridge_lambda(config)
-    group_heads = heads if base.head_mode == "all_heads" else 1
     for t, layers in enumerate(base.selected_layers):
-        for g, head in enumerate([None] if base.head_mode == "all_heads" else range(heads)):
-            weight, bias = solve_ridge(
-                stats[t],
-                stats[t].source_index(list(range(len(layers))), head),
-                stats[t].target_index(0, head),
-                group_lambda(ridge_lambda, t, g, group_heads, dim),
-            )
+        for g, (x_idx, y_idx) in enumerate(map_groups(stats[t], list(range(len(layers))), 0, base.head_mode)):
+            lam = map_group_lambda(ridge_lambda, t, g, base.head_mode, "joint", heads, dim)
+            weight, bias = solve_ridge(stats[t], x_idx, y_idx, lam)
             mapper.layers[t].weight.data[g] = weight.to(mapper.layers[t].weight.dtype)
             mapper.layers[t].bias.data[g] = bias.to(mapper.layers[t].bias.dtype)
     new_config = copy.deepcopy(config)

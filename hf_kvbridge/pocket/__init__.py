@@ -2,7 +2,7 @@
 
 The models share one byte-level BPE tokenizer (vocab 4096). ``pocket-s``, ``pocket-m`` and ``pocket-l`` also share
 their KV-cache layout (2 KV heads x head_dim 32) and differ in depth and width, so a KV cache of one can be mapped
-into another. ``pocket-x`` has a different KV layout (4 KV heads x head_dim 16) to exercise refusal paths.
+into another. ``pocket-x`` has a different KV layout (4 KV heads x head_dim 16): the pairs with another layout.
 They were trained from scratch on the Python 3.11 documentation (PSF-2.0) by ``hf_kvbridge.pocket.train``.
 
 This module imports nothing heavy; load the models with ``transformers`` yourself::
@@ -25,7 +25,7 @@ from pathlib import Path
 __all__ = ["POCKET_MODELS", "SPLITS", "data_path", "load_documents", "load_model", "load_texts", "model_path"]
 
 POCKET_MODELS: tuple[str, ...] = ("pocket-s", "pocket-m", "pocket-l", "pocket-x")
-"""Names of the shipped models, smallest compatible first; ``pocket-x`` has a mismatched KV layout."""
+"""Names of the shipped models, smallest of the 2 x 32 layout first; ``pocket-x`` has another KV layout (4 x 16)."""
 
 SPLITS: tuple[str, ...] = ("calibration", "heldout")
 """Names of the shipped text splits. No pocket model was trained on either."""

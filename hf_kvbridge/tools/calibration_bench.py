@@ -63,9 +63,10 @@ def memory_table(budget: int = 16 * 10**9, ranks: int = 8, dtype=torch.float32) 
                 )
                 passes = "–" if per_pass == 0 else f"{1 + -(-lt // per_pass)} / {1 + -(-lt // (ranks * per_pass))}"
                 params = lt * (k * row // groups) * (row // groups) * groups + lt * row  # weights + biases
+                selection = format_bytes(selection_bytes(ls, lt, heads, dim, dtype))
                 lines.append(
-                    f"| {pair} | {k} | {head_mode} / {kv_mode} | {format_bytes(selection_bytes(ls, lt, heads, dim, dtype))} "
-                    f"| {format_bytes(one)} | {format_bytes(every)} | {passes} | {params / 1e6:,.0f} M |"
+                    f"| {pair} | {k} | {head_mode} / {kv_mode} | {selection} | {format_bytes(one)} "
+                    f"| {format_bytes(every)} | {passes} | {params / 1e6:,.0f} M |"
                 )
     return "\n".join(lines)
 
@@ -109,7 +110,7 @@ def run(args: argparse.Namespace) -> dict:
     row = heads * 2 * dim
     modes = (args.head_mode, args.kv_mode)
     mode = check_budget(budget, ls, lt, heads, dim, args.top_k, statistics_dtype, *modes)  # refuses before any work
-    groups = len(feature_groups(heads, dim, *modes))
+    groups = len(feature_groups(heads, dim, *modes))  # the shapes here are matched pairs
     windows = torch.randint(0, source.config.vocab_size, (args.num_sequences, args.seq_len),
                             generator=torch.Generator().manual_seed(0))  # fmt: skip
     _, heldout = split_heldout(len(windows), args.heldout_fraction, 0)

@@ -45,7 +45,6 @@ SIZES = {
 }
 
 
-# the pocket models a demo can bridge: pocket-x has another KV layout and is there to be refused
 # a machine whose other processes keep more than this share of the CPUs busy gives timings that do not compare
 BUSY_WARNING_SHARE = 0.25
 

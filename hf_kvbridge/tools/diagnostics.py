@@ -199,7 +199,7 @@ def inspect_bridge(
     """
     from ..cache import cache_rows
     from ..calibration import split_heldout
-    from ..mappers.mlp import rows_from_layout, rows_in_layout
+    from ..mappers.mlp import rows_from_layout, source_rows_in_layout
     from ..selection import single_layer_r2
     from ..statistics import KVStatistics
 
@@ -218,10 +218,13 @@ def inspect_bridge(
     source, target, mapper = bridge.source, bridge.target, bridge.mapper
     src, tgt = bridge.source_layout, bridge.target_layout
     heads, dim = tgt.num_kv_heads, tgt.head_dim
-    width = heads * 2 * dim  # features of one layer
+    width, x_width = heads * 2 * dim, src.features_per_layer  # features of one target / source layer
     num, seq = windows.shape
     train_ids, heldout_ids = split_heldout(num, heldout_fraction, seed)
-    parts = [KVStatistics(src.num_layers, tgt.num_layers, heads, dim) for _ in range(2)]  # train, held-out
+    target_heads = {"target_kv_heads": heads, "target_head_dim": dim}
+    parts = [  # train, held-out
+        KVStatistics(src.num_layers, tgt.num_layers, src.num_kv_heads, src.head_dim, **target_heads) for _ in range(2)
+    ]
     is_heldout = torch.zeros(num, dtype=torch.bool)
     is_heldout[heldout_ids] = True
     sse = torch.zeros(tgt.num_layers, width, dtype=torch.float64)  # mapper residuals per output column
@@ -242,7 +245,7 @@ def inspect_bridge(
                 part.update(x[mask], y[mask])
         x_mapper = x.to(param.device, param.dtype)
         for t, layers in enumerate(mapper.selected_layers):
-            rows = [rows_in_layout(mapper, x_mapper[:, s * width : (s + 1) * width]) for s in layers]
+            rows = [source_rows_in_layout(mapper, x_mapper[:, s * x_width : (s + 1) * x_width]) for s in layers]
             pred = rows_from_layout(mapper, mapper.map_layer(t, rows)).double().cpu()  # (B·T, H·2d)
             truth = y[:, t * width : (t + 1) * width].double()
             sse[t] += (pred - truth).square().sum(0)

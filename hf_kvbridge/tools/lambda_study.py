@@ -120,7 +120,8 @@ def run_lambda_study(
         points += [auto, *fixed]
         old = next(p for p in fixed if p["ridge_lambda"] == 0.01)
         best = max(fixed, key=lambda p: p["retention"])
-        rows.append({"pair": pair, "old_default": old, "auto": auto, "best_fixed": best})
+        # NLL the target's own cache saves over no context: how much the target uses its context at all
+        rows.append({"pair": pair, "old_default": old, "auto": auto, "best_fixed": best, "context_gain": gain})
         if partial_path is not None:
             Path(partial_path).write_text(json.dumps({"rows": rows, "points": points}, indent=2) + "\n")
     return {
