@@ -19,7 +19,9 @@ import math
 import torch
 from transformers import Cache
 
-CONTROL_MODES = ("zero_cache", "random_cache")
+from .constants import CONTROL_MODES
+
+__all__ = ["CONTROL_MARGIN", "CONTROL_MODES", "control_cache", "controls_flag"]
 # a control whose retention comes within this of the bridge's flags the bridge's figure
 CONTROL_MARGIN = 0.1
 
