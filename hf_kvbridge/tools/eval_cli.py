@@ -329,6 +329,12 @@ def run_eval(args: argparse.Namespace) -> int:
         if limit is not None:  # a subset is not the task: say so next to the numbers
             docs = f"the first {limit}" if isinstance(limit, int) else f"the first {limit:.0%} of the"
             table += f"\n\nEvaluated on {docs} documents of each task (`--limit {args.limit:g}`), not the full tasks."
+        flagged = [f"{row['task']} {row['metric']}" for row in out["rows"] if row.get("controls_flag")]
+        if flagged:
+            table += (
+                f"\n\nFlagged by the controls (a zero or random cache comes within {CONTROL_MARGIN} of the bridge's "
+                f"retention): {', '.join(flagged)}."
+            )
         render_model_card(bridge.config, eval_table=table).save(card_path)
         print(f"wrote the table into {card_path}")
     return 0
