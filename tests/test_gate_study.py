@@ -54,3 +54,5 @@ def test_gate_study_command_runs(tmp_path):
     assert len(result["records"]) == 4 and {"score", "target", "bridge", "no_context"} <= set(result["records"][0])
     assert all(-1 <= r["score"] <= 1 for r in result["records"])
     assert result["pairs"][0]["pair"] == "pocket-m:pocket-s" and len(result["thresholds"]["rows"]) >= 1
+    assert len(result["broken_scores"]["pocket-m:pocket-s"]) == 4
+    assert result["broken_score_max"] < min(r["score"] for r in result["records"])  # what the gate must catch

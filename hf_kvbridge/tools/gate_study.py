@@ -4,7 +4,9 @@ For each pocket pair, one calibration; then on held-out windows (context + conti
 gate switched on but never refusing (`gate_threshold = -1`), so that every window records its gate score (mean cosine
 between the target's own K/V and the mapped K/V on the probe tokens, `hf_kvbridge.transfer.probe_agreement`) next
 to its continuation NLL in three modes: the target's own prefill, the gated bridge (the probe tokens are the target's
-own, as under a real gate) and no context (`hf_kvbridge.tools.evaluation`).
+own, as under a real gate) and no context (`hf_kvbridge.tools.evaluation`). The same windows are also scored by a
+*broken* copy of each bridge (every target layer's source layers in reversed order), whose gate scores show what a
+threshold must catch (`broken_scores`; not part of the threshold table).
 
 For every candidate threshold `t` (each observed score), windows with score ≥ t pass (the bridge's cache is used), the
 others fall back to the target's own prefill. Reported per threshold, pooled over all pairs' windows:
@@ -78,7 +80,9 @@ def measure_pair(source: str, target: str, args: argparse.Namespace) -> list[dic
     gated = bridge.with_mapper(bridge.mapper, copy.deepcopy(bridge.config))
     gated.config.gate_threshold, gated.config.gate_probe_tokens = -1.0, args.probe_tokens  # score, never refuse
     windows = heldout_windows(pocket.load_texts("heldout"), tokenizer, args.context + args.continuation, args.windows)
-    records = []
+    broken = gated.with_mapper(copy.deepcopy(gated.mapper), copy.deepcopy(gated.config))
+    broken.mapper.selected_layers = [list(reversed(layers)) for layers in broken.mapper.selected_layers]
+    records, broken_scores = [], []
     for start in range(0, len(windows), 8):
         batch = windows[start : start + 8]
         nll = {mode: -score_tokens(gated, batch, args.context, mode).mean(-1) for mode in MODES}  # (B,) each
@@ -87,7 +91,9 @@ def measure_pair(source: str, target: str, args: argparse.Namespace) -> list[dic
             records.append(
                 {"pair": f"{source}:{target}", "score": scores[row], **{m: float(nll[m][row]) for m in MODES}}
             )
-    return records
+        broken.prefill(batch[:, : args.context - broken.config.hold_back], source_logits=False)
+        broken_scores += broken.last_transfer["scores"]
+    return records, broken_scores
 
 
 def _pooled(records: list[dict]) -> float | None:
@@ -163,10 +169,11 @@ def _spearman(x: list[float], y: list[float]) -> float:
 
 def run_study(args: argparse.Namespace) -> dict:
     started = time.perf_counter()
-    records = []
+    records, broken = [], {}
     for pair in args.pairs:
         source, target = pair.split(":")
-        records += measure_pair(source, target, args)
+        pair_records, broken[pair] = measure_pair(source, target, args)
+        records += pair_records
         print(f"{pair}: {len(records)} windows so far ({time.perf_counter() - started:.0f}s)", flush=True)
     table = threshold_table(records, args.target_retention, args.min_passed)
     return {
@@ -176,6 +183,8 @@ def run_study(args: argparse.Namespace) -> dict:
             [r["score"] for r in records], [r["bridge"] - r["target"] for r in records]
         ),
         "thresholds": table,
+        "broken_scores": broken,
+        "broken_score_max": max(max(scores) for scores in broken.values()),
         "records": records,
         "torch_threads": torch.get_num_threads(),
         "seconds": time.perf_counter() - started,
@@ -226,7 +235,10 @@ def run(args: argparse.Namespace) -> int:
             f"{chosen['retention_passed']:.3f} on them, precision {chosen['precision']:.2f}, recall "
             f"{chosen['recall']:.2f}"
         )
-    print(f"Spearman(score, bridge − target NLL) = {result['spearman_score_vs_loss']:.3f}; wrote {out}")
+    print(
+        f"Spearman(score, bridge − target NLL) = {result['spearman_score_vs_loss']:.3f}; broken bridges score at most "
+        f"{result['broken_score_max']:.3f}; wrote {out}"
+    )
     return 0
 
 
