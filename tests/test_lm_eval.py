@@ -422,8 +422,9 @@ CONTROL_MODES_RUN = ("target", "bridge", "no_context", "zero_cache", "random_cac
 @pytest.mark.slow
 def test_controls_pass_a_real_bridge_and_flag_a_broken_one(pocket_bridge, task_manager, tmp_path, capfd, monkeypatch):
     """Rolling perplexity of held-out pocket text (chunks of 64 tokens): the real bridge keeps most of the context's
-    benefit (measured 0.91 on bits per byte; zero cache 0.0002, random cache 0.10) and is not flagged; the same bridge with its mapper weights zeroed
-    is flagged in `kvbridge eval`'s table, warning and JSON, and its lm-eval `mode=` results are the zero cache's."""
+    benefit (measured 0.91 on bits per byte; zero cache 0.0002, random cache 0.10) and is not flagged; the same
+    bridge with its mapper weights zeroed is flagged in `kvbridge eval`'s table, warning and JSON, and its lm-eval
+    `mode=` results are the zero cache's."""
     from hf_kvbridge.tools.eval_cli import evaluate_modes
 
     good = evaluate_modes(
