@@ -41,8 +41,11 @@ REVERSE_FOLDER = "reverse"
 # How selective recompute chooses the context tokens the target recomputes (see `hf_kvbridge.recompute`).
 RECOMPUTE_POLICIES = ("tail", "random", "spread", "probe", "tail_probe")
 
+# Caches that carry no information about the context, scored next to the bridge (see `hf_kvbridge.controls`).
+CONTROL_MODES = ("zero_cache", "random_cache")
+
 # Defaults of the tool commands, here so that the CLI's parser can name them without importing the tools.
-EVAL_MODES = ("source", "target", "bridge")
+EVAL_MODES = ("source", "target", "bridge", "no_context", *CONTROL_MODES)
 MAPPER_STUDY_PAIRS = "pocket-s:pocket-l,pocket-m:pocket-l,pocket-l:pocket-s"
 MAPPER_STUDY_MAPPERS = (
     "ridge",

@@ -177,7 +177,7 @@ def _recompute(bridge, cache: DynamicCache | None, ids, mask, pos, first_mapped:
     mapped = mask.clone()
     mapped[:, :first_mapped] = 0  # sink tokens are the target's own already
     score = probe_scores(bridge.target, cache, ids, pos) if "probe" in config.recompute_policy else None
-    generator = torch.Generator().manual_seed(0)
+    generator = torch.Generator().manual_seed(config.recompute_seed)
     chosen = choose_tokens(config.recompute_policy, count, mapped, score=score, generator=generator)
     recompute_tokens(bridge.target, cache, ids, mask, pos, chosen)
     return int(chosen.sum(-1).max())

@@ -5,7 +5,10 @@ import io
 from hf_kvbridge.tools.demo import Stages, choose_threads, physical_cores, report
 
 
-def _results(target_acc=0.5, no_context_nll=5.3, busy=False):
+def _results(target_acc=0.5, no_context_nll=5.3, busy=False, controls=None):
+    """Demo results as `measure` returns them; `controls` = the controls' retention (flagged when one is within 0.1
+    of the bridge's 0.9)."""
+    controls = controls or {"zero_cache": 0.15, "random_cache": 0.1}
     return {
         "pair": {"source": "pocket-s", "target": "pocket-l"},
         "settings": {"num_sequences": 24, "seq_len": 256},
@@ -19,6 +22,8 @@ def _results(target_acc=0.5, no_context_nll=5.3, busy=False):
             "nll": {"target": 5.1, "source": 4.1, "bridge": 5.12, "no_context": no_context_nll},
             "perplexity": {"target": 164.0, "source": 60.0, "bridge": 167.0, "no_context": 200.0},
             "context_benefit_retention": 0.9,
+            "control_retention": controls,
+            "controls_flag": max(controls.values()) >= 0.9 - 0.1,
         },
         "cloze": {
             "items": 16,
@@ -75,3 +80,15 @@ def test_stage_lines_have_elapsed_and_eta():
     assert lines[0].startswith("[1/2] first (elapsed") and "ETA after the first stage" in lines[0]
     assert lines[2].startswith("[2/2] second (elapsed") and "ETA" in lines[2]
     assert lines[1].strip().startswith("done in")
+
+
+def test_controls_are_reported_and_a_close_control_is_flagged():
+    text = " ".join(report(_results()).split())
+    assert (
+        "controls (caches with no information about the context), retention: zero cache 0.150, random cache 0.100"
+        in text
+    )
+    assert "warning" not in text.lower()
+    flagged = " ".join(report(_results(controls={"zero_cache": 0.85, "random_cache": 0.1})).split())
+    assert "warning: a control comes within 0.1 of the bridge's retention" in flagged
+    assert "Warning: a cache that carries no information about the context" in flagged and "keeps 85%" in flagged

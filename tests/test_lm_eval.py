@@ -19,8 +19,11 @@ from lm_eval.tasks import TaskManager
 
 import hf_kvbridge
 import hf_kvbridge.integrations.lm_eval  # noqa: F401  (registers "kvbridge")
+from hf_kvbridge import pocket
+from hf_kvbridge.cache import output_cache
 from hf_kvbridge.card import read_eval_table
 from hf_kvbridge.cli.main import main as cli_main
+from hf_kvbridge.constants import EVAL_MODES
 from hf_kvbridge.integrations.lm_eval import KVBridgeLM, rolling_chunks
 from hf_kvbridge.tools.eval_cli import format_table, retention_rows
 from tests.conftest import CORPUS
@@ -189,13 +192,14 @@ def test_kvbridge_eval_table_json_and_card(checkpoints, tmp_path, capfd, monkeyp
     captured = capfd.readouterr()
     printed = captured.out
     assert "not a git repository" not in captured.err
-    assert "[1/3] mode source" in captured.err and "[3/3] mode bridge" in captured.err  # every mode is labelled
+    assert "[1/6] mode source" in captured.err and "[3/6] mode bridge" in captured.err  # every mode is labelled
+    assert "[6/6] mode random_cache: control" in captured.err  # the controls run by default
     payload = json.loads(out.read_text())
     rows = {(r["task"], r["metric"]): r for r in payload["rows"]}
     row = rows[("kvbridge_pocket_cloze", "acc")]
     assert row["chance"] == pytest.approx(0.25)  # 4 choices per document, read from the task's docs
     manager = TaskManager(include_path=str(POCKET_TASKS))
-    for mode in ("source", "target", "bridge"):  # each column is that mode's own lm-eval run
+    for mode in EVAL_MODES:  # each column is that mode's own lm-eval run
         run = lm_eval.simple_evaluate(
             model="kvbridge",
             model_args=f"pretrained={checkpoints['pair']},mode={mode}",
@@ -211,7 +215,8 @@ def test_kvbridge_eval_table_json_and_card(checkpoints, tmp_path, capfd, monkeyp
     if row["target"]:
         assert row["retention"] == pytest.approx(row["bridge"] / row["target"])
     assert "| kvbridge_pocket_cloze | acc |" in printed and payload["table"] in printed
-    assert set(payload["lm_eval_results"]) == {"source", "target", "bridge"}
+    assert set(payload["lm_eval_results"]) == set(EVAL_MODES)
+    assert set(row["control_retention"]) == {"zero_cache", "random_cache"} and "controls_flag" in row
     card = (Path(checkpoints["pair"]) / "README.md").read_text()
     card_table = read_eval_table(card)
     assert card_table.startswith(payload["table"]) and "(`--limit 4`), not the full tasks" in card_table
@@ -364,3 +369,101 @@ def test_device_defaults_to_the_models_device(checkpoints, monkeypatch):
     assert again.device == bridge.device and again.model is bridge.target
     # lm-eval's command line passes device="cuda" when --device is not given: not a crash on a CPU-only machine
     assert KVBridgeLM(pretrained=bridge, mode="bridge", device="cuda").device == torch.device("cpu")
+
+
+def test_no_context_and_control_modes_score_what_they_say(checkpoints):
+    """Oracles on the identity bridge: `no_context` is the target on the context's last `hold_back` tokens only;
+    `zero_cache` is the target on an all-zero cache of the mapped prefix; `random_cache` is neither."""
+    bridge = KVBridgeLM(pretrained=checkpoints["identity"], mode="bridge", device="cpu").bridge
+    lms = {mode: KVBridgeLM(pretrained=bridge, mode=mode, batch_size=2) for mode in EVAL_MODES}
+    assert lms["no_context"].model is bridge.target and lms["zero_cache"].model is bridge
+    context, continuation = list(range(5, 25)), [30, 31, 32]
+    requests = [(None, context, continuation), (None, context[:12], continuation)]
+    scores = {mode: [lp for lp, _ in lm._loglikelihood_tokens(requests)] for mode, lm in lms.items()}
+    keep = bridge.config.hold_back
+    want = [lp for lp, _ in lms["target"]._loglikelihood_tokens([(None, c[-keep:], cont) for _, c, cont in requests])]
+    assert scores["no_context"] == pytest.approx(want, abs=1e-5)
+    for i, (_, ctx, cont) in enumerate(requests):
+        ids = torch.tensor([ctx + cont])
+        split = len(ctx) - keep
+        cache = output_cache(bridge.target(ids[:, :split], use_cache=True))
+        for layer in cache.layers:
+            layer.keys, layer.values = torch.zeros_like(layer.keys), torch.zeros_like(layer.values)
+        with torch.no_grad():
+            logits = bridge.target(ids[:, split:-1], cache=cache).logits[0, -len(cont) :]
+        expected = logits.log_softmax(-1).gather(-1, torch.tensor(cont)[:, None]).sum()
+        assert scores["zero_cache"][i] == pytest.approx(float(expected), abs=1e-4)
+    assert scores["bridge"] == pytest.approx(scores["target"], abs=1e-4)  # identity: the bridge is the target
+    for control in ("zero_cache", "random_cache"):
+        assert min(abs(a - b) for a, b in zip(scores[control], scores["bridge"])) > 1e-3
+    request = [Instance("generate_until", {}, ("The quick brown fox", {"until": ["\n\n"], "max_gen_toks": 5}), 0)]
+    for mode in ("no_context", "zero_cache", "random_cache"):
+        (text,) = lms[mode].generate_until(request)
+        assert isinstance(text, str) and len(lms[mode].tok_encode(text)) <= 5
+    tail = lms["no_context"].tok_decode(lms["no_context"].tok_encode("The quick brown fox")[-keep:])
+    assert lms["no_context"].generate_until(request) == lms["target"].generate_until(
+        [Instance("generate_until", {}, (tail, {"until": ["\n\n"], "max_gen_toks": 5}), 0)]
+    )
+
+
+@pytest.fixture(scope="module")
+def pocket_bridge():
+    """pocket-m → pocket-s, calibrated small: a real bridge on a pair whose target uses its context."""
+    return hf_kvbridge.calibrate(
+        "pocket/pocket-m", "pocket/pocket-s", pocket.data_path("calibration"), num_sequences=16, seq_len=256, top_k=6
+    )
+
+
+CONTROL_EVAL = {"limit": 4, "batch_size": 4, "bootstrap_iters": 0, "rolling_stride": 64}
+# source is left out to save a run: the controls need target, bridge and no_context
+CONTROL_MODES_RUN = ("target", "bridge", "no_context", "zero_cache", "random_cache")
+
+
+@pytest.mark.slow
+def test_controls_pass_a_real_bridge_and_flag_a_broken_one(pocket_bridge, task_manager, tmp_path, capfd, monkeypatch):
+    """Rolling perplexity of held-out pocket text (chunks of 64 tokens): the real bridge keeps most of the context's
+    benefit (measured 0.91 on bits per byte; zero cache 0.0002, random cache 0.10) and is not flagged; the same
+    bridge with its mapper weights zeroed is flagged in `kvbridge eval`'s table, warning and JSON, and its lm-eval
+    `mode=` results are the zero cache's."""
+    from hf_kvbridge.tools.eval_cli import evaluate_modes
+
+    good = evaluate_modes(
+        pocket_bridge, ["kvbridge_pocket_ppl"], modes=CONTROL_MODES_RUN, include_path=str(POCKET_TASKS), **CONTROL_EVAL
+    )
+    assert good["rows"] and not good["warnings"]
+    for row in good["rows"]:
+        assert row["controls_basis"] == "context_benefit" and row["controls_flag"] is False, row
+        assert row["context_benefit_retention"] > 0.8
+        assert max(row["control_retention"].values()) < row["context_benefit_retention"] - 0.2, row
+
+    broken = tmp_path / "broken"
+    for tensor in pocket_bridge.mapper.state_dict().values():
+        tensor.zero_()
+    pocket_bridge.save_pretrained(broken)
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "broken.json"
+    args = ["eval", str(broken), "--tasks", "kvbridge_pocket_ppl", "--include-path", str(POCKET_TASKS)]
+    args += ["--limit", "4", "--batch-size", "4", "--bootstrap-iters", "0", "--rolling-stride", "64"]
+    args += ["--device", "cpu", "--modes", ",".join(CONTROL_MODES_RUN), "--output", str(out)]
+    assert cli_main(args) == 0
+    captured = capfd.readouterr()
+    assert "⚠ control within 0.1" in captured.out
+    assert "warning: kvbridge_pocket_ppl bits_per_byte: the bridge's context-benefit retention" in captured.err
+    payload = json.loads(out.read_text())
+    assert all(row["controls_flag"] is True for row in payload["rows"])
+    assert "kvbridge_pocket_ppl bits_per_byte" in payload["controls_flagged"] and payload["control_margin"] == 0.1
+    # lm-eval's own run of a control mode gives the table's number; a zeroed mapper maps to the zero cache
+    run = lm_eval.simple_evaluate(
+        model="kvbridge",
+        model_args=f"pretrained={broken},mode=zero_cache,rolling_stride=64",
+        tasks=["kvbridge_pocket_ppl"],
+        limit=4,
+        batch_size=4,
+        device="cpu",
+        bootstrap_iters=0,
+        task_manager=task_manager,
+    )
+    row = {r["metric"]: r for r in payload["rows"]}["bits_per_byte"]
+    assert run["config"]["kvbridge_mode"] == "zero_cache"
+    assert run["results"]["kvbridge_pocket_ppl"]["bits_per_byte,none"] == pytest.approx(row["zero_cache"])
+    assert row["bridge"] == pytest.approx(row["zero_cache"])

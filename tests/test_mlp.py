@@ -106,7 +106,11 @@ def test_mlp_save_load_round_trip(saved_pair, tmp_path, few):
     mlp = train_mlp_mapper(ridge, few, hidden=16, epochs=1, batch_size=12)
     mlp.save_pretrained(tmp_path / "mlp")
     assert {p.name for p in (tmp_path / "mlp").iterdir()} == {
-        "config.json", "mapper.safetensors", "README.md", "tokenizer.json", "tokenizer_config.json"
+        "config.json",
+        "mapper.safetensors",
+        "README.md",
+        "tokenizer.json",
+        "tokenizer_config.json",
     }
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "mlp")
     assert isinstance(loaded, KVBridgeForCausalLM) and isinstance(loaded.mapper, MLPKVMapper)

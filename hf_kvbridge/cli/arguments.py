@@ -61,7 +61,7 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--revision", help="revision of the bridge repo on the Hub")
     parser.add_argument("--rolling-stride", type=int, help="chunk size of rolling log-likelihood (default 256)")
     parser.add_argument("--bootstrap-iters", type=int, default=100000, help="lm-eval's, for non-mean metrics")
-    parser.add_argument("--modes", default=",".join(EVAL_MODES), help="subset of source,target,bridge")
+    parser.add_argument("--modes", default=",".join(EVAL_MODES), help=f"subset of {','.join(EVAL_MODES)}")
     parser.add_argument("--output", help="write the results (table rows and each mode's lm-eval results) as JSON")
     parser.add_argument("--write-card", action="store_true", help="put the table into the checkpoint's README.md")
 

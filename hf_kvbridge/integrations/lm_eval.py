@@ -4,14 +4,21 @@
 kvbridge-lm-eval --model kvbridge --model_args pretrained=my-bridge,mode=bridge --tasks arc_challenge
 ```
 
-`mode` picks the path, so one harness run style gives the three numbers of a retention table:
+`mode` picks the path, so one harness run style gives every number of a retention table:
 
 - `bridge`: the source prefills each request's context except its last `hold_back` tokens; the target scores the
   held-back tokens and the continuation on the mapped cache (generation: `KVBridgeForCausalLM.generate`);
-- `target`, `source`: the plain model, exactly as lm-eval's `HFLM` scores it.
+- `target`, `source`: the plain model, exactly as lm-eval's `HFLM` scores it;
+- `no_context`: the target alone on the continuation after only the context's last `hold_back` tokens, the ones it
+  computes itself in bridge mode: the bridge's path with nothing mapped, the floor of a context-benefit retention
+  (a rolling document's first chunk keeps its prefix token);
+- `zero_cache`, `random_cache` (controls, `hf_kvbridge.controls`): the bridge's path with the mapped cache replaced by
+  zeros, or by Gaussian K/V with the mapped cache's RMS per layer, row and head (seeded per batch, so its numbers
+  depend on how requests are batched). A bridge whose retention these come close to transfers little.
 
-Only `_loglikelihood_tokens` (bridge mode), `loglikelihood_rolling` (all modes, see below) and the model loading
-differ from `HFLM`, in the way lm-eval's own `SteeredModel(HFLM)` overrides only what it must.
+Only `_loglikelihood_tokens` (bridge, control and no-context modes), `_model_generate` (control and no-context modes),
+`loglikelihood_rolling` (all modes, see below) and the model loading differ from `HFLM`, in the way lm-eval's own
+`SteeredModel(HFLM)` overrides only what it must.
 
 **Rolling log-likelihood policy.** `HFLM` cuts a document into disjoint windows whose context is one token, so a
 bridge would have nothing to prefill. Here, in *every* mode, a document is scored in chunks of `rolling_stride` tokens
@@ -45,9 +52,10 @@ from lm_eval.models.utils import Collator
 from tqdm import tqdm
 from transformers import AutoTokenizer, PreTrainedModel
 
-from ..cache import cache_kwargs
+from ..cache import CACHE_KWARG, cache_kwargs
 from ..configuration import KVBridgeConfig
 from ..constants import MAPPER_CHECKSUMS_KEY
+from ..controls import CONTROL_MODES, control_cache
 from ..loading import load_model, resolve_model_reference
 from ..modeling import KVBridgeForCausalLM
 from ..persistence import read_config_dict, resolve_checkpoint
@@ -55,7 +63,9 @@ from ..transfer import positions_from_mask
 
 logger = logging.getLogger(__name__)
 
-MODES = ("bridge", "target", "source")
+# modes that run the bridge's prefill (and need the mapper); the others load only the model they score
+BRIDGED_MODES = ("bridge", *CONTROL_MODES)
+MODES = (*BRIDGED_MODES, "target", "source", "no_context")
 DEFAULT_ROLLING_STRIDE = 256
 
 
@@ -84,7 +94,8 @@ class KVBridgeLM(HFLM):
     Args:
         pretrained (`str` or [`KVBridgeForCausalLM`]): a bridge checkpoint (local folder or Hub id), or a loaded
             bridge (as `kvbridge eval` passes it, to load the models once for all three modes).
-        mode (`str`, *optional*, defaults to `"bridge"`): `"bridge"`, `"target"` or `"source"`.
+        mode (`str`, *optional*, defaults to `"bridge"`): `"bridge"`, `"target"`, `"source"`, `"no_context"`,
+            `"zero_cache"` or `"random_cache"` (module docstring).
         revision (`str`, *optional*): revision of the bridge checkpoint on the Hub.
         tokenizer (`str`, *optional*): defaults to the target's (both models share it).
         device (`str`, *optional*): defaults to the device of a loaded bridge's models; for a checkpoint, `cuda` when
@@ -135,7 +146,7 @@ class KVBridgeLM(HFLM):
             name = config.name_or_path or "kvbridge"
         else:
             name = str(pretrained)
-            if mode == "bridge":
+            if mode in BRIDGED_MODES:
                 self.bridge = KVBridgeForCausalLM.from_pretrained(pretrained, revision=revision, **load_kwargs)
                 config = self.bridge.config
             else:  # only the model that is scored
@@ -148,7 +159,8 @@ class KVBridgeLM(HFLM):
             self.bridge.eval()
             model = self.bridge.source if mode == "source" else self.bridge.target
         else:
-            ref, rev = getattr(config, f"{mode}_name_or_path"), getattr(config, f"{mode}_revision")
+            role = "source" if mode == "source" else "target"
+            ref, rev = getattr(config, f"{role}_name_or_path"), getattr(config, f"{role}_revision")
             model = load_model(ref, rev, **load_kwargs).to(device)
         if tokenizer is None:
             tokenizer = AutoTokenizer.from_pretrained(
@@ -162,7 +174,7 @@ class KVBridgeLM(HFLM):
         self._pair_max_positions = min((fp["max_position_embeddings"] for fp in fingerprints), default=None)
         super().__init__(pretrained=model, tokenizer=tokenizer, backend="causal", **kwargs)
         self.pretrained, self.revision = name, revision
-        if mode == "bridge":
+        if mode in BRIDGED_MODES:
             self._model = self.bridge  # generate_until and batch-size detection go through the bridge
         if not isinstance(model, PreTrainedModel):  # pragma: no cover - load_model returns one
             raise TypeError(f"expected a transformers model, got {type(model)}")
@@ -182,7 +194,10 @@ class KVBridgeLM(HFLM):
         disable_tqdm: bool = False,
         override_bs: int | None = None,
     ) -> list[tuple[float, bool]]:
-        if self.mode != "bridge":
+        if self.mode == "no_context":  # only the tokens the target computes itself in bridge mode
+            keep = self.bridge_config.hold_back
+            requests = [(key, context[-keep:], continuation) for key, context, continuation in requests]
+        if self.mode not in BRIDGED_MODES:
             return super()._loglikelihood_tokens(requests, disable_tqdm=disable_tqdm, override_bs=override_bs)
         # No grouping of one-token continuations by `context + continuation[:-1]` (HFLM's logits cache): for the
         # bridge, where the context ends matters, so equal token sequences split differently are different requests.
@@ -190,7 +205,9 @@ class KVBridgeLM(HFLM):
         batch_size = override_bs or (self.batch_size if self.batch_size != "auto" else self._detect_batch_size())
         results = []
         pbar = tqdm(
-            total=len(requests), disable=disable_tqdm or self.rank != 0, desc="Running loglikelihood requests (bridge)"
+            total=len(requests),
+            disable=disable_tqdm or self.rank != 0,
+            desc=f"Running loglikelihood requests ({self.mode})",
         )
         for chunk in collator.get_batched(n=batch_size):
             for (request_str, _, _), answer in zip(chunk, self._bridge_score(chunk)):
@@ -243,6 +260,8 @@ class KVBridgeLM(HFLM):
                 if prefix_len
                 else None
             )
+            if cache is not None and self.mode in CONTROL_MODES:
+                control_cache(cache, self.mode, mask[:, :prefix_len])
             logits = self.bridge.target(
                 input_ids=ids[:, prefix_len:],
                 attention_mask=mask,
@@ -258,6 +277,25 @@ class KVBridgeLM(HFLM):
             greedy = bool((row.argmax(-1) == target).all())
             answers.append((float(row.gather(-1, target[:, None]).sum()), greedy))
         return answers
+
+    def _model_generate(self, context: torch.Tensor, max_length: int, stop: list[str], **generation_kwargs):
+        """`HFLM`'s generation, from a control cache of the context (control modes) or without the context."""
+        if self.mode == "no_context":  # the last hold_back tokens only (left padding: the last columns are real)
+            keep = min(self.bridge_config.hold_back, context.shape[1])
+            mask = generation_kwargs.get("attention_mask")
+            generation_kwargs["attention_mask"] = None if mask is None else mask[:, -keep:]
+            out = super()._model_generate(
+                context[:, -keep:], max_length - context.shape[1] + keep, stop, **generation_kwargs
+            )
+            return torch.cat([context, out[:, keep:]], dim=1)  # lm-eval cuts the context's width off the front
+        if self.mode in CONTROL_MODES:
+            mask = generation_kwargs.get("attention_mask")
+            mask = torch.ones_like(context) if mask is None else mask
+            split = context.shape[1] - self.bridge.config.hold_back
+            if split > 0:  # as `bridge.generate` would prefill, then the control stands in for the mapped cache
+                cache, _ = self.bridge.prefill(context[:, :split], mask[:, :split], source_logits=False)
+                generation_kwargs[CACHE_KWARG] = control_cache(cache, self.mode, mask[:, :split])
+        return super()._model_generate(context, max_length, stop, **generation_kwargs)
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
         """Per-document log-likelihood, scored in chunks of `rolling_stride` tokens (policy: module docstring)."""

@@ -2,8 +2,9 @@
 
 Prints and writes (JSON + PNG) into a new folder: calibration time; held-out R² of K and V against the number of
 source layers; attention-output cosine per target layer; continuation NLL of target / source / bridge / no context
-and the context-benefit retention; cloze accuracy and retention; mapper time against the target's re-prefill; a
-greedy generation of target and bridge side by side.
+and of the zero- and random-cache controls (`hf_kvbridge.controls`), the context-benefit retention of the bridge and
+of the controls, flagged when a control comes within `CONTROL_MARGIN` of the bridge; cloze accuracy and retention;
+mapper time against the target's re-prefill; a greedy generation of target and bridge side by side.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from transformers import AutoTokenizer
 from .. import pocket
 from ..attention import attention_output_cosine
 from ..calibration import calibrate
+from ..controls import CONTROL_MARGIN
 from ..errors import ContextLengthError
 from ..selection import mapper_r2, select_layers
 from .bench import mapper_vs_prefill
@@ -154,7 +156,7 @@ def stage_costs(size: dict, num_sequences: int, seq_len: int) -> dict[str, float
         "calibration": 2.0 * num_sequences * seq_len,  # source + target forward
         "r2_by_k": 0.05 * num_sequences * seq_len,  # closed-form fits from the statistics
         "cosine": 3.0 * size["cosine_windows"] * (size["nll_context"] + size["nll_continuation"]),
-        "nll": 4.0 * nll_tokens,  # target, source, bridge, no context
+        "nll": 6.0 * nll_tokens,  # target, source, bridge, no context, zero cache, random cache
         "cloze": 4.0 * cloze_tokens,
         "timing": 3.0 * (size["timing_repeats"] + 2) * size["timing_context"],
         "generation": 2.0 * 32 * 48,
@@ -229,8 +231,9 @@ def measure(args: argparse.Namespace, stages: Stages | None = None) -> dict:
     )
     nll = stages.run(
         "nll",
-        f"continuation NLL of target, source, bridge, no context on {size['nll_windows']} held-out windows",
-        lambda: continuation_nll(bridge, nll_windows, size["nll_context"]),
+        f"continuation NLL of target, source, bridge, no context and the zero- and random-cache controls on "
+        f"{size['nll_windows']} held-out windows",
+        lambda: continuation_nll(bridge, nll_windows, size["nll_context"], controls=True),
     )
     cloze_windows = heldout_windows(
         heldout_texts, tokenizer, size["cloze_context"] + size["cloze_continuation"], size["cloze_items"]
@@ -321,6 +324,11 @@ def report(results: dict) -> str:
     for mode, value in cont["nll"].items():
         lines.append(_fmt_row((mode, f"{value:.4f}", f"{cont['perplexity'][mode]:.2f}"), widths))
     lines.append(f"context-benefit retention: {cont['context_benefit_retention']:.3f}")
+    if "control_retention" in cont:
+        controls = ", ".join(f"{m.replace('_', ' ')} {v:.3f}" for m, v in cont["control_retention"].items())
+        lines.append(f"controls (caches with no information about the context), retention: {controls}")
+        if cont.get("controls_flag"):
+            lines.append(f"warning: a control comes within {CONTROL_MARGIN} of the bridge's retention")
     cloze = results["cloze"]
     lines += [
         "",
@@ -375,6 +383,13 @@ def summary(results: dict) -> str:
             else f"; the cloze test says nothing here ({target} is at or below chance on it)."
         ),
     ]
+    if cont.get("controls_flag"):
+        best = max(cont["control_retention"].values())
+        text.append(
+            f"Warning: a cache that carries no information about the context (all zeros, or random with the mapped "
+            f"cache's norms) keeps {best:.0%}, within {CONTROL_MARGIN} of the bridge: the mapped cache transfers "
+            "little here."
+        )
     if benefit < SMALL_CONTEXT_BENEFIT:
         text.append(
             f"Careful: {target} gains only {benefit:.3f} nats per token from its context here, so that share rests on "

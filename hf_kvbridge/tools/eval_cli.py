@@ -1,6 +1,7 @@
-"""`kvbridge eval DIR --tasks ...`: source, target and bridge through lm-eval, and one retention table.
+"""`kvbridge eval DIR --tasks ...`: source, target, bridge and the controls through lm-eval, and one retention table.
 
-Each mode is one `lm_eval.simple_evaluate` run of [`KVBridgeLM`] on the same requests (the bridge is loaded once).
+Each mode is one `lm_eval.simple_evaluate` run of [`KVBridgeLM`] on the same requests (the bridge is loaded once):
+source, target, bridge, and by default also no context, zero cache and random cache (`hf_kvbridge.controls`).
 Per task and metric the table gives each mode's value ± lm-eval's standard error, and
 
 - retention = bridge / target (for lower-is-better metrics such as perplexity: target / bridge, so that in both
@@ -8,7 +9,13 @@ Per task and metric the table gives each mode's value ± lm-eval's standard erro
 - chance-normalised retention = (bridge − chance) / (target − chance), for multiple-choice accuracies only, where
   chance = the mean over the evaluated documents of 1 / (number of choices) (read from the task's own documents;
   for a group, the common chance of its subtasks if they share one). Generative and perplexity metrics have no chance
-  level and leave it empty.
+  level and leave it empty;
+- context-benefit retention = (bridge − no context) / (target − no context), when `no_context` ran and the context
+  helps the target on that metric (undefined otherwise);
+- controls: the same retention of the zero- and random-cache controls (context-benefit when defined, else
+  control / target as above). A row where a control comes within `CONTROL_MARGIN` (0.1) of the bridge's retention
+  is flagged (`controls_flag` in the JSON rows, "⚠ control" in the table, a warning after it): there the bridge
+  transfers little that a cache without information would not.
 """
 
 from __future__ import annotations
@@ -25,7 +32,8 @@ from pathlib import Path
 from typing import Any
 from unittest import mock
 
-from ..constants import EVAL_MODES
+from ..constants import CONTROL_MODES, EVAL_MODES
+from ..controls import CONTROL_MARGIN, controls_flag
 from .evaluation import chance_normalised_retention
 
 logger = logging.getLogger(__name__)
@@ -94,16 +102,62 @@ def retention_rows(by_mode: dict[str, dict], chance: dict[str, float | None]) ->
                 continue
             target, bridge = row.get("target"), row.get("bridge")
             row["higher_is_better"] = higher.get(metric, True)
-            row["retention"] = None
-            if target is not None and bridge is not None:
-                num, den = (bridge, target) if row["higher_is_better"] else (target, bridge)
-                row["retention"] = num / den if den else None
+            row["retention"] = _ratio_retention(bridge, target, row["higher_is_better"])
+            _control_columns(row, [m for m in CONTROL_MODES if m in by_mode])
             level = chance.get(task) if metric in CHANCE_METRICS else None
             row["chance"] = level
             # undefined (None) when the target is at or below chance: there is no ability above chance to retain
             row["chance_normalised_retention"] = chance_normalised_retention(bridge, target, level)
             rows.append(row)
     return rows
+
+
+def _ratio_retention(value: float | None, target: float | None, higher_is_better: bool) -> float | None:
+    """value / target (target / value when lower is better): 1 is as good as the target."""
+    if value is None or target is None:
+        return None
+    num, den = (value, target) if higher_is_better else (target, value)
+    return num / den if den else None
+
+
+def _context_benefit(value: float | None, target: float | None, floor: float | None, higher: bool) -> float | None:
+    """(value − no context) / (target − no context); `None` unless the context helps the target on the metric."""
+    if value is None or target is None or floor is None:
+        return None
+    gain = (target - floor) if higher else (floor - target)
+    return ((value - floor) if higher else (floor - value)) / gain if gain > 0 else None
+
+
+def _control_columns(row: dict[str, Any], controls: list[str]) -> None:
+    """Adds `context_benefit_retention`, the controls' retention (`control_retention`, on `controls_basis`) and
+    `controls_flag` (a control within `CONTROL_MARGIN` of the bridge; `None` when undefined) to a table row."""
+    higher, target, floor = row["higher_is_better"], row.get("target"), row.get("no_context")
+    row["context_benefit_retention"] = _context_benefit(row.get("bridge"), target, floor, higher)
+    if not controls:
+        return
+    if row["context_benefit_retention"] is not None:
+        row["controls_basis"], bridge = "context_benefit", row["context_benefit_retention"]
+        row["control_retention"] = {m: _context_benefit(row.get(m), target, floor, higher) for m in controls}
+    else:
+        row["controls_basis"], bridge = "ratio", row["retention"]
+        row["control_retention"] = {m: _ratio_retention(row.get(m), target, higher) for m in controls}
+    row["controls_flag"] = controls_flag(bridge, row["control_retention"])
+
+
+def control_warnings(rows: list[dict[str, Any]]) -> list[str]:
+    """One line per flagged row: which control comes within `CONTROL_MARGIN` of the bridge's retention."""
+    lines = []
+    for row in rows:
+        if not row.get("controls_flag"):
+            continue
+        basis = row["controls_basis"]
+        bridge = row["context_benefit_retention"] if basis == "context_benefit" else row["retention"]
+        controls = ", ".join(f"{m} {v:.3f}" for m, v in row["control_retention"].items() if v is not None)
+        lines.append(
+            f"warning: {row['task']} {row['metric']}: the bridge's {basis.replace('_', '-')} retention {bridge:.3f} "
+            f"is within {CONTROL_MARGIN} of a control's ({controls}); the mapped cache transfers little here"
+        )
+    return lines
 
 
 def _fmt(value: float | None, stderr: float | None = None) -> str:
@@ -117,6 +171,9 @@ def format_table(rows: list[dict[str, Any]], modes: tuple[str, ...] = EVAL_MODES
     """The rows as a Markdown table (printed by `kvbridge eval`, pasted into the model card)."""
     modes = tuple(m for m in modes if any(m in row for row in rows)) or modes
     header = ["task", "metric", *modes, "retention", "chance", "chance-norm. retention"]
+    controls = any("controls_flag" in row for row in rows)
+    benefit = any(row.get("context_benefit_retention") is not None for row in rows)
+    header += ["context-benefit retention"] * benefit + ["controls"] * controls
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for row in rows:
         metric = row["metric"] + ("" if row["filter"] == "none" else f" ({row['filter']})")
@@ -127,6 +184,11 @@ def format_table(rows: list[dict[str, Any]], modes: tuple[str, ...] = EVAL_MODES
         if row.get("chance") is not None and row.get("chance_normalised_retention") is None:
             normalised = "undefined (target ≤ chance)"
         cells += [_fmt(row.get("retention")), _fmt(row.get("chance")), normalised]
+        if benefit:
+            cells.append(_fmt(row.get("context_benefit_retention")))
+        if controls:
+            flag = row.get("controls_flag")
+            cells.append("—" if flag is None else f"⚠ control within {CONTROL_MARGIN}" if flag else "ok")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -166,6 +228,9 @@ def evaluate_modes(
         "source": f"the source alone ({bridge.config.source_name_or_path})",
         "target": f"the target alone ({bridge.config.target_name_or_path})",
         "bridge": "the bridge (source prefill, mapped cache, target decodes)",
+        "no_context": "the target without the context",
+        "zero_cache": "control: the target decodes from an all-zero cache of the context",
+        "random_cache": "control: the target decodes from a random cache with the mapped cache's norms",
     }
     for index, mode in enumerate(modes, 1):
         started = time.perf_counter()
@@ -186,7 +251,13 @@ def evaluate_modes(
     reference = by_mode.get("target") or next(iter(by_mode.values()))
     chance = chance_levels(reference, get_task_dict(tasks, task_manager), limit)
     rows = retention_rows(by_mode, chance)
-    return {"rows": rows, "table": format_table(rows, modes), "chance": chance, "results": by_mode}
+    return {
+        "rows": rows,
+        "table": format_table(rows, modes),
+        "warnings": control_warnings(rows),
+        "chance": chance,
+        "results": by_mode,
+    }
 
 
 def run_eval(args: argparse.Namespace) -> int:
@@ -218,6 +289,8 @@ def run_eval(args: argparse.Namespace) -> int:
         rolling_stride=args.rolling_stride,
     )
     print(out["table"])
+    for line in out["warnings"]:
+        print(line, file=sys.stderr)
     if args.output:
         import lm_eval
 
@@ -233,6 +306,8 @@ def run_eval(args: argparse.Namespace) -> int:
             "modes": list(modes),
             "rows": out["rows"],
             "table": out["table"],
+            "controls_flagged": [f"{r['task']} {r['metric']}" for r in out["rows"] if r.get("controls_flag")],
+            "control_margin": CONTROL_MARGIN,
             "lm_eval_version": lm_eval.__version__,
             "hf_kvbridge_version": __version__,
             "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -254,6 +329,12 @@ def run_eval(args: argparse.Namespace) -> int:
         if limit is not None:  # a subset is not the task: say so next to the numbers
             docs = f"the first {limit}" if isinstance(limit, int) else f"the first {limit:.0%} of the"
             table += f"\n\nEvaluated on {docs} documents of each task (`--limit {args.limit:g}`), not the full tasks."
+        flagged = [f"{row['task']} {row['metric']}" for row in out["rows"] if row.get("controls_flag")]
+        if flagged:
+            table += (
+                f"\n\nFlagged by the controls (a zero or random cache comes within {CONTROL_MARGIN} of the bridge's "
+                f"retention): {', '.join(flagged)}."
+            )
         render_model_card(bridge.config, eval_table=table).save(card_path)
         print(f"wrote the table into {card_path}")
     return 0

@@ -6,10 +6,11 @@ Every mode scores the same tokens:
 - `source`: the source alone;
 - `bridge`: the source prefills the context, the mapped cache is scored by the target;
 - `no_context`: the target sees only the continuation;
-- controls (`CONTROL_MODES`): the target scores the continuation on a cache of the context's length that carries no
-  information: `zero_cache` (all keys and values zero) and `random_cache` (Gaussian keys and values with the mapped
-  cache's norm per layer and head). A bridge whose retention a control comes close to transfers little: a study of
-  cross-model transfer found such caches reproducing most of the teacher-forced gain on some tasks.
+- controls (`CONTROL_MODES`, `hf_kvbridge.controls`): the target scores the continuation on a cache of the context's
+  length that carries no information: `zero_cache` (all keys and values zero) and `random_cache` (Gaussian keys and
+  values with the mapped cache's norm per layer and head). A bridge whose retention a control comes close to
+  transfers little: a study of cross-model transfer found such caches reproducing most of the teacher-forced gain on
+  some tasks.
 
 Context-benefit retention = (NLL_no_context − NLL_bridge) / (NLL_no_context − NLL_target): 1 means the bridge keeps all
 that the context is worth to the target, 0 means the mapped cache is worth nothing.
@@ -24,11 +25,9 @@ import torch
 from torch import nn
 
 from ..cache import cache_kwargs
+from ..controls import CONTROL_MODES, control_cache, controls_flag
 
 MODES = ("target", "source", "bridge", "no_context")
-CONTROL_MODES = ("zero_cache", "random_cache")
-# a control whose retention comes within this of the bridge's is flagged
-CONTROL_MARGIN = 0.1
 
 
 def heldout_windows(texts: list[str], tokenizer, length: int, max_windows: int) -> torch.Tensor:
@@ -81,18 +80,7 @@ def score_tokens(bridge, ids: torch.Tensor, context_len: int, mode: str, first: 
 def _control_logits(bridge, ids: torch.Tensor, context_len: int, mode: str) -> torch.Tensor:
     """Target logits over `ids` whose context K/V are replaced by a control cache of the same shape."""
     target, device = bridge.target, bridge.device
-    mapped, _ = bridge.prefill(ids[:, :context_len], source_logits=False)
-    generator = torch.Generator().manual_seed(0)
-    for layer in mapped.layers:
-        for name in ("keys", "values"):
-            tensor = getattr(layer, name)  # (B, H, T, d)
-            if mode == "zero_cache":
-                control = torch.zeros_like(tensor)
-            else:
-                noise = torch.randn(tensor.shape, generator=generator).to(tensor)
-                norm = tensor.float().pow(2).mean((2, 3), keepdim=True).sqrt()  # (B, H, 1, 1): the mapped rows' RMS
-                control = (noise * norm / noise.float().pow(2).mean((2, 3), keepdim=True).sqrt()).to(tensor.dtype)
-            setattr(layer, name, control)
+    mapped = control_cache(bridge.prefill(ids[:, :context_len], source_logits=False)[0], mode)
     rest = target(input_ids=ids[:, context_len:].to(device), **cache_kwargs(mapped)).logits
     # positions before the context's end are never scored (first > context_len); pad them to keep the indexing
     return torch.cat([rest.new_zeros(rest.shape[0], context_len, rest.shape[-1]), rest], dim=1)
@@ -112,7 +100,8 @@ def continuation_nll(
     Args:
         windows (`torch.LongTensor` of shape `(N, context_len + continuation_len)`): held-out text.
         controls (`bool`, *optional*, defaults to `False`): also score the zero- and random-cache controls, report
-            their retention, and flag the bridge's when a control comes within `CONTROL_MARGIN` of it.
+            their retention, and flag the bridge's when a control comes within `hf_kvbridge.controls.CONTROL_MARGIN`
+            of it (`None` when the retention is undefined).
     """
     modes = MODES + (CONTROL_MODES if controls else ())
     totals = dict.fromkeys(modes, 0.0)
@@ -134,9 +123,7 @@ def continuation_nll(
     if controls:
         control_retention = {mode: retention(nll, mode) for mode in CONTROL_MODES}
         result["control_retention"] = control_retention
-        result["controls_flag"] = any(
-            value >= result["context_benefit_retention"] - CONTROL_MARGIN for value in control_retention.values()
-        )
+        result["controls_flag"] = controls_flag(result["context_benefit_retention"], control_retention)
     return result
 
 

@@ -4,7 +4,8 @@ For one pocket pair (the hard direction first: pocket-l → pocket-s), one calib
 for every point, each policy recomputes a fraction of the mapped context (`hf_kvbridge.recompute`); `sinks` computes
 the first tokens instead (`config.sink_tokens`). Every point reports its cost: the share of the context's tokens the
 target runs (its prefill FLOPs, to first order) and the wall time of the bridged prefill. The zero- and random-cache
-controls are reported next to the bridge.
+controls are reported next to the bridge. The `random` policy is drawn once per `--seeds` seed (its table cell is the
+mean); `compare_policies` puts a chosen policy against those draws window by window.
 
     python -m hf_kvbridge.tools.recompute_study --source pocket-l --target pocket-s --out runs/recompute
 """
@@ -39,19 +40,58 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--windows", type=int, default=48, help="held-out windows")
     parser.add_argument("--context", type=int, default=192)
     parser.add_argument("--continuation", type=int, default=32)
+    parser.add_argument("--seeds", default="0", help="comma-separated seeds of the random policy's draws")
     parser.add_argument("--out", default="runs/recompute", help="folder for recompute.json and recompute.png")
 
 
-def _bridge_nll(bridge, windows: torch.Tensor, context: int, batch_size: int = 8) -> tuple[float, float]:
-    """Mean NLL of the continuation in bridge mode, and the seconds spent in the bridged prefills."""
-    total, count, seconds = 0.0, 0, 0.0
+def window_nll(bridge, windows: torch.Tensor, context: int, batch_size: int = 8) -> tuple[torch.Tensor, float]:
+    """Mean continuation NLL of each window in bridge mode, `(N,)`, and the seconds spent in the bridged prefills."""
+    nll, seconds = [], 0.0
     for start in range(0, len(windows), batch_size):
-        batch = windows[start : start + batch_size]
         started = time.perf_counter()
-        total -= score_tokens(bridge, batch, context, "bridge").sum().item()
+        nll.append(-score_tokens(bridge, windows[start : start + batch_size], context, "bridge").mean(-1))
         seconds += time.perf_counter() - started
-        count += batch.shape[0] * (batch.shape[1] - context - 1)
-    return total / count, seconds
+    return torch.cat(nll), seconds
+
+
+def recompute_variant(bridge, policy: str, fraction: float, seed: int = 0):
+    """A copy of `bridge` that recomputes `fraction` of its mapped context chosen by `policy` (seeded by `seed`)."""
+    variant = bridge.with_mapper(bridge.mapper, copy.deepcopy(bridge.config))
+    if policy != "sinks":  # sinks: the caller sets `config.sink_tokens` from the context length
+        variant.config.recompute_fraction, variant.config.recompute_policy = fraction, policy
+        variant.config.recompute_seed = seed
+    return variant
+
+
+def compare_policies(
+    bridge, windows: torch.Tensor, context: int, fraction: float, policy: str = "probe", seeds=(0, 1, 2, 3)
+) -> dict:
+    """`policy` against the `random` policy at the same recomputed `fraction`, on the same windows.
+
+    Returns the context-benefit retention of `policy` and of each random draw, and the per-window NLL gain of
+    `policy` over the mean of the draws (`(N,)`, positive = `policy` better) with its mean and paired t statistic.
+    """
+    reference = {mode: -score_tokens(bridge, windows, context, mode).mean(-1) for mode in ("target", "no_context")}
+    gain = float((reference["no_context"] - reference["target"]).mean())
+
+    def kept(nll: torch.Tensor) -> float:
+        return float((reference["no_context"] - nll).mean()) / gain
+
+    chosen, _ = window_nll(recompute_variant(bridge, policy, fraction), windows, context)
+    draws = torch.stack(
+        [window_nll(recompute_variant(bridge, "random", fraction, s), windows, context)[0] for s in seeds]
+    )
+    delta = draws.mean(0) - chosen  # (N,)
+    return {
+        "policy": policy,
+        "fraction": fraction,
+        "retention": kept(chosen),
+        "random_retention": [kept(d) for d in draws],
+        "window_gain": delta.tolist(),
+        "mean_gain_nats": float(delta.mean()),
+        "paired_t": float(delta.mean() / (delta.std() / len(delta) ** 0.5)),
+        "context_benefit_nats": gain,
+    }
 
 
 def run_frontier(args: argparse.Namespace) -> dict:
@@ -72,26 +112,29 @@ def run_frontier(args: argparse.Namespace) -> dict:
     nll = dict(reference["nll"])
     points = []
     mapped_context = args.context - bridge.config.hold_back  # the tokens the source prefills
+    seeds = [int(s) for s in str(getattr(args, "seeds", "0")).split(",")]
     for policy in args.policies.split(","):
         for fraction in (float(f) for f in args.fractions.split(",")):
-            variant = bridge.with_mapper(bridge.mapper, copy.deepcopy(bridge.config))
-            if policy == "sinks":
-                variant.config.sink_tokens = round(fraction * mapped_context)
-            else:
-                variant.config.recompute_fraction, variant.config.recompute_policy = fraction, policy
-            bridge_nll, seconds = _bridge_nll(variant, windows, args.context)
-            computed = (variant.last_transfer or {}).get("target_tokens", 0) + variant.config.hold_back
-            points.append(
-                {
-                    "policy": policy,
-                    "fraction": fraction,
-                    "retention": retention({**nll, "bridge": bridge_nll}),
-                    "nll": bridge_nll,
-                    "target_token_share": computed / args.context,
-                    "prefill_seconds": seconds,
-                }
-            )
-            print(f"{policy:7s} {fraction:5.2f}  retention {points[-1]['retention']:.4f}  ({seconds:.1f}s)")
+            for seed in seeds if policy == "random" else [0]:
+                variant = recompute_variant(bridge, policy, fraction, seed)
+                if policy == "sinks":
+                    variant.config.sink_tokens = round(fraction * mapped_context)
+                per_window, seconds = window_nll(variant, windows, args.context)
+                bridge_nll = float(per_window.mean())
+                computed = (variant.last_transfer or {}).get("target_tokens", 0) + variant.config.hold_back
+                points.append(
+                    {
+                        "policy": policy,
+                        "fraction": fraction,
+                        "seed": seed,
+                        "retention": retention({**nll, "bridge": bridge_nll}),
+                        "nll": bridge_nll,
+                        "target_token_share": computed / args.context,
+                        "prefill_seconds": seconds,
+                    }
+                )
+                kept = points[-1]["retention"]
+                print(f"{policy:7s} {fraction:5.2f} seed {seed}  retention {kept:.4f}  ({seconds:.1f}s)")
     return {
         "pair": {"source": args.source, "target": args.target},
         "settings": {k: v for k, v in vars(args).items() if k != "func"},
@@ -104,12 +147,19 @@ def run_frontier(args: argparse.Namespace) -> dict:
 def format_table(result: dict) -> str:
     fractions = sorted({p["fraction"] for p in result["points"]})
     policies = list(dict.fromkeys(p["policy"] for p in result["points"]))
-    by = {(p["policy"], p["fraction"]): p for p in result["points"]}
+    by: dict[tuple[str, float], list[float]] = {}
+    for p in result["points"]:  # the random policy's seeds: their mean
+        by.setdefault((p["policy"], p["fraction"]), []).append(p["retention"])
     lines = ["| policy | " + " | ".join(f"{f:.0%}" for f in fractions) + " |", "|---" * (len(fractions) + 1) + "|"]
     for policy in policies:
-        cells = [f"{by[(policy, f)]['retention']:.3f}" if (policy, f) in by else "–" for f in fractions]
+        cells = [f"{sum(by[(policy, f)]) / len(by[(policy, f)]):.3f}" if (policy, f) in by else "–" for f in fractions]
         lines.append(f"| {policy} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def _plotted_seed(result: dict) -> int:
+    """The seed whose random draws the plot shows (the first one)."""
+    return min(p.get("seed", 0) for p in result["points"])
 
 
 def plot_frontier(result: dict, path: Path) -> None:
@@ -118,7 +168,7 @@ def plot_frontier(result: dict, path: Path) -> None:
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6.4, 4.2), constrained_layout=True)
     for policy in dict.fromkeys(p["policy"] for p in result["points"]):
-        pts = [p for p in result["points"] if p["policy"] == policy]
+        pts = [p for p in result["points"] if p["policy"] == policy and p.get("seed", 0) == _plotted_seed(result)]
         ax.plot([p["target_token_share"] for p in pts], [p["retention"] for p in pts], marker="o", label=policy)
     for mode, value in result["reference"].get("control_retention", {}).items():
         ax.axhline(value, linestyle=":", color="grey")
