@@ -16,6 +16,19 @@ PAIR = (
     "from tests.conftest import qwen3\nsource, target = qwen3(layers=2, seed=1), qwen3(layers=3, hidden=48, seed=2)\n"
 )
 WINDOWS = "windows = torch.randint(0, 128, (20, 24), generator=torch.Generator().manual_seed(0))\n"
+# kill -9 the script itself at the N-th forward pass (`argv[1]`, none without it), mid-batch; `calls[0]` counts them
+KILL_HOOK = """
+import os, signal, sys
+import hf_kvbridge.calibration as calibration
+kill_after = int(sys.argv[1]) if len(sys.argv) > 1 else -1
+real, calls = calibration.cache_rows, [0]
+def cache_rows(*args, **kwargs):
+    calls[0] += 1
+    if calls[0] == kill_after:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return real(*args, **kwargs)
+calibration.cache_rows = cache_rows
+""".replace("\n", "\n        ")
 
 
 def _reference():
@@ -67,14 +80,7 @@ def test_killed_calibration_resumes_to_the_same_mapper(tmp_path):
         from hf_kvbridge.calibration import collect_statistics
         {PAIR.replace(chr(10), chr(10) + "        ")}
         {WINDOWS}
-        kill_after = int(sys.argv[1]) if len(sys.argv) > 1 else -1
-        real, calls = calibration.cache_rows, [0]
-        def cache_rows(*args, **kwargs):
-            calls[0] += 1
-            if calls[0] == kill_after:
-                os.kill(os.getpid(), signal.SIGKILL)  # a real kill -9, mid-batch
-            return real(*args, **kwargs)
-        calibration.cache_rows = cache_rows
+        {KILL_HOOK}
         collect_statistics(source, target, windows, heldout=[3, 7, 11], batch_size=2,
                            checkpoint_dir={str(checkpoint)!r}, checkpoint_every=2)
         print("finished after", calls[0] // 2, "batches")
@@ -159,14 +165,7 @@ def test_killed_budgeted_calibration_resumes_to_the_same_mapper(tmp_path):
         from hf_kvbridge.budget import fit_bytes
         {PAIR.replace(chr(10), chr(10) + "        ")}
         {WINDOWS}
-        kill_after = int(sys.argv[1]) if len(sys.argv) > 1 else -1
-        real, calls = calibration.cache_rows, [0]
-        def cache_rows(*args, **kwargs):
-            calls[0] += 1
-            if calls[0] == kill_after:
-                os.kill(os.getpid(), signal.SIGKILL)
-            return real(*args, **kwargs)
-        calibration.cache_rows = cache_rows
+        {KILL_HOOK}
         bridge, _ = calibration.fit_bridge_in_passes(
             source, target, windows, [3, 7, 11], statistics_memory=fit_bytes(2, 1, 64, torch.float32, 4), top_k=2,
             batch_size=2, head_mode="same_head", kv_mode="separate", checkpoint_dir={str(checkpoint)!r})
