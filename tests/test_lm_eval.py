@@ -27,6 +27,7 @@ from hf_kvbridge.constants import EVAL_MODES
 from hf_kvbridge.integrations.lm_eval import KVBridgeLM, rolling_chunks
 from hf_kvbridge.tools.eval_cli import format_table, retention_rows
 from tests.conftest import CORPUS
+from tests.test_layout import linear_pair  # noqa: F401  (fixture: a pair whose KV layouts differ)
 
 ROOT = Path(__file__).resolve().parents[1]
 POCKET_TASKS = ROOT / "eval_tasks" / "pocket"
@@ -467,3 +468,24 @@ def test_controls_pass_a_real_bridge_and_flag_a_broken_one(pocket_bridge, task_m
     assert run["config"]["kvbridge_mode"] == "zero_cache"
     assert run["results"]["kvbridge_pocket_ppl"]["bits_per_byte,none"] == pytest.approx(row["zero_cache"])
     assert row["bridge"] == pytest.approx(row["zero_cache"])
+
+
+def test_a_pair_with_different_kv_layouts_scores_like_its_target(linear_pair, tokenizer, task_manager, tmp_path):  # noqa: F811
+    """Source 2 KV heads × 16, target 3 × 8 with another RoPE, the target's K/V an exact linear function of the
+    source's: through lm-eval (loaded from a saved checkpoint by path, as a user would) the bridge scores what the
+    target scores itself."""
+    for name, model in zip(("source", "target"), linear_pair):
+        model.save_pretrained(tmp_path / name)
+        tokenizer.save_pretrained(tmp_path / name)
+    bridge = hf_kvbridge.calibrate(
+        str(tmp_path / "source"), str(tmp_path / "target"), CORPUS, num_sequences=16, seq_len=32, ridge_lambda=1e-9
+    )
+    assert (bridge.config.source_fingerprint["num_kv_heads"], bridge.config.target_fingerprint["num_kv_heads"]) == (
+        2,
+        3,
+    )
+    bridge.save_pretrained(tmp_path / "bridge")
+    target = _run(tmp_path / "bridge", "target", task_manager, limit=2)
+    bridged = _run(tmp_path / "bridge", "bridge", task_manager, limit=2)
+    for task in ("kvbridge_pocket_cloze", "kvbridge_pocket_ppl"):
+        torch.testing.assert_close(_loglikelihoods(bridged, task), _loglikelihoods(target, task), atol=1e-3, rtol=1e-5)
