@@ -31,7 +31,7 @@ class CalibrationSettings:
             (and head, in `same_head` mode, and K/V) by held-out R² over `hf_kvbridge.solve.LAMBDA_GRID`.
         head_mode (`str`, *optional*, defaults to `"all_heads"`): or `"same_head"` (head h from head h only).
         kv_mode (`str`, *optional*, defaults to `"joint"`): `"separate"` maps keys from keys and values from values
-            (half the mapper's weights and FLOPs; `"ridge"` mappers only).
+            (half the mapper's weights and FLOPs; every mapper type).
         mapper_type (`str`, *optional*, defaults to `"ridge"`): a key of `hf_kvbridge.mappers.MAPPER_REGISTRY`
             (`"ridge"`, `"ridge_attention_weighted"`, `"mlp"`, `"low_rank"`).
         mapper_kwargs (`dict`, *optional*): options of that mapper type (e.g. `{"rank": 64}` for `"low_rank"`,
@@ -119,11 +119,6 @@ class CalibrationSettings:
             )
         if self.kv_mode not in KV_MODES:
             raise ValueError(f"kv_mode must be one of {KV_MODES}, got {self.kv_mode!r}")
-        if self.kv_mode == "separate" and self.mapper_type != "ridge":
-            raise ValueError(
-                f"kv_mode='separate' is implemented for mapper_type='ridge' only, not {self.mapper_type!r}; use "
-                "kv_mode='joint'"
-            )
         if self.statistics_memory is not None:
             parse_bytes(self.statistics_memory)
         if self.statistics_dtype not in ("float32", "float64"):
@@ -133,4 +128,8 @@ class CalibrationSettings:
         if unknown:
             raise ValueError(
                 f"mapper_type {self.mapper_type!r} takes mapper_kwargs {list(entry.kwargs) or 'none'}, not {unknown}"
+            )
+        if self.kv_mode not in entry.kv_modes:
+            raise ValueError(
+                f"mapper_type {self.mapper_type!r} supports kv_mode {list(entry.kv_modes)}, not {self.kv_mode!r}"
             )

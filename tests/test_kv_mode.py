@@ -1,5 +1,8 @@
-"""kv_mode="separate": keys from keys, values from values, in every head mode, through fit, runtime and checkpoints."""
+"""kv_mode="separate": keys from keys, values from values, for every mapper type and head mode, through fit,
+runtime and checkpoints."""
 
+import copy
+import dataclasses
 import json
 
 import pytest
@@ -8,7 +11,7 @@ import torch
 import hf_kvbridge
 from hf_kvbridge import KVBridgeForCausalLM
 from hf_kvbridge.calibration import collect_statistics, fit_bridge
-from hf_kvbridge.mappers import KVMapper
+from hf_kvbridge.mappers import MAPPER_REGISTRY, MAPPER_TYPES, KVMapper, get_mapper_type
 from hf_kvbridge.solve import solve_ridge
 from tests.conftest import VOCAB, qwen3
 
@@ -117,5 +120,183 @@ def test_old_config_without_kv_mode_loads_as_joint():
     assert config.kv_mode == "joint"
     with pytest.raises(ValueError, match="kv_mode must be one of"):
         hf_kvbridge.KVBridgeConfig(kv_mode="both")
-    with pytest.raises(ValueError, match="kv_mode='separate' is implemented for mapper_type='ridge' only"):
+
+
+def test_every_mapper_type_accepts_separate_and_a_type_without_it_is_refused(monkeypatch):
+    for mapper_type in MAPPER_TYPES:
+        hf_kvbridge.CalibrationSettings(kv_mode="separate", mapper_type=mapper_type)  # validates
+    joint_only = dataclasses.replace(MAPPER_REGISTRY["mlp"], kv_modes=("joint",))
+    monkeypatch.setitem(MAPPER_REGISTRY, "mlp", joint_only)
+    with pytest.raises(ValueError, match="mapper_type 'mlp' supports kv_mode \\['joint'\\], not 'separate'"):
         hf_kvbridge.CalibrationSettings(kv_mode="separate", mapper_type="mlp")
+
+
+# -- every mapper type × kv_mode × head_mode --------------------------------------------------------------------------
+# Pairs whose KV layouts differ (2 ↔ 4 KV heads). "unrelated": a random target, whose joint maps really mix keys and
+# values (the control that the perturbation test can see mixing). "narrow_to_wide" / "wide_to_narrow": the target's
+# K/V is an exact linear function of the source's, keys of keys and values of values: the wide model's KV head j is
+# the narrow one's head j // 2, its keys scaled per dimension (k_norm × a, q_norm ÷ a, a equal on the two halves that
+# RoPE rotates together) and its values mixed by an invertible A_j (o_proj × A_j⁻¹). The two compute the same
+# function, so every layer's K/V is that map of the other's (and a joint fit learns it block-diagonal too).
+
+FIT_KWARGS = {
+    "ridge": {},
+    "ridge_attention_weighted": {},
+    "low_rank": {"rank": 4},  # below every map's width, so the rank itself is what separate halves
+    "mlp": {"hidden": 8, "epochs": 1, "steps_per_batch": 2},
+}
+MODES = [(h, kv) for h in ("all_heads", "same_head") for kv in ("joint", "separate")]
+
+
+def _widened(narrow):
+    """`narrow` (Qwen3, 2 KV heads, 4 query heads) with 4 KV heads, keys scaled and values mixed as described above."""
+    config, dim = narrow.config, narrow.config.head_dim
+    wide = qwen3(layers=config.num_hidden_layers, kv_heads=4, head_dim=dim, seed=9)
+    shared = {k: v for k, v in narrow.state_dict().items() if not k.endswith(("k_proj.weight", "v_proj.weight"))}
+    wide.load_state_dict(shared, strict=False)  # all but the K/V projections (their shapes differ), set below
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for mine, theirs in zip(wide.model.layers, narrow.model.layers):
+            attn, orig = mine.self_attn, theirs.self_attn
+            mix = torch.eye(dim) + 0.3 * torch.randn(4, dim, dim, generator=gen)  # (H_t, d, d): v'_j = A_j v_(j//2)
+            v_weight = orig.v_proj.weight.view(2, dim, -1).repeat_interleave(2, 0)  # (H_t, d, hidden)
+            attn.v_proj.weight.copy_((mix @ v_weight).reshape(4 * dim, -1))
+            attn.k_proj.weight.copy_(orig.k_proj.weight.view(2, dim, -1).repeat_interleave(2, 0).reshape(4 * dim, -1))
+            out = orig.o_proj.weight.view(-1, 4, dim)  # (hidden, H_q, d): query head j reads KV head j in `wide`
+            attn.o_proj.weight.copy_(torch.einsum("ojd,jde->oje", out, torch.linalg.inv(mix)).reshape(-1, 4 * dim))
+            half = 1 + torch.rand(dim // 2, generator=gen)
+            scale = torch.cat([half, half])  # RoPE rotates dims i and i + d/2 together: scale them alike
+            attn.k_norm.weight.copy_(orig.k_norm.weight * scale)
+            attn.q_norm.weight.copy_(orig.q_norm.weight / scale)
+    return wide.eval()
+
+
+@pytest.fixture(scope="module")
+def pairs():
+    narrow = qwen3(layers=2, kv_heads=H, head_dim=D, seed=5)
+    wide = _widened(narrow)
+    ids = torch.randint(0, VOCAB, (1, 16), generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(wide(input_ids=ids).logits, narrow(input_ids=ids).logits, atol=1e-5, rtol=1e-5)
+    unrelated = qwen3(layers=2, kv_heads=2 * H, head_dim=D, seed=6)
+    return {"unrelated": (narrow, unrelated), "narrow_to_wide": (narrow, wide), "wide_to_narrow": (wide, narrow)}
+
+
+@pytest.fixture(scope="module")
+def fitted(pairs, windows):
+    """`fitted(mapper_type, head_mode, kv_mode, pair)`: a bridge fitted as `calibrate` fits it (the ridge, then the
+    type's registry fit from the ridge bridge), cached for the module."""
+    statistics, bridges = {}, {}
+    windows = windows[:12]  # 576 tokens: plenty for 32 input features, and 40 fits stay quick
+
+    def fit(mapper_type, head_mode, kv_mode, pair="unrelated"):
+        key = (mapper_type, head_mode, kv_mode, pair)
+        if key not in bridges:
+            source, target = pairs[pair]
+            if pair not in statistics:
+                statistics[pair] = collect_statistics(source, target, windows, heldout=[0, 1])
+            train, heldout = statistics[pair]
+            bridge = fit_bridge(source, target, train, heldout, top_k=2, head_mode=head_mode, kv_mode=kv_mode)
+            entry, kwargs = get_mapper_type(mapper_type), dict(FIT_KWARGS[mapper_type])
+            if mapper_type == "low_rank" and pair != "unrelated":
+                kwargs["rank"] = 32  # the linear pairs' maps at full rank (on these widths): exact recovery
+            if entry.fit is not None:
+                bridge = entry.fit(bridge, windows=windows, statistics=(train, heldout), batch_size=8, **kwargs)
+            assert bridge.config.mapper_type == mapper_type and bridge.mapper.kv_mode == kv_mode
+            bridges[key] = bridge
+        return bridges[key]
+
+    return fit
+
+
+def _source_cache(bridge, seed=7):
+    ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        return bridge.source(input_ids=ids, use_cache=True).cache
+
+
+def _perturbed(cache, kind: str):
+    """A copy of `cache` with noise added to every layer's keys or values."""
+    cache = copy.deepcopy(cache)
+    gen = torch.Generator().manual_seed(11)
+    for layer in cache.layers:
+        tensor = getattr(layer, kind)
+        tensor.add_(torch.randn(tensor.shape, generator=gen) * tensor.std())
+    return cache
+
+
+@pytest.mark.parametrize("head_mode,kv_mode", MODES)
+@pytest.mark.parametrize("mapper_type", MAPPER_TYPES)
+def test_separate_maps_keys_only_from_keys_and_values_only_from_values(fitted, mapper_type, head_mode, kv_mode):
+    bridge = fitted(mapper_type, head_mode, kv_mode)
+    cache = _source_cache(bridge)
+    with torch.no_grad():
+        base = bridge.map_cache(cache)
+        other_values, other_keys = (
+            bridge.map_cache(_perturbed(cache, "values")),
+            bridge.map_cache(_perturbed(cache, "keys")),
+        )
+    for layer, moved_v, moved_k in zip(base.layers, other_values.layers, other_keys.layers):
+        # each perturbation reaches its own kind; it reaches the other kind only in joint mode
+        assert not torch.allclose(moved_v.values, layer.values, atol=1e-3)
+        assert not torch.allclose(moved_k.keys, layer.keys, atol=1e-3)
+        if kv_mode == "separate":
+            torch.testing.assert_close(moved_v.keys, layer.keys, atol=1e-6, rtol=1e-6)
+            torch.testing.assert_close(moved_k.values, layer.values, atol=1e-6, rtol=1e-6)
+        else:
+            assert not torch.allclose(moved_v.keys, layer.keys, atol=1e-3)
+            assert not torch.allclose(moved_k.values, layer.values, atol=1e-3)
+
+
+@pytest.mark.parametrize("head_mode", ["all_heads", "same_head"])
+@pytest.mark.parametrize("mapper_type", MAPPER_TYPES)
+def test_separate_has_half_the_joint_weights_and_flops(fitted, mapper_type, head_mode):
+    separate, joint = (fitted(mapper_type, head_mode, kv_mode).mapper for kv_mode in ("separate", "joint"))
+    assert type(separate) is type(joint)
+
+    def weights(mapper):  # the matrices; biases keep their size (G·q is the output width in both modes)
+        return sum(p.numel() for p in mapper.parameters() if p.dim() == 3)
+
+    assert 2 * weights(separate) == weights(joint)
+    assert 2 * separate.flops_per_token() == joint.flops_per_token()
+
+
+@pytest.mark.parametrize("head_mode,kv_mode", MODES)
+@pytest.mark.parametrize("mapper_type", MAPPER_TYPES)
+def test_kv_mode_survives_save_and_load(fitted, mapper_type, head_mode, kv_mode, tmp_path):
+    bridge = fitted(mapper_type, head_mode, kv_mode)
+    bridge.save_pretrained(tmp_path / "b")
+    saved = json.loads((tmp_path / "b" / "config.json").read_text())
+    assert (saved["mapper_type"], saved["kv_mode"]) == (mapper_type, kv_mode)
+    loaded = KVBridgeForCausalLM.from_pretrained(
+        tmp_path / "b", source_model=bridge.source, target_model=bridge.target
+    )
+    assert type(loaded.mapper) is type(bridge.mapper) and loaded.mapper.kv_mode == kv_mode
+    cache = _source_cache(bridge)
+    with torch.no_grad():
+        want, got = bridge.map_cache(cache), loaded.map_cache(cache)
+    for a, b in zip(want.layers, got.layers):
+        torch.testing.assert_close(b.keys, a.keys)
+        torch.testing.assert_close(b.values, a.values)
+
+
+def _r2(pred: torch.Tensor, true: torch.Tensor) -> float:
+    """R² over all features of `(B, H, T, d)` tensors, each feature centred over batch and tokens."""
+    centred = true - true.mean((0, 2), keepdim=True)
+    return 1 - float((pred - true).pow(2).sum() / centred.pow(2).sum())
+
+
+@pytest.mark.parametrize("pair", ["narrow_to_wide", "wide_to_narrow"])
+@pytest.mark.parametrize("head_mode", ["all_heads", "same_head"])
+@pytest.mark.parametrize("mapper_type", MAPPER_TYPES)
+def test_separate_recovers_a_target_whose_keys_and_values_are_linear_in_the_sources(
+    fitted, mapper_type, head_mode, pair
+):
+    bridge = fitted(mapper_type, head_mode, "separate", pair)
+    ids = torch.randint(0, VOCAB, (4, 24), generator=torch.Generator().manual_seed(21))  # never calibrated on
+    with torch.no_grad():
+        mapped = bridge.map_cache(bridge.source(input_ids=ids, use_cache=True).cache)
+        true = bridge.target(input_ids=ids, use_cache=True).cache
+    floor = 0.999 if mapper_type == "mlp" else 0.9999  # the MLP's residual trains a little
+    for got, want in zip(mapped.layers, true.layers):
+        assert _r2(got.keys, want.keys) > floor
+        assert _r2(got.values, want.values) > floor

@@ -34,6 +34,8 @@ class MapperType:
             windows and statistics.
         linear (`bool`): its weights are a plain `KVMapper`'s (lazy per-layer loading works).
         kwargs (`tuple[str, ...]`): the `mapper_kwargs` its `fit` accepts (validated before any work).
+        kv_modes (`tuple[str, ...]`): the `kv_mode`s it fits and maps (`CalibrationSettings` refuses the others
+            before any work); every type so far supports both.
         description (`str`): one line for `--help` and the docs.
     """
 
@@ -43,6 +45,7 @@ class MapperType:
     linear: bool
     kwargs: tuple[str, ...] = ()
     description: str = ""
+    kv_modes: tuple[str, ...] = KV_MODES
 
 
 class MappingSchedule(NamedTuple):
@@ -191,14 +194,36 @@ class KVMapper(nn.Module, HeadLayouts):
         """Solves the ridge problems of target layers `targets` from `stats` (statistics holding at least their
         selected source layers, e.g. one pass's `BlockStatistics`) into this mapper's weights, in place."""
         for t in targets:
-            layers, layer_map = self.selected_layers[t], self.layers[t]
-            for g, (x_idx, y_idx) in enumerate(map_groups(stats, layers, t, self.head_mode, self.kv_mode)):
-                lam = map_group_lambda(
-                    ridge_lambda, t, g, self.head_mode, self.kv_mode, self.target_kv_heads, self.target_head_dim
-                )
-                weight, bias = solve_ridge(stats, x_idx, y_idx, lam)
+            layer_map = self.layers[t]
+            for g, _, _, weight, bias in self.ridge_solutions(stats, t, ridge_lambda):
                 layer_map.weight.data[g] = weight.to(layer_map.weight.dtype)
                 layer_map.bias.data[g] = bias.to(layer_map.bias.dtype)
+
+    def ridge_solutions(
+        self,
+        stats,
+        target_layer: int,
+        ridge_lambda: float | dict,
+        source_layers: list[int] | None = None,
+        stats_target: int | None = None,
+    ):
+        """Yields `(group, x_idx, y_idx, weight (p, q), bias (q,))`, the ridge solution of each map of target layer
+        `target_layer` in this mapper's group order (`statistics.map_groups` for its `head_mode` and `kv_mode`), with
+        that map's λ; the mapper types that start from the ridge (low rank, attention-weighted) reshape these.
+
+        Args:
+            source_layers (`list[int]`, *optional*), stats_target (`int`, *optional*): where the selected source
+                layers and the target layer sit in `stats`; default to the selected layers and `target_layer`
+                (statistics of the whole model pair). Statistics of one target layer's own selection (as the
+                attention-weighted fit keeps) pass `range(k)` and `0`.
+        """
+        layers = self.selected_layers[target_layer] if source_layers is None else list(source_layers)
+        row = target_layer if stats_target is None else stats_target
+        for g, (x_idx, y_idx) in enumerate(map_groups(stats, layers, row, self.head_mode, self.kv_mode)):
+            lam = map_group_lambda(
+                ridge_lambda, target_layer, g, self.head_mode, self.kv_mode, self.target_kv_heads, self.target_head_dim
+            )
+            yield (g, x_idx, y_idx, *solve_ridge(stats, x_idx, y_idx, lam))
 
     def layout_dtype(self) -> torch.dtype:
         """dtype of the mapper's inputs (its weights' dtype)."""

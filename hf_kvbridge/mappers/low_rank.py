@@ -22,8 +22,8 @@ from torch import nn
 
 from ..layout import target_heads_of
 from ..selection import mapped_heldout_r2
-from ..solve import effective_ridge_lambda, map_group_lambda, solve_ridge
-from ..statistics import KVStatistics, map_groups
+from ..solve import effective_ridge_lambda
+from ..statistics import KVStatistics
 from .base import KVMapper, MapperType
 
 
@@ -58,8 +58,10 @@ class LowRankKVMapper(KVMapper):
 
     Args:
         selected_layers, num_kv_heads, head_dim, head_mode: as for [`KVMapper`].
-        rank (`int`): the rank of every target layer's (and, in `same_head` mode, every head's) map.
-        target_kv_heads, target_head_dim (`int`, *optional*): as for [`KVMapper`].
+        rank (`int`): the rank of every target layer's (and, in `same_head` mode, every head's) map. With
+            `kv_mode="separate"` that map is block-diagonal (keys from keys, values from values) and each block gets
+            half of it, `⌈rank/2⌉`, so it costs half the joint map's weights and FLOPs, as the full maps do.
+        kv_mode, target_kv_heads, target_head_dim (*optional*): as for [`KVMapper`].
 
     Example:
 
@@ -73,21 +75,41 @@ class LowRankKVMapper(KVMapper):
     ```
     """
 
-    def __init__(self, selected_layers, num_kv_heads: int, head_dim: int, head_mode: str, rank: int, **target_heads):
+    def __init__(
+        self,
+        selected_layers,
+        num_kv_heads: int,
+        head_dim: int,
+        head_mode: str,
+        rank: int,
+        kv_mode: str = "joint",
+        **target_heads,
+    ):
         if rank < 1:
             raise ValueError(f"rank must be ≥ 1, got {rank}")
         self.rank = int(rank)
-        super().__init__(selected_layers, num_kv_heads, head_dim, head_mode, **target_heads)
+        super().__init__(selected_layers, num_kv_heads, head_dim, head_mode, kv_mode=kv_mode, **target_heads)
 
     @classmethod
     def from_config(cls, config, layout) -> LowRankKVMapper:
         if "rank" not in (config.mapper_kwargs or {}):
             raise ValueError("a low_rank mapper's config lacks mapper_kwargs['rank']")
         rank = config.mapper_kwargs["rank"]
-        return cls(config.selected_layers, head_mode=config.head_mode, rank=rank, **cls.layout_kwargs(config, layout))
+        return cls(
+            config.selected_layers,
+            head_mode=config.head_mode,
+            rank=rank,
+            kv_mode=getattr(config, "kv_mode", "joint"),
+            **cls.layout_kwargs(config, layout),
+        )
+
+    @property
+    def group_rank(self) -> int:
+        """Rank of one head group's map: `rank`, or `⌈rank/2⌉` per K and per V map with `kv_mode="separate"`."""
+        return self.rank if self.kv_mode == "joint" else -(-self.rank // 2)
 
     def make_layer(self, groups: int, in_features: int, out_features: int) -> nn.Module:
-        return LowRankLayerMap(groups, in_features, out_features, min(self.rank, in_features, out_features))
+        return LowRankLayerMap(groups, in_features, out_features, min(self.group_rank, in_features, out_features))
 
     @classmethod
     def from_statistics(
@@ -97,17 +119,15 @@ class LowRankKVMapper(KVMapper):
         head_mode: str,
         ridge_lambda: float | dict,
         rank: int = 64,
+        kv_mode: str = "joint",
     ) -> LowRankKVMapper:
-        """Solves each ridge problem, as [`KVMapper.from_statistics`] (same λ, one number or per layer), and keeps
-        its best rank-`rank` part."""
+        """Solves each ridge problem, as [`KVMapper.from_statistics`] (same λ, one number or per layer, same groups
+        for `head_mode` and `kv_mode`), and keeps its best rank-`rank` part."""
         key = stats.shape_key
-        mapper = cls(selected_layers, *key[2:4], head_mode, rank, **target_heads_of(key))
-        heads, dim = stats.target_kv_heads, stats.target_head_dim
-        for t, layers in enumerate(mapper.selected_layers):
+        mapper = cls(selected_layers, *key[2:4], head_mode, rank, kv_mode=kv_mode, **target_heads_of(key))
+        for t in range(len(mapper.selected_layers)):
             layer = mapper.layers[t]
-            for g, (x_idx, y_idx) in enumerate(map_groups(stats, layers, t, head_mode)):
-                lam = map_group_lambda(ridge_lambda, t, g, head_mode, "joint", heads, dim)
-                weight, _ = solve_ridge(stats, x_idx, y_idx, lam)
+            for g, x_idx, y_idx, weight, _ in mapper.ridge_solutions(stats, t, ridge_lambda):
                 mx, my, cxx, _, var_y = stats.moments(x_idx, y_idx)
                 down, up = reduce_rank(weight, cxx, var_y.clamp_min(0).sqrt(), layer.down.shape[-1])
                 layer.down.data[g] = down.to(layer.down.dtype)
@@ -123,26 +143,22 @@ class LowRankKVMapper(KVMapper):
         return torch.bmm(layer.down, layer.up)  # (G, p, q)
 
     def _stack(self, sources: list[int], targets: list[int]):
-        """`A` of `targets` side by side `(G, k·span, n·r)` (input rows in `sources` order), and their `B` `(n·G, r,
-        q)` and bias `(n·G, 1, q)` stacked for one batched product. The targets of a step read the same source layers,
-        so their maps have one shape and one rank."""
+        """`A` of `targets` side by side `(G, k·span, n·r)` (input rows in `sources` order), and their `B` `(G·n, r,
+        q)` and bias `(G·n, 1, q)` stacked for one batched product (groups outer; `G = 1` for `all_heads` + `joint`).
+        The targets of a step read the same source layers, so their maps have one shape and one rank."""
         layers = [self.layers[t] for t in targets]
         down = torch.cat([self._in_source_order(self.layers[t].down, t, sources) for t in targets], dim=2)
-        if self.head_mode == "all_heads":  # G = 1: batch over targets
-            up = torch.cat([layer.up for layer in layers])  # (n, r, q)
-            bias = torch.cat([layer.bias for layer in layers]).unsqueeze(1)  # (n, 1, q)
-        else:  # batch over (head, target), heads outer
-            up = torch.stack([layer.up for layer in layers], 1).flatten(0, 1)  # (H·n, r, q)
-            bias = torch.stack([layer.bias for layer in layers], 1).flatten(0, 1).unsqueeze(1)  # (H·n, 1, q)
+        up = torch.stack([layer.up for layer in layers], 1).flatten(0, 1)  # (G·n, r, q)
+        bias = torch.stack([layer.bias for layer in layers], 1).flatten(0, 1).unsqueeze(1)  # (G·n, 1, q)
         return down, up, bias
 
     def map_layer(self, target_layer: int, rows: list[torch.Tensor]) -> torch.Tensor:
         """`(x A) B + b` for the selected source layers' rows (see [`KVMapper.map_layer`])."""
         layer = self.layers[target_layer]
-        hidden = self.accumulated_product(rows, layer.down)  # (B·T, r) or (H, B·T, r)
-        if self.head_mode == "all_heads":
+        hidden = self.accumulated_product(rows, layer.down)  # (B·T, r) or (G, B·T, r)
+        if not self.grouped:
             return torch.addmm(layer.bias[0], hidden, layer.up[0])  # (B·T, H·2d)
-        return torch.baddbmm(layer.bias.unsqueeze(1), hidden, layer.up)  # (H, B·T, 2d)
+        return torch.baddbmm(layer.bias.unsqueeze(1), hidden, layer.up)  # (G, B·T, q)
 
     def map_targets(
         self,
@@ -155,17 +171,15 @@ class LowRankKVMapper(KVMapper):
         """One product of the inputs with every target's `A`, then one batched product with their `B`.
 
         Returns:
-            the targets' rows in a layers-first layout, `(n, B·T, H·2d)` for `all_heads` and `(H·n, B·T, 2d)` (heads
-            outer) for `same_head`, which `split_rows(..., layers=n)` reads.
+            the targets' rows in a groups-then-layers layout, `(G·n, B·T, q)`: `(n, B·T, H·2d)` for `all_heads` +
+            `joint`, `(H·n, B·T, 2d)` (heads outer) for `same_head`, K then V outermost with `kv_mode="separate"`;
+            `split_rows(..., layers=n)` reads it.
         """
         down, up, bias = self._stacked(sources, targets)
-        hidden = self.step_product(sources, rows, down, slots=slots)  # (B·T, n·r) or (H, B·T, n·r)
+        hidden = self.step_product(sources, rows, down, slots=slots)  # (B·T, n·r) or (G, B·T, n·r)
         n, r, tokens = len(targets), up.shape[1], hidden.shape[-2]
-        if self.head_mode == "all_heads":
-            hidden = hidden.view(tokens, n, r).transpose(0, 1)  # (n, B·T, r)
-        else:
-            hidden = hidden.view(-1, tokens, n, r).transpose(1, 2).flatten(0, 1)  # (H·n, B·T, r)
-        shape = (up.shape[0], tokens, up.shape[2])  # (n or H·n, B·T, q)
+        hidden = hidden.view(-1, tokens, n, r).transpose(1, 2).flatten(0, 1)  # (G·n, B·T, r)
+        shape = (up.shape[0], tokens, up.shape[2])  # (G·n, B·T, q)
         result = None if out is None else out[: math.prod(shape)].view(shape)
         return torch.baddbmm(bias, hidden, up, out=result)
 
@@ -173,23 +187,27 @@ class LowRankKVMapper(KVMapper):
         """As [`KVMapper.split_rows`]; with `layers=n`, reads `map_targets`' layers-first layout."""
         if layers is None:
             return super().split_rows(mapped, batch, seq)
-        heads, dim = self.target_kv_heads, self.target_head_dim
-        if self.head_mode == "all_heads":
-            kv = mapped.view(layers, batch, seq, heads, 2, dim).permute(4, 0, 1, 3, 2, 5)  # (2, n, B, H, T, d)
+        heads, dim, n = self.target_kv_heads, self.target_head_dim, layers
+        if self.kv_mode == "separate" and self.head_mode == "all_heads":
+            kv = mapped.view(2, n, batch, seq, heads, dim).permute(0, 1, 2, 4, 3, 5)  # (2, n, B, H, T, d)
+        elif self.kv_mode == "separate":
+            kv = mapped.view(2, heads, n, batch, seq, dim).permute(0, 2, 3, 1, 4, 5)  # (2, n, B, H, T, d)
+        elif self.head_mode == "all_heads":
+            kv = mapped.view(n, batch, seq, heads, 2, dim).permute(4, 0, 1, 3, 2, 5)  # (2, n, B, H, T, d)
         else:
-            kv = mapped.view(heads, layers, batch, seq, 2, dim).permute(4, 1, 2, 0, 3, 5)  # (2, n, B, H, T, d)
+            kv = mapped.view(heads, n, batch, seq, 2, dim).permute(4, 1, 2, 0, 3, 5)  # (2, n, B, H, T, d)
         return kv[0], kv[1]
 
 
 def low_rank_bridge(
     bridge: nn.Module, rank: int, statistics: tuple[KVStatistics, KVStatistics] | None = None
 ) -> nn.Module:
-    r"""A new bridge with `bridge`'s ridge maps reduced to rank `rank` (same layers, head mode and λ: the per-layer
-    λ chosen for the ridge base when it was fitted with `ridge_lambda="auto"`).
+    r"""A new bridge with `bridge`'s ridge maps reduced to rank `rank` (same layers, head mode, kv mode and λ: the
+    per-layer λ chosen for the ridge base when it was fitted with `ridge_lambda="auto"`).
 
     Args:
         bridge ([`KVBridgeForCausalLM`]): a calibrated ridge bridge.
-        rank (`int`): the rank of each target layer's (head's, in `same_head` mode) map.
+        rank (`int`): the rank of each map (per target layer and head group, see [`LowRankKVMapper`]).
         statistics (`tuple`, *optional*): the `(train, held-out)` calibration statistics; defaults to the
             `bridge.calibration_statistics` that `calibrate` leaves on the bridge.
 
@@ -214,8 +232,9 @@ def low_rank_bridge(
     train, heldout = statistics
     config = bridge.config
     args = (config.selected_layers, config.head_mode, effective_ridge_lambda(config))
-    r2 = mapped_heldout_r2(LowRankKVMapper.from_statistics(train, *args, rank=rank), heldout)  # (L_t, 2)
-    mapper = LowRankKVMapper.from_statistics(train + heldout, *args, rank=rank)
+    kwargs = {"rank": rank, "kv_mode": getattr(config, "kv_mode", "joint")}
+    r2 = mapped_heldout_r2(LowRankKVMapper.from_statistics(train, *args, **kwargs), heldout)  # (L_t, 2)
+    mapper = LowRankKVMapper.from_statistics(train + heldout, *args, **kwargs)
     new_config = copy.deepcopy(config)
     new_config.mapper_type = "low_rank"
     new_config.mapper_kwargs = {"rank": int(rank)}

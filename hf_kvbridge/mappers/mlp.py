@@ -1,6 +1,8 @@
 """`mapper_type="mlp"`: a small residual MLP per (target layer, head group) on top of the ridge map.
 
-For target layer `t` and head group `g` (all heads at once in `all_heads` mode, one head in `same_head` mode):
+For target layer `t` and head group `g` (all heads at once in `all_heads` mode, one head in `same_head` mode; with
+`kv_mode="separate"` the keys and the values of each are two groups, so the key residual reads source keys only and
+the value residual source values only, like the ridge maps under them):
 
     ŷ = x W + b  +  (gelu(z W₁ + b₁) W₂ + b₂) · σ_y,     z = (x − μ_x) / σ_x
 
@@ -65,8 +67,10 @@ class MLPKVMapper(KVMapper):
 
     Args:
         selected_layers, num_kv_heads, head_dim, head_mode: as for [`KVMapper`].
-        hidden (`int`, *optional*, defaults to `256`): hidden width of each MLP.
-        target_kv_heads, target_head_dim (`int`, *optional*): as for [`KVMapper`].
+        hidden (`int`, *optional*, defaults to `256`): hidden width of each target layer's (head's, in `same_head`
+            mode) MLP; with `kv_mode="separate"` the keys' and the values' MLPs get `⌈hidden/2⌉` each, so the
+            residual costs half the joint one's weights and FLOPs, as the ridge part does.
+        kv_mode, target_kv_heads, target_head_dim (*optional*): as for [`KVMapper`].
 
     Example:
 
@@ -88,12 +92,14 @@ class MLPKVMapper(KVMapper):
         head_dim: int,
         head_mode: str,
         hidden: int = 256,
+        kv_mode: str = "joint",
         **target_heads,
     ):
-        super().__init__(selected_layers, num_kv_heads, head_dim, head_mode, **target_heads)
+        super().__init__(selected_layers, num_kv_heads, head_dim, head_mode, kv_mode=kv_mode, **target_heads)
         self.hidden = int(hidden)
+        group_hidden = self.hidden if self.kv_mode == "joint" else -(-self.hidden // 2)
         self.residuals = nn.ModuleList(
-            ResidualMLP(*layer_map.weight.shape, self.hidden)
+            ResidualMLP(*layer_map.weight.shape, group_hidden)
             for layer_map in self.layers  # (G, p, q)
         )
 
@@ -101,7 +107,11 @@ class MLPKVMapper(KVMapper):
     def from_config(cls, config, layout) -> MLPKVMapper:
         hidden = (config.mapper_kwargs or {}).get("hidden", 256)
         return cls(
-            config.selected_layers, head_mode=config.head_mode, hidden=hidden, **cls.layout_kwargs(config, layout)
+            config.selected_layers,
+            head_mode=config.head_mode,
+            hidden=hidden,
+            kv_mode=getattr(config, "kv_mode", "joint"),
+            **cls.layout_kwargs(config, layout),
         )
 
     @classmethod
@@ -116,6 +126,7 @@ class MLPKVMapper(KVMapper):
             linear.source_head_dim,
             linear.head_mode,
             hidden,
+            kv_mode=linear.kv_mode,
             **linear.head_kwargs(),
         )
         mapper.layers.load_state_dict(linear.layers.state_dict())
@@ -132,10 +143,10 @@ class MLPKVMapper(KVMapper):
 
     def residual(self, target_layer: int, rows: list[torch.Tensor]) -> torch.Tensor:
         """The MLP's correction for `target_layer`, in the mapper's layout (same shape as `map_layer`'s output)."""
-        x = torch.cat(rows, dim=-1)  # (B·T, k·H_s·2d_s) all_heads, (H_t, B·T, k·r·2d_s) same_head
-        if self.head_mode == "all_heads":
+        x = torch.cat(rows, dim=-1)  # (B·T, k·H_s·2d_s) all_heads + joint, else (G, B·T, p)
+        if not self.grouped:
             return self.residuals[target_layer](x.unsqueeze(0)).squeeze(0)  # (B·T, H·2d)
-        return self.residuals[target_layer](x)  # (H, B·T, 2d)
+        return self.residuals[target_layer](x)  # (G, B·T, q)
 
     def map_layer(self, target_layer: int, rows: list[torch.Tensor]) -> torch.Tensor:
         """The ridge map of the selected source layers' rows plus the MLP's correction (see [`KVMapper.map_layer`])."""
@@ -153,7 +164,7 @@ class MLPKVMapper(KVMapper):
         for t, layers in enumerate(self.selected_layers):
             inputs = torch.cat([source_rows_in_layout(self, x[:, s * xw : (s + 1) * xw]) for s in layers], dim=-1)
             outputs = rows_in_layout(self, y[:, t * yw : (t + 1) * yw])
-            if self.head_mode == "all_heads":  # one head group
+            if not self.grouped:  # one head group
                 inputs, outputs = inputs.unsqueeze(0), outputs.unsqueeze(0)
             residual = self.residuals[t]
             in_std, out_std = inputs.std(1), outputs.std(1)  # (G, p), (G, q)
@@ -166,33 +177,39 @@ class MLPKVMapper(KVMapper):
 def rows_in_layout(mapper: KVMapper, rows: torch.Tensor) -> torch.Tensor:
     """One target layer's `(N, H_t·2d_t)` content-space rows (a slice of `cache_rows`) in `mapper`'s output layout.
 
-    `(N, H_t·2d_t)` for `all_heads` (unchanged), `(H_t, N, 2d_t)` for `same_head` (a view).
+    `(N, H_t·2d_t)` for `all_heads` (unchanged), `(H_t, N, 2d_t)` for `same_head` (a view); with
+    `kv_mode="separate"` the keys then the values: `(2, N, H_t·d_t)` and `(2·H_t, N, d_t)` (copies).
     """
+    n, heads, dim = rows.shape[0], mapper.target_kv_heads, mapper.target_head_dim
+    if mapper.kv_mode == "joint":
+        return rows if mapper.head_mode == "all_heads" else rows.view(n, heads, 2 * dim).transpose(0, 1)
+    kv = rows.view(n, heads, 2, dim)
     if mapper.head_mode == "all_heads":
-        return rows
-    return rows.view(rows.shape[0], mapper.target_kv_heads, 2 * mapper.target_head_dim).transpose(0, 1)
+        return kv.permute(2, 0, 1, 3).reshape(2, n, heads * dim)  # (2, N, H·d)
+    return kv.permute(2, 1, 0, 3).reshape(2 * heads, n, dim)  # (2·H, N, d): K of every head, then V
 
 
 def source_rows_in_layout(mapper: KVMapper, rows: torch.Tensor) -> torch.Tensor:
-    """One source layer's `(N, H_s·2d_s)` content-space rows in `mapper`'s input layout (joint K/V).
-
-    `(N, H_s·2d_s)` for `all_heads`; for `same_head`, `(H_t, N, r·2d_s)`: each target head's source heads (a view),
-    or, when target heads share a source head, a copy of it for each.
-    """
-    if mapper.head_mode == "all_heads":
+    """One source layer's `(N, H_s·2d_s)` content-space rows in `mapper`'s input layout: `rows` itself for
+    `all_heads` + `joint`, else a `(G, N, p)` copy in the mapper's dtype (`KVMapper.layout_rows`), each group's
+    source heads (a copy for each target head that shares one), keys and values interleaved or apart as `kv_mode`
+    says."""
+    if not mapper.grouped:
         return rows
-    n, source, target = rows.shape[0], mapper.source_kv_heads, mapper.target_kv_heads
-    if target > source:
-        heads = rows.view(n, source, 2 * mapper.source_head_dim).transpose(0, 1)  # (H_s, N, 2d_s)
-        return heads.repeat_interleave(target // source, dim=0)  # (H_t, N, 2d_s)
-    return rows.view(n, target, -1).transpose(0, 1)  # (H_t, N, r·2d_s)
+    heads = rows.view(rows.shape[0], mapper.source_kv_heads, 2, mapper.source_head_dim).transpose(0, 1)  # (H, N, 2, d)
+    return mapper.layout_rows(heads[:, :, 0].unsqueeze(0), heads[:, :, 1].unsqueeze(0))  # keys, values (1, H, N, d)
 
 
 def rows_from_layout(mapper: KVMapper, mapped: torch.Tensor) -> torch.Tensor:
     """Inverse of `rows_in_layout`: a layer's mapped rows back to `(N, H_t·2d_t)`."""
+    n, heads, dim = mapped.shape[-2], mapper.target_kv_heads, mapper.target_head_dim
+    if mapper.kv_mode == "joint":
+        return mapped if mapper.head_mode == "all_heads" else mapped.transpose(0, 1).reshape(n, -1)  # (N, H·2d)
     if mapper.head_mode == "all_heads":
-        return mapped
-    return mapped.transpose(0, 1).reshape(mapped.shape[1], -1)  # (N, H·2d)
+        kv = mapped.view(2, n, heads, dim).permute(1, 2, 0, 3)  # (N, H, 2, d)
+    else:
+        kv = mapped.view(2, heads, n, dim).permute(2, 1, 0, 3)  # (N, H, 2, d)
+    return kv.reshape(n, -1)  # (N, H·2d)
 
 
 def _rotate(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -297,17 +314,19 @@ def train_mlp_mapper(
                             attend(attn_layers[t], queries[t], layer.keys.float(), layer.values.float())
                             for t, layer in enumerate(true_cache.layers)
                         ]  # (B, T, D) per layer
+                    used = {s for layers in mapper.selected_layers for s in layers}
+                    source_rows = {s: source_rows_in_layout(mapper, x[:, s * xw : (s + 1) * xw]) for s in used}
                 # several optimiser steps on each streamed batch: the forward passes cost far more than a step
                 for _ in range(steps_per_batch):
                     optimizer.zero_grad(set_to_none=True)
                     step_loss = 0.0
                     for t, layers in enumerate(mapper.selected_layers):
-                        rows = [source_rows_in_layout(mapper, x[:, s * xw : (s + 1) * xw]) for s in layers]
+                        rows = [source_rows[s] for s in layers]
                         mapped = mapper.map_layer(t, rows)  # mapper layout
                         if loss == "mse":
                             true = rows_in_layout(mapper, y[:, t * yw : (t + 1) * yw])
                             scale = mapper.residuals[t].out_scale
-                            scale = scale if mapper.head_mode == "all_heads" else scale.unsqueeze(1)  # (1|H, ·, q)
+                            scale = scale.unsqueeze(1) if mapper.grouped else scale  # (G, 1, q) or (1, q)
                             layer_loss = ((mapped - true) / scale).pow(2).mean()
                         else:
                             keys_c, values = mapper.split_rows(mapped, batch, seq)  # (B, H, T, d)

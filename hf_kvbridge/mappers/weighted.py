@@ -28,8 +28,8 @@ from torch import nn
 
 from ..attention import decoder_layers, target_queries
 from ..cache import cache_rows
-from ..solve import effective_ridge_lambda, map_group_lambda, solve_ridge
-from ..statistics import KVStatistics, map_groups
+from ..solve import effective_ridge_lambda
+from ..statistics import KVStatistics
 from .base import KVMapper, MapperType
 
 logger = logging.getLogger(__name__)
@@ -107,9 +107,9 @@ def fit_attention_weighted(
 ) -> nn.Module:
     r"""Refits `bridge`'s ridge mapper with per-token attention-mass weights; returns a new bridge.
 
-    Keeps `bridge`'s layer selection, head mode and λ (the per-layer choices of an auto-λ bridge); one streamed
-    pass of both models over `windows` accumulates, per target layer, weighted statistics of its selected source
-    features only. The result is a plain linear [`KVMapper`] (same weights layout as ridge), with
+    Keeps `bridge`'s layer selection, head mode, kv mode and λ (the per-layer choices of an auto-λ bridge); one
+    streamed pass of both models over `windows` accumulates, per target layer, weighted statistics of its selected
+    source features only. The result is a plain linear [`KVMapper`] (same weights layout as ridge), with
     `config.mapper_type == "ridge_attention_weighted"`.
 
     Args:
@@ -161,12 +161,11 @@ def fit_attention_weighted(
             if weighting == "attention":
                 weight = attention_mass(queries[t], true_cache.layers[t].keys, attn_layers[t].scaling).reshape(-1)
             stats[t].update(x_t, y_t, weight)
-    mapper = KVMapper(base.selected_layers, *layouts, base.head_mode, **base.head_kwargs())
+    mapper = KVMapper(base.selected_layers, *layouts, base.head_mode, kv_mode=base.kv_mode, **base.head_kwargs())
     ridge_lambda = effective_ridge_lambda(config)
     for t, layers in enumerate(base.selected_layers):
-        for g, (x_idx, y_idx) in enumerate(map_groups(stats[t], list(range(len(layers))), 0, base.head_mode)):
-            lam = map_group_lambda(ridge_lambda, t, g, base.head_mode, "joint", heads, dim)
-            weight, bias = solve_ridge(stats[t], x_idx, y_idx, lam)
+        # stats[t] holds only layer t's selection: its source layers at 0 … k-1 and the target layer at 0
+        for g, _, _, weight, bias in mapper.ridge_solutions(stats[t], t, ridge_lambda, range(len(layers)), 0):
             mapper.layers[t].weight.data[g] = weight.to(mapper.layers[t].weight.dtype)
             mapper.layers[t].bias.data[g] = bias.to(mapper.layers[t].bias.dtype)
     new_config = copy.deepcopy(config)
