@@ -1,5 +1,7 @@
 """The `kvbridge` command line, run in-process on local folders."""
 
+import json
+
 from hf_kvbridge.cli.main import main
 from tests.conftest import CORPUS
 
@@ -25,10 +27,14 @@ def test_calibrate_then_generate(saved_pair, tmp_path, capsys):
             "32",
             "--head-mode",
             "same_head",
+            "--kv-mode",
+            "separate",
         ]
     )
     assert code == 0
     assert "held-out R²" in capsys.readouterr().out
+    config = json.loads((out / "config.json").read_text())
+    assert (config["head_mode"], config["kv_mode"]) == ("same_head", "separate")
     tokenizer_files = {"tokenizer.json", "tokenizer_config.json"}  # the shared tokenizer travels with the bridge
     assert {p.name for p in out.iterdir()} == {"config.json", "mapper.safetensors", "README.md", *tokenizer_files}
     assert main(["generate", str(out), "The quick brown", "--max-new-tokens", "5"]) == 0

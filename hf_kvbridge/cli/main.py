@@ -122,6 +122,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
         top_k=args.top_k,
         ridge_lambda=args.ridge_lambda,
         head_mode=args.head_mode,
+        kv_mode=args.kv_mode,
         batch_size=args.batch_size,
         heldout_fraction=args.heldout_fraction,
         seed=args.seed,
@@ -424,6 +425,13 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--num-sequences", type=_positive_int, default=500)
     cal.add_argument("--seq-len", type=_positive_int, default=1024)
     cal.add_argument("--head-mode", choices=["all_heads", "same_head"], default="all_heads")
+    cal.add_argument(
+        "--kv-mode",
+        choices=["joint", "separate"],
+        default="joint",
+        help="separate: keys from keys and values from values (half the mapper's weights and FLOPs; with "
+        "--head-mode same_head, 1/(2·KV heads) of the fit statistics)",
+    )
     cal.add_argument(
         "--mapper-type",
         choices=list(MAPPER_TYPES),
