@@ -50,6 +50,19 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
+def _new_cache(config) -> DynamicCache:
+    """An empty cache for a session: sliding-window layers keep their past until cropped (`_recording`)."""
+    return _recording(DynamicCache(config=config))
+
+
+def _recording(cache: DynamicCache) -> DynamicCache:
+    """Lets a session crop `cache` after its sliding-window layers are full (a reply re-tokenised, the last prompt
+    token recomputed): those layers keep their past states until the next `crop` instead of dropping them at once."""
+    if hasattr(cache, "activate_past_recording"):
+        cache.activate_past_recording()
+    return cache
+
+
 def _crop(cache: DynamicCache, keep: int) -> None:
     """Keeps the first `keep` tokens of every layer (transformers 5.x `crop` takes the number to remove, negated)."""
     remove = cache.get_seq_length() - keep
@@ -154,7 +167,7 @@ class HandoffSession:
         positions = torch.arange(start, map_end, device=mapper.device).unsqueeze(0)
         whole = (start, map_end) == (0, len(theirs.tokens))
         piece = theirs.cache if whole else slice_cache(theirs.cache, start, map_end)
-        mine.cache = mapper.map_cache(piece, positions, target_cache=mine.cache)
+        mine.cache = _recording(mapper.map_cache(piece, positions, target_cache=mine.cache))
         mine.tokens = tokens[:map_end]
         if probe:
             self._run(name, tokens[:end])  # this model's own K/V for the probe tokens
@@ -188,7 +201,7 @@ class HandoffSession:
         if not new:
             return
         if state.cache is None:
-            state.cache = DynamicCache(config=net.config)
+            state.cache = _new_cache(net.config)
         ids = torch.tensor([new], device=net.device)
         positions = torch.arange(len(state.tokens), len(tokens), device=net.device).unsqueeze(0)
         out = net(input_ids=ids, position_ids=positions, **cache_kwargs(state.cache), use_cache=True, logits_to_keep=1)
@@ -205,7 +218,7 @@ class HandoffSession:
         net = self.models[model]
         new = tokens[len(state.tokens) :]
         if state.cache is None:
-            state.cache = DynamicCache(config=net.config)
+            state.cache = _new_cache(net.config)
         ids = torch.tensor([new], device=net.device)
         positions = torch.arange(len(state.tokens), len(tokens), device=net.device).unsqueeze(0)
         out = net(input_ids=ids, position_ids=positions, **cache_kwargs(state.cache), use_cache=True)
@@ -234,7 +247,7 @@ class HandoffSession:
             getattr(self.tokenizer, "pad_token_id", None) or getattr(self.tokenizer, "eos_token_id", None),
         )
         if state.cache is None:
-            state.cache = DynamicCache(config=net.config)
+            state.cache = _new_cache(net.config)
         output = net.generate(
             input_ids=ids,
             attention_mask=torch.ones_like(ids),

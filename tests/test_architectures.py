@@ -128,3 +128,31 @@ def test_a_target_layer_no_source_layer_can_fill_is_refused():
     sliding = AutoModelForCausalLM.from_config(tiny_config("mistral", sliding_window=8)).eval()
     with pytest.raises(KVLayoutError, match="layer 0 needs all tokens, but no layer of source 's' keeps them"):
         check_models(sliding, tiny("mistral"), "s", "t")
+
+
+@pytest.mark.parametrize(
+    ("model_type", "overrides"),
+    [("mistral", {"sliding_window": 8}), ("gemma2", {"sliding_window": 8, "num_hidden_layers": 4})],
+)
+def test_handoff_session_with_sliding_window_layers_runs_past_the_window(model_type, overrides):
+    """An identity session switching models every turn, the conversation far longer than the window of 8: every
+    turn's greedy tokens equal a target-only session's (sliding layers receive only the window they keep)."""
+    from hf_kvbridge.session import HandoffSession
+    from tests.conftest import make_tokenizer
+    from tests.test_session import QUESTIONS, TEMPLATE, _bidirectional
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config(model_type, **overrides)).eval()
+    windows = torch.randint(0, VOCAB, (24, 32), generator=torch.Generator().manual_seed(0))
+    bridge = _bidirectional(model, model, windows, top_k=2, ridge_lambda=1e-9)
+    tokenizer = make_tokenizer()
+    tokenizer.chat_template = TEMPLATE
+    session, reference = HandoffSession(bridge, tokenizer), HandoffSession(bridge, tokenizer)
+    for i, question in enumerate(QUESTIONS[:6]):
+        for s in (session, reference):
+            s.add_user(question)
+        turn = session.generate(model="source" if i % 2 == 0 else "target", max_new_tokens=4, do_sample=False)
+        want = reference.generate(model="target", max_new_tokens=4, do_sample=False)
+        assert turn.token_ids == want.token_ids, f"turn {i}"
+    assert len(session.tokens) > 4 * overrides["sliding_window"]
+    assert session.tokens == reference.tokens
