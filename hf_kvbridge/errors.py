@@ -42,6 +42,10 @@ class MissingDependencyError(KVBridgeError, ImportError):
     """An optional dependency (vLLM) is not installed; the message says what to install."""
 
 
+class TuningError(KVBridgeError, ValueError):
+    """No configuration of a tuning grid meets the quality target or the cost budget (`kvbridge tune`)."""
+
+
 __all__ = [
     "CalibrationDataError",
     "CheckpointNotFoundError",
@@ -52,4 +56,5 @@ __all__ = [
     "MissingDependencyError",
     "StatisticsError",
     "StatisticsMemoryError",
+    "TuningError",
 ]

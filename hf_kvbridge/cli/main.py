@@ -15,33 +15,19 @@ from pathlib import Path
 
 from ..errors import ContextLengthError
 from ..mappers import MAPPER_TYPES
-from .arguments import _positive_int, _top_k, add_demo_arguments, add_eval_arguments, add_mappers_arguments
-
-# `--data pocket` names the calibration split shipped with the pocket family
-POCKET_DATA = "pocket"
-
-
-def _ridge_lambda(value: str) -> str | float:
-    """`--ridge-lambda`: `auto` or a number ≥ 0."""
-    if value == "auto":
-        return value
-    try:
-        number = float(value)
-    except ValueError:
-        number = -1.0
-    if not number >= 0:
-        raise argparse.ArgumentTypeError(f"expected 'auto' or a number ≥ 0, got {value!r}")
-    return number
-
-
-def _fraction(value: str) -> float:
-    try:
-        number = float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{value!r} is not a number") from None
-    if not 0.0 < number < 1.0:
-        raise argparse.ArgumentTypeError(f"{value} is not a fraction between 0 and 1 (exclusive)")
-    return number
+from .arguments import (
+    POCKET_DATA,
+    _calibration_data,
+    _fraction,
+    _heldout_data,
+    _positive_int,
+    _ridge_lambda,
+    _top_k,
+    add_demo_arguments,
+    add_eval_arguments,
+    add_mappers_arguments,
+    add_tune_arguments,
+)
 
 
 def _lengths(value: str) -> list[int]:
@@ -51,32 +37,6 @@ def _lengths(value: str) -> list[int]:
         raise argparse.ArgumentTypeError(
             f"{value!r}: comma-separated positive token counts, e.g. 256,1024 ({err})"
         ) from None
-
-
-def _calibration_data(value: str) -> str:
-    """`pocket` → the shipped calibration split; a path that can only be local must exist."""
-    if value == POCKET_DATA:
-        from ..pocket import data_path
-
-        return str(data_path("calibration"))
-    from ..data import TEXT_SUFFIXES
-
-    path = Path(value).expanduser()
-    if not path.exists() and (value.endswith(TEXT_SUFFIXES) or value.startswith((".", "/", "~"))):
-        raise argparse.ArgumentTypeError(
-            f"calibration data {value} does not exist; pass a .txt/.jsonl(.gz) file or folder, "
-            f"`--data {POCKET_DATA}` for the pocket family's shipped calibration split, or a dataset name"
-        )
-    return value
-
-
-def _heldout_data(value: str) -> str:
-    """`pocket` → the shipped held-out split (seen by no model and no calibration); else as `_calibration_data`."""
-    if value == POCKET_DATA:
-        from ..pocket import data_path
-
-        return str(data_path("heldout"))
-    return _calibration_data(value)
 
 
 def _check_context(what: str, tokens: int, limit: int, hint: str) -> None:
@@ -333,6 +293,23 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     return run_eval(args)
 
 
+def _cmd_tune(args: argparse.Namespace) -> int:
+    if args.min_retention is None and args.max_cost is None:
+        print("error: pass --min-retention (a quality target), --max-cost (a cost budget), or both", file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    if out.exists() and any(out.iterdir()) and not args.overwrite:  # refuse before the search, not after
+        print(f"error: {out} is not empty; pass --overwrite to replace the bridge files in it", file=sys.stderr)
+        return 2
+    limits = [n for n in (_max_positions(args.source), _max_positions(args.target)) if n]
+    if limits:
+        _check_context("--seq-len", args.seq_len, min(limits), "pass a smaller --seq-len")
+        _check_context("--context plus --continuation", args.context + args.continuation, min(limits), "shorten them")
+    from hf_kvbridge.tools.tune import run_tune_cli
+
+    return run_tune_cli(args)
+
+
 def _cmd_inspect(args: argparse.Namespace) -> int:
     from hf_kvbridge import KVBridgeForCausalLM
     from hf_kvbridge.tools.diagnostics import inspect_bridge, write_inspect_outputs
@@ -533,6 +510,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_eval_arguments(ev)
     ev.set_defaults(func=_cmd_eval)
+
+    tune = sub.add_parser(
+        "tune",
+        help="search top-k, λ, kv mode, mapper, rank and recompute share from one calibration; save the choice",
+    )
+    add_tune_arguments(tune)
+    tune.set_defaults(func=_cmd_tune)
 
     inspect = sub.add_parser("inspect", help="diagnostics report of a saved bridge on held-out text (JSON + PNG)")
     inspect.add_argument("bridge", help="bridge checkpoint folder or Hub id")

@@ -1,0 +1,536 @@
+"""`kvbridge tune`: search a grid of bridge configurations from one statistics pass and pick one by quality and cost.
+
+One calibration pass keeps its `(train, held-out)` statistics; every configuration of the grid is refitted from them
+(`fit_bridge`, `low_rank_bridge`; no further pass over the calibration data):
+
+    top_k × ridge λ × kv_mode × mapper (ridge, low rank r) × recompute_fraction
+
+Each configuration is measured on *tuning* windows cut from held-out text (context-benefit retention,
+`tools/evaluation.py`), next to its cost: the FLOPs per context token of mapping it (`mapper.flops_per_token()`)
+plus those of the context tokens the target recomputes (`recompute_fraction` × the target's prefill FLOPs per token,
+to first order), as a share of the target's own prefill FLOPs per token (`tools/bench.prefill_flops`). A cost of 0.1
+means the transfer spends a tenth of what the target would spend prefilling the context itself; the source's
+prefill is not counted (it has run anyway when its cache is handed over).
+
+The choice (`choose`): with `min_retention`, the cheapest configuration whose tuning retention reaches it (within
+`max_cost` when that is given too); with `max_cost` alone, the best retention within that cost. The chosen
+configuration is refitted on all the statistics (train and held-out, as every fit here is), measured again on
+*check* windows cut from other documents than the tuning windows, and saved as a normal bridge checkpoint whose
+`config.calibration["tuning"]` records the target, the chosen settings and both retentions.
+
+    kvbridge tune pocket/pocket-l pocket/pocket-s --data pocket --eval-data pocket --min-retention 0.9 --out tuned
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import itertools
+import json
+import logging
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..calibration import calibrate, fit_bridge
+from ..data import iter_texts
+from ..errors import TuningError
+from ..mappers.low_rank import low_rank_bridge
+from ..statistics import KVStatistics
+from .bench import prefill_flops
+from .evaluation import heldout_windows, retention, score_tokens
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_TOP_K = (2, 4)
+DEFAULT_LAMBDAS: tuple[float | str, ...] = ("auto", 1e-3, 1e-1)
+DEFAULT_KV_MODES = ("joint", "separate")
+DEFAULT_RANKS = (16, 32)
+DEFAULT_FRACTIONS = (0.0, 0.05, 0.1)
+COST_UNIT = "FLOPs per context token (mapping + target recompute) / the target's own prefill FLOPs per token"
+# documents read from the evaluation text (alternately into tuning and check windows)
+MAX_EVAL_DOCUMENTS = 2000
+
+
+@dataclass
+class TuneGrid:
+    """The configurations `run_tune` searches.
+
+    Args:
+        top_k (`tuple[int]`): source layers per target layer (capped at the source's layers; duplicates dropped).
+        ridge_lambdas (`tuple`): `"auto"` and/or fixed λ ≥ 0.
+        kv_modes (`tuple[str]`): `"joint"` and/or `"separate"` (ridge only: low-rank maps are fitted joint).
+        ranks (`tuple[int]`): ranks of the low-rank mapper (empty: ridge only).
+        recompute_fractions (`tuple[float]`): shares of the mapped context the target recomputes (`tail` policy).
+    """
+
+    top_k: tuple[int, ...] = DEFAULT_TOP_K
+    ridge_lambdas: tuple[float | str, ...] = DEFAULT_LAMBDAS
+    kv_modes: tuple[str, ...] = DEFAULT_KV_MODES
+    ranks: tuple[int, ...] = DEFAULT_RANKS
+    recompute_fractions: tuple[float, ...] = DEFAULT_FRACTIONS
+
+    def fits(self, source_layers: int) -> list[dict]:
+        """Every mapper to fit, as `{"top_k", "ridge_lambda", "kv_mode", "mapper_type", "rank"}` (no recompute)."""
+        top_k = sorted({min(k, source_layers) for k in self.top_k})
+        mappers = []
+        for k, lam, kv in itertools.product(top_k, self.ridge_lambdas, self.kv_modes):
+            mappers.append({"top_k": k, "ridge_lambda": lam, "kv_mode": kv, "mapper_type": "ridge", "rank": None})
+            if kv == "joint":
+                mappers += [
+                    {"top_k": k, "ridge_lambda": lam, "kv_mode": kv, "mapper_type": "low_rank", "rank": r}
+                    for r in self.ranks
+                ]
+        return mappers
+
+    def size(self, source_layers: int) -> int:
+        return len(self.fits(source_layers)) * len(self.recompute_fractions)
+
+
+@dataclass
+class Point:
+    """One measured configuration: its settings, tuning retention and cost (see the module docstring)."""
+
+    settings: dict
+    retention: float
+    cost: float
+    mapper_flops_per_token: int
+    mapper_parameters: int
+    check_retention: float | None = None
+    extra: dict = field(default_factory=dict)
+
+
+# -- the choice ----------------------------------------------------------------------------------------------------
+def _valid(point: Point) -> bool:
+    return not math.isnan(point.retention)
+
+
+def pareto_front(points: Sequence[Point]) -> list[Point]:
+    """The points no other point beats on both retention and cost (higher retention, lower cost), cheapest first.
+
+    Example:
+
+    ```python
+    >>> pts = [Point({"n": i}, r, c, 0, 0) for i, (r, c) in enumerate([(0.9, 0.2), (0.8, 0.3), (0.95, 0.4)])]
+    >>> [p.settings["n"] for p in pareto_front(pts)]
+    [0, 2]
+    ```
+    """
+    front: list[Point] = []
+    for point in sorted(filter(_valid, points), key=lambda p: (p.cost, -p.retention)):
+        if not front or point.retention > front[-1].retention:
+            front.append(point)
+    return front
+
+
+def _describe(point: Point) -> str:
+    return f"retention {point.retention:.3f} at cost {point.cost:.3f} ({format_settings(point.settings)})"
+
+
+def choose(points: Sequence[Point], *, min_retention: float | None = None, max_cost: float | None = None) -> Point:
+    """The configuration to keep.
+
+    - `min_retention`: the cheapest point whose retention reaches it (ties: the better retention), among those
+      within `max_cost` when that is given too;
+    - `max_cost` alone: the best retention within that cost (ties: the cheaper).
+
+    Raises:
+        `TuningError`: no point qualifies (the message names the best one there is), or neither bound is given.
+    """
+    if min_retention is None and max_cost is None:
+        raise ValueError("pass min_retention (a quality target) or max_cost (a cost budget), or both")
+    valid = [p for p in points if _valid(p)]
+    if not valid:
+        raise TuningError(
+            "no configuration has a defined retention (the target's own context does not lower its NLL on the "
+            "tuning windows); use longer or more tuning windows"
+        )
+    affordable = [p for p in valid if max_cost is None or p.cost <= max_cost]
+    if max_cost is not None and not affordable:
+        cheapest = min(valid, key=lambda p: p.cost)
+        raise TuningError(
+            f"no configuration costs at most {max_cost:g} (the cheapest: {_describe(cheapest)}); raise --max-cost"
+        )
+    if min_retention is None:
+        return max(affordable, key=lambda p: (p.retention, -p.cost))
+    meeting = [p for p in affordable if p.retention >= min_retention]
+    if not meeting:
+        best = max(affordable, key=lambda p: (p.retention, -p.cost))
+        within = f" within cost {max_cost:g}" if max_cost is not None else ""
+        raise TuningError(
+            f"no configuration reaches retention {min_retention:g}{within} on the tuning windows (the best: "
+            f"{_describe(best)}); lower --min-retention, "
+            + ("raise --max-cost, " if max_cost is not None else "")
+            + "widen the grid (more top-k, recompute fractions) or calibrate on more data"
+        )
+    return min(meeting, key=lambda p: (p.cost, -p.retention))
+
+
+# -- measuring -----------------------------------------------------------------------------------------------------
+def format_settings(settings: dict) -> str:
+    mapper = settings["mapper_type"] + (f" r{settings['rank']}" if settings.get("rank") else "")
+    return (
+        f"{mapper}, k={settings['top_k']}, λ={settings['ridge_lambda']}, {settings['kv_mode']}, "
+        f"recompute {settings['recompute_fraction']:g}"
+    )
+
+
+def _nll(bridge, windows: torch.Tensor, context: int, mode: str, batch_size: int = 8) -> float:
+    """Mean continuation NLL (nats/token) of `windows` in `mode` (`tools/evaluation.score_tokens`)."""
+    total, count = 0.0, 0
+    for start in range(0, len(windows), batch_size):
+        logprobs = score_tokens(bridge, windows[start : start + batch_size], context, mode)
+        total -= logprobs.sum().item()
+        count += logprobs.numel()
+    return total / count
+
+
+def reference_nll(bridge, windows: torch.Tensor, context: int) -> dict[str, float]:
+    """NLL of the target with its own prefill and with no context: the two ends retention is measured between."""
+    return {mode: _nll(bridge, windows, context, mode) for mode in ("target", "no_context")}
+
+
+def fit_candidate(base, statistics, settings: dict):
+    """The bridge of `settings` (mapper part and recompute fraction), refitted from `statistics` (train, held-out).
+
+    The fits select layers and choose λ on the held-out statistics and solve on train + held-out (`fit_bridge`):
+    every candidate, and so the chosen one, is fitted on all the statistics.
+    """
+    train, heldout = statistics
+    bridge = fit_bridge(
+        base.source,
+        base.target,
+        train,
+        heldout,
+        top_k=settings["top_k"],
+        ridge_lambda=settings["ridge_lambda"],
+        kv_mode=settings["kv_mode"],
+        head_mode=base.config.head_mode,
+        hold_back=base.config.hold_back,
+        config_kwargs=_references(base.config),
+    )
+    if settings["mapper_type"] == "low_rank":
+        bridge = low_rank_bridge(bridge, settings["rank"], statistics=statistics)
+    return with_recompute(bridge, settings.get("recompute_fraction", 0.0))
+
+
+def with_recompute(bridge, fraction: float):
+    """A copy of `bridge` (same mapper) that recomputes `fraction` of its mapped context (the default `tail`)."""
+    config = copy.deepcopy(bridge.config)
+    config.recompute_fraction = float(fraction)
+    return bridge.with_mapper(bridge.mapper, config)
+
+
+def _references(config) -> dict:
+    keys = ("source_name_or_path", "source_revision", "target_name_or_path", "target_revision", "calibration")
+    return {key: copy.deepcopy(getattr(config, key)) for key in keys}
+
+
+def target_flops_per_token(target_config, context: int) -> float:
+    """The target's prefill FLOPs per token over a `context`-token prefill (`tools/bench.prefill_flops`)."""
+    return prefill_flops(target_config, context) / context
+
+
+def cost(bridge, target_flops: float) -> float:
+    """FLOPs per context token of mapping plus recomputing, as a share of `target_flops` per token."""
+    return (bridge.mapper.flops_per_token() + bridge.config.recompute_fraction * target_flops) / target_flops
+
+
+def measure_grid(
+    base,
+    statistics,
+    windows: torch.Tensor,
+    context: int,
+    grid: TuneGrid,
+    *,
+    reference: dict[str, float] | None = None,
+    progress: Callable[[str], Any] = print,
+) -> list[Point]:
+    """Every configuration of `grid`, fitted from `statistics` and measured on `windows` (`context` tokens of each
+    are the context, the rest the continuation scored)."""
+    reference = reference or reference_nll(base, windows, context)
+    target_flops = target_flops_per_token(base.target.config, context)
+    source_layers = base.config.source_fingerprint["num_layers"]
+    points = []
+    for fit in grid.fits(source_layers):
+        mapped = fit_candidate(base, statistics, fit)
+        parameters = sum(p.numel() for p in mapped.mapper.parameters())
+        for fraction in grid.recompute_fractions:
+            settings = {**fit, "recompute_fraction": float(fraction)}
+            bridge = with_recompute(mapped, fraction)
+            point = Point(
+                settings=settings,
+                retention=retention({**reference, "bridge": _nll(bridge, windows, context, "bridge")}),
+                cost=cost(bridge, target_flops),
+                mapper_flops_per_token=bridge.mapper.flops_per_token(),
+                mapper_parameters=parameters,
+            )
+            points.append(point)
+            progress(f"  {format_settings(settings):55s} retention {point.retention:.3f}  cost {point.cost:.3f}")
+    return points
+
+
+# -- the whole search ----------------------------------------------------------------------------------------------
+def split_windows(
+    texts: Sequence[str], tokenizer, length: int, tune_windows: int, check_windows: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tuning windows from the even-numbered documents, check windows from the odd-numbered ones: the check windows
+    share no document with the windows the configuration was chosen on."""
+    if len(texts) < 2:
+        raise ValueError(f"the evaluation text has {len(texts)} document(s); tuning needs at least 2 (tune and check)")
+    return (
+        heldout_windows(list(texts[0::2]), tokenizer, length, tune_windows),
+        heldout_windows(list(texts[1::2]), tokenizer, length, check_windows),
+    )
+
+
+def _point_json(point: Point) -> dict:
+    return {key: value for key, value in asdict(point).items() if key != "extra"} | point.extra
+
+
+def format_table(result: dict) -> str:
+    """The Pareto table (markdown): every configuration no other beats on both retention and cost, cheapest first."""
+    lines = [
+        "| mapper | top-k | λ | kv mode | recompute | mapper FLOPs / token | cost | retention (tune) "
+        "| retention (check) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    chosen = result.get("choice")
+    for point in result["pareto_front"]:
+        s = point["settings"]
+        mapper = s["mapper_type"] + (f" r{s['rank']}" if s.get("rank") else "")
+        check = "–" if point.get("check_retention") is None else f"{point['check_retention']:.3f}"
+        mark = " **chosen**" if chosen is not None and point["settings"] == chosen["settings"] else ""
+        lines.append(
+            f"| {mapper}{mark} | {s['top_k']} | {s['ridge_lambda']} | {s['kv_mode']} | {s['recompute_fraction']:.0%} "
+            f"| {point['mapper_flops_per_token']:,} | {point['cost']:.3f} | {point['retention']:.3f} | {check} |"
+        )
+    return "\n".join(lines)
+
+
+def run_tune(
+    source,
+    target,
+    data,
+    eval_data,
+    *,
+    min_retention: float | None = None,
+    max_cost: float | None = None,
+    grid: TuneGrid | None = None,
+    num_sequences: int = 64,
+    seq_len: int = 256,
+    heldout_fraction: float = 0.1,
+    batch_size: int = 8,
+    seed: int = 0,
+    tune_windows: int = 16,
+    check_windows: int = 16,
+    context: int = 192,
+    continuation: int = 32,
+    text_field: str = "text",
+    tokenizer=None,
+    out: str | Path | None = None,
+    overwrite: bool = False,
+    json_path: str | Path | None = None,
+    progress: Callable[[str], Any] = print,
+    **load_kwargs: Any,
+) -> dict:
+    """Calibrates once, measures every configuration of `grid`, picks one (`choose`) and saves it to `out`.
+
+    Args:
+        source, target ([`PreTrainedModel`] or `str`): as for `calibrate`.
+        data: calibration data, as for `calibrate` (one pass; its statistics are kept and every fit reuses them).
+        eval_data: held-out text (anything `hf_kvbridge.data.iter_texts` reads; never the calibration data): even
+            documents give `tune_windows` tuning windows, odd ones `check_windows` check windows, each of `context`
+            + `continuation` tokens.
+        min_retention (`float`, *optional*): the quality target (context-benefit retention on the tuning windows).
+        max_cost (`float`, *optional*): the cost budget (share of the target's prefill FLOPs; see the module doc).
+        grid ([`TuneGrid`], *optional*): the configurations; defaults to `TuneGrid()`.
+        out (`str` or `Path`, *optional*): save the chosen bridge there (`save_pretrained`).
+        json_path (`str` or `Path`, *optional*): write the result there, also when no configuration qualifies.
+        progress (`Callable`, *optional*, defaults to `print`): receives one line per measured configuration and the
+            Pareto table.
+        load_kwargs: `from_pretrained` keywords for models given by name (`dtype`, `device_map`).
+
+    Returns:
+        `dict` with `points` (every configuration: `settings`, `retention`, `cost`, `mapper_flops_per_token`,
+        `mapper_parameters`), `pareto_front` (with `check_retention`), `choice`, the reference NLLs of both window
+        sets and the settings; and `bridge`, the chosen bridge (not in the JSON).
+
+    Raises:
+        `TuningError`: no configuration meets `min_retention` / `max_cost` (after the JSON is written).
+
+    Example:
+
+    ```python
+    >>> from hf_kvbridge import pocket
+    >>> from hf_kvbridge.tools.tune import run_tune
+    >>> result = run_tune("pocket/pocket-l", "pocket/pocket-s", pocket.load_texts("calibration"),
+    ...                   pocket.load_texts("heldout"), min_retention=0.9, out="tuned")  # doctest: +SKIP
+    >>> result["choice"]["settings"]  # doctest: +SKIP
+    ```
+    """
+    if min_retention is None and max_cost is None:
+        raise ValueError("pass min_retention (a quality target) or max_cost (a cost budget), or both")
+    grid = grid or TuneGrid()
+    started = time.perf_counter()
+    base = calibrate(
+        source,
+        target,
+        data,
+        tokenizer=tokenizer,
+        num_sequences=num_sequences,
+        seq_len=seq_len,
+        top_k=max(grid.top_k),
+        heldout_fraction=heldout_fraction,
+        batch_size=batch_size,
+        seed=seed,
+        text_field=text_field,
+        keep_statistics=True,
+        **load_kwargs,
+    )
+    statistics = base.calibration_statistics
+    if statistics is None or not isinstance(statistics[0], KVStatistics):
+        raise TuningError(
+            "tuning refits every configuration from the dense calibration statistics, but this calibration needed "
+            "budgeted passes; tune on fewer or smaller models, or on a machine with more memory"
+        )
+    if tokenizer is None:
+        from transformers import AutoTokenizer
+
+        from ..loading import resolve_model_reference
+
+        tokenizer = AutoTokenizer.from_pretrained(resolve_model_reference(base.config.source_name_or_path))
+    texts = list(itertools.islice(iter_texts(eval_data, text_field), MAX_EVAL_DOCUMENTS))
+    tune_ids, check_ids = split_windows(texts, tokenizer, context + continuation, tune_windows, check_windows)
+    source_layers = base.config.source_fingerprint["num_layers"]
+    progress(
+        f"calibrated {base.config.source_name_or_path} → {base.config.target_name_or_path} in "
+        f"{time.perf_counter() - started:.0f}s; measuring {grid.size(source_layers)} configurations on "
+        f"{len(tune_ids)} tuning windows of {context} + {continuation} tokens"
+    )
+    tune_reference = reference_nll(base, tune_ids, context)
+    points = measure_grid(base, statistics, tune_ids, context, grid, reference=tune_reference, progress=progress)
+    front = pareto_front(points)
+    result = {
+        "source": base.config.source_name_or_path,
+        "target": base.config.target_name_or_path,
+        "min_retention": min_retention,
+        "max_cost": max_cost,
+        "cost_unit": COST_UNIT,
+        "grid": {key: list(value) for key, value in asdict(grid).items()},
+        "points": [_point_json(p) for p in points],
+        "pareto_front": [_point_json(p) for p in front],
+        "reference_nll": {"tune": tune_reference},
+        "settings": {
+            "num_sequences": num_sequences,
+            "seq_len": seq_len,
+            "heldout_fraction": heldout_fraction,
+            "seed": seed,
+            "tune_windows": len(tune_ids),
+            "check_windows": len(check_ids),
+            "context": context,
+            "continuation": continuation,
+            "torch_threads": torch.get_num_threads(),
+        },
+        "choice": None,
+    }
+    try:
+        choice = choose(points, min_retention=min_retention, max_cost=max_cost)
+    except TuningError as err:
+        result["error"] = str(err)
+        _write_json(result, json_path)
+        progress(format_table(result))
+        raise
+    # the front again on the check windows (how far each tuning figure carries); the choice is on the front (nothing
+    # cheaper retains as much), and its refit, deterministic from the same statistics, is the bridge to save
+    check_reference = reference_nll(base, check_ids, context)
+    result["reference_nll"]["check"] = check_reference
+    bridge = None
+    for point in front:
+        fitted, point.check_retention = _check(base, statistics, point.settings, check_ids, context, check_reference)
+        if point is choice:
+            bridge = fitted
+    if bridge is None:  # not on the front: cannot happen with `choose` as it is, but never save an unchecked choice
+        bridge, choice.check_retention = _check(base, statistics, choice.settings, check_ids, context, check_reference)
+    result["pareto_front"] = [_point_json(p) for p in front]
+    result["choice"] = _point_json(choice)
+    result["seconds"] = round(time.perf_counter() - started, 1)
+    bridge.config.calibration = dict(bridge.config.calibration or {})
+    bridge.config.calibration["tuning"] = {
+        "min_retention": min_retention,
+        "max_cost": max_cost,
+        "cost_unit": COST_UNIT,
+        "chosen": choice.settings,
+        "tuned_retention": round(choice.retention, 6),
+        "cost": round(choice.cost, 6),
+        "check_retention": round(choice.check_retention, 6),
+        "tune_windows": len(tune_ids),
+        "check_windows": len(check_ids),
+        "context": context,
+        "continuation": continuation,
+        "configurations": len(points),
+    }
+    if out is not None:
+        bridge.save_pretrained(out, overwrite=overwrite)
+        result["out"] = str(out)
+    _write_json(result, json_path)
+    progress(format_table(result))
+    result["bridge"] = bridge
+    return result
+
+
+def _check(base, statistics, settings: dict, windows: torch.Tensor, context: int, reference: dict):
+    """`(bridge, retention on windows)` of the configuration `settings`, refitted from `statistics`."""
+    bridge = fit_candidate(base, statistics, settings)
+    return bridge, retention({**reference, "bridge": _nll(bridge, windows, context, "bridge")})
+
+
+def _write_json(result: dict, path: str | Path | None) -> None:
+    if path is not None:
+        Path(path).write_text(json.dumps(result, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+
+
+def run_tune_cli(args: argparse.Namespace) -> int:
+    """`kvbridge tune`: the arguments are parsed and checked by the CLI (`cli/arguments.py`)."""
+    grid = TuneGrid(
+        top_k=tuple(args.top_k),
+        ridge_lambdas=tuple(args.ridge_lambdas),
+        kv_modes=tuple(args.kv_modes),
+        ranks=tuple(args.ranks),
+        recompute_fractions=tuple(args.recompute_fractions),
+    )
+    load_kwargs = {"dtype": args.dtype} if args.dtype else {}
+    result = run_tune(
+        args.source,
+        args.target,
+        args.data,
+        args.eval_data,
+        min_retention=args.min_retention,
+        max_cost=args.max_cost,
+        grid=grid,
+        num_sequences=args.num_sequences,
+        seq_len=args.seq_len,
+        heldout_fraction=args.heldout_fraction,
+        seed=args.seed,
+        tune_windows=args.tune_windows,
+        check_windows=args.check_windows,
+        context=args.context,
+        continuation=args.continuation,
+        text_field=args.text_field,
+        out=args.out,
+        overwrite=args.overwrite,
+        json_path=args.json,
+        **load_kwargs,
+    )
+    choice = result["choice"]
+    print(
+        f"chose {format_settings(choice['settings'])}: retention {choice['retention']:.3f} on the tuning windows, "
+        f"{choice['check_retention']:.3f} on {result['settings']['check_windows']} check windows, cost "
+        f"{choice['cost']:.3f}; saved to {args.out}" + (f", all points in {args.json}" if args.json else "")
+    )
+    return 0

@@ -1,0 +1,248 @@
+"""`kvbridge tune`: the choice on hand-made points, and end to end on a pocket pair: the saved checkpoint holds the
+chosen settings, and the choice meets its target on windows from documents it was not tuned on."""
+
+import json
+import math
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from hf_kvbridge import KVBridgeForCausalLM, pocket
+from hf_kvbridge.cli.main import main
+from hf_kvbridge.errors import TuningError
+from hf_kvbridge.tools.evaluation import continuation_nll, heldout_windows
+from hf_kvbridge.tools.tune import Point, TuneGrid, choose, pareto_front, run_tune, split_windows
+
+
+def _point(name: str, retention: float, cost: float) -> Point:
+    settings = {"mapper_type": "ridge", "top_k": 2, "ridge_lambda": "auto", "kv_mode": "joint", "name": name}
+    settings["recompute_fraction"] = 0.0
+    return Point(settings, retention, cost, mapper_flops_per_token=0, mapper_parameters=0)
+
+
+POINTS = [
+    _point("cheap-bad", 0.70, 0.01),
+    _point("mid", 0.91, 0.10),
+    _point("mid-dominated", 0.90, 0.12),
+    _point("good", 0.96, 0.20),
+    _point("good-same-cost", 0.97, 0.20),
+    _point("best", 0.99, 0.50),
+    _point("undefined", float("nan"), 0.0),
+]
+
+
+def _names(points):
+    return [p.settings["name"] for p in points]
+
+
+def test_pareto_front_keeps_what_nothing_beats_on_both_cheapest_first():
+    assert _names(pareto_front(POINTS)) == ["cheap-bad", "mid", "good-same-cost", "best"]
+
+
+def test_choose_the_cheapest_meeting_the_target():
+    assert choose(POINTS, min_retention=0.9).settings["name"] == "mid"
+    # at equal cost the better retention wins
+    assert choose(POINTS, min_retention=0.95).settings["name"] == "good-same-cost"
+    assert choose(POINTS, min_retention=0.99).settings["name"] == "best"
+
+
+def test_choose_the_best_within_a_budget():
+    assert choose(POINTS, max_cost=0.15).settings["name"] == "mid"
+    assert choose(POINTS, max_cost=1.0).settings["name"] == "best"
+    # both: the cheapest meeting the target, among those within the budget
+    assert choose(POINTS, min_retention=0.9, max_cost=0.3).settings["name"] == "mid"
+
+
+def test_choose_refuses_when_nothing_qualifies():
+    with pytest.raises(TuningError, match=r"no configuration reaches retention 0\.995 .*best: retention 0\.990"):
+        choose(POINTS, min_retention=0.995)
+    with pytest.raises(TuningError, match=r"within cost 0\.15 .*raise --max-cost"):
+        choose(POINTS, min_retention=0.95, max_cost=0.15)
+    with pytest.raises(TuningError, match=r"no configuration costs at most 0\.001"):
+        choose(POINTS[:-1], max_cost=0.001)
+    with pytest.raises(TuningError, match="no configuration has a defined retention"):
+        choose(POINTS[-1:], min_retention=0.5)
+    with pytest.raises(ValueError, match="min_retention .* or max_cost"):
+        choose(POINTS)
+
+
+def test_grid_caps_top_k_and_fits_low_rank_joint_only():
+    fits = TuneGrid(top_k=(2, 9), ridge_lambdas=("auto",), ranks=(8,)).fits(source_layers=3)
+    assert sorted({f["top_k"] for f in fits}) == [2, 3]
+    assert {(f["mapper_type"], f["kv_mode"]) for f in fits} == {
+        ("ridge", "joint"),
+        ("ridge", "separate"),
+        ("low_rank", "joint"),
+    }
+    assert TuneGrid(top_k=(2,), ridge_lambdas=("auto",), ranks=(8,)).size(3) == 3 * 3
+
+
+def test_check_windows_come_from_other_documents():
+    tokenizer = AutoTokenizer.from_pretrained(pocket.model_path("pocket-s"))
+    texts = pocket.load_texts("heldout")
+    tune, check = split_windows(texts, tokenizer, 64, 50, 50)
+    odd = heldout_windows(texts[1::2], tokenizer, 64, 10_000)
+    tune_rows, odd_rows = {tuple(w) for w in tune.tolist()}, {tuple(w) for w in odd.tolist()}
+    assert tune_rows.isdisjoint(odd_rows) and {tuple(w) for w in check.tolist()} <= odd_rows
+
+
+# -- end to end on the pocket family --------------------------------------------------------------------------------
+TARGET = 0.6  # s → m keeps ~0.85–0.95 of its context's benefit on these windows: a target it clearly meets
+SMALL = {"num_sequences": 16, "seq_len": 128, "context": 128, "continuation": 32}
+GRID = TuneGrid(top_k=(1, 2), ridge_lambdas=("auto",), kv_modes=("joint",), ranks=(16,), recompute_fractions=(0, 0.1))
+
+
+@pytest.fixture(scope="module")
+def tuned(tmp_path_factory):
+    torch.manual_seed(0)
+    folder = tmp_path_factory.mktemp("tune")
+    result = run_tune(
+        "pocket/pocket-s",
+        "pocket/pocket-m",
+        pocket.load_texts("calibration"),
+        pocket.load_texts("heldout"),
+        min_retention=TARGET,
+        grid=GRID,
+        tune_windows=8,
+        check_windows=8,
+        out=folder / "bridge",
+        json_path=folder / "tune.json",
+        progress=lambda line: None,
+        **SMALL,
+    )
+    return result, folder
+
+
+def test_tune_saves_the_cheapest_configuration_meeting_the_target(tuned):
+    result, folder = tuned
+    written = json.loads((folder / "tune.json").read_text())
+    assert len(written["points"]) == GRID.size(3) == 8
+    # recompute was applied when measuring: the same mapper scores differently with 10 % recomputed
+    by_fit = {}
+    for p in written["points"]:
+        fit = json.dumps({k: v for k, v in p["settings"].items() if k != "recompute_fraction"}, sort_keys=True)
+        by_fit.setdefault(fit, {})[p["settings"]["recompute_fraction"]] = p
+    for pair in by_fit.values():
+        assert pair[0.1]["retention"] != pair[0.0]["retention"] and pair[0.1]["cost"] > pair[0.0]["cost"]
+    meeting = [p for p in written["points"] if p["retention"] >= TARGET]
+    assert written["choice"]["cost"] == min(p["cost"] for p in meeting)
+    chosen = written["choice"]["settings"]
+    bridge = KVBridgeForCausalLM.from_pretrained(folder / "bridge")
+    config = bridge.config
+    assert config.mapper_type == chosen["mapper_type"]
+    assert (config.mapper_kwargs or {}).get("rank") == chosen["rank"]
+    assert (config.top_k, config.ridge_lambda, config.kv_mode) == (
+        chosen["top_k"],
+        chosen["ridge_lambda"],
+        chosen["kv_mode"],
+    )
+    assert config.recompute_fraction == chosen["recompute_fraction"]
+    tuning = config.calibration["tuning"]
+    assert tuning["chosen"] == chosen and tuning["min_retention"] == TARGET
+    assert tuning["tuned_retention"] == pytest.approx(written["choice"]["retention"], abs=1e-6)
+    # the saved mapper is the one measured: its weights map as the in-memory choice does
+    for saved, measured in zip(bridge.mapper.state_dict().values(), result["bridge"].mapper.state_dict().values()):
+        torch.testing.assert_close(saved, measured)
+
+
+def test_the_choice_meets_its_target_on_windows_it_was_not_tuned_on(tuned):
+    _, folder = tuned
+    bridge = KVBridgeForCausalLM.from_pretrained(folder / "bridge")
+    tokenizer = AutoTokenizer.from_pretrained(pocket.model_path("pocket-m"))
+    texts = pocket.load_texts("heldout")
+    _, check = split_windows(texts, tokenizer, SMALL["context"] + SMALL["continuation"], 8, 8)
+    measured = continuation_nll(bridge, check, SMALL["context"])["context_benefit_retention"]
+    tuning = bridge.config.calibration["tuning"]
+    assert measured == pytest.approx(tuning["check_retention"], abs=1e-4)
+    assert not math.isnan(measured) and measured >= TARGET, measured
+
+
+# -- the command line -----------------------------------------------------------------------------------------------
+def _one_line_error(capsys, code: int, expected: int, *needles: str) -> None:
+    captured = capsys.readouterr()
+    lines = [line for line in captured.err.splitlines() if line.strip()]
+    assert code == expected, captured.err
+    assert len(lines) == 1 and "Traceback" not in captured.err + captured.out, captured.err
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
+def _refuse_to_tune(monkeypatch):
+    import hf_kvbridge.tools.tune as tune
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("tuning started before the arguments were checked")
+
+    monkeypatch.setattr(tune, "run_tune", refuse)
+
+
+def test_cli_needs_a_target_or_a_budget(tmp_path, capsys, monkeypatch):
+    _refuse_to_tune(monkeypatch)
+    args = ["tune", "pocket/pocket-s", "pocket/pocket-m", "--eval-data", "pocket", "--out", str(tmp_path / "b")]
+    _one_line_error(capsys, main(args), 2, "--min-retention", "--max-cost")
+
+
+@pytest.mark.parametrize(
+    "flag, value, needle",
+    [
+        ("--recompute-fractions", "0,1.5", "share between 0 and 1"),
+        ("--kv-modes", "joint,both", "not a kv mode"),
+        ("--ridge-lambdas", "auto,-1", "'auto' or a number"),
+        ("--min-retention", "high", "not a number"),
+        ("--ranks", "16,0", "positive whole number"),
+    ],
+)
+def test_cli_bad_grid_values_get_one_line(flag, value, needle, tmp_path, capsys, monkeypatch):
+    _refuse_to_tune(monkeypatch)
+    args = ["tune", "pocket/pocket-s", "pocket/pocket-m", "--eval-data", "pocket", "--out", str(tmp_path / "b")]
+    with pytest.raises(SystemExit) as exit_info:
+        main([*args, "--min-retention", "0.9", flag, value] if flag != "--min-retention" else [*args, flag, value])
+    _one_line_error(capsys, exit_info.value.code, 2, flag, needle)
+
+
+def test_cli_says_when_no_configuration_meets_the_target(tmp_path, capsys):
+    out, report = tmp_path / "bridge", tmp_path / "tune.json"
+    code = main(
+        [
+            "tune",
+            "pocket/pocket-s",
+            "pocket/pocket-m",
+            "--data",
+            "pocket",
+            "--eval-data",
+            "pocket",
+            "--min-retention",
+            "5",
+            "--out",
+            str(out),
+            "--json",
+            str(report),
+            "--top-k",
+            "1",
+            "--ridge-lambdas",
+            "0.01",
+            "--kv-modes",
+            "joint",
+            "--ranks",
+            "none",
+            "--recompute-fractions",
+            "0",
+            "--num-sequences",
+            "8",
+            "--seq-len",
+            "64",
+            "--tune-windows",
+            "2",
+            "--check-windows",
+            "2",
+            "--context",
+            "48",
+            "--continuation",
+            "16",
+        ]
+    )
+    _one_line_error(capsys, code, 1, "no configuration reaches retention 5", "lower --min-retention")
+    written = json.loads(report.read_text())
+    assert written["choice"] is None and len(written["points"]) == 1 and "error" in written
+    assert not out.exists()  # nothing saved
