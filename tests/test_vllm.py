@@ -162,6 +162,7 @@ def identity_run(tmp_path_factory, tokenizer):
 
 
 PASSING_GATE, IMPOSSIBLE_GATE = 0.5, 1.01  # pocket-s → pocket-l scores ≈ 0.9 on its probe; a cosine is ≤ 1
+RECOMPUTE = 0.1  # share of the mapped tokens the target recomputes (tail policy)
 
 
 @pytest.fixture(scope="module")
@@ -175,6 +176,8 @@ def pair_bridges(tmp_path_factory, tokenizer):
     for name, threshold in (("bridge", PASSING_GATE), ("gated", IMPOSSIBLE_GATE)):
         bridge.config.gate_threshold = threshold
         bridge.save_pretrained(tmp / name)
+    bridge.config.gate_threshold, bridge.config.recompute_fraction = PASSING_GATE, RECOMPUTE  # tail policy
+    bridge.save_pretrained(tmp / "recompute")
     return tmp
 
 
@@ -202,6 +205,12 @@ def gated_run(pair_bridges, tokenizer):
     prompts = _prompts(tokenizer, LENGTHS, skip=5)  # pair_run's prompts
     rounds = [[(p, False) for p in prompts], [(p, True) for p in prompts]]  # target alone, then bridged (gated)
     return _engine(pair_bridges, "gated", pair_bridges / "gated", rounds)
+
+
+@pytest.fixture(scope="module")
+def recompute_run(pair_bridges, tokenizer):
+    prompts = _prompts(tokenizer, LENGTHS, skip=5)  # pair_run's prompts
+    return _engine(pair_bridges, "recompute", pair_bridges / "recompute", [[(p, True) for p in prompts]])
 
 
 def test_identity_bridge_in_vllm_equals_target_alone(identity_run):
@@ -286,3 +295,30 @@ def test_one_token_request_reports_its_mapping(pair_run):
     bridge = KVBridgeForCausalLM.from_pretrained(pair_run["bridge_dir"], dtype=torch.float32)
     ids = torch.tensor([pair_run["one"]])
     assert one["tokens"] == bridge.generate(ids, max_new_tokens=1, do_sample=False)[0, ids.shape[1] :].tolist()
+
+
+def test_tail_recompute_in_vllm_equals_bridge_generate(recompute_run, pair_bridges, tokenizer):
+    """recompute_fraction 0.1 (tail) with the gate: vLLM maps ceil(0.1·n) fewer tokens, its target computes them
+    before the probe, and the greedy tokens and gate score are `bridge.generate`'s, which recomputes them itself."""
+    import math
+
+    bridge = KVBridgeForCausalLM.from_pretrained(pair_bridges / "recompute", dtype=torch.float32)
+    assert (bridge.config.recompute_fraction, bridge.config.recompute_policy) == (RECOMPUTE, "tail")
+    for ids, got in zip(_prompts(tokenizer, LENGTHS, skip=5), recompute_run["rounds"][0]):
+        want = bridge.generate(torch.tensor([ids]), max_new_tokens=MAX_TOKENS, do_sample=False)[0, len(ids) :]
+        assert got["tokens"] == want.tolist(), len(ids)
+        mapped = len(ids) - 1 - 8  # what bridge.generate maps before it recomputes
+        outcome = got["kvbridge"]
+        assert outcome["status"] == "mapped" and outcome["mapped_tokens"] == mapped - math.ceil(RECOMPUTE * mapped)
+        assert bridge.last_transfer["recomputed_tokens"] == math.ceil(RECOMPUTE * mapped)
+        assert outcome["score"] == pytest.approx(bridge.last_transfer["score"], abs=1e-4)
+
+
+def test_recompute_policies_vllm_cannot_apply_are_refused_at_start_up():
+    from hf_kvbridge import KVBridgeConfig
+    from hf_kvbridge.integrations.vllm import check_recompute
+
+    assert check_recompute(KVBridgeConfig(recompute_fraction=0.2), "b") == 0.2
+    assert check_recompute(KVBridgeConfig(recompute_policy="random"), "b") == 0.0  # nothing recomputed: fine
+    with pytest.raises(ValueError, match=r"recompute_policy='probe'.*only a\s+prefix.*recompute_policy='tail'"):
+        check_recompute(KVBridgeConfig(recompute_fraction=0.1, recompute_policy="probe"), "b")

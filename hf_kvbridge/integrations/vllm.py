@@ -61,8 +61,13 @@ warning says so. `read_slots` knows the CPU backend's portable layout and FlashA
 reads back what it just wrote, and where it cannot the gate rejects (fails safe, with the reason). If chunked
 prefill gives the request fewer tokens than the probe in the load step, the gate scores the probe tokens computed.
 
-Not supported here: `config.sink_tokens` (vLLM can only load a prefix; refused at start-up) and selective recompute
-(`config.recompute_fraction`, not applied). Single-GPU/CPU only (no tensor parallelism).
+**Selective recompute** (`config.recompute_fraction`) with the `"tail"` policy (the default): the scheduler side
+claims `ceil(fraction · n)` fewer of the `n` tokens `bridge.generate` maps, so vLLM's target computes that tail
+itself in the load step, before the probe, as `bridge.generate` recomputes it. The other policies pick tokens
+inside the prompt and are refused at start-up (`check_recompute`).
+
+Not supported here: `config.sink_tokens` (vLLM can only load a prefix; refused at start-up). Single-GPU/CPU only
+(no tensor parallelism).
 """
 
 from __future__ import annotations
@@ -86,6 +91,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 from vllm.logger import init_logger
+
+from ..recompute import recompute_count
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -146,6 +153,30 @@ def _read_bridge_config(bridge: str, revision: str | None = None):
     config_dict = read_config_dict(folder)
     checksums = config_dict.pop(MAPPER_CHECKSUMS_KEY, None) or {}
     return folder, KVBridgeConfig.from_dict(config_dict), checksums
+
+
+def check_recompute(config, bridge: str) -> float:
+    """The bridge's `recompute_fraction`, if vLLM can apply it: with the `"tail"` policy the recomputed tokens are
+    the last mapped ones, which the target computes after the loaded prefix (a longer hold-back). Any other policy
+    picks tokens inside the prompt, and vLLM loads only a prefix: refused at start-up.
+
+    Example:
+
+    ```python
+    >>> from hf_kvbridge import KVBridgeConfig
+    >>> check_recompute(KVBridgeConfig(recompute_fraction=0.1), "my-bridge")
+    0.1
+    ```
+    """
+    fraction = float(getattr(config, "recompute_fraction", 0.0) or 0.0)
+    policy = getattr(config, "recompute_policy", "tail")
+    if fraction > 0 and policy != "tail":
+        raise ValueError(
+            f"bridge {bridge} has recompute_policy={policy!r} (recompute_fraction={fraction}): vLLM loads only a "
+            "prefix of the prompt, so the target can recompute only the tail of the mapped tokens; save the bridge "
+            "with recompute_policy='tail' or recompute_fraction=0"
+        )
+    return fraction
 
 
 def target_model(bridge: str, revision: str | None = None) -> str:
@@ -210,8 +241,10 @@ def rotary_embedding_class(config) -> type:
 class BridgeLoad:
     """One request's mapping in this step: source-prefill `token_ids` (the prompt up to `probe_end`), write the
     mapped K/V of tokens `[start, end)` into the slots of `block_ids`. With a quality gate, the target computes tokens
-    `[end, probe_end)` itself in this step (the probe); their mapped K/V are computed too, not written, and compared
-    with the target's own after the forward pass. Without a gate `probe_end == end`."""
+    `[probe_start, probe_end)` itself in this step (the probe); their mapped K/V are computed too, not written, and
+    compared with the target's own after the forward pass. Without a gate `probe_start == probe_end`. Tokens
+    `[end, probe_start)` are the recomputed tail (`recompute_fraction`, policy `"tail"`): the target computes them in
+    this step, before the probe, as `bridge.generate` recomputes them."""
 
     req_id: str
     token_ids: list[int]
@@ -219,6 +252,15 @@ class BridgeLoad:
     end: int
     block_ids: list[int]
     probe_end: int
+    probe_start: int | None = None
+
+    def __post_init__(self):
+        if self.probe_start is None:
+            self.probe_start = self.end
+
+    @property
+    def gated(self) -> bool:
+        return self.probe_end > self.probe_start
 
 
 @dataclass
@@ -284,6 +326,7 @@ class KVBridgeConnector(KVConnectorBase_V1):
         self.hold_back = max(1, int(self.config.hold_back))  # vLLM must compute at least the last prompt token
         self.gate_threshold = self.config.gate_threshold
         self.probe = int(self.config.gate_probe_tokens) if self.gate_threshold is not None else 0
+        self.recompute_fraction = check_recompute(self.config, self.bridge_ref)
         if role == KVConnectorRole.SCHEDULER and vllm_config.scheduler_config.async_scheduling:
             logger.warning(
                 "KVBridgeConnector: async scheduling is on. A failed or gated mapping is rolled back by reporting its "
@@ -377,7 +420,7 @@ class KVBridgeConnector(KVConnectorBase_V1):
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         if not self._bridged.get(request.request_id, False):
             return 0, False
-        end = request.num_prompt_tokens - self.hold_back - self.probe  # the target computes the probe itself
+        end = self._map_end(request.num_prompt_tokens)  # the target computes the recomputed tail and the probe
         if end <= num_computed_tokens:  # nothing to map (short prompt, or all of it is in the prefix cache)
             return 0, False
         self._claims[request.request_id] = (num_computed_tokens, end)
@@ -386,7 +429,7 @@ class KVBridgeConnector(KVConnectorBase_V1):
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int):
         if num_external_tokens <= 0:
             return
-        default_end = request.num_prompt_tokens - self.hold_back - self.probe
+        default_end = self._map_end(request.num_prompt_tokens)
         _, end = self._claims.pop(request.request_id, (None, default_end))
         self._pending[request.request_id] = (request, end - num_external_tokens, end)
 
@@ -411,12 +454,35 @@ class KVBridgeConnector(KVConnectorBase_V1):
             self._sent[load.req_id] = {"status": "mapped", "mapped_tokens": load.end - load.start, "start": load.start}
         return meta
 
+    def _probe_start(self, num_prompt_tokens: int) -> int:
+        """Where the probe starts: the end of the mapped span as `bridge.generate` sees it (before its recompute)."""
+        return num_prompt_tokens - self.hold_back - self.probe
+
+    def _map_end(self, num_prompt_tokens: int) -> int:
+        """The end of the tokens mapped and written: the probe's start less the recomputed tail, whose
+        `ceil(recompute_fraction · n)` tokens of the `n` mapped ones the target computes itself (the tail policy is
+        a longer hold-back; `transfer._recompute` counts the same way)."""
+        mapped = self._probe_start(num_prompt_tokens)
+        if mapped <= 0 or not self.recompute_fraction:
+            return mapped
+        return mapped - recompute_count(self.recompute_fraction, mapped)
+
     def _load(self, request: Request, start: int, end: int, block_ids, scheduled: dict[str, int]) -> BridgeLoad:
         # The probe is what the target computes of it in this step: all of it, unless chunked prefill split the step
-        # (the target then computes at least one token, and the gate checks the probe tokens it computed).
-        probe_end = end + min(self.probe, scheduled.get(request.request_id, 0))
+        # (the target then computes at least one token, and the gate checks the probe tokens it computed). The
+        # recomputed tail [end, probe_start) comes before it.
+        probe_start = max(end, self._probe_start(request.num_prompt_tokens)) if self.probe else end
+        probe_end = min(probe_start + self.probe, end + scheduled.get(request.request_id, 0))
+        if probe_end <= probe_start:  # chunked prefill stopped before the probe: nothing for the gate to check
+            if self.probe:
+                logger.warning(
+                    "KVBridgeConnector: request %s computes no probe token in its load step (chunked prefill); the "
+                    "quality gate is not applied to it",
+                    request.request_id,
+                )
+            probe_start = probe_end = end
         token_ids = list(request.prompt_token_ids[:probe_end])
-        return BridgeLoad(request.request_id, token_ids, start, end, list(block_ids), probe_end)
+        return BridgeLoad(request.request_id, token_ids, start, end, list(block_ids), probe_end, probe_start)
 
     def update_connector_output(self, connector_output: KVConnectorOutput):
         meta = connector_output.kv_connector_worker_meta
@@ -458,7 +524,7 @@ class KVBridgeConnector(KVConnectorBase_V1):
                     error,
                 )
                 continue
-            if load.probe_end == load.end:  # no gate: mapped for good (a gated one is decided after the forward)
+            if not load.gated:  # no gate: mapped for good (a gated one is decided after the forward)
                 self._mapped(load, written)
 
     def _mapped(self, load: BridgeLoad, written: int, **extra: Any) -> None:
@@ -482,8 +548,8 @@ class KVBridgeConnector(KVConnectorBase_V1):
     def map_and_write(self, load: BridgeLoad, layers: dict[str, nn.Module]) -> int:
         """Source prefill over `load.token_ids`, mapping of tokens `[start, end)`, and one cache-update call per
         target attention layer. Returns the number of tokens written. With a quality gate, also maps the probe
-        tokens `[end, probe_end)` (not written: the target computes them in this step) and queues the gate's check
-        for after the forward pass (`check_gates`)."""
+        tokens `[probe_start, probe_end)` (not written: the target computes them in this step) and queues the gate's
+        check for after the forward pass (`check_gates`)."""
         from vllm.model_executor.models.utils import extract_layer_index
 
         from ..cache import output_cache, slice_cache
@@ -507,14 +573,15 @@ class KVBridgeConnector(KVConnectorBase_V1):
             kv_cache = layer.kv_cache
             keys, values = keys.to(kv_cache.device).contiguous(), values.to(kv_cache.device).contiguous()
             layer.impl.do_kv_cache_update(layer, keys, values, kv_cache, slots.to(kv_cache.device))
-            if load.probe_end > load.end:  # the gate reads the cache back: check that it reads what was written
+            if load.gated:  # the gate reads the cache back: check that it reads what was written
                 tail = slice(-self.block_size, None)
                 readable = readable and _reads_back(layer, slots[tail], keys[tail], values[tail])
         written = load.end - load.start
-        if load.probe_end > load.end:
-            probe_positions = torch.arange(load.end, load.probe_end, device=device).unsqueeze(0)
-            mapped_probe = bridge.map_cache(slice_cache(source_cache, load.end, load.probe_end), probe_positions)
-            probe_slots = self._slots(load, load.end, load.probe_end)
+        if load.gated:
+            probe_positions = torch.arange(load.probe_start, load.probe_end, device=device).unsqueeze(0)
+            piece = slice_cache(source_cache, load.probe_start, load.probe_end)
+            mapped_probe = bridge.map_cache(piece, probe_positions)
+            probe_slots = self._slots(load, load.probe_start, load.probe_end)
             self._gate_checks.append(GateCheck(load, written, mapped_probe, probe_slots, layers if readable else None))
         return written
 
@@ -530,7 +597,7 @@ class KVBridgeConnector(KVConnectorBase_V1):
 
         checks, self._gate_checks = self._gate_checks, []
         for check in checks:
-            load, n = check.load, check.load.probe_end - check.load.end
+            load, n = check.load, check.load.probe_end - check.load.probe_start
             score, reason = None, None
             if check.layers is None:
                 reason = "the quality gate cannot read this attention backend's KV cache layout"
