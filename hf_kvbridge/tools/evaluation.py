@@ -76,6 +76,17 @@ def score_tokens(bridge, ids: torch.Tensor, context_len: int, mode: str, first: 
     return _token_logprobs(logits, ids, first)
 
 
+def mean_nll(bridge, windows: torch.Tensor, context: int, mode: str, batch_size: int = 8) -> float:
+    """Mean continuation NLL (nats/token) of `windows` `(N, T)` in `mode`, scored after `context` tokens
+    (`score_tokens`, `batch_size` windows at a time)."""
+    total, count = 0.0, 0
+    for start in range(0, len(windows), batch_size):
+        logprobs = score_tokens(bridge, windows[start : start + batch_size], context, mode)
+        total -= logprobs.sum().item()
+        count += logprobs.numel()
+    return total / count
+
+
 @torch.no_grad()
 def _control_logits(bridge, ids: torch.Tensor, context_len: int, mode: str) -> torch.Tensor:
     """Target logits over `ids` whose context K/V are replaced by a control cache of the same shape."""

@@ -27,19 +27,11 @@ from ..data import token_windows
 from ..mappers.mlp import train_mlp_mapper
 from ..rope import rotary_cos_sin, strip_rotary
 from .diagnostics import _pyplot
-from .evaluation import heldout_windows, score_tokens
+from .evaluation import heldout_windows
+from .evaluation import mean_nll as _nll
 
 DEFAULT_PAIRS = ("pocket-s:pocket-l", "pocket-m:pocket-l", "pocket-l:pocket-s", "pocket-s:pocket-m")
 SETTINGS = {"top_k": (1, 2, None), "ridge_lambda": (0.01, 3.0), "head_mode": ("all_heads", "same_head")}
-
-
-def _nll(bridge, windows, context_len, mode, batch_size=8) -> float:
-    total, count = 0.0, 0
-    for start in range(0, len(windows), batch_size):
-        logprobs = score_tokens(bridge, windows[start : start + batch_size], context_len, mode)
-        total -= logprobs.sum().item()
-        count += logprobs.numel()
-    return total / count
 
 
 @torch.no_grad()

@@ -43,7 +43,8 @@ from ..errors import TuningError
 from ..mappers.low_rank import low_rank_bridge
 from ..statistics import KVStatistics
 from .bench import prefill_flops
-from .evaluation import heldout_windows, retention, score_tokens
+from .evaluation import heldout_windows, retention
+from .evaluation import mean_nll as _nll
 
 logger = logging.getLogger(__name__)
 
@@ -178,16 +179,6 @@ def format_settings(settings: dict) -> str:
         f"{mapper}, k={settings['top_k']}, λ={settings['ridge_lambda']}, {settings['kv_mode']}, "
         f"recompute {settings['recompute_fraction']:g}"
     )
-
-
-def _nll(bridge, windows: torch.Tensor, context: int, mode: str, batch_size: int = 8) -> float:
-    """Mean continuation NLL (nats/token) of `windows` in `mode` (`tools/evaluation.score_tokens`)."""
-    total, count = 0.0, 0
-    for start in range(0, len(windows), batch_size):
-        logprobs = score_tokens(bridge, windows[start : start + batch_size], context, mode)
-        total -= logprobs.sum().item()
-        count += logprobs.numel()
-    return total / count
 
 
 def reference_nll(bridge, windows: torch.Tensor, context: int) -> dict[str, float]:
