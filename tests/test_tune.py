@@ -67,15 +67,16 @@ def test_choose_refuses_when_nothing_qualifies():
         choose(POINTS)
 
 
-def test_grid_caps_top_k_and_fits_low_rank_joint_only():
+def test_grid_caps_top_k_and_crosses_mappers_with_kv_modes():
     fits = TuneGrid(top_k=(2, 9), ridge_lambdas=("auto",), ranks=(8,)).fits(source_layers=3)
     assert sorted({f["top_k"] for f in fits}) == [2, 3]
     assert {(f["mapper_type"], f["kv_mode"]) for f in fits} == {
         ("ridge", "joint"),
         ("ridge", "separate"),
         ("low_rank", "joint"),
+        ("low_rank", "separate"),
     }
-    assert TuneGrid(top_k=(2,), ridge_lambdas=("auto",), ranks=(8,)).size(3) == 3 * 3
+    assert TuneGrid(top_k=(2,), ridge_lambdas=("auto",), ranks=(8,)).size(3) == 4 * 3
 
 
 def test_check_windows_come_from_other_documents():

@@ -65,7 +65,7 @@ class TuneGrid:
     Args:
         top_k (`tuple[int]`): source layers per target layer (capped at the source's layers; duplicates dropped).
         ridge_lambdas (`tuple`): `"auto"` and/or fixed λ ≥ 0.
-        kv_modes (`tuple[str]`): `"joint"` and/or `"separate"` (ridge only: low-rank maps are fitted joint).
+        kv_modes (`tuple[str]`): `"joint"` and/or `"separate"` (ridge and low-rank maps alike).
         ranks (`tuple[int]`): ranks of the low-rank mapper (empty: ridge only).
         recompute_fractions (`tuple[float]`): shares of the mapped context the target recomputes (`tail` policy).
     """
@@ -82,11 +82,10 @@ class TuneGrid:
         mappers = []
         for k, lam, kv in itertools.product(top_k, self.ridge_lambdas, self.kv_modes):
             mappers.append({"top_k": k, "ridge_lambda": lam, "kv_mode": kv, "mapper_type": "ridge", "rank": None})
-            if kv == "joint":
-                mappers += [
-                    {"top_k": k, "ridge_lambda": lam, "kv_mode": kv, "mapper_type": "low_rank", "rank": r}
-                    for r in self.ranks
-                ]
+            mappers += [
+                {"top_k": k, "ridge_lambda": lam, "kv_mode": kv, "mapper_type": "low_rank", "rank": r}
+                for r in self.ranks
+            ]
         return mappers
 
     def size(self, source_layers: int) -> int:
