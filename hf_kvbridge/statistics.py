@@ -304,6 +304,75 @@ def _chan_merge(n_a: int | float, n_b: int | float) -> tuple[float, float]:
     return (n_a * n_b / n, n_b / n) if n else (0.0, 0.0)
 
 
+class _CentredSums:
+    """What [`BlockStatistics`] and [`SelectionStatistics`] share: float64 means `x_mean`, `y_mean`, centred Gram and
+    cross sums `xx`, `xy` (in `dtype`, laid out as each class keeps its blocks), `yy` and `count`, merged with Chan's
+    pairwise update and all-reduced in place. A subclass says how an outer product lands in its blocks (`_outer_`)
+    and what must match to merge (`_merge_key`)."""
+
+    _merge_what = "statistics"
+
+    def _outer_(self, dx: torch.Tensor, dy: torch.Tensor, alpha: float) -> None:
+        """`xx += alpha·dx dxᵀ`, `xy += alpha·dx dyᵀ` in the blocks this class keeps (`dx`, `dy`: as the means)."""
+        raise NotImplementedError
+
+    def _merge_key(self) -> tuple:
+        return self.shape_key
+
+    def _shift(self, f: float, share: float, n_b: int, mx_b, my_b) -> None:
+        """Chan's correction for adding `n_b` tokens of means `mx_b`, `my_b`, in place; then the new means."""
+        dx, dy = mx_b - self.x_mean, my_b - self.y_mean  # float64, shaped as the means
+        self._outer_(dx, dy, f)
+        self.yy.add_(f * dy * dy)
+        self.x_mean.add_(share * dx)
+        self.y_mean.add_(share * dy)
+        self.count += n_b
+
+    def merge_(self, other):
+        """Adds `other` (same layers and blocks) into `self` in place and returns `self`."""
+        if other._merge_key() != self._merge_key():
+            raise StatisticsError(f"cannot merge {self._merge_what} {self._merge_key()} and {other._merge_key()}")
+        dev = self.xx.device
+        f, share = _chan_merge(self.count, other.count)
+        self.xx.add_(other.xx.to(dev, self.dtype))
+        self.xy.add_(other.xy.to(dev, self.dtype))
+        self.yy.add_(other.yy.to(dev))
+        self._shift(f, share, other.count, other.x_mean.to(dev), other.y_mean.to(dev))
+        return self
+
+    def all_reduce_(self):
+        """Sums the statistics of every `torch.distributed` rank into each of them (in place): every rank re-centres
+        its sums on the global mean, then the sums are all-reduced."""
+        import torch.distributed as dist
+
+        dev = self.xx.device
+        count = torch.tensor([float(self.count)], dtype=torch.float64, device=dev)
+        dist.all_reduce(count)
+        total = count.item()
+        if total == 0:
+            return self
+        mx, my = self.x_mean * self.count, self.y_mean * self.count
+        dist.all_reduce(mx)
+        dist.all_reduce(my)
+        mx, my = mx / total, my / total
+        dx, dy = self.x_mean - mx, self.y_mean - my  # Σ(x − c)(x − c)ᵀ = M + n (x̄ − c)(x̄ − c)ᵀ
+        self._outer_(dx, dy, self.count)
+        self.yy.add_(self.count * dy * dy)
+        for tensor in (self.xx, self.xy, self.yy):
+            dist.all_reduce(tensor)
+        self.x_mean, self.y_mean, self.count = mx, my, int(total)
+        return self
+
+    def check_finite(self, what: str = "statistics") -> None:
+        """Raises `StatisticsError` naming the field if any sum holds NaN or Inf."""
+        for name in ("x_mean", "y_mean", "xx", "xy", "yy"):
+            if not torch.isfinite(getattr(self, name)).all():
+                raise StatisticsError(
+                    f"{what}: non-finite (NaN/Inf) values in {name}; the source or target produced NaN/Inf KV on the "
+                    "calibration data (try float32, or check the models)."
+                )
+
+
 def feature_groups(
     num_kv_heads: int,
     head_dim: int,
@@ -346,7 +415,7 @@ def feature_groups(
     ]
 
 
-class BlockStatistics(HeadLayouts):
+class BlockStatistics(_CentredSums, HeadLayouts):
     """Centred sums for `targets` (target layers) over the union `sources` of their selected source layers, kept per
     feature group (see `feature_groups`): the Gram and cross blocks that the maps of one head mode and kv mode read.
 
@@ -453,16 +522,15 @@ class BlockStatistics(HeadLayouts):
         return (*self.shape_key, tuple(self.sources), tuple(self.targets), self.head_mode, self.kv_mode)
 
     # -- accumulation (in place: no temporary the size of a Gram block) ---------------------------------------------
-    def _shift(self, f: float, share: float, n_b: int, mx_b, my_b) -> None:
-        """Chan's correction for adding `n_b` tokens of means `mx_b`, `my_b` `(G, p)`, `(G, q)`, then the new means."""
-        dx, dy = mx_b - self.x_mean, my_b - self.y_mean  # (G, p), (G, q) float64
-        dxs, dys = dx.to(self.dtype), dy.to(self.dtype)
-        self.xx.baddbmm_(dxs.unsqueeze(2), dxs.unsqueeze(1), alpha=f)  # += f·dx dxᵀ, per group
-        self.xy.baddbmm_(dxs.unsqueeze(2), dys.unsqueeze(1), alpha=f)
-        self.yy.add_(f * dy * dy)
-        self.x_mean.add_(share * dx)
-        self.y_mean.add_(share * dy)
-        self.count += n_b
+    _merge_what = "block statistics of layers"
+
+    def _merge_key(self) -> tuple:
+        return self._key()
+
+    def _outer_(self, dx: torch.Tensor, dy: torch.Tensor, alpha: float) -> None:
+        dxs, dys = dx.to(self.dtype), dy.to(self.dtype)  # (G, p), (G, q)
+        self.xx.baddbmm_(dxs.unsqueeze(2), dxs.unsqueeze(1), alpha=alpha)  # += alpha·dx dxᵀ, per group
+        self.xy.baddbmm_(dxs.unsqueeze(2), dys.unsqueeze(1), alpha=alpha)
 
     @torch.no_grad()
     def update(self, x: torch.Tensor, y: torch.Tensor) -> None:
@@ -488,18 +556,6 @@ class BlockStatistics(HeadLayouts):
         self.yy.add_((yc64 * yc64).sum(1))
         self._shift(f, share, x.shape[0], mx, my)
 
-    def merge_(self, other: BlockStatistics) -> BlockStatistics:
-        """Adds `other` (same layers and groups) into `self` in place and returns `self`."""
-        if other._key() != self._key():
-            raise StatisticsError(f"cannot merge block statistics of layers {self._key()} and {other._key()}")
-        dev = self.xx.device
-        f, share = _chan_merge(self.count, other.count)
-        self.xx.add_(other.xx.to(dev, self.dtype))
-        self.xy.add_(other.xy.to(dev, self.dtype))
-        self.yy.add_(other.yy.to(dev))
-        self._shift(f, share, other.count, other.x_mean.to(dev), other.y_mean.to(dev))
-        return self
-
     def copy(self) -> BlockStatistics:
         key = self.shape_key
         new = BlockStatistics(
@@ -516,40 +572,6 @@ class BlockStatistics(HeadLayouts):
 
     def __add__(self, other: BlockStatistics) -> BlockStatistics:
         return self.copy().merge_(other)
-
-    def all_reduce_(self) -> BlockStatistics:
-        """Sums the statistics of every `torch.distributed` rank into each of them (in place): every rank re-centres
-        its sums on the global mean, then the sums are all-reduced."""
-        import torch.distributed as dist
-
-        dev = self.xx.device
-        count = torch.tensor([float(self.count)], dtype=torch.float64, device=dev)
-        dist.all_reduce(count)
-        total = count.item()
-        if total == 0:
-            return self
-        mx, my = self.x_mean * self.count, self.y_mean * self.count
-        dist.all_reduce(mx)
-        dist.all_reduce(my)
-        mx, my = mx / total, my / total
-        dx, dy = (self.x_mean - mx).to(self.dtype), (self.y_mean - my).to(self.dtype)
-        # Σ(x − c)(x − c)ᵀ = M + n (x̄ − c)(x̄ − c)ᵀ
-        self.xx.baddbmm_(dx.unsqueeze(2), dx.unsqueeze(1), alpha=self.count)
-        self.xy.baddbmm_(dx.unsqueeze(2), dy.unsqueeze(1), alpha=self.count)
-        self.yy.add_(self.count * (self.y_mean - my) ** 2)
-        for tensor in (self.xx, self.xy, self.yy):
-            dist.all_reduce(tensor)
-        self.x_mean, self.y_mean, self.count = mx, my, int(total)
-        return self
-
-    def check_finite(self, what: str = "statistics") -> None:
-        """Raises `StatisticsError` naming the field if any sum holds NaN or Inf."""
-        for name in ("x_mean", "y_mean", "xx", "xy", "yy"):
-            if not torch.isfinite(getattr(self, name)).all():
-                raise StatisticsError(
-                    f"{what}: non-finite (NaN/Inf) values in {name}; the source or target produced NaN/Inf KV on the "
-                    "calibration data (try float32, or check the models)."
-                )
 
     # -- indexing (global layer numbers, as in `KVStatistics`) ------------------------------------------------------
     def source_index(self, layers: list[int], head: int | list[int] | None = None) -> torch.Tensor:
@@ -635,7 +657,7 @@ class BlockStatistics(HeadLayouts):
         return stats
 
 
-class SelectionStatistics(HeadLayouts):
+class SelectionStatistics(_CentredSums, HeadLayouts):
     """Small statistics for choosing layers: per KV head `h` and per K/V, source layer `s`'s `d × d` Gram block and
     its `d × d` cross blocks with every target layer's same head and same K/V (centred sums).
 
@@ -729,17 +751,15 @@ class SelectionStatistics(HeadLayouts):
             .reshape(g * 2, n, layers * heads // g * dim)
         )
 
-    def _shift(self, f: float, share: float, n_b: int, mx_b, my_b) -> None:
-        """Chan's correction for adding `n_b` tokens of means `mx_b`, `my_b`, in place; then the new means."""
+    _merge_what = "statistics of layouts"
+
+    def _outer_(self, dx: torch.Tensor, dy: torch.Tensor, alpha: float) -> None:
         b, d, ls = self.groups * 2, self.x_width, self.source_layers
-        dx, dy = mx_b - self.x_mean, my_b - self.y_mean  # (B, L_s·d_x), (B, L_t·d_y)
-        dxb = dx.view(b * ls, d).to(self.dtype)
-        self.xx.view(b * ls, d, d).baddbmm_(dxb.unsqueeze(2), dxb.unsqueeze(1), alpha=f)
-        self.xy.baddbmm_(dx.to(self.dtype).unsqueeze(2), dy.to(self.dtype).unsqueeze(1), alpha=f)
-        self.yy.add_(f * dy * dy)
-        self.x_mean.add_(share * dx)
-        self.y_mean.add_(share * dy)
-        self.count += n_b
+        dxb = dx.view(b * ls, d).to(self.dtype)  # dx (B, L_s·d_x): the diagonal d_x × d_x blocks only
+        self.xx.view(b * ls, d, d).baddbmm_(dxb.unsqueeze(2), dxb.unsqueeze(1), alpha=alpha)
+        self.xy.baddbmm_(
+            dx.to(self.dtype).unsqueeze(2), dy.to(self.dtype).unsqueeze(1), alpha=alpha
+        )  # dy (B, L_t·d_y)
 
     @torch.no_grad()
     def update(self, x: torch.Tensor, y: torch.Tensor) -> None:
@@ -765,45 +785,6 @@ class SelectionStatistics(HeadLayouts):
         self.xy.baddbmm_(xc.transpose(1, 2), yc)  # (B, L_s·d_x, L_t·d_y), in place: no temporary of that size
         self.yy.add_((yc64 * yc64).sum(1))
         self._shift(f, share, n, mx, my)
-
-    def merge_(self, other: SelectionStatistics) -> SelectionStatistics:
-        if other.shape_key != self.shape_key:
-            raise StatisticsError(f"cannot merge statistics of layouts {self.shape_key} and {other.shape_key}")
-        dev = self.xx.device
-        f, share = _chan_merge(self.count, other.count)
-        self.xx.add_(other.xx.to(dev, self.dtype))
-        self.xy.add_(other.xy.to(dev, self.dtype))
-        self.yy.add_(other.yy.to(dev))
-        self._shift(f, share, other.count, other.x_mean.to(dev), other.y_mean.to(dev))
-        return self
-
-    def all_reduce_(self) -> SelectionStatistics:
-        """Sums every `torch.distributed` rank's statistics into each of them (re-centred on the global mean)."""
-        import torch.distributed as dist
-
-        dev = self.xx.device
-        count = torch.tensor([float(self.count)], dtype=torch.float64, device=dev)
-        dist.all_reduce(count)
-        total = count.item()
-        if total == 0:
-            return self
-        mx, my = self.x_mean * self.count, self.y_mean * self.count
-        dist.all_reduce(mx)
-        dist.all_reduce(my)
-        mx, my = mx / total, my / total
-        b, d, ls = self.groups * 2, self.x_width, self.source_layers
-        dx, dy = self.x_mean - mx, self.y_mean - my
-        dxb = dx.view(b * ls, d).to(self.dtype)
-        self.xx.view(b * ls, d, d).baddbmm_(dxb.unsqueeze(2), dxb.unsqueeze(1), alpha=self.count)
-        self.xy.baddbmm_(dx.to(self.dtype).unsqueeze(2), dy.to(self.dtype).unsqueeze(1), alpha=self.count)
-        self.yy.add_(self.count * dy * dy)
-        for tensor in (self.xx, self.xy, self.yy):
-            dist.all_reduce(tensor)
-        self.x_mean, self.y_mean, self.count = mx, my, int(total)
-        return self
-
-    def check_finite(self, what: str = "statistics") -> None:
-        BlockStatistics.check_finite(self, what)
 
     def single_layer_r2(self, heldout: SelectionStatistics, ridge_lambda: float = 0.01) -> torch.Tensor:
         """Held-out R² of predicting each target layer from each single source layer, head h from head h, K from K
