@@ -25,7 +25,7 @@ from .. import pocket
 from ..attention import attention_output_cosine
 from ..calibration import fit_bridge
 from .evaluation import heldout_windows
-from .study import _calibrated, _nll, _reference_nll, mapped_r2
+from .study import _nll, _refit_base, mapped_r2
 
 DEFAULT_PAIRS = (
     "pocket-s:pocket-m",
@@ -73,22 +73,9 @@ def run_lambda_study(
     models: dict = {}
     rows, points = [], []
     for pair in pairs:
-        source_name, target_name = pair.split(":")
         started = time.perf_counter()
-        base = _calibrated(
-            source_name,
-            target_name,
-            tokenizer,
-            models,
-            num_sequences=num_sequences,
-            seq_len=seq_len,
-            top_k=top_k,
-            seed=seed,
-            keep_statistics=True,  # every λ below re-fits from them
-        )
-        train, heldout = base.calibration_statistics
-        reference = _reference_nll(base, held, context)
-        gain = reference["no_context"] - reference["target"]
+        sizes = {"num_sequences": num_sequences, "seq_len": seq_len, "top_k": top_k, "seed": seed}
+        base, train, heldout, reference, gain = _refit_base(pair, tokenizer, models, held, context, **sizes)
         progress(f"{pair}: calibrated in {time.perf_counter() - started:.0f}s")
 
         def measure(bridge, label, lam, pair=pair, reference=reference, gain=gain):

@@ -76,6 +76,20 @@ def _reference_nll(bridge, held, context: int) -> dict:
     return {mode: _nll(bridge, held, context, mode) for mode in ("target", "no_context")}
 
 
+def _refit_base(pair: str, tokenizer, models: dict, held, context: int, **calibrate_kwargs):
+    """What a study that re-fits many settings from one calibration starts from: the calibrated bridge of `pair`
+    (`"source:target"`), its `(train, held-out)` statistics, and the target's NLL with and without context on `held`.
+
+    Returns:
+        `(base, train, heldout, reference, gain)`: `gain` is the context's benefit, no-context NLL − target NLL.
+    """
+    source_name, target_name = pair.split(":")
+    base = _calibrated(source_name, target_name, tokenizer, models, keep_statistics=True, **calibrate_kwargs)
+    train, heldout = base.calibration_statistics
+    reference = _reference_nll(base, held, context)
+    return base, train, heldout, reference, reference["no_context"] - reference["target"]
+
+
 def run_study(
     pairs=DEFAULT_PAIRS,
     *,
@@ -94,21 +108,10 @@ def run_study(
     models: dict = {}
     points = []
     for pair in pairs:
-        source_name, target_name = pair.split(":")
         started = time.perf_counter()
-        base = _calibrated(
-            source_name,
-            target_name,
-            tokenizer,
-            models,
-            num_sequences=num_sequences,
-            seq_len=seq_len,
-            seed=seed,
-            keep_statistics=True,  # every setting below re-fits from them
+        base, train, heldout, reference, gain = _refit_base(
+            pair, tokenizer, models, held, context, num_sequences=num_sequences, seq_len=seq_len, seed=seed
         )
-        train, heldout = base.calibration_statistics
-        reference = _reference_nll(base, held, context)
-        gain = reference["no_context"] - reference["target"]
         progress(
             f"{pair}: calibrated in {time.perf_counter() - started:.0f}s; NLL target {reference['target']:.3f}, "
             f"no context {reference['no_context']:.3f}"
