@@ -15,7 +15,7 @@ import torch
 from transformers import DynamicCache
 
 from .cache import cache_kwargs, output_cache, slice_cache
-from .transfer import probe_agreement
+from .transfer import probe_agreement, recompute_mapped
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +34,7 @@ class HandoffTurn:
     cache_tokens: int
     gate_score: float | None = None  # the quality gate's probe cosine of this turn's mapping (`None`: no gate ran)
     fell_back: bool = False  # the gate refused the mapping and the model computed those tokens itself
+    recomputed_tokens: int = 0  # mapped tokens this model then recomputed itself (`config.recompute_fraction`)
 
 
 @dataclass
@@ -61,6 +62,11 @@ def _recording(cache: DynamicCache) -> DynamicCache:
     if hasattr(cache, "activate_past_recording"):
         cache.activate_past_recording()
     return cache
+
+
+def _no_sync() -> dict[str, Any]:
+    """What `HandoffSession.last_sync` records before a sync has mapped anything."""
+    return {"mapped_tokens": 0, "recomputed_tokens": 0, "score": None, "fell_back": False}
 
 
 def _crop(cache: DynamicCache, keep: int) -> None:
@@ -105,7 +111,7 @@ class HandoffSession:
         self.tokens: list[int] = []  # the whole conversation so far, as the models computed it
         self.states = {name: _ModelState() for name in MODELS}
         self.turns: list[HandoffTurn] = []
-        self.last_sync: dict[str, Any] = {"mapped_tokens": 0, "score": None, "fell_back": False}
+        self.last_sync: dict[str, Any] = _no_sync()
 
     # -- conversation ----------------------------------------------------------------------------------------------
     def add_user(self, text: str) -> None:
@@ -140,7 +146,9 @@ class HandoffSession:
         tokens were mapped. Tokens neither model has computed are left for `name` to compute itself.
 
         The mapping follows the bridge's transfer policy (`hf_kvbridge.transfer`): the first `sink_tokens` of the
-        conversation are computed by `name` itself, and with a quality gate (`gate_threshold`) `name` computes the
+        conversation are computed by `name` itself; `recompute_fraction` of the tokens mapped in this sync are
+        recomputed by `name` over the mapped cache (chosen by `recompute_policy`, as in `prefill`); and with a quality
+        gate (`gate_threshold`) `name` computes the
         last `gate_probe_tokens` of the span itself and compares its own K/V there with the mapped ones; below the
         threshold the mapped span is dropped and left for `name` to compute (`self.last_sync` records it).
         """
@@ -150,7 +158,7 @@ class HandoffSession:
         mine, theirs = self.states[name], self.states[other]
         mapper = self.mappers[name]
         end = min(len(theirs.tokens), upto)
-        self.last_sync = {"mapped_tokens": 0, "score": None, "fell_back": False}
+        self.last_sync = _no_sync()
         if mapper is None or end <= len(mine.tokens):
             return 0  # nothing the other model has that this one lacks (or no mapper this way: prefill instead)
         if self.remap == "full":  # re-map the other model's whole cache, dropping this model's own
@@ -169,6 +177,9 @@ class HandoffSession:
         piece = theirs.cache if whole else slice_cache(theirs.cache, start, map_end)
         mine.cache = _recording(mapper.map_cache(piece, positions, target_cache=mine.cache))
         mine.tokens = tokens[:map_end]
+        ids = torch.tensor([mine.tokens], device=mapper.device)  # (1, map_end)
+        positions = torch.arange(map_end, device=ids.device).unsqueeze(0)  # (1, map_end)
+        recomputed = recompute_mapped(mapper, mine.cache, ids, torch.ones_like(ids), positions, start)
         if probe:
             self._run(name, tokens[:end])  # this model's own K/V for the probe tokens
             probe_positions = torch.arange(map_end, end, device=mapper.device).unsqueeze(0)
@@ -191,8 +202,9 @@ class HandoffSession:
                 mine.tokens = tokens[:start]
                 self.last_sync["fell_back"] = True
                 return 0
-        self.last_sync["mapped_tokens"] = map_end - start
-        return map_end - start
+        self.last_sync["mapped_tokens"] = map_end - start - recomputed
+        self.last_sync["recomputed_tokens"] = recomputed
+        return map_end - start - recomputed
 
     def _run(self, name: str, tokens: list[int]) -> None:
         """Runs `name` over the tokens of `tokens` its cache lacks, appending to its cache."""
@@ -271,6 +283,7 @@ class HandoffSession:
             len(state.tokens),
             gate_score=self.last_sync["score"],
             fell_back=self.last_sync["fell_back"],
+            recomputed_tokens=self.last_sync["recomputed_tokens"],
         )
         self.turns.append(turn)
         return turn

@@ -129,7 +129,7 @@ def transfer_prefill(
     if map_end > sink_end:
         piece = slice_cache(output_cache(source_out), sink_end, map_end)
         cache = bridge.map_cache(piece, pos[:, sink_end:map_end], target_cache=cache)
-    recomputed = _recompute(bridge, cache, ids[:, :map_end], mask[:, :map_end], pos[:, :map_end], sink_end)
+    recomputed = recompute_mapped(bridge, cache, ids[:, :map_end], mask[:, :map_end], pos[:, :map_end], sink_end)
     ok = torch.ones(batch, dtype=torch.bool)
     scores = None
     if probe > 0:
@@ -167,7 +167,7 @@ def transfer_prefill(
     return cache, source_out
 
 
-def _recompute(bridge, cache: DynamicCache | None, ids, mask, pos, first_mapped: int) -> int:
+def recompute_mapped(bridge, cache: DynamicCache | None, ids, mask, pos, first_mapped: int) -> int:
     """Selective recompute (`config.recompute_fraction` of the mapped tokens, chosen by `config.recompute_policy`)
     of the mapped columns `[first_mapped, T)` of `cache`, in place; returns the most tokens a row recomputed."""
     config = bridge.config

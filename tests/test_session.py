@@ -234,3 +234,51 @@ def test_session_gate_refuses_a_bad_mapping_and_passes_a_good_one(identity, chat
     assert bad.token_ids == want.token_ids  # the target computed the conversation itself: its own reply
     assert not good.fell_back and good.gate_score > 0.999 and good.mapped_tokens > 0
     assert good.token_ids == want.token_ids
+
+
+def _after_switch(bridge, chat_tokenizer):
+    """A session that ran one source turn, then synced the target's cache for the next prompt: (session, mapped)."""
+    session = HandoffSession(bridge, chat_tokenizer)
+    session.add_user("the fox")
+    session.generate(model="source", max_new_tokens=4, do_sample=False)
+    session.add_user("a key")
+    prompt = session.prompt_tokens()
+    return session, session.sync("target", prompt, upto=len(prompt) - 1)
+
+
+def test_session_recompute_everything_is_the_receivers_own_prefill(identity, chat_tokenizer):
+    """`recompute_fraction=1` over a scrambled mapper: the target recomputes every token the sync mapped, so its cache
+    is its own prefill of the conversation and its reply is the target-only reply."""
+    bridge = _with_policy(identity, scramble=True, recompute_fraction=1.0)
+    session, mapped = _after_switch(bridge, chat_tokenizer)
+    assert mapped == 0 and session.last_sync["recomputed_tokens"] > 0
+    state = session.states["target"]
+    own = identity.target(input_ids=torch.tensor([state.tokens]), use_cache=True).cache
+    for layer, fresh in zip(state.cache.layers, own.layers):
+        torch.testing.assert_close(layer.keys, fresh.keys, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(layer.values, fresh.values, atol=1e-4, rtol=1e-4)
+    reference = HandoffSession(identity, chat_tokenizer)
+    for question in ("the fox", "a key"):
+        reference.add_user(question)
+        want = reference.generate(model="target", max_new_tokens=4, do_sample=False)
+    turn = session.generate(model="target", max_new_tokens=4, do_sample=False)
+    assert turn.token_ids == want.token_ids and turn.recomputed_tokens == session.last_sync["recomputed_tokens"]
+
+
+def test_session_tail_recompute_equals_the_receiver_computing_the_tail(identity, chat_tokenizer):
+    """Recomputing the tail of a sync is the receiving model running those tokens itself over the mapped rest."""
+    scrambled = _with_policy(identity, scramble=True)
+    tail, _ = _after_switch(_with_policy(scrambled, recompute_fraction=0.25), chat_tokenizer)
+    plain, everything = _after_switch(scrambled, chat_tokenizer)
+    recomputed = tail.last_sync["recomputed_tokens"]
+    assert recomputed > 0 and tail.last_sync["mapped_tokens"] == everything - recomputed
+    state = plain.states["target"]
+    untouched = [layer.keys.clone() for layer in state.cache.layers]
+    tokens = state.tokens
+    state.cache.crop(-recomputed)
+    state.tokens = tokens[:-recomputed]
+    plain._run("target", tokens)  # the target computes the last `recomputed` tokens over the mapped cache
+    for mine, want in zip(tail.states["target"].cache.layers, state.cache.layers):
+        torch.testing.assert_close(mine.keys, want.keys, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(mine.values, want.values, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(tail.states["target"].cache.layers[-1].keys, untouched[-1])  # the tail did change

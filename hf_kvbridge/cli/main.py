@@ -203,8 +203,9 @@ def _cmd_chat(args: argparse.Namespace) -> int:
         turn = session.generate(model=model, max_new_tokens=args.max_new_tokens, do_sample=args.do_sample)
         print(turn.text)
         print(
-            f"[{turn.model}] mapped {turn.mapped_tokens} tokens, prefilled {turn.prefilled_tokens}, "
-            f"cache {turn.cache_tokens} tokens"
+            f"[{turn.model}] mapped {turn.mapped_tokens} tokens, "
+            + (f"recomputed {turn.recomputed_tokens}, " if turn.recomputed_tokens else "")
+            + f"prefilled {turn.prefilled_tokens}, cache {turn.cache_tokens} tokens"
         )
         sys.stdout.flush()
     return 0

@@ -461,7 +461,7 @@ class KVBridgeConnector(KVConnectorBase_V1):
     def _map_end(self, num_prompt_tokens: int) -> int:
         """The end of the tokens mapped and written: the probe's start less the recomputed tail, whose
         `ceil(recompute_fraction · n)` tokens of the `n` mapped ones the target computes itself (the tail policy is
-        a longer hold-back; `transfer._recompute` counts the same way)."""
+        a longer hold-back; `transfer.recompute_mapped` counts the same way)."""
         mapped = self._probe_start(num_prompt_tokens)
         if mapped <= 0 or not self.recompute_fraction:
             return mapped
