@@ -23,6 +23,7 @@ from transformers import AutoTokenizer
 
 from .. import pocket
 from ..calibration import calibrate
+from ..mappers import MAPPER_TYPES
 from .evaluation import continuation_nll, heldout_windows, retention, score_tokens
 
 POLICIES = ("tail", "sinks", "random", "spread", "probe", "tail_probe")
@@ -37,6 +38,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-sequences", type=int, default=128)
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--top-k", type=int, default=6)
+    parser.add_argument(
+        "--mapper-type", default="ridge", choices=MAPPER_TYPES, help="the mapper the recompute runs over"
+    )
+    parser.add_argument("--mlp-epochs", type=int, default=3, help="with --mapper-type mlp (attention-output loss)")
     parser.add_argument("--windows", type=int, default=48, help="held-out windows")
     parser.add_argument("--context", type=int, default=192)
     parser.add_argument("--continuation", type=int, default=32)
@@ -106,6 +111,12 @@ def run_frontier(args: argparse.Namespace) -> dict:
         num_sequences=args.num_sequences,
         seq_len=args.seq_len,
         top_k=args.top_k,
+        mapper_type=getattr(args, "mapper_type", "ridge"),
+        **(
+            {"mlp_kwargs": {"loss": "attention", "epochs": args.mlp_epochs}}
+            if getattr(args, "mapper_type", "ridge") == "mlp"
+            else {}
+        ),
     )
     windows = heldout_windows(pocket.load_texts("heldout"), tokenizer, args.context + args.continuation, args.windows)
     reference = continuation_nll(bridge, windows, args.context, controls=True)
