@@ -78,10 +78,10 @@ class PocketSpec:
 POCKET_SPECS: dict[str, PocketSpec] = {
     spec.name: spec
     for spec in (
-        PocketSpec("pocket-s", 3, 128, 4, 2, 32, 384, seed=11, steps=800, batch_size=8, lr=3e-3),
-        PocketSpec("pocket-m", 6, 192, 6, 2, 32, 512, seed=22, steps=700, batch_size=8, lr=2.5e-3),
-        PocketSpec("pocket-l", 8, 256, 8, 2, 32, 704, seed=33, steps=350, batch_size=8, lr=2e-3),
-        PocketSpec("pocket-x", 2, 128, 8, 4, 16, 384, seed=44, steps=200, batch_size=8, lr=3e-3),
+        PocketSpec("pocket-s", 3, 128, 4, 2, 32, 384, seed=11, steps=1500, batch_size=8, lr=3e-3),
+        PocketSpec("pocket-m", 6, 192, 6, 2, 32, 512, seed=22, steps=1500, batch_size=8, lr=2.5e-3),
+        PocketSpec("pocket-l", 8, 256, 8, 2, 32, 704, seed=33, steps=1500, batch_size=8, lr=2e-3),
+        PocketSpec("pocket-x", 2, 128, 8, 4, 16, 384, seed=44, steps=1500, batch_size=8, lr=3e-3),
     )
 }
 
@@ -204,10 +204,28 @@ def save_tokenizer(tokenizer, folder: Path) -> None:
     config_path = folder / "tokenizer_config.json"
     config = json.loads(config_path.read_text(encoding="utf-8"))
     config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    for key in ("is_local", "local_files_only"):  # loading arguments of a `--tokenizer` folder, not settings
+        config.pop(key, None)
     config["chat_template"] = CHAT_TEMPLATE
     config_path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
     special = {"eos_token": EOS, "pad_token": EOS, "additional_special_tokens": [IM_START, IM_END]}
     (folder / "special_tokens_map.json").write_text(json.dumps(special, indent=2) + "\n", encoding="utf-8")
+
+
+def load_tokenizer(folder: Path):  # -> transformers.PreTrainedTokenizerFast
+    """Load a pocket tokenizer saved by :func:`save_tokenizer` (``--tokenizer``) and check that it is one."""
+    from transformers import PreTrainedTokenizerFast
+
+    if not (folder / "tokenizer.json").is_file():
+        raise SystemExit(f"--tokenizer {folder}: no tokenizer.json in that folder")
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(folder)
+    if len(tokenizer) != VOCAB_SIZE or tokenizer.eos_token != EOS:
+        raise SystemExit(
+            f"--tokenizer {folder}: vocabulary {len(tokenizer)} with EOS {tokenizer.eos_token!r} is not a pocket "
+            f"tokenizer (vocabulary {VOCAB_SIZE}, EOS {EOS!r})"
+        )
+    logger.info("tokenizer loaded from %s: vocab %d", folder, len(tokenizer))
+    return tokenizer
 
 
 def encode_stream(tokenizer, texts: list[str]) -> torch.Tensor:
@@ -363,7 +381,7 @@ tags:
 # {spec.name}
 
 A tiny Qwen3-architecture causal LM of the *pocket family* shipped with `hf_kvbridge` to test cross-model
-KV-cache transfer offline. It is trained from scratch for a few CPU-minutes and is **not** useful for anything
+KV-cache transfer offline. It is trained from scratch on a CPU (time below) and is **not** useful for anything
 else: it produces Python-documentation-flavoured text.
 
 | | |
@@ -455,6 +473,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     parser.add_argument("--steps-scale", type=float, default=1.0, help="multiply every step count (for smoke tests)")
     parser.add_argument("--no-bf16", action="store_true", help="train in fp32 instead of bf16 autocast")
+    parser.add_argument(
+        "--tokenizer",
+        type=Path,
+        default=None,
+        help="reuse the tokenizer saved in this folder (e.g. a shipped pocket model) instead of training one, so "
+        "that retrained models stay compatible with the members that are not retrained",
+    )
     return parser.parse_args(argv)
 
 
@@ -480,7 +505,7 @@ def main(argv: list[str] | None = None) -> None:
     write_data(splits, out, provenance)
 
     train_texts = [d["text"] for d in splits["train"]]
-    tokenizer = train_tokenizer(train_texts)
+    tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else train_tokenizer(train_texts)
     train_ids = encode_stream(tokenizer, train_texts)  # [n_train_tokens]
     heldout_ids = encode_stream(tokenizer, [d["text"] for d in splits["heldout"]])  # [n_heldout_tokens]
     logger.info("train tokens %d, held-out tokens %d", train_ids.numel(), heldout_ids.numel())
