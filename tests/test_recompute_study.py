@@ -40,3 +40,24 @@ def test_probe_beats_random_choice_at_ten_percent(hard_pair):
     assert result["retention"] - sum(random) / len(random) > MIN_MEAN_MARGIN, result
     assert result["retention"] - max(random) > MIN_DRAW_MARGIN, result
     assert result["paired_t"] > 1.5, result  # window by window, not a few windows carrying the mean
+
+
+def test_frontier_command_writes_points_table_and_plot(tmp_path, capsys):
+    """The README's `recompute_study` command end to end, small: every (policy, fraction) point with its cost, the
+    controls, the table it prints and the plot."""
+    import json
+
+    from hf_kvbridge.tools.recompute_study import main
+
+    argv = ["--source", "pocket-s", "--target", "pocket-m", "--num-sequences", "8", "--seq-len", "128"]
+    argv += ["--windows", "2", "--fractions", "0,0.1", "--policies", "tail,probe", "--out", str(tmp_path)]
+    assert main(argv) == 0
+    result = json.loads((tmp_path / "recompute.json").read_text())
+    assert [(p["policy"], p["fraction"]) for p in result["points"]] == [
+        ("tail", 0.0), ("tail", 0.1), ("probe", 0.0), ("probe", 0.1)
+    ]  # fmt: skip
+    shares = {p["fraction"]: p["target_token_share"] for p in result["points"]}
+    assert shares[0.1] > shares[0.0] > 0  # the held-back token, then 10 % more of the context
+    assert set(result["reference"]["control_retention"]) == {"zero_cache", "random_cache"}
+    assert (tmp_path / "recompute.png").stat().st_size > 0
+    assert "| tail |" in capsys.readouterr().out

@@ -181,14 +181,13 @@ def plot_frontier(result: dict, path: Path) -> None:
     for policy in dict.fromkeys(p["policy"] for p in result["points"]):
         pts = [p for p in result["points"] if p["policy"] == policy and p.get("seed", 0) == _plotted_seed(result)]
         ax.plot([p["target_token_share"] for p in pts], [p["retention"] for p in pts], marker="o", label=policy)
-    for mode, value in result["reference"].get("control_retention", {}).items():
-        ax.axhline(value, linestyle=":", color="grey")
-        ax.annotate(mode.replace("_", " "), (0.0, value), fontsize=8, color="grey", va="bottom")
+    for (mode, value), style in zip(result["reference"].get("control_retention", {}).items(), (":", "--")):
+        ax.axhline(value, linestyle=style, color="grey", label=f"control: {mode.replace('_', ' ')}")
     pair = result["pair"]
     ax.set_title(f"Selective recompute: {pair['source']} → {pair['target']}")
     ax.set_xlabel("share of the context the target computes")
     ax.set_ylabel("context-benefit retention")
-    ax.legend(title="policy")
+    ax.legend(title="policy", fontsize=8, loc="center right")
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
