@@ -189,6 +189,7 @@ def test_lambda_study_runs_on_a_pocket_pair(tmp_path):
 
     result = json.loads(out.read_text())
     (row,) = result["rows"]
-    assert row["pair"] == "pocket-s:pocket-m" and row["best_fixed"]["ridge_lambda"] in (1e-4, 1.0)
+    # the best fixed λ is one of the grid's or the old default 0.01, which every study measures too
+    assert row["pair"] == "pocket-s:pocket-m" and row["best_fixed"]["ridge_lambda"] in (1e-4, 1.0, 0.01)
     assert {p["setting"] for p in result["points"]} >= {"auto", "fixed"}
     assert all(abs(p["retention"]) < 10 and -1 < p["attention_cosine"] <= 1 for p in result["points"])
