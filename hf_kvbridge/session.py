@@ -177,9 +177,11 @@ class HandoffSession:
         piece = theirs.cache if whole else slice_cache(theirs.cache, start, map_end)
         mine.cache = _recording(mapper.map_cache(piece, positions, target_cache=mine.cache))
         mine.tokens = tokens[:map_end]
-        ids = torch.tensor([mine.tokens], device=mapper.device)  # (1, map_end)
-        positions = torch.arange(map_end, device=ids.device).unsqueeze(0)  # (1, map_end)
-        recomputed = recompute_mapped(mapper, mine.cache, ids, torch.ones_like(ids), positions, start)
+        recomputed = 0
+        if config.recompute_fraction:  # this model recomputes a share of the tokens it just mapped
+            ids = torch.tensor([mine.tokens], device=mapper.device)  # (1, map_end)
+            everything = torch.arange(map_end, device=mapper.device).unsqueeze(0)  # (1, map_end) positions
+            recomputed = recompute_mapped(mapper, mine.cache, ids, torch.ones_like(ids), everything, start)
         if probe:
             self._run(name, tokens[:end])  # this model's own K/V for the probe tokens
             probe_positions = torch.arange(map_end, end, device=mapper.device).unsqueeze(0)
