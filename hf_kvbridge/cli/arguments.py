@@ -50,11 +50,16 @@ def _top_k(value: str) -> int | None:
         raise argparse.ArgumentTypeError(f"{value!r}: pass a number of source layers ≥ 1, or 'all'") from None
 
 
-def _fraction(value: str) -> float:
+def _number(value: str) -> float:
+    """`value` as a float, or the argparse error every numeric option gives."""
     try:
-        number = float(value)
+        return float(value)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{value!r} is not a number") from None
+
+
+def _fraction(value: str) -> float:
+    number = _number(value)
     if not 0.0 < number < 1.0:
         raise argparse.ArgumentTypeError(f"{value} is not a fraction between 0 and 1 (exclusive)")
     return number
@@ -175,20 +180,14 @@ def _kv_mode(value: str) -> str:
 
 def _share(value: str) -> float:
     """A number in [0, 1] (a recomputed share of the context)."""
-    try:
-        number = float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{value!r} is not a number") from None
+    number = _number(value)
     if not 0.0 <= number <= 1.0:
         raise argparse.ArgumentTypeError(f"{value} is not a share between 0 and 1")
     return number
 
 
 def _positive_float(value: str) -> float:
-    try:
-        number = float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{value!r} is not a number") from None
+    number = _number(value)
     if not number > 0:
         raise argparse.ArgumentTypeError(f"{value} is not a number > 0")
     return number
