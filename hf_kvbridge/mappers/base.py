@@ -157,13 +157,14 @@ class KVMapper(nn.Module, HeadLayouts):
         }
 
     @classmethod
-    def from_config(cls, config, layout) -> KVMapper:
+    def from_config(cls, config, layout, **mapper_kwargs) -> KVMapper:
         """An empty mapper shaped for `config` (a `KVBridgeConfig`; the source layout is its `source_fingerprint`'s)
-        and the target's `layout`, to load weights into."""
+        and the target's `layout`, to load weights into; `mapper_kwargs` are a subclass's own arguments (a rank)."""
         return cls(
             config.selected_layers,
             head_mode=config.head_mode,
             kv_mode=getattr(config, "kv_mode", "joint"),
+            **mapper_kwargs,
             **cls.layout_kwargs(config, layout),
         )
 

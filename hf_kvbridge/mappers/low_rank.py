@@ -94,14 +94,7 @@ class LowRankKVMapper(KVMapper):
     def from_config(cls, config, layout) -> LowRankKVMapper:
         if "rank" not in (config.mapper_kwargs or {}):
             raise ValueError("a low_rank mapper's config lacks mapper_kwargs['rank']")
-        rank = config.mapper_kwargs["rank"]
-        return cls(
-            config.selected_layers,
-            head_mode=config.head_mode,
-            rank=rank,
-            kv_mode=getattr(config, "kv_mode", "joint"),
-            **cls.layout_kwargs(config, layout),
-        )
+        return super().from_config(config, layout, rank=config.mapper_kwargs["rank"])
 
     @property
     def group_rank(self) -> int:

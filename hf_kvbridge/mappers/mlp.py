@@ -105,14 +105,7 @@ class MLPKVMapper(KVMapper):
 
     @classmethod
     def from_config(cls, config, layout) -> MLPKVMapper:
-        hidden = (config.mapper_kwargs or {}).get("hidden", 256)
-        return cls(
-            config.selected_layers,
-            head_mode=config.head_mode,
-            hidden=hidden,
-            kv_mode=getattr(config, "kv_mode", "joint"),
-            **cls.layout_kwargs(config, layout),
-        )
+        return super().from_config(config, layout, hidden=(config.mapper_kwargs or {}).get("hidden", 256))
 
     @classmethod
     def from_linear(cls, linear: KVMapper, hidden: int = 256, seed: int = 0) -> MLPKVMapper:
