@@ -14,8 +14,8 @@ Corpus
 
 Usage::
 
-    python -m hf_kvbridge.pocket.train --out src/hf_kvbridge/pocket
-    python src/hf_kvbridge/pocket/train.py --out /tmp/pocket --models pocket-s,pocket-x
+    python -m hf_kvbridge.pocket.train --out /tmp/pocket
+    python hf_kvbridge/pocket/train.py --out /tmp/pocket --models pocket-l --tokenizer hf_kvbridge/pocket/models/pocket-s
 
 The script only uses torch, tokenizers and transformers; it imports nothing else from ``hf_kvbridge`` so it runs
 both as a module and as a plain file.
@@ -276,8 +276,19 @@ def lr_at(step: int, spec: PocketSpec, warmup: int) -> float:
     return spec.lr * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress)))
 
 
-def train_model(spec: PocketSpec, tokenizer, train_ids: torch.Tensor, use_bf16: bool = True):
-    """Train one pocket model from scratch on random 512-token windows of ``train_ids``; return it (fp32, eval)."""
+def train_model(
+    spec: PocketSpec,
+    tokenizer,
+    train_ids: torch.Tensor,
+    use_bf16: bool = True,
+    heldout_ids: torch.Tensor | None = None,
+    eval_every: int = 0,
+):
+    """Train one pocket model from scratch on random 512-token windows of ``train_ids``; return it (fp32, eval).
+
+    With ``eval_every`` > 0 and ``heldout_ids``, log the held-out perplexity of the first 32 windows every
+    ``eval_every`` steps (monitoring only: it uses no random numbers, so the trained weights do not change).
+    """
     from transformers import Qwen3ForCausalLM
 
     torch.manual_seed(spec.seed)
@@ -319,6 +330,11 @@ def train_model(spec: PocketSpec, tokenizer, train_ids: torch.Tensor, use_bf16: 
                 lr_at(step, spec, warmup),
                 time.perf_counter() - t0,
             )
+        if eval_every > 0 and heldout_ids is not None and (step + 1) % eval_every == 0 and step + 1 < spec.steps:
+            model.eval()
+            probe = evaluate(model, heldout_ids[: 32 * SEQ_LEN])
+            logger.info("%s step %4d held-out ppl (32 windows) %.2f", spec.name, step + 1, probe["heldout_ppl"])
+            model.train()
     model.eval()
     return model
 
@@ -474,6 +490,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps-scale", type=float, default=1.0, help="multiply every step count (for smoke tests)")
     parser.add_argument("--no-bf16", action="store_true", help="train in fp32 instead of bf16 autocast")
     parser.add_argument(
+        "--eval-every", type=int, default=0, help="log held-out perplexity on 32 windows every N steps (0: never)"
+    )
+    parser.add_argument(
         "--tokenizer",
         type=Path,
         default=None,
@@ -492,6 +511,10 @@ def main(argv: list[str] | None = None) -> None:
     unknown = sorted(set(names) - set(POCKET_SPECS))
     if unknown:
         raise SystemExit(f"unknown models {unknown}; available: {sorted(POCKET_SPECS)}")
+    if args.eval_every < 0:
+        raise SystemExit(f"--eval-every {args.eval_every}: must be 0 (never) or a positive number of steps")
+    # Check a reused tokenizer before the download and the split, which it would otherwise follow by minutes.
+    shipped_tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else None
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
     t_start = time.perf_counter()
@@ -505,7 +528,7 @@ def main(argv: list[str] | None = None) -> None:
     write_data(splits, out, provenance)
 
     train_texts = [d["text"] for d in splits["train"]]
-    tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else train_tokenizer(train_texts)
+    tokenizer = shipped_tokenizer if shipped_tokenizer is not None else train_tokenizer(train_texts)
     train_ids = encode_stream(tokenizer, train_texts)  # [n_train_tokens]
     heldout_ids = encode_stream(tokenizer, [d["text"] for d in splits["heldout"]])  # [n_heldout_tokens]
     logger.info("train tokens %d, held-out tokens %d", train_ids.numel(), heldout_ids.numel())
@@ -526,7 +549,9 @@ def main(argv: list[str] | None = None) -> None:
         if args.steps_scale != 1.0:
             spec = PocketSpec(**{**asdict(spec), "steps": max(2, round(spec.steps * args.steps_scale))})
         t0 = time.perf_counter()
-        model = train_model(spec, tokenizer, train_ids, use_bf16=not args.no_bf16)
+        model = train_model(
+            spec, tokenizer, train_ids, use_bf16=not args.no_bf16, heldout_ids=heldout_ids, eval_every=args.eval_every
+        )
         train_seconds = time.perf_counter() - t0
         model = model.half().float()  # evaluate exactly the weights that are shipped (fp16), computed in fp32
         metrics = evaluate(model, heldout_ids)
