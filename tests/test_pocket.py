@@ -35,31 +35,25 @@ def _heldout_nll_by_position(name, windows):
 @pytest.fixture(scope="module")
 def family_nll():
     """Per-position held-out NLL of the three 2 × 32 members on 48 non-overlapping 512-token held-out windows
-    (fewer windows move the context gains by ±0.1: on 16 of them pocket-l's gain fell below pocket-s's)."""
+    (fewer windows move the context gains by ±0.1)."""
     tokenizer = AutoTokenizer.from_pretrained(pocket.model_path("pocket-s"))
     windows = heldout_windows(pocket.load_texts("heldout"), tokenizer, 512, 48)  # [48, 512]
     return {name: _heldout_nll_by_position(name, windows) for name in ("pocket-s", "pocket-m", "pocket-l")}
 
 
-def test_larger_members_are_better_and_use_their_context_more(family_nll):
-    """pocket-m and pocket-l have a lower held-out perplexity than pocket-s, and the context is worth more to them
-    (NLL with < 16 tokens of context minus NLL with ≥ 256). Measured on these windows: perplexity 39.5 / 34.2 / 36.0,
-    context gain 0.33 / 0.44 / 0.37 nats (s / m / l)."""
-    ppl = {name: float(nll.mean().exp()) for name, nll in family_nll.items()}
-    gain = {name: float(nll[:15].mean() - nll[255:].mean()) for name, nll in family_nll.items()}
-    assert max(ppl["pocket-m"], ppl["pocket-l"]) < 0.95 * ppl["pocket-s"], ppl
-    assert gain["pocket-s"] < min(gain["pocket-m"], gain["pocket-l"]), gain
-
-
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 15 asks for pocket-l ≥ 20 % below pocket-s; with one recipe for all (1,500 steps) pocket-l ends "
-    "between pocket-m and pocket-s (held-out ppl 34.4 / 36.4 / 39.8): it needs a longer run than this machine gave",
-)
 def test_perplexity_falls_clearly_with_size(family_nll):
+    """Held-out perplexity falls with size, pocket-l at least 20 % below pocket-s (issue 15). Measured on these
+    windows: 39.5 / 34.2 / 20.4 (s / m / l); with one 1,500-step recipe for all, pocket-l was 36.0, behind pocket-m."""
     ppl = {name: float(nll.mean().exp()) for name, nll in family_nll.items()}
     assert ppl["pocket-l"] < ppl["pocket-m"] < ppl["pocket-s"], ppl
     assert ppl["pocket-l"] <= 0.8 * ppl["pocket-s"], ppl
+
+
+def test_larger_members_use_their_context_more(family_nll):
+    """The context is worth more to each larger member: NLL with < 16 tokens of context minus NLL with ≥ 256.
+    Measured on these windows: 0.33 / 0.44 / 0.64 nats (s / m / l)."""
+    gain = {name: float(nll[:15].mean() - nll[255:].mean()) for name, nll in family_nll.items()}
+    assert gain["pocket-s"] < gain["pocket-m"] < gain["pocket-l"], gain
 
 
 def _bridge_both_ways(a, b, windows):

@@ -80,7 +80,7 @@ POCKET_SPECS: dict[str, PocketSpec] = {
     for spec in (
         PocketSpec("pocket-s", 3, 128, 4, 2, 32, 384, seed=11, steps=1500, batch_size=8, lr=3e-3),
         PocketSpec("pocket-m", 6, 192, 6, 2, 32, 512, seed=22, steps=1500, batch_size=8, lr=2.5e-3),
-        PocketSpec("pocket-l", 8, 256, 8, 2, 32, 704, seed=33, steps=1500, batch_size=8, lr=2e-3),
+        PocketSpec("pocket-l", 8, 256, 8, 2, 32, 704, seed=33, steps=3000, batch_size=8, lr=2e-3),
         PocketSpec("pocket-x", 2, 128, 8, 4, 16, 384, seed=44, steps=1500, batch_size=8, lr=3e-3),
     )
 }
