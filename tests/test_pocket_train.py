@@ -30,7 +30,8 @@ def test_held_out_monitoring_does_not_change_the_trained_weights(caplog):
 def test_a_bad_tokenizer_folder_fails_before_any_download(tmp_path: Path):
     # --deb points at a file that does not exist: reaching the download/extract step would fail differently.
     with pytest.raises(SystemExit, match="no tokenizer.json"):
-        train.main(["--out", str(tmp_path / "out"), "--deb", str(tmp_path / "missing.deb"), "--tokenizer", str(tmp_path)])
+        argv = ["--out", str(tmp_path / "out"), "--deb", str(tmp_path / "missing.deb"), "--tokenizer", str(tmp_path)]
+        train.main(argv)
     assert not (tmp_path / "out").exists()
 
 

@@ -15,7 +15,8 @@ Corpus
 Usage::
 
     python -m hf_kvbridge.pocket.train --out /tmp/pocket
-    python hf_kvbridge/pocket/train.py --out /tmp/pocket --models pocket-l --tokenizer hf_kvbridge/pocket/models/pocket-s
+    python hf_kvbridge/pocket/train.py --out /tmp/pocket --models pocket-l \
+        --tokenizer hf_kvbridge/pocket/models/pocket-s --eval-every 500
 
 The script only uses torch, tokenizers and transformers; it imports nothing else from ``hf_kvbridge`` so it runs
 both as a module and as a plain file.
