@@ -84,7 +84,7 @@ def test_mismatched_member_bridges_both_ways(heldout):
 
 @pytest.mark.slow
 def test_mismatched_member_bridges_the_large_model_both_ways(heldout):
-    """Measured with this setup on the retrained family: x → l 0.694, l → x 0.871."""
+    """Measured with this setup on the retrained family: x → l 0.626, l → x 0.833."""
     _, (forward, backward) = _bridge_both_ways("pocket-x", "pocket-l", heldout)
     assert forward > 0.5 and backward > 0.5, (forward, backward)
 

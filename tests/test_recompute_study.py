@@ -1,20 +1,21 @@
-"""The selective-recompute study on a pocket pair: choosing the tokens by the probe score beats choosing them at
-random, at the same recomputed share of the context."""
+"""The selective-recompute study on a pocket pair: the probe score ranks tokens by how much their mapped K/V hurts
+(recomputing its top tokens keeps more than recomputing its bottom ones, and no less than random choices), at the
+same recomputed share of the context."""
 
 import pytest
 from transformers import AutoTokenizer
 
 import hf_kvbridge
-from hf_kvbridge import pocket
+from hf_kvbridge import pocket, transfer
 from hf_kvbridge.tools.evaluation import heldout_windows
-from hf_kvbridge.tools.recompute_study import compare_policies
+from hf_kvbridge.tools.recompute_study import compare_policies, recompute_variant, window_nll
 
 SEEDS = (0, 1, 2, 3)
 
 
 @pytest.fixture(scope="module")
 def hard_pair():
-    """pocket-l → pocket-s (the hard direction: the most left to recover), 32 × 256 calibration tokens, top-k 6."""
+    """pocket-l → pocket-s (the README's recompute pair), 32 × 256 calibration tokens, top-k 6."""
     tokenizer = AutoTokenizer.from_pretrained(pocket.model_path("pocket-s"))
     bridge = hf_kvbridge.calibrate(
         "pocket/pocket-l", "pocket/pocket-s", pocket.load_texts("calibration"), num_sequences=32, seq_len=256, top_k=6
@@ -22,24 +23,35 @@ def hard_pair():
     return bridge, heldout_windows(pocket.load_texts("heldout"), tokenizer, 192 + 32, 48)
 
 
-# Measured with exactly this setup on the retrained family (48 held-out windows of 192 + 32 tokens, 10 % of the mapped
-# context recomputed): context-benefit retention 0.865 with the probe's choice, 0.836 / 0.832 / 0.834 / 0.832 with
-# random draws of seeds 0-3 (mean 0.834); per window the probe gains 0.0093 nats over the draws' mean, paired t = 2.18.
-# The bounds are about half the measured margins; everything is seeded, so the test is deterministic up to BLAS
-# rounding.
-MIN_MEAN_MARGIN = 0.015
-MIN_DRAW_MARGIN = 0.015
+# Measured with exactly this setup on the family with the 3,000-step pocket-l (48 held-out windows of 192 + 32
+# tokens, 10 % of the mapped context recomputed): context-benefit retention 0.907 with the probe's choice, 0.878 with
+# the reverse of its ranking (its lowest scores), and 0.910 / 0.881 / 0.882 / 0.887 with random draws of seeds 0-3
+# (mean 0.890). On this family the probe's choice does not beat every random draw (paired t 1.17 against their mean;
+# with the 1,500-step pocket-l it did, t 2.18), but its ranking is informative: its top tokens keep 0.029 more than
+# its bottom ones, per window by 0.0086 nats (paired t 1.46). The bounds are about half the measured values;
+# everything is seeded, so the test is deterministic up to BLAS rounding. A reversed ranking in `choose_tokens` swaps
+# top and bottom and fails both bounds.
+MIN_REVERSE_MARGIN = 0.015
+MIN_REVERSE_T = 0.7
 
 
 @pytest.mark.slow
-def test_probe_beats_random_choice_at_ten_percent(hard_pair):
+def test_probe_score_ranks_tokens_by_the_damage_of_their_mapped_kv(hard_pair, monkeypatch):
     bridge, windows = hard_pair
     result = compare_policies(bridge, windows, 192, 0.1, "probe", seeds=SEEDS)
     random = result["random_retention"]
     assert len(random) == len(SEEDS) and len(set(random)) == len(SEEDS)  # the seeds draw different tokens
-    assert result["retention"] - sum(random) / len(random) > MIN_MEAN_MARGIN, result
-    assert result["retention"] - max(random) > MIN_DRAW_MARGIN, result
-    assert result["paired_t"] > 1.5, result  # window by window, not a few windows carrying the mean
+    assert result["retention"] > sum(random) / len(random), result  # no worse than a random choice on average
+
+    top, _ = window_nll(recompute_variant(bridge, "probe", 0.1), windows, 192)  # (N,)
+    original = transfer.probe_scores
+    monkeypatch.setattr(transfer, "probe_scores", lambda *args, **kwargs: -original(*args, **kwargs))
+    bottom, _ = window_nll(recompute_variant(bridge, "probe", 0.1), windows, 192)  # (N,): the lowest scores
+    delta = bottom - top  # (N,) nats per token, positive = the top-scored tokens were worth recomputing
+    margin = float(delta.mean()) / result["context_benefit_nats"]  # in context-benefit retention
+    paired_t = float(delta.mean() / (delta.std() / len(delta) ** 0.5))
+    assert margin > MIN_REVERSE_MARGIN, (margin, paired_t)
+    assert paired_t > MIN_REVERSE_T, (margin, paired_t)  # window by window, not one window carrying the mean
 
 
 def test_frontier_command_writes_points_table_and_plot(tmp_path, capsys):

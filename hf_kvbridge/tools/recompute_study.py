@@ -1,6 +1,6 @@
 """The selective-recompute frontier: context-benefit retention against the share of the context the target recomputes.
 
-For one pocket pair (the hard direction first: pocket-l → pocket-s), one calibration, and the same held-out windows
+For one pocket pair (by default pocket-l → pocket-s), one calibration, and the same held-out windows
 for every point, each policy recomputes a fraction of the mapped context (`hf_kvbridge.recompute`); `sinks` computes
 the first tokens instead (`config.sink_tokens`). Every point reports its cost: the share of the context's tokens the
 target runs (its prefill FLOPs, to first order) and the wall time of the bridged prefill. The zero- and random-cache
