@@ -134,10 +134,24 @@ def test_debug_shows_the_traceback(tmp_path):
         main(["--debug", "generate", str(tmp_path / "missing"), "hello"])
 
 
+def _sigint_as_in_a_terminal() -> None:
+    # A background job of a non-interactive shell (`pytest ... &`) ignores SIGINT, and Python installs no
+    # KeyboardInterrupt handler when it starts with SIGINT ignored; a terminal user's Ctrl-C is never ignored.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _run_kvbridge(*args: str, **kwargs) -> subprocess.Popen:
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     command = [sys.executable, "-c", "import sys; from hf_kvbridge.cli.main import main; sys.exit(main())", *args]
-    return subprocess.Popen(command, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, **kwargs)
+    return subprocess.Popen(
+        command,
+        env=env,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        preexec_fn=_sigint_as_in_a_terminal,
+        **kwargs,
+    )
 
 
 def test_real_process_exit_status_and_one_line(tmp_path):
