@@ -3,12 +3,13 @@
 same recomputed share of the context."""
 
 import pytest
+import torch
 from transformers import AutoTokenizer
 
 import hf_kvbridge
 from hf_kvbridge import pocket, transfer
 from hf_kvbridge.tools.evaluation import heldout_windows
-from hf_kvbridge.tools.recompute_study import compare_policies, recompute_variant, window_nll
+from hf_kvbridge.tools.recompute_study import compare_policies, paired_t, recompute_variant, window_nll
 
 SEEDS = (0, 1, 2, 3)
 
@@ -43,15 +44,15 @@ def test_probe_score_ranks_tokens_by_the_damage_of_their_mapped_kv(hard_pair, mo
     assert len(random) == len(SEEDS) and len(set(random)) == len(SEEDS)  # the seeds draw different tokens
     assert result["retention"] > sum(random) / len(random), result  # no worse than a random choice on average
 
-    top, _ = window_nll(recompute_variant(bridge, "probe", 0.1), windows, 192)  # (N,)
+    top = torch.tensor(result["window_nll"])  # (N,): the probe's own choice, its highest scores
     original = transfer.probe_scores
     monkeypatch.setattr(transfer, "probe_scores", lambda *args, **kwargs: -original(*args, **kwargs))
     bottom, _ = window_nll(recompute_variant(bridge, "probe", 0.1), windows, 192)  # (N,): the lowest scores
     delta = bottom - top  # (N,) nats per token, positive = the top-scored tokens were worth recomputing
     margin = float(delta.mean()) / result["context_benefit_nats"]  # in context-benefit retention
-    paired_t = float(delta.mean() / (delta.std() / len(delta) ** 0.5))
-    assert margin > MIN_REVERSE_MARGIN, (margin, paired_t)
-    assert paired_t > MIN_REVERSE_T, (margin, paired_t)  # window by window, not one window carrying the mean
+    t = paired_t(delta)
+    assert margin > MIN_REVERSE_MARGIN, (margin, t)
+    assert t > MIN_REVERSE_T, (margin, t)  # window by window, not one window carrying the mean
 
 
 def test_frontier_command_writes_points_table_and_plot(tmp_path, capsys):

@@ -68,13 +68,19 @@ def recompute_variant(bridge, policy: str, fraction: float, seed: int = 0):
     return variant
 
 
+def paired_t(delta: torch.Tensor) -> float:
+    """The paired t statistic of per-window differences `(N,)`: their mean over its standard error."""
+    return float(delta.mean() / (delta.std() / len(delta) ** 0.5))
+
+
 def compare_policies(
     bridge, windows: torch.Tensor, context: int, fraction: float, policy: str = "probe", seeds=(0, 1, 2, 3)
 ) -> dict:
     """`policy` against the `random` policy at the same recomputed `fraction`, on the same windows.
 
-    Returns the context-benefit retention of `policy` and of each random draw, and the per-window NLL gain of
-    `policy` over the mean of the draws (`(N,)`, positive = `policy` better) with its mean and paired t statistic.
+    Returns the context-benefit retention of `policy` and of each random draw, the per-window NLL of `policy`
+    (`(N,)`), and its per-window NLL gain over the mean of the draws (`(N,)`, positive = `policy` better) with its mean
+    and paired t statistic.
     """
     reference = {mode: -score_tokens(bridge, windows, context, mode).mean(-1) for mode in ("target", "no_context")}
     gain = float((reference["no_context"] - reference["target"]).mean())
@@ -92,9 +98,10 @@ def compare_policies(
         "fraction": fraction,
         "retention": kept(chosen),
         "random_retention": [kept(d) for d in draws],
+        "window_nll": chosen.tolist(),
         "window_gain": delta.tolist(),
         "mean_gain_nats": float(delta.mean()),
-        "paired_t": float(delta.mean() / (delta.std() / len(delta) ** 0.5)),
+        "paired_t": paired_t(delta),
         "context_benefit_nats": gain,
     }
 
