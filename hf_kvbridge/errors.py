@@ -10,6 +10,26 @@ class KVBridgeError(Exception):
     """Base class of hf_kvbridge's own errors."""
 
 
+class ConfigurationError(KVBridgeError, ValueError):
+    """A `KVBridgeConfig` or `CalibrationSettings` value is out of range, of the wrong kind, or contradicts another."""
+
+
+class InvalidInputError(KVBridgeError, ValueError):
+    """A call's arguments cannot be used: tensor shapes, batch sizes, token ids or options that do not fit the call."""
+
+
+class MapperError(KVBridgeError, ValueError):
+    """A mapper cannot be built, fitted or applied: an unknown `mapper_type`, weights of the wrong shape, a bad fit."""
+
+
+class ServingConfigError(KVBridgeError, ValueError):
+    """A serving engine (vLLM) or KV store is configured in a way the connector refuses at start-up."""
+
+
+class EvaluationError(KVBridgeError, ValueError):
+    """An evaluation (lm-eval, `kvbridge eval`) was asked for something the bridge cannot score."""
+
+
 class KVLayoutError(KVBridgeError, ValueError):
     """The source and target (or a model and a saved mapper) do not share a KV layout the bridge can map."""
 
@@ -49,11 +69,16 @@ class TuningError(KVBridgeError, ValueError):
 __all__ = [
     "CalibrationDataError",
     "CheckpointNotFoundError",
+    "ConfigurationError",
     "ContextLengthError",
+    "EvaluationError",
+    "InvalidInputError",
     "KVBridgeError",
     "KVLayoutError",
+    "MapperError",
     "MapperFileError",
     "MissingDependencyError",
+    "ServingConfigError",
     "StatisticsError",
     "StatisticsMemoryError",
     "TuningError",
