@@ -55,7 +55,25 @@ class CheckpointNotFoundError(KVBridgeError, FileNotFoundError):
 
 
 class ContextLengthError(KVBridgeError, ValueError):
-    """A prompt, generation or benchmark length runs past the models' maximum positions."""
+    """A prompt, generation or benchmark length runs past the models' maximum positions.
+
+    Raise it through `ContextLengthError.check`, the one length check the library, the CLI and the tools share.
+
+    Example:
+
+    ```python
+    >>> ContextLengthError.check("the prompt", 3000, 2048, "shorten it")
+    Traceback (most recent call last):
+    ...
+    hf_kvbridge.errors.ContextLengthError: the prompt is 3,000 tokens but the models take at most 2,048 positions; shorten it
+    ```
+    """
+
+    @classmethod
+    def check(cls, what: str, tokens: int, limit: int | None, hint: str) -> None:
+        """Raises if `tokens` (the length of `what`) exceeds `limit` positions; a `limit` of `None` means unknown."""
+        if limit is not None and tokens > limit:
+            raise cls(f"{what} is {tokens:,} tokens but the models take at most {limit:,} positions; {hint}")
 
 
 class MissingDependencyError(KVBridgeError, ImportError):
