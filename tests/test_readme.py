@@ -1,6 +1,13 @@
-"""The README's offline walkthrough runs as written: its blocks marked `<!-- runs-offline -->` are extracted from the
-README (not copied here) and executed in a fresh folder, offline."""
+"""Every code block of README.md and docs/*.md runs as written, offline, on the pocket family.
 
+Blocks are extracted from the pages (not copied here). Each `python` or `bash` block must be marked
+`<!-- runs-offline -->` (run by this suite), `<!-- runs-offline: vllm -->` (run by `.ci/vllm.sh`, in the venv that
+has vLLM) or, for the README's two set-up commands, `<!-- set-up -->` (the test command is what `.ci/run` runs,
+checked here); a page's blocks run in order in one fresh folder, so a later block may use what an earlier one saved.
+Anything else fenced (diagrams, formulas, sample output) is `text`.
+"""
+
+import importlib.util
 import os
 import re
 import subprocess
@@ -10,42 +17,103 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-MARKER = "<!-- runs-offline -->"
-BLOCK = re.compile(re.escape(MARKER) + r"\s*```(python|bash)\n(.*?)```", re.DOTALL)
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.DOTALL | re.MULTILINE)
+MARKER = re.compile(r"<!-- (?:runs-offline(?:: (\w+))?|(set-up)) -->\s*$")
+RUNNABLE = ("python", "bash")
 
 
-def offline_blocks() -> list[tuple[str, str]]:
-    """`(language, code)` of every README block marked to run offline, in order."""
-    return BLOCK.findall((ROOT / "README.md").read_text(encoding="utf-8"))
+def page_blocks(page: Path) -> list[tuple[str, str, str | None]]:
+    """`(language, code, requirement)` of every fenced block of `page`, in order; `requirement` is `None` for a
+    block this suite runs, `"vllm"` for one `.ci/vllm.sh` runs, `"set-up"` for a set-up command, `"text"` for a
+    block that is not code and `"unmarked"` for a runnable block without a marker."""
+    text = page.read_text(encoding="utf-8")
+    blocks = []
+    for match in FENCE.finditer(text):
+        language, code = match.group(1), match.group(2)
+        before = text[: match.start()].rstrip("\n").rsplit("\n", 1)[-1]
+        marker = MARKER.search(before)
+        if language not in RUNNABLE:
+            requirement = "text"
+        elif marker is None:
+            requirement = "unmarked"
+        else:
+            requirement = marker.group(2) or marker.group(1)
+        blocks.append((language, code, requirement))
+    return blocks
 
 
-def test_readme_has_offline_python_and_cli_walkthroughs():
-    blocks = offline_blocks()
-    languages = [language for language, _ in blocks]
-    assert "python" in languages and "bash" in languages
-    assert len(blocks) == (ROOT / "README.md").read_text(encoding="utf-8").count(MARKER)  # no marker misses its block
-    cli = "\n".join(code for language, code in blocks if language == "bash")
-    for step in ("calibrate", "generate", "chat", "eval", "inspect"):
+def _name(page: Path) -> str:
+    return str(page.relative_to(ROOT))
+
+
+def test_every_runnable_block_is_marked():
+    for page in PAGES:
+        for language, code, requirement in page_blocks(page):
+            assert requirement != "unmarked", f"{_name(page)}: a {language} block is not marked to run:\n{code[:300]}"
+            assert language, f"{_name(page)}: a fenced block has no language (use text for non-code):\n{code[:300]}"
+        text = page.read_text(encoding="utf-8")
+        marked = sum(1 for _, _, requirement in page_blocks(page) if requirement not in ("text", "unmarked"))
+        markers = text.count("<!-- runs-offline") + text.count("<!-- set-up -->")
+        assert marked == markers, f"{_name(page)}: a marker is not followed by its block"
+        if page.name != "README.md":
+            assert "<!-- set-up -->" not in text, f"{_name(page)}: set-up commands belong in the README"
+
+
+def test_set_up_commands_are_what_ci_runs():
+    setup = [code.strip() for _, code, requirement in page_blocks(ROOT / "README.md") if requirement == "set-up"]
+    assert len(setup) == 2
+    main_job, tests = setup
+    ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
+    assert tests in ci.splitlines(), ".ci/run must run the README's test command verbatim"
+    venv_and_torch = "python3 -m venv .venv && . .venv/bin/activate && pip install"
+    assert main_job.startswith(venv_and_torch) and "torch==2.13.0" in main_job
+    assert main_job.endswith("HF_HUB_OFFLINE=1 kvbridge demo")
+
+
+def test_readme_is_the_front_door():
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert len(readme.splitlines()) <= 250
+    blocks = page_blocks(ROOT / "README.md")
+    assert {"python", "bash"} <= {language for language, _, requirement in blocks if requirement is None}
+    cli = "\n".join(code for language, code, _ in blocks if language == "bash")
+    for step in ("calibrate", "generate", "chat", "eval", "inspect", "bench"):
         assert f"kvbridge {step} " in cli
+    for link in re.findall(r"\]\(((?:docs|studies|hf_kvbridge|eval_tasks)/[^)#]+)", readme):
+        assert (ROOT / link).exists(), f"README links to {link}, which does not exist"
 
 
-def _run(command: list[str], cwd: Path) -> subprocess.CompletedProcess:
+def _run_page(page: Path, requirement: str | None, tmp_path: Path) -> None:
+    blocks = [(language, code) for language, code, req in page_blocks(page) if req == requirement]
+    (tmp_path / "eval_tasks").symlink_to(ROOT / "eval_tasks")  # the pages run from the repository root
     env = {
         **os.environ,
         "HF_HUB_OFFLINE": "1",
         "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
     }
-    return subprocess.run(command, cwd=cwd, env=env, text=True, capture_output=True, timeout=1800)
+    for index, (language, code) in enumerate(blocks):
+        if language == "python":
+            command = [sys.executable, "-c", code]
+        else:
+            command = ["bash", "-e", "-o", "pipefail", "-c", code]
+        result = subprocess.run(command, cwd=tmp_path, env=env, text=True, capture_output=True, timeout=1200)
+        where = f"{_name(page)}, {language} block {index + 1} of {len(blocks)}"
+        assert result.returncode == 0, f"{where}\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+        assert "Traceback" not in result.stderr, f"{where}\n{result.stderr[-3000:]}"
+
+
+def _pages_with(requirement: str | None) -> list[Path]:
+    return [page for page in PAGES if any(req == requirement for _, _, req in page_blocks(page))]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("index", range(len(offline_blocks())))
-def test_readme_offline_block_runs(index, tmp_path):
-    language, code = offline_blocks()[index]
-    (tmp_path / "eval_tasks").symlink_to(ROOT / "eval_tasks")  # the walkthrough runs from the repository root
-    if language == "python":
-        result = _run([sys.executable, "-c", code], tmp_path)
-    else:
-        result = _run(["bash", "-e", "-o", "pipefail", "-c", code], tmp_path)
-    assert result.returncode == 0, f"{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
-    assert "Traceback" not in result.stderr
+@pytest.mark.parametrize("page", _pages_with(None), ids=_name)
+def test_page_blocks_run(page, tmp_path):
+    _run_page(page, None, tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM blocks run in .ci/vllm.sh's venv")
+@pytest.mark.parametrize("page", _pages_with("vllm"), ids=_name)
+def test_page_vllm_blocks_run(page, tmp_path):
+    _run_page(page, "vllm", tmp_path)
