@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from .errors import CalibrationDataError
+from .errors import CalibrationDataError, InvalidInputError
 
 logger = logging.getLogger(__name__)
 
@@ -126,7 +126,9 @@ def token_windows(
     ```
     """
     if num_sequences < 1 or seq_len < 2:
-        raise ValueError(f"num_sequences must be ≥ 1 and seq_len ≥ 2, got {num_sequences} and {seq_len}")
+        raise InvalidInputError(
+            f"num_sequences must be ≥ 1 and seq_len ≥ 2, got num_sequences={num_sequences} and seq_len={seq_len}"
+        )
     eos = tokenizer.eos_token_id
     needed = num_sequences * seq_len
     buffer: list[int] = []

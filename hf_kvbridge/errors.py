@@ -50,6 +50,14 @@ class MapperFileError(KVBridgeError, OSError):
     """A mapper weights file is missing, truncated, corrupt or does not fit the config."""
 
 
+class CheckpointFileError(KVBridgeError, OSError):
+    """A bridge checkpoint's own files cannot be read or written: an unreadable `config.json`, a folder in the way."""
+
+
+class CheckpointExistsError(CheckpointFileError, FileExistsError):
+    """`save_pretrained` was pointed at a file, or at a non-empty folder without `overwrite=True`."""
+
+
 class CheckpointNotFoundError(KVBridgeError, FileNotFoundError):
     """A bridge checkpoint is neither a local folder nor a repository reachable on the Hub."""
 
@@ -86,6 +94,8 @@ class TuningError(KVBridgeError, ValueError):
 
 __all__ = [
     "CalibrationDataError",
+    "CheckpointExistsError",
+    "CheckpointFileError",
     "CheckpointNotFoundError",
     "ConfigurationError",
     "ContextLengthError",

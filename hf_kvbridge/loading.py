@@ -10,6 +10,7 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
+from .errors import InvalidInputError
 from .pocket import POCKET_MODELS, model_path
 
 
@@ -95,7 +96,10 @@ def model_reference(model: PreTrainedModel) -> str:
 def load_model(name_or_path: str, revision: str | None = None, **load_kwargs: Any) -> PreTrainedModel:
     """Loads a source/target model by its recorded reference (Hub id, local path or `pocket/<name>`)."""
     if not name_or_path:
-        raise ValueError("the checkpoint does not record the model; pass source_model=/target_model=")
+        raise InvalidInputError(
+            "the checkpoint does not record this model (source_name_or_path/target_name_or_path is empty); pass "
+            "the model itself as source_model= or target_model="
+        )
     model = AutoModelForCausalLM.from_pretrained(
         resolve_model_reference(name_or_path), revision=revision, **load_kwargs
     )
