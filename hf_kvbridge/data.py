@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from .errors import CalibrationDataError, InvalidInputError
+from .pocket import data_path
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +83,26 @@ def iter_texts(data: Any, text_field: str = "text") -> Iterator[str]:
         yield from _iter_dataset(data, text_field)
         return
     raise CalibrationDataError(f"unsupported calibration data of type {type(data).__name__}")
+
+
+def resolve_data_reference(data: str, split: str = "calibration") -> str:
+    """`pocket` → the path of the pocket family's shipped `split` (`hf_kvbridge.pocket.SPLITS`); anything else as is.
+
+    A local file or folder called `pocket` wins over the shipped split, as a local model folder wins over
+    `pocket/<name>` (`hf_kvbridge.loading.resolve_model_reference`). The command line's `--data pocket` means this.
+
+    Example:
+
+    ```python
+    >>> resolve_data_reference("pocket", "heldout")  # doctest: +SKIP
+    '/.../hf_kvbridge/pocket/data/heldout.jsonl.gz'
+    >>> resolve_data_reference("org/dataset:config")
+    'org/dataset:config'
+    ```
+    """
+    if data != "pocket" or Path(data).exists():
+        return data
+    return str(data_path(split))
 
 
 def _iter_hub_dataset(name: str, text_field: str) -> Iterator[str]:
