@@ -75,7 +75,7 @@ class ContextLengthError(KVBridgeError, ValueError):
     ...
     hf_kvbridge.errors.ContextLengthError: the prompt is 3,000 tokens but the models take at most 2,048 positions; shorten it
     ```
-    """
+    """  # noqa: E501 (a doctest's expected output is one line)
 
     @classmethod
     def check(cls, what: str, tokens: int, limit: int | None, hint: str) -> None:
