@@ -28,7 +28,7 @@ import re
 
 import torch
 
-from .errors import StatisticsMemoryError
+from .errors import ConfigurationError, StatisticsMemoryError
 from .statistics import BlockStatistics, SelectionStatistics, feature_groups
 
 logger = logging.getLogger(__name__)
@@ -51,7 +51,9 @@ def parse_bytes(value: int | float | str) -> int:
         return int(value)
     match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kmgt]i?b|b)?\s*", str(value).lower())
     if not match or float(match.group(1)) <= 0:
-        raise ValueError(f"statistics_memory must be a size such as '16GB', '512MiB' or a byte count, got {value!r}")
+        raise ConfigurationError(
+            f"statistics_memory must be a size such as '16GB', '512MiB' or a byte count, got {value!r}"
+        )
     return int(float(match.group(1)) * _UNITS[match.group(2) or ""])
 
 

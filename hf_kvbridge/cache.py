@@ -10,6 +10,7 @@ from transformers import Cache, DynamicCache, PretrainedConfig
 from transformers.cache_utils import DynamicLayer
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from .errors import InvalidInputError, KVLayoutError
 from .rope import rotary_cos_sin, strip_rotary
 
 # transformers 5.20 renamed the cache keyword of forward/generate and the output field from `past_key_values` to
@@ -31,7 +32,9 @@ def cache_layer_kv(cache: Cache, layer_idx: int) -> tuple[torch.Tensor, torch.Te
     """Keys and values of one layer, each `(batch, kv_heads, seq, head_dim)`; keys are post-RoPE."""
     layer = cache.layers[layer_idx]
     if not getattr(layer, "is_initialized", True) or layer.keys is None:
-        raise ValueError(f"cache layer {layer_idx} is empty")
+        raise InvalidInputError(
+            f"cache layer {layer_idx} is empty; pass a cache filled by a forward pass over the prompt"
+        )
     return layer.keys, layer.values
 
 
@@ -68,13 +71,13 @@ def check_cache_shape(
     last ones. `seq` (the tokens the caller has positions for) defaults to the longest layer.
     """
     if cache_num_layers(cache) != num_layers:
-        raise ValueError(f"{what} cache has {cache_num_layers(cache)} layers, expected {num_layers}")
+        raise KVLayoutError(f"{what} cache has {cache_num_layers(cache)} layers, expected {num_layers}")
     lengths = []
     for idx in range(num_layers):
         keys, values = cache_layer_kv(cache, idx)
         for name, tensor in (("keys", keys), ("values", values)):
             if tensor.dim() != 4 or tensor.shape[1] != num_kv_heads or tensor.shape[3] != head_dim:
-                raise ValueError(
+                raise KVLayoutError(
                     f"{what} cache layer {idx} {name} have shape {tuple(tensor.shape)}, expected "
                     f"(batch, {num_kv_heads}, seq, {head_dim})"
                 )
@@ -83,7 +86,7 @@ def check_cache_shape(
     for idx, length in enumerate(lengths):
         sliding = windows is not None and windows[idx] is not None
         if length > seq or (length < seq and not sliding):
-            raise ValueError(
+            raise KVLayoutError(
                 f"{what} cache layer {idx} holds {length} tokens, expected {seq}"
                 + ("" if sliding else " (a full-attention layer holds every token)")
             )

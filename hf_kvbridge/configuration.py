@@ -8,6 +8,7 @@ from typing import Any
 from transformers import PretrainedConfig
 
 from .constants import FORMAT_VERSION, HEAD_MODES, KV_MODES, RECOMPUTE_POLICIES
+from .errors import ConfigurationError
 
 logger = logging.getLogger(__name__)
 
@@ -124,30 +125,35 @@ class KVBridgeConfig(PretrainedConfig):
                 kwargs.pop(key)
         super().__post_init__(**kwargs)
         if self.head_mode not in HEAD_MODES:
-            raise ValueError(f"head_mode must be one of {HEAD_MODES}, got {self.head_mode!r}")
+            raise ConfigurationError(f"head_mode must be one of {HEAD_MODES}, got {self.head_mode!r}")
         if self.kv_mode not in KV_MODES:
-            raise ValueError(f"kv_mode must be one of {KV_MODES}, got {self.kv_mode!r}")
+            raise ConfigurationError(f"kv_mode must be one of {KV_MODES}, got {self.kv_mode!r}")
         if self.sink_tokens < 0 or self.gate_probe_tokens < 1:
-            raise ValueError("sink_tokens must be ≥ 0 and gate_probe_tokens ≥ 1")
+            raise ConfigurationError(
+                f"sink_tokens must be ≥ 0 and gate_probe_tokens ≥ 1, got sink_tokens={self.sink_tokens} and "
+                f"gate_probe_tokens={self.gate_probe_tokens}"
+            )
         if self.hold_back < 1:
-            raise ValueError(
+            raise ConfigurationError(
                 f"hold_back must be ≥ 1 (the target computes at least the last prompt token), got {self.hold_back}"
             )
         if not 0.0 <= self.recompute_fraction <= 1.0:
-            raise ValueError(f"recompute_fraction must lie in [0, 1], got {self.recompute_fraction}")
+            raise ConfigurationError(f"recompute_fraction must lie in [0, 1], got {self.recompute_fraction}")
         if self.recompute_policy not in RECOMPUTE_POLICIES:
-            raise ValueError(f"recompute_policy must be one of {RECOMPUTE_POLICIES}, got {self.recompute_policy!r}")
+            raise ConfigurationError(
+                f"recompute_policy must be one of {RECOMPUTE_POLICIES}, got {self.recompute_policy!r}"
+            )
         if self.ridge_lambda != "auto" and (
             isinstance(self.ridge_lambda, bool) or not isinstance(self.ridge_lambda, (int, float))
         ):
-            raise ValueError(f"ridge_lambda must be a number ≥ 0 or 'auto', got {self.ridge_lambda!r}")
+            raise ConfigurationError(f"ridge_lambda must be a number ≥ 0 or 'auto', got {self.ridge_lambda!r}")
         if self.ridge_lambdas is not None and set(self.ridge_lambdas) != {"k", "v"}:
-            raise ValueError(
+            raise ConfigurationError(
                 f"ridge_lambdas must be {{'k': [[...]], 'v': [[...]]}} (λ per target layer and head group), got keys "
                 f"{sorted(self.ridge_lambdas)}"
             )
         if self.format_version > FORMAT_VERSION:
-            raise ValueError(
+            raise ConfigurationError(
                 f"this checkpoint has format version {self.format_version}, newer than this hf_kvbridge supports "
                 f"({FORMAT_VERSION}); upgrade hf_kvbridge"
             )

@@ -20,6 +20,7 @@ import torch
 from transformers import Cache
 
 from .constants import CONTROL_MODES
+from .errors import InvalidInputError
 
 __all__ = ["CONTROL_MARGIN", "CONTROL_MODES", "control_cache", "controls_flag"]
 # a control whose retention comes within this of the bridge's flags the bridge's figure
@@ -38,7 +39,7 @@ def control_cache(cache: Cache, mode: str, attention_mask: torch.Tensor | None =
         seed (`int`, *optional*, defaults to `0`): seed of the random control's noise.
     """
     if mode not in CONTROL_MODES:
-        raise ValueError(f"control mode must be one of {CONTROL_MODES}, got {mode!r}")
+        raise InvalidInputError(f"control mode must be one of {CONTROL_MODES}, got {mode!r}")
     generator = torch.Generator().manual_seed(seed)
     for layer in cache.layers:
         for name in ("keys", "values"):

@@ -18,7 +18,8 @@ from typing import Any
 
 import torch
 
-from .errors import CalibrationDataError
+from .errors import CalibrationDataError, InvalidInputError
+from .pocket import data_path
 
 logger = logging.getLogger(__name__)
 
@@ -84,6 +85,26 @@ def iter_texts(data: Any, text_field: str = "text") -> Iterator[str]:
     raise CalibrationDataError(f"unsupported calibration data of type {type(data).__name__}")
 
 
+def resolve_data_reference(data: str, split: str = "calibration") -> str:
+    """`pocket` → the path of the pocket family's shipped `split` (`hf_kvbridge.pocket.SPLITS`); anything else as is.
+
+    A local file or folder called `pocket` wins over the shipped split, as a local model folder wins over
+    `pocket/<name>` (`hf_kvbridge.loading.resolve_model_reference`). The command line's `--data pocket` means this.
+
+    Example:
+
+    ```python
+    >>> resolve_data_reference("pocket", "heldout")  # doctest: +SKIP
+    '/.../hf_kvbridge/pocket/data/heldout.jsonl.gz'
+    >>> resolve_data_reference("org/dataset:config")
+    'org/dataset:config'
+    ```
+    """
+    if data != "pocket" or Path(data).exists():
+        return data
+    return str(data_path(split))
+
+
 def _iter_hub_dataset(name: str, text_field: str) -> Iterator[str]:
     import datasets
 
@@ -126,7 +147,9 @@ def token_windows(
     ```
     """
     if num_sequences < 1 or seq_len < 2:
-        raise ValueError(f"num_sequences must be ≥ 1 and seq_len ≥ 2, got {num_sequences} and {seq_len}")
+        raise InvalidInputError(
+            f"num_sequences must be ≥ 1 and seq_len ≥ 2, got num_sequences={num_sequences} and seq_len={seq_len}"
+        )
     eos = tokenizer.eos_token_id
     needed = num_sequences * seq_len
     buffer: list[int] = []

@@ -50,6 +50,14 @@ class MapperFileError(KVBridgeError, OSError):
     """A mapper weights file is missing, truncated, corrupt or does not fit the config."""
 
 
+class CheckpointFileError(KVBridgeError, OSError):
+    """A bridge checkpoint's own files cannot be read or written: an unreadable `config.json`, a folder in the way."""
+
+
+class CheckpointExistsError(CheckpointFileError, FileExistsError):
+    """`save_pretrained` was pointed at a file, or at a non-empty folder without `overwrite=True`."""
+
+
 class CheckpointNotFoundError(KVBridgeError, FileNotFoundError):
     """A bridge checkpoint is neither a local folder nor a repository reachable on the Hub."""
 
@@ -67,7 +75,7 @@ class ContextLengthError(KVBridgeError, ValueError):
     ...
     hf_kvbridge.errors.ContextLengthError: the prompt is 3,000 tokens but the models take at most 2,048 positions; shorten it
     ```
-    """
+    """  # noqa: E501 (a doctest's expected output is one line)
 
     @classmethod
     def check(cls, what: str, tokens: int, limit: int | None, hint: str) -> None:
@@ -86,6 +94,8 @@ class TuningError(KVBridgeError, ValueError):
 
 __all__ = [
     "CalibrationDataError",
+    "CheckpointExistsError",
+    "CheckpointFileError",
     "CheckpointNotFoundError",
     "ConfigurationError",
     "ContextLengthError",

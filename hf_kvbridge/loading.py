@@ -10,6 +10,7 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
+from .errors import InvalidInputError
 from .pocket import POCKET_MODELS, model_path
 
 
@@ -70,16 +71,37 @@ def layer_devices(model: nn.Module, num_layers: int) -> list[torch.device]:
 def resolve_model_reference(name_or_path: str) -> str:
     """Turns a checkpoint's model reference into something `from_pretrained` loads.
 
-    `pocket/<name>` names a model of the pocket family shipped inside this package (see `hf_kvbridge.pocket`);
-    anything else (Hub id, local path) is returned unchanged.
+    Precedence, first match wins:
+
+    1. an existing local path is returned unchanged, so a local folder `pocket/pocket-s` is loaded, not the shipped
+       model of that name;
+    2. `pocket/<name>` with `<name>` one of `hf_kvbridge.pocket.POCKET_MODELS` is the shipped pocket model's folder;
+    3. anything else is returned unchanged: a Hub id (`pocket/<other name>` included: a Hub organisation called
+       `pocket` stays reachable) or a path for `from_pretrained` to report.
+
+    Example:
+
+    ```python
+    >>> resolve_model_reference("pocket/pocket-s")  # doctest: +SKIP
+    '/.../hf_kvbridge/pocket/models/pocket-s'
+    >>> resolve_model_reference("pocket/some-hub-model")
+    'pocket/some-hub-model'
+    ```
     """
-    if name_or_path.startswith("pocket/"):
-        return str(model_path(name_or_path.split("/", 1)[1]))
+    if Path(name_or_path).exists():
+        return name_or_path
+    prefix, _, name = name_or_path.partition("/")
+    if prefix == "pocket" and name in POCKET_MODELS:
+        return str(model_path(name))
     return name_or_path
 
 
 def model_reference(model: PreTrainedModel) -> str:
-    """The id a checkpoint records for `model`: its Hub id, `pocket/<name>` for shipped pocket models, or a path."""
+    """The id a checkpoint records for `model`: its Hub id, `pocket/<name>` for shipped pocket models, or a path.
+
+    A local folder whose relative path reads like a shipped model (`pocket/pocket-s` in the working directory) is
+    recorded as its absolute path, so that loading the checkpoint elsewhere does not pick the shipped model.
+    """
     name = model.config.name_or_path or ""
     if not name or not Path(name).is_dir():
         return name
@@ -89,13 +111,19 @@ def model_reference(model: PreTrainedModel) -> str:
                 return f"pocket/{pocket_name}"
         except FileNotFoundError:  # not installed in this build
             continue
+    prefix, _, rest = name.partition("/")
+    if prefix == "pocket" and rest in POCKET_MODELS:
+        return str(Path(name).resolve())
     return name
 
 
 def load_model(name_or_path: str, revision: str | None = None, **load_kwargs: Any) -> PreTrainedModel:
     """Loads a source/target model by its recorded reference (Hub id, local path or `pocket/<name>`)."""
     if not name_or_path:
-        raise ValueError("the checkpoint does not record the model; pass source_model=/target_model=")
+        raise InvalidInputError(
+            "the checkpoint does not record this model (source_name_or_path/target_name_or_path is empty); pass "
+            "the model itself as source_model= or target_model="
+        )
     model = AutoModelForCausalLM.from_pretrained(
         resolve_model_reference(name_or_path), revision=revision, **load_kwargs
     )

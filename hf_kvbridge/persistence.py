@@ -44,7 +44,14 @@ from .constants import (
     REVERSE_FOLDER,
     TOKENIZER_FILE_NAMES,
 )
-from .errors import CheckpointNotFoundError, MapperFileError
+from .errors import (
+    CheckpointExistsError,
+    CheckpointFileError,
+    CheckpointNotFoundError,
+    ConfigurationError,
+    InvalidInputError,
+    MapperFileError,
+)
 from .layout import KVLayout
 from .loading import resolve_model_reference
 from .mappers import KVMapper, build_mapper, get_mapper_type
@@ -121,7 +128,10 @@ def read_config_dict(folder: str | os.PathLike) -> dict[str, Any]:
     try:
         return json.loads(path.read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError) as err:
-        raise OSError(f"cannot read the bridge config {path}: {err}") from err
+        raise CheckpointFileError(
+            f"cannot read the bridge config {path}: {err}; the checkpoint is damaged or incomplete (download or "
+            "save it again)"
+        ) from err
 
 
 # -- mapper weight files ----------------------------------------------------------------------------------------------
@@ -290,9 +300,9 @@ def save_bridge(
     """
     save_directory = Path(save_directory)
     if save_directory.is_file():
-        raise FileExistsError(f"{save_directory} is a file")
+        raise CheckpointExistsError(f"{save_directory} is a file; save the bridge into a folder (new or empty)")
     if save_directory.exists() and any(save_directory.iterdir()) and not overwrite:
-        raise FileExistsError(
+        raise CheckpointExistsError(
             f"{save_directory} is not empty; pass overwrite=True to replace the bridge files in it "
             f"({CONFIG_NAME}, {MAPPER_WEIGHTS_NAME}, {MODEL_CARD_NAME})"
         )
@@ -361,7 +371,10 @@ def read_checkpoint_config(folder: Path, config: KVBridgeConfig | None = None) -
     if config is None:
         config = KVBridgeConfig.from_dict(config_dict)
     if config.model_type != "kvbridge" or not config.selected_layers:
-        raise ValueError(f"{folder} is not a kvbridge checkpoint (its {CONFIG_NAME} has no kvbridge mapper)")
+        raise ConfigurationError(
+            f"{folder} is not a kvbridge checkpoint (its {CONFIG_NAME} has no kvbridge mapper); pass the folder "
+            "`save_pretrained` or `kvbridge calibrate --out` wrote"
+        )
     return config, checksums
 
 
@@ -375,7 +388,10 @@ def load_mapper(
     """
     if lazy:
         if not get_mapper_type(config.mapper_type).linear:
-            raise ValueError(f"lazy_mapper=True supports linear mappers, not {config.mapper_type!r}")
+            raise InvalidInputError(
+                f"lazy_mapper=True reads linear mappers only, and this checkpoint holds a {config.mapper_type!r} "
+                "mapper; load it with lazy_mapper=False"
+            )
         files = [folder / name for name in verify_mapper_checksums(folder, checksums)]
         return LazyKVMapper(
             config.selected_layers,

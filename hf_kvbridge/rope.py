@@ -30,7 +30,10 @@ def rotary_module(model: nn.Module) -> nn.Module:
     for candidate in (base, getattr(base, "model", None), getattr(model, "model", None)):
         if candidate is not None and hasattr(candidate, "rotary_emb"):
             return candidate.rotary_emb
-    raise ValueError(f"{type(model).__name__} has no `rotary_emb` module; cannot factor RoPE out of its cache.")
+    raise KVLayoutError(
+        f"{type(model).__name__} has no `rotary_emb` module; cannot factor RoPE out of its cache (the bridge maps "
+        "decoder models whose `model.rotary_emb` computes cos/sin, such as Llama, Qwen, Mistral)."
+    )
 
 
 @torch.no_grad()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from .errors import InvalidInputError
 from .layout import same_head_sources
 from .solve import LAMBDA_GRID, choose_ridge_lambdas, heldout_r2_path, map_group_lambda, solve_ridge
 from .statistics import KVStatistics, map_groups
@@ -74,7 +75,7 @@ def select_layers(r2: torch.Tensor, top_k: int | None, allowed: list[list[bool]]
     score = r2.mean(-1)  # (L_t, L_s)
     k = score.shape[1] if top_k is None else min(int(top_k), score.shape[1])
     if k < 1:
-        raise ValueError(f"top_k must be ≥ 1, got {top_k}")
+        raise InvalidInputError(f"top_k must be ≥ 1 (source layers per target layer), got {top_k}")
     ranked = [torch.argsort(row, descending=True, stable=True).tolist() for row in score]
     if allowed is None:
         return [order[:k] for order in ranked]

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from .errors import StatisticsError
+from .errors import ConfigurationError, InvalidInputError, StatisticsError
 from .statistics import map_groups
 
 # 1e-6 … 1 in half decades: the search grid of `ridge_lambda="auto"` (relative λ, see the module docstring)
@@ -92,7 +92,9 @@ def solve_ridge(
     if isinstance(ridge_lambda, torch.Tensor):
         lambdas = ridge_lambda.to(torch.float64).reshape(-1)
         if lambdas.numel() != cxy.shape[1]:
-            raise ValueError(f"{lambdas.numel()} ridge λ for {cxy.shape[1]} output columns")
+            raise InvalidInputError(
+                f"got {lambdas.numel()} ridge λ for {cxy.shape[1]} output columns; pass one λ, or one per column"
+            )
         weight = torch.empty_like(cxy)  # (p, q)
         for value in lambdas.unique().tolist():
             columns = (lambdas == value).nonzero().squeeze(1)
@@ -149,7 +151,9 @@ def heldout_r2_path(
     """
     q = y_idx.numel()
     if q % (2 * head_dim):
-        raise ValueError(f"{q} output columns are not whole heads of 2·{head_dim}")
+        raise InvalidInputError(
+            f"{q} output columns are not whole heads of 2·{head_dim}; pass the columns of whole KV heads"
+        )
     return heldout_r2_chunks(train, heldout, x_idx, y_idx, head_dim, lambdas).view(
         len(lambdas), q // (2 * head_dim), 2
     )
@@ -166,10 +170,10 @@ def heldout_r2_chunks(
     """`heldout_r2_path` for any output columns that are whole `head_dim` chunks (keys only, values only, or both):
     held-out R² per λ and chunk, `torch.Tensor` of shape `(len(lambdas), q // d)`."""
     if not lambdas or min(lambdas) <= 0:
-        raise ValueError(f"the λ grid must be non-empty and positive, got {list(lambdas)}")
+        raise InvalidInputError(f"the λ grid must be non-empty and every λ > 0, got {list(lambdas)}")
     q = y_idx.numel()
     if q % head_dim:
-        raise ValueError(f"{q} output columns are not whole chunks of {head_dim}")
+        raise InvalidInputError(f"{q} output columns are not whole chunks of {head_dim}; pass whole head_dim chunks")
     mx, my, cxx, cxy, _ = _moments(train, x_idx, y_idx)
     hmx, hmy, hcxx, hcxy, hvy = _moments(heldout, x_idx, y_idx)
     root = _feature_scale(cxx).sqrt()  # (p,) D^½
@@ -259,9 +263,9 @@ def choose_ridge_lambdas(
     chosen: dict[str, list[list[float]]] = {"k": [], "v": []}
     r2 = torch.zeros(len(selected_layers), 2, dtype=torch.float64)
     if (num_kv_heads, head_dim) != (train.target_kv_heads, train.target_head_dim):
-        raise ValueError(
+        raise StatisticsError(
             f"the target layout ({num_kv_heads} KV heads × {head_dim}) is not the statistics' "
-            f"({train.target_kv_heads} × {train.target_head_dim})"
+            f"({train.target_kv_heads} × {train.target_head_dim}); choose λ with the statistics of this model pair"
         )
     for t, layers in enumerate(selected_layers):
         if targets is not None and t not in targets:
@@ -299,7 +303,10 @@ def effective_ridge_lambda(config) -> float | dict:
     if getattr(config, "ridge_lambdas", None):
         return config.ridge_lambdas
     if config.ridge_lambda == "auto":
-        raise ValueError("config.ridge_lambda is 'auto' but config.ridge_lambdas (the chosen λ per layer) is missing")
+        raise ConfigurationError(
+            "config.ridge_lambda is 'auto' but config.ridge_lambdas (the chosen λ per layer) is missing; calibrate "
+            "again, or set ridge_lambda to a number"
+        )
     return float(config.ridge_lambda)
 
 

@@ -1,4 +1,8 @@
-"""Bad input gets a clear error that names the problem; nothing on disk is overwritten silently."""
+"""Bad input gets a clear error that names the problem; nothing on disk is overwritten silently; the package raises
+its own error classes (`hf_kvbridge.errors`), never a bare `ValueError`/`TypeError`/`RuntimeError`."""
+
+import ast
+from pathlib import Path
 
 import pytest
 import torch
@@ -6,12 +10,20 @@ import torch
 import hf_kvbridge
 from hf_kvbridge import (
     CalibrationDataError,
+    KVBridgeConfig,
     KVBridgeForCausalLM,
     KVLayoutError,
     MapperFileError,
     StatisticsError,
 )
 from hf_kvbridge.calibration import collect_statistics, fit_bridge
+from hf_kvbridge.errors import (
+    CheckpointExistsError,
+    CheckpointFileError,
+    ConfigurationError,
+    EvaluationError,
+    InvalidInputError,
+)
 from hf_kvbridge.statistics import KVStatistics
 from tests.conftest import CORPUS, VOCAB, make_tokenizer, qwen3
 
@@ -130,3 +142,155 @@ def test_save_refuses_non_empty_foreign_dir(bridge, tmp_path):
     bridge.save_pretrained(target_dir, overwrite=True)
     assert (target_dir / "notes.txt").read_text() == "keep me"
     assert (target_dir / "mapper.safetensors").is_file()
+
+
+# -- the library's own error classes ------------------------------------------------------------------------------
+
+PACKAGE = Path(__file__).resolve().parents[1] / "hf_kvbridge"
+BUILTINS = {"ValueError", "TypeError", "RuntimeError"}
+# converted on this branch (issue 23): a bare builtin raise here is a regression, whatever the other branches do
+CONVERTED = [
+    "attention.py",
+    "budget.py",
+    "cache.py",
+    "card.py",
+    "configuration.py",
+    "controls.py",
+    "data.py",
+    "integrations/hub.py",
+    "integrations/lm_eval.py",
+    "layout.py",
+    "loading.py",
+    "persistence.py",
+    "pocket/__init__.py",
+    "rope.py",
+    "selection.py",
+    "solve.py",
+    "statistics.py",
+    "tokenization.py",
+    "tools/evaluation.py",
+]
+
+
+def bare_raises(path: Path) -> list[str]:
+    """`line: raise X(...)` for every `raise ValueError/TypeError/RuntimeError` in `path` (read with `ast`: strings
+    and comments do not count); the library raises its own classes from `hf_kvbridge.errors` instead."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Raise) and node.exc is not None:
+            exc = node.exc.func if isinstance(node.exc, ast.Call) else node.exc
+            if isinstance(exc, ast.Name) and exc.id in BUILTINS:
+                found.append((node.lineno, exc.id))
+    return [f"{line}: raise {name}" for line, name in sorted(found)]
+
+
+def _package_bare_raises() -> dict[str, list[str]]:
+    found = {p.relative_to(PACKAGE).as_posix(): bare_raises(p) for p in sorted(PACKAGE.rglob("*.py"))}
+    return {name: lines for name, lines in found.items() if lines}
+
+
+@pytest.mark.parametrize("name", CONVERTED)
+def test_converted_modules_raise_the_librarys_errors(name):
+    assert bare_raises(PACKAGE / name) == []
+
+
+# other branches of issue 23 convert the rest (calibration, modeling, session, settings, transfer, mapping, recompute,
+# mappers/, integrations/vllm, tools/{bench,drift,mapper_study,tune}): drop this mark once they have merged
+@pytest.mark.xfail(strict=False, reason="other branches of issue 23 convert the remaining modules")
+def test_no_bare_builtin_raises_anywhere_in_the_package():
+    """Every error the package raises on purpose is a `KVBridgeError` (which still derives from the builtin)."""
+    assert _package_bare_raises() == {}
+
+
+def test_the_raise_checker_sees_bare_raises_and_spares_the_librarys(tmp_path):
+    path = tmp_path / "m.py"
+    path.write_text(
+        '"""raise ValueError( in a docstring"""\n'
+        "from hf_kvbridge.errors import InvalidInputError\n"
+        "def f(x):\n"
+        "    if x:\n"
+        "        raise ValueError(f'bad {x}')\n"
+        "    raise InvalidInputError('bad')  # raise TypeError( in a comment\n"
+        "def g():\n"
+        "    raise RuntimeError\n"
+    )
+    assert bare_raises(path) == ["5: raise ValueError", "8: raise RuntimeError"]
+
+
+def test_every_error_class_derives_from_kvbridge_error_and_a_builtin():
+    import hf_kvbridge.errors as errors
+
+    for name in errors.__all__:
+        cls = getattr(errors, name)
+        assert issubclass(cls, errors.KVBridgeError)
+        if cls is not errors.KVBridgeError:
+            assert any(issubclass(cls, b) for b in (ValueError, OSError, ImportError, MemoryError)), name
+
+
+def test_bad_config_values_raise_configuration_error():
+    from hf_kvbridge.budget import parse_bytes
+
+    with pytest.raises(ConfigurationError, match=r"head_mode must be one of .*got 'per_token'"):
+        KVBridgeConfig(head_mode="per_token")
+    with pytest.raises(ConfigurationError, match="gate_probe_tokens=0"):
+        KVBridgeConfig(gate_probe_tokens=0)
+    with pytest.raises(ConfigurationError, match=r"recompute_fraction must lie in \[0, 1\], got 1.5"):
+        KVBridgeConfig(recompute_fraction=1.5)
+    with pytest.raises(ValueError, match="statistics_memory must be a size such as '16GB'.*got 'lots'"):
+        parse_bytes("lots")  # still a ValueError for callers that catch the builtin
+
+
+def test_bad_call_arguments_raise_invalid_input_error(tokenizer):
+    from hf_kvbridge.controls import control_cache
+    from hf_kvbridge.data import token_windows
+    from hf_kvbridge.loading import load_model
+    from hf_kvbridge.pocket import model_path
+    from hf_kvbridge.selection import select_layers
+
+    with pytest.raises(InvalidInputError, match="top_k must be ≥ 1"):
+        select_layers(torch.zeros(2, 2, 2), top_k=0)
+    with pytest.raises(InvalidInputError, match="num_sequences=0"):
+        token_windows(CORPUS, tokenizer, num_sequences=0, seq_len=16)
+    with pytest.raises(InvalidInputError, match=r"control mode must be one of .*'half_cache'"):
+        control_cache(None, "half_cache")
+    with pytest.raises(InvalidInputError, match="unknown pocket model 'pocket-q'; available: pocket-s"):
+        model_path("pocket-q")
+    with pytest.raises(InvalidInputError, match="does not record this model.*source_model="):
+        load_model("")
+
+
+def test_layout_and_cache_mismatches_raise_kv_layout_error():
+    from hf_kvbridge.cache import check_cache_shape
+    from hf_kvbridge.rope import rotary_module
+
+    with pytest.raises(KVLayoutError, match="Linear has no `rotary_emb` module"):
+        rotary_module(torch.nn.Linear(2, 2))
+    model = qwen3(layers=2)
+    cache = model(torch.randint(0, VOCAB, (1, 5)), use_cache=True).past_key_values
+    with pytest.raises(KVLayoutError, match="target cache has 2 layers, expected 3"):
+        check_cache_shape(cache, 3, 2, 16, "target")
+    with pytest.raises(KVLayoutError, match=r"target cache layer 0 keys have shape \(1, 2, 5, 16\), expected"):
+        check_cache_shape(cache, 2, 4, 16, "target")
+
+
+def test_evaluation_refusals_raise_evaluation_error(tokenizer):
+    from hf_kvbridge.integrations.lm_eval import rolling_chunks
+    from hf_kvbridge.tools.evaluation import heldout_windows
+
+    with pytest.raises(EvaluationError, match=r"rolling_stride must be in \[1, max_length=20\], got 0"):
+        list(rolling_chunks(list(range(10)), 7, max_length=20, stride=0))
+    with pytest.raises(EvaluationError, match="no held-out document has 4096 tokens; use shorter windows"):
+        heldout_windows(["a short text"], tokenizer, 4096, 4)
+
+
+def test_checkpoint_file_problems_raise_checkpoint_errors(bridge, tmp_path):
+    from hf_kvbridge.persistence import read_config_dict
+
+    (tmp_path / "file").write_text("")
+    with pytest.raises(CheckpointExistsError, match="is a file; save the bridge into a folder"):
+        bridge.save_pretrained(tmp_path / "file")
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "config.json").write_text("{not json")
+    with pytest.raises(CheckpointFileError, match=r"cannot read the bridge config .*config.json.*save it again"):
+        read_config_dict(tmp_path / "bad")
+    assert issubclass(CheckpointExistsError, FileExistsError) and issubclass(CheckpointFileError, OSError)

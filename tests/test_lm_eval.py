@@ -117,7 +117,12 @@ def test_generate_until_goes_through_the_bridge(checkpoints):
         Instance("generate_until", {}, (ctx, {"until": ["e"], "max_gen_toks": 12, "do_sample": False}), i)
         for i, ctx in enumerate(contexts)
     ]
+    bridge.bridge.transfer_counts.clear()
     got, want = bridge.generate_until(requests), target.generate_until(requests)
+    # every prompt was prefilled by the source and mapped (none fell back to the target's own prefill), and the
+    # identity pair then generates exactly the target's own text
+    assert bridge.bridge.transfer_counts == {"transferred": len(contexts)}
+    assert bridge.bridge.last_transfer["mapped_tokens"] > 0
     assert got == want and all("e" not in text for text in got)  # stopped at (and cut before) "e"
     long = [Instance("generate_until", {}, (contexts[0], {"until": ["\n\n\n"], "max_gen_toks": 6}), 0)]
     assert len(bridge.tok_encode(bridge.generate_until(long)[0])) <= 6

@@ -250,27 +250,32 @@ def test_batched_left_padded_generation_equals_per_prompt(pair_bridge, saved_pai
         assert batched[row, -8:].tolist() == single[0, -8:].tolist(), prompt
 
 
-def test_generate_accepts_the_targets_options(pair_bridge, saved_pair):
+def test_generate_accepts_the_targets_options(identity, pair_bridge, saved_pair):
+    """Sampling options reach the target's `generate`: with the identity pair and one seed, the bridge samples the
+    very tokens (and scores) the target samples on its own."""
     from transformers import TextIteratorStreamer
 
+    ids = torch.randint(0, VOCAB, (2, 10), generator=torch.Generator().manual_seed(11))
+    kw = {"max_new_tokens": 5, "do_sample": True, "top_k": 5, "return_dict_in_generate": True, "output_scores": True}
+    identity.transfer_counts.clear()
+    torch.manual_seed(3)
+    out = identity.generate(ids, **kw)
+    torch.manual_seed(3)
+    want = identity.target.generate(ids, **kw)
+    assert identity.transfer_counts == {"transferred": 2}  # both prompts were prefilled by the source and mapped
+    assert out.sequences.shape == (2, 15) and len(out.scores) == 5
+    assert out.sequences.tolist() == want.sequences.tolist()
+    for got, own in zip(out.scores, want.scores):
+        torch.testing.assert_close(got, own, atol=2e-4, rtol=1e-4)  # top_k=5 keeps 5 finite logits per row
+    assert all(int(torch.isfinite(step).sum(-1).max()) == 5 for step in out.scores)
     tokenizer = AutoTokenizer.from_pretrained(saved_pair["small"])
     inputs = tokenizer("The quick brown fox", return_tensors="pt")
-    out = pair_bridge.generate(
-        **inputs,
-        max_new_tokens=5,
-        do_sample=True,
-        top_k=5,
-        return_dict_in_generate=True,
-        output_scores=True,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    assert out.sequences.shape[1] == inputs["input_ids"].shape[1] + 5 and len(out.scores) == 5
     streamer = TextIteratorStreamer(tokenizer)
     pair_bridge.generate(**inputs, max_new_tokens=4, streamer=streamer, pad_token_id=tokenizer.pad_token_id)
     assert "".join(streamer).startswith("The quick brown fox")
 
 
-def test_forward_logits_split_source_then_target(pair_bridge):
+def test_forward_logits_split_source_then_target(pair_bridge, identity):
     ids = torch.randint(0, VOCAB, (1, 12), generator=torch.Generator().manual_seed(6))
     out = pair_bridge(ids, prefill_length=9)
     source_logits = pair_bridge.source(ids[:, :8]).logits
@@ -279,6 +284,11 @@ def test_forward_logits_split_source_then_target(pair_bridge):
     # with a cache, forward is plain target decoding
     step = pair_bridge(ids[:, -1:], past_key_values=out.past_key_values)
     assert step.past_key_values.get_seq_length() == 13
+    # the target half: with source == target (near-exact mapper), positions 8 … 11 are the target's own logits, as
+    # if it had run the whole sequence itself
+    own = identity(ids, prefill_length=9)
+    torch.testing.assert_close(own.logits[:, 8:], identity.target(ids).logits[:, 8:], atol=2e-4, rtol=1e-4)
+    torch.testing.assert_close(own.logits[:, :8], identity.source(ids[:, :8]).logits)
 
 
 def test_lazy_mapper_loads_one_layer_at_a_time(pair_bridge, tmp_path, monkeypatch):

@@ -3,6 +3,7 @@
 import copy
 import gc
 import io
+import re
 import shutil
 import weakref
 
@@ -153,7 +154,19 @@ def test_chat_cli(saved_pair, tmp_path, monkeypatch, capsys, chat_tokenizer):
     assert main(["chat", str(tmp_path / "b"), "--max-new-tokens", "3"]) == 0
     out = capsys.readouterr().out
     assert "[source] mapped 0 tokens" in out
-    assert "[target] mapped" in out and out.count("[source]") == 2
+    assert out.count("[source]") == 2
+    # the target maps what the source computed and the conversation still starts with: the first prompt (the
+    # template renders the reply as " ttt", which tokenises unlike the generated "ttt", so the source's cached
+    # reply tokens are dropped); it computes the rest itself, and caches all but its last reply token
+    first = chat_tokenizer.apply_chat_template(
+        [{"role": "user", "content": QUESTIONS[0]}], tokenize=False, add_generation_prompt=True
+    )
+    first_tokens = len(chat_tokenizer(first, add_special_tokens=False)["input_ids"])
+    line = re.search(r"\[target\] mapped (\d+) tokens, prefilled (\d+), cache (\d+) tokens", out)
+    assert line is not None, out
+    mapped, prefilled, cached = map(int, line.groups())
+    assert mapped == first_tokens > 0
+    assert mapped + prefilled + 3 - 1 == cached
 
 
 def test_bidirectional_checkpoint_round_trip(saved_pair, tmp_path, chat_tokenizer):

@@ -56,6 +56,7 @@ from ..cache import CACHE_KWARG, cache_kwargs
 from ..configuration import KVBridgeConfig
 from ..constants import MAPPER_CHECKSUMS_KEY
 from ..controls import CONTROL_MODES, control_cache
+from ..errors import EvaluationError
 from ..loading import load_model, resolve_model_reference
 from ..modeling import KVBridgeForCausalLM
 from ..persistence import read_config_dict, resolve_checkpoint
@@ -78,7 +79,9 @@ def rolling_chunks(
     The first chunk's context is `[prefix_token]`, so the first token is scored too.
     """
     if not 1 <= stride <= max_length:
-        raise ValueError(f"rolling_stride must be in [1, max_length={max_length}], got {stride}")
+        raise EvaluationError(
+            f"rolling_stride must be in [1, max_length={max_length}], got {stride}; pass rolling_stride= within it"
+        )
     sequence = [prefix_token, *tokens]
     for start in range(0, len(tokens), stride):
         continuation = tokens[start : start + stride]
@@ -125,10 +128,13 @@ class KVBridgeLM(HFLM):
         **kwargs: Any,
     ) -> None:
         if mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+            raise EvaluationError(f"mode must be one of {MODES}, got {mode!r}")
         for key in ("parallelize", "tp_plan", "peft", "delta", "autogptq", "gptqmodel", "gguf_file"):
             if kwargs.get(key):
-                raise ValueError(f"KVBridgeLM does not support {key}=")
+                raise EvaluationError(
+                    f"KVBridgeLM does not support {key}=; load the bridge's source and target as plain transformers "
+                    "models (drop that model_args key)"
+                )
         if device is not None and torch.device(device).type == "cuda" and not torch.cuda.is_available():
             # lm-eval's command line asks for "cuda" when --device is not given: on a machine without CUDA, take the
             # models' device instead of crashing in `.to("cuda")`
@@ -177,7 +183,7 @@ class KVBridgeLM(HFLM):
         if mode in BRIDGED_MODES:
             self._model = self.bridge  # generate_until and batch-size detection go through the bridge
         if not isinstance(model, PreTrainedModel):  # pragma: no cover - load_model returns one
-            raise TypeError(f"expected a transformers model, got {type(model)}")
+            raise EvaluationError(f"pretrained= must load a transformers model, got {type(model).__name__}")
 
     @property
     def max_length(self) -> int:
@@ -231,7 +237,10 @@ class KVBridgeLM(HFLM):
         rows = []
         for _, context, continuation in chunk:
             if not context or not continuation or len(continuation) > self.max_length:
-                raise ValueError("each request needs a non-empty context and a continuation of at most max_length")
+                raise EvaluationError(
+                    f"each request needs a non-empty context and a non-empty continuation of at most max_length="
+                    f"{self.max_length} tokens, got {len(context)} context and {len(continuation)} continuation tokens"
+                )
             whole = (context + continuation)[-(self.max_length + 1) :]  # left-truncated, as HFLM does
             inputs = whole[:-1]
             split = max(len(whole) - len(continuation) - hold_back, 0)

@@ -22,6 +22,8 @@ import gzip
 import json
 from pathlib import Path
 
+from ..errors import InvalidInputError
+
 __all__ = ["POCKET_MODELS", "SPLITS", "data_path", "load_documents", "load_model", "load_texts", "model_path"]
 
 POCKET_MODELS: tuple[str, ...] = ("pocket-s", "pocket-m", "pocket-l", "pocket-x")
@@ -40,7 +42,7 @@ def model_path(name: str) -> Path:
         name: one of :data:`POCKET_MODELS`.
 
     Raises:
-        ValueError: for an unknown name (the message lists the available models).
+        InvalidInputError: (a `ValueError`) for an unknown name (the message lists the available models).
         FileNotFoundError: if the model is known but its files are missing from this installation.
 
     Example::
@@ -49,10 +51,13 @@ def model_path(name: str) -> Path:
         'pocket-m'
     """
     if name not in POCKET_MODELS:
-        raise ValueError(f"unknown pocket model {name!r}; available: {', '.join(POCKET_MODELS)}")
+        raise InvalidInputError(f"unknown pocket model {name!r}; available: {', '.join(POCKET_MODELS)}")
     folder = _ROOT / "models" / name
     if not (folder / "config.json").is_file():
-        raise FileNotFoundError(f"pocket model {name!r} is not installed at {folder}")
+        raise FileNotFoundError(
+            f"pocket model {name!r} is not installed at {folder}; reinstall hf_kvbridge (its wheel ships the pocket "
+            "models)"
+        )
     return folder
 
 
@@ -60,10 +65,10 @@ def data_path(split: str) -> Path:
     """Return the path of a shipped split file (``data/<split>.jsonl.gz``).
 
     Raises:
-        ValueError: for a split not in :data:`SPLITS`.
+        InvalidInputError: (a `ValueError`) for a split not in :data:`SPLITS`.
     """
     if split not in SPLITS:
-        raise ValueError(f"unknown split {split!r}; available: {', '.join(SPLITS)}")
+        raise InvalidInputError(f"unknown split {split!r}; available: {', '.join(SPLITS)}")
     return _ROOT / "data" / f"{split}.jsonl.gz"
 
 
@@ -104,7 +109,7 @@ def load_texts(split: str) -> list[str]:
             never seen by any model or calibration run).
 
     Raises:
-        ValueError: for an unknown split (the message lists the available ones).
+        InvalidInputError: (a `ValueError`) for an unknown split (the message lists the available ones).
 
     Example::
 
