@@ -46,14 +46,3 @@ CONTROL_MODES = ("zero_cache", "random_cache")
 
 # Defaults of the tool commands, here so that the CLI's parser can name them without importing the tools.
 EVAL_MODES = ("source", "target", "bridge", "no_context", *CONTROL_MODES)
-MAPPER_STUDY_PAIRS = "pocket-s:pocket-l,pocket-m:pocket-l,pocket-l:pocket-s"
-MAPPER_STUDY_MAPPERS = (
-    "ridge",
-    "ridge_same_head",
-    "low_rank_32",
-    "low_rank_8",
-    "ridge_bf16",
-    "mlp_mse",
-    "mlp_attention",
-    "ridge_attention_weighted",
-)

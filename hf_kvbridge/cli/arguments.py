@@ -1,4 +1,4 @@
-"""Arguments of the `kvbridge` subcommands that run tools (demo, eval, mappers, tune) and the argument types the
+"""Arguments of the `kvbridge` subcommands that run tools (demo, eval, tune) and the argument types the
 commands share, kept here so that building the parser (`kvbridge --help`) imports no tool: each tool is imported only
 when its command runs."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ..constants import EVAL_MODES, KV_MODES, MAPPER_STUDY_MAPPERS, MAPPER_STUDY_PAIRS
+from ..constants import EVAL_MODES, KV_MODES
 from ..pocket import POCKET_MODELS
 
 # `--data pocket` names the calibration split shipped with the pocket family
@@ -124,38 +124,6 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--modes", default=",".join(EVAL_MODES), help=f"subset of {','.join(EVAL_MODES)}")
     parser.add_argument("--output", help="write the results (table rows and each mode's lm-eval results) as JSON")
     parser.add_argument("--write-card", action="store_true", help="put the table into the checkpoint's README.md")
-
-
-def add_mappers_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--pairs", default=MAPPER_STUDY_PAIRS, help="candidate SOURCE:TARGET pairs; the hardest is studied"
-    )
-    parser.add_argument("--pair", help="study this SOURCE:TARGET pair directly (skips the search for the hardest)")
-    parser.add_argument(
-        "--mappers",
-        default=",".join(MAPPER_STUDY_MAPPERS),
-        help="comma-separated mapper names: ridge, ridge_same_head, low_rank_<rank> (e.g. low_rank_32), mlp_mse, "
-        "mlp_attention, ridge_attention_weighted; a linear one with _bf16 appended keeps its weights in bfloat16 "
-        f"(default: {','.join(MAPPER_STUDY_MAPPERS)})",
-    )
-    parser.add_argument("--num-sequences", type=int, default=128, help="calibration windows")
-    parser.add_argument("--seq-len", type=int, default=256, help="calibration window length")
-    parser.add_argument("--top-k", type=int, default=6)
-    parser.add_argument("--ridge-lambda", type=float, default=0.01)
-    parser.add_argument("--head-mode", choices=["all_heads", "same_head"], default="all_heads")
-    parser.add_argument("--nll-windows", type=int, default=64)
-    parser.add_argument("--nll-context", type=int, default=256)
-    parser.add_argument("--nll-continuation", type=int, default=64)
-    parser.add_argument("--cloze-items", type=int, default=100, help="cloze items per mapper (0: skip the cloze)")
-    parser.add_argument("--mlp-hidden", type=int, default=128)
-    parser.add_argument("--mlp-epochs", type=int, default=3)
-    parser.add_argument("--mlp-lr", type=float, default=3e-3)
-    parser.add_argument("--mlp-steps-per-batch", type=int, default=8)
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--timing-context", type=int, default=1024)
-    parser.add_argument("--timing-repeats", type=int, default=5)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", default="kvbridge-mappers.json", help="where to write the results")
 
 
 def _comma_list(item_type, what: str, allow_empty: bool = False):

@@ -25,7 +25,6 @@ from .arguments import (
     _top_k,
     add_demo_arguments,
     add_eval_arguments,
-    add_mappers_arguments,
     add_tune_arguments,
 )
 
@@ -270,18 +269,6 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_drift(args: argparse.Namespace) -> int:
-    from hf_kvbridge.tools.drift import run_drift
-
-    return run_drift(args)
-
-
-def _cmd_study(args: argparse.Namespace) -> int:
-    from hf_kvbridge.tools.study import run_study_cli
-
-    return run_study_cli(args)
-
-
 def _cmd_demo(args: argparse.Namespace) -> int:
     from hf_kvbridge.tools.demo import run_demo
 
@@ -341,12 +328,6 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     )
     print(f"wrote {', '.join(files)} to {args.out}")
     return 0
-
-
-def _cmd_mappers(args: argparse.Namespace) -> int:
-    from hf_kvbridge.tools.mapper_study import run_study
-
-    return run_study(args)
 
 
 def _cmd_push(args: argparse.Namespace) -> int:
@@ -475,31 +456,6 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--json", help="write the rows as JSON here")
     bench.set_defaults(func=_cmd_bench)
 
-    drift = sub.add_parser("drift", help="per-turn drift of multi-turn handoffs on the pocket family (offline)")
-    drift.add_argument("--small", default="pocket-s")
-    drift.add_argument("--large", default="pocket-l")
-    drift.add_argument("--turns", type=int, default=10)
-    drift.add_argument("--segment-len", type=int, default=48, help="tokens per turn")
-    drift.add_argument("--conversations", type=int, default=8)
-    drift.add_argument("--num-sequences", type=int, default=128)
-    drift.add_argument("--seq-len", type=int, default=512)
-    drift.add_argument("--top-k", type=_positive_int, default=6)
-    drift.add_argument("--seed", type=int, default=0)
-    drift.add_argument("--out", default="kvbridge-demo")
-    drift.set_defaults(func=_cmd_drift)
-
-    study = sub.add_parser("study", help="Pearson r of R² and attention cosine with retention (pocket family)")
-    study.add_argument("--pairs", default="pocket-s:pocket-l,pocket-m:pocket-l,pocket-l:pocket-s,pocket-s:pocket-m")
-    study.add_argument("--num-sequences", type=int, default=64)
-    study.add_argument("--seq-len", type=int, default=512)
-    study.add_argument("--windows", type=int, default=12, help="held-out windows for retention")
-    study.add_argument("--seed", type=int, default=0)
-    study.add_argument(
-        "--knobs", metavar="SOURCE:TARGET", help="instead: retention vs cost of sink_tokens and hold_back on this pair"
-    )
-    study.add_argument("--out", default="kvbridge-demo")
-    study.set_defaults(func=_cmd_study)
-
     demo = sub.add_parser("demo", help="calibrate and measure a bridge of the shipped pocket family (offline)")
     demo.add_argument("--out", default="kvbridge-demo", help="parent folder; each run writes a new folder in it")
     demo.add_argument("--quick", action="store_true", help="smaller calibration and evaluation (for tests)")
@@ -533,11 +489,6 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("--batch-size", type=_positive_int, default=4)
     inspect.add_argument("--out", default="kvbridge-inspect", help="folder for report.json and the plots")
     inspect.set_defaults(func=_cmd_inspect)
-
-    mappers = sub.add_parser("mappers", help="ridge vs MLP vs attention-weighted mappers on a pocket pair (offline)")
-
-    add_mappers_arguments(mappers)
-    mappers.set_defaults(func=_cmd_mappers)
 
     push = sub.add_parser("push", help="upload a saved bridge checkpoint to the Hub in one commit")
     push.add_argument("bridge", help="bridge checkpoint folder")
