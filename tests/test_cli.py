@@ -49,7 +49,7 @@ def test_help_imports_no_tool():
     import sys
 
     code = (
-        "import sys\nfrom hf_kvbridge.cli.main import build_parser\nbuild_parser().format_help()\n"
+        "import sys\nfrom kvbridge_cli import build_parser\nbuild_parser().format_help()\n"
         "print(sorted(m for m in sys.modules if m.startswith('hf_kvbridge.tools')))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
