@@ -191,6 +191,8 @@ def option_name(name: str) -> str:
 
 def _annotation_types(annotation: str) -> list[str]:
     """`"int | str | None"` → `["int", "str", "None"]` (the settings module's annotations are strings)."""
+    if isinstance(annotation, type):
+        return [annotation.__name__]
     return [part.strip() for part in str(annotation).split("|")]
 
 

@@ -105,3 +105,17 @@ def test_cpu_memory_records_print_no_profiler_noise(capfd):
     assert _cpu_peak_bytes(lambda: torch.ones(1000) * 2) >= 4000
     captured = capfd.readouterr()
     assert "USDT" not in captured.out + captured.err and "profiler_start" not in captured.out + captured.err
+
+
+def test_vllm_bench_random_shapes_bridge_builds(tmp_path, monkeypatch):
+    """`kvbridge bench vllm --shapes` builds its bridge from the mapper bench's helpers (it once imported a module
+    that did not exist); without vLLM, at a tiny shape: the saved bridge loads back."""
+    from hf_kvbridge import KVBridgeForCausalLM
+    from hf_kvbridge.tools.bench import mapper as bench
+    from hf_kvbridge.tools.bench.vllm import random_shapes_bridge
+
+    monkeypatch.setitem(bench.QWEN3_SHAPES, "tiny-a", (2, 32, 4, 2, 16, 64))
+    monkeypatch.setitem(bench.QWEN3_SHAPES, "tiny-b", (3, 48, 4, 2, 16, 96))
+    bridge_dir = random_shapes_bridge(tmp_path, "tiny-a:tiny-b", top_k=2, max_positions=128)
+    bridge = KVBridgeForCausalLM.from_pretrained(bridge_dir)
+    assert bridge.source.config.num_hidden_layers == 2 and bridge.target.config.num_hidden_layers == 3
