@@ -14,6 +14,7 @@ import argparse
 import torch
 from torch import nn
 
+from hf_kvbridge.errors import InvalidInputError
 from hf_kvbridge.session import HandoffSession
 
 
@@ -104,7 +105,7 @@ def document_segments(texts: list[str], tokenizer, turns: int, segment_len: int,
             if len(conversations) == max_conversations:
                 return conversations
     if not conversations:
-        raise ValueError(f"no document holds {need} tokens")
+        raise InvalidInputError(f"no document holds {need} tokens")
     return conversations
 
 

@@ -195,6 +195,7 @@ def measure_mapper(
     import torch
 
     from hf_kvbridge.attention import attention_output_cosine
+    from hf_kvbridge.errors import ConfigurationError
     from hf_kvbridge.mappers.mlp import train_mlp_mapper
     from hf_kvbridge.mappers.weighted import fit_attention_weighted
     from hf_kvbridge.tools.evaluation import cloze_accuracy, continuation_nll
@@ -215,7 +216,7 @@ def measure_mapper(
         else:
             bridge = _linear_variant(ridge, base_name)
             if bridge is None:
-                raise ValueError(f"unknown mapper {name!r}; known: {MAPPERS} (any rank for low_rank_<rank>)")
+                raise ConfigurationError(f"unknown mapper {name!r}; known: {MAPPERS} (any rank for low_rank_<rank>)")
         # on top of the ridge fit it starts from (statistics pass, selection, solve)
         context["bridges"][base_name] = (bridge, time.perf_counter() - started + ridge_s)
     bridge, fit_s = context["bridges"][base_name]
@@ -223,7 +224,7 @@ def measure_mapper(
     if bf16:
         r2 = _bf16_r2(bridge)
         if r2 is None:
-            raise ValueError(f"{name!r}: only the closed-form linear mappers have a bfloat16 variant here")
+            raise ConfigurationError(f"{name!r}: only the closed-form linear mappers have a bfloat16 variant here")
         bridge = bridge.with_mapper(copy.deepcopy(bridge.mapper), bridge.config)
         bridge.mapper.to(torch.bfloat16)  # after __init__, which keeps a float32 target's mapper in float32
     nll = continuation_nll(bridge, context["eval_windows"], context["settings"]["nll_context"], batch_size=batch_size)

@@ -26,6 +26,7 @@ from torch import nn
 
 from ..cache import cache_kwargs
 from ..controls import CONTROL_MODES, control_cache, controls_flag
+from ..errors import InvalidInputError
 
 MODES = ("target", "source", "bridge", "no_context")
 
@@ -38,7 +39,7 @@ def heldout_windows(texts: list[str], tokenizer, length: int, max_windows: int) 
         for start in range(0, len(ids) - length + 1, length):
             windows.append(ids[start : start + length])
     if not windows:
-        raise ValueError(f"no held-out document has {length} tokens")
+        raise InvalidInputError(f"no held-out document has {length} tokens")
     rng = random.Random(0)
     rng.shuffle(windows)
     return torch.tensor(windows[:max_windows], dtype=torch.long)
@@ -72,7 +73,7 @@ def score_tokens(bridge, ids: torch.Tensor, context_len: int, mode: str, first: 
             bridge.target(input_ids=tail.to(bridge.target.device)).logits, tail, max(1, first - context_len)
         )
     else:
-        raise ValueError(f"mode must be one of {MODES + CONTROL_MODES}, got {mode!r}")
+        raise InvalidInputError(f"mode must be one of {MODES + CONTROL_MODES}, got {mode!r}")
     return _token_logprobs(logits, ids, first)
 
 

@@ -39,7 +39,7 @@ import torch
 
 from ..calibration import calibrate, fit_bridge
 from ..data import iter_texts
-from ..errors import TuningError
+from ..errors import InvalidInputError, TuningError
 from ..mappers.low_rank import low_rank_bridge
 from ..statistics import KVStatistics
 from .bench import prefill_flops
@@ -143,7 +143,7 @@ def choose(points: Sequence[Point], *, min_retention: float | None = None, max_c
         `TuningError`: no point qualifies (the message names the best one there is), or neither bound is given.
     """
     if min_retention is None and max_cost is None:
-        raise ValueError("pass min_retention (a quality target) or max_cost (a cost budget), or both")
+        raise InvalidInputError("pass min_retention (a quality target) or max_cost (a cost budget), or both")
     valid = [p for p in points if _valid(p)]
     if not valid:
         raise TuningError(
@@ -272,7 +272,9 @@ def split_windows(
     """Tuning windows from the even-numbered documents, check windows from the odd-numbered ones: the check windows
     share no document with the windows the configuration was chosen on."""
     if len(texts) < 2:
-        raise ValueError(f"the evaluation text has {len(texts)} document(s); tuning needs at least 2 (tune and check)")
+        raise InvalidInputError(
+            f"the evaluation text has {len(texts)} document(s); tuning needs at least 2 (tune and check)"
+        )
     return (
         heldout_windows(list(texts[0::2]), tokenizer, length, tune_windows),
         heldout_windows(list(texts[1::2]), tokenizer, length, check_windows),
@@ -365,7 +367,7 @@ def run_tune(
     ```
     """
     if min_retention is None and max_cost is None:
-        raise ValueError("pass min_retention (a quality target) or max_cost (a cost budget), or both")
+        raise InvalidInputError("pass min_retention (a quality target) or max_cost (a cost budget), or both")
     grid = grid or TuneGrid()
     started = time.perf_counter()
     base = calibrate(

@@ -44,7 +44,7 @@ def qwen3_shape_config(name: str, vocab_size: int = 1024, max_positions: int = 4
     from transformers import Qwen3Config
 
     if name not in QWEN3_SHAPES:
-        raise ValueError(f"unknown shape {name!r}; known: {', '.join(QWEN3_SHAPES)}")
+        raise InvalidInputError(f"unknown shape {name!r}; known: {', '.join(QWEN3_SHAPES)}")
     layers, hidden, heads, kv_heads, head_dim, mlp = QWEN3_SHAPES[name]
     return Qwen3Config(
         num_hidden_layers=layers,
