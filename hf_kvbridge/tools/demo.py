@@ -27,7 +27,7 @@ from ..calibration import calibrate
 from ..controls import CONTROL_MARGIN
 from ..errors import ContextLengthError
 from ..selection import mapper_r2, select_layers
-from .bench import mapper_vs_prefill
+from .bench.mapper import mapper_vs_prefill
 from .diagnostics import plot_layer_bars, plot_r2_heatmap, plot_r2_vs_k
 from .evaluation import build_cloze, cloze_accuracy, continuation_nll, heldout_windows
 

@@ -42,7 +42,7 @@ from ..data import iter_texts
 from ..errors import InvalidInputError, TuningError
 from ..mappers.low_rank import low_rank_bridge
 from ..statistics import KVStatistics
-from .bench import prefill_flops
+from .bench.mapper import prefill_flops
 from .evaluation import heldout_windows, retention
 from .evaluation import mean_nll as _nll
 
