@@ -129,8 +129,8 @@ def plot_drift(results: dict, path, title: str = "multi-turn drift") -> None:
 
 
 def run_drift(args) -> int:
-    """`kvbridge drift`: a bidirectional bridge of the pocket family, alternating conversations on held-out text,
-    per-turn drift for small→large and large→small, incremental vs full re-mapping; JSON and a plot."""
+    """`python -m studies.drift`: a bidirectional bridge of the pocket family, alternating conversations on held-out
+    text, per-turn drift for small→large and large→small, incremental vs full re-mapping; JSON and a plot."""
     import datetime
     import json
     from pathlib import Path

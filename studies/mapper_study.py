@@ -345,7 +345,7 @@ def format_table(result: dict) -> str:
 
 
 def run_study(args: argparse.Namespace) -> int:
-    """The `kvbridge mappers` command."""
+    """`python -m studies.mapper_study`: the study from parsed arguments."""
     settings = {
         "num_sequences": args.num_sequences,
         "seq_len": args.seq_len,

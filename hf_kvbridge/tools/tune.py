@@ -488,7 +488,7 @@ def _write_json(result: dict, path: str | Path | None) -> None:
 
 
 def run_tune_cli(args: argparse.Namespace) -> int:
-    """`kvbridge tune`: the arguments are parsed and checked by the CLI (`cli/arguments.py`)."""
+    """`kvbridge tune`: the arguments are parsed and checked by the CLI (`kvbridge_cli/parser.py`)."""
     grid = TuneGrid(
         top_k=tuple(args.top_k),
         ridge_lambdas=tuple(args.ridge_lambdas),
