@@ -189,8 +189,6 @@ def _check_values(s: dict[str, Any]) -> None:
     for name, allowed in (("head_mode", HEAD_MODES), ("kv_mode", KV_MODES), ("statistics_dtype", STATISTICS_DTYPES)):
         if s[name] not in allowed:
             raise ConfigurationError(f"{name} must be one of {allowed}, got {s[name]!r}")
-    if s["mapper_type"] not in MAPPER_TYPE_NAMES:
-        raise ConfigurationError(f"mapper_type must be one of {MAPPER_TYPE_NAMES}, got {s['mapper_type']!r}")
     fraction = s["heldout_fraction"]
     if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction < 1:
         raise ConfigurationError(f"heldout_fraction must lie strictly between 0 and 1, got {fraction!r}")
