@@ -37,10 +37,16 @@ from .version import __version__
 AutoConfig.register("kvbridge", KVBridgeConfig, exist_ok=True)
 AutoModelForCausalLM.register(KVBridgeConfig, KVBridgeForCausalLM, exist_ok=True)
 
-# registers the "kvbridge" model with lm-eval, so simple_evaluate(model="kvbridge") works after import. Only a
-# missing lm-eval is tolerated; an error inside the integration surfaces instead of vanishing.
+# lm-eval finds "kvbridge" through its lazy registry: a "module:object" entry, imported only when an
+# evaluation asks for it, so `simple_evaluate(model="kvbridge")` works after this import without loading the adapter.
+# lm-eval's own table (`lm_eval.models`: placeholders only, ~0.1 s, no torch) goes in first: `get_model` fills it only
+# while the registry is empty, so an entry of ours alone would hide "hf" and the rest.
 if importlib.util.find_spec("lm_eval") is not None:
-    from .integrations import lm_eval  # noqa: F401
+    import lm_eval.models  # noqa: F401
+    from lm_eval.api.registry import model_registry
+
+    if "kvbridge" not in model_registry.keys():
+        model_registry.register("kvbridge", target="hf_kvbridge.integrations.lm_eval:KVBridgeLM")
 
 __all__ = [
     "CalibrationDataError",

@@ -33,6 +33,16 @@ HEAD_MODES = ("all_heads", "same_head")
 # "joint": keys and values of the selected layers → keys and values; "separate": keys from keys, values from values
 KV_MODES = ("joint", "separate")
 
+# The mapper types of `hf_kvbridge.mappers.MAPPER_REGISTRY`, named here so that the settings (and the command line
+# built from them) can offer them without importing the mappers; tests/test_cli.py checks the two agree.
+MAPPER_TYPE_NAMES = ("ridge", "ridge_attention_weighted", "mlp", "low_rank")
+
+# dtypes of the budgeted calibration statistics' Gram blocks
+STATISTICS_DTYPES = ("float32", "float64")
+
+# files `--data` reads as local text (anything else is a dataset name)
+TEXT_SUFFIXES = (".txt", ".jsonl", ".txt.gz", ".jsonl.gz")
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
 
 # A bidirectional checkpoint keeps its target→source mapper (config, weights) in this sub-folder.
@@ -46,14 +56,3 @@ CONTROL_MODES = ("zero_cache", "random_cache")
 
 # Defaults of the tool commands, here so that the CLI's parser can name them without importing the tools.
 EVAL_MODES = ("source", "target", "bridge", "no_context", *CONTROL_MODES)
-MAPPER_STUDY_PAIRS = "pocket-s:pocket-l,pocket-m:pocket-l,pocket-l:pocket-s"
-MAPPER_STUDY_MAPPERS = (
-    "ridge",
-    "ridge_same_head",
-    "low_rank_32",
-    "low_rank_8",
-    "ridge_bf16",
-    "mlp_mse",
-    "mlp_attention",
-    "ridge_attention_weighted",
-)

@@ -18,12 +18,11 @@ from typing import Any
 
 import torch
 
+from .constants import TEXT_SUFFIXES
 from .errors import CalibrationDataError, InvalidInputError
 from .pocket import data_path
 
 logger = logging.getLogger(__name__)
-
-TEXT_SUFFIXES = (".txt", ".jsonl", ".txt.gz", ".jsonl.gz")
 
 
 def _open_text(path: Path):

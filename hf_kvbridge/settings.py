@@ -2,6 +2,11 @@
 
 `calibrate(source, target, data, top_k=8)` keeps its simple call: keyword arguments that name a field override the
 settings. Validation runs before any model is loaded or any text is read, so a bad value costs nothing.
+
+The fields are also the options of `kvbridge calibrate`: each field's `metadata` holds its command-line help (and
+choices), and the light command-line entry (`kvbridge_cli`) builds the options from them. That entry reads this file
+without importing torch, so the module imports only the standard library and the stdlib-only `constants` and
+`errors` at load time (the mapper registry and the byte parser are imported when a value is validated).
 """
 
 from __future__ import annotations
@@ -9,13 +14,26 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+from .constants import HEAD_MODES, KV_MODES, MAPPER_TYPE_NAMES, STATISTICS_DTYPES
+from .errors import ConfigurationError
 
-from .budget import parse_bytes
-from .constants import HEAD_MODES, KV_MODES
-from .mappers import get_mapper_type
+if TYPE_CHECKING:
+    import torch
+
+CLI_ONLY_IN_LIBRARY = "cli"
+"""Metadata key: `False` marks a field the command line does not offer (it is listed as library-only)."""
+
+
+def _option(default: Any = None, *, help: str, choices: tuple | None = None, cli: bool = True, **kwargs):
+    """A settings field with its command-line help and choices (the one source of both)."""
+    metadata = {"help": help, CLI_ONLY_IN_LIBRARY: cli}
+    if choices is not None:
+        metadata["choices"] = tuple(choices)
+    if "default_factory" in kwargs:
+        return field(default_factory=kwargs["default_factory"], metadata=metadata)
+    return field(default=default, metadata=metadata)
 
 
 @dataclass
@@ -66,26 +84,54 @@ class CalibrationSettings:
     ```
     """
 
-    num_sequences: int = 500
-    seq_len: int = 1024
-    top_k: int | None = 6
-    ridge_lambda: float | str = "auto"
-    head_mode: str = "all_heads"
-    kv_mode: str = "joint"
-    mapper_type: str = "ridge"
-    mapper_kwargs: dict[str, Any] = field(default_factory=dict)
-    batch_size: int = 8
-    heldout_fraction: float = 0.1
-    hold_back: int = 1
-    seed: int = 0
-    text_field: str = "text"
-    bidirectional: bool = False
-    checkpoint_dir: str | os.PathLike | None = None
-    statistics_device: torch.device | str | None = None
-    statistics_memory: int | str | None = None
-    statistics_dtype: str = "float32"
-    keep_statistics: bool = False
-    progress: bool = False
+    num_sequences: int = _option(500, help="calibration windows")
+    seq_len: int = _option(1024, help="calibration window length in tokens")
+    top_k: int | None = _option(6, help="source layers per target layer, or 'all'")
+    ridge_lambda: float | str = _option(
+        "auto",
+        help="'auto' (chosen per target layer by held-out R²) or a number ≥ 0, relative to each input feature's "
+        "variance",
+    )
+    head_mode: str = _option("all_heads", choices=HEAD_MODES, help="same_head: head h from head h only")
+    kv_mode: str = _option(
+        "joint",
+        choices=KV_MODES,
+        help="separate: keys from keys and values from values (half the mapper's weights and FLOPs)",
+    )
+    mapper_type: str = _option(
+        "ridge", choices=MAPPER_TYPE_NAMES, help="low_rank: each ridge map reduced to --rank (cheaper to apply)"
+    )
+    mapper_kwargs: dict[str, Any] = _option(
+        help="options of the mapper type (the command line offers them as --rank and --mlp-*)",
+        cli=False,
+        default_factory=dict,
+    )
+    batch_size: int = _option(8, help="windows per forward pass")
+    heldout_fraction: float = _option(0.1, help="share of windows held out for R² and layer selection")
+    hold_back: int = _option(1, help="prompt tokens the target computes itself (≥ 1)")
+    seed: int = _option(0, help="seed of the held-out split (and of the MLP's initialisation)")
+    text_field: str = _option("text", help="JSON/dataset field holding the text")
+    bidirectional: bool = _option(
+        False, help="also fit a target→source mapper (bridge.reverse; chat's /switch needs it)"
+    )
+    checkpoint_dir: str | os.PathLike | None = _option(
+        None, help="checkpoint the statistics in this folder and resume an interrupted calibration from it"
+    )
+    statistics_device: torch.device | str | None = _option(
+        None, help="device of the calibration statistics, e.g. cuda:1 (default: the CPU)"
+    )
+    statistics_memory: int | str | None = _option(
+        None,
+        help="memory the calibration statistics may take, e.g. 16GB (default: half the free memory of the statistics "
+        "device); refused up front when too small",
+    )
+    statistics_dtype: str = _option(
+        "float32", choices=STATISTICS_DTYPES, help="of the budgeted statistics' Gram blocks"
+    )
+    keep_statistics: bool = _option(
+        False, help="leave the statistics on the returned bridge (bridge.calibration_statistics)", cli=False
+    )
+    progress: bool = _option(False, help="progress bars (the command line always shows them)", cli=False)
 
     def __post_init__(self):
         self.validate()
@@ -98,38 +144,56 @@ class CalibrationSettings:
         """A copy with `changes` applied (validated)."""
         return dataclasses.replace(self, **changes)
 
+    @classmethod
+    def check_values(cls, values: dict[str, Any]) -> None:
+        """Raises `ConfigurationError` for the first bad value among `values` (field name → value; the others take
+        their defaults). Needs only the standard library: the command line calls it before importing torch."""
+        settings = {f.name: f.default for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING}
+        settings.update(values)
+        _check_values(settings)
+
     def validate(self) -> None:
-        """Raises `ValueError` naming the first bad setting and what is allowed."""
-        for name in ("num_sequences", "seq_len", "batch_size"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if self.top_k is not None and (not isinstance(self.top_k, int) or self.top_k < 1):
-            raise ValueError(f"top_k must be a positive integer or None (all source layers), got {self.top_k!r}")
-        number = isinstance(self.ridge_lambda, (int, float)) and not isinstance(self.ridge_lambda, bool)
-        if self.ridge_lambda != "auto" and (not number or self.ridge_lambda < 0):
-            raise ValueError(f"ridge_lambda must be 'auto' or a number ≥ 0, got {self.ridge_lambda!r}")
-        if self.head_mode not in HEAD_MODES:
-            raise ValueError(f"head_mode must be one of {HEAD_MODES}, got {self.head_mode!r}")
-        if not 0 < self.heldout_fraction < 1:
-            raise ValueError(f"heldout_fraction must lie strictly between 0 and 1, got {self.heldout_fraction!r}")
-        if not isinstance(self.hold_back, int) or self.hold_back < 1:
-            raise ValueError(
-                f"hold_back must be an integer ≥ 1 (the target runs the last prompt token), got {self.hold_back!r}"
-            )
-        if self.kv_mode not in KV_MODES:
-            raise ValueError(f"kv_mode must be one of {KV_MODES}, got {self.kv_mode!r}")
+        """Raises `ConfigurationError` naming the first bad setting and what is allowed."""
+        _check_values({f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
         if self.statistics_memory is not None:
+            from .budget import parse_bytes
+
             parse_bytes(self.statistics_memory)
-        if self.statistics_dtype not in ("float32", "float64"):
-            raise ValueError(f"statistics_dtype must be 'float32' or 'float64', got {self.statistics_dtype!r}")
+        from .mappers import get_mapper_type
+
         entry = get_mapper_type(self.mapper_type)
         unknown = sorted(set(self.mapper_kwargs or {}) - set(entry.kwargs))
         if unknown:
-            raise ValueError(
+            raise ConfigurationError(
                 f"mapper_type {self.mapper_type!r} takes mapper_kwargs {list(entry.kwargs) or 'none'}, not {unknown}"
             )
         if self.kv_mode not in entry.kv_modes:
-            raise ValueError(
+            raise ConfigurationError(
                 f"mapper_type {self.mapper_type!r} supports kv_mode {list(entry.kv_modes)}, not {self.kv_mode!r}"
             )
+
+
+def _check_values(s: dict[str, Any]) -> None:
+    """The per-value checks of `CalibrationSettings` (standard library only)."""
+    for name in ("num_sequences", "seq_len", "batch_size"):
+        value = s[name]
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ConfigurationError(f"{name} must be a positive integer, got {value!r}")
+    top_k = s["top_k"]
+    if top_k is not None and (not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1):
+        raise ConfigurationError(f"top_k must be a positive integer or None (all source layers), got {top_k!r}")
+    ridge_lambda = s["ridge_lambda"]
+    number = isinstance(ridge_lambda, (int, float)) and not isinstance(ridge_lambda, bool)
+    if ridge_lambda != "auto" and (not number or not ridge_lambda >= 0):
+        raise ConfigurationError(f"ridge_lambda must be 'auto' or a number ≥ 0, got {ridge_lambda!r}")
+    for name, allowed in (("head_mode", HEAD_MODES), ("kv_mode", KV_MODES), ("statistics_dtype", STATISTICS_DTYPES)):
+        if s[name] not in allowed:
+            raise ConfigurationError(f"{name} must be one of {allowed}, got {s[name]!r}")
+    fraction = s["heldout_fraction"]
+    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction < 1:
+        raise ConfigurationError(f"heldout_fraction must lie strictly between 0 and 1, got {fraction!r}")
+    hold_back = s["hold_back"]
+    if not isinstance(hold_back, int) or isinstance(hold_back, bool) or hold_back < 1:
+        raise ConfigurationError(
+            f"hold_back must be an integer ≥ 1 (the target runs the last prompt token), got {hold_back!r}"
+        )

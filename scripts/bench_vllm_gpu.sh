@@ -5,6 +5,6 @@
 # Writes JSON into ${OUT:-.}.
 set -euo pipefail
 out="${OUT:-.}"
-python -m hf_kvbridge.integrations.vllm_bench --shapes "${SHAPES:-qwen3-0.6b:qwen3-8b}" \
+kvbridge bench vllm --shapes "${SHAPES:-qwen3-0.6b:qwen3-8b}" \
     --lengths "${LENGTHS:-1024,4096,16384}" --repeats "${REPEATS:-5}" --requests "${REQUESTS:-16}" \
     --max-tokens "${MAX_TOKENS:-64}" --kv-cache-gb "${KV_CACHE_GB:-40}" --json "$out/vllm-bench-gpu.json"

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from hf_kvbridge.cli.main import main
-from hf_kvbridge.tools.bench import benchmark, mapper_flops, peak_extra_bytes, prefill_flops, random_bridge
+from hf_kvbridge.tools.bench.mapper import benchmark, mapper_flops, peak_extra_bytes, prefill_flops, random_bridge
 from tests.conftest import qwen3
 
 
@@ -53,13 +53,27 @@ def test_peak_memory_sees_a_large_temporary():
 
 
 def test_bench_cli_with_random_shapes(tmp_path, capsys, monkeypatch):
-    from hf_kvbridge.tools import bench
+    from hf_kvbridge.tools.bench import mapper as bench
 
     monkeypatch.setitem(bench.QWEN3_SHAPES, "tiny-a", (2, 32, 4, 2, 16, 64))
     monkeypatch.setitem(bench.QWEN3_SHAPES, "tiny-b", (3, 48, 4, 2, 16, 96))
     out = tmp_path / "bench.json"
     assert (
-        main(["bench", "--shapes", "tiny-a:tiny-b", "--lengths", "16,32", "--repeats", "1", "--json", str(out)]) == 0
+        main(
+            [
+                "bench",
+                "mapper",
+                "--shapes",
+                "tiny-a:tiny-b",
+                "--lengths",
+                "16,32",
+                "--repeats",
+                "1",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
     )
     rows = json.loads(out.read_text())["rows"]
     assert [r["context_tokens"] for r in rows] == [16, 32]
@@ -69,12 +83,12 @@ def test_bench_cli_with_random_shapes(tmp_path, capsys, monkeypatch):
 def test_bench_cli_low_rank_bf16_interleaved(tmp_path, monkeypatch):
     """`--rank`, `--mapper-dtype` and `--interleave` reach the benchmark: a low-rank bfloat16 mapper's row says so
     and counts the low-rank FLOPs."""
-    from hf_kvbridge.tools import bench
+    from hf_kvbridge.tools.bench import mapper as bench
 
     monkeypatch.setitem(bench.QWEN3_SHAPES, "tiny-a", (2, 32, 4, 2, 16, 64))
     monkeypatch.setitem(bench.QWEN3_SHAPES, "tiny-b", (3, 48, 4, 2, 16, 96))
     out, full = tmp_path / "low.json", tmp_path / "full.json"
-    common = ["bench", "--shapes", "tiny-a:tiny-b", "--top-k", "2", "--lengths", "16", "--repeats", "1"]
+    common = ["bench", "mapper", "--shapes", "tiny-a:tiny-b", "--top-k", "2", "--lengths", "16", "--repeats", "1"]
     assert main([*common, "--rank", "4", "--mapper-dtype", "bfloat16", "--interleave", "--json", str(out)]) == 0
     assert main([*common, "--json", str(full)]) == 0
     (low,), (ref,) = json.loads(out.read_text())["rows"], json.loads(full.read_text())["rows"]
@@ -86,8 +100,22 @@ def test_bench_cli_low_rank_bf16_interleaved(tmp_path, monkeypatch):
 
 
 def test_cpu_memory_records_print_no_profiler_noise(capfd):
-    from hf_kvbridge.tools.bench import _cpu_peak_bytes
+    from hf_kvbridge.tools.bench.mapper import _cpu_peak_bytes
 
     assert _cpu_peak_bytes(lambda: torch.ones(1000) * 2) >= 4000
     captured = capfd.readouterr()
     assert "USDT" not in captured.out + captured.err and "profiler_start" not in captured.out + captured.err
+
+
+def test_vllm_bench_random_shapes_bridge_builds(tmp_path, monkeypatch):
+    """`kvbridge bench vllm --shapes` builds its bridge from the mapper bench's helpers (it once imported a module
+    that did not exist); without vLLM, at a tiny shape: the saved bridge loads back."""
+    from hf_kvbridge import KVBridgeForCausalLM
+    from hf_kvbridge.tools.bench import mapper as bench
+    from hf_kvbridge.tools.bench.vllm import random_shapes_bridge
+
+    monkeypatch.setitem(bench.QWEN3_SHAPES, "tiny-a", (2, 32, 4, 2, 16, 64))
+    monkeypatch.setitem(bench.QWEN3_SHAPES, "tiny-b", (3, 48, 4, 2, 16, 96))
+    bridge_dir = random_shapes_bridge(tmp_path, "tiny-a:tiny-b", top_k=2, max_positions=128)
+    bridge = KVBridgeForCausalLM.from_pretrained(bridge_dir)
+    assert bridge.source.config.num_hidden_layers == 2 and bridge.target.config.num_hidden_layers == 3

@@ -1,8 +1,18 @@
 """The `kvbridge` command line, run in-process on local folders."""
 
+import argparse
+import dataclasses
 import json
 
-from hf_kvbridge.cli.main import main
+import pytest
+from transformers import AutoTokenizer
+
+from hf_kvbridge import CalibrationSettings, KVBridgeForCausalLM
+from hf_kvbridge.cli.main import main, settings_from_args
+from hf_kvbridge.constants import MAPPER_TYPE_NAMES
+from hf_kvbridge.mappers import MAPPER_REGISTRY
+from kvbridge_cli import build_parser
+from kvbridge_cli import parser as cli_parser
 from tests.conftest import CORPUS
 
 
@@ -38,7 +48,13 @@ def test_calibrate_then_generate(saved_pair, tmp_path, capsys):
     tokenizer_files = {"tokenizer.json", "tokenizer_config.json"}  # the shared tokenizer travels with the bridge
     assert {p.name for p in out.iterdir()} == {"config.json", "mapper.safetensors", "README.md", *tokenizer_files}
     assert main(["generate", str(out), "The quick brown", "--max-new-tokens", "5"]) == 0
-    assert capsys.readouterr().out.startswith("The quick brown")
+    # the command prints what the library generates greedily from the same prompt
+    bridge = KVBridgeForCausalLM.from_pretrained(out)
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    inputs = tokenizer("The quick brown", return_tensors="pt")
+    expected = bridge.generate(**inputs, max_new_tokens=5, do_sample=False, pad_token_id=tokenizer.eos_token_id)
+    assert expected.shape[1] > inputs["input_ids"].shape[1]
+    assert capsys.readouterr().out.strip() == tokenizer.decode(expected[0], skip_special_tokens=True).strip()
     # a second calibrate into the same folder refuses before doing any work
     assert main(["calibrate", saved_pair["small"], saved_pair["large"], "--data", str(data), "--out", str(out)]) == 2
 
@@ -49,8 +65,93 @@ def test_help_imports_no_tool():
     import sys
 
     code = (
-        "import sys\nfrom hf_kvbridge.cli.main import build_parser\nbuild_parser().format_help()\n"
+        "import sys\nfrom kvbridge_cli import build_parser\nbuild_parser().format_help()\n"
         "print(sorted(m for m in sys.modules if m.startswith('hf_kvbridge.tools')))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "[]", out.stdout
+
+
+# a command-line value for every CLI-able settings field, and the value it must reach CalibrationSettings as
+SAMPLES = {
+    "num_sequences": ("7", 7),
+    "seq_len": ("33", 33),
+    "top_k": ("all", None),
+    "ridge_lambda": ("0.5", 0.5),
+    "head_mode": ("same_head", "same_head"),
+    "kv_mode": ("separate", "separate"),
+    "mapper_type": ("low_rank", "low_rank"),
+    "batch_size": ("3", 3),
+    "heldout_fraction": ("0.25", 0.25),
+    "hold_back": ("4", 4),
+    "seed": ("5", 5),
+    "text_field": ("body", "body"),
+    "bidirectional": (None, True),
+    "checkpoint_dir": ("/tmp/kvbridge-checkpoint", "/tmp/kvbridge-checkpoint"),
+    "statistics_device": ("cpu", "cpu"),
+    "statistics_memory": ("16GB", "16GB"),
+    "statistics_dtype": ("float64", "float64"),
+}
+CALIBRATE = ["calibrate", "src", "tgt", "--out", "o"]
+
+
+def _settings(*options: str) -> CalibrationSettings:
+    return settings_from_args(build_parser().parse_args([*CALIBRATE, *options]))
+
+
+def test_every_cli_field_has_an_option_and_a_sample():
+    fields = {f.name for f in cli_parser.cli_fields()}
+    assert fields == set(SAMPLES)
+    library_only = {f.name for f in dataclasses.fields(CalibrationSettings)} - fields
+    assert library_only == {"mapper_kwargs", "keep_statistics", "progress"}
+    help_text = build_parser()._subparsers._group_actions[0].choices["calibrate"].format_help()
+    assert all(cli_parser.option_name(name) in help_text for name in fields)
+    assert all(name in help_text for name in library_only)  # named in the epilog
+
+
+@pytest.mark.parametrize("name", sorted(SAMPLES))
+def test_each_settings_option_reaches_the_settings_unchanged(name):
+    text, expected = SAMPLES[name]
+    option = cli_parser.option_name(name)
+    settings = _settings(option) if text is None else _settings(option, text)
+    assert getattr(settings, name) == expected
+    assert expected != getattr(CalibrationSettings(), name)  # the sample is not the default
+
+
+def test_calibrate_defaults_are_the_settings_defaults():
+    assert _settings() == CalibrationSettings(progress=True)
+
+
+def test_mapper_options_become_mapper_kwargs():
+    assert _settings("--mapper-type", "low_rank", "--rank", "8").mapper_kwargs == {"rank": 8}
+    mlp = _settings("--mapper-type", "mlp", "--mlp-hidden", "16", "--mlp-loss", "attention", "--mlp-lr", "0.01")
+    assert mlp.mapper_kwargs == {"hidden": 16, "loss": "attention", "lr": 0.01}
+    assert _settings().mapper_kwargs == {}
+
+
+def test_a_new_settings_field_becomes_an_option_without_cli_edits(monkeypatch):
+    settings_module = cli_parser._settings
+
+    @dataclasses.dataclass
+    class Extended(cli_parser.CalibrationSettings):
+        new_knob: int = settings_module._option(3, help="a knob added to the settings")
+
+    monkeypatch.setattr(cli_parser, "CalibrationSettings", Extended)
+    args = build_parser().parse_args([*CALIBRATE, "--new-knob", "9"])
+    assert args.new_knob == 9
+    assert (
+        "a knob added to the settings"
+        in build_parser()._subparsers._group_actions[0].choices["calibrate"].format_help()
+    )
+
+
+def test_mapper_type_names_match_the_registry():
+    assert set(MAPPER_TYPE_NAMES) == set(MAPPER_REGISTRY)
+
+
+def test_demo_and_tune_declare_their_defaults_once():
+    demo = build_parser().parse_args(["demo"])
+    assert {name: getattr(demo, name) for name in cli_parser.DEMO_SETTINGS} == cli_parser.DEMO_SETTINGS
+    tune = build_parser().parse_args(["tune", "s", "t", "--out", "o", "--eval-data", "pocket"])
+    assert {name: getattr(tune, name) for name in cli_parser.TUNE_SETTINGS} == cli_parser.TUNE_SETTINGS
+    assert isinstance(tune, argparse.Namespace)

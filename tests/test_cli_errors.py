@@ -110,7 +110,7 @@ def test_too_long_calibration_window_refused_before_work(saved_pair, tmp_path, m
 
 
 def test_bench_lengths_past_the_maximum(saved_bridge, capsys):
-    code = main(["bench", str(saved_bridge), "--lengths", "64,512", "--repeats", "1"])
+    code = main(["bench", "mapper", str(saved_bridge), "--lengths", "64,512", "--repeats", "1"])
     _one_line_error(capsys, code, 1, "--lengths", "256")
 
 

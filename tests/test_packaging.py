@@ -77,3 +77,22 @@ def test_sdist_ships_the_card_template_and_the_pocket_family(dist):
     assert "model_cards/kvbridge.md" in names
     assert [f for f in _pocket_files() if f not in names] == []
     assert {"pyproject.toml", "README.md"} <= names
+
+
+@pytest.mark.slow
+def test_wheel_ships_the_light_cli_and_the_benches_but_no_studies(dist):
+    (wheel,) = dist.glob("*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    assert not any(n.startswith("studies/") for n in names)  # the studies run from a checkout
+    assert {"kvbridge_cli/__init__.py", "kvbridge_cli/parser.py", "kvbridge_cli/_light.py"} <= names
+    assert {f"hf_kvbridge/tools/bench/{m}.py" for m in ("__init__", "mapper", "calibration", "vllm")} <= names
+    # every package folder of the source tree is in the wheel (an explicit package list forgets new ones)
+    packages = [p.parent for p in (ROOT / "hf_kvbridge").rglob("__init__.py") if "__pycache__" not in p.parts]
+    missing = [
+        str(p.relative_to(ROOT)) for p in packages if f"{p.relative_to(ROOT).as_posix()}/__init__.py" not in names
+    ]
+    assert missing == []
+    (entry_points,) = [n for n in names if n.endswith(".dist-info/entry_points.txt")]
+    text = zipfile.ZipFile(wheel).read(entry_points).decode()
+    assert "kvbridge = kvbridge_cli:main" in text
+    assert "lm_eval.models" not in text  # lm-eval 0.4 reads no model entry points; import hf_kvbridge registers

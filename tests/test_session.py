@@ -12,7 +12,7 @@ import torch
 
 from hf_kvbridge.calibration import collect_statistics, fit_bridge
 from hf_kvbridge.session import HandoffSession
-from hf_kvbridge.tools.drift import drift_conversation, drift_summary
+from studies.drift import drift_conversation, drift_summary
 from tests.conftest import make_tokenizer, qwen3
 
 TEMPLATE = (

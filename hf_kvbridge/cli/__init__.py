@@ -1,5 +1,5 @@
-"""The `kvbridge` command line: a thin layer that parses, validates, calls the library and prints."""
+"""The `kvbridge` command functions: each runs one parsed command (the parser is `kvbridge_cli.parser`)."""
 
-from .main import build_parser, main
+from .main import main, run
 
-__all__ = ["build_parser", "main"]
+__all__ = ["main", "run"]

@@ -14,36 +14,6 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ..errors import ContextLengthError
-from ..mappers import MAPPER_TYPES
-from .arguments import (
-    POCKET_DATA,
-    _calibration_data,
-    _fraction,
-    _heldout_data,
-    _positive_int,
-    _ridge_lambda,
-    _top_k,
-    add_demo_arguments,
-    add_eval_arguments,
-    add_mappers_arguments,
-    add_tune_arguments,
-)
-
-
-def _lengths(value: str) -> list[int]:
-    try:
-        return [_positive_int(n.strip()) for n in value.split(",") if n.strip()] or _positive_int("")
-    except argparse.ArgumentTypeError as err:
-        raise argparse.ArgumentTypeError(
-            f"{value!r}: comma-separated positive token counts, e.g. 256,1024 ({err})"
-        ) from None
-
-
-def _check_context(what: str, tokens: int, limit: int, hint: str) -> None:
-    if tokens > limit:
-        raise ContextLengthError(
-            f"{what} is {tokens:,} tokens but the models take at most {limit:,} positions; {hint}"
-        )
 
 
 def _max_positions(reference: str) -> int | None:
@@ -58,6 +28,16 @@ def _max_positions(reference: str) -> int | None:
         return None
 
 
+def settings_from_args(args: argparse.Namespace):
+    """The `CalibrationSettings` a `kvbridge calibrate` command line asks for (validated)."""
+    from kvbridge_cli.parser import cli_fields, mapper_kwargs
+
+    from ..settings import CalibrationSettings
+
+    values = {f.name: getattr(args, f.name) for f in cli_fields()}
+    return CalibrationSettings(**values, mapper_kwargs=mapper_kwargs(args), progress=True)
+
+
 def _cmd_calibrate(args: argparse.Namespace) -> int:
     import hf_kvbridge
 
@@ -65,9 +45,10 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     if out.exists() and any(out.iterdir()) and not args.overwrite:  # refuse before hours of calibration, not after
         print(f"error: {out} is not empty; pass --overwrite to replace the bridge files in it", file=sys.stderr)
         return 2
+    settings = settings_from_args(args)  # the full validation (mapper registry, memory budget) before any load
     limits = [n for n in (_max_positions(args.source), _max_positions(args.target)) if n]
     if limits:
-        _check_context("--seq-len", args.seq_len, min(limits), "pass a smaller --seq-len")
+        ContextLengthError.check("--seq-len", args.seq_len, min(limits), "pass a smaller --seq-len")
     load_kwargs = {}
     if args.dtype:
         load_kwargs["dtype"] = args.dtype
@@ -77,23 +58,9 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
         args.source,
         args.target,
         args.data,
-        num_sequences=args.num_sequences,
-        seq_len=args.seq_len,
-        top_k=args.top_k,
-        ridge_lambda=args.ridge_lambda,
-        head_mode=args.head_mode,
-        kv_mode=args.kv_mode,
-        batch_size=args.batch_size,
-        heldout_fraction=args.heldout_fraction,
-        seed=args.seed,
+        settings,
         source_revision=args.source_revision,
         target_revision=args.target_revision,
-        text_field=args.text_field,
-        progress=True,
-        mapper_type=args.mapper_type,
-        mapper_kwargs={"rank": args.rank} if args.mapper_type == "low_rank" else {},
-        statistics_memory=args.statistics_memory,
-        statistics_dtype=args.statistics_dtype,
         **load_kwargs,
     )
     bridge.save_pretrained(out, overwrite=args.overwrite)
@@ -120,8 +87,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_reference(bridge.config.target_name_or_path))
     inputs = tokenizer(args.prompt, return_tensors="pt")
     prompt_tokens = inputs["input_ids"].shape[1]
-    _check_context("the prompt", prompt_tokens, bridge.max_positions, "shorten it")
-    _check_context(
+    ContextLengthError.check("the prompt", prompt_tokens, bridge.max_positions, "shorten it")
+    ContextLengthError.check(
         f"the prompt ({prompt_tokens:,}) plus --max-new-tokens ({args.max_new_tokens:,})",
         prompt_tokens + args.max_new_tokens,
         bridge.max_positions,
@@ -194,7 +161,7 @@ def _cmd_chat(args: argparse.Namespace) -> int:
             print(f"[unknown command {text.split()[0]}; /help lists the commands]")
             continue
         session.add_user(text)
-        _check_context(
+        ContextLengthError.check(
             "the conversation plus --max-new-tokens",
             len(session.prompt_tokens()) + args.max_new_tokens,
             bridge.max_positions,
@@ -211,75 +178,14 @@ def _cmd_chat(args: argparse.Namespace) -> int:
     return 0
 
 
-DEFAULT_BENCH_LENGTHS = (256, 1024, 4096)
-
-
 def _cmd_bench(args: argparse.Namespace) -> int:
-    import json
-
-    import torch
-
-    from hf_kvbridge.tools.bench import benchmark, format_table, qwen3_shape_config, random_bridge
-
-    dtype = getattr(torch, args.dtype)
-    mapper_dtype = getattr(torch, args.mapper_dtype or args.dtype)
-    if args.shapes:
-        source_name, target_name = args.shapes.split(":")
-        bridge = random_bridge(
-            qwen3_shape_config(source_name),
-            qwen3_shape_config(target_name),
-            top_k=args.top_k,
-            head_mode=args.head_mode,
-            dtype=dtype,
-            mapper_dtype=mapper_dtype,
-            device=args.device,
-            rank=args.rank,
-        )
-        rank = "" if args.rank is None else f", rank {args.rank}"
-        what = f"random-weight {source_name} → {target_name}, top_k={args.top_k}, {args.head_mode}{rank}"
-    elif args.bridge:
-        from hf_kvbridge import KVBridgeForCausalLM
-
-        bridge = KVBridgeForCausalLM.from_pretrained(args.bridge, dtype=dtype, device_map=args.device)
-        bridge.mapper.to(dtype=mapper_dtype)
-        what = f"{bridge.config.source_name_or_path} → {bridge.config.target_name_or_path} ({args.bridge})"
+    if args.bench == "mapper":
+        from hf_kvbridge.tools.bench.mapper import run_cli
+    elif args.bench == "calibration":
+        from hf_kvbridge.tools.bench.calibration import run_cli
     else:
-        print("error: pass a bridge folder or --shapes SOURCE:TARGET", file=sys.stderr)
-        return 2
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    limit = bridge.max_positions
-    if args.lengths is None:  # the defaults, cut to what the models take
-        lengths = [n for n in DEFAULT_BENCH_LENGTHS if n <= limit] or [limit]
-    else:
-        lengths = args.lengths
-        _check_context("a --lengths entry", max(lengths), limit, f"pass lengths up to {limit:,}")
-    rows = benchmark(
-        bridge, lengths, batch=args.batch, repeats=args.repeats, warmup=args.warmup, interleave=args.interleave
-    )
-    order = "interleaved rounds" if args.interleave else "each in a row"
-    print(
-        f"{what}; {args.dtype} models, {mapper_dtype} mapper on {args.device}, {torch.get_num_threads()} threads, "
-        f"median of {args.repeats} ({order})"
-    )
-    print(format_table(rows))
-    if args.json:
-        with open(args.json, "w") as handle:
-            json.dump({"bridge": what, "rows": rows}, handle, indent=2)
-        print(f"wrote {args.json}")
-    return 0
-
-
-def _cmd_drift(args: argparse.Namespace) -> int:
-    from hf_kvbridge.tools.drift import run_drift
-
-    return run_drift(args)
-
-
-def _cmd_study(args: argparse.Namespace) -> int:
-    from hf_kvbridge.tools.study import run_study_cli
-
-    return run_study_cli(args)
+        from hf_kvbridge.tools.bench.vllm import run_cli
+    return run_cli(args)
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
@@ -304,8 +210,10 @@ def _cmd_tune(args: argparse.Namespace) -> int:
         return 2
     limits = [n for n in (_max_positions(args.source), _max_positions(args.target)) if n]
     if limits:
-        _check_context("--seq-len", args.seq_len, min(limits), "pass a smaller --seq-len")
-        _check_context("--context plus --continuation", args.context + args.continuation, min(limits), "shorten them")
+        ContextLengthError.check("--seq-len", args.seq_len, min(limits), "pass a smaller --seq-len")
+        ContextLengthError.check(
+            "--context plus --continuation", args.context + args.continuation, min(limits), "shorten them"
+        )
     from hf_kvbridge.tools.tune import run_tune_cli
 
     return run_tune_cli(args)
@@ -316,7 +224,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     from hf_kvbridge.tools.diagnostics import inspect_bridge, write_inspect_outputs
 
     bridge = KVBridgeForCausalLM.from_pretrained(args.bridge)
-    _check_context("--seq-len", args.seq_len, bridge.max_positions, "pass a smaller --seq-len")
+    ContextLengthError.check("--seq-len", args.seq_len, bridge.max_positions, "pass a smaller --seq-len")
     report = inspect_bridge(
         bridge, args.data, num_sequences=args.num_sequences, seq_len=args.seq_len, batch_size=args.batch_size
     )
@@ -343,12 +251,6 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_mappers(args: argparse.Namespace) -> int:
-    from hf_kvbridge.tools.mapper_study import run_study
-
-    return run_study(args)
-
-
 def _cmd_push(args: argparse.Namespace) -> int:
     from hf_kvbridge.integrations.hub import push_checkpoint
 
@@ -363,201 +265,6 @@ def _cmd_push(args: argparse.Namespace) -> int:
     )
     print(f"pushed {args.bridge} to {args.repo_id}: {getattr(commit, 'commit_url', commit)}")
     return 0
-
-
-DEBUG_HELP = "on an error, show the full traceback instead of one line"
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse, but a bad argument gets one line (what is wrong, where to look) instead of the whole usage."""
-
-    def error(self, message: str):
-        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="kvbridge", description="Cross-model KV cache transfer within an LLM family")
-    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
-    parser.add_argument("--debug", action="store_true", help=DEBUG_HELP)
-    sub = parser.add_subparsers(dest="command", required=True)
-
-    cal = sub.add_parser("calibrate", help="calibrate a source→target mapper and save it")
-    cal.add_argument("source", help="source model (Hub id, local path, or pocket/<name>)")
-    cal.add_argument("target", help="target model (Hub id, local path, or pocket/<name>)")
-    cal.add_argument(
-        "--data",
-        type=_calibration_data,
-        default="HuggingFaceFW/fineweb-edu",
-        help=f"a .txt/.jsonl file or folder, '{POCKET_DATA}' (the pocket family's shipped calibration split), or a "
-        "dataset name (streamed; default HuggingFaceFW/fineweb-edu, needs the Hub)",
-    )
-    cal.add_argument("--out", required=True, help="output folder for the bridge checkpoint")
-    cal.add_argument("--top-k", type=_top_k, default=6, help="source layers per target layer, or 'all'")
-    cal.add_argument(
-        "--ridge-lambda",
-        type=_ridge_lambda,
-        default="auto",
-        help="'auto' (chosen per target layer by held-out R²) or a number ≥ 0, relative to each input feature's "
-        "variance",
-    )
-    cal.add_argument("--num-sequences", type=_positive_int, default=500)
-    cal.add_argument("--seq-len", type=_positive_int, default=1024)
-    cal.add_argument("--head-mode", choices=["all_heads", "same_head"], default="all_heads")
-    cal.add_argument(
-        "--kv-mode",
-        choices=["joint", "separate"],
-        default="joint",
-        help="separate: keys from keys and values from values (half the mapper's weights and FLOPs; with "
-        "--head-mode same_head, 1/(2·KV heads) of the fit statistics)",
-    )
-    cal.add_argument(
-        "--mapper-type",
-        choices=list(MAPPER_TYPES),
-        default="ridge",
-        help="low_rank: each ridge map reduced to --rank (cheaper to apply)",
-    )
-    cal.add_argument("--rank", type=_positive_int, default=64, help="rank of a low_rank mapper")
-    cal.add_argument("--batch-size", type=_positive_int, default=8)
-    cal.add_argument(
-        "--statistics-memory",
-        help="memory the calibration statistics may take, e.g. 16GB (default: half the free memory); refused up "
-        "front when too small",
-    )
-    cal.add_argument("--statistics-dtype", choices=["float32", "float64"], default="float32")
-    cal.add_argument("--heldout-fraction", type=_fraction, default=0.1)
-    cal.add_argument("--seed", type=int, default=0)
-    cal.add_argument("--text-field", default="text", help="JSON/dataset field holding the text")
-    cal.add_argument("--source-revision")
-    cal.add_argument("--target-revision")
-    cal.add_argument("--dtype", help="model dtype, e.g. bfloat16")
-    cal.add_argument("--device-map", help="e.g. auto")
-    cal.add_argument("--overwrite", action="store_true", help="replace bridge files in a non-empty --out")
-    cal.set_defaults(func=_cmd_calibrate)
-
-    gen = sub.add_parser("generate", help="generate with a saved bridge")
-    gen.add_argument("bridge", help="bridge checkpoint folder or Hub id")
-    gen.add_argument("prompt")
-    gen.add_argument("--max-new-tokens", type=_positive_int, default=40)
-    gen.add_argument("--do-sample", action="store_true")
-    gen.add_argument("--seed", type=int, default=0)
-    gen.set_defaults(func=_cmd_generate)
-
-    chat = sub.add_parser("chat", help="chat in the terminal, switching models mid-conversation")
-    chat.add_argument("bridge", help="bridge checkpoint folder or Hub id")
-    chat.add_argument("--start", choices=["source", "target"], default="source", help="model of the first answer")
-    chat.add_argument("--remap", choices=["incremental", "full"], default="incremental")
-    chat.add_argument("--system", help="system prompt")
-    chat.add_argument("--max-new-tokens", type=_positive_int, default=64)
-    chat.add_argument("--do-sample", action="store_true")
-    chat.set_defaults(func=_cmd_chat)
-
-    bench = sub.add_parser("bench", help="mapper time vs the target's re-prefill, per context length")
-    bench.add_argument("bridge", nargs="?", help="bridge checkpoint (or use --shapes for random weights)")
-    bench.add_argument("--shapes", help="random-weight Qwen3 shapes, e.g. qwen3-0.6b:qwen3-4b")
-    bench.add_argument("--top-k", type=_positive_int, default=6, help="with --shapes")
-    bench.add_argument("--head-mode", choices=["all_heads", "same_head"], default="all_heads", help="with --shapes")
-    bench.add_argument("--rank", type=_positive_int, help="with --shapes: a low-rank mapper of this rank")
-    bench.add_argument("--mapper-dtype", choices=["float32", "bfloat16", "float16"], help="defaults to --dtype")
-    bench.add_argument(
-        "--interleave", action="store_true", help="alternate source, mapper and target runs (in cascade order)"
-    )
-    bench.add_argument(
-        "--lengths",
-        type=_lengths,
-        help="context lengths in tokens (default 256,1024,4096, cut to the models' maximum positions)",
-    )
-    bench.add_argument("--batch", type=_positive_int, default=1)
-    bench.add_argument("--repeats", type=_positive_int, default=5)
-    bench.add_argument("--warmup", type=int, default=1)
-    bench.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    bench.add_argument("--device", default="cpu")
-    bench.add_argument("--threads", type=_positive_int, help="torch threads on CPU")
-    bench.add_argument("--json", help="write the rows as JSON here")
-    bench.set_defaults(func=_cmd_bench)
-
-    drift = sub.add_parser("drift", help="per-turn drift of multi-turn handoffs on the pocket family (offline)")
-    drift.add_argument("--small", default="pocket-s")
-    drift.add_argument("--large", default="pocket-l")
-    drift.add_argument("--turns", type=int, default=10)
-    drift.add_argument("--segment-len", type=int, default=48, help="tokens per turn")
-    drift.add_argument("--conversations", type=int, default=8)
-    drift.add_argument("--num-sequences", type=int, default=128)
-    drift.add_argument("--seq-len", type=int, default=512)
-    drift.add_argument("--top-k", type=_positive_int, default=6)
-    drift.add_argument("--seed", type=int, default=0)
-    drift.add_argument("--out", default="kvbridge-demo")
-    drift.set_defaults(func=_cmd_drift)
-
-    study = sub.add_parser("study", help="Pearson r of R² and attention cosine with retention (pocket family)")
-    study.add_argument("--pairs", default="pocket-s:pocket-l,pocket-m:pocket-l,pocket-l:pocket-s,pocket-s:pocket-m")
-    study.add_argument("--num-sequences", type=int, default=64)
-    study.add_argument("--seq-len", type=int, default=512)
-    study.add_argument("--windows", type=int, default=12, help="held-out windows for retention")
-    study.add_argument("--seed", type=int, default=0)
-    study.add_argument(
-        "--knobs", metavar="SOURCE:TARGET", help="instead: retention vs cost of sink_tokens and hold_back on this pair"
-    )
-    study.add_argument("--out", default="kvbridge-demo")
-    study.set_defaults(func=_cmd_study)
-
-    demo = sub.add_parser("demo", help="calibrate and measure a bridge of the shipped pocket family (offline)")
-    demo.add_argument("--out", default="kvbridge-demo", help="parent folder; each run writes a new folder in it")
-    demo.add_argument("--quick", action="store_true", help="smaller calibration and evaluation (for tests)")
-
-    add_demo_arguments(demo)
-    demo.set_defaults(func=_cmd_demo)
-
-    ev = sub.add_parser("eval", help="source, target and bridge through lm-eval: one retention table")
-
-    add_eval_arguments(ev)
-    ev.set_defaults(func=_cmd_eval)
-
-    tune = sub.add_parser(
-        "tune",
-        help="search top-k, λ, kv mode, mapper, rank and recompute share from one calibration; save the choice",
-    )
-    add_tune_arguments(tune)
-    tune.set_defaults(func=_cmd_tune)
-
-    inspect = sub.add_parser("inspect", help="diagnostics report of a saved bridge on held-out text (JSON + PNG)")
-    inspect.add_argument("bridge", help="bridge checkpoint folder or Hub id")
-    inspect.add_argument(
-        "--data",
-        required=True,
-        type=_heldout_data,
-        help=f"held-out text: a .txt/.jsonl file or folder, '{POCKET_DATA}' (the pocket family's held-out split), "
-        "or a dataset",
-    )
-    inspect.add_argument("--num-sequences", type=_positive_int, default=16)
-    inspect.add_argument("--seq-len", type=_positive_int, default=256)
-    inspect.add_argument("--batch-size", type=_positive_int, default=4)
-    inspect.add_argument("--out", default="kvbridge-inspect", help="folder for report.json and the plots")
-    inspect.set_defaults(func=_cmd_inspect)
-
-    mappers = sub.add_parser("mappers", help="ridge vs MLP vs attention-weighted mappers on a pocket pair (offline)")
-
-    add_mappers_arguments(mappers)
-    mappers.set_defaults(func=_cmd_mappers)
-
-    push = sub.add_parser("push", help="upload a saved bridge checkpoint to the Hub in one commit")
-    push.add_argument("bridge", help="bridge checkpoint folder")
-    push.add_argument("repo_id", help="org/name on the Hub")
-    push.add_argument("--revision", help="branch to commit to")
-    push.add_argument("--private", action="store_true", default=None, help="create the repo private")
-    push.add_argument("--token", help="Hub token (default: the logged-in one)")
-    push.add_argument("--commit-message")
-    push.add_argument("--create-pr", action="store_true")
-    push.set_defaults(func=_cmd_push)
-    serve = sub.add_parser(
-        "serve",
-        help="serve the bridge's target with vLLM's OpenAI-compatible server and the KV bridge connector",
-        description="kvbridge serve DIR [--requests opt_in|all] [--print] [vllm serve args...]: every argument "
-        "after DIR goes to hf_kvbridge.integrations.vllm.serve_main (see the README's 'Serving with vLLM').",
-    )
-    serve.add_argument("bridge", help="bridge checkpoint folder or Hub id")
-    serve.add_argument("vllm_args", nargs=argparse.REMAINDER, help="--requests, --print, and vllm serve options")
-    serve.set_defaults(func=_cmd_serve)
-    return parser
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
@@ -585,19 +292,29 @@ def _one_line(err: BaseException) -> str:
     return f"{type(err).__name__}: {message}"
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Runs one `kvbridge` command; returns its exit status (0 ok, 1 error, 2 bad arguments, 130 interrupted)."""
-    parser = build_parser()
-    for subparser in parser._subparsers._group_actions[0].choices.values():  # `--debug` after the command, too
-        subparser.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=DEBUG_HELP)
-    args = parser.parse_args(argv)
+COMMANDS = {
+    "calibrate": _cmd_calibrate,
+    "generate": _cmd_generate,
+    "chat": _cmd_chat,
+    "eval": _cmd_eval,
+    "push": _cmd_push,
+    "inspect": _cmd_inspect,
+    "bench": _cmd_bench,
+    "tune": _cmd_tune,
+    "serve": _cmd_serve,
+    "demo": _cmd_demo,
+}
+
+
+def run(args: argparse.Namespace) -> int:
+    """Runs the command `args` (parsed and checked by `kvbridge_cli`) names; returns its exit status."""
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(message)s")
     if not args.verbose:  # transformers' "Loading weights" bar on every model load says nothing to a user
         from transformers.utils import logging as transformers_logging
 
         transformers_logging.disable_progress_bar()
     try:
-        return args.func(args)
+        return COMMANDS[args.command](args)
     except KeyboardInterrupt:
         if args.debug:
             raise
@@ -608,6 +325,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         print(f"error: {_one_line(err)} (--debug shows the traceback)", file=sys.stderr)
         return 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`kvbridge` (the console script is `kvbridge_cli:main`, which parses without importing torch)."""
+    from kvbridge_cli import main as light_main
+
+    return light_main(argv)
 
 
 if __name__ == "__main__":

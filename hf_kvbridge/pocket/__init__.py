@@ -3,7 +3,8 @@
 The models share one byte-level BPE tokenizer (vocab 4096). ``pocket-s``, ``pocket-m`` and ``pocket-l`` also share
 their KV-cache layout (2 KV heads x head_dim 32) and differ in depth and width, so a KV cache of one can be mapped
 into another. ``pocket-x`` has a different KV layout (4 KV heads x head_dim 16): the pairs with another layout.
-They were trained from scratch on the Python 3.11 documentation (PSF-2.0) by ``hf_kvbridge.pocket.train``.
+They were trained from scratch on the Python 3.11 documentation (PSF-2.0) by ``studies/train_pocket.py``
+(in a checkout; not shipped).
 
 This module imports nothing heavy; load the models with ``transformers`` yourself::
 

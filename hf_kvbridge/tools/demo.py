@@ -27,7 +27,7 @@ from ..calibration import calibrate
 from ..controls import CONTROL_MARGIN
 from ..errors import ContextLengthError
 from ..selection import mapper_r2, select_layers
-from .bench import mapper_vs_prefill
+from .bench.mapper import mapper_vs_prefill
 from .diagnostics import plot_layer_bars, plot_r2_heatmap, plot_r2_vs_k
 from .evaluation import build_cloze, cloze_accuracy, continuation_nll, heldout_windows
 
@@ -176,11 +176,7 @@ def measure(args: argparse.Namespace, stages: Stages | None = None) -> dict:
     seq_len = args.seq_len or size["seq_len"]
     limit = min(source.config.max_position_embeddings, target.config.max_position_embeddings)
     for what, length in (("--seq-len", seq_len), ("the timing context", size["timing_context"])):
-        if length > limit:
-            raise ContextLengthError(
-                f"{what} is {length:,} tokens but {args.source}/{args.target} take at most {limit:,} positions; "
-                "pass a smaller --seq-len"
-            )
+        ContextLengthError.check(what, length, limit, f"pass a smaller --seq-len ({args.source}/{args.target})")
     stages = stages or Stages(stage_costs(size, num_sequences, seq_len))
 
     started = time.perf_counter()

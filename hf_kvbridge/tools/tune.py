@@ -39,10 +39,10 @@ import torch
 
 from ..calibration import calibrate, fit_bridge
 from ..data import iter_texts
-from ..errors import TuningError
+from ..errors import InvalidInputError, TuningError
 from ..mappers.low_rank import low_rank_bridge
 from ..statistics import KVStatistics
-from .bench import prefill_flops
+from .bench.mapper import prefill_flops
 from .evaluation import heldout_windows, retention
 from .evaluation import mean_nll as _nll
 
@@ -143,7 +143,7 @@ def choose(points: Sequence[Point], *, min_retention: float | None = None, max_c
         `TuningError`: no point qualifies (the message names the best one there is), or neither bound is given.
     """
     if min_retention is None and max_cost is None:
-        raise ValueError("pass min_retention (a quality target) or max_cost (a cost budget), or both")
+        raise InvalidInputError("pass min_retention (a quality target) or max_cost (a cost budget), or both")
     valid = [p for p in points if _valid(p)]
     if not valid:
         raise TuningError(
@@ -272,7 +272,9 @@ def split_windows(
     """Tuning windows from the even-numbered documents, check windows from the odd-numbered ones: the check windows
     share no document with the windows the configuration was chosen on."""
     if len(texts) < 2:
-        raise ValueError(f"the evaluation text has {len(texts)} document(s); tuning needs at least 2 (tune and check)")
+        raise InvalidInputError(
+            f"the evaluation text has {len(texts)} document(s); tuning needs at least 2 (tune and check)"
+        )
     return (
         heldout_windows(list(texts[0::2]), tokenizer, length, tune_windows),
         heldout_windows(list(texts[1::2]), tokenizer, length, check_windows),
@@ -365,7 +367,7 @@ def run_tune(
     ```
     """
     if min_retention is None and max_cost is None:
-        raise ValueError("pass min_retention (a quality target) or max_cost (a cost budget), or both")
+        raise InvalidInputError("pass min_retention (a quality target) or max_cost (a cost budget), or both")
     grid = grid or TuneGrid()
     started = time.perf_counter()
     base = calibrate(
@@ -486,7 +488,7 @@ def _write_json(result: dict, path: str | Path | None) -> None:
 
 
 def run_tune_cli(args: argparse.Namespace) -> int:
-    """`kvbridge tune`: the arguments are parsed and checked by the CLI (`cli/arguments.py`)."""
+    """`kvbridge tune`: the arguments are parsed and checked by the CLI (`kvbridge_cli/parser.py`)."""
     grid = TuneGrid(
         top_k=tuple(args.top_k),
         ridge_lambdas=tuple(args.ridge_lambdas),

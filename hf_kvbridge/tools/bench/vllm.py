@@ -2,11 +2,11 @@
 
 ```bash
 # CPU, pocket-s → pocket-l (calibrated here, 64 × 512 tokens), bfloat16, prompts of 512 / 1,024 / 2,000 tokens
-HF_HUB_OFFLINE=1 python -m hf_kvbridge.integrations.vllm_bench --lengths 512,1024,2000 --json vllm-bench.json
+HF_HUB_OFFLINE=1 kvbridge bench vllm --lengths 512,1024,2000 --json vllm-bench.json
 # an existing bridge
-python -m hf_kvbridge.integrations.vllm_bench --bridge DIR --lengths 1024 --json out.json
+kvbridge bench vllm --bridge DIR --lengths 1024 --json out.json
 # GPU, Qwen3-shaped random weights (0.6B → 8B shapes, vocabulary of the pocket tokenizer), needs a CUDA vLLM
-python -m hf_kvbridge.integrations.vllm_bench --shapes qwen3-0.6b:qwen3-8b --lengths 1024,4096,16384 --json gpu.json
+kvbridge bench vllm --shapes qwen3-0.6b:qwen3-8b --lengths 1024,4096,16384 --json gpu.json
 ```
 
 One engine serves the target with the connector; requests that do not opt in are the target alone, requests that
@@ -27,7 +27,6 @@ import argparse
 import json
 import platform
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -64,8 +63,8 @@ def random_shapes_bridge(out: Path, shapes: str, top_k: int, max_positions: int)
     from transformers import AutoTokenizer
 
     from hf_kvbridge import pocket
-    from hf_kvbridge.bench import qwen3_shape_config, random_bridge
     from hf_kvbridge.layout import KVLayout
+    from hf_kvbridge.tools.bench.mapper import qwen3_shape_config, random_bridge
 
     tokenizer = AutoTokenizer.from_pretrained(pocket.model_path("pocket-l"))
     source_name, target_name = shapes.split(":")
@@ -193,29 +192,9 @@ def run(
     return {"rows": rows, "engine": {k: v for k, v in engine_args.items() if k != "kv_transfer_config"}}
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m hf_kvbridge.integrations.vllm_bench", description=__doc__.split("\n")[0]
-    )
-    parser.add_argument("--bridge", help="a bridge checkpoint (default: calibrate the pocket pair here)")
-    parser.add_argument(
-        "--pair", default="pocket-s:pocket-l", help="pocket pair to calibrate when --bridge is not given"
-    )
-    parser.add_argument("--shapes", help="random Qwen3-shaped models instead, e.g. qwen3-0.6b:qwen3-8b (GPU)")
-    parser.add_argument("--lengths", default="512,1024,2000")
-    parser.add_argument("--repeats", type=int, default=5, help="TTFT samples per length and mode")
-    parser.add_argument("--requests", type=int, default=8, help="requests per throughput batch")
-    parser.add_argument("--max-tokens", type=int, default=32, help="output tokens per throughput request")
-    parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--block-size", type=int, default=None, help="vLLM block size (CPU attention: multiple of 32)")
-    parser.add_argument("--kv-cache-gb", type=float, default=1.0)
-    parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--num-sequences", type=int, default=64)
-    parser.add_argument("--seq-len", type=int, default=512)
-    parser.add_argument("--top-k", type=int, default=6)
-    parser.add_argument("--json", help="write the results here")
-    args = parser.parse_args(argv)
-    lengths = [int(x) for x in args.lengths.split(",")]
+def run_cli(args: argparse.Namespace) -> int:
+    """`kvbridge bench vllm`: vLLM is imported here, when the benchmark runs."""
+    lengths = list(args.lengths)
     with tempfile.TemporaryDirectory(prefix="kvbridge-vllm-bench-") as tmp:
         if args.bridge:
             bridge_dir, what = args.bridge, args.bridge
@@ -260,7 +239,3 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(text)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

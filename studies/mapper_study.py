@@ -1,6 +1,6 @@
-"""`kvbridge mappers`: ridge, its cheaper forms (same-head, low rank, bfloat16 weights), residual MLP (MSE and
-attention loss) and the attention-weighted closed form, side by side on the pocket family's hardest pair, with their
-cost.
+"""Mapper comparison (`python -m studies.mapper_study`): ridge, its cheaper forms (same-head, low rank, bfloat16
+weights), residual MLP (MSE and attention loss) and the attention-weighted closed form, side by side on the pocket
+family's hardest pair, with their cost.
 
 1. Every candidate pair (default `pocket-s → pocket-l`, `pocket-m → pocket-l`, `pocket-l → pocket-s`; pairs whose
    models are not installed are skipped, and with no `pocket-l` the study falls back to `pocket-s ↔ pocket-m`) gets a
@@ -27,13 +27,20 @@ import logging
 import time
 from pathlib import Path
 
-from ..constants import MAPPER_STUDY_MAPPERS, MAPPER_STUDY_PAIRS
-
 logger = logging.getLogger(__name__)
 
-DEFAULT_PAIRS = MAPPER_STUDY_PAIRS
+DEFAULT_PAIRS = "pocket-s:pocket-l,pocket-m:pocket-l,pocket-l:pocket-s"
 FALLBACK_PAIRS = "pocket-s:pocket-m,pocket-m:pocket-s"
-MAPPERS = MAPPER_STUDY_MAPPERS
+MAPPERS = (
+    "ridge",
+    "ridge_same_head",
+    "low_rank_32",
+    "low_rank_8",
+    "ridge_bf16",
+    "mlp_mse",
+    "mlp_attention",
+    "ridge_attention_weighted",
+)
 
 
 def _parse_pairs(text: str) -> list[tuple[str, str]]:
@@ -41,7 +48,7 @@ def _parse_pairs(text: str) -> list[tuple[str, str]]:
 
 
 def _installed(name: str) -> bool:
-    from .. import pocket
+    from hf_kvbridge import pocket
 
     try:
         pocket.model_path(name)
@@ -82,10 +89,10 @@ def prepare_pair(
     import torch
     from transformers import AutoTokenizer
 
-    from .. import pocket
-    from ..calibration import collect_statistics, fit_bridge, split_heldout
-    from ..data import token_windows
-    from .evaluation import build_cloze, heldout_windows
+    from hf_kvbridge import pocket
+    from hf_kvbridge.calibration import collect_statistics, fit_bridge, split_heldout
+    from hf_kvbridge.data import token_windows
+    from hf_kvbridge.tools.evaluation import build_cloze, heldout_windows
 
     torch.manual_seed(seed)
     tokenizer = AutoTokenizer.from_pretrained(pocket.model_path(target_name))
@@ -129,8 +136,8 @@ def prepare_pair(
 
 def _linear_variant(ridge, name: str):
     """The closed-form variants of the ridge bridge: `ridge_same_head`, `low_rank_<rank>`; `None` for others."""
-    from ..calibration import fit_bridge
-    from ..mappers.low_rank import low_rank_bridge
+    from hf_kvbridge.calibration import fit_bridge
+    from hf_kvbridge.mappers.low_rank import low_rank_bridge
 
     train, heldout = ridge.calibration_statistics
     config = ridge.config
@@ -157,10 +164,10 @@ def _bf16_r2(bridge) -> dict | None:
     rounded, measured on the held-out statistics."""
     import torch
 
-    from ..mappers import KVMapper
-    from ..mappers.low_rank import LowRankKVMapper
-    from ..selection import mapped_heldout_r2
-    from ..solve import effective_ridge_lambda
+    from hf_kvbridge.mappers import KVMapper
+    from hf_kvbridge.mappers.low_rank import LowRankKVMapper
+    from hf_kvbridge.selection import mapped_heldout_r2
+    from hf_kvbridge.solve import effective_ridge_lambda
 
     train, heldout = bridge.calibration_statistics
     config = bridge.config
@@ -187,10 +194,11 @@ def measure_mapper(
     """Fits mapper `name` on a prepared pair (unless already there) and measures it (see `compare_mappers`)."""
     import torch
 
-    from ..attention import attention_output_cosine
-    from ..mappers.mlp import train_mlp_mapper
-    from ..mappers.weighted import fit_attention_weighted
-    from .evaluation import cloze_accuracy, continuation_nll
+    from hf_kvbridge.attention import attention_output_cosine
+    from hf_kvbridge.errors import ConfigurationError
+    from hf_kvbridge.mappers.mlp import train_mlp_mapper
+    from hf_kvbridge.mappers.weighted import fit_attention_weighted
+    from hf_kvbridge.tools.evaluation import cloze_accuracy, continuation_nll
 
     ridge, ridge_s = context["bridges"]["ridge"]
     windows, batch_size = context["windows"], context["settings"]["batch_size"]
@@ -208,7 +216,7 @@ def measure_mapper(
         else:
             bridge = _linear_variant(ridge, base_name)
             if bridge is None:
-                raise ValueError(f"unknown mapper {name!r}; known: {MAPPERS} (any rank for low_rank_<rank>)")
+                raise ConfigurationError(f"unknown mapper {name!r}; known: {MAPPERS} (any rank for low_rank_<rank>)")
         # on top of the ridge fit it starts from (statistics pass, selection, solve)
         context["bridges"][base_name] = (bridge, time.perf_counter() - started + ridge_s)
     bridge, fit_s = context["bridges"][base_name]
@@ -216,7 +224,7 @@ def measure_mapper(
     if bf16:
         r2 = _bf16_r2(bridge)
         if r2 is None:
-            raise ValueError(f"{name!r}: only the closed-form linear mappers have a bfloat16 variant here")
+            raise ConfigurationError(f"{name!r}: only the closed-form linear mappers have a bfloat16 variant here")
         bridge = bridge.with_mapper(copy.deepcopy(bridge.mapper), bridge.config)
         bridge.mapper.to(torch.bfloat16)  # after __init__, which keeps a float32 target's mapper in float32
     nll = continuation_nll(bridge, context["eval_windows"], context["settings"]["nll_context"], batch_size=batch_size)
@@ -244,7 +252,7 @@ def measure_mapper(
 
 def _speed(bridge, context: dict) -> dict:
     """Mapper against the target's re-prefill on the timing context (`bench.mapper_vs_prefill`, runs in a row)."""
-    from .bench import mapper_vs_prefill
+    from hf_kvbridge.tools.bench.mapper import mapper_vs_prefill
 
     row = mapper_vs_prefill(bridge, context["timing_ids"], repeats=context["settings"]["timing_repeats"])
     return {
@@ -292,7 +300,7 @@ def compare_mappers(
     Example:
 
     ```python
-    >>> from hf_kvbridge.tools.mapper_study import compare_mappers
+    >>> from studies.mapper_study import compare_mappers
     >>> result = compare_mappers("pocket-s", "pocket-m", mappers=("ridge", "mlp_mse"))  # doctest: +SKIP
     >>> result["mappers"]["mlp_mse"]["retention"]  # doctest: +SKIP
     ```
@@ -337,7 +345,7 @@ def format_table(result: dict) -> str:
 
 
 def run_study(args: argparse.Namespace) -> int:
-    """The `kvbridge mappers` command."""
+    """`python -m studies.mapper_study`: the study from parsed arguments."""
     settings = {
         "num_sequences": args.num_sequences,
         "seq_len": args.seq_len,
@@ -391,3 +399,43 @@ def run_study(args: argparse.Namespace) -> int:
     Path(args.json).write_text(json.dumps(result, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     print(f"wrote {args.json}")
     return 0
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--pairs", default=DEFAULT_PAIRS, help="candidate SOURCE:TARGET pairs; the hardest is studied")
+    parser.add_argument("--pair", help="study this SOURCE:TARGET pair directly (skips the search for the hardest)")
+    parser.add_argument(
+        "--mappers",
+        default=",".join(MAPPERS),
+        help="comma-separated mapper names: ridge, ridge_same_head, low_rank_<rank> (e.g. low_rank_32), mlp_mse, "
+        "mlp_attention, ridge_attention_weighted; a linear one with _bf16 appended keeps its weights in bfloat16 "
+        f"(default: {','.join(MAPPERS)})",
+    )
+    parser.add_argument("--num-sequences", type=int, default=128, help="calibration windows")
+    parser.add_argument("--seq-len", type=int, default=256, help="calibration window length")
+    parser.add_argument("--top-k", type=int, default=6)
+    parser.add_argument("--ridge-lambda", type=float, default=0.01)
+    parser.add_argument("--head-mode", choices=["all_heads", "same_head"], default="all_heads")
+    parser.add_argument("--nll-windows", type=int, default=64)
+    parser.add_argument("--nll-context", type=int, default=256)
+    parser.add_argument("--nll-continuation", type=int, default=64)
+    parser.add_argument("--cloze-items", type=int, default=100, help="cloze items per mapper (0: skip the cloze)")
+    parser.add_argument("--mlp-hidden", type=int, default=128)
+    parser.add_argument("--mlp-epochs", type=int, default=3)
+    parser.add_argument("--mlp-lr", type=float, default=3e-3)
+    parser.add_argument("--mlp-steps-per-batch", type=int, default=8)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--timing-context", type=int, default=1024)
+    parser.add_argument("--timing-repeats", type=int, default=5)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", default="kvbridge-mappers.json", help="where to write the results")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m studies.mapper_study", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    return run_study(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

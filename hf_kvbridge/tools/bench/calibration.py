@@ -1,7 +1,7 @@
 """Calibration at real layer shapes with random weights: tokens/s, statistics memory, peak RSS, and the overhead over
 the two models' forward passes.
 
-    python -m hf_kvbridge.tools.calibration_bench --pair qwen3-0.6b:qwen3-1.7b --statistics-memory 8GB
+    kvbridge bench calibration --pair qwen3-0.6b:qwen3-1.7b --statistics-memory 8GB
 
 Random weights give meaningless maps but real shapes, so the memory plan, the statistics' cost and the passes over the
 data are those of the real pair. Timing figures need a quiet machine.
@@ -17,9 +17,9 @@ import time
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from ..budget import check_budget, fit_bytes, format_bytes, parse_bytes, plan_passes, selection_bytes
-from ..calibration import fit_bridge_in_passes, split_heldout
-from ..statistics import feature_groups
+from ...budget import check_budget, fit_bytes, format_bytes, parse_bytes, plan_passes, selection_bytes
+from ...calibration import fit_bridge_in_passes, split_heldout
+from ...statistics import feature_groups
 
 # layer shapes of real checkpoints (hidden, layers, attention heads, KV heads, head dim, MLP width, vocabulary, tied)
 SHAPES = {
@@ -168,29 +168,11 @@ def run(args: argparse.Namespace) -> dict:
     return result
 
 
-def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--pair", default="qwen3-0.6b:qwen3-1.7b", help=f"source:target, of {sorted(SHAPES)}")
-    parser.add_argument("--num-sequences", type=int, default=8)
-    parser.add_argument("--seq-len", type=int, default=256)
-    parser.add_argument("--batch-size", type=int, default=2)
-    parser.add_argument("--heldout-fraction", type=float, default=0.125)
-    parser.add_argument("--top-k", type=int, default=6)
-    parser.add_argument("--head-mode", default="same_head", choices=["all_heads", "same_head"])
-    parser.add_argument("--kv-mode", default="joint", choices=["joint", "separate"])
-    parser.add_argument("--statistics-memory", default="8GB")
-    parser.add_argument("--statistics-dtype", default="float32", choices=["float32", "float64"])
-    parser.add_argument("--statistics-device", default=None)
-    parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--vocab", type=int, default=None, help="override the vocabulary size (smaller embeddings)")
-    parser.add_argument("--progress", action="store_true")
-    parser.add_argument("--json", default=None, help="also write the result here")
-    parser.add_argument("--memory-model", action="store_true", help="print the README's memory model table and exit")
-    args = parser.parse_args(argv)
+def run_cli(args: argparse.Namespace) -> int:
+    """`kvbridge bench calibration`: prints the result (and writes it with `--json`)."""
     if args.memory_model:
         print(memory_table())
-        return {}
+        return 0
     result = run(args)
     text = json.dumps(result, indent=2)
     print(text)
@@ -203,8 +185,4 @@ def main(argv: list[str] | None = None) -> dict:
     if args.json:
         with open(args.json, "w") as f:
             f.write(text)
-    return result
-
-
-if __name__ == "__main__":
-    main()
+    return 0

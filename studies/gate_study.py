@@ -23,7 +23,7 @@ The chosen threshold is the lowest `t` (the most transfers) whose passed windows
 threshold counts only when at least `min_passed` windows pass). When that is the lowest score seen, every window
 passes: at that target the gate is not needed on these pairs.
 
-    python -m hf_kvbridge.tools.gate_study --pairs pocket-l:pocket-s pocket-m:pocket-s pocket-s:pocket-l \\
+    python -m studies.gate_study --pairs pocket-l:pocket-s pocket-m:pocket-s pocket-s:pocket-l \\
         --windows 32 --out runs/gate_study.json
 """
 
@@ -38,9 +38,9 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer
 
-from .. import pocket
-from ..calibration import calibrate
-from .evaluation import heldout_windows, score_tokens
+from hf_kvbridge import pocket
+from hf_kvbridge.calibration import calibrate
+from hf_kvbridge.tools.evaluation import heldout_windows, score_tokens
 
 PAIRS = ("pocket-l:pocket-s", "pocket-m:pocket-s", "pocket-s:pocket-l", "pocket-s:pocket-m", "pocket-m:pocket-l")
 TARGET_RETENTION = 0.9

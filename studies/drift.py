@@ -9,10 +9,13 @@ evaluates the source (through the reverse mapper).
 
 from __future__ import annotations
 
+import argparse
+
 import torch
 from torch import nn
 
-from ..session import HandoffSession
+from hf_kvbridge.errors import InvalidInputError
+from hf_kvbridge.session import HandoffSession
 
 
 @torch.no_grad()
@@ -102,13 +105,13 @@ def document_segments(texts: list[str], tokenizer, turns: int, segment_len: int,
             if len(conversations) == max_conversations:
                 return conversations
     if not conversations:
-        raise ValueError(f"no document holds {need} tokens")
+        raise InvalidInputError(f"no document holds {need} tokens")
     return conversations
 
 
 def plot_drift(results: dict, path, title: str = "multi-turn drift") -> None:
     """Top-1 agreement per turn for each direction and remap mode (on a 0–100 % axis)."""
-    from .diagnostics import _pyplot, _title
+    from hf_kvbridge.tools.diagnostics import _pyplot, _title
 
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6.5, 4.0), layout="constrained")
@@ -126,16 +129,16 @@ def plot_drift(results: dict, path, title: str = "multi-turn drift") -> None:
 
 
 def run_drift(args) -> int:
-    """`kvbridge drift`: a bidirectional bridge of the pocket family, alternating conversations on held-out text,
-    per-turn drift for small→large and large→small, incremental vs full re-mapping; JSON and a plot."""
+    """`python -m studies.drift`: a bidirectional bridge of the pocket family, alternating conversations on held-out
+    text, per-turn drift for small→large and large→small, incremental vs full re-mapping; JSON and a plot."""
     import datetime
     import json
     from pathlib import Path
 
     from transformers import AutoTokenizer
 
-    from .. import pocket
-    from ..calibration import calibrate
+    from hf_kvbridge import pocket
+    from hf_kvbridge.calibration import calibrate
 
     tokenizer = AutoTokenizer.from_pretrained(pocket.model_path(args.large))
     bridge = calibrate(
@@ -178,3 +181,26 @@ def run_drift(args) -> int:
     )
     print(f"wrote {out}/drift.json, drift.png")
     return 0
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--small", default="pocket-s")
+    parser.add_argument("--large", default="pocket-l")
+    parser.add_argument("--turns", type=int, default=10)
+    parser.add_argument("--segment-len", type=int, default=48, help="tokens per turn")
+    parser.add_argument("--conversations", type=int, default=8)
+    parser.add_argument("--num-sequences", type=int, default=128)
+    parser.add_argument("--seq-len", type=int, default=512)
+    parser.add_argument("--top-k", type=int, default=6)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default="kvbridge-demo")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m studies.drift", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    return run_drift(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -9,7 +9,7 @@ bound no calibration-time rule can claim).
 
 Run (quality figures only; no timings):
 
-    python -m hf_kvbridge.tools.lambda_study --out lambda_study.json
+    python -m studies.lambda_study --out lambda_study.json
 """
 
 from __future__ import annotations
@@ -21,11 +21,11 @@ from pathlib import Path
 
 from transformers import AutoTokenizer
 
-from .. import pocket
-from ..attention import attention_output_cosine
-from ..calibration import fit_bridge
-from .evaluation import heldout_windows
-from .study import _nll, _refit_base, mapped_r2
+from hf_kvbridge import pocket
+from hf_kvbridge.attention import attention_output_cosine
+from hf_kvbridge.calibration import fit_bridge
+from hf_kvbridge.tools.evaluation import heldout_windows
+from studies.correlation_study import _nll, _refit_base, mapped_r2
 
 DEFAULT_PAIRS = (
     "pocket-s:pocket-m",
@@ -64,7 +64,7 @@ def run_lambda_study(
     Example:
 
     ```python
-    >>> from hf_kvbridge.tools.lambda_study import run_lambda_study
+    >>> from studies.lambda_study import run_lambda_study
     >>> result = run_lambda_study(["pocket-s:pocket-m"], num_sequences=8, seq_len=128)  # doctest: +SKIP
     ```
     """

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from hf_kvbridge.tools.gate_study import main, threshold_table
+from studies.gate_study import main, threshold_table
 
 
 def _record(score, bridge, target=4.0, no_context=5.0):

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from hf_kvbridge import pocket
-from hf_kvbridge.pocket import train
+from studies import train_pocket as train
 
 TINY = train.PocketSpec("pocket-t", 1, 32, 2, 1, 16, 64, seed=5, steps=4, batch_size=2, lr=1e-3)
 
@@ -18,7 +18,7 @@ def _stream(n: int = 4 * train.SEQ_LEN) -> torch.Tensor:
 def test_held_out_monitoring_does_not_change_the_trained_weights(caplog):
     tokenizer = train.load_tokenizer(pocket.model_path("pocket-s"))
     plain = train.train_model(TINY, tokenizer, _stream(), use_bf16=False)
-    with caplog.at_level("INFO", logger="hf_kvbridge.pocket.train"):
+    with caplog.at_level("INFO", logger="studies.train_pocket"):
         watched = train.train_model(
             TINY, tokenizer, _stream(), use_bf16=False, heldout_ids=_stream(32 * train.SEQ_LEN), eval_every=2
         )

@@ -1,5 +1,6 @@
 """Which diagnostic predicts transfer quality? Pearson r of held-out R² and of attention-output cosine with the
-measured context-benefit retention, across pairs and mapper settings of the pocket family (`kvbridge study`).
+measured context-benefit retention, across pairs and mapper settings of the pocket family
+(`python -m studies.correlation_study`).
 
 Each pair is calibrated once (statistics are reused for every setting); each setting (top-k, ridge λ, head mode) is
 fitted from the statistics, plus one MLP mapper (attention loss) per pair, and measured on held-out text: R² of the
@@ -9,6 +10,7 @@ mapped K and V against the target's own (`mapped_r2`), mean attention-output cos
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import itertools
 import json
@@ -19,16 +21,16 @@ import torch
 from scipy import stats as scipy_stats
 from transformers import AutoTokenizer
 
-from .. import pocket
-from ..attention import attention_output_cosine
-from ..cache import output_cache
-from ..calibration import calibrate, fit_bridge
-from ..data import token_windows
-from ..mappers.mlp import train_mlp_mapper
-from ..rope import rotary_cos_sin, strip_rotary
-from .diagnostics import _pyplot
-from .evaluation import heldout_windows
-from .evaluation import mean_nll as _nll
+from hf_kvbridge import pocket
+from hf_kvbridge.attention import attention_output_cosine
+from hf_kvbridge.cache import output_cache
+from hf_kvbridge.calibration import calibrate, fit_bridge
+from hf_kvbridge.data import token_windows
+from hf_kvbridge.mappers.mlp import train_mlp_mapper
+from hf_kvbridge.rope import rotary_cos_sin, strip_rotary
+from hf_kvbridge.tools.diagnostics import _pyplot
+from hf_kvbridge.tools.evaluation import heldout_windows
+from hf_kvbridge.tools.evaluation import mean_nll as _nll
 
 DEFAULT_PAIRS = ("pocket-s:pocket-l", "pocket-m:pocket-l", "pocket-l:pocket-s", "pocket-s:pocket-m")
 SETTINGS = {"top_k": (1, 2, None), "ridge_lambda": (0.01, 3.0), "head_mode": ("all_heads", "same_head")}
@@ -281,3 +283,25 @@ def run_knobs(
             "seed": seed,
         },
     }
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--pairs", default="pocket-s:pocket-l,pocket-m:pocket-l,pocket-l:pocket-s,pocket-s:pocket-m")
+    parser.add_argument("--num-sequences", type=int, default=64)
+    parser.add_argument("--seq-len", type=int, default=512)
+    parser.add_argument("--windows", type=int, default=12, help="held-out windows for retention")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--knobs", metavar="SOURCE:TARGET", help="instead: retention vs cost of sink_tokens and hold_back on this pair"
+    )
+    parser.add_argument("--out", default="kvbridge-demo")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m studies.correlation_study", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    return run_study_cli(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

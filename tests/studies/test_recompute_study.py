@@ -9,7 +9,7 @@ from transformers import AutoTokenizer
 import hf_kvbridge
 from hf_kvbridge import pocket, transfer
 from hf_kvbridge.tools.evaluation import heldout_windows
-from hf_kvbridge.tools.recompute_study import compare_policies, paired_t, recompute_variant, window_nll
+from studies.recompute_study import compare_policies, paired_t, recompute_variant, window_nll
 
 SEEDS = (0, 1, 2, 3)
 
@@ -60,7 +60,7 @@ def test_frontier_command_writes_points_table_and_plot(tmp_path, capsys):
     controls, the table it prints and the plot."""
     import json
 
-    from hf_kvbridge.tools.recompute_study import main
+    from studies.recompute_study import main
 
     argv = ["--source", "pocket-s", "--target", "pocket-m", "--num-sequences", "8", "--seq-len", "128"]
     argv += ["--windows", "2", "--fractions", "0,0.1", "--policies", "tail,probe", "--out", str(tmp_path)]

@@ -9,7 +9,9 @@ warm-up. Weights do not change timings, so real-size shapes can be benchmarked w
 
 from __future__ import annotations
 
+import argparse
 import contextlib
+import json
 import os
 import statistics
 import sys
@@ -19,10 +21,11 @@ from collections.abc import Callable
 import torch
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
-from ..cache import output_cache
-from ..configuration import KVBridgeConfig
-from ..layout import check_matched
-from ..mappers import KVMapper
+from ...cache import output_cache
+from ...configuration import KVBridgeConfig
+from ...errors import ContextLengthError, InvalidInputError
+from ...layout import check_matched
+from ...mappers import KVMapper
 
 # Public Qwen3 shapes (layers, hidden, heads, KV heads, head dim, MLP width); vocab is cut to 1024 for random-weight
 # benchmarks: embeddings and the LM head are not part of what is timed.
@@ -41,7 +44,7 @@ def qwen3_shape_config(name: str, vocab_size: int = 1024, max_positions: int = 4
     from transformers import Qwen3Config
 
     if name not in QWEN3_SHAPES:
-        raise ValueError(f"unknown shape {name!r}; known: {', '.join(QWEN3_SHAPES)}")
+        raise InvalidInputError(f"unknown shape {name!r}; known: {', '.join(QWEN3_SHAPES)}")
     layers, hidden, heads, kv_heads, head_dim, mlp = QWEN3_SHAPES[name]
     return Qwen3Config(
         num_hidden_layers=layers,
@@ -73,7 +76,7 @@ def random_bridge(
     Each target layer reads the `top_k` source layers closest in relative depth. With `rank`, the mapper is a
     `LowRankKVMapper` of that rank.
     """
-    from ..modeling import KVBridgeForCausalLM
+    from ...modeling import KVBridgeForCausalLM
 
     src, tgt = check_matched(source_config, target_config, "source", "target")
     with torch.device(device):
@@ -87,7 +90,7 @@ def random_bridge(
     if rank is None:
         mapper = KVMapper(selected, src.num_kv_heads, src.head_dim, head_mode)
     else:
-        from ..mappers.low_rank import LowRankKVMapper
+        from ...mappers.low_rank import LowRankKVMapper
 
         mapper = LowRankKVMapper(selected, src.num_kv_heads, src.head_dim, head_mode, rank)
     with torch.no_grad():
@@ -224,7 +227,7 @@ def mapper_vs_prefill(
     with `interleave=True` the rounds run source, mapper, target, so the mapper runs right after a source prefill,
     as in a cascade, and each one after the others have evicted its data.
     """
-    from ..loading import execution_device
+    from ...loading import execution_device
 
     device = bridge.device
     ids_t, ids_s = input_ids.to(device), input_ids.to(execution_device(bridge.source))
@@ -338,3 +341,56 @@ def format_table(rows: list[dict]) -> str:
         )
         lines.append("  ".join(f"{c:>11}" for c in cells))
     return "\n".join(lines)
+
+
+DEFAULT_BENCH_LENGTHS = (256, 1024, 4096)
+
+
+def run_cli(args: argparse.Namespace) -> int:
+    """`kvbridge bench mapper`: a saved bridge (or random weights of public Qwen3 shapes) timed per context length."""
+    dtype = getattr(torch, args.dtype)
+    mapper_dtype = getattr(torch, args.mapper_dtype or args.dtype)
+    if args.shapes:
+        source_name, target_name = args.shapes.split(":")
+        bridge = random_bridge(
+            qwen3_shape_config(source_name),
+            qwen3_shape_config(target_name),
+            top_k=args.top_k,
+            head_mode=args.head_mode,
+            dtype=dtype,
+            mapper_dtype=mapper_dtype,
+            device=args.device,
+            rank=args.rank,
+        )
+        rank = "" if args.rank is None else f", rank {args.rank}"
+        what = f"random-weight {source_name} → {target_name}, top_k={args.top_k}, {args.head_mode}{rank}"
+    elif args.bridge:
+        from ...modeling import KVBridgeForCausalLM
+
+        bridge = KVBridgeForCausalLM.from_pretrained(args.bridge, dtype=dtype, device_map=args.device)
+        bridge.mapper.to(dtype=mapper_dtype)
+        what = f"{bridge.config.source_name_or_path} → {bridge.config.target_name_or_path} ({args.bridge})"
+    else:
+        raise InvalidInputError("pass a bridge folder or --shapes SOURCE:TARGET")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    limit = bridge.max_positions
+    if args.lengths is None:  # the defaults, cut to what the models take
+        lengths = [n for n in DEFAULT_BENCH_LENGTHS if n <= limit] or [limit]
+    else:
+        lengths = args.lengths
+        ContextLengthError.check("a --lengths entry", max(lengths), limit, f"pass lengths up to {limit:,}")
+    rows = benchmark(
+        bridge, lengths, batch=args.batch, repeats=args.repeats, warmup=args.warmup, interleave=args.interleave
+    )
+    order = "interleaved rounds" if args.interleave else "each in a row"
+    print(
+        f"{what}; {args.dtype} models, {mapper_dtype} mapper on {args.device}, {torch.get_num_threads()} threads, "
+        f"median of {args.repeats} ({order})"
+    )
+    print(format_table(rows))
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump({"bridge": what, "rows": rows}, handle, indent=2)
+        print(f"wrote {args.json}")
+    return 0

@@ -14,8 +14,8 @@ Corpus
 
 Usage::
 
-    python -m hf_kvbridge.pocket.train --out /tmp/pocket
-    python hf_kvbridge/pocket/train.py --out /tmp/pocket --models pocket-l \
+    python -m studies.train_pocket --out /tmp/pocket
+    python studies/train_pocket.py --out /tmp/pocket --models pocket-l \
         --tokenizer hf_kvbridge/pocket/models/pocket-s --eval-every 500
 
 The script only uses torch, tokenizers and transformers; it imports nothing else from ``hf_kvbridge`` so it runs
@@ -39,7 +39,7 @@ from pathlib import Path
 
 import torch
 
-logger = logging.getLogger("hf_kvbridge.pocket.train")
+logger = logging.getLogger(__name__)
 
 DEB_PACKAGE = "python3.11-doc"
 SOURCES_SUBDIR = "usr/share/doc/python3.11/html/_sources"
@@ -436,7 +436,7 @@ Trained on the reStructuredText sources of the Python 3.11 documentation from De
 `{provenance["package"]}` {provenance["version"]} (PSF-2.0), split by document; see \
 `hf_kvbridge/pocket/data/README.md`.
 Code and weights: Apache-2.0. Training data: PSF-2.0 (Python Software Foundation License Version 2).
-Reproduce with `python -m hf_kvbridge.pocket.train --out DIR --models {spec.name}`.
+Reproduce with `python -m studies.train_pocket --out DIR --models {spec.name}`.
 """
 
 

@@ -7,7 +7,7 @@ target runs (its prefill FLOPs, to first order) and the wall time of the bridged
 controls are reported next to the bridge. The `random` policy is drawn once per `--seeds` seed (its table cell is the
 mean); `compare_policies` puts a chosen policy against those draws window by window.
 
-    python -m hf_kvbridge.tools.recompute_study --source pocket-l --target pocket-s --out runs/recompute
+    python -m studies.recompute_study --source pocket-l --target pocket-s --out runs/recompute
 """
 
 from __future__ import annotations
@@ -21,10 +21,10 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer
 
-from .. import pocket
-from ..calibration import calibrate
-from ..mappers import MAPPER_TYPES
-from .evaluation import continuation_nll, heldout_windows, retention, score_tokens
+from hf_kvbridge import pocket
+from hf_kvbridge.calibration import calibrate
+from hf_kvbridge.mappers import MAPPER_TYPES
+from hf_kvbridge.tools.evaluation import continuation_nll, heldout_windows, retention, score_tokens
 
 POLICIES = ("tail", "sinks", "random", "spread", "probe", "tail_probe")
 FRACTIONS = (0.0, 0.02, 0.05, 0.1, 0.2, 0.3)
@@ -181,7 +181,7 @@ def _plotted_seed(result: dict) -> int:
 
 
 def plot_frontier(result: dict, path: Path) -> None:
-    from .diagnostics import _pyplot
+    from hf_kvbridge.tools.diagnostics import _pyplot
 
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6.4, 4.2), constrained_layout=True)

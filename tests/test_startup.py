@@ -1,0 +1,98 @@
+"""Start-up cost: what `import hf_kvbridge` and the `kvbridge` command load, checked in fresh interpreters.
+
+`import hf_kvbridge` loads the core (torch, transformers) and nothing of the tools, integrations, CLI or their
+dependencies; `kvbridge --help`, `kvbridge CMD --help` and argument mistakes import neither torch nor transformers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# run the command, then (at exit, after argparse's SystemExit too) write the loaded module names to a file
+CLI_PROBE = """
+import atexit, json, os, sys
+atexit.register(lambda: open(os.environ["MODULES_OUT"], "w").write(json.dumps(sorted(sys.modules))))
+from kvbridge_cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def _env(tmp_path: Path) -> dict:
+    return {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "MODULES_OUT": str(tmp_path / "mods.json")}
+
+
+def _modules_after(code: str, tmp_path: Path) -> set[str]:
+    probe = (
+        f"{code}\nimport json, os, sys\nopen(os.environ['MODULES_OUT'], 'w').write(json.dumps(sorted(sys.modules)))"
+    )
+    subprocess.run([sys.executable, "-c", probe], cwd=ROOT, env=_env(tmp_path), check=True, timeout=300)
+    return set(json.loads((tmp_path / "mods.json").read_text()))
+
+
+def _cli(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess, set[str]]:
+    proc = subprocess.run(
+        [sys.executable, "-c", CLI_PROBE, *args], cwd=ROOT, env=_env(tmp_path), capture_output=True, text=True,
+        timeout=120,
+    )  # fmt: skip
+    return proc, set(json.loads((tmp_path / "mods.json").read_text()))
+
+
+def _heavy(modules: set[str]) -> list[str]:
+    roots = {"torch", "transformers", "hf_kvbridge", "numpy", "lm_eval", "vllm", "datasets"}
+    return sorted(m for m in modules if m.split(".")[0] in roots)
+
+
+def test_import_loads_the_core_only(tmp_path):
+    loaded = _modules_after("import hf_kvbridge", tmp_path)
+    assert {"torch", "transformers", "hf_kvbridge.modeling", "hf_kvbridge.calibration"} <= loaded
+    never = ["lm_eval.evaluator", "lm_eval.models.huggingface", "vllm", "datasets", "matplotlib", "kvbridge_cli"]
+    never += ["hf_kvbridge.tools", "hf_kvbridge.integrations", "hf_kvbridge.cli"]
+    assert [m for m in never if m in loaded] == []
+    # scipy and accelerate come with transformers' modeling code (its losses, its device helpers), which the
+    # AutoModelForCausalLM registration needs; the package itself adds neither
+    base = _modules_after(
+        "import transformers.modeling_utils\nfrom transformers import AutoModelForCausalLM", tmp_path
+    )
+    added = {m.split(".")[0] for m in loaded - base}
+    assert added & {"scipy", "accelerate", "matplotlib", "datasets", "vllm"} == set()
+
+
+def test_auto_classes_and_lm_eval_find_the_bridge_after_import(tmp_path):
+    code = """
+import sys
+import hf_kvbridge
+from transformers import AutoConfig
+from lm_eval.api.registry import get_model
+assert type(AutoConfig.for_model("kvbridge")).__name__ == "KVBridgeConfig"
+assert "lm_eval.models.huggingface" not in sys.modules  # registered, not imported
+assert get_model("hf").__name__ == "HFLM"  # lm-eval's own models are still found (asked first: the adapter's import
+assert get_model("kvbridge").__name__ == "KVBridgeLM"  # would fill lm-eval's table itself)
+"""
+    _modules_after(code, tmp_path)
+
+
+@pytest.mark.parametrize(
+    "args, status, needle",
+    [
+        (["--help"], 0, "calibrate"),
+        (["calibrate", "--help"], 0, "--statistics-device"),
+        (["bench", "vllm", "--help"], 0, "--shapes"),
+        (["calibrate", "a", "b", "--out", "o", "--top-k", "0"], 2, "--top-k"),
+        (["calibrate", "a", "b", "--out", "o", "--heldout-fraction", "1.5"], 2, "heldout_fraction"),
+        (["calibrate", "a", "b", "--out", "o", "--data", "./no/such.jsonl"], 2, "does not exist"),
+        (["nosuchcommand"], 2, "invalid choice"),
+    ],
+)
+def test_cli_answers_help_and_mistakes_without_torch(tmp_path, args, status, needle):
+    proc, loaded = _cli(tmp_path, *args)
+    assert proc.returncode == status, proc.stderr
+    assert needle in proc.stdout + proc.stderr
+    assert _heavy(loaded) == []
