@@ -18,13 +18,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "hf_kvbridge"
-# folders of the repository whose Python files may import hf_kvbridge (`studies/` once the studies move out)
+# folders of the repository whose Python files may import hf_kvbridge
 SCANNED = ("hf_kvbridge", "tests", "scripts", "studies")
-# files whose broken import is known and fixed on another branch: each is a strict xfail, so the fix landing turns
-# it into a failure that says "drop this entry"
-KNOWN_BROKEN_IMPORTS = {
-    "hf_kvbridge/integrations/vllm_bench.py": "imports hf_kvbridge.bench, which is hf_kvbridge.tools.bench (issue 23)",
-}
 TOOLING = ("hf_kvbridge.tools", "hf_kvbridge.integrations", "hf_kvbridge.cli")
 
 
@@ -151,16 +146,17 @@ def test_every_module_imports_on_its_own():
     """Each module imports in a fresh interpreter by itself (an order-dependent cycle would fail here)."""
     import importlib.util
 
-    optional = ("integrations.vllm", "integrations.vllm_bench")  # need the vllm extra
+    optional = "hf_kvbridge.integrations.vllm"  # needs the vllm extra
     have_vllm = importlib.util.find_spec("vllm") is not None
-    names = sorted(m for m in _modules() if not m.endswith("pocket.train") and (have_vllm or not m.endswith(optional)))
+    names = sorted(m for m in _modules() if have_vllm or not (m == optional or m.startswith(optional + ".")))
     code = "import importlib, sys\nfor n in sys.argv[1:]:\n    importlib.import_module(n)\n"
     result = subprocess.run([sys.executable, "-c", code, *names], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
 
 
 def test_import_surfaces_errors_inside_the_lm_eval_integration():
-    """`import hf_kvbridge` tolerates a missing lm-eval, but not an error inside its own lm-eval module."""
+    """`import hf_kvbridge` registers the lm-eval model lazily and tolerates a missing lm-eval, but an error inside its
+    own lm-eval module surfaces where the model is asked for, not as a silently missing model."""
     pytest.importorskip("lm_eval")
     code = (
         "import sys, importlib.abc\n"
@@ -170,9 +166,13 @@ def test_import_surfaces_errors_inside_the_lm_eval_integration():
         "            raise ImportError('boom inside the integration')\n"
         "sys.meta_path.insert(0, Finder())\n"
         "import hf_kvbridge\n"
+        "print('imported', 'hf_kvbridge.integrations.lm_eval' in sys.modules, flush=True)\n"
+        "from lm_eval.api.registry import get_model\n"
+        "get_model('kvbridge')\n"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert result.returncode != 0 and "boom inside the integration" in result.stderr
+    assert result.stdout.split() == ["imported", "False"], result.stderr[-2000:]
+    assert result.returncode != 0 and "boom inside the integration" in result.stderr, result.stderr[-2000:]
     # without lm-eval installed, the package still imports
     hide = (
         "import sys, importlib.abc\n"
@@ -319,14 +319,7 @@ def _importing_files(root: Path = ROOT) -> list[Path]:
 
 
 def _import_params():
-    params = []
-    for path in _importing_files():
-        name = path.relative_to(ROOT).as_posix()
-        marks = (
-            [pytest.mark.xfail(strict=True, reason=KNOWN_BROKEN_IMPORTS[name])] if name in KNOWN_BROKEN_IMPORTS else []
-        )
-        params.append(pytest.param(path, id=name, marks=marks))
-    return params
+    return [pytest.param(path, id=path.relative_to(ROOT).as_posix()) for path in _importing_files()]
 
 
 @pytest.mark.parametrize("path", _import_params())
@@ -334,11 +327,6 @@ def test_every_hf_kvbridge_import_resolves(path):
     """`import hf_kvbridge.x` and `from hf_kvbridge.x import y` name a module and a name that exist, in every file
     of the repository, function-level imports included (a lazily imported tool is not run by every test)."""
     assert unresolved_imports(path) == []
-
-
-def test_known_broken_imports_are_still_in_the_tree():
-    """A fixed-elsewhere entry of `KNOWN_BROKEN_IMPORTS` whose file is gone (moved or deleted) is stale: drop it."""
-    assert [name for name in KNOWN_BROKEN_IMPORTS if not (ROOT / name).is_file()] == []
 
 
 def test_the_import_checker_sees_missing_modules_and_names(tmp_path):
