@@ -117,3 +117,78 @@ def test_page_blocks_run(page, tmp_path):
 @pytest.mark.parametrize("page", _pages_with("vllm"), ids=_name)
 def test_page_vllm_blocks_run(page, tmp_path):
     _run_page(page, "vllm", tmp_path)
+
+
+# ---- commands named in the text parse as written ------------------------------------------------------------------
+
+_PARSE_ONLY = """
+import argparse, runpy, sys
+parse = argparse.ArgumentParser.parse_args
+def parse_and_stop(self, args=None, namespace=None):
+    parse(self, args, namespace)
+    print("parsed")
+    raise SystemExit(0)
+argparse.ArgumentParser.parse_args = parse_and_stop
+module, sys.argv = sys.argv[1], sys.argv[1:]
+runpy.run_module(module, run_name="__main__", alter_sys=True)
+"""
+
+
+def named_commands(page: Path) -> list[str]:
+    """Every `kvbridge ...` and `python -m studies.X ...` command of `page`, in inline code or in a block, without
+    placeholders (an all-capitals word such as DIR or SOURCE, or `...`) and with `[optional parts]` left out: each must
+    parse as written. A bare reference (`kvbridge eval`, `kvbridge calibrate --top-k`) lacks the required arguments and
+    is passed over."""
+    text = page.read_text(encoding="utf-8")
+    spans = [code for _, code in FENCE.findall(text)]
+    spans += re.findall(r"`([^`]+)`", FENCE.sub("", text).replace("\n", " "))
+    commands = []
+    for span in spans:
+        for line in span.replace("\\\n", " ").splitlines():
+            match = re.search(r"(?:^|\s)((?:kvbridge|python -m studies\.\w+)\s.*?)(?:\s+#.*)?$", line)
+            if not match:
+                continue
+            command = re.sub(r"\[[^\]]*\]", " ", match.group(1))  # [--optional parts] of a usage line
+            command = re.split(r"\s*(?:&&|\||;|&)\s*", command)[0].strip()
+            words = command.split()
+            if "..." in command or any(re.fullmatch(r"[A-Z][A-Z_:]*", word) for word in words):
+                continue
+            if words[0] == "kvbridge" and len(words) > 1 and not words[1].startswith("-"):
+                commands.append(command)
+            elif words[0] == "python":
+                commands.append(command)
+    return commands
+
+
+@pytest.mark.parametrize("page", [*PAGES, ROOT / "studies" / "README.md"], ids=_name)
+def test_named_commands_parse(page):
+    import contextlib
+    import io
+    import shlex
+
+    from kvbridge_cli.parser import build_parser
+
+    commands = named_commands(page)
+    assert commands, f"{_name(page)} names no command"
+    for command in commands:
+        words = shlex.split(command)
+        if words[0] == "kvbridge":
+            if words[1] == "serve":  # everything after the bridge goes to vLLM's own parser
+                continue
+            errors = io.StringIO()
+            try:
+                with contextlib.redirect_stderr(errors):
+                    build_parser().parse_args(words[1:])
+            except SystemExit:
+                reference = any(why in errors.getvalue() for why in ("arguments are required", "expected one argument"))
+                if not reference:
+                    pytest.fail(f"{_name(page)}: `{command}` does not parse: {errors.getvalue().strip()[-300:]}")
+        else:
+            result = subprocess.run(
+                [sys.executable, "-c", _PARSE_ONLY, words[2], *words[3:]],
+                cwd=ROOT,
+                text=True,
+                capture_output=True,
+                timeout=300,
+            )
+            assert result.stdout.strip().endswith("parsed"), f"{_name(page)}: `{command}`\n{result.stderr[-2000:]}"
