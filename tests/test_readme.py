@@ -180,7 +180,8 @@ def test_named_commands_parse(page):
                 with contextlib.redirect_stderr(errors):
                     build_parser().parse_args(words[1:])
             except SystemExit:
-                reference = any(why in errors.getvalue() for why in ("arguments are required", "expected one argument"))
+                said = errors.getvalue()
+                reference = any(why in said for why in ("arguments are required", "expected one argument"))
                 if not reference:
                     pytest.fail(f"{_name(page)}: `{command}` does not parse: {errors.getvalue().strip()[-300:]}")
         else:
