@@ -15,6 +15,7 @@ import torch
 from transformers import DynamicCache
 
 from .cache import cache_kwargs, output_cache, slice_cache
+from .recompute import recompute_count
 from .transfer import probe_agreement, recompute_mapped
 
 logger = logging.getLogger(__name__)
@@ -181,7 +182,18 @@ class HandoffSession:
         if config.recompute_fraction:  # this model recomputes a share of the tokens it just mapped
             ids = torch.tensor([mine.tokens], device=mapper.device)  # (1, map_end)
             everything = torch.arange(map_end, device=mapper.device).unsqueeze(0)  # (1, map_end) positions
-            recomputed = recompute_mapped(mapper, mine.cache, ids, torch.ones_like(ids), everything, start)
+            count = recompute_count(config.recompute_fraction, map_end - start)
+            recomputed = recompute_mapped(
+                mapper.target,
+                mine.cache,
+                ids,
+                torch.ones_like(ids),
+                everything,
+                start,
+                count=count,
+                policy=config.recompute_policy,
+                seed=config.recompute_seed,
+            )
         if probe:
             self._run(name, tokens[:end])  # this model's own K/V for the probe tokens
             probe_positions = torch.arange(map_end, end, device=mapper.device).unsqueeze(0)

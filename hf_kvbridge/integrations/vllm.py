@@ -92,7 +92,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.logger import init_logger
 
-from ..recompute import recompute_count
+from ..plan import TransferPlan, plan_prompt
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -325,7 +325,6 @@ class KVBridgeConnector(KVConnectorBase_V1):
             )
         self.hold_back = max(1, int(self.config.hold_back))  # vLLM must compute at least the last prompt token
         self.gate_threshold = self.config.gate_threshold
-        self.probe = int(self.config.gate_probe_tokens) if self.gate_threshold is not None else 0
         self.recompute_fraction = check_recompute(self.config, self.bridge_ref)
         if role == KVConnectorRole.SCHEDULER and vllm_config.scheduler_config.async_scheduling:
             logger.warning(
@@ -454,27 +453,28 @@ class KVBridgeConnector(KVConnectorBase_V1):
             self._sent[load.req_id] = {"status": "mapped", "mapped_tokens": load.end - load.start, "start": load.start}
         return meta
 
-    def _probe_start(self, num_prompt_tokens: int) -> int:
-        """Where the probe starts: the end of the mapped span as `bridge.generate` sees it (before its recompute)."""
-        return num_prompt_tokens - self.hold_back - self.probe
+    def _plan(self, num_prompt_tokens: int) -> TransferPlan:
+        """The positions of a prompt, as `bridge.prefill` plans them (`hf_kvbridge.plan.plan_prompt`), with this
+        connector's hold-back (vLLM computes at least the last prompt token)."""
+        return plan_prompt(num_prompt_tokens, self.config, hold_back=self.hold_back)
 
     def _map_end(self, num_prompt_tokens: int) -> int:
-        """The end of the tokens mapped and written: the probe's start less the recomputed tail, whose
-        `ceil(recompute_fraction · n)` tokens of the `n` mapped ones the target computes itself (the tail policy is
-        a longer hold-back; `transfer.recompute_mapped` counts the same way)."""
-        mapped = self._probe_start(num_prompt_tokens)
-        if mapped <= 0 or not self.recompute_fraction:
-            return mapped
-        return mapped - recompute_count(self.recompute_fraction, mapped)
+        """The end of the tokens mapped and written (`0`: nothing to map). vLLM loads only a prefix, so the plan's
+        recomputed tokens (the `"tail"` policy: the last mapped ones) are left to the target after it, with the
+        probe: a longer hold-back."""
+        plan = self._plan(num_prompt_tokens)
+        return plan.recompute_start if plan.mapped_tokens else 0
 
     def _load(self, request: Request, start: int, end: int, block_ids, scheduled: dict[str, int]) -> BridgeLoad:
         # The probe is what the target computes of it in this step: all of it, unless chunked prefill split the step
         # (the target then computes at least one token, and the gate checks the probe tokens it computed). The
         # recomputed tail [end, probe_start) comes before it.
-        probe_start = max(end, self._probe_start(request.num_prompt_tokens)) if self.probe else end
-        probe_end = min(probe_start + self.probe, end + scheduled.get(request.request_id, 0))
+        plan = self._plan(request.num_prompt_tokens)
+        gated = plan.gate == "checked"
+        probe_start = max(end, plan.map_end) if gated else end
+        probe_end = min(plan.length, end + scheduled.get(request.request_id, 0)) if gated else end
         if probe_end <= probe_start:  # chunked prefill stopped before the probe: nothing for the gate to check
-            if self.probe:
+            if gated:
                 logger.warning(
                     "KVBridgeConnector: request %s computes no probe token in its load step (chunked prefill); the "
                     "quality gate is not applied to it",
