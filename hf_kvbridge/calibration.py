@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import datetime
 import hashlib
 import json
@@ -20,14 +21,14 @@ from .cache import cache_rows
 from .configuration import KVBridgeConfig
 from .constants import DEFAULT_CALIBRATION_DATA, HEAD_MODES
 from .data import describe_data, token_windows
-from .errors import StatisticsError, StatisticsMemoryError
+from .errors import ConfigurationError, StatisticsError, StatisticsMemoryError
 from .layout import allowed_sources, check_matched, check_models, same_head_sources
 from .loading import model_reference, resolve_model_reference
 from .mappers import KVMapper, get_mapper_type
 from .modeling import KVBridgeForCausalLM
 from .selection import mapper_r2, select_layers, single_layer_r2
 from .settings import CalibrationSettings
-from .solve import LAMBDA_GRID, choose_ridge_lambdas
+from .solve import LAMBDA_GRID, choose_ridge_lambdas, effective_ridge_lambda
 from .statistics import BlockStatistics, KVStatistics, SelectionStatistics, feature_groups
 from .tokenization import check_same_tokenizer
 from .version import __version__
@@ -507,6 +508,55 @@ def fit_bridge_in_passes(
     return bridge, statistics
 
 
+def refit(
+    bridge: KVBridgeForCausalLM,
+    mapper_type: str,
+    *,
+    windows: torch.Tensor | None = None,
+    statistics: tuple[KVStatistics, KVStatistics] | None = None,
+    batch_size: int = 8,
+    progress: bool = False,
+    **mapper_kwargs: Any,
+) -> KVBridgeForCausalLM:
+    """A bridge over `bridge`'s models with a mapper of type `mapper_type` fitted from `bridge`'s (ridge) mapper.
+
+    Calls the registry's fit (`mappers.MAPPER_REGISTRY[mapper_type].fit`) with the mapper, the two models, `windows`,
+    `statistics` (default: the `calibration_statistics` that `calibrate(keep_statistics=True)` leaves on the bridge),
+    the λ the mapper was fitted with, and `mapper_kwargs`; the fit returns the new mapper, and the new bridge's config
+    records `mapper_type`, the fit's `fit_summary` as `mapper_kwargs` and its `fit_config` fields. `bridge` itself is
+    left unchanged.
+
+    Example:
+
+    ```python
+    >>> cheap = refit(bridge, "low_rank", rank=32)  # doctest: +SKIP
+    >>> mlp = refit(bridge, "mlp", windows=windows, hidden=128, epochs=1)  # doctest: +SKIP
+    ```
+    """
+    entry = get_mapper_type(mapper_type)
+    if entry.fit is None:
+        raise ConfigurationError(f"mapper_type {mapper_type!r} is the ridge fit itself: use fit_bridge or calibrate")
+    if statistics is None:
+        statistics = getattr(bridge, "calibration_statistics", None)
+    mapper = entry.fit(
+        bridge.mapper,
+        source=bridge.source,
+        target=bridge.target,
+        windows=windows,
+        statistics=statistics,
+        ridge_lambda=effective_ridge_lambda(bridge.config),
+        batch_size=batch_size,
+        progress=progress,
+        **mapper_kwargs,
+    )
+    config = copy.deepcopy(bridge.config)
+    config.mapper_type = entry.name
+    config.mapper_kwargs = dict(mapper.fit_summary or {})
+    for key, value in (mapper.fit_config or {}).items():
+        setattr(config, key, value)
+    return bridge.with_mapper(mapper, config)
+
+
 def calibrate(
     source: PreTrainedModel | str,
     target: PreTrainedModel | str,
@@ -683,8 +733,9 @@ def calibrate(
         part.config.calibration["forward_seconds"] = round(timings["forward_seconds"], 2)
         part.config.calibration["statistics_seconds"] = round(timings["statistics_seconds"], 2)
     if entry.fit is not None:  # mappers beyond ridge start from the ridge bridge (see `mappers.MAPPER_REGISTRY`)
-        bridge = entry.fit(
+        bridge = refit(
             bridge,
+            settings.mapper_type,
             windows=windows,
             statistics=statistics,
             batch_size=settings.batch_size,

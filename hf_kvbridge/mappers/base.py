@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from ..constants import HEAD_MODES, KV_MODES
+from ..errors import MapperError
 from ..layout import HeadLayouts, same_head_sources, target_heads_of
 from ..solve import map_group_lambda, solve_ridge
 from ..statistics import KVStatistics, map_groups
@@ -28,10 +29,11 @@ class MapperType:
         name (`str`): the `mapper_type` saved in the config.
         mapper_class (`type[KVMapper]`): what `from_pretrained` builds (with `mapper_class.from_config`) before
             loading the weights.
-        fit (`Callable`, *optional*): `fit(ridge_bridge, *, windows, statistics, batch_size, progress, **kwargs)`,
-            returning a bridge with the new mapper (`ridge_bridge.with_mapper`); `None` for the ridge fit itself.
-            Mappers never import calibration or modeling: `calibrate` hands them the ridge bridge, the calibration
-            windows and statistics.
+        fit (`Callable`, *optional*): `fit(ridge_mapper, *, source, target, windows, statistics, ridge_lambda,
+            batch_size, progress, **kwargs)`, returning the new [`KVMapper`] (with its `fit_summary`, and its
+            `fit_config` where it sets more of the config); `None` for the ridge fit itself. Mappers never import
+            calibration or modeling: `calibration.refit` hands them the ridge mapper, the two models, the calibration
+            windows and statistics, and builds the bridge from what they return.
         linear (`bool`): its weights are a plain `KVMapper`'s (lazy per-layer loading works).
         kwargs (`tuple[str, ...]`): the `mapper_kwargs` its `fit` accepts (validated before any work).
         kv_modes (`tuple[str, ...]`): the `kv_mode`s it fits and maps (`CalibrationSettings` refuses the others
@@ -119,9 +121,9 @@ class KVMapper(nn.Module, HeadLayouts):
     ):
         super().__init__()
         if head_mode not in HEAD_MODES:
-            raise ValueError(f"head_mode must be one of {HEAD_MODES}, got {head_mode!r}")
+            raise MapperError(f"head_mode must be one of {HEAD_MODES}, got {head_mode!r}")
         if kv_mode not in KV_MODES:
-            raise ValueError(f"kv_mode must be one of {KV_MODES}, got {kv_mode!r}")
+            raise MapperError(f"kv_mode must be one of {KV_MODES}, got {kv_mode!r}")
         self.selected_layers = [list(map(int, layers)) for layers in selected_layers]
         self._set_head_layouts(num_kv_heads, head_dim, target_kv_heads, target_head_dim)
         self.head_mode, self.kv_mode = head_mode, kv_mode
@@ -136,6 +138,11 @@ class KVMapper(nn.Module, HeadLayouts):
         self.layers = nn.ModuleList(
             self.make_layer(self.groups, len(layers) * width, out) for layers in self.selected_layers
         )
+
+    # what a fit (`MapperType.fit`) records about itself: `fit_summary` becomes the new bridge's mapper_kwargs,
+    # `fit_config` holds other config fields it sets (`heldout_r2`); both `None` for a ridge mapper
+    fit_summary: dict | None = None
+    fit_config: dict | None = None
 
     def head_kwargs(self) -> dict:
         """The `target_kv_heads` / `target_head_dim` keywords that rebuild this mapper's layouts (none if matched)."""

@@ -22,9 +22,8 @@ from transformers import AutoTokenizer
 from .. import pocket
 from ..attention import attention_output_cosine
 from ..cache import output_cache
-from ..calibration import calibrate, fit_bridge
+from ..calibration import calibrate, fit_bridge, refit
 from ..data import token_windows
-from ..mappers.mlp import train_mlp_mapper
 from ..rope import rotary_cos_sin, strip_rotary
 from .diagnostics import _pyplot
 from .evaluation import heldout_windows
@@ -126,7 +125,7 @@ def run_study(
             )
             if mapper_type == "mlp":
                 windows_ = token_windows(pocket.load_texts("calibration"), tokenizer, num_sequences, seq_len)
-                bridge = train_mlp_mapper(bridge, windows_, hidden=128, loss="attention", epochs=1, seed=seed)
+                bridge = refit(bridge, "mlp", windows=windows_, hidden=128, loss="attention", epochs=1, seed=seed)
             r2 = mapped_r2(bridge, held[:4])
             nll = _nll(bridge, held, context, "bridge")
             point = {
