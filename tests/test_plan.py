@@ -9,7 +9,7 @@ import torch
 from hf_kvbridge import KVBridgeConfig
 from hf_kvbridge.calibration import collect_statistics, fit_bridge
 from hf_kvbridge.mapping import map_cache
-from hf_kvbridge.plan import TransferPlan, plan_from_config, plan_prompt, plan_transfer
+from hf_kvbridge.plan import plan_from_config, plan_prompt, plan_transfer
 from hf_kvbridge.transfer import TransferDecision, transfer_prefill
 from tests.conftest import VOCAB, qwen3
 
@@ -117,7 +117,6 @@ def test_transfer_prefill_needs_no_bridge(bridge):
 def test_vllm_connector_claims_the_plans_positions():
     """The connector's scheduler side claims what `plan_prompt` plans, never positions of its own."""
     vllm = pytest.importorskip("hf_kvbridge.integrations.vllm")
-    connector = vllm.KVBridgeConnector
     for knobs in (
         {},
         {"gate_threshold": 0.9, "gate_probe_tokens": 4},
@@ -126,10 +125,19 @@ def test_vllm_connector_claims_the_plans_positions():
     ):
         config = KVBridgeConfig(**knobs)
         for hold_back in (1, 3):
-            fake = SimpleNamespace(config=config, hold_back=hold_back)
-            fake._plan = lambda n, fake=fake: connector._plan(fake, n)
+            scheduler = vllm.BridgeScheduler(
+                config, hold_back=hold_back, requests_mode="all", salt_tag="kvbridge:test", count=lambda **_: None
+            )
             for prompt in range(0, 40, 3):
                 plan = plan_prompt(prompt, config, hold_back=hold_back)
-                assert isinstance(connector._plan(fake, prompt), TransferPlan)
-                want = plan.map_end - plan.recompute_tokens if plan.mapped_tokens else 0
-                assert connector._map_end(fake, prompt) == want
+                assert scheduler.plan(prompt) == plan
+                assert scheduler.map_end(prompt) == (plan.map_end - plan.recompute_tokens if plan.mapped_tokens else 0)
+                request = SimpleNamespace(
+                    request_id="r", num_prompt_tokens=prompt, prompt_token_ids=list(range(prompt))
+                )
+                end = scheduler.map_end(prompt)
+                if end > 0:  # the load's probe is the plan's: [map_end, length)
+                    load = scheduler.load(request, 0, end, list(range(8)), {"r": prompt})
+                    assert (load.probe_start, load.probe_end) == (
+                        (plan.map_end, plan.length) if plan.gate == "checked" else (end, end)
+                    )
