@@ -192,9 +192,9 @@ class KVBridgeForCausalLM(nn.Module):
     ) -> DynamicCache:
         """Maps a source cache to the cache the target would have built for the same tokens (`hf_kvbridge.mapping`).
 
-        The mapping streams over the sequence in chunks of tokens (`KVMapper.chunk_tokens`). For each chunk every
+        The mapping streams over the sequence in chunks of tokens (`mapping.chunk_tokens`). For each chunk every
         source layer is stripped of its rotation once, into a slot of one row buffer that it holds from the first
-        step that reads it to the last (`KVMapper.row_slots`); each step of `KVMapper.mapping_plan` (target layers
+        step that reads it to the last (`mapping.row_slots`); each step of `mapping.mapping_plan` (target layers
         reading the same source layers, mapped by one wide matrix product) reads its source layers from there and
         writes its rotated keys and its values straight into the new cache's tensors. The chunk's
         buffers are a workspace kept between calls (per thread, at most `KVMapper.max_chunk_bytes`; see
