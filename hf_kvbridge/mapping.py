@@ -25,6 +25,7 @@ from torch import nn
 from transformers import Cache, DynamicCache
 
 from .cache import append_layer, cache_layer_kv, check_cache_shape, new_target_cache
+from .errors import KVLayoutError
 from .layout import KVLayout
 from .loading import execution_device, layer_devices
 from .mappers import KVMapper
@@ -248,9 +249,10 @@ def _map_span(
             held = cache_layer_kv(source_cache, s)[0].shape[2]
             offsets[s] = seq - held
             if offsets[s] > first:
-                raise ValueError(
+                raise KVLayoutError(
                     f"source layer {s} holds only its last {held} of {seq} tokens, but the mapper reads it for "
-                    f"tokens from {first} on (a sliding-window layer chosen for a layer that needs more tokens)"
+                    f"tokens from {first} on (a sliding-window layer chosen for a layer that needs more tokens); "
+                    "recalibrate so that selection keeps such layers for sliding-window target layers only"
                 )
     outputs = [  # the new cache's tensors, one (2, n, B, H, T, d) block per step: [0] keys, [1] values
         torch.empty((2, len(step_targets), batch, heads, span, dim), dtype=target.dtype, device=device)

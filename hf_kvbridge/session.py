@@ -15,6 +15,7 @@ import torch
 from transformers import DynamicCache
 
 from .cache import cache_kwargs, output_cache, slice_cache
+from .errors import InvalidInputError
 from .recompute import recompute_count
 from .transfer import probe_agreement, recompute_mapped
 
@@ -102,7 +103,7 @@ class HandoffSession:
 
     def __init__(self, bridge, tokenizer=None, *, system_prompt: str | None = None, remap: str = "incremental"):
         if remap not in ("incremental", "full"):
-            raise ValueError(f"remap must be 'incremental' or 'full', got {remap!r}")
+            raise InvalidInputError(f"remap must be 'incremental' or 'full', got {remap!r}")
         self.bridge, self.tokenizer, self.remap = bridge, tokenizer, remap
         self.models = {"source": bridge.source, "target": bridge.target}
         self.mappers = {"target": bridge, "source": getattr(bridge, "reverse", None)}  # keyed by receiving model
@@ -122,7 +123,9 @@ class HandoffSession:
     def prompt_tokens(self) -> list[int]:
         """The conversation rendered with the chat template and a generation prompt, as token ids."""
         if self.tokenizer is None:
-            raise ValueError("a tokenizer is needed to render the conversation")
+            raise InvalidInputError(
+                "a tokenizer is needed to render the conversation: pass tokenizer= to start_session"
+            )
         if getattr(self.tokenizer, "chat_template", None):
             text = self.tokenizer.apply_chat_template(self.messages, tokenize=False, add_generation_prompt=True)
         else:  # no template: plain "role: content" lines
@@ -304,7 +307,7 @@ class HandoffSession:
 
     def _check_model(self, model: str) -> None:
         if model not in MODELS:
-            raise ValueError(f"model must be 'source' or 'target', got {model!r}")
+            raise InvalidInputError(f"model must be 'source' or 'target', got {model!r}")
 
     def cache_bytes(self) -> dict[str, int]:
         """Bytes held by each model's cache (the session keeps nothing else of size)."""

@@ -27,7 +27,7 @@ from torch import nn
 
 from ..attention import decoder_layers, target_queries
 from ..cache import cache_rows
-from ..errors import MapperError
+from ..errors import InvalidInputError, MapperError
 from ..statistics import KVStatistics
 from .base import KVMapper, MapperType
 
@@ -58,7 +58,7 @@ class WeightedKVStatistics(KVStatistics):
         if weight is None:
             weight = torch.ones(x.shape[0])
         if weight.numel() != x.shape[0]:
-            raise ValueError(f"{weight.numel()} weights for {x.shape[0]} tokens")
+            raise InvalidInputError(f"{weight.numel()} weights for {x.shape[0]} tokens: pass one weight per token")
         x = x.to(self.xx.device, torch.float64)
         y = y.to(self.xx.device, torch.float64)
         w = weight.to(self.xx.device, torch.float64).reshape(-1, 1)  # (N, 1)
