@@ -27,6 +27,8 @@ from tests.conftest import VOCAB, qwen3
         (20, {"recompute_fraction": 0.1}, (0, 20, 2, None)),  # ceil(0.1 · 20)
         (20, {"recompute_fraction": 0.1, "gate_threshold": 0.5, "gate_probe_tokens": 5}, (0, 15, 2, "checked")),
         (20, {"recompute_fraction": 0.01, "sink_tokens": 4}, (4, 20, 1, None)),  # any fraction recomputes one
+        (20, {"recompute_fraction": 0.25, "sink_tokens": 4}, (4, 20, 4, None)),  # a share of the mapped 16, not of 20
+        (20, {"recompute_fraction": 0.3, "gate_threshold": 0.5, "gate_probe_tokens": 10}, (0, 10, 3, "checked")),
         (0, {"recompute_fraction": 0.5}, (0, 0, 0, None)),
         (-2, {}, (0, 0, 0, None)),
     ],
