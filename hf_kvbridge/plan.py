@@ -1,7 +1,7 @@
 """The transfer plan: which positions of a prompt the target computes itself and which it gets mapped, worked out
 once from lengths and the config's knobs. Pure index arithmetic (no models, no tensors), shared by
-`KVBridgeForCausalLM.prefill` (`transfer.transfer_prefill`) and the vLLM connector's scheduler side, so both treat
-the same prompt the same way.
+`KVBridgeForCausalLM.prefill` (`transfer.transfer_prefill`), the vLLM connector's scheduler side and a handoff
+session's sync (`session.HandoffSession.sync`), so all of them treat the same prompt the same way.
 
 ```
  0 ──sinks──▶ map_start ──mapped (recompute: `recompute_tokens` of them)──▶ map_end ──probe──▶ length ──hold-back──▶
@@ -22,7 +22,8 @@ SOURCE_PREFILL = "source_prefill"
 class TransferPlan:
     """The positions of one transfer, for the `length` tokens prefilled (the prompt without its held-back tokens).
 
-    Segments, in order: `[0, map_start)` attention sinks (the target computes them), `[map_start, map_end)` mapped
+    Segments, in order: `[0, map_start)` attention sinks (the target computes them) or tokens cached already (a
+    continuation, `plan_transfer(start=...)`), `[map_start, map_end)` mapped
     from the source's cache (of which the target recomputes `recompute_tokens`, chosen by `recompute_policy`; with
     `"tail"` they are `[recompute_start, map_end)`), `[map_end, length)` the quality gate's probe (the target computes
     them and compares its own K/V there with the mapped ones). Nothing is mapped when `map_start == map_end`.
@@ -85,6 +86,7 @@ class TransferPlan:
 def plan_transfer(
     length: int,
     *,
+    start: int = 0,
     padding: int = 0,
     sink_tokens: int = 0,
     gate_threshold: float | None = None,
@@ -97,6 +99,9 @@ def plan_transfer(
 
     Args:
         length (`int`): tokens prefilled (the prompt without its held-back tokens); `0` or less plans nothing.
+        start (`int`, *optional*, defaults to `0`): tokens `[0, start)` are cached already (a continuation: a later
+            turn of a handoff session); the mapped span starts there at the earliest, and the probe and the recompute
+            share are taken of what is left.
         padding (`int`, *optional*, defaults to `0`): the batch's longest left padding; the sinks are the first
             `sink_tokens` real tokens of every row, so they end at `padding + sink_tokens`.
         sink_tokens (`int`): attention sinks the target computes itself.
@@ -107,6 +112,7 @@ def plan_transfer(
     """
     length = max(0, int(length))
     sink_end = min(length, padding + sink_tokens) if sink_tokens else 0
+    sink_end = max(sink_end, min(length, start))
     gated = gate_threshold is not None
     probe = min(gate_probe_tokens, length - sink_end) if gated else 0
     map_end = length - probe
@@ -127,10 +133,11 @@ def plan_transfer(
     )
 
 
-def plan_from_config(length: int, config, *, padding: int = 0) -> TransferPlan:
+def plan_from_config(length: int, config, *, start: int = 0, padding: int = 0) -> TransferPlan:
     """`plan_transfer` with the knobs of `config` (a `KVBridgeConfig`)."""
     return plan_transfer(
         length,
+        start=start,
         padding=padding,
         sink_tokens=int(config.sink_tokens or 0),
         gate_threshold=config.gate_threshold,

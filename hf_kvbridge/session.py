@@ -16,7 +16,7 @@ from transformers import DynamicCache
 
 from .cache import cache_kwargs, output_cache, slice_cache
 from .errors import InvalidInputError
-from .recompute import recompute_count
+from .plan import plan_from_config
 from .transfer import probe_agreement, recompute_mapped
 
 logger = logging.getLogger(__name__)
@@ -171,10 +171,9 @@ class HandoffSession:
         sink_end = min(config.sink_tokens, end)
         if len(mine.tokens) < sink_end:  # attention sinks: this model's own K/V, never mapped ones
             self._run(name, tokens[:sink_end])
-        start = len(mine.tokens)
-        probe = min(config.gate_probe_tokens, end - start) if config.gate_threshold is not None else 0
-        map_end = end - probe
-        if map_end <= start:  # the sinks and the probe cover the span: nothing to map, this model computes it
+        plan = plan_from_config(end, config, start=len(mine.tokens))  # the span this model lacks, as prefill plans it
+        start, map_end, probe = plan.map_start, plan.map_end, plan.probe_tokens
+        if plan.mapped_tokens == 0:  # the sinks and the probe cover the span: nothing to map, this model computes it
             return 0
         positions = torch.arange(start, map_end, device=mapper.device).unsqueeze(0)
         whole = (start, map_end) == (0, len(theirs.tokens))
@@ -182,10 +181,9 @@ class HandoffSession:
         mine.cache = _recording(mapper.map_cache(piece, positions, target_cache=mine.cache))
         mine.tokens = tokens[:map_end]
         recomputed = 0
-        if config.recompute_fraction:  # this model recomputes a share of the tokens it just mapped
+        if plan.recompute_tokens:  # this model recomputes a share of the tokens it just mapped
             ids = torch.tensor([mine.tokens], device=mapper.device)  # (1, map_end)
             everything = torch.arange(map_end, device=mapper.device).unsqueeze(0)  # (1, map_end) positions
-            count = recompute_count(config.recompute_fraction, map_end - start)
             recomputed = recompute_mapped(
                 mapper.target,
                 mine.cache,
@@ -193,9 +191,9 @@ class HandoffSession:
                 torch.ones_like(ids),
                 everything,
                 start,
-                count=count,
-                policy=config.recompute_policy,
-                seed=config.recompute_seed,
+                count=plan.recompute_tokens,
+                policy=plan.recompute_policy,
+                seed=plan.recompute_seed,
             )
         if probe:
             self._run(name, tokens[:end])  # this model's own K/V for the probe tokens

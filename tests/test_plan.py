@@ -29,6 +29,9 @@ from tests.conftest import VOCAB, qwen3
         (20, {"recompute_fraction": 0.01, "sink_tokens": 4}, (4, 20, 1, None)),  # any fraction recomputes one
         (20, {"recompute_fraction": 0.25, "sink_tokens": 4}, (4, 20, 4, None)),  # a share of the mapped 16, not of 20
         (20, {"recompute_fraction": 0.3, "gate_threshold": 0.5, "gate_probe_tokens": 10}, (0, 10, 3, "checked")),
+        (12, {"start": 5, "gate_threshold": 0.9, "gate_probe_tokens": 4}, (5, 8, 0, "checked")),  # a continuation
+        (12, {"start": 10, "gate_threshold": 0.9, "gate_probe_tokens": 4}, (12, 12, 0, "skipped")),
+        (12, {"start": 4, "sink_tokens": 2, "recompute_fraction": 0.25}, (4, 12, 2, None)),
         (0, {"recompute_fraction": 0.5}, (0, 0, 0, None)),
         (-2, {}, (0, 0, 0, None)),
     ],
