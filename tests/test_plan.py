@@ -119,8 +119,9 @@ def test_transfer_prefill_needs_no_bridge(bridge):
         transfer_prefill(source, target, map_fn, plan, ids[:, :10])
 
 
-def test_vllm_connector_claims_the_plans_positions():
-    """The connector's scheduler side claims what `plan_prompt` plans, never positions of its own."""
+def test_vllm_connector_claims_the_plans_positions(bridge, monkeypatch):
+    """The connector's scheduler side claims what `bridge.prefill` plans for the prompt less its hold-back, and its
+    loads probe the plan's probe: no positions of its own."""
     vllm = pytest.importorskip("hf_kvbridge.integrations.vllm")
     for knobs in (
         {},
@@ -128,21 +129,19 @@ def test_vllm_connector_claims_the_plans_positions():
         {"recompute_fraction": 0.2},
         {"recompute_fraction": 0.3, "gate_threshold": 0.9, "gate_probe_tokens": 3},
     ):
-        config = KVBridgeConfig(**knobs)
+        for key, value in {"gate_threshold": None, "recompute_fraction": 0.0, **knobs}.items():
+            monkeypatch.setattr(bridge.config, key, value)
         for hold_back in (1, 3):
             scheduler = vllm.BridgeScheduler(
-                config, hold_back=hold_back, requests_mode="all", salt_tag="kvbridge:test", count=lambda **_: None
+                bridge.config, hold_back=hold_back, requests_mode="all", salt_tag="kvbridge:t", count=lambda **_: None
             )
             for prompt in range(0, 40, 3):
-                plan = plan_prompt(prompt, config, hold_back=hold_back)
-                assert scheduler.plan(prompt) == plan
-                assert scheduler.map_end(prompt) == (plan.map_end - plan.recompute_tokens if plan.mapped_tokens else 0)
-                request = SimpleNamespace(
-                    request_id="r", num_prompt_tokens=prompt, prompt_token_ids=list(range(prompt))
-                )
+                plan = bridge.transfer_plan(prompt - hold_back)  # what bridge.generate's prefill follows
+                assert scheduler.plan(prompt) == plan == plan_prompt(prompt, bridge.config, hold_back=hold_back)
                 end = scheduler.map_end(prompt)
+                assert end == (plan.recompute_start if plan.mapped_tokens else 0)
                 if end > 0:  # the load's probe is the plan's: [map_end, length)
+                    request = SimpleNamespace(request_id="r", num_prompt_tokens=prompt, prompt_token_ids=[0] * prompt)
                     load = scheduler.load(request, 0, end, list(range(8)), {"r": prompt})
-                    assert (load.probe_start, load.probe_end) == (
-                        (plan.map_end, plan.length) if plan.gate == "checked" else (end, end)
-                    )
+                    want = (plan.map_end, plan.length) if plan.gate == "checked" else (end, end)
+                    assert (load.probe_start, load.probe_end) == want
