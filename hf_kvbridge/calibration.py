@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import datetime
 import hashlib
 import json
@@ -20,14 +21,14 @@ from .cache import cache_rows
 from .configuration import KVBridgeConfig
 from .constants import DEFAULT_CALIBRATION_DATA, HEAD_MODES
 from .data import describe_data, token_windows
-from .errors import StatisticsError, StatisticsMemoryError
+from .errors import CalibrationDataError, ConfigurationError, StatisticsError, StatisticsMemoryError
 from .layout import allowed_sources, check_matched, check_models, same_head_sources
 from .loading import model_reference, resolve_model_reference
 from .mappers import KVMapper, get_mapper_type
 from .modeling import KVBridgeForCausalLM
 from .selection import mapper_r2, select_layers, single_layer_r2
 from .settings import CalibrationSettings
-from .solve import LAMBDA_GRID, choose_ridge_lambdas
+from .solve import LAMBDA_GRID, choose_ridge_lambdas, effective_ridge_lambda
 from .statistics import BlockStatistics, KVStatistics, SelectionStatistics, feature_groups
 from .tokenization import check_same_tokenizer
 from .version import __version__
@@ -54,7 +55,7 @@ def _shared_tokenizer(source: PreTrainedModel, target: PreTrainedModel):
     try:
         tokenizer = AutoTokenizer.from_pretrained(resolve_model_reference(source_name))
     except Exception as err:
-        raise ValueError(f"could not load a tokenizer for source {source_name!r}; pass tokenizer=") from err
+        raise CalibrationDataError(f"could not load a tokenizer for source {source_name!r}; pass tokenizer=") from err
     try:
         target_tokenizer = AutoTokenizer.from_pretrained(resolve_model_reference(target.config.name_or_path))
     except Exception:  # a target without tokenizer files: the vocab-size check is all we can do
@@ -67,9 +68,11 @@ def _shared_tokenizer(source: PreTrainedModel, target: PreTrainedModel):
 def split_heldout(num_sequences: int, heldout_fraction: float, seed: int) -> tuple[list[int], list[int]]:
     """Splits window indices into train and held-out *by sequence* (seeded)."""
     if num_sequences < 2:
-        raise ValueError(f"need at least 2 calibration sequences (one held out for R²), got {num_sequences}")
+        raise CalibrationDataError(
+            f"need at least 2 calibration sequences (one held out for R²), got {num_sequences}; give more text"
+        )
     if not 0 < heldout_fraction < 1:
-        raise ValueError(f"heldout_fraction must be in (0, 1), got {heldout_fraction}")
+        raise ConfigurationError(f"heldout_fraction must be in (0, 1), got {heldout_fraction}")
     num_heldout = min(num_sequences - 1, max(1, round(num_sequences * heldout_fraction)))
     order = torch.randperm(num_sequences, generator=torch.Generator().manual_seed(seed)).tolist()
     return sorted(order[num_heldout:]), sorted(order[:num_heldout])
@@ -105,7 +108,7 @@ def _load_checkpoint(folder: Path, digest: str, device, part_class=KVStatistics)
         return None
     progress = json.loads(record.read_text())
     if progress["digest"] != digest:
-        raise ValueError(
+        raise ConfigurationError(
             f"checkpoint in {folder} belongs to other calibration data or settings; use another checkpoint_dir "
             "or delete it"
         )
@@ -290,7 +293,7 @@ def fit_bridge(
         kv_mode (`str`, *optional*, defaults to `"joint"`): or `"separate"` (keys from keys, values from values).
     """
     if head_mode not in HEAD_MODES:
-        raise ValueError(f"head_mode must be one of {HEAD_MODES}, got {head_mode!r}")
+        raise ConfigurationError(f"head_mode must be one of {HEAD_MODES}, got {head_mode!r}")
     src, tgt = check_matched(source.config, target.config, source.config.name_or_path, target.config.name_or_path)
     k = max(map(len, selected_layers)) if selected_layers else min(top_k or src.num_layers, src.num_layers)
     features = k * _features_per_layer(src, tgt, head_mode, kv_mode)
@@ -303,7 +306,10 @@ def fit_bridge(
     if selected_layers is None:
         selected_layers = select_layers(r2, top_k, allowed_sources(src, tgt))
     elif len(selected_layers) != tgt.num_layers:
-        raise ValueError(f"selected_layers has {len(selected_layers)} entries, target has {tgt.num_layers} layers")
+        raise ConfigurationError(
+            f"selected_layers has {len(selected_layers)} entries, target has {tgt.num_layers} layers; give one list "
+            "of source layers per target layer"
+        )
     ridge_lambdas = None
     if ridge_lambda == "auto":
         ridge_lambdas, fitted_r2 = choose_ridge_lambdas(
@@ -507,6 +513,55 @@ def fit_bridge_in_passes(
     return bridge, statistics
 
 
+def refit(
+    bridge: KVBridgeForCausalLM,
+    mapper_type: str,
+    *,
+    windows: torch.Tensor | None = None,
+    statistics: tuple[KVStatistics, KVStatistics] | None = None,
+    batch_size: int = 8,
+    progress: bool = False,
+    **mapper_kwargs: Any,
+) -> KVBridgeForCausalLM:
+    """A bridge over `bridge`'s models with a mapper of type `mapper_type` fitted from `bridge`'s (ridge) mapper.
+
+    Calls the registry's fit (`mappers.MAPPER_REGISTRY[mapper_type].fit`) with the mapper, the two models, `windows`,
+    `statistics` (default: the `calibration_statistics` that `calibrate(keep_statistics=True)` leaves on the bridge),
+    the λ the mapper was fitted with, and `mapper_kwargs`; the fit returns the new mapper, and the new bridge's config
+    records `mapper_type`, the fit's `fit_summary` as `mapper_kwargs` and its `fit_config` fields. `bridge` itself is
+    left unchanged.
+
+    Example:
+
+    ```python
+    >>> cheap = refit(bridge, "low_rank", rank=32)  # doctest: +SKIP
+    >>> mlp = refit(bridge, "mlp", windows=windows, hidden=128, epochs=1)  # doctest: +SKIP
+    ```
+    """
+    entry = get_mapper_type(mapper_type)
+    if entry.fit is None:
+        raise ConfigurationError(f"mapper_type {mapper_type!r} is the ridge fit itself: use fit_bridge or calibrate")
+    if statistics is None:
+        statistics = getattr(bridge, "calibration_statistics", None)
+    mapper = entry.fit(
+        bridge.mapper,
+        source=bridge.source,
+        target=bridge.target,
+        windows=windows,
+        statistics=statistics,
+        ridge_lambda=effective_ridge_lambda(bridge.config),
+        batch_size=batch_size,
+        progress=progress,
+        **mapper_kwargs,
+    )
+    config = copy.deepcopy(bridge.config)
+    config.mapper_type = entry.name
+    config.mapper_kwargs = dict(mapper.fit_summary or {})
+    for key, value in (mapper.fit_config or {}).items():
+        setattr(config, key, value)
+    return bridge.with_mapper(mapper, config)
+
+
 def calibrate(
     source: PreTrainedModel | str,
     target: PreTrainedModel | str,
@@ -683,8 +738,9 @@ def calibrate(
         part.config.calibration["forward_seconds"] = round(timings["forward_seconds"], 2)
         part.config.calibration["statistics_seconds"] = round(timings["statistics_seconds"], 2)
     if entry.fit is not None:  # mappers beyond ridge start from the ridge bridge (see `mappers.MAPPER_REGISTRY`)
-        bridge = entry.fit(
+        bridge = refit(
             bridge,
+            settings.mapper_type,
             windows=windows,
             statistics=statistics,
             batch_size=settings.batch_size,

@@ -52,7 +52,7 @@ class KVBridgeConfig(PretrainedConfig):
         gate_threshold (`float`, *optional*): enables the quality gate: when the cosine between the target's own K/V
             and the mapped K/V on the last `gate_probe_tokens` tokens of the prefix is below this, the target
             prefills the prompt itself (fallback). `None` (default): always transfer. On the pocket pairs
-            (`hf_kvbridge.tools.gate_study`) working transfers scored ≥ 0.85 and broken mappings ≤ 0.17, while the
+            (`python -m studies.gate_study`) working transfers scored ≥ 0.85 and broken mappings ≤ 0.17, while the
             score did not predict a working transfer's quality: `0.5` is a safety net against a broken mapper.
         gate_probe_tokens (`int`, *optional*, defaults to `8`): probe size of the quality gate.
         recompute_fraction (`float`, *optional*, defaults to `0.0`): share of the mapped context tokens the target

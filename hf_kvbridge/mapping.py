@@ -4,24 +4,28 @@
 source cache ──strip source RoPE──▶ content rows ──mapper──▶ target content rows ──apply target RoPE──▶ DynamicCache
 ```
 
-The engine streams over the sequence in chunks of tokens (`KVMapper.chunk_tokens`). For each chunk every source layer
-is stripped of its rotation once, into a slot of one row buffer that it holds from the first step that reads it to
-the last (`KVMapper.row_slots`); each step of `KVMapper.mapping_plan` (target layers reading the same source layers,
-mapped by one wide matrix product) reads its source layers from there and writes its rotated keys and its values
-straight into the new cache's tensors. The chunk's buffers are a `Workspace` kept between calls (per thread, at
-most `KVMapper.max_chunk_bytes`), so mapping allocates nothing but the cache it returns.
+The engine owns the schedule; a `KVMapper` owns the weights, the row layout and the product of one step over one
+chunk (`KVMapper.write_rows`, `map_targets`, `split_rows`). The engine streams over the sequence in chunks of tokens
+(`chunk_tokens`). For each chunk every source layer is stripped of its rotation once, into a slot of one row buffer
+that it holds from the first step that reads it to the last (`row_slots`); each step of `mapping_plan` (target
+layers reading the same source layers, mapped by one wide matrix product) reads its source layers from there and
+writes its rotated keys and its values straight into the new cache's tensors. The chunk's buffers are a `Workspace`
+kept between calls (per thread, at most `KVMapper.max_chunk_bytes`), so mapping allocates nothing but the cache it
+returns.
 """
 
 from __future__ import annotations
 
 import threading
 import weakref
+from typing import NamedTuple
 
 import torch
 from torch import nn
 from transformers import Cache, DynamicCache
 
 from .cache import append_layer, cache_layer_kv, check_cache_shape, new_target_cache
+from .errors import KVLayoutError
 from .layout import KVLayout
 from .loading import execution_device, layer_devices
 from .mappers import KVMapper
@@ -56,6 +60,97 @@ class Workspace:
         """Bytes held by all threads' buffers."""
         spaces = list(self._per_thread.values())
         return sum(b.numel() * b.element_size() for per_thread in spaces for b in per_thread.values())
+
+
+class MappingSchedule(NamedTuple):
+    """How `map_cache` maps one batch (`schedule`)."""
+
+    plan: list[tuple[list[int], list[int]]]  # steps of (source layers, target layers mapped together)
+    last_use: dict[int, int]  # source layer → the last step that reads it
+    slots: dict[int, int]  # source layer → its slot in the chunk's row buffer
+    num_slots: int
+    widest: int  # output features per token of the widest step
+    bytes_per_token: int  # working set per token: the slots' rows and the widest output
+    chunk: int  # tokens per chunk
+
+
+def mapping_plan(mapper: KVMapper, targets: set[int] | None = None) -> list[tuple[list[int], list[int]]]:
+    """`(source layers in input order, target layers)` steps covering every target layer (of `targets`) once.
+
+    Target layers that read the same set of source layers are one step (`mapper.map_targets` maps them with one wide
+    product of their stacked weights) when the mapper is `groupable` and their weights are at most
+    `mapper.max_group_bytes`; otherwise each is a step of its own, in its selected order."""
+    chosen = [(t, layers) for t, layers in enumerate(mapper.selected_layers) if targets is None or t in targets]
+    if not mapper.groupable:
+        return [(list(layers), [t]) for t, layers in chosen]
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for t, layers in chosen:
+        groups.setdefault(tuple(sorted(layers)), []).append(t)
+    plan = []
+    for sources, group in groups.items():
+        size = sum(p.numel() * p.element_size() for t in group for p in mapper.layers[t].parameters())
+        if len(group) > 1 and size <= mapper.max_group_bytes:
+            plan.append((list(sources), group))
+        else:
+            plan.extend((list(mapper.selected_layers[t]), [t]) for t in group)
+    return sorted(plan, key=lambda step: step[1][0])
+
+
+def row_slots(
+    plan: list[tuple[list[int], list[int]]], last_use: dict[int, int] | None = None
+) -> tuple[dict[int, int], int]:
+    """Where `map_cache` keeps each source layer's rows within a chunk: `(slot of each source layer, slots)`.
+
+    A source layer takes the lowest free slot when the first step that reads it comes, and frees it after the
+    last one, so the buffer holds the layers that are live at once (about `top_k + 1` when each target layer
+    reads the source layers of about its own relative depth), not all of them. A step's layers are placed in
+    ascending order, so consecutive layers read together sit side by side (read as a view, not gathered)."""
+    if last_use is None:
+        last_use = {s: step for step, (sources, _) in enumerate(plan) for s in sources}
+    slot_of: dict[int, int] = {}
+    free: list[int] = []
+    slots = 0
+    for step, (sources, _) in enumerate(plan):
+        for s in sorted(sources):
+            if s not in slot_of:
+                if free:
+                    slot_of[s] = free.pop(0)
+                else:
+                    slot_of[s], slots = slots, slots + 1
+        free = sorted(free + [slot_of[s] for s in sources if last_use[s] == step])
+    return slot_of, slots
+
+
+def schedule(mapper: KVMapper, batch: int, seq: int, targets: set[int] | None = None) -> MappingSchedule:
+    """How `map_cache` maps `batch` sequences of `seq` tokens with `mapper`: the plan, where each source layer's rows
+    live, and the tokens per chunk, worked out once per mapping. `targets` restricts the plan to those target layers
+    (the engine maps sliding-window layers over their window only).
+
+    A chunk's working set (the live source rows and the widest step's output) is about `mapper.max_chunk_bytes`, but
+    its products have at least `mapper.min_chunk_rows` rows (batch × chunk tokens: each chunk reads every weight once
+    more, and short products run below peak); `max_chunk_bytes=None` maps the whole sequence at once."""
+    plan = mapping_plan(mapper, targets)
+    last_use = {s: step for step, (sources, _) in enumerate(plan) for s in sources}
+    slots, num_slots = row_slots(plan, last_use)
+    widest = max(len(step_targets) for _, step_targets in plan) * mapper.y_row  # output features per token
+    bytes_per_token = (num_slots * mapper.slot_features + widest) * torch.finfo(mapper.layout_dtype()).bits // 8
+    if mapper.max_chunk_bytes is None:
+        chunk = seq
+    else:
+        fits = mapper.max_chunk_bytes // (batch * bytes_per_token)
+        chunk = max(1, min(seq, max(-(-mapper.min_chunk_rows // batch), fits)))
+    return MappingSchedule(plan, last_use, slots, num_slots, widest, bytes_per_token, chunk)
+
+
+def chunk_tokens(mapper: KVMapper, batch: int, seq: int) -> int:
+    """Tokens per chunk when `map_cache` maps `batch` sequences of `seq` tokens with `mapper`."""
+    return schedule(mapper, batch, seq).chunk
+
+
+def chunk_bytes_per_token(mapper: KVMapper) -> int:
+    """Bytes of `map_cache`'s working set per token with `mapper`: the live source rows and the widest step's
+    output."""
+    return schedule(mapper, 1, 1).bytes_per_token
 
 
 @torch.no_grad()
@@ -146,7 +241,7 @@ def _map_span(
     strip = Rotation(*inverse_cos_sin(*rotary_cos_sin(source, positions)))
     rotate = Rotation(*rotary_cos_sin(target, positions))  # cos/sin (B, T, d) each
     span = seq - first
-    plan, last_use, slots, num_slots, widest, _, chunk = mapper.schedule(batch, span, targets)  # steps, slots, chunk
+    plan, last_use, slots, num_slots, widest, _, chunk = schedule(mapper, batch, span, targets)  # steps, slots, chunk
     heads, dim = mapper.target_kv_heads, mapper.target_head_dim  # of the new cache
     offsets = {}  # source layer → tokens it has dropped (a sliding layer holds only its last ones)
     for sources, _ in plan:
@@ -154,9 +249,10 @@ def _map_span(
             held = cache_layer_kv(source_cache, s)[0].shape[2]
             offsets[s] = seq - held
             if offsets[s] > first:
-                raise ValueError(
+                raise KVLayoutError(
                     f"source layer {s} holds only its last {held} of {seq} tokens, but the mapper reads it for "
-                    f"tokens from {first} on (a sliding-window layer chosen for a layer that needs more tokens)"
+                    f"tokens from {first} on (a sliding-window layer chosen for a layer that needs more tokens); "
+                    "recalibrate so that selection keeps such layers for sliding-window target layers only"
                 )
     outputs = [  # the new cache's tensors, one (2, n, B, H, T, d) block per step: [0] keys, [1] values
         torch.empty((2, len(step_targets), batch, heads, span, dim), dtype=target.dtype, device=device)

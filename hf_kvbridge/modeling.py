@@ -22,14 +22,16 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from .cache import CACHE_KWARG, cache_kwargs, output_cache
 from .configuration import KVBridgeConfig
 from .constants import CONFIG_NAME, DEFAULT_MAX_SHARD_SIZE, REVERSE_FOLDER
+from .errors import ContextLengthError, InvalidInputError, KVLayoutError, MapperError
 from .layout import KVLayout, check_fingerprint, check_models
 from .loading import execution_device, load_model
 from .mappers import KVMapper
 from .mappers.lazy import LazyKVMapper
 from .mapping import Workspace, map_cache
 from .persistence import load_mapper, push_folder_to_hub, read_checkpoint_config, resolve_checkpoint, save_bridge
+from .plan import TransferPlan, plan_from_config
 from .session import HandoffSession
-from .transfer import positions_from_mask, transfer_prefill
+from .transfer import left_padding, positions_from_mask, transfer_prefill
 
 logger = logging.getLogger(__name__)
 
@@ -107,23 +109,23 @@ class KVBridgeForCausalLM(nn.Module):
         if config.target_fingerprint is not None:
             check_fingerprint(config.target_fingerprint, self.target_layout, "target", target_name)
         if len(mapper.selected_layers) != self.target_layout.num_layers:
-            raise ValueError(
+            raise MapperError(
                 f"mapper has {len(mapper.selected_layers)} target layers but target {target_name!r} has "
-                f"{self.target_layout.num_layers}"
+                f"{self.target_layout.num_layers}; calibrate a bridge for this target"
             )
         src, tgt = self.source_layout, self.target_layout
         shapes = (mapper.source_kv_heads, mapper.source_head_dim, mapper.target_kv_heads, mapper.target_head_dim)
         if shapes != (src.num_kv_heads, src.head_dim, tgt.num_kv_heads, tgt.head_dim):
-            raise ValueError(
+            raise KVLayoutError(
                 f"mapper maps {shapes[0]} KV heads × {shapes[1]} to {shapes[2]} × {shapes[3]}, but source "
                 f"{source_name!r} has {src.num_kv_heads} × {src.head_dim} and target {target_name!r} has "
-                f"{tgt.num_kv_heads} × {tgt.head_dim}"
+                f"{tgt.num_kv_heads} × {tgt.head_dim}; use the models the mapper was calibrated for"
             )
         used = {layer for layers in mapper.selected_layers for layer in layers}
         if used and max(used) >= self.source_layout.num_layers:
-            raise ValueError(
+            raise MapperError(
                 f"mapper reads source layer {max(used)} but source {source_name!r} has "
-                f"{self.source_layout.num_layers} layers"
+                f"{self.source_layout.num_layers} layers; use the source the mapper was calibrated for"
             )
         self.config = config
         # the mapper lives in the target's dtype when that is a half type (matmuls accumulate in float32 anyway); a
@@ -190,9 +192,9 @@ class KVBridgeForCausalLM(nn.Module):
     ) -> DynamicCache:
         """Maps a source cache to the cache the target would have built for the same tokens (`hf_kvbridge.mapping`).
 
-        The mapping streams over the sequence in chunks of tokens (`KVMapper.chunk_tokens`). For each chunk every
+        The mapping streams over the sequence in chunks of tokens (`mapping.chunk_tokens`). For each chunk every
         source layer is stripped of its rotation once, into a slot of one row buffer that it holds from the first
-        step that reads it to the last (`KVMapper.row_slots`); each step of `KVMapper.mapping_plan` (target layers
+        step that reads it to the last (`mapping.row_slots`); each step of `mapping.mapping_plan` (target layers
         reading the same source layers, mapped by one wide matrix product) reads its source layers from there and
         writes its rotated keys and its values straight into the new cache's tensors. The chunk's
         buffers are a workspace kept between calls (per thread, at most `KVMapper.max_chunk_bytes`; see
@@ -246,11 +248,8 @@ class KVBridgeForCausalLM(nn.Module):
         return self._mapping_workspace.nbytes()
 
     def check_length(self, length: int) -> None:
-        """Refuses an input longer than both models' maximum positions."""
-        if length > self.max_positions:
-            raise ValueError(
-                f"input of {length} tokens is longer than the models' maximum of {self.max_positions} positions"
-            )
+        """Refuses an input longer than both models' maximum positions (`ContextLengthError`)."""
+        ContextLengthError.check("the input", length, self.max_positions, "shorten the prompt")
 
     @torch.no_grad()
     def prefill(
@@ -264,15 +263,36 @@ class KVBridgeForCausalLM(nn.Module):
         """Builds the target cache for every token of `input_ids` and returns `(target cache, source outputs)`.
 
         Call it on the prompt without its held-back tokens. The source prefills all of `input_ids`; its KV is mapped,
-        except for attention sinks and the quality gate's probe tokens, which the target computes itself (see
-        `hf_kvbridge.transfer.transfer_prefill`). The decision is in `self.last_transfer` and counted in
+        except for attention sinks, recomputed tokens and the quality gate's probe tokens, which the target computes
+        itself: the positions are `self.transfer_plan(...)`'s, the work is `hf_kvbridge.transfer.transfer_prefill`'s.
+        The decision (a [`TransferDecision`] as a dict) is kept in `self.last_transfer` and its rows counted in
         `self.transfer_counts`. `position_ids` (`(batch, seq)`, *optional*) are the tokens' positions for both models
         (default: `cumsum(attention_mask) - 1`). With `source_logits=False` the source computes logits for the last
         position only.
         """
-        return transfer_prefill(
-            self, input_ids, attention_mask, position_ids=position_ids, source_logits=source_logits
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        self.check_length(input_ids.shape[1])
+        plan = self.transfer_plan(input_ids.shape[1], padding=int(left_padding(attention_mask).max()))
+        result = transfer_prefill(
+            self.source,
+            self.target,
+            self.map_cache,
+            plan,
+            input_ids,
+            attention_mask,
+            position_ids=position_ids,
+            source_logits=source_logits,
         )
+        self.last_transfer = result.decision.as_dict()
+        for key, count in result.decision.counts().items():
+            self.transfer_counts[key] = self.transfer_counts.get(key, 0) + count
+        return result.cache, result.source_outputs
+
+    def transfer_plan(self, length: int, *, padding: int = 0) -> TransferPlan:
+        """The [`TransferPlan`] `prefill` follows for `length` tokens (with `padding` tokens of left padding at most):
+        `hf_kvbridge.plan.plan_from_config` with this bridge's config."""
+        return plan_from_config(length, self.config, padding=padding)
 
     def forward(
         self,
@@ -320,7 +340,9 @@ class KVBridgeForCausalLM(nn.Module):
         self.check_length(seq)
         prefill_length = seq if prefill_length is None else int(prefill_length)
         if not 1 <= prefill_length <= seq:
-            raise ValueError(f"prefill_length must be in [1, {seq}], got {prefill_length}")
+            raise InvalidInputError(
+                f"prefill_length must be in [1, {seq}] (the prompt's length inside input_ids), got {prefill_length}"
+            )
         split = prefill_length - self.config.hold_back
         if position_ids is None:
             position_ids = positions_from_mask(attention_mask)
@@ -386,7 +408,7 @@ class KVBridgeForCausalLM(nn.Module):
         if input_ids is None:
             input_ids = kwargs.pop("inputs", None)
         if input_ids is None:
-            raise ValueError("generate needs input_ids")
+            raise InvalidInputError("generate needs input_ids (or inputs): pass the tokenized prompt")
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
         device = self.device

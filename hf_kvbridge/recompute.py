@@ -28,13 +28,14 @@ from transformers.cache_utils import DynamicLayer
 from .attention import decoder_layers
 from .cache import cache_kwargs, output_cache
 from .constants import RECOMPUTE_POLICIES
+from .errors import ConfigurationError, InvalidInputError, KVLayoutError
 from .rope import apply_rotary, rotary_cos_sin
 
 
 def recompute_count(fraction: float, length: int) -> int:
     """How many of `length` context tokens a `fraction` recomputes (rounded up, so any fraction > 0 recomputes one)."""
     if not 0.0 <= fraction <= 1.0:
-        raise ValueError(f"recompute_fraction must lie in [0, 1], got {fraction}")
+        raise ConfigurationError(f"recompute_fraction must lie in [0, 1], got {fraction}")
     return min(length, math.ceil(fraction * length))
 
 
@@ -94,7 +95,7 @@ def choose_tokens(
             (`probe_scores`); the highest are chosen.
     """
     if policy not in RECOMPUTE_POLICIES:
-        raise ValueError(f"recompute_policy must be one of {RECOMPUTE_POLICIES}, got {policy!r}")
+        raise ConfigurationError(f"recompute_policy must be one of {RECOMPUTE_POLICIES}, got {policy!r}")
     real = attention_mask.bool()
     batch, seq = real.shape
     chosen = torch.zeros_like(real)
@@ -111,7 +112,9 @@ def choose_tokens(
             pick = index[torch.randperm(index.numel(), generator=generator)[:n]]
         else:
             if score is None:
-                raise ValueError(f"the {policy!r} policy needs the per-token score")
+                raise InvalidInputError(
+                    f"the {policy!r} policy needs the per-token score: pass score= (`probe_scores`)"
+                )
             tail = n // 2 if policy == "tail_probe" else 0  # the last tokens first, then the best scores of the rest
             rest = index[: index.numel() - tail]
             best = rest[torch.topk(score[b, rest].float(), n - tail).indices]
@@ -145,7 +148,7 @@ def recompute_tokens(
         return cache
     for layer in cache.layers:
         if type(layer) is not DynamicLayer:
-            raise ValueError(
+            raise KVLayoutError(
                 f"selective recompute needs full-attention cache layers, got {type(layer).__name__} (sliding-window "
                 "targets recompute with hold_back instead)"
             )

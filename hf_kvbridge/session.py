@@ -15,6 +15,8 @@ import torch
 from transformers import DynamicCache
 
 from .cache import cache_kwargs, output_cache, slice_cache
+from .errors import InvalidInputError
+from .plan import plan_from_config
 from .transfer import probe_agreement, recompute_mapped
 
 logger = logging.getLogger(__name__)
@@ -101,7 +103,7 @@ class HandoffSession:
 
     def __init__(self, bridge, tokenizer=None, *, system_prompt: str | None = None, remap: str = "incremental"):
         if remap not in ("incremental", "full"):
-            raise ValueError(f"remap must be 'incremental' or 'full', got {remap!r}")
+            raise InvalidInputError(f"remap must be 'incremental' or 'full', got {remap!r}")
         self.bridge, self.tokenizer, self.remap = bridge, tokenizer, remap
         self.models = {"source": bridge.source, "target": bridge.target}
         self.mappers = {"target": bridge, "source": getattr(bridge, "reverse", None)}  # keyed by receiving model
@@ -121,7 +123,9 @@ class HandoffSession:
     def prompt_tokens(self) -> list[int]:
         """The conversation rendered with the chat template and a generation prompt, as token ids."""
         if self.tokenizer is None:
-            raise ValueError("a tokenizer is needed to render the conversation")
+            raise InvalidInputError(
+                "a tokenizer is needed to render the conversation: pass tokenizer= to start_session"
+            )
         if getattr(self.tokenizer, "chat_template", None):
             text = self.tokenizer.apply_chat_template(self.messages, tokenize=False, add_generation_prompt=True)
         else:  # no template: plain "role: content" lines
@@ -167,10 +171,9 @@ class HandoffSession:
         sink_end = min(config.sink_tokens, end)
         if len(mine.tokens) < sink_end:  # attention sinks: this model's own K/V, never mapped ones
             self._run(name, tokens[:sink_end])
-        start = len(mine.tokens)
-        probe = min(config.gate_probe_tokens, end - start) if config.gate_threshold is not None else 0
-        map_end = end - probe
-        if map_end <= start:  # the sinks and the probe cover the span: nothing to map, this model computes it
+        plan = plan_from_config(end, config, start=len(mine.tokens))  # the span this model lacks, as prefill plans it
+        start, map_end, probe = plan.map_start, plan.map_end, plan.probe_tokens
+        if plan.mapped_tokens == 0:  # the sinks and the probe cover the span: nothing to map, this model computes it
             return 0
         positions = torch.arange(start, map_end, device=mapper.device).unsqueeze(0)
         whole = (start, map_end) == (0, len(theirs.tokens))
@@ -178,10 +181,20 @@ class HandoffSession:
         mine.cache = _recording(mapper.map_cache(piece, positions, target_cache=mine.cache))
         mine.tokens = tokens[:map_end]
         recomputed = 0
-        if config.recompute_fraction:  # this model recomputes a share of the tokens it just mapped
+        if plan.recompute_tokens:  # this model recomputes a share of the tokens it just mapped
             ids = torch.tensor([mine.tokens], device=mapper.device)  # (1, map_end)
             everything = torch.arange(map_end, device=mapper.device).unsqueeze(0)  # (1, map_end) positions
-            recomputed = recompute_mapped(mapper, mine.cache, ids, torch.ones_like(ids), everything, start)
+            recomputed = recompute_mapped(
+                mapper.target,
+                mine.cache,
+                ids,
+                torch.ones_like(ids),
+                everything,
+                start,
+                count=plan.recompute_tokens,
+                policy=plan.recompute_policy,
+                seed=plan.recompute_seed,
+            )
         if probe:
             self._run(name, tokens[:end])  # this model's own K/V for the probe tokens
             probe_positions = torch.arange(map_end, end, device=mapper.device).unsqueeze(0)
@@ -292,7 +305,7 @@ class HandoffSession:
 
     def _check_model(self, model: str) -> None:
         if model not in MODELS:
-            raise ValueError(f"model must be 'source' or 'target', got {model!r}")
+            raise InvalidInputError(f"model must be 'source' or 'target', got {model!r}")
 
     def cache_bytes(self) -> dict[str, int]:
         """Bytes held by each model's cache (the session keeps nothing else of size)."""

@@ -1,5 +1,7 @@
-"""The transfer policy: which prompt tokens the source prefills and the mapper carries over, which the target
-computes itself (attention sinks, the quality gate's probe), and whether a transfer is trusted at all.
+"""Running a transfer: the source prefills, the mapper carries its KV over where the plan says (`hf_kvbridge.plan`
+decides which tokens the target computes itself: attention sinks, the quality gate's probe, recomputed tokens), and
+the gate decides whether a row's transfer is trusted at all. Called with the models, a map function and the plan;
+returns the cache and its decision, and leaves no state anywhere.
 
 ```
 prompt ──source prefill──▶ source cache ──map (all but sinks and probe)──▶ target cache
@@ -10,6 +12,8 @@ prompt ──source prefill──▶ source cache ──map (all but sinks and p
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
@@ -17,8 +21,10 @@ from torch import nn
 from transformers import Cache, DynamicCache
 
 from .cache import cache_kwargs, output_cache, slice_cache
+from .errors import InvalidInputError
 from .loading import execution_device
-from .recompute import choose_tokens, probe_scores, recompute_count, recompute_tokens
+from .plan import TransferPlan
+from .recompute import choose_tokens, probe_scores, recompute_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -56,45 +62,115 @@ def _replace_rows(cache: Cache, own: Cache, rows: torch.Tensor) -> None:
         layer.values[index] = own_layer.values.to(layer.values.device)
 
 
+@dataclass(frozen=True)
+class TransferDecision:
+    """What one transfer did, row by row.
+
+    Args:
+        transferred (`bool`): every row kept its mapped cache.
+        rows_transferred (`list[bool]`): per row.
+        mapped_tokens (`int`), target_tokens (`int`), recomputed_tokens (`int`): of the rows that transferred
+            (`0`, `length` and `0` when none did).
+        score (`float`, *optional*): the lowest per-row gate score; scores (`list[float]`, *optional*): all of them.
+        gate (`str`, *optional*): `None` without a gate, `"checked"` or `"skipped"` (see [`TransferPlan`]).
+    """
+
+    transferred: bool
+    rows_transferred: list[bool]
+    mapped_tokens: int
+    target_tokens: int
+    recomputed_tokens: int
+    score: float | None
+    scores: list[float] | None
+    gate: str | None
+
+    def as_dict(self) -> dict[str, Any]:
+        """The decision as a plain dict (what `KVBridgeForCausalLM.last_transfer` holds)."""
+        return asdict(self)
+
+    def counts(self) -> dict[str, int]:
+        """Rows that transferred and rows that fell back, zeros left out: `{"transferred": n, "fallback": m}`."""
+        kept = sum(self.rows_transferred)
+        counts = {"transferred": kept, "fallback": len(self.rows_transferred) - kept}
+        return {key: count for key, count in counts.items() if count}
+
+
+@dataclass(frozen=True)
+class TransferResult:
+    """What `transfer_prefill` returns: the target `cache`, the source's outputs and the [`TransferDecision`]."""
+
+    cache: DynamicCache
+    source_outputs: Any
+    decision: TransferDecision
+
+
+MapFunction = Callable[..., DynamicCache]
+"""`map_fn(source_cache, position_ids, target_cache=None) -> DynamicCache`, e.g. `KVBridgeForCausalLM.map_cache`."""
+
+
+def left_padding(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Per-row left padding of a `(batch, seq)` mask: `(batch,)`."""
+    return (attention_mask.cumsum(-1) == 0).sum(-1)
+
+
 @torch.no_grad()
 def transfer_prefill(
-    bridge,
+    source: nn.Module,
+    target: nn.Module,
+    map_fn: MapFunction,
+    plan: TransferPlan,
     input_ids: torch.LongTensor,
     attention_mask: torch.Tensor | None = None,
     *,
     position_ids: torch.LongTensor | None = None,
     source_logits: bool = True,
-) -> tuple[DynamicCache, Any]:
-    """Builds `bridge`'s target cache for every token of `input_ids` and returns `(target cache, source outputs)`.
+) -> TransferResult:
+    """Builds `target`'s cache for every token of `input_ids` as `plan` says, and returns it with its decision.
 
-    Call it on the prompt without its held-back tokens. The source prefills all of `input_ids`; its KV is mapped,
-    except for the first `config.sink_tokens` real tokens of each row (attention sinks), which the target computes
-    itself. With a quality gate (`config.gate_threshold`), the target also computes the last
-    `config.gate_probe_tokens` tokens itself and compares its own K/V there with the mapped ones (cosine, mean
-    over layers and tokens), row by row: a row below the threshold drops its mapped K/V and gets the target's own
-    prefill (fallback), the other rows keep theirs. When sinks and probe cover the whole prompt nothing is mapped and
-    the gate has nothing to check: the decision records `gate="skipped"`.
+    Call it on the prompt without its held-back tokens, with the plan of its length (`plan.plan_from_config`). The
+    source prefills all of `input_ids`; its KV is mapped by `map_fn` over `[plan.map_start, plan.map_end)`; the
+    target computes the attention sinks `[0, plan.map_start)` itself (the first real tokens of each row: the plan's
+    `padding` is the batch's longest left padding). With a quality gate (`plan.gate == "checked"`), the target also
+    computes the probe `[plan.map_end, length)` itself and compares its own K/V there with the mapped ones (cosine,
+    mean over layers and tokens), row by row: a row below `plan.gate_threshold` drops its mapped K/V and gets the
+    target's own prefill (fallback), the other rows keep theirs. `plan.recompute_tokens` of the mapped tokens are
+    recomputed by the target (`hf_kvbridge.recompute`).
 
-    `position_ids` (`(batch, seq)`) are the tokens' positions for both models (default: `cumsum(mask) - 1`). With
-    `source_logits=False` the source computes logits for the last position only (generation needs none).
+    Nothing here reads or writes a bridge: the caller records the decision (`KVBridgeForCausalLM.prefill` keeps it in
+    `last_transfer` and `transfer_counts`).
 
-    The decision is in `bridge.last_transfer`: `transferred` (every row kept its mapped cache), `rows_transferred`
-    (per row), `scores` (per-row gate scores, or `None`), `score` (the lowest of them), `gate` (`None` without a
-    gate, `"checked"` or `"skipped"`), `mapped_tokens` and `target_tokens` (per row, of the rows that transferred).
-    `bridge.transfer_counts` counts rows: `{"transferred": n, "fallback": m}`.
+    Args:
+        source, target (`nn.Module`): the two models.
+        map_fn (`Callable`): `map_fn(source_cache, position_ids, target_cache=None)`, the mapping engine bound to a
+            mapper (`KVBridgeForCausalLM.map_cache`).
+        plan ([`TransferPlan`]): the positions, for `input_ids.shape[1]` tokens.
+        input_ids (`torch.LongTensor` of shape `(batch, seq)`), attention_mask (*optional*): the tokens.
+        position_ids (`torch.LongTensor` of shape `(batch, seq)`, *optional*): the tokens' positions for both models
+            (default: `cumsum(mask) - 1`).
+        source_logits (`bool`, *optional*, defaults to `True`): `False` computes the source's logits for the last
+            position only (generation needs none).
+
+    Returns:
+        [`TransferResult`]: the target cache, the source outputs and the [`TransferDecision`].
     """
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
     batch, length = input_ids.shape
-    bridge.check_length(length)
+    if plan.length != length:
+        raise InvalidInputError(
+            f"the transfer plan covers {plan.length} tokens but input_ids hold {length}; plan the prompt's own length"
+        )
     if position_ids is None:
         positions = positions_from_mask(attention_mask)
     else:
         if tuple(position_ids.shape[-1:]) != (length,):
-            raise ValueError(f"position_ids cover {position_ids.shape[-1]} tokens but input_ids hold {length}")
+            raise InvalidInputError(
+                f"position_ids cover {position_ids.shape[-1]} tokens but input_ids hold {length}; pass one position "
+                "per token"
+            )
         positions = position_ids.expand(batch, -1)
-    src_device, device = execution_device(bridge.source), bridge.device
-    source_out = bridge.source(
+    src_device, device = execution_device(source), execution_device(target)
+    source_out = source(
         input_ids=input_ids.to(src_device),
         attention_mask=attention_mask.to(src_device),
         position_ids=positions.to(src_device),
@@ -106,7 +182,7 @@ def transfer_prefill(
     def target_run(start: int, end: int, cache: DynamicCache | None, rows: torch.Tensor | None = None):
         pick = slice(None) if rows is None else rows
         return output_cache(
-            bridge.target(
+            target(
                 input_ids=ids[pick, start:end],
                 attention_mask=mask[pick, :end],
                 position_ids=pos[pick, start:end],
@@ -115,69 +191,80 @@ def transfer_prefill(
             )
         )
 
-    pads = (mask.cumsum(-1) == 0).sum(-1)  # (B,) left padding of each row
-    sink_end = min(length, int((pads + bridge.config.sink_tokens).max())) if bridge.config.sink_tokens else 0
-    gated = bridge.config.gate_threshold is not None
-    probe = min(bridge.config.gate_probe_tokens, length - sink_end) if gated else 0
-    map_end = length - probe
-    gate = "checked" if gated else None
-    if gated and map_end <= sink_end:  # sinks and probe cover the prompt: the target computes all of it itself
+    sink_end, map_end, probe = plan.map_start, plan.map_end, plan.probe_tokens
+    if plan.gate == "skipped":
         logger.info("quality gate skipped: sink and probe tokens cover the %d-token prompt, nothing is mapped", length)
-        probe, map_end, gate = 0, length, "skipped"
-        sink_end = length
     cache = target_run(0, sink_end, None) if sink_end > 0 else None
     if map_end > sink_end:
         piece = slice_cache(output_cache(source_out), sink_end, map_end)
-        cache = bridge.map_cache(piece, pos[:, sink_end:map_end], target_cache=cache)
-    recomputed = recompute_mapped(bridge, cache, ids[:, :map_end], mask[:, :map_end], pos[:, :map_end], sink_end)
+        cache = map_fn(piece, pos[:, sink_end:map_end], target_cache=cache)
+    recomputed = 0
+    if plan.recompute_tokens and cache is not None:
+        recomputed = recompute_mapped(
+            target,
+            cache,
+            ids[:, :map_end],
+            mask[:, :map_end],
+            pos[:, :map_end],
+            sink_end,
+            count=plan.recompute_tokens,
+            policy=plan.recompute_policy,
+            seed=plan.recompute_seed,
+        )
     ok = torch.ones(batch, dtype=torch.bool)
     scores = None
     if probe > 0:
         cache = target_run(map_end, length, cache)  # the target's own K/V for the probe tokens
-        mapped_probe = bridge.map_cache(slice_cache(output_cache(source_out), map_end, length), pos[:, map_end:])
+        mapped_probe = map_fn(slice_cache(output_cache(source_out), map_end, length), pos[:, map_end:])
         row_scores = probe_agreement(cache, mapped_probe, map_end, mask[:, map_end:]).cpu()  # (B,)
-        ok = row_scores >= bridge.config.gate_threshold
+        ok = row_scores >= plan.gate_threshold
         scores = [float(x) for x in row_scores]
         if not ok.all():
             logger.info(
                 "quality gate: probe K/V cosine %s below %.4f in rows %s, the target prefills those rows itself",
                 [round(x, 4) for x in scores],
-                bridge.config.gate_threshold,
+                plan.gate_threshold,
                 (~ok).nonzero().flatten().tolist(),
             )
             if not ok.any():
                 cache = target_run(0, length, None)
             else:
                 _replace_rows(cache, target_run(0, length, None, rows=(~ok).to(device)), ~ok)
-    transferred = bool(ok.all())
-    decision = {
-        "transferred": transferred,
-        "rows_transferred": ok.tolist(),
-        "mapped_tokens": map_end - sink_end - recomputed if ok.any() else 0,
-        "target_tokens": sink_end + probe + recomputed if ok.any() else length,
-        "recomputed_tokens": recomputed if ok.any() else 0,
-        "score": min(scores) if scores else None,
-        "scores": scores,
-        "gate": gate,
-    }
-    bridge.last_transfer = decision
-    for key, count in (("transferred", int(ok.sum())), ("fallback", int((~ok).sum()))):
-        if count:
-            bridge.transfer_counts[key] = bridge.transfer_counts.get(key, 0) + count
-    return cache, source_out
+    decision = TransferDecision(
+        transferred=bool(ok.all()),
+        rows_transferred=ok.tolist(),
+        mapped_tokens=map_end - sink_end - recomputed if ok.any() else 0,
+        target_tokens=sink_end + probe + recomputed if ok.any() else length,
+        recomputed_tokens=recomputed if ok.any() else 0,
+        score=min(scores) if scores else None,
+        scores=scores,
+        gate=plan.gate,
+    )
+    return TransferResult(cache, source_out, decision)
 
 
-def recompute_mapped(bridge, cache: DynamicCache | None, ids, mask, pos, first_mapped: int) -> int:
-    """Selective recompute (`config.recompute_fraction` of the mapped tokens, chosen by `config.recompute_policy`)
-    of the mapped columns `[first_mapped, T)` of `cache`, in place; returns the most tokens a row recomputed."""
-    config = bridge.config
-    count = recompute_count(config.recompute_fraction, ids.shape[1] - first_mapped)
-    if count == 0 or cache is None:
+def recompute_mapped(
+    target: nn.Module,
+    cache: DynamicCache,
+    ids: torch.Tensor,
+    mask: torch.Tensor,
+    pos: torch.Tensor,
+    first_mapped: int,
+    *,
+    count: int,
+    policy: str = "tail",
+    seed: int = 0,
+) -> int:
+    """Selective recompute of `count` of the mapped columns `[first_mapped, T)` of `cache` (chosen by `policy`; `seed`
+    for `"random"`) by `target`, in place; returns the most tokens a row recomputed.
+
+    `ids`, `mask`, `pos` (`(batch, T)` each) are the tokens, mask and positions of the cached columns."""
+    if count == 0:
         return 0
     mapped = mask.clone()
     mapped[:, :first_mapped] = 0  # sink tokens are the target's own already
-    score = probe_scores(bridge.target, cache, ids, pos) if "probe" in config.recompute_policy else None
-    generator = torch.Generator().manual_seed(config.recompute_seed)
-    chosen = choose_tokens(config.recompute_policy, count, mapped, score=score, generator=generator)
-    recompute_tokens(bridge.target, cache, ids, mask, pos, chosen)
+    score = probe_scores(target, cache, ids, pos) if "probe" in policy else None
+    generator = torch.Generator().manual_seed(seed)
+    chosen = choose_tokens(policy, count, mapped, score=score, generator=generator)
+    recompute_tokens(target, cache, ids, mask, pos, chosen)
     return int(chosen.sum(-1).max())

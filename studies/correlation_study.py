@@ -24,9 +24,8 @@ from transformers import AutoTokenizer
 from hf_kvbridge import pocket
 from hf_kvbridge.attention import attention_output_cosine
 from hf_kvbridge.cache import output_cache
-from hf_kvbridge.calibration import calibrate, fit_bridge
+from hf_kvbridge.calibration import calibrate, fit_bridge, refit
 from hf_kvbridge.data import token_windows
-from hf_kvbridge.mappers.mlp import train_mlp_mapper
 from hf_kvbridge.rope import rotary_cos_sin, strip_rotary
 from hf_kvbridge.tools.diagnostics import _pyplot
 from hf_kvbridge.tools.evaluation import heldout_windows
@@ -128,7 +127,7 @@ def run_study(
             )
             if mapper_type == "mlp":
                 windows_ = token_windows(pocket.load_texts("calibration"), tokenizer, num_sequences, seq_len)
-                bridge = train_mlp_mapper(bridge, windows_, hidden=128, loss="attention", epochs=1, seed=seed)
+                bridge = refit(bridge, "mlp", windows=windows_, hidden=128, loss="attention", epochs=1, seed=seed)
             r2 = mapped_r2(bridge, held[:4])
             nll = _nll(bridge, held, context, "bridge")
             point = {

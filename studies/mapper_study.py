@@ -136,8 +136,7 @@ def prepare_pair(
 
 def _linear_variant(ridge, name: str):
     """The closed-form variants of the ridge bridge: `ridge_same_head`, `low_rank_<rank>`; `None` for others."""
-    from hf_kvbridge.calibration import fit_bridge
-    from hf_kvbridge.mappers.low_rank import low_rank_bridge
+    from hf_kvbridge.calibration import fit_bridge, refit
 
     train, heldout = ridge.calibration_statistics
     config = ridge.config
@@ -155,7 +154,7 @@ def _linear_variant(ridge, name: str):
         bridge.calibration_statistics = ridge.calibration_statistics
         return bridge
     if name.startswith("low_rank_") and name[len("low_rank_") :].isdigit():
-        return low_rank_bridge(ridge, int(name[len("low_rank_") :]))
+        return refit(ridge, "low_rank", rank=int(name[len("low_rank_") :]))
     return None
 
 
@@ -195,18 +194,19 @@ def measure_mapper(
     import torch
 
     from hf_kvbridge.attention import attention_output_cosine
+    from hf_kvbridge.calibration import refit
     from hf_kvbridge.errors import ConfigurationError
-    from hf_kvbridge.mappers.mlp import train_mlp_mapper
-    from hf_kvbridge.mappers.weighted import fit_attention_weighted
     from hf_kvbridge.tools.evaluation import cloze_accuracy, continuation_nll
 
     ridge, ridge_s = context["bridges"]["ridge"]
     windows, batch_size = context["windows"], context["settings"]["batch_size"]
     mlp = {"hidden": mlp_hidden, "epochs": mlp_epochs, "lr": mlp_lr, "steps_per_batch": mlp_steps_per_batch}
     fitters = {
-        "mlp_mse": lambda: train_mlp_mapper(ridge, windows, loss="mse", batch_size=batch_size, **mlp),
-        "mlp_attention": lambda: train_mlp_mapper(ridge, windows, loss="attention", batch_size=batch_size, **mlp),
-        "ridge_attention_weighted": lambda: fit_attention_weighted(ridge, windows, batch_size=batch_size),
+        "mlp_mse": lambda: refit(ridge, "mlp", windows=windows, loss="mse", batch_size=batch_size, **mlp),
+        "mlp_attention": lambda: refit(ridge, "mlp", windows=windows, loss="attention", batch_size=batch_size, **mlp),
+        "ridge_attention_weighted": lambda: refit(
+            ridge, "ridge_attention_weighted", windows=windows, batch_size=batch_size
+        ),
     }
     base_name, bf16 = (name[: -len("_bf16")], True) if name.endswith("_bf16") else (name, False)
     if base_name not in context["bridges"]:

@@ -7,9 +7,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from hf_kvbridge.attention import decoder_layers, target_queries
-from hf_kvbridge.calibration import collect_statistics, fit_bridge
+from hf_kvbridge.calibration import collect_statistics, fit_bridge, refit
 from hf_kvbridge.cli.main import main
-from hf_kvbridge.mappers.mlp import train_mlp_mapper
 from hf_kvbridge.tools.diagnostics import INSPECT_FILES, inspect_bridge
 from tests.conftest import CORPUS, VOCAB, qwen3
 
@@ -89,7 +88,7 @@ def test_inspect_cli_writes_json_and_plots(saved_pair, windows, tmp_path, capsys
     target = AutoModelForCausalLM.from_pretrained(saved_pair["large"]).eval()
     refs = {"source_name_or_path": saved_pair["small"], "target_name_or_path": saved_pair["large"]}
     bridge = _bridge(source, target, windows[:12], top_k=1, config_kwargs=refs)
-    bridge = train_mlp_mapper(bridge, windows[:12], hidden=8, epochs=1, batch_size=12)
+    bridge = refit(bridge, "mlp", windows=windows[:12], hidden=8, epochs=1, batch_size=12)
     bridge.save_pretrained(tmp_path / "bridge")
     data = tmp_path / "heldout.txt"
     data.write_text(" ".join(CORPUS))

@@ -21,6 +21,7 @@ from hf_kvbridge.errors import (
     CheckpointExistsError,
     CheckpointFileError,
     ConfigurationError,
+    ContextLengthError,
     EvaluationError,
     InvalidInputError,
 )
@@ -126,9 +127,9 @@ def test_single_token_prompt_falls_back_to_target(bridge):
 
 def test_prompt_longer_than_max_positions(bridge):
     ids = torch.zeros(1, 257, dtype=torch.long)
-    with pytest.raises(ValueError, match="maximum of 256 positions"):
+    with pytest.raises(ContextLengthError, match="at most 256 positions"):
         bridge(ids)
-    with pytest.raises(ValueError, match="maximum of 256 positions"):
+    with pytest.raises(ContextLengthError, match="at most 256 positions"):
         bridge.generate(ids, max_new_tokens=1)
 
 

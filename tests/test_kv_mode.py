@@ -10,7 +10,7 @@ import torch
 
 import hf_kvbridge
 from hf_kvbridge import KVBridgeForCausalLM
-from hf_kvbridge.calibration import collect_statistics, fit_bridge
+from hf_kvbridge.calibration import collect_statistics, fit_bridge, refit
 from hf_kvbridge.mappers import MAPPER_REGISTRY, MAPPER_TYPES, KVMapper, get_mapper_type
 from hf_kvbridge.solve import solve_ridge
 from tests.conftest import VOCAB, qwen3
@@ -200,7 +200,9 @@ def fitted(pairs, windows):
             if mapper_type == "low_rank" and pair != "unrelated":
                 kwargs["rank"] = 32  # the linear pairs' maps at full rank (on these widths): exact recovery
             if entry.fit is not None:
-                bridge = entry.fit(bridge, windows=windows, statistics=(train, heldout), batch_size=8, **kwargs)
+                bridge = refit(
+                    bridge, mapper_type, windows=windows, statistics=(train, heldout), batch_size=8, **kwargs
+                )
             assert bridge.config.mapper_type == mapper_type and bridge.mapper.kv_mode == kv_mode
             bridges[key] = bridge
         return bridges[key]

@@ -5,10 +5,11 @@ import pytest
 import torch
 
 import hf_kvbridge
-from hf_kvbridge import KVBridgeForCausalLM
-from hf_kvbridge.calibration import collect_statistics, fit_bridge
-from hf_kvbridge.mappers.low_rank import LowRankKVMapper, low_rank_bridge, reduce_rank
+from hf_kvbridge import KVBridgeForCausalLM, mapping
+from hf_kvbridge.calibration import collect_statistics, fit_bridge, refit
+from hf_kvbridge.mappers.low_rank import LowRankKVMapper, fit_low_rank, reduce_rank
 from hf_kvbridge.selection import mapped_heldout_r2
+from hf_kvbridge.solve import effective_ridge_lambda
 from tests.conftest import CORPUS, VOCAB, qwen3
 
 
@@ -36,7 +37,7 @@ def _caches_close(a, b, **tol):
 def test_full_rank_is_the_ridge_map(windows, head_mode):
     """At rank ≥ min(p, q) the factors multiply back to the ridge weights: the same cache, both head modes."""
     ridge, statistics = _ridge(windows, head_mode)
-    full = low_rank_bridge(ridge, rank=10_000, statistics=statistics)
+    full = refit(ridge, "low_rank", rank=10_000, statistics=statistics)
     for t in range(3):
         torch.testing.assert_close(full.mapper.layer_weight(t), ridge.mapper.layer_weight(t), atol=1e-4, rtol=1e-4)
     ids = torch.randint(0, VOCAB, (2, 17), generator=torch.Generator().manual_seed(3))
@@ -71,7 +72,7 @@ def test_truncation_is_the_best_of_its_rank():
 
 def test_lower_rank_costs_less_and_explains_less(ridge_pair):
     ranks = [1, 4, 16, 64]
-    bridges = [low_rank_bridge(ridge_pair, rank=r) for r in ranks]
+    bridges = [refit(ridge_pair, "low_rank", rank=r) for r in ranks]
     flops = [b.mapper.flops_per_token() for b in bridges]
     r2 = [sum(b.config.heldout_r2["k"]) + sum(b.config.heldout_r2["v"]) for b in bridges]
     assert flops == sorted(flops) and flops[0] < flops[-1]
@@ -87,8 +88,8 @@ def test_lower_rank_costs_less_and_explains_less(ridge_pair):
 @pytest.mark.parametrize("head_mode", ["all_heads", "same_head"])
 def test_stacked_low_rank_equals_layer_by_layer(windows, head_mode):
     ridge, statistics = _ridge(windows, head_mode)
-    bridge = low_rank_bridge(ridge, rank=5, statistics=statistics)
-    assert bridge.mapper.mapping_plan() == [([0, 1], [0, 1, 2])]
+    bridge = refit(ridge, "low_rank", rank=5, statistics=statistics)
+    assert mapping.mapping_plan(bridge.mapper) == [([0, 1], [0, 1, 2])]
     ids = torch.randint(0, VOCAB, (2, 13), generator=torch.Generator().manual_seed(4))
     stacked = bridge.prefill(ids)[0]
     bridge.mapper.groupable = False
@@ -116,3 +117,16 @@ def test_save_load_and_calibrate(saved_pair, tmp_path):
     _caches_close(bridge.prefill(ids)[0], loaded.prefill(ids)[0])
     with pytest.raises(ValueError, match="lazy_mapper"):
         KVBridgeForCausalLM.from_pretrained(tmp_path / "b", lazy_mapper=True)
+
+
+def test_the_fit_returns_a_mapper_and_refit_builds_the_bridge(ridge_pair):
+    """`fit_low_rank` is handed a mapper and statistics, returns a mapper; `refit` alone builds the bridge."""
+    statistics = ridge_pair.calibration_statistics
+    lam = effective_ridge_lambda(ridge_pair.config)
+    mapper = fit_low_rank(ridge_pair.mapper, statistics=statistics, ridge_lambda=lam, rank=5)
+    assert isinstance(mapper, LowRankKVMapper) and mapper.rank == 5 and mapper.fit_summary == {"rank": 5}
+    bridge = refit(ridge_pair, "low_rank", rank=5)
+    assert bridge.config.mapper_type == "low_rank" and bridge.config.mapper_kwargs == {"rank": 5}
+    assert bridge.config.heldout_r2 == mapper.fit_config["heldout_r2"] and ridge_pair.config.mapper_type == "ridge"
+    for got, want in zip(bridge.mapper.parameters(), mapper.parameters()):
+        torch.testing.assert_close(got, want)

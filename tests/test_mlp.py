@@ -8,10 +8,12 @@ from transformers import AutoModelForCausalLM
 import hf_kvbridge
 from hf_kvbridge import KVBridgeForCausalLM, KVStatistics
 from hf_kvbridge.cache import cache_rows
-from hf_kvbridge.calibration import collect_statistics, fit_bridge
+from hf_kvbridge.calibration import collect_statistics, fit_bridge, refit
+from hf_kvbridge.errors import MapperError
 from hf_kvbridge.mappers import KVMapper, MLPKVMapper, build_mapper
 from hf_kvbridge.mappers.mlp import rows_from_layout, rows_in_layout, train_mlp_mapper
 from hf_kvbridge.mappers.weighted import WeightedKVStatistics, attention_mass, fit_attention_weighted
+from hf_kvbridge.solve import effective_ridge_lambda
 from tests.conftest import CORPUS, VOCAB, qwen3
 
 
@@ -70,7 +72,7 @@ def test_mlp_training_lowers_heldout_error(pair, windows, head_mode):
     source, target = pair
     train, heldout = collect_statistics(source, target, windows, heldout=[0, 1, 2, 3])
     ridge = fit_bridge(source, target, train, heldout, top_k=2, head_mode=head_mode)
-    mlp = train_mlp_mapper(ridge, windows, hidden=64, epochs=3, lr=3e-3, batch_size=8)
+    mlp = refit(ridge, "mlp", windows=windows, hidden=64, epochs=3, lr=3e-3, batch_size=8)
     assert mlp.config.mapper_type == "mlp" and ridge.config.mapper_type == "ridge"  # the input bridge is untouched
     assert mlp.config.mapper_kwargs["hidden"] == 64 and mlp.config.mapper_kwargs["loss"] == "mse"
     assert not any(p.requires_grad for p in mlp.mapper.parameters())
@@ -80,12 +82,12 @@ def test_mlp_training_lowers_heldout_error(pair, windows, head_mode):
 
 
 def test_mlp_attention_loss_trains(ridge_bridge, few):
-    mlp = train_mlp_mapper(ridge_bridge, few, hidden=32, loss="attention", epochs=2, lr=3e-3, batch_size=6)
+    mlp = refit(ridge_bridge, "mlp", windows=few, hidden=32, loss="attention", epochs=2, lr=3e-3, batch_size=6)
     losses = mlp.config.mapper_kwargs["epoch_losses"]
     assert mlp.config.mapper_kwargs["loss"] == "attention"
     assert losses[-1] < losses[0]
     with pytest.raises(ValueError, match="loss must be one of"):
-        train_mlp_mapper(ridge_bridge, few, loss="l1")
+        refit(ridge_bridge, "mlp", windows=few, loss="l1")
 
 
 def test_mlp_save_load_round_trip(saved_pair, tmp_path, few):
@@ -100,7 +102,7 @@ def test_mlp_save_load_round_trip(saved_pair, tmp_path, few):
         top_k=2,
         config_kwargs={"source_name_or_path": saved_pair["small"], "target_name_or_path": saved_pair["large"]},
     )
-    mlp = train_mlp_mapper(ridge, few, hidden=16, epochs=1, batch_size=12)
+    mlp = refit(ridge, "mlp", windows=few, hidden=16, epochs=1, batch_size=12)
     mlp.save_pretrained(tmp_path / "mlp")
     assert {p.name for p in (tmp_path / "mlp").iterdir()} == {
         "config.json",
@@ -171,14 +173,14 @@ def test_uniform_weights_equal_plain_ridge(pair, few, head_mode):
     source, target = pair
     train, heldout = collect_statistics(source, target, few, heldout=[0, 1])
     ridge = fit_bridge(source, target, train, heldout, top_k=2, head_mode=head_mode)
-    uniform = fit_attention_weighted(ridge, few, weighting="uniform", batch_size=12)
+    uniform = refit(ridge, "ridge_attention_weighted", windows=few, weighting="uniform", batch_size=12)
     for got, want in zip(uniform.mapper.layers, ridge.mapper.layers):
         torch.testing.assert_close(got.weight, want.weight, atol=1e-5, rtol=1e-4)
         torch.testing.assert_close(got.bias, want.bias, atol=1e-5, rtol=1e-4)
 
 
 def test_attention_weights_change_the_fit(ridge_bridge, few, tmp_path):
-    weighted = fit_attention_weighted(ridge_bridge, few, batch_size=12)
+    weighted = refit(ridge_bridge, "ridge_attention_weighted", windows=few, batch_size=12)
     assert weighted.config.mapper_type == "ridge_attention_weighted"
     assert type(weighted.mapper) is KVMapper
     change = max(
@@ -193,3 +195,16 @@ def test_attention_weights_change_the_fit(ridge_bridge, few, tmp_path):
     assert loaded.config.mapper_type == "ridge_attention_weighted"
     for a, b in zip(loaded.mapper.layers, weighted.mapper.layers):
         assert torch.equal(a.weight, b.weight)
+
+
+def test_fits_return_mappers(ridge_bridge, few):
+    """The MLP and attention-weighted fits take a mapper and the models, and return a mapper, not a bridge."""
+    models = {"source": ridge_bridge.source, "target": ridge_bridge.target, "windows": few}
+    mlp = train_mlp_mapper(ridge_bridge.mapper, **models, hidden=8, epochs=1, batch_size=12)
+    assert type(mlp) is MLPKVMapper and mlp.fit_summary["hidden"] == 8 and mlp.fit_summary["windows"] == 12
+    lam = effective_ridge_lambda(ridge_bridge.config)
+    weighted = fit_attention_weighted(ridge_bridge.mapper, **models, ridge_lambda=lam, weighting="uniform")
+    assert type(weighted) is KVMapper and weighted.fit_summary["weighting"] == "uniform"
+    assert ridge_bridge.mapper.fit_summary is None  # the base mapper is left as it was
+    with pytest.raises(MapperError, match="linear"):
+        train_mlp_mapper(mlp, **models)

@@ -9,7 +9,7 @@ from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 import hf_kvbridge
-from hf_kvbridge import KVBridgeConfig, KVBridgeForCausalLM
+from hf_kvbridge import KVBridgeConfig, KVBridgeForCausalLM, mapping
 from hf_kvbridge.calibration import collect_statistics, fit_bridge
 from tests.conftest import CORPUS, VOCAB, qwen3
 
@@ -27,7 +27,7 @@ def pair_bridge(saved_pair):
 def test_stacked_mapping_equals_layer_by_layer(pair_bridge):
     """Target layers reading the same source layers are mapped by one wide product: the same numbers as mapping
     them one by one (the plan really does group them here: top-2 of a 2-layer source)."""
-    plan = pair_bridge.mapper.mapping_plan()
+    plan = mapping.mapping_plan(pair_bridge.mapper)
     assert plan == [([0, 1], [0, 1, 2])]
     ids = torch.randint(0, VOCAB, (2, 14), generator=torch.Generator().manual_seed(0))
     stacked = pair_bridge.prefill(ids)[0]
@@ -52,10 +52,12 @@ def test_chunked_mapping_equals_one_pass(pair_bridge):
     try:
         whole = pair_bridge.prefill(ids, mask)[0]
         pair_bridge.free_workspace()
-        mapper.max_chunk_bytes, mapper.min_chunk_rows = 2 * 3 * mapper.chunk_bytes_per_token(), 1
-        assert mapper.chunk_tokens(2, 14) == 3  # 5 chunks, the last of 2
+        mapper.max_chunk_bytes, mapper.min_chunk_rows = 2 * 3 * mapping.chunk_bytes_per_token(mapper), 1
+        assert mapping.chunk_tokens(mapper, 2, 14) == 3  # 5 chunks, the last of 2
         mapper.min_chunk_rows = 8
-        assert mapper.chunk_tokens(2, 14) == 4 and mapper.chunk_tokens(16, 14) == 1  # products of ≥ 8 rows
+        assert (
+            mapping.chunk_tokens(mapper, 2, 14) == 4 and mapping.chunk_tokens(mapper, 16, 14) == 1
+        )  # products of ≥ 8 rows
         mapper.min_chunk_rows = 1
         chunked = pair_bridge.prefill(ids, mask)[0]
         kept = [(layer.keys.clone(), layer.values.clone()) for layer in chunked.layers]
@@ -86,7 +88,7 @@ def test_stacked_step_over_non_consecutive_source_layers(head_mode):
         layer.bias.data.normal_(generator=generator)
     config = KVBridgeConfig(top_k=2, head_mode=head_mode, selected_layers=mapper.selected_layers)
     bridge = KVBridgeForCausalLM(config, source, target, mapper)
-    assert mapper.mapping_plan() == [([0, 2], [0, 1])]
+    assert mapping.mapping_plan(mapper) == [([0, 2], [0, 1])]
     ids = torch.randint(0, VOCAB, (1, 11), generator=generator)
     stacked = bridge.prefill(ids)[0]
     mapper.groupable = False
@@ -114,11 +116,11 @@ def test_source_rows_share_slots_once_a_layer_is_done(monkeypatch, kind):
         param.data.normal_(generator=generator)
     config = KVBridgeConfig(top_k=2, selected_layers=selected, head_mode=mapper.head_mode)
     bridge = KVBridgeForCausalLM(config, source, target, mapper)
-    assert mapper.mapping_plan() == [([0, 1], [0]), ([1, 2], [1, 2]), ([1, 3], [3])]
-    assert mapper.row_slots() == ({0: 0, 1: 1, 2: 0, 3: 0}, 2)
+    assert mapping.mapping_plan(mapper) == [([0, 1], [0]), ([1, 2], [1, 2]), ([1, 3], [3])]
+    assert mapping.row_slots(mapping.mapping_plan(mapper)) == ({0: 0, 1: 1, 2: 0, 3: 0}, 2)
     ids = torch.randint(0, VOCAB, (2, 9), generator=generator)
     shared = bridge.prefill(ids)[0]
-    monkeypatch.setattr(mapper, "row_slots", lambda *plan: ({s: s for s in range(4)}, 4))
+    monkeypatch.setattr(mapping, "row_slots", lambda *plan: ({s: s for s in range(4)}, 4))
     bridge.free_workspace()
     for a, b in zip(shared.layers, bridge.prefill(ids)[0].layers):  # outputs of size ~10: float32 sums, reordered
         torch.testing.assert_close(a.keys, b.keys, rtol=1e-5, atol=1e-4)

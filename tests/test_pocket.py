@@ -58,7 +58,7 @@ def test_larger_members_use_their_context_more(family_nll):
 
 def _bridge_both_ways(a, b, windows):
     """`a → b` and `b → a` context-benefit retention on held-out `windows` (192 context tokens) of one bidirectional
-    bridge calibrated on 32 × 256 tokens (as `tools/lambda_study.py`)."""
+    bridge calibrated on 32 × 256 tokens (as `studies/lambda_study.py`)."""
     tokenizer = AutoTokenizer.from_pretrained(pocket.model_path(a))
     bridge = hf_kvbridge.calibrate(
         _load(a), _load(b), pocket.load_texts("calibration"), tokenizer=tokenizer, num_sequences=32, seq_len=256,

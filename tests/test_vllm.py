@@ -41,14 +41,14 @@ def run_engine(spec: dict) -> dict:
 
     from hf_kvbridge.integrations import vllm as kvb
 
-    original = kvb.KVBridgeConnector.map_and_write
+    original = kvb.BridgeWorker.map_and_write
 
     def map_and_write(self, load, layers):  # the fault injected for the fallback test
         if load.token_ids[: len(FAIL_MARK)] == FAIL_MARK:
             raise RuntimeError("injected mapper failure")
         return original(self, load, layers)
 
-    kvb.KVBridgeConnector.map_and_write = map_and_write
+    kvb.BridgeWorker.map_and_write = map_and_write
     llm = LLM(
         model=kvb.target_model(spec["bridge"]),
         kv_transfer_config=kvb.kv_transfer_config(spec["bridge"]),

@@ -4,6 +4,7 @@
 type is one new file defining `MAPPER = MapperType(...)` and one line below.
 """
 
+from ..errors import MapperError
 from . import low_rank, mlp, ridge, weighted
 from .base import KVMapper, MapperType
 from .low_rank import LowRankKVMapper
@@ -23,9 +24,12 @@ LINEAR_MAPPER_TYPES = tuple(name for name, entry in MAPPER_REGISTRY.items() if e
 
 
 def get_mapper_type(name: str) -> MapperType:
-    """The registry entry of `mapper_type` `name`; a `ValueError` naming the known types otherwise."""
+    """The registry entry of `mapper_type` `name`; a `MapperError` naming the known types otherwise."""
     if name not in MAPPER_REGISTRY:
-        raise ValueError(f"unknown mapper_type {name!r}; this hf_kvbridge knows {', '.join(MAPPER_TYPES)}")
+        raise MapperError(
+            f"unknown mapper_type {name!r}; this hf_kvbridge knows {', '.join(MAPPER_TYPES)}: use one of them, or "
+            "upgrade hf_kvbridge for a checkpoint saved by a newer version"
+        )
     return MAPPER_REGISTRY[name]
 
 

@@ -1,7 +1,8 @@
 """The runtime every mapper shares: `KVMapper`, a linear map per target layer (and head group) from the selected
-source layers' content-space KV rows to the target layer's, with the row layout, the mapping plan (target layers
-that read the same source layers are mapped by one wide product), chunking and stacking that the mapping engine
-uses. Subclasses change the per-layer map (`make_layer`, `map_layer`, `map_targets`): low rank, residual MLP.
+source layers' content-space KV rows to the target layer's, with the row layout and the product of one step over
+one chunk (target layers that read the same source layers are mapped by one wide product of stacked weights). The
+schedule (which steps, which slots, how many tokens per chunk) is the mapping engine's (`hf_kvbridge.mapping`).
+Subclasses change the per-layer map (`make_layer`, `map_layer`, `map_targets`): low rank, residual MLP.
 The ridge fit itself (`from_statistics`) is `hf_kvbridge.solve.solve_ridge` per layer and head group."""
 
 from __future__ import annotations
@@ -9,12 +10,12 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 from torch import nn
 
 from ..constants import HEAD_MODES, KV_MODES
+from ..errors import MapperError
 from ..layout import HeadLayouts, same_head_sources, target_heads_of
 from ..solve import map_group_lambda, solve_ridge
 from ..statistics import KVStatistics, map_groups
@@ -28,10 +29,11 @@ class MapperType:
         name (`str`): the `mapper_type` saved in the config.
         mapper_class (`type[KVMapper]`): what `from_pretrained` builds (with `mapper_class.from_config`) before
             loading the weights.
-        fit (`Callable`, *optional*): `fit(ridge_bridge, *, windows, statistics, batch_size, progress, **kwargs)`,
-            returning a bridge with the new mapper (`ridge_bridge.with_mapper`); `None` for the ridge fit itself.
-            Mappers never import calibration or modeling: `calibrate` hands them the ridge bridge, the calibration
-            windows and statistics.
+        fit (`Callable`, *optional*): `fit(ridge_mapper, *, source, target, windows, statistics, ridge_lambda,
+            batch_size, progress, **kwargs)`, returning the new [`KVMapper`] (with its `fit_summary`, and its
+            `fit_config` where it sets more of the config); `None` for the ridge fit itself. Mappers never import
+            calibration or modeling: `calibration.refit` hands them the ridge mapper, the two models, the calibration
+            windows and statistics, and builds the bridge from what they return.
         linear (`bool`): its weights are a plain `KVMapper`'s (lazy per-layer loading works).
         kwargs (`tuple[str, ...]`): the `mapper_kwargs` its `fit` accepts (validated before any work).
         kv_modes (`tuple[str, ...]`): the `kv_mode`s it fits and maps (`CalibrationSettings` refuses the others
@@ -46,18 +48,6 @@ class MapperType:
     kwargs: tuple[str, ...] = ()
     description: str = ""
     kv_modes: tuple[str, ...] = KV_MODES
-
-
-class MappingSchedule(NamedTuple):
-    """How `map_cache` maps one batch (`KVMapper.schedule`)."""
-
-    plan: list[tuple[list[int], list[int]]]  # steps of (source layers, target layers mapped together)
-    last_use: dict[int, int]  # source layer → the last step that reads it
-    slots: dict[int, int]  # source layer → its slot in the chunk's row buffer
-    num_slots: int
-    widest: int  # output features per token of the widest step
-    bytes_per_token: int  # working set per token: the slots' rows and the widest output
-    chunk: int  # tokens per chunk
 
 
 class LayerMap(nn.Module):
@@ -119,9 +109,9 @@ class KVMapper(nn.Module, HeadLayouts):
     ):
         super().__init__()
         if head_mode not in HEAD_MODES:
-            raise ValueError(f"head_mode must be one of {HEAD_MODES}, got {head_mode!r}")
+            raise MapperError(f"head_mode must be one of {HEAD_MODES}, got {head_mode!r}")
         if kv_mode not in KV_MODES:
-            raise ValueError(f"kv_mode must be one of {KV_MODES}, got {kv_mode!r}")
+            raise MapperError(f"kv_mode must be one of {KV_MODES}, got {kv_mode!r}")
         self.selected_layers = [list(map(int, layers)) for layers in selected_layers]
         self._set_head_layouts(num_kv_heads, head_dim, target_kv_heads, target_head_dim)
         self.head_mode, self.kv_mode = head_mode, kv_mode
@@ -136,6 +126,11 @@ class KVMapper(nn.Module, HeadLayouts):
         self.layers = nn.ModuleList(
             self.make_layer(self.groups, len(layers) * width, out) for layers in self.selected_layers
         )
+
+    # what a fit (`MapperType.fit`) records about itself: `fit_summary` becomes the new bridge's mapper_kwargs,
+    # `fit_config` holds other config fields it sets (`heldout_r2`); both `None` for a ridge mapper
+    fit_summary: dict | None = None
+    fit_config: dict | None = None
 
     def head_kwargs(self) -> dict:
         """The `target_kv_heads` / `target_head_dim` keywords that rebuild this mapper's layouts (none if matched)."""
@@ -423,76 +418,10 @@ class KVMapper(nn.Module, HeadLayouts):
     # runs far below a CPU's or GPU's peak; the stacked product runs near it. Exact: same weights, same sums.
     groupable = True  # False where `map_layer` is not one affine map per layer (MLP) or weights load lazily
     max_group_bytes = 2**28  # stacked weights are a copy: don't stack more than this per group
-    # `map_cache` maps the sequence in chunks of tokens whose working set (the live source rows of the chunk and the
-    # widest step's output) is about this many bytes, but with products of at least `min_chunk_rows` rows (batch ×
-    # chunk tokens: each chunk reads every weight once more, and short products run below peak); None maps the whole
-    # sequence at once
+    # hints to the mapping engine's schedule (`hf_kvbridge.mapping.schedule`): chunks of tokens whose working set is
+    # about `max_chunk_bytes` (None: the whole sequence at once), with products of at least `min_chunk_rows` rows
     max_chunk_bytes: int | None = 2**26
     min_chunk_rows = 512
-
-    def schedule(self, batch: int, seq: int, targets: set[int] | None = None) -> MappingSchedule:
-        """How `map_cache` maps `batch` sequences of `seq` tokens: the plan, where each source layer's rows live, and
-        the tokens per chunk (see `max_chunk_bytes`), worked out once per mapping. `targets` restricts the plan to
-        those target layers (the engine maps sliding-window layers over their window only)."""
-        plan = self.mapping_plan(targets)
-        last_use = {s: step for step, (sources, _) in enumerate(plan) for s in sources}
-        slots, num_slots = self.row_slots(plan, last_use)
-        widest = max(len(targets) for _, targets in plan) * self.y_row  # output features per token
-        bytes_per_token = (num_slots * self.slot_features + widest) * torch.finfo(self.layout_dtype()).bits // 8
-        if self.max_chunk_bytes is None:
-            chunk = seq
-        else:
-            fits = self.max_chunk_bytes // (batch * bytes_per_token)
-            chunk = max(1, min(seq, max(-(-self.min_chunk_rows // batch), fits)))
-        return MappingSchedule(plan, last_use, slots, num_slots, widest, bytes_per_token, chunk)
-
-    def row_slots(self, plan=None, last_use=None) -> tuple[dict[int, int], int]:
-        """Where `map_cache` keeps each source layer's rows within a chunk: `(slot of each source layer, slots)`.
-
-        A source layer takes the lowest free slot when the first step that reads it comes, and frees it after the
-        last one, so the buffer holds the layers that are live at once (about `top_k + 1` when each target layer
-        reads the source layers of about its own relative depth), not all of them. A step's layers are placed in
-        ascending order, so consecutive layers read together sit side by side (read as a view, not gathered)."""
-        plan = self.mapping_plan() if plan is None else plan
-        if last_use is None:
-            last_use = {s: step for step, (sources, _) in enumerate(plan) for s in sources}
-        slot_of: dict[int, int] = {}
-        free: list[int] = []
-        slots = 0
-        for step, (sources, _) in enumerate(plan):
-            for s in sorted(sources):
-                if s not in slot_of:
-                    if free:
-                        slot_of[s] = free.pop(0)
-                    else:
-                        slot_of[s], slots = slots, slots + 1
-            free = sorted(free + [slot_of[s] for s in sources if last_use[s] == step])
-        return slot_of, slots
-
-    def chunk_tokens(self, batch: int, seq: int) -> int:
-        """Tokens per chunk when `map_cache` maps `batch` sequences of `seq` tokens (see `max_chunk_bytes`)."""
-        return self.schedule(batch, seq).chunk
-
-    def chunk_bytes_per_token(self) -> int:
-        """Bytes of `map_cache`'s working set per token: the live source rows and the widest step's output."""
-        return self.schedule(1, 1).bytes_per_token
-
-    def mapping_plan(self, targets: set[int] | None = None) -> list[tuple[list[int], list[int]]]:
-        """`(source layers in input order, target layers)` steps covering every target layer (of `targets`) once."""
-        chosen = [(t, layers) for t, layers in enumerate(self.selected_layers) if targets is None or t in targets]
-        if not self.groupable:
-            return [(list(layers), [t]) for t, layers in chosen]
-        groups: dict[tuple[int, ...], list[int]] = {}
-        for t, layers in chosen:
-            groups.setdefault(tuple(sorted(layers)), []).append(t)
-        plan = []
-        for sources, targets in groups.items():
-            size = sum(p.numel() * p.element_size() for t in targets for p in self.layers[t].parameters())
-            if len(targets) > 1 and size <= self.max_group_bytes:
-                plan.append((list(sources), targets))
-            else:
-                plan.extend((list(self.selected_layers[t]), [t]) for t in targets)
-        return sorted(plan, key=lambda step: step[1][0])
 
     def _stacked(self, sources: list[int], targets: list[int]):
         """`_stack(sources, targets)`, cached until any parameter of those target layers or their layer order
@@ -550,14 +479,15 @@ class KVMapper(nn.Module, HeadLayouts):
         out: torch.Tensor | None = None,
         slots: dict[int, int] | None = None,
     ) -> torch.Tensor:
-        """Maps one step of `mapping_plan`.
+        """Maps one step of `hf_kvbridge.mapping.mapping_plan` over one chunk of rows.
 
         Args:
             sources, targets: the step.
             rows (`torch.Tensor`): a `new_rows` buffer holding (at least) the step's source layers, layer `s` at
                 index `slots[s]` (default: at index `s`).
             out (`torch.Tensor`, *optional*): flat storage for the result (a reused workspace).
-            slots (`dict[int, int]`, *optional*): where each source layer sits in `rows` (see `row_slots`).
+            slots (`dict[int, int]`, *optional*): where each source layer sits in `rows`
+                (`hf_kvbridge.mapping.row_slots`).
 
         Returns:
             the `len(targets)` target layers side by side in `map_layer`'s layout (`split_rows(..., layers=n)` takes

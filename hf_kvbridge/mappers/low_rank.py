@@ -14,15 +14,14 @@ variance, measured on the calibration inputs. Mapping a token costs `2 (p + q) r
 
 from __future__ import annotations
 
-import copy
 import math
 
 import torch
 from torch import nn
 
+from ..errors import MapperError
 from ..layout import target_heads_of
 from ..selection import mapped_heldout_r2
-from ..solve import effective_ridge_lambda
 from ..statistics import KVStatistics
 from .base import KVMapper, MapperType
 
@@ -86,14 +85,14 @@ class LowRankKVMapper(KVMapper):
         **target_heads,
     ):
         if rank < 1:
-            raise ValueError(f"rank must be ≥ 1, got {rank}")
+            raise MapperError(f"rank must be ≥ 1, got {rank}")
         self.rank = int(rank)
         super().__init__(selected_layers, num_kv_heads, head_dim, head_mode, kv_mode=kv_mode, **target_heads)
 
     @classmethod
     def from_config(cls, config, layout) -> LowRankKVMapper:
         if "rank" not in (config.mapper_kwargs or {}):
-            raise ValueError("a low_rank mapper's config lacks mapper_kwargs['rank']")
+            raise MapperError("a low_rank mapper's config lacks mapper_kwargs['rank']; save it with its rank")
         return super().from_config(config, layout, rank=config.mapper_kwargs["rank"])
 
     @property
@@ -192,52 +191,53 @@ class LowRankKVMapper(KVMapper):
         return kv[0], kv[1]
 
 
-def low_rank_bridge(
-    bridge: nn.Module, rank: int, statistics: tuple[KVStatistics, KVStatistics] | None = None
-) -> nn.Module:
-    r"""A new bridge with `bridge`'s ridge maps reduced to rank `rank` (same layers, head mode, kv mode and λ: the
-    per-layer λ chosen for the ridge base when it was fitted with `ridge_lambda="auto"`).
+def fit_low_rank(
+    base: KVMapper,
+    *,
+    statistics: tuple[KVStatistics, KVStatistics] | None,
+    ridge_lambda: float | dict,
+    rank: int = 64,
+    **_ignored,
+) -> LowRankKVMapper:
+    r"""The ridge maps of `base` (its layers, head mode and kv mode, with λ `ridge_lambda`: the per-layer λ chosen
+    for the ridge base when it was fitted with `ridge_lambda="auto"`) reduced to rank `rank`.
 
     Args:
-        bridge ([`KVBridgeForCausalLM`]): a calibrated ridge bridge.
-        rank (`int`): the rank of each map (per target layer and head group, see [`LowRankKVMapper`]).
-        statistics (`tuple`, *optional*): the `(train, held-out)` calibration statistics; defaults to the
-            `bridge.calibration_statistics` that `calibrate` leaves on the bridge.
+        base ([`KVMapper`]): a fitted ridge mapper (its selection is reused).
+        statistics (`tuple`): the `(train, held-out)` calibration statistics.
+        ridge_lambda (`float` or `dict`): the λ of the maps (`solve.effective_ridge_lambda(config)`).
+        rank (`int`, *optional*, defaults to `64`): the rank of each map (per target layer and head group, see
+            [`LowRankKVMapper`]).
 
     Returns:
-        [`KVBridgeForCausalLM`] sharing `bridge`'s models, `config.mapper_type == "low_rank"`, with the held-out R² of
-        the rank-`rank` maps (fitted on the training statistics, measured on the held-out ones) in
-        `config.heldout_r2`.
+        [`LowRankKVMapper`] fitted on train + held-out; its `fit_summary` is `{"rank": rank}` and its `fit_config`
+        holds the held-out R² of the rank-`rank` maps (fitted on the training statistics, measured on the held-out
+        ones) as `heldout_r2`, which `hf_kvbridge.calibration.refit` writes into the new bridge's config.
 
     Example:
 
     ```python
-    >>> from hf_kvbridge.mappers.low_rank import low_rank_bridge
-    >>> cheap = low_rank_bridge(bridge, rank=32)  # doctest: +SKIP
+    >>> from hf_kvbridge.calibration import refit
+    >>> cheap = refit(bridge, "low_rank", rank=32)  # doctest: +SKIP
     >>> cheap.mapper.flops_per_token() < bridge.mapper.flops_per_token()  # doctest: +SKIP
     True
     ```
     """
     if statistics is None:
-        statistics = getattr(bridge, "calibration_statistics", None)
-        if statistics is None:
-            raise ValueError("low_rank_bridge needs the calibration statistics (train, held-out) of the bridge")
+        raise MapperError(
+            "the low-rank fit needs the calibration statistics (train, held-out): calibrate with "
+            "keep_statistics=True or pass statistics="
+        )
     train, heldout = statistics
-    config = bridge.config
-    args = (config.selected_layers, config.head_mode, effective_ridge_lambda(config))
-    kwargs = {"rank": rank, "kv_mode": getattr(config, "kv_mode", "joint")}
+    args = (base.selected_layers, base.head_mode, ridge_lambda)
+    kwargs = {"rank": rank, "kv_mode": base.kv_mode}
     r2 = mapped_heldout_r2(LowRankKVMapper.from_statistics(train, *args, **kwargs), heldout)  # (L_t, 2)
     mapper = LowRankKVMapper.from_statistics(train + heldout, *args, **kwargs)
-    new_config = copy.deepcopy(config)
-    new_config.mapper_type = "low_rank"
-    new_config.mapper_kwargs = {"rank": int(rank)}
-    new_config.heldout_r2 = {"k": [round(float(v), 6) for v in r2[:, 0]], "v": [round(float(v), 6) for v in r2[:, 1]]}
-    return bridge.with_mapper(mapper, new_config)
-
-
-def fit_low_rank(bridge: nn.Module, *, statistics=None, rank: int = 64, **_ignored) -> nn.Module:
-    """The registry's fit: `low_rank_bridge` from the calibration statistics `calibrate` hands over."""
-    return low_rank_bridge(bridge, rank, statistics=statistics)
+    mapper.fit_summary = {"rank": int(rank)}
+    mapper.fit_config = {
+        "heldout_r2": {"k": [round(float(v), 6) for v in r2[:, 0]], "v": [round(float(v), 6) for v in r2[:, 1]]}
+    }
+    return mapper
 
 
 MAPPER = MapperType(

@@ -22,7 +22,6 @@ its step, so memory does not grow with the number of windows. Two losses:
 
 from __future__ import annotations
 
-import copy
 import logging
 import math
 import time
@@ -32,6 +31,7 @@ from torch import nn
 
 from ..attention import attend, decoder_layers, target_queries
 from ..cache import cache_rows
+from ..errors import MapperError
 from ..rope import rotary_cos_sin, rotate_half
 from .base import KVMapper, MapperType
 
@@ -212,10 +212,13 @@ def _rotate(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 def train_mlp_mapper(
-    bridge: nn.Module,
-    windows: torch.Tensor,
+    base: KVMapper,
     *,
+    source: nn.Module,
+    target: nn.Module,
+    windows: torch.Tensor,
     statistics=None,
+    ridge_lambda=None,
     hidden: int = 256,
     loss: str = "mse",
     epochs: int = 2,
@@ -225,16 +228,18 @@ def train_mlp_mapper(
     weight_decay: float = 0.0,
     seed: int = 0,
     progress: bool = False,
-) -> nn.Module:
-    r"""Trains a residual MLP mapper on top of `bridge`'s ridge mapper and returns a new bridge that uses it.
+) -> MLPKVMapper:
+    r"""Trains a residual MLP mapper on top of the ridge mapper `base` and returns it (`base` is left unchanged).
 
-    The source and target models are shared with `bridge` (not copied); `bridge` itself is left unchanged. The new
-    bridge's config has `mapper_type="mlp"` and the hyper-parameters (plus training time and final loss) in
-    `mapper_kwargs`, so `save_pretrained` / `from_pretrained` round-trip it.
+    The returned mapper's `fit_summary` holds the hyper-parameters (plus training time and final loss): what
+    `hf_kvbridge.calibration.refit` records as the new bridge's `config.mapper_kwargs` (`mapper_type="mlp"`), so
+    `save_pretrained` / `from_pretrained` round-trip it.
 
     Args:
-        bridge ([`KVBridgeForCausalLM`]): a bridge with a linear (ridge) mapper.
+        base ([`KVMapper`]): a linear (ridge) mapper of `source` → `target`.
+        source, target (`nn.Module`): the two models; every batch runs both (their caches are the training rows).
         windows (`torch.LongTensor` of shape `(num_sequences, seq_len)`): calibration windows (never held-out text).
+        statistics, ridge_lambda: not used (the registry passes every fit the same arguments).
         hidden (`int`, *optional*, defaults to `256`): hidden width of each per-(layer, head group) MLP.
         loss (`str`, *optional*, defaults to `"mse"`): `"mse"` (normalised K/V error) or `"attention"`
             (attention-output error under the target's own queries, after `o_proj`).
@@ -247,31 +252,32 @@ def train_mlp_mapper(
         seed (`int`, *optional*, defaults to `0`): initialisation and window order.
 
     Returns:
-        [`KVBridgeForCausalLM`] with the MLP mapper.
+        [`MLPKVMapper`].
 
     Example:
 
     ```python
-    >>> from hf_kvbridge.mappers.mlp import train_mlp_mapper
-    >>> mlp_bridge = train_mlp_mapper(bridge, windows, hidden=128, loss="attention", epochs=2)  # doctest: +SKIP
+    >>> from hf_kvbridge.calibration import refit
+    >>> mlp_bridge = refit(bridge, "mlp", windows=windows, hidden=128, loss="attention", epochs=2)  # doctest: +SKIP
     >>> mlp_bridge.config.mapper_type  # doctest: +SKIP
     'mlp'
     ```
     """
 
     if loss not in LOSSES:
-        raise ValueError(f"loss must be one of {LOSSES}, got {loss!r}")
+        raise MapperError(f"loss must be one of {LOSSES}, got {loss!r}")
     if min(epochs, batch_size, hidden, steps_per_batch) < 1:
-        raise ValueError(
+        raise MapperError(
             f"epochs, batch_size, hidden and steps_per_batch must be ≥ 1, got {epochs}, {batch_size}, {hidden}, "
             f"{steps_per_batch}"
         )
-    if type(bridge.mapper) is not KVMapper:
-        raise ValueError(f"train_mlp_mapper needs a bridge with a linear mapper, got {type(bridge.mapper).__name__}")
+    if type(base) is not KVMapper:
+        raise MapperError(
+            f"train_mlp_mapper starts from a linear (ridge) mapper, got {type(base).__name__}; refit a ridge bridge"
+        )
     started = time.perf_counter()
-    source, target = bridge.source, bridge.target
     device = target.device
-    mapper = MLPKVMapper.from_linear(bridge.mapper, hidden=hidden, seed=seed).to(device=device, dtype=torch.float32)
+    mapper = MLPKVMapper.from_linear(base, hidden=hidden, seed=seed).to(device=device, dtype=torch.float32)
     xw, yw = mapper.x_row, mapper.y_row  # features of one source / target layer
     attn_layers = [layer.self_attn for layer in decoder_layers(target)]
     params = [p for residual in mapper.residuals for p in residual.parameters()]
@@ -340,9 +346,7 @@ def train_mlp_mapper(
     finally:
         for param in params:
             param.requires_grad_(False)
-    config = copy.deepcopy(bridge.config)
-    config.mapper_type = "mlp"
-    config.mapper_kwargs = {
+    mapper.fit_summary = {
         "hidden": int(hidden),
         "loss": loss,
         "epochs": int(epochs),
@@ -356,7 +360,7 @@ def train_mlp_mapper(
         "epoch_losses": [round(v, 6) for v in epoch_losses],
         "train_seconds": round(time.perf_counter() - started, 2),
     }
-    return bridge.with_mapper(mapper, config)
+    return mapper
 
 
 MAPPER = MapperType(

@@ -19,7 +19,6 @@ constrained (e.g. low-rank) map.
 
 from __future__ import annotations
 
-import copy
 import logging
 import time
 
@@ -28,7 +27,7 @@ from torch import nn
 
 from ..attention import decoder_layers, target_queries
 from ..cache import cache_rows
-from ..solve import effective_ridge_lambda
+from ..errors import InvalidInputError, MapperError
 from ..statistics import KVStatistics
 from .base import KVMapper, MapperType
 
@@ -59,7 +58,7 @@ class WeightedKVStatistics(KVStatistics):
         if weight is None:
             weight = torch.ones(x.shape[0])
         if weight.numel() != x.shape[0]:
-            raise ValueError(f"{weight.numel()} weights for {x.shape[0]} tokens")
+            raise InvalidInputError(f"{weight.numel()} weights for {x.shape[0]} tokens: pass one weight per token")
         x = x.to(self.xx.device, torch.float64)
         y = y.to(self.xx.device, torch.float64)
         w = weight.to(self.xx.device, torch.float64).reshape(-1, 1)  # (N, 1)
@@ -97,45 +96,50 @@ def attention_mass(queries: torch.Tensor, keys: torch.Tensor, scaling: float) ->
 
 
 def fit_attention_weighted(
-    bridge: nn.Module,
-    windows: torch.Tensor,
+    base: KVMapper,
     *,
+    source: nn.Module,
+    target: nn.Module,
+    windows: torch.Tensor,
+    ridge_lambda: float | dict,
     statistics=None,
     batch_size: int = 8,
     weighting: str = "attention",
     progress: bool = False,
-) -> nn.Module:
-    r"""Refits `bridge`'s ridge mapper with per-token attention-mass weights; returns a new bridge.
+) -> KVMapper:
+    r"""Refits the ridge mapper `base` with per-token attention-mass weights; returns the new mapper.
 
-    Keeps `bridge`'s layer selection, head mode, kv mode and λ (the per-layer choices of an auto-λ bridge); one
-    streamed pass of both models over `windows` accumulates, per target layer, weighted statistics of its selected
-    source features only. The result is a plain linear [`KVMapper`] (same weights layout as ridge), with
-    `config.mapper_type == "ridge_attention_weighted"`.
+    Keeps `base`'s layer selection, head mode and kv mode, and the λ it was fitted with (`ridge_lambda`: the
+    per-layer choices of an auto-λ bridge, `solve.effective_ridge_lambda(config)`); one streamed pass of both models
+    over `windows` accumulates, per target layer, weighted statistics of its selected source features only. The result
+    is a plain linear [`KVMapper`] (same weights layout as ridge); `hf_kvbridge.calibration.refit` records it with
+    `config.mapper_type == "ridge_attention_weighted"` and its `fit_summary` as `config.mapper_kwargs`.
 
     Args:
-        bridge ([`KVBridgeForCausalLM`]): a calibrated bridge (its selection and λ are reused).
+        base ([`KVMapper`]): a fitted mapper of `source` → `target` (its selection is reused).
+        source, target (`nn.Module`): the two models.
         windows (`torch.LongTensor` of shape `(num_sequences, seq_len)`): calibration windows.
+        ridge_lambda (`float` or `dict`): the λ of the maps.
+        statistics: not used (the registry passes every fit the same arguments).
         batch_size (`int`, *optional*, defaults to `8`): windows per forward pass.
         weighting (`str`, *optional*, defaults to `"attention"`): `"attention"`, or `"uniform"` (every weight 1:
             the plain ridge fit on `windows`, an oracle for tests).
 
     Returns:
-        [`KVBridgeForCausalLM`] sharing `bridge`'s models.
+        [`KVMapper`].
 
     Example:
 
     ```python
-    >>> from hf_kvbridge.mappers.weighted import fit_attention_weighted
-    >>> weighted = fit_attention_weighted(bridge, windows)  # doctest: +SKIP
+    >>> from hf_kvbridge.calibration import refit
+    >>> weighted = refit(bridge, "ridge_attention_weighted", windows=windows)  # doctest: +SKIP
     >>> weighted.config.mapper_type  # doctest: +SKIP
     'ridge_attention_weighted'
     ```
     """
     if weighting not in WEIGHTINGS:
-        raise ValueError(f"weighting must be one of {WEIGHTINGS}, got {weighting!r}")
+        raise MapperError(f"weighting must be one of {WEIGHTINGS}, got {weighting!r}")
     started = time.perf_counter()
-    base, config = bridge.mapper, bridge.config
-    source, target = bridge.source, bridge.target
     heads, dim = base.target_kv_heads, base.target_head_dim
     xw, yw = base.x_row, base.y_row  # features of one source / target layer
     attn_layers = [layer.self_attn for layer in decoder_layers(target)]
@@ -162,21 +166,18 @@ def fit_attention_weighted(
                 weight = attention_mass(queries[t], true_cache.layers[t].keys, attn_layers[t].scaling).reshape(-1)
             stats[t].update(x_t, y_t, weight)
     mapper = KVMapper(base.selected_layers, *layouts, base.head_mode, kv_mode=base.kv_mode, **base.head_kwargs())
-    ridge_lambda = effective_ridge_lambda(config)
     for t, layers in enumerate(base.selected_layers):
         # stats[t] holds only layer t's selection: its source layers at 0 … k-1 and the target layer at 0
         for g, _, _, weight, bias in mapper.ridge_solutions(stats[t], t, ridge_lambda, range(len(layers)), 0):
             mapper.layers[t].weight.data[g] = weight.to(mapper.layers[t].weight.dtype)
             mapper.layers[t].bias.data[g] = bias.to(mapper.layers[t].bias.dtype)
-    new_config = copy.deepcopy(config)
-    new_config.mapper_type = "ridge_attention_weighted"
-    new_config.mapper_kwargs = {
+    mapper.fit_summary = {
         "weighting": weighting,
         "windows": int(len(windows)),
         "seq_len": int(windows.shape[1]),
         "fit_seconds": round(time.perf_counter() - started, 2),
     }
-    return bridge.with_mapper(mapper, new_config)
+    return mapper
 
 
 MAPPER = MapperType(

@@ -1,7 +1,7 @@
 """`kvbridge tune`: search a grid of bridge configurations from one statistics pass and pick one by quality and cost.
 
 One calibration pass keeps its `(train, held-out)` statistics; every configuration of the grid is refitted from them
-(`fit_bridge`, `low_rank_bridge`; no further pass over the calibration data):
+(`fit_bridge`, `calibration.refit`; no further pass over the calibration data):
 
     top_k × ridge λ × kv_mode × mapper (ridge, low rank r) × recompute_fraction
 
@@ -37,10 +37,9 @@ from typing import Any
 
 import torch
 
-from ..calibration import calibrate, fit_bridge
+from ..calibration import calibrate, fit_bridge, refit
 from ..data import iter_texts
 from ..errors import InvalidInputError, TuningError
-from ..mappers.low_rank import low_rank_bridge
 from ..statistics import KVStatistics
 from .bench.mapper import prefill_flops
 from .evaluation import heldout_windows, retention
@@ -205,7 +204,7 @@ def fit_candidate(base, statistics, settings: dict):
         config_kwargs=_references(base.config),
     )
     if settings["mapper_type"] == "low_rank":
-        bridge = low_rank_bridge(bridge, settings["rank"], statistics=statistics)
+        bridge = refit(bridge, "low_rank", rank=settings["rank"], statistics=statistics)
     return with_recompute(bridge, settings.get("recompute_fraction", 0.0))
 
 

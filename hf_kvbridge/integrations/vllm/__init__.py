@@ -1,0 +1,130 @@
+"""Bridged requests in vLLM: a v1 KV connector that writes the mapped cache into vLLM's paged KV cache.
+
+vLLM serves the *target* model. For a bridged request the connector's scheduler side claims the prompt's tokens
+except the last `hold_back` ones (as `bridge.generate` does); its worker side runs the *source* prefill over them,
+maps the source cache with the bridge's mapper (RoPE stripped with the source's rotary module, re-applied with the
+target's) and writes keys and values layer by layer through the attention backend's own cache-update op
+(`layer.impl.do_kv_cache_update`), so the paged layout is the backend's business. vLLM then computes the held-back
+tokens and decodes with the target as usual. The worker holds the source model, the mapper and the target's rotary
+embedding (built from its config): never a second copy of the target's weights.
+
+```python
+from vllm import LLM, SamplingParams
+from hf_kvbridge.integrations.vllm import bridged, kv_transfer_config, target_model
+
+llm = LLM(model=target_model("my-bridge"), kv_transfer_config=kv_transfer_config("my-bridge"))
+params = SamplingParams(max_tokens=64, temperature=0, extra_args=bridged())  # this request opts in
+print(llm.generate(["A long shared context ..."], params)[0].outputs[0].text)
+```
+
+or from the command line (`kvbridge serve DIR`, i.e. `serve_main`):
+
+```bash
+vllm serve TARGET --kv-transfer-config '{"kv_connector": "KVBridgeConnector",
+    "kv_connector_module_path": "hf_kvbridge.integrations.vllm", "kv_role": "kv_both",
+    "kv_load_failure_policy": "recompute", "kv_connector_extra_config": {"bridge": "DIR or Hub id"}}'
+curl localhost:8000/v1/completions -H 'Content-Type: application/json' \\
+    -d '{"model": "TARGET", "prompt": "...", "max_tokens": 32, "kv_transfer_params": {"kvbridge": true}}'
+```
+
+**Which requests are bridged.** Per request by default (`"requests": "opt_in"` in `kv_connector_extra_config`):
+a request opts in with `kv_transfer_params={"kvbridge": true}` (OpenAI API body field `kv_transfer_params`;
+offline `SamplingParams(extra_args={"kv_transfer_params": {"kvbridge": True}})`, which `bridged()` returns).
+`"requests": "all"` bridges every request that does not say `{"kvbridge": false}`.
+
+**Prefix caching.** A bridged request's blocks hold approximate (mapped) K/V. Its cache salt is rewritten to
+`kvbridge:<mapper digest>|<its own salt>` before the scheduler looks it up, so its blocks hash differently from
+every request that is not bridged (or bridged by another mapper): a request that did not opt in never gets a
+prefix-cache hit on mapped blocks. Bridged requests share blocks among themselves (the same tokens map the same).
+
+**Fallback.** If the source prefill or the mapper fails for a request, the worker reports the request's claimed
+blocks as failed loads, and vLLM (with `kv_load_failure_policy="recompute"`, which `kv_transfer_config` sets and
+the connector requires) truncates the request to its last good block and the target computes the prompt itself.
+Each fallback is logged (WARNING, with the request id and the reason) and counted; every bridged request's output
+carries `kv_transfer_params["kvbridge"]` = `{"status": "mapped" | "fallback" | "gated", "mapped_tokens": n, ...}`,
+and `KVBridgeConnector.counters` (per process) counts requests and tokens. A prompt of `hold_back` tokens or fewer
+(`hold_back + gate_probe_tokens` with a gate) has nothing to map and is computed by the target (status "target").
+
+**Quality gate** (`config.gate_threshold`, the same score and threshold as `bridge.generate`). The connector claims
+the prompt except its last `hold_back + gate_probe_tokens` tokens, so vLLM's target computes the probe tokens in the
+step of the load, on the mapped cache, as `transfer.transfer_prefill` has the HF target do. The worker maps the
+probe positions too (not written) and, after the forward pass (`get_block_ids_with_load_errors`, which vLLM calls
+after it, also when `wait_for_save` is deferred), reads the target's own K/V of the probe back from the paged cache
+(`read_slots`) and scores them with `transfer.probe_agreement`. Below the threshold the load's blocks are reported
+as failed in that same step: vLLM's scheduler (`Scheduler.update_from_output` → `_handle_invalid_blocks` →
+`_update_requests_with_invalid_blocks`) sets the request's computed tokens back to the first failed block and skips
+the request's output of that step (its sampled token is dropped), so the target recomputes the prompt and samples
+its own first token (status "gated" with `score`, `threshold` and `probe_tokens`; WARNING with the request id and
+score; `requests_gated` counted). That is exact when a step's output is processed before the next step is scheduled
+(no async scheduling: vLLM's CPU platform turns it off); with async scheduling it is not verified, and a start-up
+warning says so. `read_slots` knows the CPU backend's portable layout and FlashAttention's; the worker checks it
+reads back what it just wrote, and where it cannot the gate rejects (fails safe, with the reason). If chunked
+prefill gives the request fewer tokens than the probe in the load step, the gate scores the probe tokens computed.
+
+**Selective recompute** (`config.recompute_fraction`) with the `"tail"` policy (the default): the scheduler side
+claims `ceil(fraction · n)` fewer of the `n` tokens `bridge.generate` maps, so vLLM's target computes that tail
+itself in the load step, before the probe, as `bridge.generate` recomputes it. The other policies pick tokens
+inside the prompt and are refused at start-up (`check_recompute`).
+
+Not supported here: `config.sink_tokens` (vLLM can only load a prefix; refused at start-up). Single-GPU/CPU only
+(no tensor parallelism).
+
+The package:
+
+| module | holds |
+|---|---|
+| `connector` | `KVBridgeConnector`, the thin `KVConnectorBase_V1` vLLM loads (`# Scheduler-side` / `# Worker-side`) |
+| `scheduler` | `BridgeScheduler`: opt-in, cache salt, the claimed positions (`hf_kvbridge.plan`), the loads sent |
+| `worker` | `BridgeWorker`, the bridged-request engine: source prefill, mapping, paged writes, the quality gate |
+| `paged_cache` | vLLM's paged KV layout: slots, writes through the backend, reads (layout detected at run time) |
+| `metadata` | the per-step dataclasses passed scheduler → worker → scheduler |
+| `rotary` | `RotaryOnlyTarget`: the target's rotary embedding without its weights |
+| `configuration` | `kv_transfer_config`, `bridged`, `target_model`, `check_recompute` |
+| `serve` | `kvbridge serve` (`serve_main`) |
+"""
+
+from .configuration import (
+    CONNECTOR_NAME,
+    MODULE_PATH,
+    PARAM_KEY,
+    bridged,
+    check_recompute,
+    kv_transfer_config,
+    read_bridge_config,
+    target_model,
+)
+from .connector import KVBridgeConnector
+from .metadata import FAILED, BridgeLoad, GateCheck, KVBridgeConnectorMetadata, KVBridgeWorkerMetadata
+from .paged_cache import read_slots, reads_back, slots_of, write_layer
+from .rotary import RotaryOnlyTarget, rotary_embedding_class
+from .scheduler import BridgeScheduler
+from .serve import serve_command, serve_main
+from .worker import BridgeWorker, load_bridge
+
+__all__ = [
+    "CONNECTOR_NAME",
+    "FAILED",
+    "MODULE_PATH",
+    "PARAM_KEY",
+    "BridgeLoad",
+    "BridgeScheduler",
+    "BridgeWorker",
+    "GateCheck",
+    "KVBridgeConnector",
+    "KVBridgeConnectorMetadata",
+    "KVBridgeWorkerMetadata",
+    "RotaryOnlyTarget",
+    "bridged",
+    "check_recompute",
+    "kv_transfer_config",
+    "load_bridge",
+    "read_bridge_config",
+    "read_slots",
+    "reads_back",
+    "rotary_embedding_class",
+    "serve_command",
+    "serve_main",
+    "slots_of",
+    "target_model",
+    "write_layer",
+]

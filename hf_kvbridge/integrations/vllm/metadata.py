@@ -1,0 +1,71 @@
+"""The metadata the connector passes scheduler → worker (`BridgeLoad`s) and worker → scheduler (outcomes), and the
+worker's pending quality-gate checks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
+
+FAILED = ("fallback", "gated")  # outcomes whose blocks are reported as failed loads: the target recomputes them
+
+
+@dataclass
+class BridgeLoad:
+    """One request's mapping in this step: source-prefill `token_ids` (the prompt up to `probe_end`), write the
+    mapped K/V of tokens `[start, end)` into the slots of `block_ids`. With a quality gate, the target computes tokens
+    `[probe_start, probe_end)` itself in this step (the probe); their mapped K/V are computed too, not written, and
+    compared with the target's own after the forward pass. Without a gate `probe_start == probe_end`. Tokens
+    `[end, probe_start)` are the recomputed tail (`recompute_fraction`, policy `"tail"`): the target computes them in
+    this step, before the probe, as `bridge.generate` recomputes them."""
+
+    req_id: str
+    token_ids: list[int]
+    start: int
+    end: int
+    block_ids: list[int]
+    probe_end: int
+    probe_start: int | None = None
+
+    def __post_init__(self):
+        if self.probe_start is None:
+            self.probe_start = self.end
+
+    @property
+    def gated(self) -> bool:
+        return self.probe_end > self.probe_start
+
+
+@dataclass
+class GateCheck:
+    """A quality-gate check waiting for the forward pass: the mapped K/V of the probe tokens (`mapped`, a cache of
+    `(1, kv_heads, n, head_dim)` layers), the probe's slots in vLLM's paged cache, and the attention layers to read
+    the target's own K/V from (`None` when the written cache could not be read back, see `read_slots`)."""
+
+    load: BridgeLoad
+    written: int
+    mapped: Any
+    slots: torch.Tensor
+    layers: dict[str, nn.Module] | None
+
+
+@dataclass
+class KVBridgeConnectorMetadata(KVConnectorMetadata):
+    loads: list[BridgeLoad] = field(default_factory=list)
+
+
+@dataclass
+class KVBridgeWorkerMetadata(KVConnectorWorkerMetadata):
+    """Per-request outcomes of this step's mappings (`{req_id: {"status": ..., ...}}`)."""
+
+    outcomes: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        merged = dict(self.outcomes)
+        for req_id, outcome in getattr(other, "outcomes", {}).items():
+            if merged.get(req_id, {}).get("status") not in FAILED:  # a failure on any worker wins
+                merged[req_id] = outcome
+        return KVBridgeWorkerMetadata(merged)

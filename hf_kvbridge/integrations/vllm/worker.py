@@ -1,0 +1,199 @@
+"""The connector's worker side, the bridged-request engine: loads the bridge (source model, mapper, the target's
+rotary embedding), runs the source prefill and the mapping of each load, writes the mapped K/V into vLLM's paged
+cache, runs the quality gate after the forward pass, and reports failed loads so that the target recomputes them."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import DynamicCache
+from vllm.logger import init_logger
+
+from ...cache import append_layer, output_cache, slice_cache
+from ...transfer import probe_agreement
+from .metadata import BridgeLoad, GateCheck, KVBridgeConnectorMetadata, KVBridgeWorkerMetadata
+from .paged_cache import read_slots, reads_back, slots_of, write_layer
+from .rotary import RotaryOnlyTarget
+
+logger = init_logger("vllm.hf_kvbridge")  # under "vllm", so vLLM's handlers format and show it
+
+
+def load_bridge(config, folder, revision: str | None, dtype: torch.dtype, device, bridge_ref: str = ""):
+    """The source model, the mapper, and the target's rotary embedding (no target weights), as a
+    `KVBridgeForCausalLM`. Loaded outside inference mode, so the mapper's stacked weights can be cached (vLLM runs
+    this inside it)."""
+    from ...loading import load_model
+    from ...modeling import KVBridgeForCausalLM
+
+    device = torch.device(device)
+    with torch.inference_mode(False):
+        source = load_model(config.source_name_or_path, config.source_revision, dtype=dtype)
+        source = source.to(device)
+        target = RotaryOnlyTarget.from_reference(config.target_name_or_path, config.target_revision, dtype, device)
+        bridge = KVBridgeForCausalLM.from_pretrained(
+            folder, source_model=source, target_model=target, revision=revision
+        )
+        bridge.reverse = None  # a bidirectional checkpoint's reverse mapper is of no use here
+    logger.info(
+        "KVBridgeConnector: bridge %s loaded (source %s, %d parameters; mapper %d parameters; target %s: rotary "
+        "embedding only)",
+        bridge_ref,
+        config.source_name_or_path,
+        sum(p.numel() for p in source.parameters()),
+        sum(p.numel() for p in bridge.mapper.parameters()),
+        config.target_name_or_path,
+    )
+    return bridge
+
+
+def attention_layers(forward_context) -> dict[str, nn.Module]:
+    """vLLM's attention layers that hold a paged cache and a cache-update op, by name."""
+    return {
+        name: layer
+        for name, layer in forward_context.no_compile_layers.items()
+        if hasattr(layer, "kv_cache") and hasattr(getattr(layer, "impl", None), "do_kv_cache_update")
+    }
+
+
+class BridgeWorker:
+    """What `KVBridgeConnector` does in the worker process.
+
+    Args:
+        bridge (`KVBridgeForCausalLM`): the source, the mapper and the target's stand-in (`load_bridge`).
+        block_size (`int`): vLLM's block size.
+        gate_threshold (`float`, *optional*): the quality gate's threshold (`None`: no gate).
+        count (`Callable`): adds to the connector's counters.
+    """
+
+    def __init__(self, bridge, *, block_size: int, gate_threshold: float | None, count: Callable[..., None]):
+        self.bridge, self.block_size, self.gate_threshold, self.count = bridge, block_size, gate_threshold, count
+        self._invalid_blocks: set[int] = set()
+        self._step_outcomes: dict[str, dict[str, Any]] = {}
+        self._gate_checks: list[GateCheck] = []
+
+    def start_load_kv(self, meta, forward_context) -> None:
+        """Maps and writes every load of this step's metadata before the forward pass; a failure falls back."""
+        if not isinstance(meta, KVBridgeConnectorMetadata) or not meta.loads:
+            return
+        layers = attention_layers(forward_context)
+        for load in meta.loads:
+            try:
+                written = self.map_and_write(load, layers)
+            except Exception as error:  # fall back: the target recomputes the claimed tokens
+                self.fall_back(load, "fallback", reason=f"{type(error).__name__}: {error}")
+                logger.warning(
+                    "KVBridgeConnector: mapping failed for request %s (%d tokens): %s: %s; the target computes "
+                    "the prompt itself",
+                    load.req_id,
+                    load.end - load.start,
+                    type(error).__name__,
+                    error,
+                )
+                continue
+            if not load.gated:  # no gate: mapped for good (a gated one is decided after the forward)
+                self.mapped(load, written)
+
+    def mapped(self, load: BridgeLoad, written: int, **extra: Any) -> None:
+        self._step_outcomes[load.req_id] = {"status": "mapped", "mapped_tokens": written, "start": load.start, **extra}
+        self.count(requests_mapped=1, tokens_mapped=written)
+
+    def fall_back(self, load: BridgeLoad, status: str, **extra: Any) -> None:
+        """Reports `load`'s blocks as failed loads: vLLM truncates the request to its last good block, discards this
+        step's sampled token and has the target compute the rest of the prompt."""
+        first, last = load.start // self.block_size, (load.end - 1) // self.block_size
+        self._invalid_blocks.update(load.block_ids[first : last + 1])
+        self._step_outcomes[load.req_id] = {"status": status, "mapped_tokens": 0, **extra}
+        self.count(**{f"requests_{status}": 1, f"tokens_{status}": load.end - load.start})
+
+    def map_and_write(self, load: BridgeLoad, layers: dict[str, nn.Module]) -> int:
+        """Source prefill over `load.token_ids`, mapping of tokens `[start, end)`, and one cache-update call per
+        target attention layer. Returns the number of tokens written. With a quality gate, also maps the probe
+        tokens `[probe_start, probe_end)` (not written: the target computes them in this step) and queues the gate's
+        check for after the forward pass (`check_gates`)."""
+        from vllm.model_executor.models.utils import extract_layer_index
+
+        bridge = self.bridge
+        if bridge is None:
+            raise RuntimeError("the bridge is not loaded in this worker")
+        device = bridge.device
+        ids = torch.tensor([load.token_ids], dtype=torch.long, device=device)  # (1, T)
+        source_cache = output_cache(bridge.source(input_ids=ids, use_cache=True, logits_to_keep=1))
+        positions = torch.arange(load.start, load.end, device=device).unsqueeze(0)  # (1, end - start)
+        mapped = bridge.map_cache(slice_cache(source_cache, load.start, load.end), positions)  # target layout
+        if len(layers) != len(mapped.layers):
+            raise RuntimeError(f"vLLM has {len(layers)} attention layers, the mapped cache {len(mapped.layers)}")
+        slots = slots_of(load.block_ids, self.block_size, load.start, load.end)  # (end - start,)
+        readable = True
+        for name, layer in layers.items():
+            cache_layer = mapped.layers[extract_layer_index(name)]
+            keys = cache_layer.keys[0].transpose(0, 1)  # (T, H, d), post-RoPE
+            values = cache_layer.values[0].transpose(0, 1)  # (T, H, d)
+            kv_cache = layer.kv_cache
+            keys, values = keys.to(kv_cache.device).contiguous(), values.to(kv_cache.device).contiguous()
+            write_layer(layer, keys, values, slots)
+            if load.gated:  # the gate reads the cache back: check that it reads what was written
+                tail = slice(-self.block_size, None)
+                readable = readable and reads_back(layer, slots[tail], keys[tail], values[tail])
+        written = load.end - load.start
+        if load.gated:
+            probe_positions = torch.arange(load.probe_start, load.probe_end, device=device).unsqueeze(0)  # (1, n)
+            piece = slice_cache(source_cache, load.probe_start, load.probe_end)
+            mapped_probe = bridge.map_cache(piece, probe_positions)
+            probe_slots = slots_of(load.block_ids, self.block_size, load.probe_start, load.probe_end)
+            self._gate_checks.append(GateCheck(load, written, mapped_probe, probe_slots, layers if readable else None))
+        return written
+
+    def check_gates(self) -> None:
+        """The quality gate of this step's gated loads, after the forward pass wrote the target's own K/V of the probe
+        tokens into the paged cache: `hf_kvbridge.transfer.probe_agreement` of own vs mapped probe K/V (mean cosine
+        over layers and tokens, as `bridge.generate` scores it). Below `gate_threshold`, or if the cache cannot be
+        read, the load is reported as failed and the target computes the prompt itself."""
+        from vllm.model_executor.models.utils import extract_layer_index
+
+        checks, self._gate_checks = self._gate_checks, []
+        for check in checks:
+            load, n = check.load, check.load.probe_end - check.load.probe_start
+            score, reason = None, None
+            if check.layers is None:
+                reason = "the quality gate cannot read this attention backend's KV cache layout"
+            else:
+                try:
+                    own = DynamicCache()
+                    for name, layer in check.layers.items():
+                        keys, values = read_slots(layer, check.slots)  # (n, H, d) each
+                        append_layer(
+                            own, extract_layer_index(name), keys.transpose(0, 1)[None], values.transpose(0, 1)[None]
+                        )
+                    score = float(probe_agreement(own, check.mapped, 0, torch.ones(1, n))[0])
+                except Exception as error:
+                    reason = f"quality gate failed: {type(error).__name__}: {error}"
+            if score is not None and score >= self.gate_threshold:
+                self.mapped(load, check.written, score=score, probe_tokens=n)
+                continue
+            gate = {"score": score, "threshold": self.gate_threshold, "probe_tokens": n}
+            self.fall_back(load, "gated", **gate, **({"reason": reason} if reason else {}))
+            logger.warning(
+                "KVBridgeConnector: quality gate rejected the mapping of request %s (%d tokens): probe K/V cosine %s "
+                "below %s%s; the target computes the prompt itself",
+                load.req_id,
+                load.end - load.start,
+                "n/a" if score is None else f"{score:.4f}",
+                self.gate_threshold,
+                f" ({reason})" if reason else "",
+            )
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        # Called after the forward pass (also when wait_for_save is deferred past a draft model), so the probe
+        # tokens' own K/V are in the cache: the gate decides here, and its failures reach the scheduler in this step.
+        self.check_gates()
+        invalid, self._invalid_blocks = self._invalid_blocks, set()
+        return invalid
+
+    def build_connector_worker_meta(self) -> KVBridgeWorkerMetadata | None:
+        if not self._step_outcomes:
+            return None
+        outcomes, self._step_outcomes = self._step_outcomes, {}
+        return KVBridgeWorkerMetadata(outcomes)
