@@ -149,28 +149,6 @@ def test_save_refuses_non_empty_foreign_dir(bridge, tmp_path):
 
 PACKAGE = Path(__file__).resolve().parents[1] / "hf_kvbridge"
 BUILTINS = {"ValueError", "TypeError", "RuntimeError"}
-# converted on this branch (issue 23): a bare builtin raise here is a regression, whatever the other branches do
-CONVERTED = [
-    "attention.py",
-    "budget.py",
-    "cache.py",
-    "card.py",
-    "configuration.py",
-    "controls.py",
-    "data.py",
-    "integrations/hub.py",
-    "integrations/lm_eval.py",
-    "layout.py",
-    "loading.py",
-    "persistence.py",
-    "pocket/__init__.py",
-    "rope.py",
-    "selection.py",
-    "solve.py",
-    "statistics.py",
-    "tokenization.py",
-    "tools/evaluation.py",
-]
 
 
 def bare_raises(path: Path) -> list[str]:
@@ -190,14 +168,6 @@ def _package_bare_raises() -> dict[str, list[str]]:
     return {name: lines for name, lines in found.items() if lines}
 
 
-@pytest.mark.parametrize("name", CONVERTED)
-def test_converted_modules_raise_the_librarys_errors(name):
-    assert bare_raises(PACKAGE / name) == []
-
-
-# other branches of issue 23 convert the rest (calibration, modeling, session, settings, transfer, mapping, recompute,
-# mappers/, integrations/vllm, tools/{bench,drift,mapper_study,tune}): drop this mark once they have merged
-@pytest.mark.xfail(strict=False, reason="other branches of issue 23 convert the remaining modules")
 def test_no_bare_builtin_raises_anywhere_in_the_package():
     """Every error the package raises on purpose is a `KVBridgeError` (which still derives from the builtin)."""
     assert _package_bare_raises() == {}

@@ -13,6 +13,7 @@ from transformers import DynamicCache
 from vllm.logger import init_logger
 
 from ...cache import append_layer, output_cache, slice_cache
+from ...errors import KVLayoutError, ServingConfigError
 from ...transfer import probe_agreement
 from .metadata import BridgeLoad, GateCheck, KVBridgeConnectorMetadata, KVBridgeWorkerMetadata
 from .paged_cache import read_slots, reads_back, slots_of, write_layer
@@ -117,14 +118,19 @@ class BridgeWorker:
 
         bridge = self.bridge
         if bridge is None:
-            raise RuntimeError("the bridge is not loaded in this worker")
+            raise ServingConfigError(
+                "the bridge is not loaded in this worker; the connector loads it at start-up (kv_role kv_both)"
+            )
         device = bridge.device
         ids = torch.tensor([load.token_ids], dtype=torch.long, device=device)  # (1, T)
         source_cache = output_cache(bridge.source(input_ids=ids, use_cache=True, logits_to_keep=1))
         positions = torch.arange(load.start, load.end, device=device).unsqueeze(0)  # (1, end - start)
         mapped = bridge.map_cache(slice_cache(source_cache, load.start, load.end), positions)  # target layout
         if len(layers) != len(mapped.layers):
-            raise RuntimeError(f"vLLM has {len(layers)} attention layers, the mapped cache {len(mapped.layers)}")
+            raise KVLayoutError(
+                f"vLLM has {len(layers)} attention layers, the mapped cache {len(mapped.layers)}; serve the bridge's "
+                "own target model (hf_kvbridge.integrations.vllm.target_model)"
+            )
         slots = slots_of(load.block_ids, self.block_size, load.start, load.end)  # (end - start,)
         readable = True
         for name, layer in layers.items():
