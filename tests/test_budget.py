@@ -142,7 +142,7 @@ def test_planner_names_the_numbers():
     # Qwen3-0.6B → 1.7B shapes: 28 → 28 layers, 8 KV heads × 128
     assert check_budget(parse_bytes("16GB"), 28, 28, 8, 128, 6, torch.float32) == "blocks"
     # all heads, joint: a 32,768-feature Gram block per map, and its float64 eigendecomposition
-    message = r"top_k=16 .* needs 82\.1 GB: statistics 9\.1 GB .* 73\.0 GB to solve .*allows 8\.0 GB.*top_k ≤ 4"
+    message = r"top_k=16 .* needs 36\.5 GB: statistics 9\.1 GB .* 27\.4 GB to solve .*allows 8\.0 GB.*top_k ≤ 7"
     with pytest.raises(StatisticsMemoryError, match=message):
         check_budget(parse_bytes("8GB"), 28, 28, 8, 128, 16, torch.float32)
     # per head and K/V (16 groups of 128 features per layer): the same k fits beside the 2.2 GB selection pass
