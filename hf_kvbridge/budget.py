@@ -15,7 +15,7 @@ Memory model (numbers, times 4 bytes in float32; `row = H·2d`, `U` source layer
     selection    2 · H·2·L_s·d·(d + L_t·d)  (+ the same again in float64 while scoring)
     fit pass     2 · ((U·row)² + U·row·T·row) / G       at least U = k, T = 1; G feature groups (1 all heads and
                                                         joint, H same_head, 2 separate, 2H same_head + separate)
-                 + 8 · (max(3p² + p·w, 2p² + 4p·w) + p²/8) bytes   solving one map of p = k·w inputs, w = row/G
+                 + 8 · (max(3p² + p·w, 2p² + 4p·w) + 512·p) bytes  solving one map of p = k·w inputs, w = row/G
                                                         (float64; see `solve_bytes`)
 
 Every figure is per rank: under `torch.distributed` each rank holds the statistics of the pass it accumulates.
@@ -105,13 +105,13 @@ def solve_bytes(top_k: int, width: int) -> int:
     - the refit on train + held-out: the Gram block, its Cholesky factor and four `p × width` blocks (cross block,
       weights, the triangular solves' right-hand side and result): `2p² + 4p·w` (the λ path in between,
       `p² + 4p·w`, is never above it);
-    - `p²/8` for what the linear algebra keeps besides (measured: 0.1–0.25 `p²` at p = 1,536–4,096).
+    - `512·p` for the linear algebra's blocked workspaces besides (measured: about `p × 150…400`).
 
     Measured by `scripts/measure_solve_memory.py` (peak resident memory above the statistics) and checked in
     `tests/test_budget.py`.
     """
     p = top_k * width
-    return 8 * (max(3 * p * p + p * width, 2 * p * p + 4 * p * width) + p * p // 8)
+    return 8 * (max(3 * p * p + p * width, 2 * p * p + 4 * p * width) + 512 * p)
 
 
 def fit_bytes(sources: int, targets: int, row: int, dtype, groups: int = 1, top_k: int | None = None) -> int:

@@ -67,8 +67,9 @@ def child(p: int, head_dim: int, seed: int, k: int | None = None) -> dict:
         stats.xx[0].copy_(gram * n)
         stats.xy[0].copy_(cross * n)
         stats.yy[0].copy_(((weight * cross).sum(0) * 1.2 + 0.1) * n)
-        stats.x_mean[0].copy_(torch.randn(p, generator=gen, dtype=torch.float64))
-        stats.y_mean[0].copy_(torch.randn(row, generator=gen, dtype=torch.float64))
+        x_mean = torch.randn(p, generator=gen, dtype=torch.float64)
+        stats.x_mean[0].copy_(x_mean)
+        stats.y_mean[0].copy_(x_mean @ weight + 1.0)  # the means follow the relation too
         del gram, cross
         parts.append(stats)
     del weight, basis
