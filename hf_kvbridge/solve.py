@@ -20,6 +20,12 @@ and the held-out statistics' moments give each W(λ)'s held-out residual sum of 
 the data. Ridge decouples over output columns, so the K columns and the V columns each get the λ with the best
 held-out R² (mean over heads) — exactly what two separate K and V maps would get. The map is then refitted on
 train + held-out statistics with the chosen λ per column (`solve_ridge` with a per-column λ).
+
+**Memory** (`p` inputs, `w` outputs, float64; `hf_kvbridge.budget.solve_bytes` plans it): the search keeps at most
+three `p × p` matrices, at the eigendecomposition (its eigenvectors written over the standardized Gram block, plus
+LAPACK's `2p²` workspace); the held-out Gram block is read only after it and rotated in place, `M = Vᵀ Z' V`, so each
+λ costs products and diagonal scalings of `p × w` blocks. The refit keeps the Gram block (the ridge added on its
+diagonal) and one Cholesky factor. The moments `stats.moments` returns are worked on in place.
 """
 
 from __future__ import annotations
