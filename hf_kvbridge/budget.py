@@ -191,8 +191,9 @@ def plan_passes(selected_layers: list[list[int]], row: int, budget: int, dtype, 
         else:
             if need(len(layers), 1) > budget:
                 raise StatisticsMemoryError(
-                    f"target layer {t} needs {format_bytes(need(len(layers), 1))} of statistics but "
-                    f"statistics_memory allows {format_bytes(budget)}; raise statistics_memory or lower top_k"
+                    f"target layer {t} needs {format_bytes(need(len(layers), 1))} (train + held-out statistics of "
+                    f"its {len(layers)} source layers and the float64 solve of one map) but statistics_memory allows "
+                    f"{format_bytes(budget)}; raise statistics_memory or lower top_k"
                 )
             passes.append([t])
             union = set(layers)

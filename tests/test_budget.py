@@ -280,3 +280,11 @@ def test_solve_memory_plan_matches_the_measured_peak(k):
     record = script.measure(1536, k=k, threads=1)
     assert record["k"] == k and record["weight_finite"]
     assert abs(record["plan_bytes"] - record["peak_bytes"]) <= 0.1 * record["peak_bytes"], record
+
+
+def test_plan_passes_refuses_only_a_layer_that_fits_no_pass():
+    selected = [[0, 1], [1, 2], [5, 6], [6, 7]]
+    one_layer = fit_bytes(2, 1, ROW, torch.float32, top_k=2)
+    assert plan_passes(selected, ROW, one_layer, torch.float32) == [[0], [1], [2], [3]]  # a pass per layer
+    with pytest.raises(StatisticsMemoryError, match=r"target layer 0 needs .* \(train \+ held-out statistics of its"):
+        plan_passes(selected, ROW, one_layer - 1, torch.float32)
