@@ -15,7 +15,8 @@ Memory model (numbers, times 4 bytes in float32; `row = H·2d`, `U` source layer
     selection    2 · H·2·L_s·d·(d + L_t·d)  (+ the same again in float64 while scoring)
     fit pass     2 · ((U·row)² + U·row·T·row) / G       at least U = k, T = 1; G feature groups (1 all heads and
                                                         joint, H same_head, 2 separate, 2H same_head + separate)
-                 + 64 · (p² + p·row/G) bytes             solving one map of p = k·row/G inputs (float64)
+                 + 8 · (max(3p² + p·w, 2p² + 4p·w) + 512·p) bytes  solving one map of p = k·w inputs, w = row/G
+                                                        (float64; see `solve_bytes`)
 
 Every figure is per rank: under `torch.distributed` each rank holds the statistics of the pass it accumulates.
 """
@@ -96,10 +97,21 @@ def selection_bytes(source_layers: int, target_layers: int, num_kv_heads: int, h
 
 def solve_bytes(top_k: int, width: int) -> int:
     """Peak bytes of solving one map of `top_k` source layers' `width` features each (`row` / groups) for one
-    target layer: the float64 Gram block, its eigendecomposition and the held-out moments of the λ search (about
-    eight `p × p` matrices alive at once, `p = top_k·width`), and as many `p × width` cross blocks."""
+    target layer, `p = top_k·width` inputs and `width` outputs, in float64 (`hf_kvbridge.solve`):
+
+    - the λ search's eigendecomposition: the eigenvectors (written over the standardized Gram block) and LAPACK's
+      `2·p²` workspace, beside one `p × width` cross block: `3p² + p·w` numbers (reading the held-out moments after
+      it, with the eigenvectors alive, takes as much: their float64 copy and its scaled copy);
+    - the refit on train + held-out: the Gram block, its Cholesky factor and four `p × width` blocks (cross block,
+      weights, the triangular solves' right-hand side and result): `2p² + 4p·w` (the λ path in between,
+      `p² + 4p·w`, is never above it);
+    - `512·p` for the linear algebra's blocked workspaces besides (measured: about `p × 150…400`).
+
+    Measured by `scripts/measure_solve_memory.py` (peak resident memory above the statistics) and checked in
+    `tests/test_budget.py`.
+    """
     p = top_k * width
-    return 8 * (p * p + p * width) * 8
+    return 8 * (max(3 * p * p + p * width, 2 * p * p + 4 * p * width) + 512 * p)
 
 
 def fit_bytes(sources: int, targets: int, row: int, dtype, groups: int = 1, top_k: int | None = None) -> int:
@@ -179,8 +191,9 @@ def plan_passes(selected_layers: list[list[int]], row: int, budget: int, dtype, 
         else:
             if need(len(layers), 1) > budget:
                 raise StatisticsMemoryError(
-                    f"target layer {t} needs {format_bytes(need(len(layers), 1))} of statistics but "
-                    f"statistics_memory allows {format_bytes(budget)}; raise statistics_memory or lower top_k"
+                    f"target layer {t} needs {format_bytes(need(len(layers), 1))} (train + held-out statistics of "
+                    f"its {len(layers)} source layers and the float64 solve of one map) but statistics_memory allows "
+                    f"{format_bytes(budget)}; raise statistics_memory or lower top_k"
                 )
             passes.append([t])
             union = set(layers)

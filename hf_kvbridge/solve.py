@@ -20,6 +20,12 @@ and the held-out statistics' moments give each W(λ)'s held-out residual sum of 
 the data. Ridge decouples over output columns, so the K columns and the V columns each get the λ with the best
 held-out R² (mean over heads) — exactly what two separate K and V maps would get. The map is then refitted on
 train + held-out statistics with the chosen λ per column (`solve_ridge` with a per-column λ).
+
+**Memory** (`p` inputs, `w` outputs, float64; `hf_kvbridge.budget.solve_bytes` plans it): the search keeps at most
+three `p × p` matrices, at the eigendecomposition (its eigenvectors written over the standardized Gram block, plus
+LAPACK's `2p²` workspace); the held-out Gram block is read only after it and rotated in place, `M = Vᵀ Z' V`, so each
+λ costs products and diagonal scalings of `p × w` blocks. The refit keeps the Gram block (the ridge added on its
+diagonal) and one Cholesky factor. The moments `stats.moments` returns are worked on in place.
 """
 
 from __future__ import annotations
@@ -50,7 +56,9 @@ def _feature_scale(cxx: torch.Tensor) -> torch.Tensor:
 
 def _moments(stats, x_idx: torch.Tensor, y_idx: torch.Tensor):
     mx, my, cxx, cxy, vy = stats.moments(x_idx, y_idx)
-    if not (torch.isfinite(cxx).all() and torch.isfinite(cxy).all()):
+    # NaN/Inf reach the sums (`isfinite(cxx)` would allocate more than `cxx` itself: its |·| and two masks); only
+    # entries near the float64 maximum could make finite moments sum to Inf
+    if not (torch.isfinite(cxx.sum()) and torch.isfinite(cxy.sum())):
         raise StatisticsError("NaN/Inf in calibration statistics; cannot fit the mapper")
     return mx, my, cxx, cxy, vy
 
@@ -61,7 +69,8 @@ def solve_ridge(
     """Fits `y[y_idx] ≈ x[x_idx] W + b` by centered ridge in float64.
 
     Args:
-        stats ([`KVStatistics`]): anything with `count` and `moments(x_idx, y_idx)`.
+        stats ([`KVStatistics`]): anything with `count` and `moments(x_idx, y_idx)` (returning new tensors: the
+            solve works on them in place).
         x_idx (`torch.Tensor` of shape `(p,)`), y_idx (`(q,)`): input and output feature indices.
         ridge_lambda (`float` or `torch.Tensor` of shape `(q,)`): relative ridge strength, one for all output
             columns or one per column (ridge decouples over columns, so this is one ridge fit per distinct value).
@@ -88,7 +97,11 @@ def solve_ridge(
     if smallest <= 0:
         _check_count(stats, p)
     mx, my, cxx, cxy, _ = _moments(stats, x_idx, y_idx)
-    scale = _feature_scale(cxx)  # ridge on standardized inputs
+    scale = _feature_scale(cxx)  # ridge on standardized inputs (a copy: the diagonal is rewritten below)
+    # the system `C_xx + λ·D` is built in place on `cxx`'s diagonal (from a copy of the diagonal, so every λ adds to
+    # the same numbers): the Gram block and one Cholesky factor are the only `p × p` matrices alive
+    diagonal = cxx.diagonal()
+    variance = diagonal.clone()
     if isinstance(ridge_lambda, torch.Tensor):
         lambdas = ridge_lambda.to(torch.float64).reshape(-1)
         if lambdas.numel() != cxy.shape[1]:
@@ -98,20 +111,51 @@ def solve_ridge(
         weight = torch.empty_like(cxy)  # (p, q)
         for value in lambdas.unique().tolist():
             columns = (lambdas == value).nonzero().squeeze(1)
-            weight[:, columns] = _ridge_weight(cxx, cxy[:, columns], scale, value)
+            diagonal.copy_(variance + value * scale)
+            weight[:, columns] = _ridge_weight(cxx, cxy[:, columns])
     else:
-        weight = _ridge_weight(cxx, cxy, scale, float(ridge_lambda))
+        diagonal.copy_(variance + float(ridge_lambda) * scale)
+        weight = _ridge_weight(cxx, cxy)
+    del cxx, diagonal
     bias = my - mx @ weight
     return weight, bias
 
 
-def _ridge_weight(cxx: torch.Tensor, cxy: torch.Tensor, scale: torch.Tensor, ridge_lambda: float) -> torch.Tensor:
-    system = cxx + torch.diag(ridge_lambda * scale)  # (p, p)
+def _ridge_weight(system: torch.Tensor, cxy: torch.Tensor) -> torch.Tensor:
+    """`system⁻¹ cxy` for the ridge system `C_xx + λ·D` `(p, p)`; `system` is read, never written."""
     chol, info = torch.linalg.cholesky_ex(system)
-    if info.item() == 0:
-        return torch.cholesky_solve(cxy, chol)  # (p, q)
-    # λ = 0 on rank-deficient inputs: minimum-norm least squares
+    if info.item() == 0:  # two triangular solves, as `cholesky_solve` does, without the copy of the factor it makes
+        half = torch.linalg.solve_triangular(chol, cxy, upper=False)
+        return torch.linalg.solve_triangular(chol.mT, half, upper=True)  # (p, q)
+    del chol  # λ = 0 on rank-deficient inputs: minimum-norm least squares (`lstsq` copies `system` once)
     return torch.linalg.lstsq(system, cxy, driver="gelsd").solution
+
+
+def _symmetrize_(z: torch.Tensor, block: int) -> torch.Tensor:
+    """`z ← (z + zᵀ) / 2` in place, one strip of `block` rows (and the matching columns) at a time."""
+    p = z.shape[0]
+    for i in range(0, p, block):
+        j = min(i + block, p)
+        strip = (z[i:j, i:] + z[i:, i:j].T) / 2  # (b, p − i): rows i:j right of the diagonal, and their mirror
+        z[i:j, i:] = strip
+        z[i:, i:j] = strip.T
+    return z
+
+
+def _rotate_(m: torch.Tensor, evecs: torch.Tensor, block: int) -> torch.Tensor:
+    """`m ← Vᵀ m V` in place: column strips of `Vᵀ m` (each needs only that strip of `m`), then row strips of
+    `(Vᵀ m) V`; only `(p, block)` strips besides `m` and `V`."""
+    p = m.shape[0]
+    for i in range(0, p, block):
+        m[:, i : i + block] = evecs.T @ m[:, i : i + block]
+    for i in range(0, p, block):
+        m[i : i + block] = m[i : i + block] @ evecs
+    return m
+
+
+def _block(p: int) -> int:
+    """Rows per strip of the in-place steps: a strip is at most 1/16 of a `p × p` matrix."""
+    return max(1, min(p, max(64, p // 16)))
 
 
 def heldout_r2_path(
@@ -174,28 +218,40 @@ def heldout_r2_chunks(
     q = y_idx.numel()
     if q % head_dim:
         raise InvalidInputError(f"{q} output columns are not whole chunks of {head_dim}; pass whole head_dim chunks")
-    mx, my, cxx, cxy, _ = _moments(train, x_idx, y_idx)
-    hmx, hmy, hcxx, hcxy, hvy = _moments(heldout, x_idx, y_idx)
-    root = _feature_scale(cxx).sqrt()  # (p,) D^½
-    z = cxx / root[:, None] / root[None, :]  # (p, p) standardized Gram block
-    del cxx
-    evals, evecs = torch.linalg.eigh((z + z.T) / 2)  # Z = V Λ Vᵀ
+    # Peak memory: three `p × p` float64 matrices (the eigendecomposition: eigenvectors written over the standardized
+    # Gram block, plus LAPACK's `2·p²` workspace), with the held-out moments read only after it, rotated in place
+    # (see `hf_kvbridge.budget.solve_bytes`)
+    block = _block(x_idx.numel())
+    mx, my, z, a, _ = _moments(train, x_idx, y_idx)
+    root = _feature_scale(z).sqrt()  # (p,) D^½
+    z.div_(root[:, None]).div_(root[None, :])  # (p, p) standardized Gram block Z = D^-½ C_xx D^-½, in place
+    _symmetrize_(z, block)
+    evals = torch.empty(z.shape[0], dtype=torch.float64, device=z.device)
+    # Z = V Λ Vᵀ; the eigenvectors overwrite Z (`z.mT` is Z itself, Z being symmetric, and column-major as LAPACK
+    # wants its output), so no copy of Z is made
+    torch.linalg.eigh(z.mT, out=(evals, z.mT))
+    evecs = z.mT  # (p, p) V
     del z
-    evals = evals.clamp_min(0)
-    a = evecs.T @ (cxy / root[:, None])  # (p, q): Vᵀ D^-½ C_xy, so W(λ) = D^-½ V diag(1/(Λ+λ)) a
+    evals.clamp_min_(0)
+    a = evecs.T @ a.div_(root[:, None])  # (p, q): Vᵀ D^-½ C_xy, so W(λ) = D^-½ V diag(1/(Λ+λ)) a
     # the held-out moments in the same rotated, standardized coordinates
-    m = evecs.T @ (hcxx / root[:, None] / root[None, :]) @ evecs  # (p, p)
-    del hcxx
-    c = evecs.T @ (hcxy / root[:, None])  # (p, q)
+    hmx, hmy, m, c, hvy = _moments(heldout, x_idx, y_idx)
+    m.div_(root[:, None]).div_(root[None, :])
+    _rotate_(m, evecs, block)  # (p, p) M = Vᵀ D^-½ C_xx' D^-½ V, over the held-out Gram block
+    c = evecs.T @ c.div_(root[:, None])  # (p, q)
     shift = evecs.T @ ((hmx - mx) / root)  # (p,): held-out minus train input mean
+    del evecs
     offset = hmy - my  # (q,)
     chunks = q // head_dim
     sst = hvy.view(chunks, head_dim).sum(-1).clamp_min(torch.finfo(torch.float64).tiny)  # (chunks,)
     out = torch.empty(len(lambdas), chunks, dtype=torch.float64)
+    w, scratch = torch.empty_like(a), torch.empty_like(a)  # (p, q)
     for i, lam in enumerate(lambdas):
-        w = a / (evals + lam)[:, None]  # (p, q) rotated map
+        torch.div(a, (evals + lam)[:, None], out=w)  # (p, q) rotated map
         # per column, mean squared held-out residual: var_y − 2 wᵀc + wᵀ M w + (mean residual)²
-        mse = hvy - 2 * (c * w).sum(0) + ((m @ w) * w).sum(0) + (offset - shift @ w) ** 2  # (q,)
+        quadratic = torch.matmul(m, w, out=scratch).mul_(w).sum(0)  # (q,) wᵀ M w
+        linear = torch.mul(c, w, out=scratch).sum(0)  # (q,) wᵀ c
+        mse = hvy - 2 * linear + quadratic + (offset - shift @ w) ** 2  # (q,)
         sse = mse.clamp_min(0).view(chunks, head_dim).sum(-1)  # (chunks,)
         out[i] = 1 - sse / sst
     return out

@@ -1,12 +1,16 @@
 """Calibration on a memory budget: small selection statistics, block fit statistics, the planner's refusals."""
 
+import importlib.util
+import os
+from pathlib import Path
+
 import pytest
 import torch
 
 import hf_kvbridge
 import hf_kvbridge.calibration as calibration
 from hf_kvbridge import StatisticsMemoryError
-from hf_kvbridge.budget import check_budget, fit_bytes, parse_bytes, plan_passes, selection_bytes
+from hf_kvbridge.budget import check_budget, fit_bytes, parse_bytes, plan_passes, selection_bytes, solve_bytes
 from hf_kvbridge.calibration import collect_statistics, fit_bridge_in_passes, split_heldout
 from hf_kvbridge.mappers import KVMapper
 from hf_kvbridge.selection import select_layers
@@ -142,7 +146,7 @@ def test_planner_names_the_numbers():
     # Qwen3-0.6B → 1.7B shapes: 28 → 28 layers, 8 KV heads × 128
     assert check_budget(parse_bytes("16GB"), 28, 28, 8, 128, 6, torch.float32) == "blocks"
     # all heads, joint: a 32,768-feature Gram block per map, and its float64 eigendecomposition
-    message = r"top_k=16 .* needs 82\.1 GB: statistics 9\.1 GB .* 73\.0 GB to solve .*allows 8\.0 GB.*top_k ≤ 4"
+    message = r"top_k=16 .* needs 35\.6 GB: statistics 9\.1 GB .* 26\.4 GB to solve .*allows 8\.0 GB.*top_k ≤ 7"
     with pytest.raises(StatisticsMemoryError, match=message):
         check_budget(parse_bytes("8GB"), 28, 28, 8, 128, 16, torch.float32)
     # per head and K/V (16 groups of 128 features per layer): the same k fits beside the 2.2 GB selection pass
@@ -239,3 +243,48 @@ def test_fit_statistics_memory_does_not_grow_with_layer_counts():
     assert 0 < peaks[12] <= 1.05 * peaks[2], peaks
     dense_cross = 12 * 12 * ROW * ROW  # numbers of `KVStatistics.xy` for 12 → 12 layers
     assert SelectionStatistics(12, 12, H, D).xy.numel() * 2 * H == dense_cross
+
+
+def test_default_paper_map_fits_a_24gb_machine_and_too_small_a_budget_is_refused():
+    """Qwen3-0.6B → 1.7B shapes, the paper's map (all heads, K and V jointly, top-k 6, float32 statistics): one target
+    layer needs 1.4 GB of statistics and 3.9 GB to solve its 12,288-feature map, so half of a 24 GB machine's memory
+    holds it (the plan of eight p × p matrices asked 12.7 GB); less than one layer's need is refused, naming bytes."""
+    shapes = (28, 28, 8, 128, 6, torch.float32)
+    assert check_budget(parse_bytes("12GB"), *shapes) == "blocks"
+    assert solve_bytes(6, 2048) < 4e9 and fit_bytes(6, 1, 2048, torch.float32) < 5.4e9
+    message = r"top_k=6 .* needs 5\.3 GB: statistics 1\.4 GB .*float32.* 3\.9 GB to solve .* 6·2048 .*allows 5\.0 GB"
+    with pytest.raises(StatisticsMemoryError, match=message):
+        check_budget(parse_bytes("5GB"), *shapes)
+    # between one layer's need and the dense plan: more passes, never a refusal
+    selected = [sorted({max(0, min(27, t + d)) for d in (-3, -2, -1, 0, 1, 2)} | {0}) for t in range(28)]
+    selected = [layers[-6:] for layers in selected]
+    for budget in ("5.5GB", "8GB", "12GB", "24GB"):
+        passes = plan_passes(selected, 2048, parse_bytes(budget), torch.float32)
+        assert sorted(t for group in passes for t in group) == list(range(28))
+        for group in passes:
+            union = set().union(*(selected[t] for t in group))
+            assert fit_bytes(len(union), len(group), 2048, torch.float32, top_k=6) <= parse_bytes(budget)
+    counts = [len(plan_passes(selected, 2048, parse_bytes(b), torch.float32)) for b in ("5.5GB", "8GB", "24GB")]
+    assert counts[0] > counts[1] > counts[2] >= 1, counts
+
+
+@pytest.mark.skipif(not os.access("/proc/self/clear_refs", os.W_OK), reason="needs Linux's resettable peak RSS")
+@pytest.mark.parametrize("k", [6, 1])
+def test_solve_memory_plan_matches_the_measured_peak(k):
+    """One map's auto-λ search and refit in a fresh interpreter (`scripts/measure_solve_memory.py`: real
+    `BlockStatistics`, peak resident memory above the statistics): `solve_bytes` is within 10 % of what it takes."""
+    path = Path(__file__).parents[1] / "scripts" / "measure_solve_memory.py"
+    spec = importlib.util.spec_from_file_location("measure_solve_memory", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    record = script.measure(1536, k=k, threads=1)
+    assert record["k"] == k and record["weight_finite"]
+    assert abs(record["plan_bytes"] - record["peak_bytes"]) <= 0.1 * record["peak_bytes"], record
+
+
+def test_plan_passes_refuses_only_a_layer_that_fits_no_pass():
+    selected = [[0, 1], [1, 2], [5, 6], [6, 7]]
+    one_layer = fit_bytes(2, 1, ROW, torch.float32, top_k=2)
+    assert plan_passes(selected, ROW, one_layer, torch.float32) == [[0], [1], [2], [3]]  # a pass per layer
+    with pytest.raises(StatisticsMemoryError, match=r"target layer 0 needs .* \(train \+ held-out statistics of its"):
+        plan_passes(selected, ROW, one_layer - 1, torch.float32)

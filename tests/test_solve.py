@@ -10,7 +10,14 @@ from hf_kvbridge import KVBridgeForCausalLM
 from hf_kvbridge.calibration import collect_statistics, fit_bridge
 from hf_kvbridge.mappers import KVMapper
 from hf_kvbridge.selection import mapped_heldout_r2, mapper_r2, single_layer_r2
-from hf_kvbridge.solve import LAMBDA_GRID, choose_ridge_lambdas, heldout_r2_path, solve_ridge
+from hf_kvbridge.solve import (
+    LAMBDA_GRID,
+    choose_ridge_lambdas,
+    group_lambda,
+    heldout_r2_chunks,
+    heldout_r2_path,
+    solve_ridge,
+)
 from hf_kvbridge.statistics import KVStatistics
 from tests.conftest import VOCAB, qwen3
 
@@ -174,3 +181,107 @@ def test_cli_ridge_lambda_accepts_auto_or_a_number(capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["calibrate", "src", "tgt", "--out", "unused", "--ridge-lambda", "-1"])
     assert exit_info.value.code == 2 and "expected 'auto' or a number ≥ 0" in capsys.readouterr().err
+
+
+# -- the memory-lean solve gives the numbers of the straightforward one -----------------------------------------------
+# The oracle: the solve as it was before issue 25 (every intermediate a new tensor: eight p × p matrices at its peak).
+
+
+def _oracle_ridge_weight(cxx, cxy, scale, ridge_lambda):
+    system = cxx + torch.diag(ridge_lambda * scale)
+    chol, info = torch.linalg.cholesky_ex(system)
+    if info.item() == 0:
+        return torch.cholesky_solve(cxy, chol)
+    return torch.linalg.lstsq(system, cxy, driver="gelsd").solution
+
+
+def _oracle_solve_ridge(stats, x_idx, y_idx, ridge_lambda):
+    mx, my, cxx, cxy, _ = stats.moments(x_idx, y_idx)
+    variance = torch.diagonal(cxx)
+    scale = variance.clamp_min(1e-6 * variance.mean().clamp_min(torch.finfo(torch.float64).tiny))
+    if isinstance(ridge_lambda, torch.Tensor):
+        weight = torch.empty_like(cxy)
+        for value in ridge_lambda.unique().tolist():
+            columns = (ridge_lambda == value).nonzero().squeeze(1)
+            weight[:, columns] = _oracle_ridge_weight(cxx, cxy[:, columns], scale, value)
+    else:
+        weight = _oracle_ridge_weight(cxx, cxy, scale, float(ridge_lambda))
+    return weight, my - mx @ weight
+
+
+def _oracle_r2_chunks(train, heldout, x_idx, y_idx, head_dim, lambdas):
+    mx, my, cxx, cxy, _ = train.moments(x_idx, y_idx)
+    hmx, hmy, hcxx, hcxy, hvy = heldout.moments(x_idx, y_idx)
+    variance = torch.diagonal(cxx)
+    root = variance.clamp_min(1e-6 * variance.mean().clamp_min(torch.finfo(torch.float64).tiny)).sqrt()
+    z = cxx / root[:, None] / root[None, :]
+    evals, evecs = torch.linalg.eigh((z + z.T) / 2)
+    evals = evals.clamp_min(0)
+    a = evecs.T @ (cxy / root[:, None])
+    m = evecs.T @ (hcxx / root[:, None] / root[None, :]) @ evecs
+    c = evecs.T @ (hcxy / root[:, None])
+    shift = evecs.T @ ((hmx - mx) / root)
+    chunks = y_idx.numel() // head_dim
+    sst = hvy.view(chunks, head_dim).sum(-1).clamp_min(torch.finfo(torch.float64).tiny)
+    out = torch.empty(len(lambdas), chunks, dtype=torch.float64)
+    for i, lam in enumerate(lambdas):
+        w = a / (evals + lam)[:, None]
+        mse = hvy - 2 * (c * w).sum(0) + ((m @ w) * w).sum(0) + (hmy - my - shift @ w) ** 2
+        out[i] = 1 - mse.clamp_min(0).view(chunks, head_dim).sum(-1) / sst
+    return out
+
+
+def test_lean_solve_matches_the_oracle_lambda_path_choice_and_refit():
+    train, held = _stats(200, 0), _stats(150, 1)
+    x_idx, y_idx = train.source_index([2, 0, 3]), train.target_index(0)
+    path = heldout_r2_chunks(train, held, x_idx, y_idx, DIM, LAMBDA_GRID)  # (Λ, 2): K, V
+    want = _oracle_r2_chunks(train, held, x_idx, y_idx, DIM, LAMBDA_GRID)
+    torch.testing.assert_close(path, want, rtol=1e-9, atol=1e-12)
+    assert torch.equal(path.argmax(0), want.argmax(0))  # the same λ per column group
+    # the statistics are read, never written, by the in-place solve
+    before = train.moments(x_idx, y_idx)
+    lambdas, r2 = choose_ridge_lambdas(train, held, [[2, 0, 3]], "all_heads", HEADS, DIM)
+    for got, kept in zip(train.moments(x_idx, y_idx), before):
+        assert torch.equal(got, kept)
+    assert [lambdas["k"][0][0], lambdas["v"][0][0]] == [LAMBDA_GRID[int(i)] for i in want.argmax(0)]
+    torch.testing.assert_close(r2[0], want.max(0).values, rtol=1e-9, atol=1e-12)
+    merged = train + held
+    per_column = group_lambda(lambdas, 0, 0, HEADS, DIM)  # K columns and V columns at their own λ
+    for lam in (per_column, 1e-3, LAMBDA_GRID[0]):
+        got, want_fit = solve_ridge(merged, x_idx, y_idx, lam), _oracle_solve_ridge(merged, x_idx, y_idx, lam)
+        torch.testing.assert_close(got[0], want_fit[0], rtol=1e-9, atol=1e-12)
+        torch.testing.assert_close(got[1], want_fit[1], rtol=1e-9, atol=1e-12)
+
+
+def test_lean_solve_matches_the_oracle_on_rank_deficient_inputs():
+    """λ = 0 with a repeated source layer: both fall back to the same minimum-norm least squares; a per-column λ with
+    one zero column group mixes the fallback and the Cholesky solve on one Gram block (its diagonal rewritten)."""
+    gen = torch.Generator().manual_seed(3)
+    base = torch.randn(300, 2 * DIM, generator=gen, dtype=torch.float64)
+    x = torch.cat([base] * LAYERS, dim=1)  # rank 2·DIM of FEATURES
+    y = base @ torch.randn(2 * DIM, 2 * DIM, generator=gen, dtype=torch.float64) + 0.1 * torch.randn(
+        300, 2 * DIM, generator=gen, dtype=torch.float64
+    )
+    stats = KVStatistics(LAYERS, 1, HEADS, DIM)
+    stats.update(x, y)
+    x_idx, y_idx = stats.source_index(list(range(LAYERS))), stats.target_index(0)
+    mixed = torch.tensor([0.0] * DIM + [0.01] * DIM, dtype=torch.float64)
+    for lam in (0.0, mixed):
+        got, want = solve_ridge(stats, x_idx, y_idx, lam), _oracle_solve_ridge(stats, x_idx, y_idx, lam)
+        assert torch.isfinite(got[0]).all()
+        torch.testing.assert_close(got[0], want[0], rtol=1e-9, atol=1e-12)
+        torch.testing.assert_close(got[1], want[1], rtol=1e-9, atol=1e-12)
+
+
+def test_chosen_lambda_regression():
+    """A fixed seeded problem's choice, pinned: a change of the λ search's numbers shows here."""
+    pinned = {  # (train, held-out tokens): (λ of K, λ of V), held-out R² (K, V), as the pre-issue-25 solve chose
+        (200, 150): ((0.0316, 0.01), (0.796921718309799, 0.8194047067352358)),
+        (FEATURES - 4, FEATURES - 4): ((0.0316, 0.1), (0.6142208923024963, 0.6049420508314511)),
+        (2000, 500): ((0.01, 0.00316), (0.8062103765601982, 0.8261987847600268)),
+    }
+    for (n_train, n_held), (want_lambdas, want_r2) in pinned.items():
+        train, held = _stats(n_train, 0), _stats(n_held, 1)
+        lambdas, r2 = choose_ridge_lambdas(train, held, [[2, 0, 3]], "all_heads", HEADS, DIM)
+        assert (lambdas["k"][0][0], lambdas["v"][0][0]) == want_lambdas, (n_train, lambdas)
+        torch.testing.assert_close(r2[0], torch.tensor(want_r2, dtype=torch.float64), rtol=1e-9, atol=1e-12)
