@@ -3,8 +3,10 @@
 Prints and writes (JSON + PNG) into a new folder: calibration time; held-out R² of K and V against the number of
 source layers; attention-output cosine per target layer; continuation NLL of target / source / bridge / no context
 and of the zero- and random-cache controls (`hf_kvbridge.controls`), the context-benefit retention of the bridge and
-of the controls, flagged when a control comes within `CONTROL_MARGIN` of the bridge; cloze accuracy and retention;
-mapper time against the target's re-prefill; a greedy generation of target and bridge side by side.
+of the controls, flagged when a control comes within `CONTROL_MARGIN` of the bridge, and the share of the source →
+target gap the bridge closes (`gap_recovered`, paired 95% CI over windows; n/a where the target does not beat the
+source by a margin the windows resolve); cloze accuracy, retention and gap recovered on accuracy; mapper time
+against the target's re-prefill; a greedy generation of target and bridge side by side.
 """
 
 from __future__ import annotations
@@ -320,6 +322,7 @@ def report(results: dict) -> str:
     for mode, value in cont["nll"].items():
         lines.append(_fmt_row((mode, f"{value:.4f}", f"{cont['perplexity'][mode]:.2f}"), widths))
     lines.append(f"context-benefit retention: {cont['context_benefit_retention']:.3f}")
+    lines.append(f"gap recovered (source → target, NLL; paired 95% CI over windows): {_gap(cont)}")
     if "control_retention" in cont:
         controls = ", ".join(f"{m.replace('_', ' ')} {v:.3f}" for m, v in cont["control_retention"].items())
         lines.append(f"controls (caches with no information about the context), retention: {controls}")
@@ -334,6 +337,7 @@ def report(results: dict) -> str:
     normalised = cloze["chance_normalised_retention"]
     normalised = "undefined (target at or below chance)" if normalised is None else f"{normalised:.3f}"
     lines.append(f"retention {cloze['retention']:.3f}   chance-normalised retention {normalised}")
+    lines.append(f"gap recovered (accuracy; paired 95% CI over items): {_gap(cloze)}")
     timing = results["timing"]
     lines += [
         "",
@@ -355,6 +359,14 @@ def report(results: dict) -> str:
     ]
     lines += ["", summary(results)]
     return "\n".join(lines)
+
+
+def _gap(measured: dict) -> str:
+    """`0.412 [0.301, 0.523]`, or `n/a (the reason)`, from a result's `gap_recovered` fields."""
+    if measured.get("gap_recovered") is None:
+        return f"n/a ({measured.get('gap_recovered_reason') or 'not measured'})"
+    low, high = measured["gap_recovered_ci"]
+    return f"{measured['gap_recovered']:.3f} [{low:.3f}, {high:.3f}]"
 
 
 # below this many nats of benefit from its context, a target's context-benefit retention is mostly noise
@@ -379,6 +391,12 @@ def summary(results: dict) -> str:
             else f"; the cloze test says nothing here ({target} is at or below chance on it)."
         ),
     ]
+    if cont.get("gap_recovered") is not None:
+        low, high = cont["gap_recovered_ci"]
+        text.append(
+            f"Against {source} alone it closed {cont['gap_recovered']:.0%} (95% CI {low:.0%} to {high:.0%}) of the "
+            f"continuation-NLL gap between {source} and {target}."
+        )
     if cont.get("controls_flag"):
         best = max(cont["control_retention"].values())
         text.append(

@@ -15,7 +15,14 @@ Per task and metric the table gives each mode's value ± lm-eval's standard erro
 - controls: the same retention of the zero- and random-cache controls (context-benefit when defined, else
   control / target as above). A row where a control comes within `CONTROL_MARGIN` (0.1) of the bridge's retention
   is flagged (`controls_flag` in the JSON rows, "⚠ control" in the table, a warning after it): there the bridge
-  transfers little that a cache without information would not.
+  transfers little that a cache without information would not;
+- gap recovered = (bridge − source) / (target − source) (for lower-is-better metrics (source − bridge) / (source −
+  target): the same share, 1 = as good as the target, 0 = as good as the source alone), when source, target and
+  bridge ran: paired over the documents (lm-eval's per-document scores; `hf_kvbridge.tools.evaluation.gap_recovered`,
+  delta-method 95% CI), for metrics whose value is the mean of per-document scores (accuracies, exact match), and
+  only where the target beats the source by a margin the documents resolve ("n/a" and the reason otherwise, e.g. an
+  identity pair or a corpus-level metric such as perplexity). JSON rows: `gap_recovered`, `gap_recovered_ci`,
+  `gap_recovered_reason`, `source_target_gap`, `source_target_gap_ci`.
 """
 
 from __future__ import annotations
@@ -34,7 +41,7 @@ from unittest import mock
 
 from ..constants import CONTROL_MODES, EVAL_MODES
 from ..controls import CONTROL_MARGIN, controls_flag
-from .evaluation import chance_normalised_retention
+from .evaluation import GapRecovered, chance_normalised_retention, gap_recovered
 
 logger = logging.getLogger(__name__)
 
@@ -78,14 +85,82 @@ def _number(value: Any) -> float | None:
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
-def retention_rows(by_mode: dict[str, dict], chance: dict[str, float | None]) -> list[dict[str, Any]]:
-    """One row per (task, metric, filter): each mode's value and stderr, retention and chance-normalised retention.
+def per_document_scores(results: dict) -> dict[str, dict[str, dict[Any, float]]]:
+    """`{task: {"metric,filter": {doc_id: score}}}`: the numeric per-document scores of lm-eval's logged samples
+    (`simple_evaluate(..., log_samples=True)`); metrics whose per-document value is not a number are left out."""
+    scores: dict[str, dict[str, dict[Any, float]]] = {}
+    for task, samples in (results.get("samples") or {}).items():
+        for sample in samples:
+            for metric in sample.get("metrics", ()):
+                value = _number(sample.get(metric))
+                if value is not None:
+                    key = f"{metric},{sample.get('filter', 'none')}"
+                    scores.setdefault(task, {}).setdefault(key, {})[sample["doc_id"]] = value
+    return scores
+
+
+def _leaves(task: str, groups: dict[str, list[str]]) -> list[str]:
+    """The leaf tasks under `task` (itself when it is not a group)."""
+    if task not in groups:
+        return [task]
+    return [leaf for member in groups[task] for leaf in _leaves(member, groups)]
+
+
+GAP_MODES = ("source", "target", "bridge")
+
+
+def _gap_columns(row: dict[str, Any], task: str, key: str, per_document: dict, groups: dict) -> None:
+    """Adds the gap recovered (`GapRecovered.fields`) to a row, paired over the documents all three modes scored."""
+    scores = {}
+    for mode in GAP_MODES:
+        by_task = per_document.get(mode) or {}
+        scores[mode] = {
+            (leaf, doc): value
+            for leaf in _leaves(task, groups)
+            for doc, value in by_task.get(leaf, {}).get(key, {}).items()
+        }
+    docs = sorted(set(scores["source"]) & set(scores["target"]) & set(scores["bridge"]), key=str)
+    values = {mode: [scores[mode][doc] for doc in docs] for mode in GAP_MODES}
+    reason = None
+    if any(row.get(mode) is None for mode in GAP_MODES):
+        reason = "the source, target or bridge has no value for this metric"
+    elif not docs:
+        reason = (
+            "lm-eval logged no per-document scores of this metric (a corpus-level metric such as perplexity): no "
+            "paired interval"
+        )
+    elif not all(math.isclose(sum(v) / len(v), row[mode], rel_tol=1e-6, abs_tol=1e-9) for mode, v in values.items()):
+        reason = "the metric is not the mean of its per-document scores: no paired interval"
+    if reason is not None:
+        row.update(GapRecovered(None, None, None, False, reason).fields())
+        return
+    measured = gap_recovered(
+        values["source"],
+        values["bridge"],
+        values["target"],
+        higher_is_better=row["higher_is_better"],
+        unit="documents",
+    )
+    row.update(measured.fields())
+
+
+def retention_rows(
+    by_mode: dict[str, dict], chance: dict[str, float | None], per_document: dict[str, dict] | None = None
+) -> list[dict[str, Any]]:
+    """One row per (task, metric, filter): each mode's value and stderr, retention, chance-normalised retention and,
+    when source, target and bridge ran, the gap recovered.
 
     Args:
         by_mode (`dict[str, dict]`): lm-eval results (`simple_evaluate`'s return value) per mode.
         chance (`dict[str, float | None]`): chance level per task (see `chance_levels`).
+        per_document (`dict[str, dict]`, *optional*): `per_document_scores` per mode, for the gap recovered's
+            pairing; by default read from each mode's logged samples (`results["samples"]`), if any.
     """
+    if per_document is None:
+        per_document = {mode: per_document_scores(results) for mode, results in by_mode.items()}
+    gap = all(mode in by_mode for mode in GAP_MODES)
     reference = by_mode.get("target") or next(iter(by_mode.values()))
+    groups = reference.get("group_subtasks") or {}
     rows = []
     for task in sorted(reference["results"]):
         higher = reference.get("higher_is_better", {}).get(task, {})
@@ -108,6 +183,8 @@ def retention_rows(by_mode: dict[str, dict], chance: dict[str, float | None]) ->
             row["chance"] = level
             # undefined (None) when the target is at or below chance: there is no ability above chance to retain
             row["chance_normalised_retention"] = chance_normalised_retention(bridge, target, level)
+            if gap:
+                _gap_columns(row, task, key, per_document, groups)
             rows.append(row)
     return rows
 
@@ -160,6 +237,13 @@ def control_warnings(rows: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def _fmt_gap(row: dict[str, Any]) -> str:
+    if row.get("gap_recovered") is None:
+        return "n/a"
+    low, high = row["gap_recovered_ci"]
+    return f"{row['gap_recovered']:.3f} [{low:.3f}, {high:.3f}]"
+
+
 def _fmt(value: float | None, stderr: float | None = None) -> str:
     if value is None:
         return "—"
@@ -173,7 +257,8 @@ def format_table(rows: list[dict[str, Any]], modes: tuple[str, ...] = EVAL_MODES
     header = ["task", "metric", *modes, "retention", "chance", "chance-norm. retention"]
     controls = any("controls_flag" in row for row in rows)
     benefit = any(row.get("context_benefit_retention") is not None for row in rows)
-    header += ["context-benefit retention"] * benefit + ["controls"] * controls
+    gap = any("gap_recovered" in row for row in rows)
+    header += ["context-benefit retention"] * benefit + ["gap recovered [95% CI]"] * gap + ["controls"] * controls
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for row in rows:
         metric = row["metric"] + ("" if row["filter"] == "none" else f" ({row['filter']})")
@@ -186,6 +271,8 @@ def format_table(rows: list[dict[str, Any]], modes: tuple[str, ...] = EVAL_MODES
         cells += [_fmt(row.get("retention")), _fmt(row.get("chance")), normalised]
         if benefit:
             cells.append(_fmt(row.get("context_benefit_retention")))
+        if gap:
+            cells.append(_fmt_gap(row))
         if controls:
             flag = row.get("controls_flag")
             cells.append("—" if flag is None else f"⚠ control within {CONTROL_MARGIN}" if flag else "ok")
@@ -215,14 +302,17 @@ def evaluate_modes(
     bootstrap_iters: int = 100000,
     rolling_stride: int | None = None,
 ) -> dict[str, Any]:
-    """Runs lm-eval once per mode on a loaded bridge; returns `{"rows", "table", "chance", "results"}`."""
+    """Runs lm-eval once per mode on a loaded bridge; returns `{"rows", "table", "chance", "results"}`.
+
+    Each run logs its samples for the per-document pairing of the gap recovered (`per_document_scores`); the samples
+    are dropped from `results` afterwards (they hold every document)."""
     import lm_eval
     from lm_eval.tasks import TaskManager, get_task_dict
 
     from ..integrations.lm_eval import KVBridgeLM
 
     task_manager = TaskManager(include_path=include_path) if include_path else TaskManager()
-    by_mode = {}
+    by_mode, per_document = {}, {}
     extra = {"rolling_stride": rolling_stride} if rolling_stride else {}
     what = {
         "source": f"the source alone ({bridge.config.source_name_or_path})",
@@ -245,12 +335,14 @@ def evaluate_modes(
                 limit=limit,
                 bootstrap_iters=bootstrap_iters,
                 task_manager=task_manager,
-                log_samples=False,
+                log_samples=True,
             )
+        per_document[mode] = per_document_scores(by_mode[mode])
+        by_mode[mode].pop("samples", None)
         logger.info("mode %s: %.1fs", mode, time.perf_counter() - started)
     reference = by_mode.get("target") or next(iter(by_mode.values()))
     chance = chance_levels(reference, get_task_dict(tasks, task_manager), limit)
-    rows = retention_rows(by_mode, chance)
+    rows = retention_rows(by_mode, chance, per_document)
     return {
         "rows": rows,
         "table": format_table(rows, modes),

@@ -18,6 +18,12 @@ configuration is refitted on all the statistics (train and held-out, as every fi
 *check* windows cut from other documents than the tuning windows, and saved as a normal bridge checkpoint whose
 `config.calibration["tuning"]` records the target, the chosen settings and both retentions.
 
+Every configuration also gets its gap recovered (`tools/evaluation.gap_recovered`: the share of the source → target
+NLL gap it closes, paired 95% CI over the windows, "n/a" where the target does not beat the source by a margin the
+windows resolve), on the tuning windows and, for the Pareto front, on the check windows: the Pareto table has a column
+for each. It is reported, not optimised: the objective (the front, `min_retention`, the choice) stays context-benefit
+retention.
+
     kvbridge tune pocket/pocket-l pocket/pocket-s --data pocket --eval-data pocket --min-retention 0.9 --out tuned
 """
 
@@ -42,8 +48,7 @@ from ..data import iter_texts
 from ..errors import InvalidInputError, TuningError
 from ..statistics import KVStatistics
 from .bench.mapper import prefill_flops
-from .evaluation import heldout_windows, retention
-from .evaluation import mean_nll as _nll
+from .evaluation import GapRecovered, gap_recovered, heldout_windows, retention, window_nll
 
 logger = logging.getLogger(__name__)
 
@@ -93,7 +98,8 @@ class TuneGrid:
 
 @dataclass
 class Point:
-    """One measured configuration: its settings, tuning retention and cost (see the module docstring)."""
+    """One measured configuration: its settings, tuning retention and cost (see the module docstring), and its gap
+    recovered (reported beside retention, never optimised; `None` when undefined)."""
 
     settings: dict
     retention: float
@@ -101,6 +107,10 @@ class Point:
     mapper_flops_per_token: int
     mapper_parameters: int
     check_retention: float | None = None
+    gap_recovered: float | None = None
+    gap_recovered_ci: list[float] | None = None
+    check_gap_recovered: float | None = None
+    check_gap_recovered_ci: list[float] | None = None
     extra: dict = field(default_factory=dict)
 
 
@@ -179,9 +189,41 @@ def format_settings(settings: dict) -> str:
     )
 
 
+REFERENCE_MODES = ("target", "no_context", "source")
+
+
+def reference_scores(bridge, windows: torch.Tensor, context: int) -> dict[str, torch.Tensor]:
+    """Per-window NLL `(N,)` of the target with its own prefill and with no context (the two ends retention is
+    measured between) and of the source alone (the other end of the gap recovered), as `tools/evaluation.window_nll`
+    scores them."""
+    return {mode: window_nll(bridge, windows, context, mode) for mode in REFERENCE_MODES}
+
+
+def _means(scores: dict[str, torch.Tensor]) -> dict[str, float]:
+    return {mode: float(values.mean()) for mode, values in scores.items()}
+
+
 def reference_nll(bridge, windows: torch.Tensor, context: int) -> dict[str, float]:
-    """NLL of the target with its own prefill and with no context: the two ends retention is measured between."""
-    return {mode: _nll(bridge, windows, context, mode) for mode in ("target", "no_context")}
+    """Mean NLL of the target with its own prefill, with no context, and of the source (`reference_scores`)."""
+    return _means(reference_scores(bridge, windows, context))
+
+
+def measure_bridge(bridge, windows: torch.Tensor, context: int, reference: dict[str, torch.Tensor]):
+    """`(retention, GapRecovered)` of `bridge` on `windows`, against the per-window `reference_scores`."""
+    scores = window_nll(bridge, windows, context, "bridge")  # (N,)
+    kept = retention({**_means(reference), "bridge": float(scores.mean())})
+    return kept, gap_recovered(reference["source"], scores, reference["target"])
+
+
+def source_target_gap(reference: dict[str, torch.Tensor]) -> dict:
+    """The source → target gap of a window set (what the gap recovered is a share of) and whether it is resolved."""
+    gap: GapRecovered = gap_recovered(reference["source"], reference["target"], reference["target"])
+    ci = None if gap.gap_low is None else [gap.gap_low, gap.gap_high]
+    return {"gap": gap.gap, "ci": ci, "defined": gap.defined, "reason": gap.reason, "windows": gap.windows}
+
+
+def _gap_text(value: float | None, ci: list[float] | None) -> str:
+    return "n/a" if value is None else f"{value:.3f} [{ci[0]:.3f}, {ci[1]:.3f}]"
 
 
 def fit_candidate(base, statistics, settings: dict):
@@ -241,8 +283,8 @@ def measure_grid(
     progress: Callable[[str], Any] = print,
 ) -> list[Point]:
     """Every configuration of `grid`, fitted from `statistics` and measured on `windows` (`context` tokens of each
-    are the context, the rest the continuation scored)."""
-    reference = reference or reference_nll(base, windows, context)
+    are the context, the rest the continuation scored); `reference` is `reference_scores` of those windows."""
+    reference = reference or reference_scores(base, windows, context)
     target_flops = target_flops_per_token(base.target.config, context)
     source_layers = base.config.source_fingerprint["num_layers"]
     points = []
@@ -252,15 +294,21 @@ def measure_grid(
         for fraction in grid.recompute_fractions:
             settings = {**fit, "recompute_fraction": float(fraction)}
             bridge = with_recompute(mapped, fraction)
+            kept, gap = measure_bridge(bridge, windows, context, reference)
             point = Point(
                 settings=settings,
-                retention=retention({**reference, "bridge": _nll(bridge, windows, context, "bridge")}),
+                retention=kept,
                 cost=cost(bridge, target_flops),
                 mapper_flops_per_token=bridge.mapper.flops_per_token(),
                 mapper_parameters=parameters,
+                gap_recovered=gap.value,
+                gap_recovered_ci=gap.fields()["gap_recovered_ci"],
             )
             points.append(point)
-            progress(f"  {format_settings(settings):55s} retention {point.retention:.3f}  cost {point.cost:.3f}")
+            progress(
+                f"  {format_settings(settings):55s} retention {point.retention:.3f}  cost {point.cost:.3f}  gap "
+                f"recovered {_gap_text(point.gap_recovered, point.gap_recovered_ci)}"
+            )
     return points
 
 
@@ -285,11 +333,12 @@ def _point_json(point: Point) -> dict:
 
 
 def format_table(result: dict) -> str:
-    """The Pareto table (markdown): every configuration no other beats on both retention and cost, cheapest first."""
+    """The Pareto table (markdown): every configuration no other beats on both retention and cost, cheapest first,
+    with its gap recovered [95% CI] beside (reported, not part of the front: "n/a" where undefined)."""
     lines = [
         "| mapper | top-k | λ | kv mode | recompute | mapper FLOPs / token | cost | retention (tune) "
-        "| retention (check) |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| retention (check) | gap recovered (tune) | gap recovered (check) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     chosen = result.get("choice")
     for point in result["pareto_front"]:
@@ -297,9 +346,16 @@ def format_table(result: dict) -> str:
         mapper = s["mapper_type"] + (f" r{s['rank']}" if s.get("rank") else "")
         check = "–" if point.get("check_retention") is None else f"{point['check_retention']:.3f}"
         mark = " **chosen**" if chosen is not None and point["settings"] == chosen["settings"] else ""
+        gap = _gap_text(point.get("gap_recovered"), point.get("gap_recovered_ci"))
+        check_gap = (
+            "–"
+            if point.get("check_retention") is None
+            else _gap_text(point.get("check_gap_recovered"), point.get("check_gap_recovered_ci"))
+        )
         lines.append(
             f"| {mapper}{mark} | {s['top_k']} | {s['ridge_lambda']} | {s['kv_mode']} | {s['recompute_fraction']:.0%} "
-            f"| {point['mapper_flops_per_token']:,} | {point['cost']:.3f} | {point['retention']:.3f} | {check} |"
+            f"| {point['mapper_flops_per_token']:,} | {point['cost']:.3f} | {point['retention']:.3f} | {check} "
+            f"| {gap} | {check_gap} |"
         )
     return "\n".join(lines)
 
@@ -349,8 +405,10 @@ def run_tune(
 
     Returns:
         `dict` with `points` (every configuration: `settings`, `retention`, `cost`, `mapper_flops_per_token`,
-        `mapper_parameters`), `pareto_front` (with `check_retention`), `choice`, the reference NLLs of both window
-        sets and the settings; and `bridge`, the chosen bridge (not in the JSON).
+        `mapper_parameters`, `gap_recovered`, `gap_recovered_ci`), `pareto_front` (with `check_retention`,
+        `check_gap_recovered`, `check_gap_recovered_ci`), `choice`, the reference NLLs of both window sets (target,
+        no context, source), `source_target_gap` of both (the gap and whether the windows resolve it, else the
+        reason the gap recovered is n/a) and the settings; and `bridge`, the chosen bridge (not in the JSON).
 
     Raises:
         `TuningError`: no configuration meets `min_retention` / `max_cost` (after the JSON is written).
@@ -404,7 +462,7 @@ def run_tune(
         f"{time.perf_counter() - started:.0f}s; measuring {grid.size(source_layers)} configurations on "
         f"{len(tune_ids)} tuning windows of {context} + {continuation} tokens"
     )
-    tune_reference = reference_nll(base, tune_ids, context)
+    tune_reference = reference_scores(base, tune_ids, context)
     points = measure_grid(base, statistics, tune_ids, context, grid, reference=tune_reference, progress=progress)
     front = pareto_front(points)
     result = {
@@ -416,7 +474,8 @@ def run_tune(
         "grid": {key: list(value) for key, value in asdict(grid).items()},
         "points": [_point_json(p) for p in points],
         "pareto_front": [_point_json(p) for p in front],
-        "reference_nll": {"tune": tune_reference},
+        "reference_nll": {"tune": _means(tune_reference)},
+        "source_target_gap": {"tune": source_target_gap(tune_reference)},
         "settings": {
             "num_sequences": num_sequences,
             "seq_len": seq_len,
@@ -439,15 +498,16 @@ def run_tune(
         raise
     # the front again on the check windows (how far each tuning figure carries); the choice is on the front (nothing
     # cheaper retains as much), and its refit, deterministic from the same statistics, is the bridge to save
-    check_reference = reference_nll(base, check_ids, context)
-    result["reference_nll"]["check"] = check_reference
+    check_reference = reference_scores(base, check_ids, context)
+    result["reference_nll"]["check"] = _means(check_reference)
+    result["source_target_gap"]["check"] = source_target_gap(check_reference)
     bridge = None
     for point in front:
-        fitted, point.check_retention = _check(base, statistics, point.settings, check_ids, context, check_reference)
+        fitted = _check(base, statistics, point, check_ids, context, check_reference)
         if point is choice:
             bridge = fitted
     if bridge is None:  # not on the front: cannot happen with `choose` as it is, but never save an unchecked choice
-        bridge, choice.check_retention = _check(base, statistics, choice.settings, check_ids, context, check_reference)
+        bridge = _check(base, statistics, choice, check_ids, context, check_reference)
     result["pareto_front"] = [_point_json(p) for p in front]
     result["choice"] = _point_json(choice)
     result["seconds"] = round(time.perf_counter() - started, 1)
@@ -460,6 +520,8 @@ def run_tune(
         "tuned_retention": round(choice.retention, 6),
         "cost": round(choice.cost, 6),
         "check_retention": round(choice.check_retention, 6),
+        "tuned_gap_recovered": _round(choice.gap_recovered),
+        "check_gap_recovered": _round(choice.check_gap_recovered),
         "tune_windows": len(tune_ids),
         "check_windows": len(check_ids),
         "context": context,
@@ -475,10 +537,17 @@ def run_tune(
     return result
 
 
-def _check(base, statistics, settings: dict, windows: torch.Tensor, context: int, reference: dict):
-    """`(bridge, retention on windows)` of the configuration `settings`, refitted from `statistics`."""
-    bridge = fit_candidate(base, statistics, settings)
-    return bridge, retention({**reference, "bridge": _nll(bridge, windows, context, "bridge")})
+def _check(base, statistics, point: Point, windows: torch.Tensor, context: int, reference: dict):
+    """The bridge of `point`'s settings, refitted from `statistics`; records its retention and gap recovered on
+    `windows` (`reference`: their `reference_scores`) on `point`."""
+    bridge = fit_candidate(base, statistics, point.settings)
+    point.check_retention, gap = measure_bridge(bridge, windows, context, reference)
+    point.check_gap_recovered, point.check_gap_recovered_ci = gap.value, gap.fields()["gap_recovered_ci"]
+    return bridge
+
+
+def _round(value: float | None) -> float | None:
+    return None if value is None else round(value, 6)
 
 
 def _write_json(result: dict, path: str | Path | None) -> None:
@@ -521,7 +590,8 @@ def run_tune_cli(args: argparse.Namespace) -> int:
     choice = result["choice"]
     print(
         f"chose {format_settings(choice['settings'])}: retention {choice['retention']:.3f} on the tuning windows, "
-        f"{choice['check_retention']:.3f} on {result['settings']['check_windows']} check windows, cost "
+        f"{choice['check_retention']:.3f} on {result['settings']['check_windows']} check windows (gap recovered "
+        f"{_gap_text(choice['check_gap_recovered'], choice['check_gap_recovered_ci'])}), cost "
         f"{choice['cost']:.3f}; saved to {args.out}" + (f", all points in {args.json}" if args.json else "")
     )
     return 0
