@@ -5,10 +5,12 @@ import io
 from hf_kvbridge.tools.demo import Stages, choose_threads, physical_cores, report
 
 
-def _results(target_acc=0.5, no_context_nll=5.3, busy=False, controls=None):
+def _results(target_acc=0.5, no_context_nll=5.3, busy=False, controls=None, gap=(0.412, [0.301, 0.523])):
     """Demo results as `measure` returns them; `controls` = the controls' retention (flagged when one is within 0.1
-    of the bridge's 0.9)."""
+    of the bridge's 0.9); `gap` = the gap recovered on NLL and its CI (`None`: n/a)."""
     controls = controls or {"zero_cache": 0.15, "random_cache": 0.1}
+    no_gap = {"gap_recovered": None, "gap_recovered_ci": None, "gap_recovered_reason": "an identity pair?"}
+    nll_gap = no_gap if gap is None else {"gap_recovered": gap[0], "gap_recovered_ci": gap[1]}
     return {
         "pair": {"source": "pocket-s", "target": "pocket-l"},
         "settings": {"num_sequences": 24, "seq_len": 256},
@@ -24,6 +26,7 @@ def _results(target_acc=0.5, no_context_nll=5.3, busy=False, controls=None):
             "context_benefit_retention": 0.9,
             "control_retention": controls,
             "controls_flag": max(controls.values()) >= 0.9 - 0.1,
+            **nll_gap,
         },
         "cloze": {
             "items": 16,
@@ -31,6 +34,7 @@ def _results(target_acc=0.5, no_context_nll=5.3, busy=False, controls=None):
             "accuracy": {"target": target_acc, "source": 0.4, "bridge": 0.2, "no_context": 0.2},
             "retention": 0.2 / target_acc,
             "chance_normalised_retention": None if target_acc <= 0.25 else (0.2 - 0.25) / (target_acc - 0.25),
+            **no_gap,
         },
         "timing": {
             "context_tokens": 1024,
@@ -92,3 +96,15 @@ def test_controls_are_reported_and_a_close_control_is_flagged():
     flagged = " ".join(report(_results(controls={"zero_cache": 0.85, "random_cache": 0.1})).split())
     assert "warning: a control comes within 0.1 of the bridge's retention" in flagged
     assert "Warning: a cache that carries no information about the context" in flagged and "keeps 85%" in flagged
+
+
+def test_gap_recovered_is_reported_with_its_interval_or_why_not():
+    text = report(_results())
+    assert "gap recovered (source → target, NLL; paired 95% CI over windows): 0.412 [0.301, 0.523]" in text
+    assert "gap recovered (accuracy; paired 95% CI over items): n/a (an identity pair?)" in text
+    assert "closed 41% (95% CI 30% to 52%) of the continuation-NLL gap between pocket-s and pocket-l" in " ".join(
+        text.split()
+    )
+    undefined = report(_results(gap=None))
+    assert "gap recovered (source → target, NLL; paired 95% CI over windows): n/a (an identity pair?)" in undefined
+    assert "of the continuation-NLL gap" not in " ".join(undefined.split())

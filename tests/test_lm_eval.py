@@ -223,6 +223,16 @@ def test_kvbridge_eval_table_json_and_card(checkpoints, tmp_path, capfd, monkeyp
     assert "| kvbridge_pocket_cloze | acc |" in printed and payload["table"] in printed
     assert set(payload["lm_eval_results"]) == set(EVAL_MODES)
     assert set(row["control_retention"]) == {"zero_cache", "random_cache"} and "controls_flag" in row
+    # the gap recovered on accuracy, paired over the documents: a figure with its interval, or n/a and why
+    assert {"gap_recovered", "gap_recovered_ci", "gap_recovered_reason", "source_target_gap"} <= set(row)
+    assert row["source_target_gap"] is not None, row  # lm-eval's per-document scores were found and paired
+    if row["gap_recovered"] is None:
+        assert row["gap_recovered_reason"], row
+    else:
+        gap = (row["bridge"] - row["source"]) / (row["target"] - row["source"])
+        assert row["gap_recovered"] == pytest.approx(gap) and row["gap_recovered_ci"][0] < gap
+    assert "gap recovered [95% CI]" in payload["table"].splitlines()[0]
+    assert all("samples" not in run for run in payload["lm_eval_results"].values())  # logged for the pairing only
     card = (Path(checkpoints["pair"]) / "README.md").read_text()
     card_table = read_eval_table(card)
     assert card_table.startswith(payload["table"]) and "(`--limit 4`), not the full tasks" in card_table

@@ -1,6 +1,8 @@
 """The shipped pocket family: loads offline, bridges its member with another KV layout (pocket-x) both ways, and a
 real small→large bridge keeps most of what the context is worth to the target on held-out text."""
 
+import json
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -130,3 +132,9 @@ def test_demo_quick_writes_results_and_plots(tmp_path, capsys):
     (run,) = list(tmp_path.iterdir())
     assert run.name.startswith("pocket-s-to-pocket-l-")
     assert {p.name for p in run.iterdir()} == {"results.json", "r2_vs_k.png", "attention_cosine.png", "r2_heatmap.png"}
+    assert "gap recovered (source → target, NLL" in out and "gap recovered (accuracy" in out
+    results = json.loads((run / "results.json").read_text())
+    for part in ("continuation", "cloze"):  # the figure, its interval (or the reason it is n/a)
+        assert {"gap_recovered", "gap_recovered_ci", "gap_recovered_reason"} <= set(results[part]), results[part]
+    # pocket-l beats pocket-s clearly on continuation NLL: the gap is resolved and the figure defined
+    assert results["continuation"]["gap_recovered"] is not None, results["continuation"]

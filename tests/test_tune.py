@@ -12,7 +12,7 @@ from hf_kvbridge import KVBridgeForCausalLM, pocket
 from hf_kvbridge.cli.main import main
 from hf_kvbridge.errors import TuningError
 from hf_kvbridge.tools.evaluation import continuation_nll, heldout_windows
-from hf_kvbridge.tools.tune import Point, TuneGrid, choose, pareto_front, run_tune, split_windows
+from hf_kvbridge.tools.tune import Point, TuneGrid, choose, format_table, pareto_front, run_tune, split_windows
 
 
 def _point(name: str, retention: float, cost: float) -> Point:
@@ -65,6 +65,15 @@ def test_choose_refuses_when_nothing_qualifies():
         choose(POINTS[-1:], min_retention=0.5)
     with pytest.raises(ValueError, match="min_retention .* or max_cost"):
         choose(POINTS)
+
+
+def test_the_objective_stays_retention_not_gap_recovered():
+    closes_more = _point("closes-more-gap", 0.80, 0.05)
+    closes_more.gap_recovered = 5.0  # reported beside retention, never what the front or the choice go by
+    points = [*POINTS, closes_more]
+    assert choose(points, min_retention=0.9).settings["name"] == "mid"
+    assert choose(points, max_cost=0.06).settings["name"] == "closes-more-gap"  # the best retention within 0.06
+    assert _names(pareto_front(points)) == ["cheap-bad", "closes-more-gap", "mid", "good-same-cost", "best"]
 
 
 def test_grid_caps_top_k_and_crosses_mappers_with_kv_modes():
@@ -147,16 +156,49 @@ def test_tune_saves_the_cheapest_configuration_meeting_the_target(tuned):
         torch.testing.assert_close(saved, measured)
 
 
+def test_tune_reports_the_gap_recovered_beside_retention(tuned):
+    result, folder = tuned
+    written = json.loads((folder / "tune.json").read_text())
+    gap = written["source_target_gap"]
+    assert set(gap) == {"tune", "check"} and set(written["reference_nll"]["tune"]) == {
+        "target",
+        "no_context",
+        "source",
+    }
+    for part in ("tune", "check"):
+        # pocket-m is the stronger model: the gap is positive; defined exactly when its paired CI lies above 0
+        assert gap[part]["gap"] > 0 and gap[part]["defined"] == (gap[part]["ci"][0] > 0), gap
+        assert (gap[part]["reason"] is None) == gap[part]["defined"]
+    for point in written["points"]:
+        assert (point["gap_recovered"] is not None) == gap["tune"]["defined"], point
+        if point["gap_recovered"] is not None:
+            low, high = point["gap_recovered_ci"]
+            assert low < point["gap_recovered"] < high
+    for point in written["pareto_front"]:
+        assert (point["check_gap_recovered"] is not None) == gap["check"]["defined"], point
+    header, *rows = format_table(written).splitlines()
+    assert "| gap recovered (tune) | gap recovered (check) |" in header
+    assert len(rows) == len(written["pareto_front"]) + 1 and all(row.count("|") == 12 for row in rows)
+    tuning = result["bridge"].config.calibration["tuning"]
+    assert {"tuned_gap_recovered", "check_gap_recovered"} <= set(tuning)
+
+
 def test_the_choice_meets_its_target_on_windows_it_was_not_tuned_on(tuned):
     _, folder = tuned
     bridge = KVBridgeForCausalLM.from_pretrained(folder / "bridge")
     tokenizer = AutoTokenizer.from_pretrained(pocket.model_path("pocket-m"))
     texts = pocket.load_texts("heldout")
     _, check = split_windows(texts, tokenizer, SMALL["context"] + SMALL["continuation"], 8, 8)
-    measured = continuation_nll(bridge, check, SMALL["context"])["context_benefit_retention"]
+    nll = continuation_nll(bridge, check, SMALL["context"])
+    measured = nll["context_benefit_retention"]
     tuning = bridge.config.calibration["tuning"]
     assert measured == pytest.approx(tuning["check_retention"], abs=1e-4)
     assert not math.isnan(measured) and measured >= TARGET, measured
+    gap = nll["gap_recovered"]  # the same measurement as tune's, from outside
+    if tuning["check_gap_recovered"] is None:
+        assert gap is None
+    else:
+        assert gap == pytest.approx(tuning["check_gap_recovered"], abs=1e-4)
 
 
 # -- the command line -----------------------------------------------------------------------------------------------
