@@ -187,6 +187,11 @@ def test_a_bridge_on_the_targets_own_cache_closes_the_whole_gap(upward, monkeypa
     assert real["gap_recovered"] == pytest.approx(
         (real["nll"]["source"] - real["nll"]["bridge"]) / (real["nll"]["source"] - real["nll"]["target"]), abs=1e-5
     )
+    # the floor beside it: what the target with no context at all closes of the same gap
+    assert real["gap_recovered_no_context"] == pytest.approx(
+        (real["nll"]["source"] - real["nll"]["no_context"]) / (real["nll"]["source"] - real["nll"]["target"]),
+        abs=1e-5,
+    )
 
     def target_own_prefill(input_ids, attention_mask=None, *, position_ids=None, source_logits=True):
         with torch.no_grad():

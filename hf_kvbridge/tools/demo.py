@@ -362,11 +362,14 @@ def report(results: dict) -> str:
 
 
 def _gap(measured: dict) -> str:
-    """`0.412 [0.301, 0.523]`, or `n/a (the reason)`, from a result's `gap_recovered` fields."""
+    """`0.412 [0.301, 0.523] (target with no context: 0.210)`, or `n/a (the reason)`, from a result's
+    `gap_recovered` fields."""
     if measured.get("gap_recovered") is None:
         return f"n/a ({measured.get('gap_recovered_reason') or 'not measured'})"
     low, high = measured["gap_recovered_ci"]
-    return f"{measured['gap_recovered']:.3f} [{low:.3f}, {high:.3f}]"
+    floor = measured.get("gap_recovered_no_context")
+    floor = "" if floor is None else f" (target with no context: {floor:.3f})"
+    return f"{measured['gap_recovered']:.3f} [{low:.3f}, {high:.3f}]{floor}"
 
 
 # below this many nats of benefit from its context, a target's context-benefit retention is mostly noise

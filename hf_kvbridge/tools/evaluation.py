@@ -301,11 +301,14 @@ def continuation_nll(
     nll = {mode: totals[mode] / count for mode in modes}
     windows_nll = {mode: torch.cat(values) for mode, values in per_window.items()}  # (N,) per mode
     gap = gap_recovered(windows_nll["source"], windows_nll["bridge"], windows_nll["target"])
+    floor = gap_recovered(windows_nll["source"], windows_nll["no_context"], windows_nll["target"])
     result = {
         "nll": nll,
         "perplexity": {mode: float(torch.tensor(v).exp()) for mode, v in nll.items()},
         "context_benefit_retention": retention(nll),
         **gap.fields(),
+        # the same figure for the target with no context at all: what decoding with the target alone already closes
+        "gap_recovered_no_context": floor.value,
         "tokens_scored": count,
         "windows": int(len(windows)),
         "context_len": context_len,
@@ -355,6 +358,9 @@ def cloze_accuracy(bridge, items: list[ClozeItem]) -> dict:
     chance = 1.0 / len(items[0].choices)
     acc = {mode: sum(correct[mode]) / len(items) for mode in MODES}
     gap = gap_recovered(correct["source"], correct["bridge"], correct["target"], higher_is_better=True, unit="items")
+    floor = gap_recovered(
+        correct["source"], correct["no_context"], correct["target"], higher_is_better=True, unit="items"
+    )
     return {
         "accuracy": acc,
         "chance": chance,
@@ -362,6 +368,7 @@ def cloze_accuracy(bridge, items: list[ClozeItem]) -> dict:
         "retention": acc["bridge"] / acc["target"] if acc["target"] > 0 else float("nan"),
         "chance_normalised_retention": chance_normalised_retention(acc["bridge"], acc["target"], chance),
         **gap.fields(),
+        "gap_recovered_no_context": floor.value,  # the target with no context: the floor to read the figure against
     }
 
 
