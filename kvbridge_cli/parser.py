@@ -437,6 +437,11 @@ def _add_bench(sub) -> None:
     )
     vllm.add_argument("--shapes", help="random Qwen3-shaped models instead, e.g. qwen3-0.6b:qwen3-8b (GPU)")
     vllm.add_argument("--lengths", type=_lengths, default=[512, 1024, 2000], help="prompt lengths in tokens")
+    vllm.add_argument(
+        "--store",
+        help="a KV store URL (or 'local': start a redis-server here) to time the warm path too: prompts whose "
+        "source KV are in the store, mapped with no source prefill",
+    )
     vllm.add_argument("--repeats", type=_positive_int, default=5, help="TTFT samples per length and mode")
     vllm.add_argument("--requests", type=_positive_int, default=8, help="requests per throughput batch")
     vllm.add_argument("--max-tokens", type=_positive_int, default=32, help="output tokens per throughput request")

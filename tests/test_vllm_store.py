@@ -89,7 +89,42 @@ def run_engine(spec: dict) -> dict:
     }
 
 
+def serve_engine(spec: dict) -> None:
+    """Script mode `--serve`: one engine kept alive; each line on stdin is a round (a list of requests), answered
+    by a `KVB-RESULT {...}` line on stdout (so two engines can take turns in one conversation)."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    from vllm import LLM, SamplingParams
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    from hf_kvbridge.integrations import vllm as kvb
+
+    serves = "source" if spec["options"]["role"] == "source" else "target"
+    llm = LLM(
+        model=kvb.served_model(spec["bridge"], serves), kv_transfer_config=kvb.kv_transfer_config(spec["bridge"],
+        **spec["options"]), dtype="float32", max_model_len=1024, block_size=BLOCK, enforce_eager=True,
+        enable_prefix_caching=True, kv_cache_memory_bytes=128 << 20, max_num_seqs=4, seed=0,
+    )  # fmt: skip
+    connector = get_kv_transfer_group()
+    print("KVB-READY", flush=True)
+    for line in sys.stdin:
+        ids, max_tokens = json.loads(line)
+        params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, extra_args=kvb.bridged())
+        (out,) = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)
+        if connector.worker.exports is not None:
+            connector.worker.exports.writer.flush(timeout=30)
+        result = {
+            "tokens": list(out.outputs[0].token_ids),
+            "cached": out.num_cached_tokens,
+            "kvbridge": (out.kv_transfer_params or {}).get(kvb.PARAM_KEY),
+            "source_forward_calls": connector.worker.source_forward_calls,
+        }
+        print("KVB-RESULT " + json.dumps(result), flush=True)
+
+
 if __name__ == "__main__":
+    if sys.argv[1] == "--serve":
+        serve_engine(json.loads(Path(sys.argv[2]).read_text()))
+        sys.exit(0)
     spec_path, out_path = sys.argv[1:3]
     result = run_engine(json.loads(Path(spec_path).read_text()))
     Path(out_path).write_text(json.dumps(result))
@@ -203,7 +238,7 @@ def cold_backed_run(setup, source_run, store_server):
     options = {"role": "target", "store": setup["url"], "chunk_size": CHUNK}
     rounds = [
         [(p["half"], True), (p["miss"], True), (p["corrupt"], True), (p["corrupt"], False)],
-        {"stop_store": store_server.process.pid},  # the store goes away mid-run
+        {"stop_store": store_server.pid},  # the store goes away mid-run
         [(p["late"], True), (p["full"], True)],
     ]
     return _engine(setup["tmp"], "cold-backed", setup["bridge_dir"], options, rounds)
@@ -223,8 +258,12 @@ def _oracle_from_store(setup, ids, num_tokens):
     return out[0, len(ids) :].tolist()
 
 
-def _bridge_generate(setup, ids):
+def _bridge_generate(setup, ids, hold_back=None):
+    """`bridge.generate` (the cold path in transformers), mapping all but `hold_back` prompt tokens (the bridge's own
+    hold-back by default)."""
     bridge = KVBridgeForCausalLM.from_pretrained(setup["bridge_dir"], dtype=torch.float32)
+    if hold_back is not None:
+        bridge.config.hold_back = hold_back
     prompt = torch.tensor([ids])
     out = bridge.generate(prompt, max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS, do_sample=False)
     return out[0, len(ids) :].tolist()
@@ -287,7 +326,8 @@ def test_full_hit_maps_from_the_store_with_no_source_forward(setup, source_run, 
     }  # fmt: skip
     assert store_only_run["source_forward_calls"] == 0 and store_only_run["source_parameters"] == 0
     assert got["tokens"] == _oracle_from_store(setup, ids, mapped)
-    assert got["tokens"] == _bridge_generate(setup, ids)  # the cold path in transformers decodes the same
+    # the cold path in transformers, mapping the same tokens (its source prefill instead of the store's chunks)
+    assert got["tokens"] == _bridge_generate(setup, ids, hold_back=len(ids) - mapped)
 
 
 def test_store_only_partial_hit_maps_the_stored_prefix_and_a_miss_goes_to_the_target(setup, store_only_run):
@@ -301,6 +341,115 @@ def test_store_only_partial_hit_maps_the_stored_prefix_and_a_miss_goes_to_the_ta
     assert plain["kvbridge"] is None
     assert store_only_run["counters"]["store_lookups"] == 3  # the request that did not opt in never asked the store
     del miss_ids
+
+
+# -- a conversation switching engines ------------------------------------------------------------------------------
+TURN_CHUNK, REPLY = 32, 8  # store chunks of one block; every turn's prompt + reply - 1 fills whole blocks
+
+
+class _Engine:
+    """A live engine (script mode `--serve`) that answers one request per call."""
+
+    def __init__(self, tmp_path, name, bridge_dir, options):
+        import hf_kvbridge
+
+        spec = tmp_path / f"{name}.json"
+        spec.write_text(json.dumps({"bridge": str(bridge_dir), "options": options}))
+        package_root = str(Path(hf_kvbridge.__file__).resolve().parents[1])
+        env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=package_root)
+        self.log = open(tmp_path / f"{name}.log", "w+")  # noqa: SIM115
+        self.proc = subprocess.Popen(
+            [sys.executable, __file__, "--serve", str(spec)], env=env, stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, stderr=self.log, text=True,
+        )  # fmt: skip
+        self._read("KVB-READY")
+
+    def _read(self, marker):
+        for line in self.proc.stdout:
+            if line.startswith(marker):
+                return line[len(marker) :].strip()
+        self.log.seek(0)
+        raise AssertionError(f"engine exited: {self.log.read()[-4000:]}")
+
+    def __call__(self, ids, max_tokens):
+        self.proc.stdin.write(json.dumps([ids, max_tokens]) + "\n")
+        self.proc.stdin.flush()
+        return json.loads(self._read("KVB-RESULT "))
+
+    def close(self):
+        self.proc.stdin.close()
+        self.proc.wait(timeout=120)
+        self.log.close()
+
+
+class _TokenSession:
+    """A `HandoffSession` driven by token ids (no chat template): each turn's prompt is the conversation so far plus
+    the new user tokens."""
+
+    def __new__(cls, bridge):
+        from hf_kvbridge.session import HandoffSession
+
+        class Session(HandoffSession):
+            next_prompt: list[int] = []
+
+            def prompt_tokens(self):
+                return list(self.next_prompt)
+
+        return Session(bridge, tokenizer=None)
+
+
+@pytest.fixture(scope="module")
+def conversation(setup, store_server):
+    """Six turns alternating the source engine (pocket-s) and a store-only target engine (pocket-l), both alive; the
+    user's messages are cut so that every turn's prompt + reply - 1 is a whole number of blocks and store chunks (so
+    vLLM's block-granular prefix cache holds exactly what each model computed, as a session's own cache does)."""
+    tmp, url = setup["tmp"], setup["url"]
+    text = _prompts_from(setup, 800)
+    first = 57  # 57 + 8 - 1 = 64
+    users = [text[:first]] + [text[first + 24 * i : first + 24 * (i + 1)] for i in range(5)]  # 24 ≡ -8 + 0 (mod 32)
+    source = _Engine(
+        tmp, "conv-source", setup["bridge_dir"], {"role": "source", "store": url, "chunk_size": TURN_CHUNK}
+    )
+    target = _Engine(
+        tmp, "conv-target", setup["bridge_dir"],
+        {"role": "target", "store": url, "chunk_size": TURN_CHUNK, "source_weights": False},
+    )  # fmt: skip
+    turns, history = [], []
+    try:
+        for i, user in enumerate(users):
+            engine = source if i % 2 == 0 else target
+            prompt = history + user
+            got = engine(prompt, REPLY)
+            turns.append({"model": "source" if i % 2 == 0 else "target", "prompt": prompt, **got})
+            history = prompt + got["tokens"]
+    finally:
+        source.close()
+        target.close()
+    return turns
+
+
+def _prompts_from(setup, n):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(pocket.model_path("pocket-l"))
+    return tokenizer("\n".join(pocket.load_texts("heldout")[30:70]))["input_ids"][:n]
+
+
+def test_conversation_switching_engines_equals_a_handoff_session(setup, conversation):
+    bridge = KVBridgeForCausalLM.from_pretrained(setup["bridge_dir"], dtype=torch.float32)
+    session = _TokenSession(bridge)
+    for turn in conversation:
+        assert (len(turn["prompt"]) + REPLY - 1) % TURN_CHUNK == 0
+        session.next_prompt = turn["prompt"]
+        want = session.generate(model=turn["model"], max_new_tokens=REPLY, min_new_tokens=REPLY, do_sample=False)
+        assert turn["tokens"] == want.token_ids, (turn["model"], len(turn["prompt"]))
+        if turn["model"] == "target":  # mapped from the store what the source computed since, computed the rest
+            status = turn["kvbridge"]
+            assert status["status"] == "mapped" and status["source"] == "store", status
+            assert status["mapped_tokens"] == want.mapped_tokens and turn["cached"] == status["start"]
+            assert turn["source_forward_calls"] == 0
+        else:
+            assert turn["kvbridge"]["status"] == "exported"
 
 
 # -- a target with the source model: partial hit, miss, corrupt data, store down --------------------------------

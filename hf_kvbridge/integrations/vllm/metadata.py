@@ -45,6 +45,14 @@ class BridgeLoad:
     def gated(self) -> bool:
         return self.probe_end > self.probe_start
 
+    def origin(self) -> dict[str, Any]:
+        """Where this load's source K/V come from, for the request's status: `source` (`"store"`: all fetched from
+        the KV store; `"partial"`: a stored prefix plus the worker's source prefill; `"prefill"`: the cold path) and
+        the token counts of each."""
+        fetched = min(self.store_end, self.probe_end)
+        kind = "prefill" if fetched == 0 else "store" if self.end <= self.store_end else "partial"
+        return {"source": kind, "store_tokens": fetched, "prefill_tokens": self.probe_end - fetched}
+
 
 @dataclass
 class GateCheck:

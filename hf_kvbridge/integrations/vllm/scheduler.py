@@ -6,6 +6,7 @@ completes.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -110,8 +111,11 @@ class BridgeScheduler:
     def _stored_tokens(self, request: Request) -> int:
         """Tokens of `request`'s prompt that the store's longest stored prefix of the other model's KV covers (`0`
         when the store cannot be reached: a miss, with a WARNING)."""
+        started = time.perf_counter()
         try:
-            return self.store.stored_tokens(list(request.prompt_token_ids), salt=self._salts.get(request.request_id))
+            stored = self.store.stored_tokens(list(request.prompt_token_ids), salt=self._salts.get(request.request_id))
+            self.count(lookup_seconds=time.perf_counter() - started)
+            return stored
         except Exception as error:
             self.count(store_lookup_errors=1)
             logger.warning(
@@ -196,7 +200,7 @@ class BridgeScheduler:
                 "status": "mapped",
                 "mapped_tokens": load.end - load.start,
                 "start": load.start,
-                **load_source(load),
+                **load.origin(),
             }
         meta.exports = self.export_tasks(scheduled)
         return meta
@@ -303,18 +307,3 @@ class _Export:
     salt: str | None
     block_ids: list[int] = field(default_factory=list)
     next_token: int | None = None
-
-
-def load_source(load: BridgeLoad) -> dict[str, Any]:
-    """Where a load's source K/V come from, for the request's status: `source` (`"store"`: all fetched from the KV
-    store; `"partial"`: a stored prefix plus the worker's source prefill; `"prefill"`: the cold path) and the token
-    counts of each."""
-    fetched = min(load.store_end, load.probe_end)
-    prefilled = load.probe_end - fetched
-    if fetched == 0:
-        kind = "prefill"
-    elif load.end <= load.store_end:
-        kind = "store"
-    else:
-        kind = "partial"
-    return {"source": kind, "store_tokens": fetched, "prefill_tokens": prefilled}

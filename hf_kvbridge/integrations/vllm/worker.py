@@ -132,7 +132,13 @@ class BridgeWorker:
                 self.mapped(load, written)
 
     def mapped(self, load: BridgeLoad, written: int, **extra: Any) -> None:
-        self._step_outcomes[load.req_id] = {"status": "mapped", "mapped_tokens": written, "start": load.start, **extra}
+        self._step_outcomes[load.req_id] = {
+            "status": "mapped",
+            "mapped_tokens": written,
+            "start": load.start,
+            **load.origin(),
+            **extra,
+        }
         self.count(requests_mapped=1, tokens_mapped=written)
 
     def fall_back(self, load: BridgeLoad, status: str, **extra: Any) -> None:
