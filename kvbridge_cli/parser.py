@@ -516,11 +516,14 @@ def _add_serve(sub) -> None:
     serve = sub.add_parser(
         "serve",
         help="serve the bridge's target with vLLM's OpenAI-compatible server and the KV bridge connector",
-        description="kvbridge serve DIR [--requests opt_in|all] [--print] [vllm serve args...]: every argument "
-        "after DIR goes to hf_kvbridge.integrations.vllm.serve_main (see the README's 'Serving with vLLM').",
+        description="kvbridge serve DIR [--role target|source|both] [--store URL] [--no-source-weights] "
+        "[--requests opt_in|all] [--print] [vllm serve args...]: every argument after DIR goes to "
+        "hf_kvbridge.integrations.vllm.serve_main (see docs/serving.md).",
     )
     serve.add_argument("bridge", help="bridge checkpoint folder or Hub id")
-    serve.add_argument("vllm_args", nargs=argparse.REMAINDER, help="--requests, --print, and vllm serve options")
+    serve.add_argument(
+        "vllm_args", nargs=argparse.REMAINDER, help="--role, --store, --requests, --print, and vllm serve options"
+    )
 
 
 def _add_demo(sub) -> None:

@@ -432,7 +432,7 @@ def _prompts_from(setup, n):
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(pocket.model_path("pocket-l"))
-    return tokenizer("\n".join(pocket.load_texts("heldout")[30:70]))["input_ids"][:n]
+    return tokenizer("\n".join(pocket.load_texts("heldout")))["input_ids"][20_000 : 20_000 + n]
 
 
 def test_conversation_switching_engines_equals_a_handoff_session(setup, conversation):
@@ -446,7 +446,9 @@ def test_conversation_switching_engines_equals_a_handoff_session(setup, conversa
         if turn["model"] == "target":  # mapped from the store what the source computed since, computed the rest
             status = turn["kvbridge"]
             assert status["status"] == "mapped" and status["source"] == "store", status
-            assert status["mapped_tokens"] == want.mapped_tokens and turn["cached"] == status["start"]
+            assert status["mapped_tokens"] == want.mapped_tokens
+            # vLLM's cached tokens: its own prefix-cache hit (the target's previous turn, from `start`) plus the mapped
+            assert turn["cached"] == status["start"] + status["mapped_tokens"] == len(turn["prompt"]) - want.prefilled_tokens
             assert turn["source_forward_calls"] == 0
         else:
             assert turn["kvbridge"]["status"] == "exported"
@@ -496,3 +498,18 @@ def test_store_roles_are_validated_before_any_engine_starts(setup):
         kv_transfer_config(str(setup["bridge_dir"]), store=setup["url"], source_weights=False, on_miss="prefill")
     with pytest.raises(ValueError, match="role"):
         kv_transfer_config(str(setup["bridge_dir"]), role="producer", store=setup["url"])
+
+
+def test_serve_roles_print_the_vllm_command(setup, capsys):
+    from hf_kvbridge.integrations.vllm import serve_main, served_model
+
+    bridge = str(setup["bridge_dir"])
+    assert serve_main([bridge, "--role", "source", "--store", setup["url"], "--print", "--port", "9"]) == 0
+    line = capsys.readouterr().out
+    assert served_model(bridge, "source") in line and '"role": "source"' in line and line.rstrip().endswith("9")
+    assert serve_main([bridge, "--store", setup["url"], "--no-source-weights", "--chunk-size", "64", "--print"]) == 0
+    line = capsys.readouterr().out
+    assert served_model(bridge, "target") in line
+    assert '"source_weights": false' in line and '"chunk_size": 64' in line and '"on_miss"' not in line
+    with pytest.raises(ValueError, match="needs a KV store"):
+        serve_main([bridge, "--role", "both", "--print"])
