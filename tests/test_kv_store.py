@@ -227,6 +227,10 @@ def test_chunk_bytes_counts_what_a_stored_chunk_holds():
     assert raw < len(payload) <= raw + HEADER_BYTES_FIXED + HEADER_BYTES_PER_LAYER * layout.num_layers
     qwen3_14b = Qwen3Config(num_hidden_layers=40, num_key_value_heads=8, head_dim=128)
     assert chunk_bytes(qwen3_14b, 1, "bfloat16") == 40 * 2 * 8 * 128 * 2
+    zeros = [torch.zeros(8, 256, 128, dtype=torch.bfloat16)] * 40  # a Qwen3-14B chunk: 40 MiB, offsets of 8 digits
+    payload = encode_chunk(zeros, zeros, model_id="Qwen/Qwen3-14B@" + "f" * 40, start=10**6)
+    raw = chunk_bytes(qwen3_14b, 256, torch.bfloat16)
+    assert raw < len(payload) <= raw + HEADER_BYTES_FIXED + HEADER_BYTES_PER_LAYER * 40
     bf16 = chunk_bytes(layout, DEFAULT_CHUNK_SIZE, "bfloat16")
     assert chunk_bytes(layout, DEFAULT_CHUNK_SIZE, torch.float32) == 2 * bf16
     with pytest.raises(InvalidInputError, match="not a torch dtype"):
@@ -260,6 +264,18 @@ def test_valkey_schemes_are_aliases_and_unknown_schemes_are_refused(server):
         open_store("lmcache://host/0")
     with pytest.raises(ServingConfigError, match="ttl_s must be a number of seconds > 0"):
         RedisKVStore(server.url, ttl_s=0)
+
+
+def test_tls_and_unix_socket_urls_are_passed_to_the_client(tmp_path):
+    port = free_port()
+    tls = open_store(f"rediss://:secret@127.0.0.1:{port}/0", ssl_cert_reqs="none", socket_timeout=0.5)
+    with tls, pytest.raises(StoreUnavailableError, match=rf"KV store rediss://127.0.0.1:{port}/0: EXISTS failed"):
+        tls.count_prefix(["kvbridge:v1:x"])
+    sock = tmp_path / "none.sock"
+    with open_store(f"unix://{sock}?db=0", socket_timeout=0.5) as unix, pytest.raises(StoreUnavailableError):
+        unix.get_many(["kvbridge:v1:x"])
+    with pytest.raises(ServingConfigError, match="the redis client refuses its settings"):
+        open_store(f"redis://127.0.0.1:{port}/0", no_such_option=1)
 
 
 def test_ttl_expires_chunks(server):
@@ -317,6 +333,11 @@ def test_the_server_evicts_least_recently_used_chunks_when_full():
         stats = store.stats()
         assert stats["maxmemory_policy"] == "allkeys-lru" and stats["maxmemory"] == 4 << 20
         assert stats["keys"] == sum(present) and stats["bytes"] >= sum(present) * len(chunk)
+        store._client.config_set("maxmemory-policy", "noeviction")  # a server set up without eviction
+        with pytest.raises(StoreUnavailableError, match="full and does not evict.*allkeys-lru") as info:
+            for key in keys:
+                store.put_many({key + "x": chunk})
+        assert len(str(info.value)) < 600  # the pipeline's error quotes the payload: it is cut out
 
 
 def test_start_local_server_refuses_a_missing_binary_and_bad_sizes():

@@ -23,6 +23,7 @@ from pathlib import Path
 from urllib.parse import quote
 
 from ...errors import InvalidInputError, MissingDependencyError, StoreUnavailableError
+from .redis_store import _redis_module
 
 logger = logging.getLogger(__name__)
 
@@ -168,7 +169,7 @@ def _write_config(folder: str, port: int, maxmemory: str, password: str | None) 
 
 
 def _wait_until_ready(server: LocalServer, timeout: float) -> None:
-    import redis
+    redis = _redis_module()
 
     client = redis.Redis(host="127.0.0.1", port=server.port, password=server.password, socket_timeout=1.0,
                          socket_connect_timeout=1.0)  # fmt: skip

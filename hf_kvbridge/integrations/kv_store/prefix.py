@@ -76,7 +76,8 @@ class PrefixKVStore:
     def stored_tokens(self, token_ids: Any, salt: str | None = None) -> int:
         """Tokens covered by the longest stored prefix of whole chunks (`chunk_size × ` leading chunks stored).
 
-        One round trip; counted in `metrics` (`lookups`, `lookup_hit_chunks`, `lookup_miss`).
+        One round trip; counted in `metrics` (`lookups`, `lookup_hit_chunks`, `lookup_miss`). Raises
+        `StoreUnavailableError` when the store cannot be asked (the caller falls back to computing the tokens).
         """
         keys = self.keys(token_ids, salt)
         chunks = self.store.count_prefix(keys)

@@ -69,6 +69,16 @@ def client_url(url: str) -> str:
     return SCHEME_ALIASES[scheme] + url[len(scheme) :] if scheme in SCHEME_ALIASES else url
 
 
+def _reason(err: BaseException) -> str:
+    """A client error's message, short and printable: a pipeline's error quotes its command, payload included, so
+    only what follows "caused error:" is kept."""
+    text = str(err)
+    if "caused error:" in text:
+        text = text.split("caused error:", 1)[1].strip()
+    text = "".join(c if c.isprintable() else "?" for c in text)
+    return text if len(text) <= 300 else text[:300] + "..."
+
+
 def _redis_module():
     try:
         return importlib.import_module("redis")
@@ -118,6 +128,8 @@ class RedisKVStore(KVStore):
         client_kwargs.setdefault("socket_connect_timeout", socket_timeout)
         try:
             self._client = self._redis.Redis.from_url(client_url(url), socket_timeout=socket_timeout, **client_kwargs)
+            pool = self._client.connection_pool
+            pool.connection_class(**pool.connection_kwargs)  # checks the keywords now; connects nothing
         except (ValueError, TypeError) as err:  # a URL or keyword the client does not take
             raise ServingConfigError(f"KV store {self.url}: the redis client refuses its settings: {err}") from None
 
@@ -130,20 +142,21 @@ class RedisKVStore(KVStore):
         try:
             return fn()
         except (errors.RedisError, OSError) as err:
-            text = f"{type(err).__name__}: {err}"
+            reason = _reason(err)
             if isinstance(err, errors.AuthenticationError) or any(
-                word in str(err) for word in ("NOAUTH", "WRONGPASS", "invalid password", "Authentication")
+                word in reason for word in ("NOAUTH", "WRONGPASS", "invalid password", "Authentication")
             ):
                 hint = "the server refused the credentials: check the user and password (in the URL or password=)"
-            elif "OOM" in str(err):
+            elif "maxmemory" in reason or type(err).__name__ == "OutOfMemoryError":
                 hint = "the server is full and does not evict: run it with maxmemory-policy allkeys-lru"
-            elif "MOVED" in str(err) or "CROSSSLOT" in str(err):
+            elif "MOVED" in reason or "CROSSSLOT" in reason:
                 hint = "this is a Redis Cluster, which the store does not support: use one server"
             else:
                 hint = (
                     "check that the server is running and reachable from here (host, port, firewall), that TLS "
                     "matches (rediss:// for a TLS port), and the password"
                 )
+            text = f"{type(err).__name__}: {reason}"
             raise StoreUnavailableError(f"KV store {self.url}: {what} failed ({text}); {hint}") from err
 
     def ping(self) -> None:

@@ -8,8 +8,8 @@ from transformers import PretrainedConfig
 from ...errors import InvalidInputError
 from ...layout import KVLayout
 
-HEADER_BYTES_PER_LAYER = 160
-"""Upper bound of the safetensors header bytes a stored chunk adds per layer (two tensor entries)."""
+HEADER_BYTES_PER_LAYER = 192
+"""Upper bound of the safetensors header bytes a stored chunk adds per layer (two tensor entries, offsets < 10 GB)."""
 
 HEADER_BYTES_FIXED = 512
 """Upper bound of the header bytes a stored chunk adds once (metadata), for a model identity of ≤ 128 characters."""
