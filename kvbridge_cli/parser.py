@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 from pathlib import Path
 
 from ._light import core
@@ -544,7 +545,48 @@ def _add_demo(sub) -> None:
     )
 
 
-COMMANDS = ("calibrate", "generate", "chat", "eval", "push", "inspect", "bench", "tune", "serve", "demo")
+def _memory_size(value: str) -> str:
+    """A server memory size: a number of bytes, or with kb/mb/gb (as redis-server reads it)."""
+    if not re.fullmatch(r"\d+(?:[kmg]b?|b)?", value.strip(), re.IGNORECASE):
+        raise argparse.ArgumentTypeError(f"{value!r} is not a size such as 512mb, 4gb or a number of bytes")
+    return value.strip().lower()
+
+
+def _port(value: str) -> int:
+    number = _whole_number(value)
+    if not 0 < number < 65536:
+        raise argparse.ArgumentTypeError(f"{value} is not a TCP port (1 to 65535)")
+    return number
+
+
+def _add_store(sub) -> None:
+    store = sub.add_parser(
+        "store",
+        help="the KV store of warm-path serving (Redis/Valkey): run a local server, show what it holds",
+    )
+    actions = store.add_subparsers(dest="store", required=True, parser_class=_Parser)
+    serve = actions.add_parser(
+        "serve",
+        help="run a local redis-server/valkey-server on 127.0.0.1 in the foreground until Ctrl-C; prints its URL",
+        description="Starts redis-server (or valkey-server) on 127.0.0.1 with no persistence and maxmemory + "
+        "allkeys-lru eviction, prints its URL, and runs until Ctrl-C.",
+    )
+    serve.add_argument("--port", type=_port, help="TCP port on 127.0.0.1 (default: a free one)")
+    serve.add_argument(
+        "--maxmemory", type=_memory_size, default="4gb", help="memory limit; past it the least recently used chunks "
+        "are evicted (default 4gb)"
+    )  # fmt: skip
+    serve.add_argument("--password", help="require this password (it appears in the printed URL)")
+    serve.add_argument("--binary", help="the server program (default: redis-server, else valkey-server, on PATH)")
+    stats = actions.add_parser(
+        "stats", help="what a store holds of hf_kvbridge chunks: keys and memory, per model, as JSON"
+    )
+    stats.add_argument("url", help="the store, e.g. redis://127.0.0.1:6379/0 (rediss:// for TLS, valkey://)")
+    stats.add_argument("--socket-timeout", type=_positive_float, default=5.0, help="seconds (default 5)")
+
+
+COMMANDS = ("calibrate", "generate", "chat", "eval", "push", "inspect", "bench", "tune", "serve", "demo", "store")
+NESTED = ("bench", "store")  # commands whose subcommands take the options
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -562,9 +604,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_tune(sub)
     _add_serve(sub)
     _add_demo(sub)
+    _add_store(sub)
     for name, subparser in sub.choices.items():  # `--debug` after the command, too
-        if name != "bench":
+        if name not in NESTED:
             subparser.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=DEBUG_HELP)
-    for subparser in sub.choices["bench"]._subparsers._group_actions[0].choices.values():
-        subparser.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=DEBUG_HELP)
+    for name in NESTED:
+        for subparser in sub.choices[name]._subparsers._group_actions[0].choices.values():
+            subparser.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=DEBUG_HELP)
     return parser
