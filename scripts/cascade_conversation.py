@@ -96,9 +96,9 @@ def main(argv: list[str] | None = None) -> int:
                     extra_body={"kv_transfer_params": {"kvbridge": True}, "return_token_ids": True},
                 )  # fmt: skip
                 choice = reply.choices[0]
-                token_ids = getattr(choice, "token_ids", None) or tokenizer(choice.text, add_special_tokens=False)[
-                    "input_ids"
-                ]
+                token_ids = (
+                    getattr(choice, "token_ids", None) or tokenizer(choice.text, add_special_tokens=False)["input_ids"]
+                )
                 history = history + list(token_ids)
                 status = (getattr(reply, "kv_transfer_params", None) or {}).get("kvbridge")
                 print(f"turn {turn + 1} [{name}] {len(history)} tokens so far: {choice.text.strip()[:70]!r}")

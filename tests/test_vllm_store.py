@@ -448,7 +448,8 @@ def test_conversation_switching_engines_equals_a_handoff_session(setup, conversa
             assert status["status"] == "mapped" and status["source"] == "store", status
             assert status["mapped_tokens"] == want.mapped_tokens
             # vLLM's cached tokens: its own prefix-cache hit (the target's previous turn, from `start`) plus the mapped
-            assert turn["cached"] == status["start"] + status["mapped_tokens"] == len(turn["prompt"]) - want.prefilled_tokens
+            computed = len(turn["prompt"]) - want.prefilled_tokens
+            assert turn["cached"] == status["start"] + status["mapped_tokens"] == computed
             assert turn["source_forward_calls"] == 0
         else:
             assert turn["kvbridge"]["status"] == "exported"
