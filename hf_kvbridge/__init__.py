@@ -35,6 +35,9 @@ from .errors import (
     ServingConfigError,
     StatisticsError,
     StatisticsMemoryError,
+    StoreFormatError,
+    StoreMissError,
+    StoreUnavailableError,
     TuningError,
 )
 from .layout import KVLayout
@@ -81,6 +84,9 @@ __all__ = [
     "ServingConfigError",
     "StatisticsError",
     "StatisticsMemoryError",
+    "StoreFormatError",
+    "StoreMissError",
+    "StoreUnavailableError",
     "TuningError",
     "__version__",
     "calibrate",

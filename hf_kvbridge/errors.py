@@ -92,6 +92,21 @@ class TuningError(KVBridgeError, ValueError):
     """No configuration of a tuning grid meets the quality target or the cost budget (`kvbridge tune`)."""
 
 
+class StoreUnavailableError(KVBridgeError, OSError):
+    """The KV store (a Redis-protocol server) cannot be reached or refused the client: connection, timeout, auth."""
+
+
+class StoreFormatError(KVBridgeError, ValueError):
+    """A KV store entry is not a chunk this version can use: another format or version, another model, bad bytes."""
+
+
+class StoreMissError(KVBridgeError, OSError):
+    """A chunk the lookup found is gone from the KV store (evicted or expired) by the time it is fetched.
+
+    An `OSError`, as `FileNotFoundError` is: the data is missing from a storage system, not the call's input wrong.
+    """
+
+
 __all__ = [
     "CalibrationDataError",
     "CheckpointExistsError",
@@ -109,5 +124,8 @@ __all__ = [
     "ServingConfigError",
     "StatisticsError",
     "StatisticsMemoryError",
+    "StoreFormatError",
+    "StoreMissError",
+    "StoreUnavailableError",
     "TuningError",
 ]

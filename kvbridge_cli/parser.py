@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 from pathlib import Path
 
 from ._light import core
@@ -437,6 +438,11 @@ def _add_bench(sub) -> None:
     )
     vllm.add_argument("--shapes", help="random Qwen3-shaped models instead, e.g. qwen3-0.6b:qwen3-8b (GPU)")
     vllm.add_argument("--lengths", type=_lengths, default=[512, 1024, 2000], help="prompt lengths in tokens")
+    vllm.add_argument(
+        "--store",
+        help="a KV store URL (or 'local': start a redis-server here) to time the warm path too: prompts whose "
+        "source KV are in the store, mapped with no source prefill",
+    )
     vllm.add_argument("--repeats", type=_positive_int, default=5, help="TTFT samples per length and mode")
     vllm.add_argument("--requests", type=_positive_int, default=8, help="requests per throughput batch")
     vllm.add_argument("--max-tokens", type=_positive_int, default=32, help="output tokens per throughput request")
@@ -511,11 +517,14 @@ def _add_serve(sub) -> None:
     serve = sub.add_parser(
         "serve",
         help="serve the bridge's target with vLLM's OpenAI-compatible server and the KV bridge connector",
-        description="kvbridge serve DIR [--requests opt_in|all] [--print] [vllm serve args...]: every argument "
-        "after DIR goes to hf_kvbridge.integrations.vllm.serve_main (see the README's 'Serving with vLLM').",
+        description="kvbridge serve DIR [--role target|source|both] [--store URL] [--no-source-weights] "
+        "[--requests opt_in|all] [--print] [vllm serve args...]: every argument after DIR goes to "
+        "hf_kvbridge.integrations.vllm.serve_main (see docs/serving.md).",
     )
     serve.add_argument("bridge", help="bridge checkpoint folder or Hub id")
-    serve.add_argument("vllm_args", nargs=argparse.REMAINDER, help="--requests, --print, and vllm serve options")
+    serve.add_argument(
+        "vllm_args", nargs=argparse.REMAINDER, help="--role, --store, --requests, --print, and vllm serve options"
+    )
 
 
 def _add_demo(sub) -> None:
@@ -536,7 +545,48 @@ def _add_demo(sub) -> None:
     )
 
 
-COMMANDS = ("calibrate", "generate", "chat", "eval", "push", "inspect", "bench", "tune", "serve", "demo")
+def _memory_size(value: str) -> str:
+    """A server memory size: a number of bytes, or with kb/mb/gb (as redis-server reads it)."""
+    if not re.fullmatch(r"\d+(?:[kmg]b?|b)?", value.strip(), re.IGNORECASE):
+        raise argparse.ArgumentTypeError(f"{value!r} is not a size such as 512mb, 4gb or a number of bytes")
+    return value.strip().lower()
+
+
+def _port(value: str) -> int:
+    number = _whole_number(value)
+    if not 0 < number < 65536:
+        raise argparse.ArgumentTypeError(f"{value} is not a TCP port (1 to 65535)")
+    return number
+
+
+def _add_store(sub) -> None:
+    store = sub.add_parser(
+        "store",
+        help="the KV store of warm-path serving (Redis/Valkey): run a local server, show what it holds",
+    )
+    actions = store.add_subparsers(dest="store", required=True, parser_class=_Parser)
+    serve = actions.add_parser(
+        "serve",
+        help="run a local redis-server/valkey-server on 127.0.0.1 in the foreground until Ctrl-C; prints its URL",
+        description="Starts redis-server (or valkey-server) on 127.0.0.1 with no persistence and maxmemory + "
+        "allkeys-lru eviction, prints its URL, and runs until Ctrl-C.",
+    )
+    serve.add_argument("--port", type=_port, help="TCP port on 127.0.0.1 (default: a free one)")
+    serve.add_argument(
+        "--maxmemory", type=_memory_size, default="4gb", help="memory limit; past it the least recently used chunks "
+        "are evicted (default 4gb)"
+    )  # fmt: skip
+    serve.add_argument("--password", help="require this password (it appears in the printed URL)")
+    serve.add_argument("--binary", help="the server program (default: redis-server, else valkey-server, on PATH)")
+    stats = actions.add_parser(
+        "stats", help="what a store holds of hf_kvbridge chunks: keys and memory, per model, as JSON"
+    )
+    stats.add_argument("url", help="the store, e.g. redis://127.0.0.1:6379/0 (rediss:// for TLS, valkey://)")
+    stats.add_argument("--socket-timeout", type=_positive_float, default=5.0, help="seconds (default 5)")
+
+
+COMMANDS = ("calibrate", "generate", "chat", "eval", "push", "inspect", "bench", "tune", "serve", "demo", "store")
+NESTED = ("bench", "store")  # commands whose subcommands take the options
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -554,9 +604,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_tune(sub)
     _add_serve(sub)
     _add_demo(sub)
+    _add_store(sub)
     for name, subparser in sub.choices.items():  # `--debug` after the command, too
-        if name != "bench":
+        if name not in NESTED:
             subparser.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=DEBUG_HELP)
-    for subparser in sub.choices["bench"]._subparsers._group_actions[0].choices.values():
-        subparser.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=DEBUG_HELP)
+    for name in NESTED:
+        for subparser in sub.choices[name]._subparsers._group_actions[0].choices.values():
+            subparser.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=DEBUG_HELP)
     return parser

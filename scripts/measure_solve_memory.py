@@ -88,7 +88,7 @@ def child(p: int, head_dim: int, seed: int, k: int | None = None) -> dict:
     search = _status("VmHWM") - base
     merged = train.merge_(held)
     del held
-    (x_idx, y_idx), = map_groups(merged, layers[0], 0, "all_heads")
+    ((x_idx, y_idx),) = map_groups(merged, layers[0], 0, "all_heads")
     lam = solve.map_group_lambda(lambdas, 0, 0, "all_heads", "joint", heads, head_dim)
     base = _reset_peak()
     weight, bias = solve.solve_ridge(merged, x_idx, y_idx, lam)

@@ -217,7 +217,10 @@ def test_identity_bridge_in_vllm_equals_target_alone(identity_run):
     alone, bridged = identity_run["rounds"]
     for i, n in enumerate(LENGTHS):
         assert bridged[i]["tokens"] == alone[i]["tokens"], (n, bridged[i], alone[i])
-        assert bridged[i]["kvbridge"] == {"status": "mapped", "mapped_tokens": n - 1, "start": 0}
+        assert bridged[i]["kvbridge"] == {
+            "status": "mapped", "mapped_tokens": n - 1, "start": 0, "source": "prefill", "store_tokens": 0,
+            "prefill_tokens": n - 1,
+        }  # fmt: skip
         assert alone[i]["kvbridge"] is None  # not opted in: not touched
 
 

@@ -282,6 +282,33 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     return serve_main([args.bridge, *args.vllm_args])
 
 
+def _cmd_store(args: argparse.Namespace) -> int:
+    """`kvbridge store serve`: a local Redis/Valkey server in the foreground; `kvbridge store stats URL`: JSON."""
+    import json
+
+    from ..integrations.kv_store import open_store, start_local_server
+
+    if args.store == "stats":
+        store = open_store(args.url, socket_timeout=args.socket_timeout)
+        try:
+            print(json.dumps(store.stats(), indent=2))
+        finally:
+            store.close()
+        return 0
+    server = start_local_server(port=args.port, maxmemory=args.maxmemory, password=args.password, binary=args.binary)
+    try:
+        print(f"KV store: {server.url} ({server.binary}, maxmemory {args.maxmemory}, allkeys-lru, no persistence)")
+        print("serving until Ctrl-C", flush=True)
+        status = server.wait()
+        print(f"error: the KV store server exited with status {status}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:  # the way to stop it
+        print("\nstopping the KV store server", file=sys.stderr)
+        return 0
+    finally:
+        server.stop()
+
+
 def _one_line(err: BaseException) -> str:
     """An error as one line: its message (lines joined), prefixed with its type when that is not ours."""
     from ..errors import KVBridgeError
@@ -303,6 +330,7 @@ COMMANDS = {
     "tune": _cmd_tune,
     "serve": _cmd_serve,
     "demo": _cmd_demo,
+    "store": _cmd_store,
 }
 
 

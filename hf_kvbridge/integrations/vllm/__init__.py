@@ -87,18 +87,23 @@ from .configuration import (
     CONNECTOR_NAME,
     MODULE_PATH,
     PARAM_KEY,
+    ROLES,
+    ConnectorSettings,
     bridged,
     check_recompute,
+    connector_settings,
     kv_transfer_config,
     read_bridge_config,
+    served_model,
     target_model,
 )
 from .connector import KVBridgeConnector
-from .metadata import FAILED, BridgeLoad, GateCheck, KVBridgeConnectorMetadata, KVBridgeWorkerMetadata
+from .metadata import FAILED, BridgeLoad, ExportTask, GateCheck, KVBridgeConnectorMetadata, KVBridgeWorkerMetadata
 from .paged_cache import read_slots, reads_back, slots_of, write_layer
 from .rotary import RotaryOnlyTarget, rotary_embedding_class
 from .scheduler import BridgeScheduler
 from .serve import serve_command, serve_main
+from .store import open_prefix_store, store_identity
 from .worker import BridgeWorker, load_bridge
 
 __all__ = [
@@ -106,9 +111,12 @@ __all__ = [
     "FAILED",
     "MODULE_PATH",
     "PARAM_KEY",
+    "ROLES",
     "BridgeLoad",
     "BridgeScheduler",
     "BridgeWorker",
+    "ConnectorSettings",
+    "ExportTask",
     "GateCheck",
     "KVBridgeConnector",
     "KVBridgeConnectorMetadata",
@@ -116,15 +124,19 @@ __all__ = [
     "RotaryOnlyTarget",
     "bridged",
     "check_recompute",
+    "connector_settings",
     "kv_transfer_config",
     "load_bridge",
+    "open_prefix_store",
     "read_bridge_config",
     "read_slots",
     "reads_back",
     "rotary_embedding_class",
     "serve_command",
     "serve_main",
+    "served_model",
     "slots_of",
+    "store_identity",
     "target_model",
     "write_layer",
 ]

@@ -3,6 +3,7 @@ config must pass before vLLM can serve it, and the target model vLLM should load
 
 from __future__ import annotations
 
+from dataclasses import dataclass, fields
 from typing import Any
 
 from ...errors import ServingConfigError
@@ -13,20 +14,183 @@ MODULE_PATH = "hf_kvbridge.integrations.vllm"  # what vLLM imports (not __main__
 REQUEST_MODES = ("opt_in", "all")
 
 
-def kv_transfer_config(bridge: str, *, requests: str = "opt_in", revision: str | None = None) -> dict[str, Any]:
+ROLES = ("source", "target", "both")
+MISS_POLICIES = ("prefill", "target")
+SIDES = ("source", "target")
+
+
+@dataclass(frozen=True)
+class ConnectorSettings:
+    """What `kv_connector_extra_config` asks of the connector, validated (`connector_settings`).
+
+    Attributes:
+        bridge, revision: the bridge checkpoint (folder or Hub id) and its revision.
+        requests: `"opt_in"` or `"all"`: which requests are bridged (and, on an exporting engine, exported).
+        role: `"target"` (maps into the served model; the default), `"source"` (serves the bridge's source and
+            exports its KV to the store) or `"both"` (a bidirectional bridge: exports the served model's KV and maps
+            the other model's with the direction into it).
+        serves: with `role="both"`, which of the bridge's two models this engine serves (`"target"` or `"source"`).
+        store: the KV store's URL (`redis://HOST:PORT/DB`, `rediss://` for TLS, `valkey://`), or `None`.
+        chunk_size: tokens per store chunk (the store's unit; independent of vLLM's block size).
+        store_ttl_s: lifetime of exported chunks in the store (`None`: until the server evicts them).
+        on_miss: what a mapping engine does when the store holds too little of a prompt: `"prefill"` (the cold path:
+            the worker's source model prefills) or `"target"` (the target computes the prompt itself).
+        source_weights: whether a mapping engine's worker loads the source model (`False`: store only, no source
+            weights; misses then go to the target).
+    """
+
+    bridge: str
+    revision: str | None = None
+    requests: str = "opt_in"
+    role: str = "target"
+    serves: str = "target"
+    store: str | None = None
+    chunk_size: int = 256
+    store_ttl_s: float | None = None
+    on_miss: str = "prefill"
+    source_weights: bool = True
+
+    @property
+    def imports(self) -> bool:
+        """Whether this engine maps the other model's KV into its own (roles target and both)."""
+        return self.role in ("target", "both")
+
+    @property
+    def exports(self) -> bool:
+        """Whether this engine writes its own KV to the store (roles source and both)."""
+        return self.role in ("source", "both")
+
+
+def connector_settings(extra: dict[str, Any]) -> ConnectorSettings:
+    """Validates `kv_connector_extra_config` into `ConnectorSettings`; every mistake is a `ServingConfigError` naming
+    the key, before any model is loaded.
+
+    Example:
+
+    ```python
+    >>> connector_settings({"bridge": "my-bridge", "role": "source", "store": "redis://127.0.0.1:6379/0"}).exports
+    True
+    ```
+    """
+    extra = dict(extra or {})
+    if "bridge" not in extra:
+        raise ServingConfigError('KVBridgeConnector needs kv_connector_extra_config={"bridge": "DIR or Hub id"}')
+    known = {f.name for f in fields(ConnectorSettings)}
+    unknown = sorted(set(extra) - known)
+    if unknown:
+        raise ServingConfigError(f"kv_connector_extra_config has unknown keys {unknown}; known: {sorted(known)}")
+
+    def choice(key: str, allowed: tuple[str, ...], default: str) -> str:
+        value = extra.get(key, default)
+        if value not in allowed:
+            raise ServingConfigError(
+                f"kv_connector_extra_config[{key!r}] must be one of {', '.join(map(repr, allowed))}, not {value!r}"
+            )
+        return value
+
+    role = choice("role", ROLES, "target")
+    store = extra.get("store")
+    if store is not None and not isinstance(store, str):
+        raise ServingConfigError(f"kv_connector_extra_config['store'] must be a URL string, not {store!r}")
+    if role != "target" and not store:
+        raise ServingConfigError(
+            f"kv_connector_extra_config['role'] is {role!r}: an exporting engine needs a KV store; set "
+            "kv_connector_extra_config['store'] (e.g. 'redis://127.0.0.1:6379/0', or start one with "
+            "`kvbridge store serve`)"
+        )
+    chunk_size = extra.get("chunk_size", 256)
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ServingConfigError(f"kv_connector_extra_config['chunk_size'] must be a positive int, not {chunk_size!r}")
+    ttl = extra.get("store_ttl_s")
+    if ttl is not None and (isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or ttl <= 0):
+        raise ServingConfigError(f"kv_connector_extra_config['store_ttl_s'] must be a positive number, not {ttl!r}")
+    source_weights = extra.get("source_weights", role == "target")
+    if not isinstance(source_weights, bool):
+        raise ServingConfigError(
+            f"kv_connector_extra_config['source_weights'] must be true or false, not {source_weights!r}"
+        )
+    if role == "both" and source_weights:
+        raise ServingConfigError(
+            "kv_connector_extra_config['source_weights'] is true with role 'both': an engine of a bidirectional "
+            "cascade holds only its own model and maps the other's KV from the store; drop source_weights"
+        )
+    if not source_weights and not store:
+        raise ServingConfigError(
+            "kv_connector_extra_config['source_weights'] is false and there is no 'store': the worker would have "
+            "no source K/V at all; set a store URL or load the source weights"
+        )
+    on_miss = choice("on_miss", MISS_POLICIES, "prefill" if source_weights else "target")
+    if on_miss == "prefill" and not source_weights:
+        raise ServingConfigError(
+            "kv_connector_extra_config['on_miss'] is 'prefill' but source_weights is false: with no source model "
+            "a store miss can only go to the target (on_miss='target')"
+        )
+    return ConnectorSettings(
+        bridge=str(extra["bridge"]),
+        revision=extra.get("revision"),
+        requests=choice("requests", REQUEST_MODES, "opt_in"),
+        role=role,
+        serves=choice("serves", SIDES, "source" if role == "source" else "target"),
+        store=store,
+        chunk_size=chunk_size,
+        store_ttl_s=None if ttl is None else float(ttl),
+        on_miss=on_miss,
+        source_weights=source_weights,
+    )
+
+
+def kv_transfer_config(
+    bridge: str,
+    *,
+    role: str = "target",
+    store: str | None = None,
+    requests: str = "opt_in",
+    serves: str | None = None,
+    on_miss: str | None = None,
+    source_weights: bool | None = None,
+    chunk_size: int | None = None,
+    store_ttl_s: float | None = None,
+    revision: str | None = None,
+) -> dict[str, Any]:
     """The `kv_transfer_config` dict for `vllm.LLM(...)` (or, as JSON, `vllm serve --kv-transfer-config`).
 
     Args:
         bridge: a bridge checkpoint folder or Hub id (what `KVBridgeForCausalLM.from_pretrained` takes).
-        requests: `"opt_in"` (a request is bridged when its `kv_transfer_params` hold `{"kvbridge": true}`) or
-            `"all"` (every request unless it says `{"kvbridge": false}`).
+        role: `"target"` (the default: this engine serves the bridge's target and maps into it), `"source"` (this
+            engine serves the bridge's source and exports the KV of its requests to `store`) or `"both"` (a
+            bidirectional bridge: exports its own KV and maps the other's, see `serves`).
+        store: the KV store (`"redis://HOST:PORT/DB"`; `rediss://` for TLS; credentials in the URL). A target with a
+            store maps from it and falls back to the cold path (or the target) on a miss.
+        requests: `"opt_in"` (a request is bridged/exported when its `kv_transfer_params` hold `{"kvbridge": true}`)
+            or `"all"` (every request unless it says `{"kvbridge": false}`: a router's "export all").
+        serves: with `role="both"`, which of the bridge's models this engine serves (`"target"`, the default, or
+            `"source"`); `served_model(bridge, serves)` is the model to load.
+        on_miss: `"prefill"` (the cold path, the default with source weights) or `"target"`.
+        source_weights: `False` for a store-only target (its worker loads no source weights; the default with
+            `role="both"`).
+        chunk_size: tokens per store chunk (default 256); both engines must use the same.
+        store_ttl_s: lifetime of exported chunks (default: until the server evicts them).
         revision: revision of a Hub bridge.
+
+    Example:
+
+    ```python
+    >>> kv_transfer_config("my-bridge", role="source", store="redis://127.0.0.1:6379/0")["kv_connector_extra_config"]
+    {'bridge': 'my-bridge', 'requests': 'opt_in', 'role': 'source', 'store': 'redis://127.0.0.1:6379/0'}
+    ```
     """
-    if requests not in REQUEST_MODES:
-        raise ServingConfigError(f"requests must be 'opt_in' or 'all', not {requests!r}")
-    extra: dict[str, Any] = {"bridge": str(bridge), "requests": requests}
-    if revision is not None:
-        extra["revision"] = revision
+    extra: dict[str, Any] = {"bridge": str(bridge), "requests": requests, "role": role}
+    optional = {
+        "store": store,
+        "serves": serves,
+        "on_miss": on_miss,
+        "source_weights": source_weights,
+        "chunk_size": chunk_size,
+        "store_ttl_s": store_ttl_s,
+        "revision": revision,
+    }
+    extra.update({key: value for key, value in optional.items() if value is not None})
+    connector_settings(extra)  # refuse a mistake here, not in vLLM's engine process
     return {
         "kv_connector": CONNECTOR_NAME,
         "kv_connector_module_path": MODULE_PATH,
@@ -78,6 +242,19 @@ def check_recompute(config, bridge: str) -> float:
             "with recompute_policy='tail' or recompute_fraction=0"
         )
     return fraction
+
+
+def served_model(bridge: str, serves: str = "target", revision: str | None = None) -> str:
+    """What vLLM should load for `bridge` on the side it `serves`: the bridge's target (`"target"`) or its source
+    (`"source"`, the model of a `role="source"` engine), as a Hub id or folder (`pocket/<name>` resolves to the
+    shipped pocket model's folder)."""
+    from ...loading import resolve_model_reference
+
+    if serves not in SIDES:
+        raise ServingConfigError(f"serves must be 'source' or 'target', not {serves!r}")
+    _, config, _ = read_bridge_config(bridge, revision)
+    reference = config.source_name_or_path if serves == "source" else config.target_name_or_path
+    return resolve_model_reference(reference)
 
 
 def target_model(bridge: str, revision: str | None = None) -> str:

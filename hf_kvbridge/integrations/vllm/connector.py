@@ -8,6 +8,7 @@ import hashlib
 import json
 import threading
 from collections import Counter
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -19,10 +20,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.logger import init_logger
 
+from ...constants import REVERSE_FOLDER
 from ...errors import ServingConfigError
 from ...layout import KVLayout, check_fingerprint
-from .configuration import REQUEST_MODES, check_recompute, read_bridge_config
+from .configuration import check_recompute, connector_settings, read_bridge_config
 from .scheduler import BridgeScheduler
+from .store import open_prefix_store, redact, store_identity
 from .worker import BridgeWorker, load_bridge
 
 if TYPE_CHECKING:
@@ -41,7 +44,8 @@ class KVBridgeConnector(KVConnectorBase_V1):
     """A vLLM v1 KV connector that fills a bridged request's prompt cache with the bridge's mapped source cache.
 
     `kv_connector_extra_config`: `bridge` (folder or Hub id, required), `revision`, `requests` (`"opt_in"`, the
-    default, or `"all"`). See `hf_kvbridge.integrations.vllm`.
+    default, or `"all"`), `role` (`"target"`, `"source"`, `"both"`), `store` (a KV store URL) and the store's
+    options (`ConnectorSettings`). See `hf_kvbridge.integrations.vllm`.
     """
 
     counters: Counter = Counter()  # per process: requests/tokens claimed, mapped, fallen back (both roles add here)
@@ -49,39 +53,46 @@ class KVBridgeConnector(KVConnectorBase_V1):
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
-        extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
-        if "bridge" not in extra:
-            raise ServingConfigError('KVBridgeConnector needs kv_connector_extra_config={"bridge": "DIR or Hub id"}')
-        self.bridge_ref, self.revision = str(extra["bridge"]), extra.get("revision")
-        self.requests_mode = extra.get("requests", "opt_in")
-        if self.requests_mode not in REQUEST_MODES:
-            raise ServingConfigError(
-                f"kv_connector_extra_config['requests'] must be 'opt_in' or 'all', not {self.requests_mode!r}"
-            )
+        self.settings = connector_settings(self._kv_transfer_config.kv_connector_extra_config or {})
+        settings = self.settings
+        self.bridge_ref, self.revision, self.requests_mode = settings.bridge, settings.revision, settings.requests
         self.folder, self.config, checksums = read_bridge_config(self.bridge_ref, self.revision)
-        if self.config.sink_tokens:
-            raise ServingConfigError(
-                f"bridge {self.bridge_ref} has sink_tokens={self.config.sink_tokens}: vLLM loads only a prefix of the "
-                "prompt, so the target cannot compute the first tokens itself; save the bridge with sink_tokens=0"
-            )
-        check_recompute(self.config, self.bridge_ref)
-        if role == KVConnectorRole.SCHEDULER and vllm_config.scheduler_config.async_scheduling:
-            logger.warning(
-                "KVBridgeConnector: async scheduling is on. A failed or gated mapping is rolled back by reporting its "
-                "blocks as failed loads after the step ran; vLLM discards that step's sampled token, but with async "
-                "scheduling it may already have scheduled the request's next step on it (not verified here): "
-                "set async_scheduling=False (--no-async-scheduling) for exact fallbacks"
-            )
         layout = KVLayout.from_config(vllm_config.model_config.hf_config)
-        if self.config.target_fingerprint is not None:
-            check_fingerprint(self.config.target_fingerprint, layout, "target", vllm_config.model_config.model)
+        # the mapping into the served model: the bridge's (served model = its target) or its reverse (role "both"
+        # on the source's engine)
+        self.import_folder, self.import_config = self.folder, self.config
+        if settings.role == "both" and settings.serves == "source":
+            self.import_folder = Path(self.folder) / REVERSE_FOLDER
+            if not (self.import_folder / "config.json").is_file():
+                raise ServingConfigError(
+                    f"bridge {self.bridge_ref} has no reverse mapper ({REVERSE_FOLDER}/): role 'both' on the source's "
+                    "engine maps the target's KV into the source; calibrate it with bidirectional=True"
+                )
+            _, self.import_config, checksums = read_bridge_config(str(self.import_folder))
+        served = "source" if settings.serves == "source" else "target"
+        fingerprint = getattr(self.config, f"{served}_fingerprint", None)
+        if fingerprint is not None:
+            check_fingerprint(fingerprint, layout, served, vllm_config.model_config.model)
+        if settings.imports:
+            self._check_mapping_config(vllm_config)
         digest = hashlib.sha256(json.dumps(checksums, sort_keys=True).encode() + self.bridge_ref.encode())
+        import_store = export_store = None
+        if settings.store and settings.imports:
+            import_store = open_prefix_store(settings, store_identity(self.import_config, "source"))
+        if settings.store and settings.exports:
+            export_store = open_prefix_store(
+                settings, store_identity(self.config, served), writer=role == KVConnectorRole.WORKER
+            )
         self.scheduler = BridgeScheduler(
-            self.config,
-            hold_back=max(1, int(self.config.hold_back)),  # vLLM must compute at least the last prompt token
+            self.import_config,
+            hold_back=max(1, int(self.import_config.hold_back)),  # vLLM must compute at least the last prompt token
             requests_mode=self.requests_mode,
             salt_tag=f"kvbridge:{digest.hexdigest()[:16]}",
             count=self._count,
+            imports=settings.imports,
+            store=import_store,
+            exports=export_store,
+            on_miss=settings.on_miss,
         )
         self.worker: BridgeWorker | None = None
         if role == KVConnectorRole.WORKER:
@@ -91,13 +102,51 @@ class KVBridgeConnector(KVConnectorBase_V1):
                     "of falling back to the target's own prefill (set it to 'recompute')",
                     self._kv_transfer_config.kv_load_failure_policy,
                 )
-            dtype, device = vllm_config.model_config.dtype, torch.device(vllm_config.device_config.device)
-            bridge = load_bridge(self.config, self.folder, self.revision, dtype, device, self.bridge_ref)
+            bridge = None
+            if settings.imports:
+                dtype, device = vllm_config.model_config.dtype, torch.device(vllm_config.device_config.device)
+                bridge = load_bridge(
+                    self.import_config, self.import_folder, self.revision, dtype, device, self.bridge_ref,
+                    source_weights=settings.source_weights,
+                )  # fmt: skip
             self.worker = BridgeWorker(
                 bridge,
                 block_size=vllm_config.cache_config.block_size,
-                gate_threshold=self.config.gate_threshold,
+                gate_threshold=self.import_config.gate_threshold,
                 count=self._count,
+                store=import_store,
+                exports=export_store,
+                source_weights=settings.source_weights,
+            )
+        logger.info(
+            "KVBridgeConnector: role %s (serves the bridge's %s), store %s, requests %s",
+            settings.role,
+            served,
+            redact(settings.store) if settings.store else "none",
+            settings.requests,
+        )
+
+    def _check_mapping_config(self, vllm_config) -> None:
+        """What vLLM cannot do with the mapping into the served model, refused at start-up with the reason."""
+        config = self.import_config
+        if config.sink_tokens:
+            raise ServingConfigError(
+                f"bridge {self.bridge_ref} has sink_tokens={config.sink_tokens}: vLLM loads only a prefix of the "
+                "prompt, so the target cannot compute the first tokens itself; save the bridge with sink_tokens=0"
+            )
+        check_recompute(config, self.bridge_ref)
+        if config.gate_threshold is not None and not self.settings.source_weights:
+            logger.warning(
+                "KVBridgeConnector: bridge %s has a quality gate, and this store-only target has no source model to "
+                "map the probe tokens: loads from the store are not gated",
+                self.bridge_ref,
+            )
+        if self._role == KVConnectorRole.SCHEDULER and vllm_config.scheduler_config.async_scheduling:
+            logger.warning(
+                "KVBridgeConnector: async scheduling is on. A failed or gated mapping is rolled back by reporting its "
+                "blocks as failed loads after the step ran; vLLM discards that step's sampled token, but with async "
+                "scheduling it may already have scheduled the request's next step on it (not verified here): "
+                "set async_scheduling=False (--no-async-scheduling) for exact fallbacks"
             )
 
     @property
@@ -141,10 +190,10 @@ class KVBridgeConnector(KVConnectorBase_V1):
         return  # every layer is written in start_load_kv, before the forward pass
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs: Any) -> None:
-        return  # nothing is saved: the connector only loads
+        return  # exports are read after the forward pass, all layers at once (wait_for_save)
 
     def wait_for_save(self):
-        return
+        self.worker.export_steps(self._get_connector_metadata())
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.get_block_ids_with_load_errors()

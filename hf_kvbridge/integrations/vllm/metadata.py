@@ -1,5 +1,5 @@
-"""The metadata the connector passes scheduler → worker (`BridgeLoad`s) and worker → scheduler (outcomes), and the
-worker's pending quality-gate checks."""
+"""The metadata the connector passes scheduler → worker (`BridgeLoad`s, `ExportTask`s) and worker → scheduler
+(outcomes), and the worker's pending quality-gate checks."""
 
 from __future__ import annotations
 
@@ -20,7 +20,12 @@ class BridgeLoad:
     `[probe_start, probe_end)` itself in this step (the probe); their mapped K/V are computed too, not written, and
     compared with the target's own after the forward pass. Without a gate `probe_start == probe_end`. Tokens
     `[end, probe_start)` are the recomputed tail (`recompute_fraction`, policy `"tail"`): the target computes them in
-    this step, before the probe, as `bridge.generate` recomputes them."""
+    this step, before the probe, as `bridge.generate` recomputes them.
+
+    With a KV store, the source K/V of tokens `[0, store_end)` are fetched from it (`store_salt` is the tenant's salt
+    in the store's keys; `store_end` counts whole store chunks, so `token_ids` then reach to at least `store_end`)
+    and the source runs only over `[store_end, probe_end)`, from the fetched cache (none at all when
+    `store_end >= probe_end`)."""
 
     req_id: str
     token_ids: list[int]
@@ -29,6 +34,8 @@ class BridgeLoad:
     block_ids: list[int]
     probe_end: int
     probe_start: int | None = None
+    store_end: int = 0
+    store_salt: str | None = None
 
     def __post_init__(self):
         if self.probe_start is None:
@@ -37,6 +44,14 @@ class BridgeLoad:
     @property
     def gated(self) -> bool:
         return self.probe_end > self.probe_start
+
+    def origin(self) -> dict[str, Any]:
+        """Where this load's source K/V come from, for the request's status: `source` (`"store"`: all fetched from
+        the KV store; `"partial"`: a stored prefix plus the worker's source prefill; `"prefill"`: the cold path) and
+        the token counts of each."""
+        fetched = min(self.store_end, self.probe_end)
+        kind = "prefill" if fetched == 0 else "store" if self.end <= self.store_end else "partial"
+        return {"source": kind, "store_tokens": fetched, "prefill_tokens": self.probe_end - fetched}
 
 
 @dataclass
@@ -53,8 +68,23 @@ class GateCheck:
 
 
 @dataclass
+class ExportTask:
+    """One request's export in this step (a source engine's connector): after the forward pass, read the K/V of
+    tokens `[start, end)` (whole store chunks, `start` chunk-aligned) from the slots of `block_ids` and write them to
+    the KV store, chained from `token_ids[:start]` (`token_ids` is the sequence from token 0 up to `end`)."""
+
+    req_id: str
+    token_ids: list[int]
+    start: int
+    end: int
+    block_ids: list[int]
+    salt: str | None = None
+
+
+@dataclass
 class KVBridgeConnectorMetadata(KVConnectorMetadata):
     loads: list[BridgeLoad] = field(default_factory=list)
+    exports: list[ExportTask] = field(default_factory=list)
 
 
 @dataclass

@@ -1,17 +1,21 @@
 """The connector's scheduler side: which requests are bridged, how many prompt tokens the connector claims (the
-transfer plan's, `hf_kvbridge.plan.plan_prompt`, as `bridge.prefill` plans them), and the loads sent to the worker.
+transfer plan's, `hf_kvbridge.plan.plan_prompt`, as `bridge.prefill` plans them; with a KV store, how much of it a
+stored source prefix covers), the loads sent to the worker, and (an exporting engine) the store chunks each step
+completes.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from vllm.logger import init_logger
 
 from ...plan import TransferPlan, plan_prompt
 from .configuration import PARAM_KEY
-from .metadata import BridgeLoad, KVBridgeConnectorMetadata
+from .metadata import BridgeLoad, ExportTask, KVBridgeConnectorMetadata
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -30,13 +34,31 @@ class BridgeScheduler:
         requests_mode (`str`): `"opt_in"` or `"all"`.
         salt_tag (`str`): the cache-salt prefix of bridged requests.
         count (`Callable`): adds to the connector's counters (`count(requests_claimed=1, ...)`).
+        imports (`bool`): whether this engine maps into its model (roles target and both); `False` on a source.
+        store (`PrefixKVStore`, *optional*): the other model's KV in the store, looked up for bridged requests.
+        exports (`PrefixKVStore`, *optional*): this engine's model's KV in the store, written for opted-in requests.
+        on_miss (`str`): `"prefill"` (the worker's source model prefills what the store lacks) or `"target"`.
     """
 
-    def __init__(self, config, *, hold_back: int, requests_mode: str, salt_tag: str, count: Callable[..., None]):
+    def __init__(
+        self,
+        config,
+        *,
+        hold_back: int,
+        requests_mode: str,
+        salt_tag: str,
+        count: Callable[..., None],
+        imports: bool = True,
+        store=None,
+        exports=None,
+        on_miss: str = "prefill",
+    ):
         self.config, self.hold_back, self.requests_mode, self.salt_tag = config, hold_back, requests_mode, salt_tag
-        self.count = count
+        self.count, self.imports, self.store, self.exports, self.on_miss = count, imports, store, exports, on_miss
+        self._salts: dict[str, str | None] = {}  # req_id → the tenant's own cache salt (the store's keys use it)
+        self._exporting: dict[str, _Export] = {}  # req_id → what of it is in the store (an exporting engine)
         self._bridged: dict[str, bool] = {}  # req_id → opted in (decided once, on arrival)
-        self._claims: dict[str, tuple[int, int]] = {}  # req_id → (start, end) offered by get_num_new_matched_tokens
+        self._claims: dict[str, _Claim] = {}  # req_id → what get_num_new_matched_tokens offered
         self._pending: dict[str, tuple[Request, int, int]] = {}  # allocated, to be sent to the worker
         self._outcomes: dict[str, dict[str, Any]] = {}  # req_id → what the worker did
         self._sent: dict[str, dict[str, Any]] = {}  # req_id → the load sent to the worker (its outcome until known)
@@ -65,11 +87,44 @@ class BridgeScheduler:
         """Decides whether `request` is bridged and, if so, salts its block hashes so that its (mapped) blocks are
         never a prefix-cache hit for a request that is not bridged by this mapper."""
         wanted = self.wants_bridge(request)
-        self._bridged[request.request_id] = wanted
-        if wanted:
+        self._salts[request.request_id] = request.cache_salt
+        if wanted and self.exports is not None and not self._maps_from_store(request):
+            # Exported, not bridged: its blocks are its own model's K/V (a request whose cache is mapped, or that
+            # could hit mapped blocks in the prefix cache, never exports: approximations must not compound).
+            self._exporting[request.request_id] = _Export(request, request.cache_salt)
+            self._bridged[request.request_id] = False
+            return
+        self._bridged[request.request_id] = wanted and self.imports
+        if self._bridged[request.request_id]:
             request.cache_salt = f"{self.salt_tag}|{request.cache_salt or ''}"
             request.block_hashes = []
             request.update_block_hashes()
+
+    def _maps_from_store(self, request: Request) -> bool:
+        """On an engine that both exports and maps (role "both"): whether the store holds any of the other model's
+        chunks of this prompt. Such a request is bridged (mapped, salted, not exported); any other is served by this
+        engine's model alone and exported."""
+        if self.store is None or not self.imports:
+            return False
+        return self._stored_tokens(request) > 0
+
+    def _stored_tokens(self, request: Request) -> int:
+        """Tokens of `request`'s prompt that the store's longest stored prefix of the other model's KV covers (`0`
+        when the store cannot be reached: a miss, with a WARNING)."""
+        started = time.perf_counter()
+        try:
+            stored = self.store.stored_tokens(list(request.prompt_token_ids), salt=self._salts.get(request.request_id))
+            self.count(lookup_seconds=time.perf_counter() - started)
+            return stored
+        except Exception as error:
+            self.count(store_lookup_errors=1)
+            logger.warning(
+                "KVBridgeConnector: KV store lookup failed for request %s: %s: %s; treated as a miss",
+                request.request_id,
+                type(error).__name__,
+                error,
+            )
+            return 0
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         if not self._bridged.get(request.request_id, False):
@@ -77,45 +132,116 @@ class BridgeScheduler:
         end = self.map_end(request.num_prompt_tokens)  # the target computes the recomputed tail and the probe
         if end <= num_computed_tokens:  # nothing to map (short prompt, or all of it is in the prefix cache)
             return 0, False
-        self._claims[request.request_id] = (num_computed_tokens, end)
-        return end - num_computed_tokens, False
+        claim = self.claim(request, num_computed_tokens, end)
+        if claim is None:
+            return 0, False
+        self._claims[request.request_id] = claim
+        return claim.end - num_computed_tokens, False
+
+    def claim(self, request: Request, start: int, end: int) -> _Claim | None:
+        """What the connector maps of `request`'s tokens `[start, end)` (after the prefix cache's `start` tokens):
+
+        - no store: all of it, from the worker's source prefill (the cold path, source `"prefill"`);
+        - a full hit (the stored source prefix covers all but less than one chunk of `[0, end)`): up to the stored
+          end, from the store alone (source `"store"`); the target computes the rest;
+        - a partial hit: the stored prefix, and the rest from the worker's source model run over the fetched cache
+          (source `"partial"`); with no source model (or `on_miss="target"`), only the stored prefix;
+        - a miss: the cold path (`on_miss="prefill"`) or nothing (the target computes the prompt).
+        """
+        if self.store is None:
+            return _Claim(start, end, 0, "prefill")
+        stored = self._stored_tokens(request)  # whole chunks of the prompt, at most its length
+        covered = min(stored, end)
+        self.count(store_lookups=1, store_hit_tokens=stored)
+        full_hit = end - covered < self.store.chunk_size
+        if covered > start and (full_hit or self.on_miss == "target"):
+            return _Claim(start, covered, stored, "store")
+        if stored > 0 and self.on_miss == "prefill":
+            return _Claim(start, end, stored, "partial")
+        if self.on_miss == "prefill":
+            return _Claim(start, end, 0, "prefill")
+        return None  # the target computes it: status "target" when the request finishes
 
     def update_state_after_alloc(self, request: Request, num_external_tokens: int) -> None:
         if num_external_tokens <= 0:
             return
-        default_end = self.map_end(request.num_prompt_tokens)
-        _, end = self._claims.pop(request.request_id, (None, default_end))
-        self._pending[request.request_id] = (request, end - num_external_tokens, end)
+        claim = self._claims.pop(request.request_id, None)
+        if claim is None:
+            claim = _Claim(0, self.map_end(request.num_prompt_tokens), 0, "prefill")
+        self._pending[request.request_id] = (request, claim.end - num_external_tokens, claim)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVBridgeConnectorMetadata:
         meta = KVBridgeConnectorMetadata()
         scheduled = scheduler_output.num_scheduled_tokens
         for new_req in scheduler_output.scheduled_new_reqs:
             if new_req.req_id in self._pending:
-                request, start, end = self._pending.pop(new_req.req_id)
-                meta.loads.append(self.load(request, start, end, new_req.block_ids[0], scheduled))
+                request, start, claim = self._pending.pop(new_req.req_id)
+                meta.loads.append(self.load(request, start, claim, new_req.block_ids[0], scheduled))
+            if new_req.req_id in self._exporting:
+                self._exporting[new_req.req_id].block_ids = list(new_req.block_ids[0])
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             if req_id in self._pending and req_id in cached.resumed_req_ids and cached.new_block_ids[i] is not None:
-                request, start, end = self._pending.pop(req_id)
-                meta.loads.append(self.load(request, start, end, cached.new_block_ids[i][0], scheduled))
+                request, start, claim = self._pending.pop(req_id)
+                meta.loads.append(self.load(request, start, claim, cached.new_block_ids[i][0], scheduled))
+            export = self._exporting.get(req_id)
+            if export is not None and cached.new_block_ids[i] is not None:
+                if req_id in cached.resumed_req_ids:  # preempted and resumed: a new block table
+                    export.block_ids = list(cached.new_block_ids[i][0])
+                else:
+                    export.block_ids.extend(cached.new_block_ids[i][0])
         self._pending.clear()
         for load in meta.loads:
             self.count(requests_claimed=1, tokens_claimed=load.end - load.start)
             # A request can finish in the step of its load, before the worker's outcome reaches
             # update_connector_output; a failed load never finishes in that step (vLLM reschedules it), so until told
             # otherwise it was mapped.
-            self._sent[load.req_id] = {"status": "mapped", "mapped_tokens": load.end - load.start, "start": load.start}
+            self._sent[load.req_id] = {
+                "status": "mapped",
+                "mapped_tokens": load.end - load.start,
+                "start": load.start,
+                **load.origin(),
+            }
+        meta.exports = self.export_tasks(scheduled)
         return meta
 
-    def load(self, request: Request, start: int, end: int, block_ids, scheduled: dict[str, int]) -> BridgeLoad:
-        """The worker's load of `request`'s claimed tokens `[start, end)`.
+    def export_tasks(self, scheduled: dict[str, int]) -> list[ExportTask]:
+        """The store chunks this step completes, per exported request: its K/V exist for tokens
+        `[0, num_computed_tokens + scheduled)` after the step (prompt and the replies fed back in decode steps); every
+        whole chunk from the first one not yet in the store up to there is exported. On arrival the store is asked
+        what it already holds (a prompt another request exported, or this engine's own prefix-cache hit exported
+        before), and those chunks are skipped."""
+        if self.exports is None:
+            return []
+        size, tasks = self.exports.chunk_size, []
+        for req_id, export in self._exporting.items():
+            n = scheduled.get(req_id, 0)
+            if n <= 0 or not export.block_ids:
+                continue
+            request = export.request
+            if export.next_token is None:  # first step: skip what the store already holds
+                try:
+                    export.next_token = self.exports.stored_tokens(list(request.prompt_token_ids), salt=export.salt)
+                except Exception as error:
+                    self.count(store_lookup_errors=1)
+                    logger.warning("KVBridgeConnector: KV store lookup failed for request %s: %s", req_id, error)
+                    export.next_token = 0
+            done = (request.num_computed_tokens + n) // size * size
+            if done > export.next_token:
+                tokens = list(request.all_token_ids[:done])
+                tasks.append(ExportTask(req_id, tokens, export.next_token, done, list(export.block_ids), export.salt))
+                export.next_token = done
+        return tasks
+
+    def load(self, request: Request, start: int, claim: _Claim, block_ids, scheduled: dict[str, int]) -> BridgeLoad:
+        """The worker's load of `request`'s claimed tokens `[start, claim.end)`.
 
         The probe is what the target computes of it in this step: all of it, unless chunked prefill split the step
         (the target then computes at least one token, and the gate checks the probe tokens it computed). The
         recomputed tail `[end, probe_start)` comes before it."""
+        end = claim.end
         plan = self.plan(request.num_prompt_tokens)
-        gated = plan.gate == "checked"
+        gated = plan.gate == "checked" and claim.kind != "store"  # a store-only load has no source K/V of the probe
         probe_start = max(end, plan.map_end) if gated else end
         probe_end = min(plan.length, end + scheduled.get(request.request_id, 0)) if gated else end
         if probe_end <= probe_start:  # chunked prefill stopped before the probe: nothing for the gate to check
@@ -126,8 +252,18 @@ class BridgeScheduler:
                     request.request_id,
                 )
             probe_start = probe_end = end
-        token_ids = list(request.prompt_token_ids[:probe_end])
-        return BridgeLoad(request.request_id, token_ids, start, end, list(block_ids), probe_end, probe_start)
+        token_ids = list(request.prompt_token_ids[: max(probe_end, claim.store_end)])  # the store's chunks are whole
+        return BridgeLoad(
+            request.request_id,
+            token_ids,
+            start,
+            end,
+            list(block_ids),
+            probe_end,
+            probe_start,
+            store_end=claim.store_end,
+            store_salt=self._salts.get(request.request_id),
+        )
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         meta = connector_output.kv_connector_worker_meta
@@ -136,11 +272,38 @@ class BridgeScheduler:
 
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
         self._claims.pop(request.request_id, None)
+        self._salts.pop(request.request_id, None)
+        export = self._exporting.pop(request.request_id, None)
         wanted = self._bridged.pop(request.request_id, False)
         sent = self._sent.pop(request.request_id, None)
         outcome = self._outcomes.pop(request.request_id, None) or sent
+        if export is not None:
+            return False, {PARAM_KEY: {"status": "exported", "exported_tokens": export.next_token or 0}}
         if not wanted:
             return False, None
         if outcome is None:
-            outcome = {"status": "target", "mapped_tokens": 0, "reason": "nothing to map"}
+            reason = "nothing to map" if self.store is None else "the KV store holds too little of the prompt"
+            outcome = {"status": "target", "mapped_tokens": 0, "reason": reason}
         return False, {PARAM_KEY: outcome}
+
+
+@dataclass
+class _Claim:
+    """What the connector offers to load of a request: tokens `[start, end)` mapped, of which the source K/V of
+    `[0, store_end)` come from the store; `kind` is the status's `source` (`"store"`, `"partial"`, `"prefill"`)."""
+
+    start: int
+    end: int
+    store_end: int
+    kind: str
+
+
+@dataclass
+class _Export:
+    """An exported request: the request, its tenant salt, its block table (kept up to date from the scheduler's
+    output) and the first token not yet in the store (`None` until its first step asks the store)."""
+
+    request: Any
+    salt: str | None
+    block_ids: list[int] = field(default_factory=list)
+    next_token: int | None = None

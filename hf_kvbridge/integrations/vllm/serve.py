@@ -5,26 +5,49 @@ from __future__ import annotations
 import json
 import sys
 
-from .configuration import kv_transfer_config, target_model
+from .configuration import MISS_POLICIES, ROLES, SIDES, kv_transfer_config, served_model
 
 
-def serve_command(bridge: str, vllm_args: list[str] | None = None, *, requests: str = "opt_in") -> list[str]:
-    """The `vllm serve` command line that serves `bridge`'s target with the connector."""
-    config = kv_transfer_config(bridge, requests=requests)
-    return ["vllm", "serve", target_model(bridge), "--kv-transfer-config", json.dumps(config), *(vllm_args or [])]
+def serve_command(
+    bridge: str, vllm_args: list[str] | None = None, *, requests: str = "opt_in", **store_options
+) -> list[str]:
+    """The `vllm serve` command line that serves `bridge`'s model with the connector: its target, or with
+    `role="source"` (or `role="both", serves="source"`) its source. `store_options` are `kv_transfer_config`'s
+    (`role`, `store`, `serves`, `on_miss`, `source_weights`, `chunk_size`, `store_ttl_s`)."""
+    config = kv_transfer_config(bridge, requests=requests, **store_options)
+    extra = config["kv_connector_extra_config"]
+    serves = "source" if extra["role"] == "source" else extra.get("serves", "target")
+    model = served_model(bridge, serves)
+    return ["vllm", "serve", model, "--kv-transfer-config", json.dumps(config), *(vllm_args or [])]
 
 
 def serve_main(argv: list[str] | None = None) -> int:
-    """`kvbridge serve DIR [--requests opt_in|all] [--print] [VLLM SERVE ARGS...]`: starts vLLM's OpenAI-compatible
-    server on the bridge's target with the connector (every argument it does not know goes to `vllm serve`)."""
+    """`kvbridge serve DIR [--role target|source|both] [--store URL] [--requests opt_in|all] [--print]
+    [VLLM SERVE ARGS...]`: starts vLLM's OpenAI-compatible server with the connector on the bridge's target (or, as
+    a cascade's source engine, its source; every argument it does not know goes to `vllm serve`)."""
     import argparse
 
     parser = argparse.ArgumentParser(prog="kvbridge serve", description=serve_main.__doc__)
     parser.add_argument("bridge", help="bridge checkpoint folder or Hub id")
     parser.add_argument("--requests", choices=("opt_in", "all"), default="opt_in", help="which requests are bridged")
+    parser.add_argument("--role", choices=ROLES, default="target", help="target: maps into the bridge's target; "
+                        "source: serves the bridge's source and exports its KV to --store; both: a bidirectional "
+                        "bridge's engine (see --serves)")  # fmt: skip
+    parser.add_argument("--store", help="KV store URL (redis://HOST:PORT/DB, rediss:// for TLS)")
+    parser.add_argument("--serves", choices=SIDES, help="with --role both: the bridge's model this engine serves")
+    parser.add_argument("--on-miss", choices=MISS_POLICIES, help="a store miss: prefill (the cold path) or target")
+    parser.add_argument("--no-source-weights", dest="source_weights", action="store_false", default=None,
+                        help="store-only target: the worker loads no source model")  # fmt: skip
+    parser.add_argument("--chunk-size", type=int, help="tokens per store chunk (default 256; equal on all engines)")
+    parser.add_argument("--store-ttl", dest="store_ttl_s", type=float, help="lifetime of exported chunks, seconds")
     parser.add_argument("--print", action="store_true", help="print the vllm serve command instead of running it")
     args, rest = parser.parse_known_args(argv)
-    command = serve_command(args.bridge, rest, requests=args.requests)
+    options = {
+        key: getattr(args, key)
+        for key in ("role", "store", "serves", "on_miss", "source_weights", "chunk_size", "store_ttl_s")
+        if getattr(args, key) is not None
+    }
+    command = serve_command(args.bridge, rest, requests=args.requests, **options)
     if args.print:
         import shlex
 

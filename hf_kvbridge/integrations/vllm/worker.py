@@ -1,9 +1,12 @@
 """The connector's worker side, the bridged-request engine: loads the bridge (source model, mapper, the target's
-rotary embedding), runs the source prefill and the mapping of each load, writes the mapped K/V into vLLM's paged
-cache, runs the quality gate after the forward pass, and reports failed loads so that the target recomputes them."""
+rotary embedding), gets each load's source K/V (fetched from the KV store, the source prefill, or both), maps them,
+writes the mapped K/V into vLLM's paged cache, runs the quality gate after the forward pass, and reports failed loads
+so that the target recomputes them. On an exporting engine it also reads the K/V of each step's completed store
+chunks back from the paged cache and hands them to the store's writer thread."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -22,17 +25,30 @@ from .rotary import RotaryOnlyTarget
 logger = init_logger("vllm.hf_kvbridge")  # under "vllm", so vLLM's handlers format and show it
 
 
-def load_bridge(config, folder, revision: str | None, dtype: torch.dtype, device, bridge_ref: str = ""):
+def load_bridge(
+    config,
+    folder,
+    revision: str | None,
+    dtype: torch.dtype,
+    device,
+    bridge_ref: str = "",
+    *,
+    source_weights: bool = True,
+):
     """The source model, the mapper, and the target's rotary embedding (no target weights), as a
-    `KVBridgeForCausalLM`. Loaded outside inference mode, so the mapper's stacked weights can be cached (vLLM runs
-    this inside it)."""
+    `KVBridgeForCausalLM`. With `source_weights=False` (a store-only target) the source is a stand-in too: its
+    config and rotary embedding, which the mapper needs to strip the source's rotation from fetched keys. Loaded
+    outside inference mode, so the mapper's stacked weights can be cached (vLLM runs this inside it)."""
     from ...loading import load_model
     from ...modeling import KVBridgeForCausalLM
 
     device = torch.device(device)
     with torch.inference_mode(False):
-        source = load_model(config.source_name_or_path, config.source_revision, dtype=dtype)
-        source = source.to(device)
+        if source_weights:
+            source = load_model(config.source_name_or_path, config.source_revision, dtype=dtype)
+            source = source.to(device)
+        else:
+            source = RotaryOnlyTarget.from_reference(config.source_name_or_path, config.source_revision, dtype, device)
         target = RotaryOnlyTarget.from_reference(config.target_name_or_path, config.target_revision, dtype, device)
         bridge = KVBridgeForCausalLM.from_pretrained(
             folder, source_model=source, target_model=target, revision=revision
@@ -67,19 +83,37 @@ class BridgeWorker:
         block_size (`int`): vLLM's block size.
         gate_threshold (`float`, *optional*): the quality gate's threshold (`None`: no gate).
         count (`Callable`): adds to the connector's counters.
+        store (`PrefixKVStore`, *optional*): the other model's KV in the store (fetched for loads with `store_end`).
+        exports (`PrefixKVStore`, *optional*): this engine's model's KV in the store, with an `AsyncWriter`.
+        source_weights (`bool`): whether `bridge.source` is the source model (else a stand-in: store-only).
     """
 
-    def __init__(self, bridge, *, block_size: int, gate_threshold: float | None, count: Callable[..., None]):
+    def __init__(
+        self,
+        bridge,
+        *,
+        block_size: int,
+        gate_threshold: float | None,
+        count: Callable[..., None],
+        store=None,
+        exports=None,
+        source_weights: bool = True,
+    ):
         self.bridge, self.block_size, self.gate_threshold, self.count = bridge, block_size, gate_threshold, count
+        self.store, self.exports, self.source_weights = store, exports, source_weights
+        self._layers: dict[str, nn.Module] = {}
+        self._export_layout_ok: bool | None = None
+        self.source_forward_calls = 0  # source forward passes run in this worker (0 on a store-only target)
         self._invalid_blocks: set[int] = set()
         self._step_outcomes: dict[str, dict[str, Any]] = {}
         self._gate_checks: list[GateCheck] = []
 
     def start_load_kv(self, meta, forward_context) -> None:
         """Maps and writes every load of this step's metadata before the forward pass; a failure falls back."""
+        self._layers = attention_layers(forward_context)  # the exports read them after the forward pass
         if not isinstance(meta, KVBridgeConnectorMetadata) or not meta.loads:
             return
-        layers = attention_layers(forward_context)
+        layers = self._layers
         for load in meta.loads:
             try:
                 written = self.map_and_write(load, layers)
@@ -98,7 +132,13 @@ class BridgeWorker:
                 self.mapped(load, written)
 
     def mapped(self, load: BridgeLoad, written: int, **extra: Any) -> None:
-        self._step_outcomes[load.req_id] = {"status": "mapped", "mapped_tokens": written, "start": load.start, **extra}
+        self._step_outcomes[load.req_id] = {
+            "status": "mapped",
+            "mapped_tokens": written,
+            "start": load.start,
+            **load.origin(),
+            **extra,
+        }
         self.count(requests_mapped=1, tokens_mapped=written)
 
     def fall_back(self, load: BridgeLoad, status: str, **extra: Any) -> None:
@@ -122,10 +162,12 @@ class BridgeWorker:
                 "the bridge is not loaded in this worker; the connector loads it at start-up (kv_role kv_both)"
             )
         device = bridge.device
-        ids = torch.tensor([load.token_ids], dtype=torch.long, device=device)  # (1, T)
-        source_cache = output_cache(bridge.source(input_ids=ids, use_cache=True, logits_to_keep=1))
+        source_cache = self.source_kv(load)  # (1, H, probe_end, d) per source layer
+        started = time.perf_counter()
         positions = torch.arange(load.start, load.end, device=device).unsqueeze(0)  # (1, end - start)
         mapped = bridge.map_cache(slice_cache(source_cache, load.start, load.end), positions)  # target layout
+        self.count(map_seconds=time.perf_counter() - started)
+        started = time.perf_counter()
         if len(layers) != len(mapped.layers):
             raise KVLayoutError(
                 f"vLLM has {len(layers)} attention layers, the mapped cache {len(mapped.layers)}; serve the bridge's "
@@ -143,6 +185,7 @@ class BridgeWorker:
             if load.gated:  # the gate reads the cache back: check that it reads what was written
                 tail = slice(-self.block_size, None)
                 readable = readable and reads_back(layer, slots[tail], keys[tail], values[tail])
+        self.count(write_seconds=time.perf_counter() - started)
         written = load.end - load.start
         if load.gated:
             probe_positions = torch.arange(load.probe_start, load.probe_end, device=device).unsqueeze(0)  # (1, n)
@@ -151,6 +194,66 @@ class BridgeWorker:
             probe_slots = slots_of(load.block_ids, self.block_size, load.probe_start, load.probe_end)
             self._gate_checks.append(GateCheck(load, written, mapped_probe, probe_slots, layers if readable else None))
         return written
+
+    def source_kv(self, load: BridgeLoad):
+        """The source's cache of the load's tokens (at least `[0, probe_end)`): tokens `[0, store_end)` fetched from
+        the KV store (`hf_kvbridge.integrations.kv_store.load_cache`, cast to the source's dtype), the rest computed
+        by the worker's source model over the fetched cache (the cold path when nothing was fetched)."""
+        from ..kv_store import load_cache
+
+        bridge, cache = self.bridge, None
+        fetched = load.store_end  # whole store chunks; may reach past probe_end (by less than a chunk)
+        if fetched > 0:
+            started = time.perf_counter()
+            cache = load_cache(
+                self.store, load.token_ids[:fetched], fetched, salt=load.store_salt, dtype=bridge.source.dtype,
+                device=bridge.device,
+            )  # fmt: skip
+            self.count(fetch_seconds=time.perf_counter() - started, tokens_fetched=fetched)
+        if load.probe_end > fetched:
+            if not self.source_weights:
+                raise ServingConfigError(
+                    f"request {load.req_id} needs the source's K/V of tokens {fetched}..{load.probe_end} and this "
+                    "worker has no source model (source_weights=false): the scheduler should not have claimed them"
+                )
+            started = time.perf_counter()
+            ids = torch.tensor([load.token_ids[fetched : load.probe_end]], device=bridge.device)  # (1, T - fetched)
+            positions = torch.arange(fetched, load.probe_end, device=bridge.device).unsqueeze(0)
+            past = {} if cache is None else {"past_key_values": cache}
+            out = bridge.source(input_ids=ids, position_ids=positions, use_cache=True, logits_to_keep=1, **past)
+            cache = output_cache(out)
+            self.source_forward_calls += 1
+            self.count(prefill_seconds=time.perf_counter() - started, tokens_prefilled=load.probe_end - fetched)
+        return cache
+
+    def export_steps(self, meta) -> None:
+        """After the forward pass: reads the K/V of each export task's tokens back from the paged cache (one gather
+        per layer; the store's writer thread encodes and writes them, so the step does not wait for the store)."""
+        if self.exports is None or not isinstance(meta, KVBridgeConnectorMetadata) or not meta.exports:
+            return
+        from vllm.model_executor.models.utils import extract_layer_index
+
+        layers = sorted(self._layers.items(), key=lambda item: extract_layer_index(item[0]))
+        for task in meta.exports:
+            try:
+                slots = slots_of(task.block_ids, self.block_size, task.start, task.end)  # (T,)
+                keys, values = [], []
+                for _, layer in layers:
+                    k, v = read_slots(layer, slots)  # (T, H, d) each, copies
+                    keys.append(k.transpose(0, 1).contiguous())  # (H, T, d)
+                    values.append(v.transpose(0, 1).contiguous())
+                chunks = self.exports.save(task.token_ids, keys, values, start=task.start, salt=task.salt)
+                self.count(chunks_exported=chunks, tokens_exported=task.end - task.start)
+            except Exception as error:  # an export never fails the request: the store just lacks these chunks
+                self.count(export_errors=1)
+                logger.warning(
+                    "KVBridgeConnector: export of request %s tokens %d..%d failed: %s: %s",
+                    task.req_id,
+                    task.start,
+                    task.end,
+                    type(error).__name__,
+                    error,
+                )
 
     def check_gates(self) -> None:
         """The quality gate of this step's gated loads, after the forward pass wrote the target's own K/V of the probe

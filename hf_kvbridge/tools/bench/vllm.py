@@ -10,8 +10,12 @@ kvbridge bench vllm --shapes qwen3-0.6b:qwen3-8b --lengths 1024,4096,16384 --jso
 ```
 
 One engine serves the target with the connector; requests that do not opt in are the target alone, requests that
-opt in are bridged, so both modes share every setting. Prefix caching is off (each timed request has a prompt of its
-own anyway). Per length and mode:
+opt in are bridged, so both modes share every setting. With `--store` (a KV store URL, or `local` to start a
+redis-server here) the engine's connector also looks the prompts up in the store: the `bridge` rows are misses
+(the cold path: the worker's source prefill), the `warm` rows are prompts whose source KV were written to the store
+beforehand (`save_cache` of the source's own prefill, what a source engine exports), mapped with no source forward
+pass; their rows carry the time of each stage (lookup, fetch, map, write; from the connector's counters). Prefix
+caching is off (each timed request has a prompt of its own anyway). Per length and mode:
 
 - **TTFT**: one request at a time with `max_tokens=1`, wall time of `llm.generate` (median of `--repeats`);
 - **throughput**: `--requests` requests of that length submitted together, `--max-tokens` each: requests/s,
@@ -119,6 +123,7 @@ def run(
     block_size: int | None,
     kv_cache_gb: float,
     max_model_len: int,
+    store: str | None = None,
     log=print,
 ) -> dict[str, Any]:
     from transformers import AutoTokenizer
@@ -127,9 +132,11 @@ def run(
     from hf_kvbridge.integrations import vllm as kvb
 
     target = kvb.target_model(bridge_dir)
+    chunk_size = 256
+    store_options = {} if store is None else {"store": store, "chunk_size": chunk_size}
     engine_args: dict[str, Any] = {
         "model": target,
-        "kv_transfer_config": kvb.kv_transfer_config(bridge_dir),
+        "kv_transfer_config": kvb.kv_transfer_config(bridge_dir, **store_options),
         "dtype": dtype,
         "max_model_len": max_model_len,
         "enable_prefix_caching": False,
@@ -142,6 +149,13 @@ def run(
     llm = LLM(**engine_args)
     tokenizer = AutoTokenizer.from_pretrained(target)
     pool = prompt_pool(tokenizer, len(tokenizer), lengths, repeats + requests + 2)
+    warm_pool = {}
+    if store is not None:  # other prompts of each length, their source KV in the store (as a source engine writes)
+        warm_pool = prompt_pool(tokenizer, len(tokenizer), lengths, repeats + requests + 2, seed=1)
+        export_to_store(bridge_dir, store, chunk_size, [p for prompts in warm_pool.values() for p in prompts], dtype)
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    counters = get_kv_transfer_group().counters
 
     def generate(prompts, bridged: bool, tokens: int):
         params = SamplingParams(max_tokens=tokens, min_tokens=tokens, temperature=0, extra_args=kvb.bridged(bridged))
@@ -155,16 +169,24 @@ def run(
 
     for bridged in (False, True):  # warm-up: both paths, the shortest length
         generate(pool[lengths[0]][-1:], bridged, 2)
+    if warm_pool:
+        generate(warm_pool[lengths[0]][-1:], True, 2)
+    stages = ("lookup_seconds", "fetch_seconds", "prefill_seconds", "map_seconds", "write_seconds")
     rows = []
+    modes = ("target", "bridge", "warm") if warm_pool else ("target", "bridge")
     for length in lengths:
-        for mode in ("target", "bridge"):
-            bridged = mode == "bridge"
-            prompts = pool[length]
+        for mode in modes:
+            bridged = mode != "target"
+            prompts = (warm_pool if mode == "warm" else pool)[length]
             ttft, mapped = [], 0
+            before = {k: counters.get(k, 0.0) for k in stages}
             for i in range(repeats):
                 seconds, _, m = generate([prompts[i]], bridged, 1)
                 ttft.append(seconds)
                 mapped += m
+            stage_ms = {
+                k.replace("_seconds", "_ms"): 1000 * (counters.get(k, 0.0) - before[k]) / repeats for k in stages
+            }
             seconds, outputs, m = generate(prompts[repeats : repeats + requests], bridged, max_tokens)
             out_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
             row = {
@@ -179,6 +201,7 @@ def run(
                 "output_tokens_per_s": out_tokens / seconds,
                 "total_tokens_per_s": (out_tokens + requests * length) / seconds,
                 "mapped_requests": mapped + m if bridged else 0,
+                **({"stages_ms": stage_ms} if bridged else {}),
             }
             rows.append(row)
             log(
@@ -186,10 +209,34 @@ def run(
                 f"{row['output_tokens_per_s']:8.1f} out tok/s   mapped {row['mapped_requests']}"
             )
     for length in lengths:
-        t, b = (next(r for r in rows if r["length"] == length and r["mode"] == m) for m in ("target", "bridge"))
-        b["ttft_speedup"] = t["ttft_ms"] / b["ttft_ms"]
-        b["throughput_ratio"] = b["requests_per_s"] / t["requests_per_s"]
+        t = next(r for r in rows if r["length"] == length and r["mode"] == "target")
+        for b in (r for r in rows if r["length"] == length and r["mode"] != "target"):
+            b["ttft_speedup"] = t["ttft_ms"] / b["ttft_ms"]
+            b["throughput_ratio"] = b["requests_per_s"] / t["requests_per_s"]
+        if warm_pool:
+            cold, warm = (
+                next(r for r in rows if r["length"] == length and r["mode"] == m) for m in ("bridge", "warm")
+            )
+            warm["ttft_speedup_over_cold"] = cold["ttft_ms"] / warm["ttft_ms"]
+            log(f"{length:>6} tokens  warm TTFT {warm['ttft_speedup_over_cold']:.2f}x better than cold")
     return {"rows": rows, "engine": {k: v for k, v in engine_args.items() if k != "kv_transfer_config"}}
+
+
+def export_to_store(bridge_dir: str, store: str, chunk_size: int, prompts: list[list[int]], dtype: str) -> None:
+    """Writes the source's own KV of `prompts` to the store, keyed as a source engine's connector keys them."""
+    import torch
+
+    from hf_kvbridge.integrations.kv_store import PrefixKVStore, open_store, save_cache
+    from hf_kvbridge.integrations.vllm import read_bridge_config, store_identity
+    from hf_kvbridge.loading import load_model
+
+    _, config, _ = read_bridge_config(bridge_dir)
+    source = load_model(config.source_name_or_path, config.source_revision, dtype=getattr(torch, dtype))
+    prefix = PrefixKVStore(open_store(store), model_id=store_identity(config, "source"), chunk_size=chunk_size)
+    with torch.inference_mode():
+        for ids in prompts:
+            cache = source(input_ids=torch.tensor([ids]), use_cache=True, logits_to_keep=1).past_key_values
+            save_cache(prefix, ids, cache)
 
 
 def run_cli(args: argparse.Namespace) -> int:
@@ -214,17 +261,29 @@ def run_cli(args: argparse.Namespace) -> int:
 
         on_cpu = not torch.cuda.is_available()
         block_size = args.block_size or (32 if on_cpu else None)
-        result = run(
-            bridge_dir,
-            lengths,
-            repeats=args.repeats,
-            requests=args.requests,
-            max_tokens=args.max_tokens,
-            dtype=args.dtype,
-            block_size=block_size,
-            kv_cache_gb=args.kv_cache_gb,
-            max_model_len=max_model_len,
-        )
+        server = None
+        store = getattr(args, "store", None)
+        if store == "local":
+            from hf_kvbridge.integrations.kv_store import start_local_server
+
+            server = start_local_server(maxmemory="8gb")
+            store = server.url
+        try:
+            result = run(
+                bridge_dir,
+                lengths,
+                repeats=args.repeats,
+                requests=args.requests,
+                max_tokens=args.max_tokens,
+                dtype=args.dtype,
+                block_size=block_size,
+                kv_cache_gb=args.kv_cache_gb,
+                max_model_len=max_model_len,
+                store=store,
+            )
+        finally:
+            if server is not None:
+                server.stop()
     import vllm
 
     result.update(

@@ -1,0 +1,128 @@
+"""The store interface the prefix store and the vLLM connector use, and its metrics.
+
+`KVStore` is what any backend provides: existence of keys (for the longest-prefix lookup), batched writes and
+batched reads of opaque payloads. `RedisKVStore` (a Redis-protocol server: Redis or Valkey) is the one backend
+today; an LMCache backend for GPU deployments can be added beside it by implementing these methods.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field, fields
+
+
+@dataclass
+class StoreMetrics:
+    """Thread-safe counters of one store client (the writer thread and the caller's thread add to them).
+
+    Args:
+        lookups (`int`): prefix lookups (`PrefixKVStore.stored_tokens`).
+        lookup_hit_chunks (`int`): chunks those lookups found stored (the leading run).
+        lookup_miss (`int`): lookups that found no chunk.
+        chunks_written (`int`), bytes_written (`int`): payloads the store accepted.
+        chunks_read (`int`), bytes_read (`int`): payloads fetched (found ones only).
+        write_errors (`int`): chunks lost to a failed write (store down, an encoding error on the writer thread).
+        read_errors (`int`): store calls of a lookup or fetch that failed.
+        writes_dropped (`int`): chunks the asynchronous writer dropped because its queue was full.
+        fetch_seconds (`float`): time spent in fetches (`get_many`), summed.
+        put_seconds (`float`): time spent in writes (`put_many`), summed.
+
+    Example:
+
+    ```python
+    >>> metrics = StoreMetrics()
+    >>> metrics.add(chunks_written=2, bytes_written=1024)
+    >>> metrics.as_dict()["bytes_written"]
+    1024
+    ```
+    """
+
+    lookups: int = 0
+    lookup_hit_chunks: int = 0
+    lookup_miss: int = 0
+    chunks_written: int = 0
+    bytes_written: int = 0
+    chunks_read: int = 0
+    bytes_read: int = 0
+    write_errors: int = 0
+    read_errors: int = 0
+    writes_dropped: int = 0
+    fetch_seconds: float = 0.0
+    put_seconds: float = 0.0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def add(self, **increments: float) -> None:
+        """Adds to the named counters atomically."""
+        with self._lock:
+            for name, amount in increments.items():
+                setattr(self, name, getattr(self, name) + amount)
+
+    def as_dict(self) -> dict[str, float]:
+        """A consistent snapshot of every counter."""
+        with self._lock:
+            return {f.name: getattr(self, f.name) for f in fields(self) if not f.name.startswith("_")}
+
+    @contextmanager
+    def timed(self, counter: str) -> Iterator[None]:
+        """Adds the time the block takes to `counter` (`fetch_seconds` or `put_seconds`), even when it raises."""
+        begin = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.add(**{counter: time.perf_counter() - begin})
+
+
+class KVStore(ABC):
+    """A key → bytes store for K/V chunks, shared by engines (abstract base).
+
+    Implementations: `RedisKVStore` (Redis or Valkey). An LMCache backend (for GPU deployments, where LMCache's
+    vLLM integration runs) can be added as another subclass: the prefix store and the connector only use the
+    methods below. Every implementation raises `StoreUnavailableError` for a failed call (naming the store, without
+    its password, and what to check), counts its own failures and traffic in `metrics`, and is safe to call from
+    several threads.
+
+    Example:
+
+    ```python
+    >>> store = open_store("redis://127.0.0.1:6379/0")  # doctest: +SKIP
+    >>> store.put_many({"k1": b"a"}); store.count_prefix(["k1", "k2"])  # doctest: +SKIP
+    1
+    ```
+    """
+
+    metrics: StoreMetrics
+
+    @abstractmethod
+    def exists_many(self, keys: list[str]) -> list[bool]:
+        """For each key, whether the store holds it (one round trip)."""
+
+    def count_prefix(self, keys: list[str]) -> int:
+        """How many of the LEADING `keys` the store holds (one round trip): the length of the stored prefix."""
+        count = 0
+        for present in self.exists_many(keys) if keys else []:
+            if not present:
+                break
+            count += 1
+        return count
+
+    @abstractmethod
+    def put_many(self, items: dict[str, bytes]) -> None:
+        """Stores every `key → payload` (one round trip; the store's TTL applies)."""
+
+    @abstractmethod
+    def get_many(self, keys: list[str]) -> list[bytes | None]:
+        """The payloads of `keys`, `None` for a key the store does not hold (one round trip)."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Releases the client's connections (the stored data stays)."""
+
+    def __enter__(self) -> KVStore:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

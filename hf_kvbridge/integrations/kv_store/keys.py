@@ -1,0 +1,168 @@
+"""Store keys of a token sequence: one per full chunk of `chunk_size` tokens, chained over the sequence.
+
+The key of chunk `i` is a digest of the digest of chunk `i - 1` and chunk `i`'s token ids, and the chain starts from
+a digest of the format version, the model's identity and the tenant's cache salt. So a key stands for the whole
+prefix up to the end of its chunk: two sequences share a key exactly when they share every token up to there, and
+the longest stored prefix of a sequence is its longest run of leading keys found in the store. Chunks are counted in
+tokens, independent of any engine's block size. The model's digest and the salt's digest are readable in every key
+(`kvbridge:v1:<model 12 hex>:<salt 8 hex or "-">:<chain 32 hex>`), so a `SCAN` pattern picks one model's or one
+tenant's entries (`scan_pattern`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from collections.abc import Sequence
+from typing import Any
+
+from ...errors import InvalidInputError
+
+FORMAT_VERSION = 1
+"""Version of the keys and of the stored chunk format (`format.py`); a change of either bumps it."""
+
+DEFAULT_CHUNK_SIZE = 256
+"""Tokens per stored chunk."""
+
+KEY_PREFIX = "kvbridge"
+"""First field of every key the package writes."""
+
+_CHAIN_BYTES = 16  # 32 hex characters: collisions are out of reach for any number of stored chunks
+
+
+def model_identity(
+    name_or_path: str, revision: str | None = None, layout_fingerprint: dict | str | None = None
+) -> str:
+    """The identity of the model whose K/V a chunk holds, as it goes into keys and chunk metadata.
+
+    Args:
+        name_or_path (`str`): the model's Hub id or local path (`config.name_or_path`).
+        revision (`str`, *optional*): the Hub revision (a commit hash pins it).
+        layout_fingerprint (`dict` or `str`, *optional*): the model's KV layout facts
+            (`hf_kvbridge.KVLayout.fingerprint()`); its digest joins the identity, so two different checkpoints
+            at one local path do not share keys.
+
+    Example:
+
+    ```python
+    >>> model_identity("Qwen/Qwen3-0.6B", "main")
+    'Qwen/Qwen3-0.6B@main'
+    >>> model_identity("pocket-s", None, {"num_layers": 4})
+    'pocket-s#layout=fc3a7cea07db0f7f'
+    ```
+    """
+    if not isinstance(name_or_path, str) or not name_or_path:
+        raise InvalidInputError(f"model_identity needs the model's name or path, got {name_or_path!r}")
+    identity = name_or_path if not revision else f"{name_or_path}@{revision}"
+    if layout_fingerprint is not None:
+        facts = (
+            layout_fingerprint
+            if isinstance(layout_fingerprint, str)
+            else json.dumps(layout_fingerprint, sort_keys=True, default=str)
+        )
+        identity += f"#layout={hashlib.sha256(facts.encode()).hexdigest()[:16]}"
+    return identity
+
+
+def model_digest(model_id: str) -> str:
+    """The 12 hex characters of `model_id` in every key."""
+    return hashlib.sha256(model_id.encode()).hexdigest()[:12]
+
+
+def salt_digest(salt: str | None) -> str:
+    """The 8 hex characters of a cache salt in every key; `"-"` without one (an empty salt is no salt)."""
+    return "-" if not salt else hashlib.sha256(salt.encode()).hexdigest()[:8]
+
+
+def scan_pattern(model_id: str | None = None, salt: str | None = None, *, any_salt: bool = True) -> str:
+    """A `SCAN MATCH` pattern for the keys of one model (and one tenant's salt, with `any_salt=False`).
+
+    Example:
+
+    ```python
+    >>> scan_pattern()
+    'kvbridge:v1:*'
+    >>> scan_pattern("Qwen/Qwen3-0.6B@main", "tenant-a", any_salt=False)
+    'kvbridge:v1:8e85322260a1:80a707af:*'
+    ```
+    """
+    if model_id is None:
+        return f"{KEY_PREFIX}:v{FORMAT_VERSION}:*"
+    tenant = "*" if any_salt and salt is None else salt_digest(salt)
+    return f"{KEY_PREFIX}:v{FORMAT_VERSION}:{model_digest(model_id)}:{tenant}:*"
+
+
+def as_token_list(token_ids: Any) -> list[int]:
+    """Token ids as a list of ints: from a list or tuple, a 1-D tensor or array, or a `(1, seq)` batch of one."""
+    if hasattr(token_ids, "tolist"):  # torch tensors, numpy arrays
+        token_ids = token_ids.tolist()
+    if isinstance(token_ids, list) and len(token_ids) == 1 and isinstance(token_ids[0], list):
+        token_ids = token_ids[0]  # (1, seq)
+    if not isinstance(token_ids, Sequence) or isinstance(token_ids, str | bytes):
+        raise InvalidInputError(
+            f"token ids must be a sequence of ints or a 1-D tensor, got {type(token_ids).__name__}"
+        )
+    return [int(t) for t in token_ids]
+
+
+def _token_bytes(tokens: Sequence[int]) -> bytes:
+    """A fixed encoding of token ids: unsigned 64-bit little-endian, whatever the platform."""
+    try:
+        return struct.pack(f"<{len(tokens)}Q", *tokens)
+    except struct.error:
+        raise InvalidInputError(
+            f"token ids must be whole numbers in [0, 2**64), got one outside it among {list(tokens)[:8]}..."
+        ) from None
+
+
+def chain_root(model_id: str, salt: str | None = None) -> bytes:
+    """The digest the chain of a model (and salt) starts from: format version, model identity, salt."""
+    if not isinstance(model_id, str) or not model_id:
+        raise InvalidInputError(f"model_id must be a non-empty string (see model_identity), got {model_id!r}")
+    seed = json.dumps([KEY_PREFIX, FORMAT_VERSION, model_id, salt or None]).encode()
+    return hashlib.blake2b(seed, digest_size=_CHAIN_BYTES).digest()
+
+
+def chunk_keys(token_ids: Any, *, model_id: str, chunk_size: int, salt: str | None = None) -> list[str]:
+    """One store key per full chunk of `token_ids`, chained from token 0; a trailing partial chunk has none.
+
+    Args:
+        token_ids (list of `int`, or a 1-D tensor): the sequence from its first token.
+        model_id (`str`): the identity of the model whose K/V the chunks hold (`model_identity`).
+        chunk_size (`int`): tokens per chunk (`DEFAULT_CHUNK_SIZE`).
+        salt (`str`, *optional*): the tenant's cache salt; sequences under different salts share no key.
+
+    Returns:
+        `list[str]`: `len(token_ids) // chunk_size` keys; key `i` stands for tokens `[0, (i + 1) * chunk_size)`.
+
+    Example:
+
+    ```python
+    >>> keys = chunk_keys(list(range(600)), model_id="pocket-s", chunk_size=256)
+    >>> len(keys), keys[0][:25]
+    (2, 'kvbridge:v1:54748c083f53:')
+    ```
+    """
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise InvalidInputError(f"chunk_size must be a whole number of tokens ≥ 1, got {chunk_size!r}")
+    tokens = as_token_list(token_ids)
+    prefix = f"{KEY_PREFIX}:v{FORMAT_VERSION}:{model_digest(model_id)}:{salt_digest(salt)}:"
+    digest = chain_root(model_id, salt)
+    keys = []
+    for start in range(0, len(tokens) - chunk_size + 1, chunk_size):
+        digest = hashlib.blake2b(digest + _token_bytes(tokens[start : start + chunk_size]), digest_size=_CHAIN_BYTES)
+        digest = digest.digest()
+        keys.append(prefix + digest.hex())
+    return keys
+
+
+def parse_key(key: str) -> dict[str, str]:
+    """The fields of a key this package wrote: `version`, `model` (digest), `salt` (digest or `"-"`), `chain`.
+
+    Raises `InvalidInputError` for anything else.
+    """
+    parts = key.split(":")
+    if len(parts) != 5 or parts[0] != KEY_PREFIX or not parts[1].startswith("v"):
+        raise InvalidInputError(f"{key!r} is not an hf_kvbridge store key (kvbridge:v1:<model>:<salt>:<chain>)")
+    return {"version": parts[1][1:], "model": parts[2], "salt": parts[3], "chain": parts[4]}

@@ -1,0 +1,256 @@
+"""`start_local_server`: a Redis or Valkey server on 127.0.0.1 for single-host setups and the tests.
+
+It runs the installed `redis-server` (Debian: `apt-get install redis-server`) or `valkey-server` with no persistence
+(`save ""`, `appendonly no`: the store is a cache, rebuilt by the engines), a `maxmemory` limit and the
+`allkeys-lru` policy (full means: evict the least recently used chunks), listening on loopback only. The settings
+go through a config file in a private temporary folder, so a password never shows in the process list.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import weakref
+from pathlib import Path
+from urllib.parse import quote
+
+from ...errors import InvalidInputError, MissingDependencyError, StoreUnavailableError
+from .redis_store import _redis_module
+
+logger = logging.getLogger(__name__)
+
+SERVER_BINARIES = ("redis-server", "valkey-server")
+"""The servers looked for on PATH, in this order."""
+
+START_TIMEOUT_S = 15.0
+"""Seconds a started server has to answer PING."""
+
+_SIZE = re.compile(r"^\d+(?:[kmg]b?|b)?$", re.IGNORECASE)
+
+
+def check_memory_size(value: str) -> str:
+    """A `maxmemory` value the server takes (`1gb`, `512mb`, `100000`); raises `InvalidInputError` otherwise."""
+    if not isinstance(value, str) or not _SIZE.match(value.strip()):
+        raise InvalidInputError(f"maxmemory must be a size such as 512mb, 4gb or a number of bytes, got {value!r}")
+    return value.strip().lower()
+
+
+def find_server_binary(binary: str | None = None) -> str:
+    """The path of `binary`, or of the first of `SERVER_BINARIES` on PATH; `MissingDependencyError` if none."""
+    if binary is not None:
+        found = shutil.which(binary)
+        if found is None:
+            raise MissingDependencyError(f"KV store server {binary!r} not found (not on PATH, or not executable)")
+        return found
+    for name in SERVER_BINARIES:
+        found = shutil.which(name)
+        if found is not None:
+            return found
+    raise MissingDependencyError(
+        "no redis-server or valkey-server on PATH: install Debian's redis-server (apt-get install redis-server) "
+        "or Valkey (apt-get install valkey-server)"
+    )
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 nothing listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _quote(value: str) -> str:
+    """A value in the server's config syntax: double-quoted, backslashes and quotes escaped."""
+    return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def _parent_death_signal():
+    """On Linux, a function for the child to run before exec so the server gets SIGTERM when its parent thread ends
+    (`prctl(PR_SET_PDEATHSIG)`), even a parent killed with SIGKILL; `None` elsewhere. libc is loaded here, in the
+    parent: the child runs only the call, nothing that could wait on a lock another thread held at the fork."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        import ctypes
+
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):  # the finalizer still stops the server at a normal exit
+        return None
+    pr_set_pdeathsig, sigterm = 1, int(signal.SIGTERM)
+    return lambda: prctl(pr_set_pdeathsig, sigterm)
+
+
+def _stop_process(process: subprocess.Popen, folder: str) -> None:
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(5)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(5)
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+class LocalServer:
+    """A running local Redis/Valkey server (made by `start_local_server`); a context manager that stops it.
+
+    Attributes:
+        url (`str`): `redis://[:password@]127.0.0.1:PORT/0`, for `open_store`.
+        port (`int`), binary (`str`), pid (`int`), password (`str` or `None`).
+    """
+
+    def __init__(self, process: subprocess.Popen, folder: str, port: int, binary: str, password: str | None):
+        self._process = process
+        self._folder = folder
+        self.port = port
+        self.binary = binary
+        self.password = password
+        self.pid = process.pid
+        auth = f":{quote(password, safe='')}@" if password else ""  # the client unquotes it
+        self.url = f"redis://{auth}127.0.0.1:{port}/0"
+        self._finalizer = weakref.finalize(self, _stop_process, process, folder)
+
+    def __repr__(self) -> str:
+        state = "running" if self.running else "stopped"
+        return f"LocalServer({Path(self.binary).name} on 127.0.0.1:{self.port}, {state})"
+
+    @property
+    def running(self) -> bool:
+        return self._process.poll() is None
+
+    def log(self) -> str:
+        """The server's log so far."""
+        with contextlib.suppress(OSError):
+            return (Path(self._folder) / "server.log").read_text(errors="replace")
+        return ""
+
+    def wait(self) -> int:
+        """Blocks until the server exits; returns its exit status."""
+        return self._process.wait()
+
+    def stop(self) -> None:
+        """Stops the server (idempotent); its data is gone."""
+        self._finalizer()
+
+    def __enter__(self) -> LocalServer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def _write_config(folder: str, port: int, maxmemory: str, password: str | None) -> Path:
+    lines = [
+        "bind 127.0.0.1",
+        f"port {port}",
+        "protected-mode yes",
+        'save ""',
+        "appendonly no",
+        f"dir {_quote(folder)}",
+        f"logfile {_quote(str(Path(folder) / 'server.log'))}",
+        "daemonize no",
+        f"maxmemory {maxmemory}",
+        "maxmemory-policy allkeys-lru",
+    ]
+    if password:
+        lines.append(f"requirepass {_quote(password)}")
+    path = Path(folder) / "server.conf"
+    path.write_text("\n".join(lines) + "\n")
+    path.chmod(0o600)
+    return path
+
+
+def _wait_until_ready(server: LocalServer, timeout: float) -> None:
+    redis = _redis_module()
+
+    client = redis.Redis(host="127.0.0.1", port=server.port, password=server.password, socket_timeout=1.0,
+                         socket_connect_timeout=1.0)  # fmt: skip
+    deadline = time.monotonic() + timeout
+    try:
+        while True:
+            if not server.running:
+                raise StoreUnavailableError(
+                    f"{server.binary} exited at start-up (status {server._process.returncode}): "
+                    + " / ".join(server.log().strip().splitlines()[-3:])
+                )
+            try:
+                if client.ping():
+                    return
+            except redis.exceptions.RedisError:
+                pass
+            if time.monotonic() > deadline:
+                raise StoreUnavailableError(
+                    f"{server.binary} on 127.0.0.1:{server.port} did not answer PING within {timeout:.0f} s: "
+                    + " / ".join(server.log().strip().splitlines()[-3:])
+                )
+            time.sleep(0.05)
+    finally:
+        client.close()
+
+
+def start_local_server(
+    *,
+    port: int | None = None,
+    maxmemory: str = "1gb",
+    password: str | None = None,
+    binary: str | None = None,
+) -> LocalServer:
+    """Starts a Redis/Valkey server on 127.0.0.1 and waits until it answers.
+
+    Args:
+        port (`int`, *optional*): the port; default: a free one.
+        maxmemory (`str`, *optional*, defaults to `"1gb"`): the server's memory limit; past it, it evicts the least
+            recently used keys (`allkeys-lru`).
+        password (`str`, *optional*): require this password (`requirepass`); it is in the returned `url`.
+        binary (`str`, *optional*): the server program; default: `redis-server`, else `valkey-server`, on PATH.
+
+    Returns:
+        `LocalServer`: with `.url`; stop it with `.stop()` or a `with` block. It is also stopped at interpreter
+        exit and, on Linux, when the thread that started it ends (start it from a thread that lives as long as its
+        users, e.g. the main thread).
+
+    Example:
+
+    ```python
+    >>> with start_local_server(maxmemory="256mb") as server:  # doctest: +SKIP
+    ...     store = open_store(server.url)
+    ```
+    """
+    program = find_server_binary(binary)
+    maxmemory = check_memory_size(maxmemory)
+    if port is not None and not (isinstance(port, int) and 0 < port < 65536):
+        raise InvalidInputError(f"port must be a TCP port number in [1, 65535], got {port!r}")
+    attempts_left = 1 if port is not None else 3  # a free port can be taken between the probe and the bind
+    while True:
+        attempts_left -= 1
+        chosen = port if port is not None else free_port()
+        folder = tempfile.mkdtemp(prefix="kvbridge-store-")
+        config = _write_config(folder, chosen, maxmemory, password)
+        process = subprocess.Popen(
+            [program, str(config)],
+            cwd=folder,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,  # Ctrl-C in a terminal reaches us, not the server; we stop it
+            preexec_fn=_parent_death_signal(),
+        )
+        server = LocalServer(process, folder, chosen, program, password)
+        try:
+            _wait_until_ready(server, START_TIMEOUT_S)
+        except StoreUnavailableError:
+            log = server.log()
+            server.stop()
+            if attempts_left > 0 and "Address already in use" in log:
+                continue
+            raise
+        logger.info("started %s (pid %d) on 127.0.0.1:%d, maxmemory %s", program, server.pid, chosen, maxmemory)
+        return server

@@ -1,0 +1,42 @@
+"""The connector's KV store: which model's KV an engine reads or writes (`store_identity`), and the store opened from
+the connector's settings (`open_prefix_store`; the store itself is `hf_kvbridge.integrations.kv_store`'s)."""
+
+from __future__ import annotations
+
+from urllib.parse import urlsplit, urlunsplit
+
+
+def store_identity(config, side: str) -> str:
+    """The store's identity of the bridge config's `side` model (`"source"` or `"target"`): its name, revision and
+    the fingerprint of its KV layout, so that two engines agree on it and a key never matches another model's KV."""
+    from ..kv_store import model_identity
+
+    return model_identity(
+        getattr(config, f"{side}_name_or_path"),
+        getattr(config, f"{side}_revision"),
+        getattr(config, f"{side}_fingerprint"),
+    )
+
+
+def open_prefix_store(settings, model_id: str, *, writer: bool = False):
+    """A `PrefixKVStore` of `model_id`'s KV in the store at `settings.store` (chunk size and TTL from `settings`),
+    with an `AsyncWriter` when `writer` (the exporting worker: its steps never wait for the store)."""
+    from ..kv_store import AsyncWriter, PrefixKVStore, open_store
+
+    kwargs = {} if settings.store_ttl_s is None else {"ttl_s": settings.store_ttl_s}
+    store = open_store(settings.store, **kwargs)
+    return PrefixKVStore(
+        store,
+        model_id=model_id,
+        chunk_size=settings.chunk_size,
+        writer=AsyncWriter(store) if writer else None,
+    )
+
+
+def redact(url: str) -> str:
+    """`url` without its password (for logs)."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.replace(f":{parts.password}@", ":***@")
+    return urlunsplit(parts._replace(netloc=netloc))

