@@ -6,12 +6,15 @@ import json
 import sys
 
 from .configuration import kv_transfer_config, target_model
+from .middleware import MIDDLEWARE_PATH
 
 
 def serve_command(bridge: str, vllm_args: list[str] | None = None, *, requests: str = "opt_in") -> list[str]:
-    """The `vllm serve` command line that serves `bridge`'s target with the connector."""
+    """The `vllm serve` command line that serves `bridge`'s target with the connector, and the middleware that answers
+    a request with a non-boolean `kv_transfer_params.kvbridge` with HTTP 400 (`KVBridgeParamsMiddleware`)."""
     config = kv_transfer_config(bridge, requests=requests)
-    return ["vllm", "serve", target_model(bridge), "--kv-transfer-config", json.dumps(config), *(vllm_args or [])]
+    command = ["vllm", "serve", target_model(bridge), "--kv-transfer-config", json.dumps(config)]
+    return [*command, "--middleware", MIDDLEWARE_PATH, *(vllm_args or [])]
 
 
 def serve_main(argv: list[str] | None = None) -> int:
