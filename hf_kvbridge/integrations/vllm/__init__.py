@@ -30,7 +30,11 @@ curl localhost:8000/v1/completions -H 'Content-Type: application/json' \\
 **Which requests are bridged.** Per request by default (`"requests": "opt_in"` in `kv_connector_extra_config`):
 a request opts in with `kv_transfer_params={"kvbridge": true}` (OpenAI API body field `kv_transfer_params`;
 offline `SamplingParams(extra_args={"kv_transfer_params": {"kvbridge": True}})`, which `bridged()` returns).
-`"requests": "all"` bridges every request that does not say `{"kvbridge": false}`.
+`"requests": "all"` bridges every request that does not say `{"kvbridge": false}`. Only a boolean counts
+(`parse_request_flag`): `"yes"`, `"false"`, `1` are refused, never bridged. `kvbridge serve` answers such a request
+with HTTP 400 naming `kv_transfer_params.kvbridge` (`middleware.KVBridgeParamsMiddleware`); where nothing can refuse it
+(plain `vllm serve`, offline `LLM`) it is served unbridged, with a WARNING naming the request and the reason, and its
+output's `kv_transfer_params["kvbridge"]` is `{"status": "refused", "reason": ...}` (`requests_refused` counted).
 
 **Prefix caching.** A bridged request's blocks hold approximate (mapped) K/V. Its cache salt is rewritten to
 `kvbridge:<mapper digest>|<its own salt>` before the scheduler looks it up, so its blocks hash differently from
@@ -79,7 +83,8 @@ The package:
 | `paged_cache` | vLLM's paged KV layout: slots, writes through the backend, reads (layout detected at run time) |
 | `metadata` | the per-step dataclasses passed scheduler → worker → scheduler |
 | `rotary` | `RotaryOnlyTarget`: the target's rotary embedding without its weights |
-| `configuration` | `kv_transfer_config`, `bridged`, `target_model`, `check_recompute` |
+| `configuration` | `kv_transfer_config`, `bridged`, `parse_request_flag`, `target_model`, `check_recompute` |
+| `middleware` | `KVBridgeParamsMiddleware`: HTTP 400 for a non-boolean flag, before the engine (`kvbridge serve`) |
 | `serve` | `kvbridge serve` (`serve_main`) |
 """
 
@@ -93,6 +98,7 @@ from .configuration import (
     check_recompute,
     connector_settings,
     kv_transfer_config,
+    parse_request_flag,
     read_bridge_config,
     served_model,
     target_model,
@@ -128,6 +134,7 @@ __all__ = [
     "kv_transfer_config",
     "load_bridge",
     "open_prefix_store",
+    "parse_request_flag",
     "read_bridge_config",
     "read_slots",
     "reads_back",

@@ -209,6 +209,38 @@ def bridged(on: bool = True, extra_args: dict[str, Any] | None = None) -> dict[s
     return extra_args
 
 
+FLAG_FIELD = f"kv_transfer_params.{PARAM_KEY}"  # how a request's opt-in is named in errors and statuses
+
+
+def parse_request_flag(params: Any) -> tuple[bool | None, str | None]:
+    """A request's opt-in, strictly: `(value, None)` for JSON `true` / `false` or an absent / `null` flag
+    (`value` is then `None`), `(None, reason)` for anything else.
+
+    Only a real boolean counts (Python `bool`, not `1`, not `"yes"`, not `"false"`): a client that asks not to get
+    approximate KV must never get it because its flag was spelled loosely. `params` is the request's
+    `kv_transfer_params` (a dict, or `None`). The reason names the field and what it accepts; the connector serves a
+    refused request unbridged (status `"refused"`), and `kvbridge serve` answers it with HTTP 400 first.
+
+    Example:
+
+    ```python
+    >>> parse_request_flag({"kvbridge": True}), parse_request_flag(None)
+    ((True, None), (None, None))
+    >>> parse_request_flag({"kvbridge": "false"})
+    (None, "kv_transfer_params.kvbridge must be a boolean (JSON true / false) or absent, not 'false' (str)")
+    ```
+    """
+    if params is None:
+        return None, None
+    if not isinstance(params, dict):
+        return None, f"kv_transfer_params must be a JSON object, not {type(params).__name__}"
+    flag = params.get(PARAM_KEY)
+    if flag is None or isinstance(flag, bool):
+        return flag, None
+    shown = repr(flag) if len(repr(flag)) <= 40 else repr(flag)[:37] + "..."
+    return None, f"{FLAG_FIELD} must be a boolean (JSON true / false) or absent, not {shown} ({type(flag).__name__})"
+
+
 def read_bridge_config(bridge: str, revision: str | None = None):
     from ...configuration import KVBridgeConfig
     from ...constants import MAPPER_CHECKSUMS_KEY

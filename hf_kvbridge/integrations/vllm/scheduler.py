@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from vllm.logger import init_logger
 
 from ...plan import TransferPlan, plan_prompt
-from .configuration import PARAM_KEY
+from .configuration import PARAM_KEY, parse_request_flag
 from .metadata import BridgeLoad, ExportTask, KVBridgeConnectorMetadata
 
 if TYPE_CHECKING:
@@ -62,6 +62,7 @@ class BridgeScheduler:
         self._pending: dict[str, tuple[Request, int, int]] = {}  # allocated, to be sent to the worker
         self._outcomes: dict[str, dict[str, Any]] = {}  # req_id → what the worker did
         self._sent: dict[str, dict[str, Any]] = {}  # req_id → the load sent to the worker (its outcome until known)
+        self._refused: dict[str, str] = {}  # req_id → why its flag was refused (served unbridged)
 
     # -- positions: the transfer plan's ------------------------------------------------------------------------------
     def plan(self, num_prompt_tokens: int) -> TransferPlan:
@@ -78,10 +79,17 @@ class BridgeScheduler:
 
     # -- the requests --------------------------------------------------------------------------------------------
     def wants_bridge(self, request: Request) -> bool:
-        flag = (request.kv_transfer_params or {}).get(PARAM_KEY)
+        """Whether `request` opted in (`requests_mode`); a flag that is not a boolean is refused
+        (`parse_request_flag`): the request is served unbridged, with a WARNING and status `"refused"`."""
+        flag, refused = parse_request_flag(request.kv_transfer_params)
+        if refused is not None:
+            self._refused[request.request_id] = refused
+            self.count(requests_refused=1)
+            logger.warning("KVBridgeConnector: request %s is served unbridged: %s", request.request_id, refused)
+            return False
         if self.requests_mode == "all":
             return flag is not False
-        return bool(flag)
+        return flag is True
 
     def on_new_request(self, request: Request) -> None:
         """Decides whether `request` is bridged and, if so, salts its block hashes so that its (mapped) blocks are
@@ -268,7 +276,8 @@ class BridgeScheduler:
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         meta = connector_output.kv_connector_worker_meta
         for req_id, outcome in getattr(meta, "outcomes", {}).items():
-            self._outcomes[req_id] = outcome
+            if req_id in self._bridged:  # not finished yet (one that finished in its load step has reported already)
+                self._outcomes[req_id] = outcome
 
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
         self._claims.pop(request.request_id, None)
@@ -277,6 +286,9 @@ class BridgeScheduler:
         wanted = self._bridged.pop(request.request_id, False)
         sent = self._sent.pop(request.request_id, None)
         outcome = self._outcomes.pop(request.request_id, None) or sent
+        refused = self._refused.pop(request.request_id, None)
+        if refused is not None:
+            return False, {PARAM_KEY: {"status": "refused", "mapped_tokens": 0, "reason": refused}}
         if export is not None:
             return False, {PARAM_KEY: {"status": "exported", "exported_tokens": export.next_token or 0}}
         if not wanted:

@@ -6,6 +6,7 @@ import json
 import sys
 
 from .configuration import MISS_POLICIES, ROLES, SIDES, kv_transfer_config, served_model
+from .middleware import MIDDLEWARE_PATH
 
 
 def serve_command(
@@ -13,12 +14,15 @@ def serve_command(
 ) -> list[str]:
     """The `vllm serve` command line that serves `bridge`'s model with the connector: its target, or with
     `role="source"` (or `role="both", serves="source"`) its source. `store_options` are `kv_transfer_config`'s
-    (`role`, `store`, `serves`, `on_miss`, `source_weights`, `chunk_size`, `store_ttl_s`)."""
+    (`role`, `store`, `serves`, `on_miss`, `source_weights`, `chunk_size`, `store_ttl_s`). The command also loads
+    the middleware that answers a request with a non-boolean `kv_transfer_params.kvbridge` with HTTP 400
+    (`KVBridgeParamsMiddleware`)."""
     config = kv_transfer_config(bridge, requests=requests, **store_options)
     extra = config["kv_connector_extra_config"]
     serves = "source" if extra["role"] == "source" else extra.get("serves", "target")
     model = served_model(bridge, serves)
-    return ["vllm", "serve", model, "--kv-transfer-config", json.dumps(config), *(vllm_args or [])]
+    command = ["vllm", "serve", model, "--kv-transfer-config", json.dumps(config)]
+    return [*command, "--middleware", MIDDLEWARE_PATH, *(vllm_args or [])]
 
 
 def serve_main(argv: list[str] | None = None) -> int:

