@@ -13,6 +13,12 @@ client and token-id prompts (no re-tokenisation between a reference and a load r
   alone, plain ones equal the target alone; vLLM preempted (its `vllm:num_preemptions` counter) and counted every
   client abort as an aborted request; no 5xx and no traceback in the log; afterwards a request succeeds, /health is
   OK, nothing runs or waits, and the server's resident memory grew by at most `RSS_GROWTH` (see there);
+- the warm path under load: the server is a target with a KV store (a real redis-server, `--store`); half of the
+  prompts have their source KV in it (`save_cache` of pocket-s's own prefill, as a source engine exports them), so
+  they map from the store (status source `store`), the others take the cold path; the store is killed mid-burst and a
+  second wave of the warm prompts follows: every request still completes, each bridged output equals the same prompt
+  alone through the path its status names (store hit, cold path, or the target alone when a fetch failed), and
+  after the kill the warm prompts take the cold path;
 - the middleware itself (pure ASGI, no server): body messages and the client's disconnect reach the app as sent, the
   response (streamed) passes through untouched, a body over its bound passes unchecked.
 """
@@ -39,7 +45,8 @@ openai = pytest.importorskip("openai")
 psutil = pytest.importorskip("psutil")
 
 from hf_kvbridge import calibrate, pocket  # noqa: E402
-from hf_kvbridge.integrations.vllm import target_model  # noqa: E402
+from hf_kvbridge.integrations.kv_store import PrefixKVStore, open_store, save_cache, start_local_server  # noqa: E402
+from hf_kvbridge.integrations.vllm import read_bridge_config, store_identity, target_model  # noqa: E402
 from hf_kvbridge.integrations.vllm.middleware import KVBridgeParamsMiddleware, body_refusal  # noqa: E402
 
 FIELD = "kv_transfer_params.kvbridge"
@@ -52,6 +59,8 @@ NEW_TOKENS = 48  # each request grows by 1–2 blocks while decoding: what makes
 COPIES = 2  # each prompt twice bridged and twice plain in the burst: 32 requests
 ABORTS = 8  # streaming requests closed by the client after ABORT_AFTER chunks
 ABORT_AFTER = 2
+WARM = (0, 2, 4, 6)  # prompts whose source KV are in the store before the server starts
+STORE_CHUNK = 32  # the store's chunk: one block, so short prompts span several
 STARTUP_S, REQUEST_S, BURST_S = 300, 120, 240  # bounds on the waits (2 shared cores); it takes about 40 s / 1 s / 10 s
 # Resident memory of the server (API server, engine core and worker processes together, ≈ 2.4 GB) after the burst
 # against before it, both after the warm-up (the references): the model, the KV cache and the source model are
@@ -139,7 +148,27 @@ def prompts(tokenizer):
 
 
 @pytest.fixture(scope="module")
-def server(bridge_dir):
+def store(bridge_dir, prompts):
+    """A real redis-server holding the source's own KV of the `WARM` prompts, keyed as a source engine keys them."""
+    import torch
+
+    from hf_kvbridge.loading import load_model
+
+    with start_local_server(maxmemory="256mb") as server:
+        _, config, _ = read_bridge_config(str(bridge_dir))
+        prefix = PrefixKVStore(
+            open_store(server.url), model_id=store_identity(config, "source"), chunk_size=STORE_CHUNK
+        )
+        source = load_model(config.source_name_or_path, dtype=torch.float32)
+        with torch.no_grad():
+            for i in WARM:
+                cache = source(input_ids=torch.tensor([prompts[i]]), use_cache=True).past_key_values
+                assert save_cache(prefix, prompts[i], cache) == len(prompts[i]) // STORE_CHUNK
+        yield server
+
+
+@pytest.fixture(scope="module")
+def server(bridge_dir, store):
     import hf_kvbridge
 
     package_root = str(Path(hf_kvbridge.__file__).resolve().parents[1])  # the server imports the same package
@@ -150,6 +179,7 @@ def server(bridge_dir):
         "--dtype", "float32", "--block-size", str(BLOCK), "--max-model-len", str(MAX_MODEL_LEN),
         "--kv-cache-memory-bytes", str(KV_BYTES), "--max-num-seqs", "64", "--enforce-eager", "--seed", "0",
         "--enable-log-requests", "--max-log-len", "0",  # logs each abort ("Aborted request(s) ID,...")
+        "--store", store.url, "--chunk-size", str(STORE_CHUNK),  # the warm path; misses take the cold path
     ]  # fmt: skip
     with log.open("w") as log_file:
         proc = subprocess.Popen(command, env=env, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
@@ -178,9 +208,12 @@ def _log(server) -> str:
     return server.log.read_text(errors="replace")
 
 
-def _ask(client, model, prompt, flag, max_tokens=NEW_TOKENS):
-    """One completion (greedy, token ids back): (token ids, the output's kv_transfer_params["kvbridge"])."""
+def _ask(client, model, prompt, flag, max_tokens=NEW_TOKENS, salt=None):
+    """One completion (greedy, token ids back): (token ids, the output's kv_transfer_params["kvbridge"]). A
+    `salt` (vLLM's `cache_salt`, a tenant's) also keys the store: the same prompt then misses it."""
     extra = {"return_token_ids": True, **({} if flag is None else {"kv_transfer_params": {"kvbridge": flag}})}
+    if salt is not None:
+        extra["cache_salt"] = salt
     response = client.completions.create(
         model=model, prompt=prompt, max_tokens=max_tokens, temperature=0, extra_body=extra
     )
@@ -219,6 +252,8 @@ def burst(server, prompts):
     reference = {
         (i, flag): _ask(client, server.model, p, flag) for i, p in enumerate(prompts) for flag in (True, None)
     }
+    # the warm prompts through the cold path: another tenant's salt misses the store
+    cold = {i: _ask(client, server.model, prompts[i], True, salt="another-tenant") for i in WARM}
     before = {
         "rss": server.rss(),
         "preemptions": server.metric("vllm:num_preemptions_total"),
@@ -227,11 +262,17 @@ def burst(server, prompts):
     jobs = [(i, flag) for _ in range(COPIES) for i in range(len(prompts)) for flag in (True, None)]
     aborts = [(i % len(prompts), i % 2 == 0) for i in range(ABORTS)]
     started = time.monotonic()
-    with ThreadPoolExecutor(len(jobs) + len(aborts)) as pool:
+    with ThreadPoolExecutor(len(jobs) + len(aborts) + len(WARM)) as pool:
         done = [pool.submit(_outcome, _ask, client, server.model, prompts[i], flag) for i, flag in jobs]
         closed = [pool.submit(_outcome, _abort, client, server.model, prompts[i], flag) for i, flag in aborts]
+        while sum(f.done() for f in done) < len(done) // 4 and time.monotonic() - started < BURST_S:
+            time.sleep(0.05)
+        store.stop()  # the store goes away mid-burst
+        killed_at = sum(f.done() for f in done)
+        second = [pool.submit(_outcome, _ask, client, server.model, prompts[i], True) for i in WARM]
         results = [f.result(timeout=BURST_S) for f in done]
         abort_results = [f.result(timeout=BURST_S) for f in closed]
+        second_results = [f.result(timeout=BURST_S) for f in second]
     seconds = time.monotonic() - started
     deadline = time.monotonic() + 30  # the engine reports the aborted requests' ends in its next steps
     while time.monotonic() < deadline and (
@@ -256,7 +297,8 @@ def burst(server, prompts):
     )
     return {
         "reference": reference, "jobs": jobs, "results": results, "abort_results": abort_results,
-        "before": before, "after": after, "final": final, "seconds": seconds,
+        "before": before, "after": after, "final": final, "seconds": seconds, "cold": cold,
+        "second": second_results, "killed_at": killed_at,
     }  # fmt: skip
 
 
@@ -281,8 +323,8 @@ def test_flag_that_is_not_a_boolean_is_answered_400_before_the_engine(server, pr
         assert error["message"].startswith(f"{FIELD} must be a boolean (JSON true / false) or absent, not "), error
     # the engine never saw them (its connector would have logged a refusal), and the same server maps a good one
     assert "is served unbridged" not in _log(server), server.tail()
-    tokens, outcome = _ask(client, server.model, prompts[0], True)
-    assert outcome["status"] == "mapped" and outcome["start"] + outcome["mapped_tokens"] == len(prompts[0]) - 1
+    tokens, outcome = _ask(client, server.model, prompts[1], True)  # not in the store: the cold path
+    assert outcome["status"] == "mapped" and outcome["start"] + outcome["mapped_tokens"] == len(prompts[1]) - 1
     assert len(tokens) == NEW_TOKENS
 
 
@@ -294,17 +336,52 @@ def test_burst_completes_and_outputs_equal_the_same_prompt_alone(burst, server):
     mapped_from_scratch = 0
     for (i, flag), (_, (tokens, outcome)) in zip(burst["jobs"], burst["results"]):
         want, want_outcome = burst["reference"][(i, flag)]
-        assert tokens == want, (LENGTHS[i], flag, outcome, want_outcome)
         if flag:  # mapped again under load (the prefix cache may have kept some of its own salted blocks)
-            assert outcome["status"] == "mapped", outcome
-            assert outcome["start"] + outcome["mapped_tokens"] == LENGTHS[i] - 1, outcome
-            mapped_from_scratch += outcome["start"] == 0
+            want = _through(burst, i, outcome)
+            assert tokens == want, (LENGTHS[i], flag, outcome, want_outcome)
+            if outcome["status"] == "mapped":
+                mapped_from_scratch += outcome["start"] == 0
         else:
+            assert tokens == want, (LENGTHS[i], flag, outcome, want_outcome)
             assert outcome is None
     assert mapped_from_scratch >= 1  # KV pressure evicted blocks: some bridged requests mapped their whole prompt
     # the check has teeth: the bridge's tokens differ from the target's alone for some prompt
     ref = burst["reference"]
     assert any(ref[(i, True)][0] != ref[(i, None)][0] for i in range(len(LENGTHS)))
+
+
+def _through(burst, i, outcome):
+    """What prompt `i` gives alone through the path its `outcome` names: the store (its reference, for a warm prompt),
+    the cold path (a warm prompt's cold reference; any other prompt's reference), or the target alone (a fetch that
+    failed when the store went away falls back)."""
+    if outcome["status"] == "fallback":
+        return burst["reference"][(i, None)][0]
+    if outcome["status"] == "target":  # its own earlier blocks (mapped from the store) hold all the store has
+        assert i in WARM and outcome["reason"] == "nothing to map beyond the prefix cache", outcome
+        return burst["reference"][(i, True)][0]
+    assert outcome["status"] == "mapped", outcome
+    length, source = LENGTHS[i], outcome["source"]
+    if source == "store":
+        assert i in WARM and outcome["start"] + outcome["mapped_tokens"] == length // STORE_CHUNK * STORE_CHUNK
+        return burst["reference"][(i, True)][0]
+    assert source == "prefill" and outcome["start"] + outcome["mapped_tokens"] == length - 1, outcome
+    return burst["cold"][i][0] if i in WARM else burst["reference"][(i, True)][0]
+
+
+def test_warm_prompts_map_from_the_store_and_fall_back_when_it_goes_away(burst, server):
+    for i in WARM:  # alone, with the store up: a full hit; another tenant's salt: a miss, the cold path
+        outcome, cold = burst["reference"][(i, True)][1], burst["cold"][i][1]
+        assert outcome["source"] == "store" and outcome["prefill_tokens"] == 0, outcome
+        assert outcome["store_tokens"] == LENGTHS[i] // STORE_CHUNK * STORE_CHUNK, outcome
+        assert cold["source"] == "prefill" and cold["store_tokens"] == 0, cold
+    assert any(burst["reference"][(i, True)][0] != burst["cold"][i][0] for i in WARM)  # the paths can be told apart
+    # the wave sent after the store was killed: every request completed, through the cold path (or the target)
+    for i, result in zip(WARM, burst["second"]):
+        assert result[0] == "ok", (result, server.tail())
+        tokens, outcome = result[1]
+        assert outcome["status"] == "fallback" or outcome["source"] == "prefill", outcome
+        assert tokens == _through(burst, i, outcome)
+    assert "KV store lookup failed" in _log(server), server.tail()
 
 
 def test_kv_pressure_made_vllm_preempt(burst):
@@ -324,8 +401,10 @@ def test_client_aborts_mid_stream_end_cleanly(burst, server):
 
 def test_server_keeps_serving_after_the_burst(burst, server):
     assert burst["final"][0] == "ok", (burst["final"], server.tail())
-    tokens, outcome = burst["final"][1]
-    assert tokens == burst["reference"][(3, True)][0] and outcome["status"] == "mapped"
+    tokens, outcome = burst["final"][1]  # the store is down now: the cold path
+    assert (
+        tokens == burst["reference"][(3, True)][0] and outcome["status"] == "mapped" and outcome["source"] == "prefill"
+    )
     assert server.health() == 200
     assert server.proc.poll() is None
 

@@ -56,6 +56,7 @@ class BridgeScheduler:
         self.config, self.hold_back, self.requests_mode, self.salt_tag = config, hold_back, requests_mode, salt_tag
         self.count, self.imports, self.store, self.exports, self.on_miss = count, imports, store, exports, on_miss
         self._salts: dict[str, str | None] = {}  # req_id → the tenant's own cache salt (the store's keys use it)
+        self._reasons: dict[str, str] = {}  # req_id → why nothing was mapped (status "target")
         self._exporting: dict[str, _Export] = {}  # req_id → what of it is in the store (an exporting engine)
         self._bridged: dict[str, bool] = {}  # req_id → opted in (decided once, on arrival)
         self._claims: dict[str, _Claim] = {}  # req_id → what get_num_new_matched_tokens offered
@@ -161,6 +162,11 @@ class BridgeScheduler:
         stored = self._stored_tokens(request)  # whole chunks of the prompt, at most its length
         covered = min(stored, end)
         self.count(store_lookups=1, store_hit_tokens=stored)
+        if 0 < covered <= start and end - start < self.store.chunk_size:
+            # this engine's prefix cache already holds all the store has (an earlier request of the same prompt,
+            # mapped from it): the target computes the few tokens left, as it did for that request
+            self._reasons[request.request_id] = "nothing to map beyond the prefix cache"
+            return None
         full_hit = end - covered < self.store.chunk_size
         if covered > start and (full_hit or self.on_miss == "target"):
             return _Claim(start, covered, stored, "store")
@@ -282,6 +288,7 @@ class BridgeScheduler:
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
         self._claims.pop(request.request_id, None)
         self._salts.pop(request.request_id, None)
+        reason = self._reasons.pop(request.request_id, None)
         export = self._exporting.pop(request.request_id, None)
         wanted = self._bridged.pop(request.request_id, False)
         sent = self._sent.pop(request.request_id, None)
@@ -294,7 +301,9 @@ class BridgeScheduler:
         if not wanted:
             return False, None
         if outcome is None:
-            reason = "nothing to map" if self.store is None else "the KV store holds too little of the prompt"
+            reason = reason or (
+                "nothing to map" if self.store is None else "the KV store holds too little of the prompt"
+            )
             outcome = {"status": "target", "mapped_tokens": 0, "reason": reason}
         return False, {PARAM_KEY: outcome}
 
