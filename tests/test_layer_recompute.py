@@ -354,7 +354,10 @@ def test_settings_and_command_line_take_one_value_or_a_list():
     with pytest.raises(ConfigurationError, match="recompute_layers must be an integer ≥ 0"):
         CalibrationSettings(recompute_layers=-1)
     parser = build_parser()
-    assert parser.parse_args(["calibrate", "a", "b", "--out", "c", "--recompute-layers", "1,2"]).recompute_layers == [1, 2]
+    assert parser.parse_args(["calibrate", "a", "b", "--out", "c", "--recompute-layers", "1,2"]).recompute_layers == [
+        1,
+        2,
+    ]
     assert parser.parse_args(["calibrate", "a", "b", "--out", "c", "--recompute-layers", "2"]).recompute_layers == 2
 
 
@@ -418,3 +421,82 @@ def test_recomputing_top_layers_keeps_more_of_the_context_on_a_real_pair():
     assert bridge.config.recompute_layers == 0  # a list of values: pick one at run time
     nll = {n: mean_nll(variant(bridge, recompute_layers=n), windows, 128, "bridge") for n in (0, 1, 2)}
     assert nll[1] <= nll[0] and nll[2] <= nll[0], nll
+
+
+def test_residual_statistics_are_checkpointed_with_the_kv_ones(pair, windows, tmp_path):
+    """A calibration resumed from its checkpoint gets the residual statistics back with the K/V statistics."""
+    source, target = pair.source, pair.target
+    kw = {"heldout": HELDOUT, "batch_size": 6, "checkpoint_dir": tmp_path, "checkpoint_every": 1}
+    first = residual_collection(KVStatistics, source, target, [1, 2])
+    collect_statistics(source, target, windows, residual=first, **kw)
+    again = residual_collection(KVStatistics, source, target, [1, 2])
+    calls = []
+    real = pair.source.forward
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    source.forward = counted
+    try:
+        collect_statistics(source, target, windows, residual=again, **kw)  # everything done: no forward pass
+    finally:
+        del source.forward
+    assert not calls
+    for got, want in zip(again.parts, first.parts):
+        assert got.count == want.count and torch.equal(got.xy, want.xy) and torch.equal(got.xx, want.xx)
+    other = residual_collection(KVStatistics, source, target, [1])  # other residual statistics: refused
+    with pytest.raises(ConfigurationError, match="belongs to other calibration data or settings"):
+        collect_statistics(source, target, windows, residual=other, **kw)
+
+
+def test_two_processes_fit_the_residual_maps_of_one(tmp_path):
+    """Under torch.distributed (gloo, 2 ranks) each rank adds its own batches' hidden states and the residual
+    statistics are all-reduced, in the dense pass and on a budget (where the fit passes gather K/V rows): both ranks
+    end with the single process's residual maps."""
+    import os
+    import subprocess
+    import sys
+    import textwrap
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    script = tmp_path / "residual.py"
+    script.write_text(
+        textwrap.dedent(f"""
+        import torch, torch.distributed as dist
+        from tests.test_layer_recompute import run_both_residual_paths
+        dist.init_process_group("gloo")
+        torch.save(run_both_residual_paths(), {str(tmp_path)!r} + f"/out{{dist.get_rank()}}.pt")
+        dist.destroy_process_group()
+    """)
+    )
+    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script)]
+    result = subprocess.run(command, capture_output=True, text=True, env=env, cwd=root, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    want = run_both_residual_paths()
+    for rank in range(2):
+        got = torch.load(tmp_path / f"out{rank}.pt")
+        assert got["summaries"] == want["summaries"]
+        for path in ("dense", "blocks"):
+            for key, value in want[path].items():
+                torch.testing.assert_close(got[path][key], value, atol=1e-6, rtol=1e-6)
+
+
+def run_both_residual_paths() -> dict:
+    """The residual maps of `collect_statistics` (dense) and `fit_bridge_in_passes` (blocks) on a fixed pair and
+    fixed windows (run in one process and under torchrun by the test above)."""
+    source, target = qwen3(layers=2, seed=1), qwen3(layers=3, hidden=48, seed=2)
+    windows = torch.randint(0, VOCAB, (20, 24), generator=torch.Generator().manual_seed(0))
+    dense = with_residual(source, target, windows, [1, 2], ridge_lambda=0.01)
+    budget = fit_bytes(2, 3, 64, torch.float64, 1) + fit_bytes(2, 2, 48, torch.float64, 1)
+    blocks, _ = fit_bridge_in_passes(
+        source, target, windows, HELDOUT, statistics_memory=budget, top_k=2, ridge_lambda=0.01,
+        statistics_dtype=torch.float64, batch_size=2, residual=([1, 2], "blocks"),
+    )  # fmt: skip
+    return {
+        "dense": dense.residual_mapper.state_dict(),
+        "blocks": blocks.residual_mapper.state_dict(),
+        "summaries": [dense.config.residual_map, blocks.config.residual_map],
+    }
