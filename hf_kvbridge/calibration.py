@@ -342,12 +342,12 @@ def residual_collection(
     )
 
 
-def _with_residual(bridge: KVBridgeForCausalLM, fitted: tuple, turn_on: int = 0) -> KVBridgeForCausalLM:
+def _with_residual(bridge: KVBridgeForCausalLM, fitted: tuple) -> KVBridgeForCausalLM:
     """`bridge` with the residual map `fitted` (`fit_residual_map`'s `(mapper, summary)`), recorded in its config
-    (`residual_map`), with `recompute_layers=turn_on`."""
+    (`residual_map`)."""
     mapper, summary = fitted
     config = copy.deepcopy(bridge.config)
-    config.residual_map, config.recompute_layers = summary, int(turn_on)
+    config.residual_map = summary
     logger.info(
         "residual maps for recompute_layers %s: held-out R² %s", summary["recompute_layers"], summary["heldout_r2"]
     )
@@ -862,7 +862,7 @@ def calibrate(
                 top_k=settings.top_k,
                 ridge_lambda=settings.ridge_lambda,
             )
-            bridge = _with_residual(bridge, fitted, turn_on)
+            bridge = _with_residual(bridge, fitted)
             del residual
         if settings.bidirectional:
             reverse = fit_bridge(
@@ -895,8 +895,6 @@ def calibrate(
             config_kwargs={**references, "calibration": provenance},
             residual=(recompute_layers, residual_mode) if recompute_layers else None,
         )
-        if recompute_layers and turn_on:
-            bridge.config.recompute_layers = turn_on
         if settings.bidirectional:
             reverse, reverse_statistics = fit_bridge_in_passes(
                 target,
@@ -912,6 +910,7 @@ def calibrate(
                 f"statistics_memory={format_bytes(budget)} needed several passes over the data; raise "
                 "statistics_memory or use mapper_type='ridge'"
             )
+    bridge.config.recompute_layers = turn_on  # one calibrated value is turned on; a list leaves the choice to run time
     for part in [bridge] + ([reverse] if settings.bidirectional else []):
         part.config.calibration["forward_seconds"] = round(timings["forward_seconds"], 2)
         part.config.calibration["statistics_seconds"] = round(timings["statistics_seconds"], 2)

@@ -347,6 +347,24 @@ def test_budgeted_calibration_fits_the_residual_maps_in_the_same_passes(identity
         torch.testing.assert_close(got, model(ids).logits[:, 19:], atol=2e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize(("budget", "residual_mode"), [("2.2MB", "blocks"), ("2.5MB", "dense")])
+def test_calibrate_on_a_budget_plans_and_fits_the_residual_maps(tokenizer, budget, residual_mode, caplog):
+    source, target = qwen3(layers=4, seed=1), qwen3(layers=5, hidden=48, seed=2)
+    with caplog.at_level("INFO", logger="hf_kvbridge.calibration"):
+        bridge = hf_kvbridge.calibrate(
+            source, target, CORPUS, tokenizer=tokenizer, num_sequences=12, seq_len=24, top_k=2,
+            statistics_memory=budget, recompute_layers=[1, 2],
+        )  # fmt: skip
+    assert f"calibration statistics: blocks, residual maps for recompute_layers [1, 2]: {residual_mode}" in caplog.text
+    assert bridge.config.calibration["statistics"] == "blocks" and bridge.config.recompute_layers == 0
+    assert (
+        bridge.config.residual_map["recompute_layers"] == [1, 2] and len(bridge.config.residual_map["heldout_r2"]) == 2
+    )
+    ids = _prompt()[0]
+    bridge = variant(bridge, recompute_layers=2)
+    assert bridge(ids, prefill_length=20).logits.isfinite().all() and bridge.last_transfer["recomputed_layers"] == 2
+
+
 def test_settings_and_command_line_take_one_value_or_a_list():
     from kvbridge_cli.parser import build_parser
 
