@@ -198,3 +198,52 @@ def plan_passes(selected_layers: list[list[int]], row: int, budget: int, dtype, 
             passes.append([t])
             union = set(layers)
     return passes
+
+
+def plan_residual(
+    budget: int,
+    kv_plan: str,
+    source_layers: int,
+    target_layers: int,
+    num_kv_heads: int,
+    head_dim: int,
+    top_k: int,
+    dtype,
+    groups: int,
+    source_states: int,
+    residual_targets: int,
+    hidden: int,
+) -> tuple[str, str, int]:
+    """The memory plan with the residual statistics of layer recompute (`hf_kvbridge.layer_recompute`) beside the
+    K/V statistics: `(kv_mode, residual_mode, kv_fit_budget)`.
+
+    The residual block is `source_states` source hidden states against `residual_targets` target hidden states of
+    `hidden` features (the larger hidden size), planned like a K/V block of one head of `hidden / 2`:
+
+    - both dense in one pass when the K/V statistics are dense (`kv_plan`) and both fit the budget together;
+    - otherwise the K/V statistics go by blocks, and the residual statistics are dense in the selection pass when
+      they fit beside the K/V selection statistics; else they go by blocks too: a [`SelectionStatistics`] beside the
+      K/V one, then the [`BlockStatistics`] of their selected source states in the first fit pass, whose bytes are
+      taken from the K/V fit passes' budget (`kv_fit_budget`).
+
+    Raises `StatisticsMemoryError` (bytes needed, bytes allowed, what to change) when no plan fits.
+    """
+    row = num_kv_heads * 2 * head_dim
+    residual_dense = dense_bytes(source_states, residual_targets, hidden)
+    if kv_plan == "dense" and dense_bytes(source_layers, target_layers, row) + residual_dense <= budget:
+        return "dense", "dense", budget
+    kv_selection = selection_bytes(source_layers, target_layers, num_kv_heads, head_dim, dtype)
+    kv_smallest = fit_bytes(min(top_k, source_layers), 1, row, dtype, groups)
+    if kv_selection + residual_dense <= budget and kv_smallest <= budget:
+        return "blocks", "dense", budget
+    residual_selection = selection_bytes(source_states, residual_targets, 1, hidden // 2, dtype)
+    residual_fit = fit_bytes(min(top_k, source_states), residual_targets, hidden, dtype, 1)
+    needed = max(kv_selection + residual_selection, kv_smallest + residual_fit)
+    if needed > budget:
+        raise StatisticsMemoryError(
+            f"layer recompute's residual statistics ({source_states} source hidden states × {residual_targets} "
+            f"target ones of {hidden} features) need {format_bytes(max(residual_selection, residual_fit))} beside "
+            f"the K/V statistics: {format_bytes(needed)} in all, but statistics_memory allows {format_bytes(budget)}; "
+            "raise statistics_memory, lower top_k, or calibrate fewer recompute_layers values"
+        )
+    return "blocks", "blocks", budget - residual_fit

@@ -16,12 +16,20 @@ import torch
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
-from .budget import available_bytes, check_budget, format_bytes, parse_bytes, plan_passes
-from .cache import cache_rows
+from .budget import available_bytes, check_budget, format_bytes, parse_bytes, plan_passes, plan_residual
+from .cache import cache_rows, forward_rows
 from .configuration import KVBridgeConfig
 from .constants import DEFAULT_CALIBRATION_DATA, HEAD_MODES
 from .data import describe_data, token_windows
 from .errors import CalibrationDataError, ConfigurationError, StatisticsError, StatisticsMemoryError
+from .layer_recompute import (
+    ResidualCollection,
+    fit_residual_map,
+    hidden_layout,
+    hidden_size,
+    normalize_recompute_layers,
+    residual_statistics,
+)
 from .layout import allowed_sources, check_matched, check_models, same_head_sources
 from .loading import model_reference, resolve_model_reference
 from .mappers import KVMapper, get_mapper_type
@@ -103,6 +111,8 @@ def _save_checkpoint(folder: Path, stats: list[KVStatistics], done: int, digest:
 
 
 def _load_checkpoint(folder: Path, digest: str, device, part_class=KVStatistics) -> tuple[list, int] | None:
+    """The statistics and the batches done of a checkpoint in `folder` (`None` if there is none); `part_class` is
+    the class of every part, or a list with the class of each."""
     record = folder / "progress.json"
     if not record.is_file():
         return None
@@ -112,7 +122,13 @@ def _load_checkpoint(folder: Path, digest: str, device, part_class=KVStatistics)
             f"checkpoint in {folder} belongs to other calibration data or settings; use another checkpoint_dir "
             "or delete it"
         )
-    stats = [part_class.load(folder / f"statistics-{i}.safetensors", device) for i in range(progress["parts"])]
+    classes = part_class if isinstance(part_class, list) else [part_class] * progress["parts"]
+    if len(classes) != progress["parts"]:
+        raise ConfigurationError(
+            f"checkpoint in {folder} holds {progress['parts']} statistics, this calibration keeps {len(classes)}; use "
+            "another checkpoint_dir or delete it"
+        )
+    stats = [cls.load(folder / f"statistics-{i}.safetensors", device) for i, cls in enumerate(classes)]
     return stats, int(progress["batches_done"])
 
 
@@ -132,6 +148,7 @@ def collect_statistics(
     make_parts=None,
     checkpoint_tag: str | None = None,
     gather_rows: bool = False,
+    residual: ResidualCollection | None = None,
 ) -> tuple[KVStatistics, ...]:
     """One pass of both models over `windows`, accumulating train and held-out statistics.
 
@@ -156,6 +173,10 @@ def collect_statistics(
             share of the batches, but the rows of each round of batches are all-gathered and every rank adds *all*
             of them to its own statistics (which may differ per rank: each holds the target layers it fits); no
             all-reduce at the end.
+        residual ([`ResidualCollection`], *optional*): also accumulate the residual statistics of layer recompute
+            (`hf_kvbridge.layer_recompute`) from the same forward passes: the two models' hidden states into
+            `residual.parts` (`[train, held-out]`, filled in place; each rank adds its own batches and they are
+            all-reduced at the end, also when `gather_rows`).
 
     Returns:
         `(train, heldout)` [`KVStatistics`], followed by `(reverse_train, reverse_heldout)` when `reverse`.
@@ -183,15 +204,23 @@ def collect_statistics(
         mine = [b for i, b in enumerate(batches) if i % world == rank]
     done = 0
     folder = digest = None
+    extra = list(residual.parts) if residual is not None else []  # checkpointed with the K/V statistics
     if checkpoint_dir is not None:
         folder = Path(checkpoint_dir) / (checkpoint_tag or "") / (f"rank{rank}-of-{world}" if world > 1 else "")
         digest = _windows_digest(windows, heldout_list, batch_size, reverse)
         if checkpoint_tag is not None:  # the pass's layers are part of what it sums
             layers = [part._key() if hasattr(part, "_key") else part.shape_key for part in parts]
             digest = hashlib.sha256(f"{digest}{checkpoint_tag}{layers}".encode()).hexdigest()
-        resumed = _load_checkpoint(folder, digest, statistics_device, type(parts[0]))
+        if residual is not None:  # and so are the residual statistics
+            kept = [residual.source_states, residual.target_states, [type(p).__name__ for p in extra]]
+            digest = hashlib.sha256(f"{digest}residual{kept}".encode()).hexdigest()
+        classes = [type(part) for part in parts + extra]
+        resumed = _load_checkpoint(folder, digest, statistics_device, classes)
         if resumed is not None:
-            parts, done = resumed
+            loaded, done = resumed
+            parts, extra = loaded[: len(parts)], loaded[len(parts) :]
+            if residual is not None:
+                residual.parts[:] = extra
             logger.info("resuming calibration from %s after %d batches", folder, done)
     forward_s = stats_s = 0.0
     with tqdm(total=len(mine), initial=done, desc="calibrating", unit="batch", disable=not progress) as bar:
@@ -200,30 +229,44 @@ def collect_statistics(
                 continue
             started = time.perf_counter()
             if gather:
-                rows = _gathered_rows(source, target, windows, step, rank, statistics_device)
+                rows, hidden = _gathered_rows(source, target, windows, step, rank, statistics_device, residual)
             else:
                 group, ids = step
                 batch = windows[ids]
-                x = cache_rows(source, batch, statistics_device)
-                rows = [(group, x, cache_rows(target, batch, statistics_device))]
+                hidden = None
+                if residual is None:
+                    x, y = cache_rows(source, batch, statistics_device), cache_rows(target, batch, statistics_device)
+                else:  # the same forward passes give the hidden states
+                    x, source_hidden = forward_rows(source, batch, statistics_device, hidden=True)
+                    y, target_hidden = forward_rows(target, batch, statistics_device, hidden=True)
+                    hidden = (group, *residual.rows(source_hidden, target_hidden))
+                    del source_hidden, target_hidden
+                rows = [(group, x, y)]
             forward_s += time.perf_counter() - started
             started = time.perf_counter()
             for group, x, y in rows:
                 parts[group].update(x, y)
                 if reverse:
                     parts[2 + group].update(y, x)
+            if hidden is not None:  # this rank's own batch only (all-reduced below)
+                residual.parts[hidden[0]].update(hidden[1], hidden[2])
             stats_s += time.perf_counter() - started
             bar.update(1)
             if folder is not None and ((index + 1) % checkpoint_every == 0 or index + 1 == len(mine)):
-                _save_checkpoint(folder, parts, index + 1, digest)
+                _save_checkpoint(folder, parts + (residual.parts if residual is not None else []), index + 1, digest)
     if world > 1 and not gather:
         for part in parts:
+            part.all_reduce_()
+    if world > 1 and residual is not None:
+        for part in residual.parts:
             part.all_reduce_()
     if timings is not None:
         timings["forward_seconds"] = timings.get("forward_seconds", 0.0) + forward_s
         timings["statistics_seconds"] = timings.get("statistics_seconds", 0.0) + stats_s
     for i, part in enumerate(parts):
         part.check_finite(("reverse " if i >= 2 else "") + ("held-out" if i % 2 else "train") + " statistics")
+    for i, part in enumerate(residual.parts if residual is not None else []):
+        part.check_finite(("held-out" if i % 2 else "train") + " residual statistics")
     return tuple(parts)
 
 
@@ -239,15 +282,22 @@ def _features_per_layer(src, tgt, head_mode: str, kv_mode: str) -> int:
     return heads * (2 if kv_mode == "joint" else 1) * src.head_dim
 
 
-def _gathered_rows(source, target, windows, step, rank, device) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
+def _gathered_rows(source, target, windows, step, rank, device, residual=None):
     """Runs this rank's batch of a round (`step`: one `(group, ids)` per rank) and all-gathers every rank's rows:
-    `[(group, x, y)]` in rank order, the same on every rank."""
+    `([(group, x, y)] in rank order, the same on every rank, hidden)`; `hidden` is this rank's own
+    `(group, source hidden rows, target hidden rows)` for `residual` (`None` without it or without a batch)."""
     import torch.distributed as dist
 
     world = dist.get_world_size()
+    hidden = None
     if rank < len(step):
         batch = windows[step[rank][1]]
-        x, y = cache_rows(source, batch, device), cache_rows(target, batch, device)
+        if residual is None:
+            x, y = cache_rows(source, batch, device), cache_rows(target, batch, device)
+        else:
+            x, source_hidden = forward_rows(source, batch, device, hidden=True)
+            y, target_hidden = forward_rows(target, batch, device, hidden=True)
+            hidden = (step[rank][0], *residual.rows(source_hidden, target_hidden))
     else:
         x = y = None
     widths = torch.tensor([-1, -1] if x is None else [x.shape[1], y.shape[1]], dtype=torch.long)
@@ -264,7 +314,44 @@ def _gathered_rows(source, target, windows, step, rank, device) -> list[tuple[in
         gathered = [torch.empty_like(padded) for _ in range(world)]
         dist.all_gather(gathered, padded)
         out.append(gathered)
-    return [(step[r][0], out[0][r][: lengths[r]], out[1][r][: lengths[r]]) for r in range(len(step))]
+    return [(step[r][0], out[0][r][: lengths[r]], out[1][r][: lengths[r]]) for r in range(len(step))], hidden
+
+
+def residual_collection(
+    kind, source, target, recompute_layers: list[int], device=None, dtype=torch.float32, sources=None
+) -> ResidualCollection:
+    """The residual statistics of layer recompute for `recompute_layers` to fill in a pass of `collect_statistics`
+    (`kind`: `KVStatistics`, `SelectionStatistics`, or `BlockStatistics` of the `sources` kept), with the hidden
+    states they read: every source hidden state, and the target's entering layer `L_t − n` for each `n`.
+
+    Example:
+
+    ```python
+    >>> residual = residual_collection(KVStatistics, source, target, [1, 2])  # doctest: +SKIP
+    >>> train, held = collect_statistics(source, target, windows, heldout=[0], residual=residual)  # doctest: +SKIP
+    >>> mapper, summary = fit_residual_map(*residual.parts, [1, 2], 32, 48, top_k=2)  # doctest: +SKIP
+    ```
+    """
+    source_states = source.config.get_text_config(decoder=True).num_hidden_layers + 1
+    target_layers = target.config.get_text_config(decoder=True).num_hidden_layers
+    shape = (hidden_size(source), hidden_size(target), source_states, len(recompute_layers))
+    return ResidualCollection(
+        list(range(source_states)),
+        [target_layers - n for n in recompute_layers],
+        [residual_statistics(kind, *shape, device=device, dtype=dtype, sources=sources) for _ in range(2)],
+    )
+
+
+def _with_residual(bridge: KVBridgeForCausalLM, fitted: tuple) -> KVBridgeForCausalLM:
+    """`bridge` with the residual map `fitted` (`fit_residual_map`'s `(mapper, summary)`), recorded in its config
+    (`residual_map`)."""
+    mapper, summary = fitted
+    config = copy.deepcopy(bridge.config)
+    config.residual_map = summary
+    logger.info(
+        "residual maps for recompute_layers %s: held-out R² %s", summary["recompute_layers"], summary["heldout_r2"]
+    )
+    return bridge.with_residual_mapper(mapper, config)
 
 
 def fit_bridge(
@@ -376,6 +463,7 @@ def fit_bridge_in_passes(
     config_kwargs: dict | None = None,
     keep_statistics: bool = False,
     kv_mode: str = "joint",
+    residual: tuple[list[int], str] | None = None,
 ) -> tuple[KVBridgeForCausalLM, tuple | None]:
     """Calibration on a memory budget (see `hf_kvbridge.budget`): a selection pass over `windows` picks the top-k
     source layers of each target layer from [`SelectionStatistics`], then fit passes accumulate
@@ -385,6 +473,11 @@ def fit_bridge_in_passes(
     Args:
         keep_statistics (`bool`, *optional*, defaults to `False`): return the `(train, held-out)` statistics when one
             pass held every target layer (a copy more while fitting).
+        residual (`tuple[list[int], str]`, *optional*): `(recompute_layers, mode)`: also fit the residual maps of
+            layer recompute for those values (`hf_kvbridge.layer_recompute`), from the same passes: dense statistics
+            in the selection pass (`mode="dense"`), or selection statistics there and the block statistics of the
+            selected source hidden states in the first fit pass (`"blocks"`; `budget.plan_residual` plans both).
+            The returned bridge holds them (`residual_mapper`, `config.residual_map`).
 
     Returns:
         `(bridge, statistics)`: `statistics` is `(train, held-out)` [`BlockStatistics`] or `None`.
@@ -403,6 +496,13 @@ def fit_bridge_in_passes(
         "checkpoint_dir": checkpoint_dir,
         "timings": timings,
     }
+    residual_layers, residual_mode = residual if residual else ([], None)
+    residual_kind = KVStatistics if residual_mode == "dense" else SelectionStatistics
+    collection = (
+        residual_collection(residual_kind, source, target, residual_layers, statistics_device, statistics_dtype)
+        if residual_layers
+        else None
+    )
     train, held = collect_statistics(
         source,
         target,
@@ -411,11 +511,30 @@ def fit_bridge_in_passes(
             SelectionStatistics(*shape, statistics_dtype, statistics_device, **target_heads) for _ in range(2)
         ],
         checkpoint_tag="selection",
+        residual=collection,
         **common,
     )
     # selection scores each source layer at one λ (the smallest of the auto grid's typical choices for "auto")
-    r2 = train.single_layer_r2(held, SELECTION_LAMBDA if ridge_lambda == "auto" else ridge_lambda)  # (L_t, L_s, 2)
+    selection_lambda = SELECTION_LAMBDA if ridge_lambda == "auto" else ridge_lambda
+    r2 = train.single_layer_r2(held, selection_lambda)  # (L_t, L_s, 2)
     del train, held
+    residual_fit = residual_fit_parts = None
+    residual_shape = (residual_layers, hidden_size(source), hidden_size(target))
+    if collection is not None and residual_mode == "dense":  # fitted from the selection pass's dense statistics
+        residual_fit = fit_residual_map(*collection.parts, *residual_shape, top_k=top_k, ridge_lambda=ridge_lambda)
+    elif collection is not None:  # selected now, fitted from block statistics that ride on the first fit pass
+        residual_r2 = collection.parts[0].single_layer_r2(collection.parts[1], selection_lambda)  # (N, L_s + 1, 2)
+        residual_selected = select_layers(residual_r2, top_k)
+        residual_fit_parts = residual_collection(
+            BlockStatistics,
+            source,
+            target,
+            residual_layers,
+            statistics_device,
+            statistics_dtype,
+            sources=sorted(set().union(*residual_selected)),
+        )
+    del collection
     selected = select_layers(r2, top_k, allowed_sources(src, tgt))
     groups = len(feature_groups(src.num_kv_heads, src.head_dim, head_mode, kv_mode, tgt.num_kv_heads, tgt.head_dim))
     passes = plan_passes(selected, row, statistics_memory, statistics_dtype, groups)
@@ -456,8 +575,19 @@ def fit_bridge_in_passes(
             make_parts=make_parts,
             checkpoint_tag=f"fit-{start // world}",
             gather_rows=True,
+            residual=residual_fit_parts if start == 0 else None,
             **common,
         )
+        if start == 0 and residual_fit_parts is not None:  # every rank holds them (all-reduced): fit them now
+            residual_fit = fit_residual_map(
+                *residual_fit_parts.parts,
+                *residual_shape,
+                top_k=top_k,
+                ridge_lambda=ridge_lambda,
+                selected_layers=residual_selected,
+                layer_r2=residual_r2,
+            )
+            residual_fit_parts = None
         for i in range(start, min(start + world, len(passes))):
             owner.update(dict.fromkeys(passes[i], i - start))
         if not targets:
@@ -510,6 +640,8 @@ def fit_bridge_in_passes(
     bridge = _assemble_bridge(
         source, target, mapper, r2, fitted_r2, top_k, ridge_lambda, ridge_lambdas, head_mode, hold_back, config_kwargs
     )
+    if residual_fit is not None:
+        bridge = _with_residual(bridge, residual_fit)
     return bridge, statistics
 
 
@@ -630,7 +762,33 @@ def calibrate(
             check_budget(budget, tgt.num_layers, src.num_layers, heads, dim, top_k, dtype, *modes, groups=groups)
         )
     mode = "dense" if set(plan) == {"dense"} else "blocks"
-    logger.info("calibration statistics: %s (budget %s)", mode, format_bytes(budget))
+    # layer recompute: the residual maps' statistics ride along the same passes (`budget.plan_residual`)
+    recompute_layers = normalize_recompute_layers(settings.recompute_layers, tgt.num_layers)
+    residual_mode, fit_budget = None, budget
+    if recompute_layers:
+        hidden_layout(hidden_size(source), "source")
+        hidden_layout(hidden_size(target), "target")
+        mode, residual_mode, fit_budget = plan_residual(
+            budget,
+            mode,
+            src.num_layers,
+            tgt.num_layers,
+            heads,
+            dim,
+            top_k,
+            dtype,
+            groups,
+            src.num_layers + 1,
+            len(recompute_layers),
+            max(hidden_size(source), hidden_size(target)),
+        )
+    turn_on = settings.recompute_layers if isinstance(settings.recompute_layers, int) else 0
+    logger.info(
+        "calibration statistics: %s%s (budget %s)",
+        mode,
+        f", residual maps for recompute_layers {recompute_layers}: {residual_mode}" if recompute_layers else "",
+        format_bytes(budget),
+    )
     if tokenizer is None:
         tokenizer = _shared_tokenizer(source, target)
     windows = token_windows(data, tokenizer, settings.num_sequences, settings.seq_len, text_field=settings.text_field)
@@ -673,6 +831,11 @@ def calibrate(
 
     provenance["transformers_version"] = transformers.__version__
     if mode == "dense":
+        residual = (
+            residual_collection(KVStatistics, source, target, recompute_layers, settings.statistics_device)
+            if recompute_layers
+            else None
+        )
         stats = collect_statistics(
             source,
             target,
@@ -684,11 +847,23 @@ def calibrate(
             reverse=settings.bidirectional,
             checkpoint_dir=settings.checkpoint_dir,
             timings=timings,
+            residual=residual,
         )
         statistics, reverse_statistics = stats[:2], stats[2:] or None
         bridge = fit_bridge(
             source, target, *statistics, **fit_kwargs, config_kwargs={**references, "calibration": provenance}
         )
+        if residual is not None:
+            fitted = fit_residual_map(
+                *residual.parts,
+                recompute_layers,
+                hidden_size(source),
+                hidden_size(target),
+                top_k=settings.top_k,
+                ridge_lambda=settings.ridge_lambda,
+            )
+            bridge = _with_residual(bridge, fitted)
+            del residual
         if settings.bidirectional:
             reverse = fit_bridge(
                 target,
@@ -714,10 +889,11 @@ def calibrate(
         bridge, statistics = fit_bridge_in_passes(
             source,
             target,
-            **passes,
+            **{**passes, "statistics_memory": fit_budget},
             checkpoint_dir=checkpoint,
             keep_statistics=want,
             config_kwargs={**references, "calibration": provenance},
+            residual=(recompute_layers, residual_mode) if recompute_layers else None,
         )
         if settings.bidirectional:
             reverse, reverse_statistics = fit_bridge_in_passes(
@@ -734,6 +910,7 @@ def calibrate(
                 f"statistics_memory={format_bytes(budget)} needed several passes over the data; raise "
                 "statistics_memory or use mapper_type='ridge'"
             )
+    bridge.config.recompute_layers = turn_on  # one calibrated value is turned on; a list leaves the choice to run time
     for part in [bridge] + ([reverse] if settings.bidirectional else []):
         part.config.calibration["forward_seconds"] = round(timings["forward_seconds"], 2)
         part.config.calibration["statistics_seconds"] = round(timings["statistics_seconds"], 2)

@@ -60,6 +60,14 @@ class KVBridgeConfig(PretrainedConfig):
         recompute_policy (`str`, *optional*, defaults to `"tail"`): which tokens it recomputes (`RECOMPUTE_POLICIES`).
         recompute_seed (`int`, *optional*, defaults to `0`): seed of the `"random"` policy's choice (each prefill
             draws from a generator seeded with it, so the same prompt gets the same tokens).
+        recompute_layers (`int`, *optional*, defaults to `0`): layer recompute (`hf_kvbridge.layer_recompute`): the
+            target computes its top `n` layers itself over the mapped span, from a residual stream mapped from the
+            source's hidden states, and gets mapped K/V for its lower layers only (cost: `n / L_t` of its prefill).
+            `0`: the plain bridge; the target's layer count: the target prefills the span itself; any other value
+            must be one the residual map was calibrated for (`residual_map["recompute_layers"]`).
+        residual_map (`dict`, *optional*): what the residual map (`residual.safetensors`) was calibrated for:
+            `recompute_layers` (the `n` values), `selected_layers` (per `n`, the source hidden states read), their
+            `selected_layer_r2`, the maps' `heldout_r2`, `ridge_lambda` / `ridge_lambdas` and both hidden sizes.
         calibration (`dict`, *optional*): provenance: data, number of sequences, sequence length, held-out
             sequences, seed, library versions, time.
         format_version (`int`): version of the checkpoint format.
@@ -100,6 +108,8 @@ class KVBridgeConfig(PretrainedConfig):
     recompute_fraction: float = 0.0
     recompute_policy: str = "tail"
     recompute_seed: int = 0
+    recompute_layers: int = 0
+    residual_map: dict | None = None
     calibration: dict | None = None
     format_version: int = FORMAT_VERSION
     mapper_sha256: dict | None = None
@@ -143,6 +153,7 @@ class KVBridgeConfig(PretrainedConfig):
             raise ConfigurationError(
                 f"recompute_policy must be one of {RECOMPUTE_POLICIES}, got {self.recompute_policy!r}"
             )
+        self._check_recompute_layers()
         if self.ridge_lambda != "auto" and (
             isinstance(self.ridge_lambda, bool) or not isinstance(self.ridge_lambda, (int, float))
         ):
@@ -157,3 +168,36 @@ class KVBridgeConfig(PretrainedConfig):
                 f"this checkpoint has format version {self.format_version}, newer than this hf_kvbridge supports "
                 f"({FORMAT_VERSION}); upgrade hf_kvbridge"
             )
+
+    def _check_recompute_layers(self) -> None:
+        layers = (self.target_fingerprint or {}).get("num_layers")
+        calibrated = [int(v) for v in (self.residual_map or {}).get("recompute_layers", [])]
+        check_recompute_layers(self.recompute_layers, layers, calibrated)
+
+
+def check_recompute_layers(n: Any, target_layers: int | None, calibrated: list[int]) -> int:
+    """Refuses a `recompute_layers` that is not an integer in `0 … target_layers` (when the target's layer count is
+    known) or that lies between the two ends without a residual map calibrated for it (naming the calibrated ones).
+
+    Example:
+
+    ```python
+    >>> check_recompute_layers(2, 8, calibrated=[1, 2])
+    2
+    ```
+    """
+    if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+        raise ConfigurationError(f"recompute_layers must be an integer ≥ 0 (top target layers), got {n!r}")
+    if target_layers is None or n == 0:
+        return n
+    if n > target_layers:
+        raise ConfigurationError(
+            f"recompute_layers={n} exceeds the target's {target_layers} layers; use a value in 0…{target_layers}"
+        )
+    if n < target_layers and n not in calibrated:
+        raise ConfigurationError(
+            f"recompute_layers={n} needs a residual map calibrated for it; this bridge has "
+            + (f"residual maps for recompute_layers {calibrated}" if calibrated else "none")
+            + f": use one of {[0, *calibrated, target_layers]}, or calibrate with recompute_layers={n}"
+        )
+    return n

@@ -3,6 +3,8 @@
 CONFIG_NAME = "config.json"
 MAPPER_WEIGHTS_NAME = "mapper.safetensors"
 MAPPER_WEIGHTS_INDEX_NAME = "mapper.safetensors.index.json"
+# the residual map of layer recompute (`hf_kvbridge.layer_recompute`), beside the K/V mapper when calibrated
+RESIDUAL_WEIGHTS_NAME = "residual.safetensors"
 MODEL_CARD_NAME = "README.md"
 # the shared tokenizer a checkpoint carries (so `AutoTokenizer.from_pretrained(bridge_dir)` works): whatever of these
 # `tokenizer.save_pretrained` writes

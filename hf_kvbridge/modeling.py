@@ -22,13 +22,21 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from .cache import CACHE_KWARG, cache_kwargs, output_cache
 from .configuration import KVBridgeConfig
 from .constants import CONFIG_NAME, DEFAULT_MAX_SHARD_SIZE, REVERSE_FOLDER
-from .errors import ContextLengthError, InvalidInputError, KVLayoutError, MapperError
+from .errors import ConfigurationError, ContextLengthError, InvalidInputError, KVLayoutError, MapperError
+from .layer_recompute import ResidualMapper, calibrated_layers, check_layer_recompute, hidden_size
 from .layout import KVLayout, check_fingerprint, check_models
 from .loading import execution_device, load_model
 from .mappers import KVMapper
 from .mappers.lazy import LazyKVMapper
 from .mapping import Workspace, map_cache
-from .persistence import load_mapper, push_folder_to_hub, read_checkpoint_config, resolve_checkpoint, save_bridge
+from .persistence import (
+    load_mapper,
+    load_residual_mapper,
+    push_folder_to_hub,
+    read_checkpoint_config,
+    resolve_checkpoint,
+    save_bridge,
+)
 from .plan import TransferPlan, plan_from_config
 from .session import HandoffSession
 from .transfer import left_padding, positions_from_mask, transfer_prefill
@@ -59,6 +67,29 @@ def converted_mapper(mapper: KVMapper, device: torch.device, dtype: torch.dtype)
     return copy.deepcopy(mapper, memo).to(device=device, dtype=dtype)
 
 
+def _check_residual_mapper(residual_mapper, config, source, target, source_name: str, target_name: str) -> None:
+    """Refuses a residual map that does not fit the two models (hidden sizes, source hidden states) or the config."""
+    sizes = (residual_mapper.source_hidden, residual_mapper.target_hidden)
+    if sizes != (hidden_size(source), hidden_size(target)):
+        raise MapperError(
+            f"the residual map maps hidden size {sizes[0]} to {sizes[1]}, but source {source_name!r} has "
+            f"{hidden_size(source)} and target {target_name!r} has {hidden_size(target)}; use the models it was "
+            "calibrated for"
+        )
+    states = {s for layers in residual_mapper.selected_layers for s in layers}
+    layers = source.config.get_text_config(decoder=True).num_hidden_layers
+    if states and max(states) > layers:
+        raise MapperError(
+            f"the residual map reads source hidden state {max(states)} but source {source_name!r} has {layers + 1}; "
+            "use the source it was calibrated for"
+        )
+    if calibrated_layers(config) != residual_mapper.recompute_layers:
+        raise MapperError(
+            f"the residual map holds recompute_layers {residual_mapper.recompute_layers} but config.residual_map "
+            f"records {calibrated_layers(config)}; pass the config it was saved with"
+        )
+
+
 # kwargs that AutoModelForCausalLM.from_pretrained forwards and that have no meaning for the bridge itself
 _AUTO_KWARGS = (
     "trust_remote_code",
@@ -85,6 +116,9 @@ class KVBridgeForCausalLM(nn.Module):
         source ([`PreTrainedModel`]): the model that prefills.
         target ([`PreTrainedModel`]): the model that decodes.
         mapper ([`KVMapper`]): maps content-space source KV rows to target KV rows.
+        residual_mapper ([`ResidualMapper`], *optional*): maps the source's hidden states to the residual stream
+            entering the target's top layers, for layer recompute (`config.recompute_layers`,
+            `hf_kvbridge.layer_recompute`).
 
     Example:
 
@@ -99,7 +133,14 @@ class KVBridgeForCausalLM(nn.Module):
     config_class = KVBridgeConfig
     main_input_name = "input_ids"
 
-    def __init__(self, config: KVBridgeConfig, source: PreTrainedModel, target: PreTrainedModel, mapper: KVMapper):
+    def __init__(
+        self,
+        config: KVBridgeConfig,
+        source: PreTrainedModel,
+        target: PreTrainedModel,
+        mapper: KVMapper,
+        residual_mapper: ResidualMapper | None = None,
+    ):
         super().__init__()
         source_name = config.source_name_or_path or source.config.name_or_path
         target_name = config.target_name_or_path or target.config.name_or_path
@@ -127,12 +168,19 @@ class KVBridgeForCausalLM(nn.Module):
                 f"mapper reads source layer {max(used)} but source {source_name!r} has "
                 f"{self.source_layout.num_layers} layers; use the source the mapper was calibrated for"
             )
+        if residual_mapper is not None:
+            _check_residual_mapper(residual_mapper, config, source, target, source_name, target_name)
+        check_layer_recompute(config, self.target_layout, residual_mapper)  # refused here, before any prompt
         self.config = config
         # the mapper lives in the target's dtype when that is a half type (matmuls accumulate in float32 anyway); a
         # mapper in another dtype or on another device is converted into a copy, never in the caller's hands
         half = target.dtype in (torch.bfloat16, torch.float16)
-        mapper = converted_mapper(mapper, execution_device(target), target.dtype if half else torch.float32)
+        dtype = target.dtype if half else torch.float32
+        mapper = converted_mapper(mapper, execution_device(target), dtype)
+        if residual_mapper is not None:
+            residual_mapper = converted_mapper(residual_mapper, execution_device(target), dtype)
         self.source, self.target, self.mapper = source, target, mapper
+        self.residual_mapper = residual_mapper
         self.reverse: KVBridgeForCausalLM | None = None  # target→source bridge, for handoffs both ways
         self.last_transfer: dict | None = None  # what the last prefill did (mapped vs target tokens, gate score)
         self.transfer_counts: dict[str, int] = {}  # prefills that transferred / fell back to the target
@@ -222,10 +270,41 @@ class KVBridgeForCausalLM(nn.Module):
             target_layout=self.target_layout,
         )
 
+    @torch.no_grad()
+    def map_residual(self, source_hidden_states, recompute_layers: int) -> torch.Tensor:
+        """The residual stream entering target layer `L_t − recompute_layers`, mapped from the source's hidden states
+        (`output_hidden_states` of the source: `L_s + 1` tensors of `(batch, seq, D_s)`) by the residual map of
+        layer recompute (`hf_kvbridge.layer_recompute`).
+
+        Returns:
+            `torch.Tensor` of shape `(batch, seq, D_t)` in the target's dtype, on its device.
+        """
+        if self.residual_mapper is None or recompute_layers not in self.residual_mapper.recompute_layers:
+            check_layer_recompute(self.config, self.target_layout, self.residual_mapper)  # names what is missing
+            calibrated = [] if self.residual_mapper is None else self.residual_mapper.recompute_layers
+            raise ConfigurationError(
+                f"no residual map for recompute_layers={recompute_layers}; this bridge has them for {calibrated}"
+            )
+        return self.residual_mapper.map_hidden(source_hidden_states, recompute_layers).to(self.device, self.dtype)
+
+    def check_recompute_layers(self) -> int:
+        """`config.recompute_layers`, after checking that this bridge can run it (`layer_recompute.
+        check_layer_recompute`: a calibrated value, full-attention top layers); raises otherwise."""
+        return check_layer_recompute(self.config, self.target_layout, self.residual_mapper)
+
     def with_mapper(self, mapper: KVMapper, config: KVBridgeConfig) -> KVBridgeForCausalLM:
         """A bridge over the same two models with another mapper and its config (a refit of this one), keeping the
-        calibration statistics, the single-layer R² matrix and the reverse bridge."""
-        new = type(self)(config, self.source, self.target, mapper)
+        residual map, the calibration statistics, the single-layer R² matrix and the reverse bridge."""
+        return self._rebuilt(config, mapper, self.residual_mapper)
+
+    def with_residual_mapper(self, residual_mapper: ResidualMapper | None, config: KVBridgeConfig):
+        """A bridge over the same two models and mapper with another residual map of layer recompute and its config
+        (whose `residual_map` records it), keeping the calibration statistics, the single-layer R² matrix and the
+        reverse bridge."""
+        return self._rebuilt(config, self.mapper, residual_mapper)
+
+    def _rebuilt(self, config, mapper, residual_mapper) -> KVBridgeForCausalLM:
+        new = type(self)(config, self.source, self.target, mapper, residual_mapper)
         for name in ("layer_r2", "calibration_statistics"):
             if hasattr(self, name):
                 setattr(new, name, getattr(self, name))
@@ -273,6 +352,7 @@ class KVBridgeForCausalLM(nn.Module):
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
         self.check_length(input_ids.shape[1])
+        self.check_recompute_layers()  # the config may have changed since the bridge was built
         plan = self.transfer_plan(input_ids.shape[1], padding=int(left_padding(attention_mask).max()))
         result = transfer_prefill(
             self.source,
@@ -283,6 +363,7 @@ class KVBridgeForCausalLM(nn.Module):
             attention_mask,
             position_ids=position_ids,
             source_logits=source_logits,
+            residual_fn=self.map_residual,
         )
         self.last_transfer = result.decision.as_dict()
         for key, count in result.decision.counts().items():
@@ -559,7 +640,8 @@ class KVBridgeForCausalLM(nn.Module):
                 name = getattr(config, f"{role}_name_or_path") or model.config.name_or_path
                 check_fingerprint(fingerprint, KVLayout.from_config(model.config), role, name)
         mapper = load_mapper(config, layout, folder, checksums, lazy=lazy_mapper)
-        bridge = cls(config, source_model, target_model, mapper)
+        residual_mapper = load_residual_mapper(config, folder, checksums)  # None without layer recompute
+        bridge = cls(config, source_model, target_model, mapper, residual_mapper)
         bridge.config.name_or_path = str(pretrained_model_name_or_path)
         if (folder / REVERSE_FOLDER / CONFIG_NAME).is_file():
             bridge.reverse = cls.from_pretrained(

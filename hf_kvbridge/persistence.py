@@ -8,6 +8,8 @@ holds exactly:
 - the mapper weights: `mapper.safetensors`, or, above `max_shard_size`, `mapper-00001-of-0000N.safetensors` shards
   and `mapper.safetensors.index.json` (`{"metadata": {"total_size": ...}, "weight_map": {tensor: shard}}`, the
   layout transformers uses for `model.safetensors.index.json`);
+- `residual.safetensors`: the residual map of layer recompute (`hf_kvbridge.layer_recompute`), when the bridge was
+  calibrated with `recompute_layers` (its sha256 is in `mapper_sha256` too);
 - `README.md`: the model card (`card.render_model_card`);
 - the shared tokenizer's files (`tokenizer.json`, `tokenizer_config.json`, ...), when the bridge knows its tokenizer,
   so `AutoTokenizer.from_pretrained(bridge_dir)` works;
@@ -41,6 +43,7 @@ from .constants import (
     MAPPER_WEIGHTS_INDEX_NAME,
     MAPPER_WEIGHTS_NAME,
     MODEL_CARD_NAME,
+    RESIDUAL_WEIGHTS_NAME,
     REVERSE_FOLDER,
     TOKENIZER_FILE_NAMES,
 )
@@ -52,6 +55,7 @@ from .errors import (
     InvalidInputError,
     MapperFileError,
 )
+from .layer_recompute import ResidualMapper
 from .layout import KVLayout
 from .loading import resolve_model_reference
 from .mappers import KVMapper, build_mapper, get_mapper_type
@@ -61,7 +65,7 @@ logger = logging.getLogger(__name__)
 
 SHARD_GLOB = "mapper-*-of-*.safetensors"
 # every file a checkpoint may hold; pushes upload these and nothing else
-WEIGHT_FILE_PATTERNS = [MAPPER_WEIGHTS_NAME, MAPPER_WEIGHTS_INDEX_NAME, SHARD_GLOB]
+WEIGHT_FILE_PATTERNS = [MAPPER_WEIGHTS_NAME, MAPPER_WEIGHTS_INDEX_NAME, SHARD_GLOB, RESIDUAL_WEIGHTS_NAME]
 CHECKPOINT_FILE_PATTERNS = [CONFIG_NAME, MODEL_CARD_NAME, *WEIGHT_FILE_PATTERNS, *TOKENIZER_FILE_NAMES]
 # what travels to and from the Hub: the checkpoint, and the reverse mapper of a bidirectional one
 HUB_FILE_PATTERNS = [*CHECKPOINT_FILE_PATTERNS, f"{REVERSE_FOLDER}/*"]
@@ -321,6 +325,14 @@ def save_bridge(
                 "mapper_type": bridge.config.mapper_type,
             },
         )
+        residual = getattr(bridge, "residual_mapper", None)
+        if residual is not None:  # the residual map of layer recompute, one small file beside the mapper
+            save_file(
+                {k: v.detach().to("cpu").contiguous() for k, v in sorted(residual.state_dict().items())},
+                tmp / RESIDUAL_WEIGHTS_NAME,
+                metadata={"format": "pt", "format_version": str(FORMAT_VERSION)},
+            )
+            checksums[RESIDUAL_WEIGHTS_NAME] = sha256_file(tmp / RESIDUAL_WEIGHTS_NAME)
         bridge.config.save_pretrained(tmp)
         config_dict = json.loads((tmp / CONFIG_NAME).read_text(encoding="utf-8"))
         config_dict[MAPPER_CHECKSUMS_KEY] = checksums
@@ -414,19 +426,49 @@ def load_mapper_weights(mapper: KVMapper, path: Path, checksums: dict[str, str] 
     """
     path = Path(path)
     folder = path if path.is_dir() else path.parent
-    state = read_mapper_state(folder, checksums)
+    _load_checked(mapper, read_mapper_state(folder, checksums), f"mapper weights in {folder}")
+
+
+def _load_checked(mapper: torch.nn.Module, state: dict[str, torch.Tensor], what: str) -> None:
+    """Loads `state` into `mapper` after checking names, shapes and finiteness (errors name `what`)."""
     expected = mapper.state_dict()
     missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
     if missing or unexpected:
-        raise MapperFileError(
-            f"mapper weights in {folder} do not fit the config: missing {missing[:4]}, unexpected {unexpected[:4]}"
-        )
+        raise MapperFileError(f"{what} do not fit the config: missing {missing[:4]}, unexpected {unexpected[:4]}")
     for key, tensor in state.items():
         if tensor.shape != expected[key].shape:
             raise MapperFileError(
-                f"mapper weights in {folder}: {key} has shape {tuple(tensor.shape)}, the config "
-                f"implies {tuple(expected[key].shape)}"
+                f"{what}: {key} has shape {tuple(tensor.shape)}, the config implies {tuple(expected[key].shape)}"
             )
         if not torch.isfinite(tensor).all():
-            raise MapperFileError(f"mapper weights in {folder}: {key} holds NaN/Inf")
+            raise MapperFileError(f"{what}: {key} holds NaN/Inf")
     mapper.load_state_dict(state)
+
+
+def load_residual_mapper(config: KVBridgeConfig, folder: Path, checksums: dict | None) -> ResidualMapper | None:
+    """The residual map of layer recompute a checkpoint folder holds (`residual.safetensors`, shaped by
+    `config.residual_map`), after verifying its sha256; `None` when the checkpoint was calibrated without one."""
+    if not getattr(config, "residual_map", None):
+        return None
+    path = Path(folder) / RESIDUAL_WEIGHTS_NAME
+    if not path.is_file():
+        raise MapperFileError(
+            f"{path} not found, but {CONFIG_NAME} records a residual map (residual_map); download or save the "
+            "checkpoint again"
+        )
+    if checksums:
+        if RESIDUAL_WEIGHTS_NAME not in checksums:
+            raise MapperFileError(f"residual map {path} has no sha256 in {CONFIG_NAME}")
+        actual = sha256_file(path)
+        if actual != checksums[RESIDUAL_WEIGHTS_NAME]:
+            raise MapperFileError(
+                f"residual map {path} fails its checksum: sha256 {actual}, {CONFIG_NAME} records "
+                f"{checksums[RESIDUAL_WEIGHTS_NAME]} (a damaged or partial download, or a file replaced after saving)"
+            )
+    try:
+        state = load_file(str(path))
+    except (SafetensorError, OSError, ValueError) as err:
+        raise MapperFileError(f"residual map {path} is corrupt or truncated: {err}") from err
+    mapper = ResidualMapper.from_config(config)
+    _load_checked(mapper, state, f"residual map {path}")
+    return mapper

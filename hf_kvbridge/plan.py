@@ -37,10 +37,13 @@ class TransferPlan:
         gate_threshold (`float`, *optional*), recompute_policy (`str`), recompute_seed (`int`): the knobs the
             transfer applies to these positions.
         kind (`str`, *optional*, defaults to `"source_prefill"`): where the mapped K/V come from.
+        recompute_layers (`int`, *optional*, defaults to `0`): the target's top layers that compute the whole mapped
+            span themselves, from a mapped residual stream (`hf_kvbridge.layer_recompute`); the mapped K/V then fill
+            only the layers below them. Equal to the target's layer count, the target prefills the span itself.
 
     Later kinds of transfer extend the plan rather than fork it: a cache fetched from a KV store is
     `kind="kv_store"` with the fetched prefix as its mapped span (`map_start` where the fetch begins); a recompute of
-    the top n layers adds a field (`recompute_layers`) next to `recompute_tokens`. Every consumer reads only the
+    the top n layers is the field `recompute_layers` next to `recompute_tokens`. Every consumer reads only the
     fields it knows, and `plan_transfer` stays the one place where positions are decided.
 
     Example:
@@ -61,6 +64,7 @@ class TransferPlan:
     recompute_policy: str = "tail"
     recompute_seed: int = 0
     kind: str = SOURCE_PREFILL
+    recompute_layers: int = 0
 
     @property
     def mapped_tokens(self) -> int:
@@ -94,6 +98,7 @@ def plan_transfer(
     recompute_fraction: float = 0.0,
     recompute_policy: str = "tail",
     recompute_seed: int = 0,
+    recompute_layers: int = 0,
 ) -> TransferPlan:
     """The [`TransferPlan`] of `length` prefilled tokens.
 
@@ -109,6 +114,7 @@ def plan_transfer(
             probe is the last `gate_probe_tokens` tokens.
         recompute_fraction (`float`), recompute_policy (`str`), recompute_seed (`int`): selective recompute of
             `ceil(recompute_fraction · mapped)` of the mapped tokens.
+        recompute_layers (`int`): layer recompute of the target's top layers over the mapped span.
     """
     length = max(0, int(length))
     sink_end = min(length, padding + sink_tokens) if sink_tokens else 0
@@ -130,6 +136,7 @@ def plan_transfer(
         gate_threshold=gate_threshold,
         recompute_policy=recompute_policy,
         recompute_seed=recompute_seed,
+        recompute_layers=int(recompute_layers) if map_end > sink_end else 0,
     )
 
 
@@ -145,6 +152,7 @@ def plan_from_config(length: int, config, *, start: int = 0, padding: int = 0) -
         recompute_fraction=float(config.recompute_fraction or 0.0),
         recompute_policy=config.recompute_policy,
         recompute_seed=int(config.recompute_seed),
+        recompute_layers=int(getattr(config, "recompute_layers", 0) or 0),
     )
 
 

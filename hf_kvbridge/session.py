@@ -14,8 +14,10 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
+from .attention import decoder_layers
 from .cache import cache_kwargs, output_cache, slice_cache
 from .errors import InvalidInputError
+from .layer_recompute import recompute_top_layers
 from .plan import plan_from_config
 from .transfer import probe_agreement, recompute_mapped
 
@@ -37,6 +39,7 @@ class HandoffTurn:
     gate_score: float | None = None  # the quality gate's probe cosine of this turn's mapping (`None`: no gate ran)
     fell_back: bool = False  # the gate refused the mapping and the model computed those tokens itself
     recomputed_tokens: int = 0  # mapped tokens this model then recomputed itself (`config.recompute_fraction`)
+    recomputed_layers: int = 0  # top layers this model computed over the mapped tokens (`config.recompute_layers`)
 
 
 @dataclass
@@ -68,7 +71,7 @@ def _recording(cache: DynamicCache) -> DynamicCache:
 
 def _no_sync() -> dict[str, Any]:
     """What `HandoffSession.last_sync` records before a sync has mapped anything."""
-    return {"mapped_tokens": 0, "recomputed_tokens": 0, "score": None, "fell_back": False}
+    return {"mapped_tokens": 0, "recomputed_tokens": 0, "recomputed_layers": 0, "score": None, "fell_back": False}
 
 
 def _crop(cache: DynamicCache, keep: int) -> None:
@@ -175,13 +178,21 @@ class HandoffSession:
         start, map_end, probe = plan.map_start, plan.map_end, plan.probe_tokens
         if plan.mapped_tokens == 0:  # the sinks and the probe cover the span: nothing to map, this model computes it
             return 0
+        top, num_layers = mapper.check_recompute_layers(), len(decoder_layers(mapper.target))
         positions = torch.arange(start, map_end, device=mapper.device).unsqueeze(0)
-        whole = (start, map_end) == (0, len(theirs.tokens))
-        piece = theirs.cache if whole else slice_cache(theirs.cache, start, map_end)
-        mine.cache = _recording(mapper.map_cache(piece, positions, target_cache=mine.cache))
-        mine.tokens = tokens[:map_end]
+        if top >= num_layers:  # every layer recomputed: this model computes the span itself
+            self._run(name, tokens[:map_end])
+        else:
+            whole = (start, map_end) == (0, len(theirs.tokens))
+            piece = theirs.cache if whole else slice_cache(theirs.cache, start, map_end)
+            mine.cache = _recording(mapper.map_cache(piece, positions, target_cache=mine.cache))
+            mine.tokens = tokens[:map_end]
+        if 0 < top < num_layers:  # the top layers compute the span from the residual mapped at each token
+            stream = mapper.map_residual(self._hidden_states(other, start, map_end), top)  # (1, span, D)
+            ones = torch.ones(1, map_end, dtype=torch.long, device=mapper.device)
+            recompute_top_layers(mapper.target, mine.cache, stream, ones, positions, start, num_layers - top)
         recomputed = 0
-        if plan.recompute_tokens:  # this model recomputes a share of the tokens it just mapped
+        if plan.recompute_tokens and top < num_layers:  # this model recomputes a share of the tokens it just mapped
             ids = torch.tensor([mine.tokens], device=mapper.device)  # (1, map_end)
             everything = torch.arange(map_end, device=mapper.device).unsqueeze(0)  # (1, map_end) positions
             recomputed = recompute_mapped(
@@ -217,9 +228,29 @@ class HandoffSession:
                 mine.tokens = tokens[:start]
                 self.last_sync["fell_back"] = True
                 return 0
-        self.last_sync["mapped_tokens"] = map_end - start - recomputed
+        mapped = 0 if top >= num_layers else map_end - start - recomputed
+        self.last_sync["mapped_tokens"] = mapped
         self.last_sync["recomputed_tokens"] = recomputed
-        return map_end - start - recomputed
+        self.last_sync["recomputed_layers"] = top
+        return mapped
+
+    @torch.no_grad()
+    def _hidden_states(self, name: str, start: int, end: int) -> tuple[torch.Tensor, ...]:
+        """`name`'s hidden states (`output_hidden_states`) of the conversation tokens `[start, end)` its cache holds,
+        recomputed over its cache of the tokens before them (a view: its cache is left as it is)."""
+        state, net = self.states[name], self.models[name]
+        past = slice_cache(state.cache, 0, start) if start > 0 else None
+        ids = torch.tensor([state.tokens[start:end]], device=net.device)
+        positions = torch.arange(start, end, device=net.device).unsqueeze(0)
+        out = net(
+            input_ids=ids,
+            position_ids=positions,
+            **cache_kwargs(past),
+            use_cache=past is not None,
+            logits_to_keep=1,
+            output_hidden_states=True,
+        )
+        return out.hidden_states
 
     def _run(self, name: str, tokens: list[int]) -> None:
         """Runs `name` over the tokens of `tokens` its cache lacks, appending to its cache."""
@@ -299,6 +330,7 @@ class HandoffSession:
             gate_score=self.last_sync["score"],
             fell_back=self.last_sync["fell_back"],
             recomputed_tokens=self.last_sync["recomputed_tokens"],
+            recomputed_layers=self.last_sync["recomputed_layers"],
         )
         self.turns.append(turn)
         return turn

@@ -73,6 +73,11 @@ class CalibrationSettings:
         keep_statistics (`bool`, *optional*, defaults to `False`): leave the statistics on the returned bridge as
             `bridge.calibration_statistics` (for studies and diagnostics; they can take gigabytes).
         progress (`bool`, *optional*, defaults to `False`): progress bars.
+        recompute_layers (`int` or `list[int]`, *optional*, defaults to `0`): also fit the residual map of layer
+            recompute (`hf_kvbridge.layer_recompute`) for these numbers of top target layers, from the same forward
+            passes: the bridge can then run `config.recompute_layers = n` for any of them (and for `0` and the
+            target's layer count, which need no map). One number also turns it on in the saved config; a list leaves
+            `config.recompute_layers` at `0` (pick one at run time). `0`: no residual map.
 
     Example:
 
@@ -132,6 +137,11 @@ class CalibrationSettings:
         False, help="leave the statistics on the returned bridge (bridge.calibration_statistics)", cli=False
     )
     progress: bool = _option(False, help="progress bars (the command line always shows them)", cli=False)
+    recompute_layers: int | list[int] = _option(
+        0,
+        help="fit the residual map of layer recompute for the top N target layers (a comma-separated list fits "
+        "several; one number also turns it on in the saved bridge); 0: none",
+    )
 
     def __post_init__(self):
         self.validate()
@@ -192,6 +202,14 @@ def _check_values(s: dict[str, Any]) -> None:
     fraction = s["heldout_fraction"]
     if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction < 1:
         raise ConfigurationError(f"heldout_fraction must lie strictly between 0 and 1, got {fraction!r}")
+    layers = s.get("recompute_layers", 0)
+    values = [layers] if isinstance(layers, int) and not isinstance(layers, bool) else layers
+    if not isinstance(values, (list, tuple)) or any(
+        not isinstance(n, int) or isinstance(n, bool) or n < 0 for n in values
+    ):
+        raise ConfigurationError(
+            f"recompute_layers must be an integer ≥ 0 or a list of them (top target layers), got {layers!r}"
+        )
     hold_back = s["hold_back"]
     if not isinstance(hold_back, int) or isinstance(hold_back, bool) or hold_back < 1:
         raise ConfigurationError(

@@ -5,6 +5,7 @@ returns the cache and its decision, and leaves no state anywhere.
 
 ```
 prompt ──source prefill──▶ source cache ──map (all but sinks and probe)──▶ target cache
+       (layer recompute: source hidden states ──residual map──▶ the target's top n layers over the mapped span)
        ──target runs the sinks and the probe──▶ gate: own vs mapped K/V of the probe ──▶ keep, or re-prefill
 ```
 """
@@ -20,8 +21,10 @@ import torch
 from torch import nn
 from transformers import Cache, DynamicCache
 
+from .attention import decoder_layers
 from .cache import cache_kwargs, output_cache, slice_cache
 from .errors import InvalidInputError
+from .layer_recompute import recompute_top_layers
 from .loading import execution_device
 from .plan import TransferPlan
 from .recompute import choose_tokens, probe_scores, recompute_tokens
@@ -70,9 +73,12 @@ class TransferDecision:
         transferred (`bool`): every row kept its mapped cache.
         rows_transferred (`list[bool]`): per row.
         mapped_tokens (`int`), target_tokens (`int`), recomputed_tokens (`int`): of the rows that transferred
-            (`0`, `length` and `0` when none did).
+            (`0`, `length` and `0` when none did). `mapped_tokens` counts the tokens whose lower layers hold mapped
+            K/V (none when the target computed all of its layers itself).
         score (`float`, *optional*): the lowest per-row gate score; scores (`list[float]`, *optional*): all of them.
         gate (`str`, *optional*): `None` without a gate, `"checked"` or `"skipped"` (see [`TransferPlan`]).
+        recomputed_layers (`int`, *optional*, defaults to `0`): the target's top layers that computed the mapped
+            span themselves (layer recompute; `0` when no row transferred).
     """
 
     transferred: bool
@@ -83,6 +89,7 @@ class TransferDecision:
     score: float | None
     scores: list[float] | None
     gate: str | None
+    recomputed_layers: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         """The decision as a plain dict (what `KVBridgeForCausalLM.last_transfer` holds)."""
@@ -107,6 +114,11 @@ class TransferResult:
 MapFunction = Callable[..., DynamicCache]
 """`map_fn(source_cache, position_ids, target_cache=None) -> DynamicCache`, e.g. `KVBridgeForCausalLM.map_cache`."""
 
+ResidualFunction = Callable[..., torch.Tensor]
+"""`residual_fn(source_hidden_states, recompute_layers) -> (B, T, D_t)`: the hidden state entering target layer
+`L_t − recompute_layers`, mapped from the source's hidden states of the same `T` tokens (`L_s + 1` tensors of
+`(B, T, D_s)`), e.g. `KVBridgeForCausalLM.map_residual`."""
+
 
 def left_padding(attention_mask: torch.Tensor) -> torch.Tensor:
     """Per-row left padding of a `(batch, seq)` mask: `(batch,)`."""
@@ -124,6 +136,7 @@ def transfer_prefill(
     *,
     position_ids: torch.LongTensor | None = None,
     source_logits: bool = True,
+    residual_fn: ResidualFunction | None = None,
 ) -> TransferResult:
     """Builds `target`'s cache for every token of `input_ids` as `plan` says, and returns it with its decision.
 
@@ -134,7 +147,10 @@ def transfer_prefill(
     computes the probe `[plan.map_end, length)` itself and compares its own K/V there with the mapped ones (cosine,
     mean over layers and tokens), row by row: a row below `plan.gate_threshold` drops its mapped K/V and gets the
     target's own prefill (fallback), the other rows keep theirs. `plan.recompute_tokens` of the mapped tokens are
-    recomputed by the target (`hf_kvbridge.recompute`).
+    recomputed by the target (`hf_kvbridge.recompute`). With `plan.recompute_layers = n` (layer recompute,
+    `hf_kvbridge.layer_recompute`), the target's top `n` layers then compute the mapped span themselves from the
+    residual `residual_fn` maps from the source's hidden states (the mapped K/V stay in the layers below), before the
+    token recompute; with `n` the target's layer count, the target prefills the span itself.
 
     Nothing here reads or writes a bridge: the caller records the decision (`KVBridgeForCausalLM.prefill` keeps it in
     `last_transfer` and `transfer_counts`).
@@ -149,6 +165,8 @@ def transfer_prefill(
             (default: `cumsum(mask) - 1`).
         source_logits (`bool`, *optional*, defaults to `True`): `False` computes the source's logits for the last
             position only (generation needs none).
+        residual_fn (`Callable`, *optional*): `residual_fn(source_hidden_states, n)` (see `ResidualFunction`),
+            needed when `0 < plan.recompute_layers <` the target's layer count.
 
     Returns:
         [`TransferResult`]: the target cache, the source outputs and the [`TransferDecision`].
@@ -169,6 +187,14 @@ def transfer_prefill(
                 "per token"
             )
         positions = position_ids.expand(batch, -1)
+    num_layers = len(decoder_layers(target))
+    top = plan.recompute_layers
+    residual = 0 < top < num_layers  # the top layers start from a mapped residual (at num_layers: the embeddings)
+    if residual and residual_fn is None:
+        raise InvalidInputError(
+            f"the plan recomputes the target's top {top} layers, which start from a mapped residual stream; pass "
+            "residual_fn (the bridge's map_residual)"
+        )
     src_device, device = execution_device(source), execution_device(target)
     source_out = source(
         input_ids=input_ids.to(src_device),
@@ -176,6 +202,7 @@ def transfer_prefill(
         position_ids=positions.to(src_device),
         use_cache=True,
         logits_to_keep=0 if source_logits else 1,
+        output_hidden_states=residual,
     )
     ids, mask, pos = input_ids.to(device), attention_mask.to(device), positions.to(device)
 
@@ -195,11 +222,19 @@ def transfer_prefill(
     if plan.gate == "skipped":
         logger.info("quality gate skipped: sink and probe tokens cover the %d-token prompt, nothing is mapped", length)
     cache = target_run(0, sink_end, None) if sink_end > 0 else None
-    if map_end > sink_end:
+    if map_end > sink_end and top >= num_layers:  # every layer recomputed: the target prefills the span itself
+        cache = target_run(sink_end, map_end, cache)
+    elif map_end > sink_end:
         piece = slice_cache(output_cache(source_out), sink_end, map_end)
         cache = map_fn(piece, pos[:, sink_end:map_end], target_cache=cache)
+        if residual:  # the top layers compute the span themselves, from the residual mapped at each token
+            states = [h[:, sink_end:map_end] for h in source_out.hidden_states]  # L_s + 1 × (B, span, D_s)
+            stream = residual_fn(states, top)  # (B, span, D_t)
+            recompute_top_layers(
+                target, cache, stream, mask[:, :map_end], pos[:, sink_end:map_end], sink_end, num_layers - top
+            )
     recomputed = 0
-    if plan.recompute_tokens and cache is not None:
+    if plan.recompute_tokens and cache is not None and top < num_layers:
         recomputed = recompute_mapped(
             target,
             cache,
@@ -230,15 +265,17 @@ def transfer_prefill(
                 cache = target_run(0, length, None)
             else:
                 _replace_rows(cache, target_run(0, length, None, rows=(~ok).to(device)), ~ok)
+    own_span = top >= num_layers  # no mapped K/V left anywhere
     decision = TransferDecision(
         transferred=bool(ok.all()),
         rows_transferred=ok.tolist(),
-        mapped_tokens=map_end - sink_end - recomputed if ok.any() else 0,
-        target_tokens=sink_end + probe + recomputed if ok.any() else length,
+        mapped_tokens=map_end - sink_end - recomputed if ok.any() and not own_span else 0,
+        target_tokens=sink_end + probe + recomputed if ok.any() and not own_span else length,
         recomputed_tokens=recomputed if ok.any() else 0,
         score=min(scores) if scores else None,
         scores=scores,
         gate=plan.gate,
+        recomputed_layers=top if ok.any() else 0,
     )
     return TransferResult(cache, source_out, decision)
 

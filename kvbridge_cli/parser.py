@@ -211,6 +211,8 @@ def _field_type(f: dataclasses.Field):
     def parse(value: str):
         if "None" in types and value.lower() == "none":
             return None
+        if "list[int]" in types and "," in value:  # a comma-separated list where the annotation takes one
+            return _comma_list(int, "integers")(value)
         for name, convert in (("int", int), ("float", float)):
             if name in types:
                 try:

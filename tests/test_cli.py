@@ -91,6 +91,7 @@ SAMPLES = {
     "statistics_device": ("cpu", "cpu"),
     "statistics_memory": ("16GB", "16GB"),
     "statistics_dtype": ("float64", "float64"),
+    "recompute_layers": ("1,2", [1, 2]),
 }
 CALIBRATE = ["calibrate", "src", "tgt", "--out", "o"]
 

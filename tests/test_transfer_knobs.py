@@ -49,6 +49,7 @@ def test_sink_tokens_are_the_targets_own(pair):
         "score": None,
         "scores": None,
         "gate": None,
+        "recomputed_layers": 0,
     }
 
 

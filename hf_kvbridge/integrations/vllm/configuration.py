@@ -255,7 +255,9 @@ def read_bridge_config(bridge: str, revision: str | None = None):
 def check_recompute(config, bridge: str) -> float:
     """The bridge's `recompute_fraction`, if vLLM can apply it: with the `"tail"` policy the recomputed tokens are
     the last mapped ones, which the target computes after the loaded prefix (a longer hold-back). Any other policy
-    picks tokens inside the prompt, and vLLM loads only a prefix: refused at start-up.
+    picks tokens inside the prompt, and vLLM loads only a prefix: refused at start-up. So is layer recompute
+    (`recompute_layers > 0`): vLLM runs every layer of the target over the tokens it computes and cannot run only
+    its top layers over the loaded ones (a store-only target cannot either).
 
     Example:
 
@@ -265,6 +267,14 @@ def check_recompute(config, bridge: str) -> float:
     0.1
     ```
     """
+    layers = int(getattr(config, "recompute_layers", 0) or 0)
+    if layers > 0:
+        raise ServingConfigError(
+            f"bridge {bridge} has recompute_layers={layers} (layer recompute: the target runs its top {layers} "
+            "layers over the mapped prompt from a mapped residual stream): vLLM runs all of the target's layers over "
+            "the tokens it computes and cannot run only the top ones over a loaded prefix; save the bridge with "
+            "recompute_layers=0 to serve it (or serve it with the transformers bridge)"
+        )
     fraction = float(getattr(config, "recompute_fraction", 0.0) or 0.0)
     policy = getattr(config, "recompute_policy", "tail")
     if fraction > 0 and policy != "tail":
