@@ -38,9 +38,10 @@ def wait_ready(port: int, proc: subprocess.Popen, timeout: float = 600) -> None:
     raise SystemExit(f"the engine on port {port} did not start within {timeout:.0f} s")
 
 
-def engine(bridge: str, role: str, port: int, store: str, log: Path, *extra: str) -> subprocess.Popen:
+def engine(bridge: str, role: str, port: int, store: str, chunk: int, log: Path, *extra: str) -> subprocess.Popen:
     command = [
-        sys.executable, "-m", "kvbridge_cli", "serve", bridge, "--role", role, "--store", store, *extra,
+        sys.executable, "-m", "kvbridge_cli", "serve", bridge, "--role", role, "--store", store,
+        "--chunk-size", str(chunk), *extra,
         "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--block-size", "32",
         "--max-model-len", "2048", "--kv-cache-memory-bytes", str(256 << 20), "--enforce-eager",
     ]  # fmt: skip
@@ -54,17 +55,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--switch-at", type=int, default=2, help="the first turn the target answers")
     parser.add_argument("--port", type=int, default=8701, help="the source's port; the target's is the next")
     parser.add_argument("--max-tokens", type=int, default=24)
+    parser.add_argument("--chunk-size", type=int, default=64, help="the store's chunk (the same on both engines)")
+    parser.add_argument("--context-tokens", type=int, default=600, help="a document the first turn asks about")
     args = parser.parse_args(argv)
 
     from openai import OpenAI
     from transformers import AutoTokenizer
 
+    from hf_kvbridge import pocket
     from hf_kvbridge.integrations.kv_store import start_local_server
     from hf_kvbridge.integrations.vllm import served_model
 
     tokenizer = AutoTokenizer.from_pretrained(served_model(args.bridge, "target"))
+    document = tokenizer.decode(tokenizer(pocket.load_texts("heldout")[0])["input_ids"][: args.context_tokens])
     users = [
-        "A list in Python is a mutable sequence. Explain what that means for a function that receives one.",
+        f"{document}\n\nWhat does this text explain?",
         "And a tuple?",
         "Which of the two can be a dictionary key, and why?",
         "Summarise the difference in one sentence.",
@@ -73,9 +78,15 @@ def main(argv: list[str] | None = None) -> int:
     logs.mkdir(exist_ok=True)
     with start_local_server(maxmemory="1gb") as store:
         procs = {
-            "source": engine(args.bridge, "source", args.port, store.url, logs / "source.log"),
+            "source": engine(args.bridge, "source", args.port, store.url, args.chunk_size, logs / "source.log"),
             "target": engine(
-                args.bridge, "target", args.port + 1, store.url, logs / "target.log", "--no-source-weights"
+                args.bridge,
+                "target",
+                args.port + 1,
+                store.url,
+                args.chunk_size,
+                logs / "target.log",
+                "--no-source-weights",
             ),
         }
         try:
