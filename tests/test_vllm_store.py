@@ -13,7 +13,9 @@ worker's source forward passes):
   computes the rest); a miss goes to the target;
 - a target with source weights: a partial hit maps the stored prefix plus the source's prefill of the rest from the
   fetched cache (`bridge.generate`'s tokens); a miss takes the cold path; a corrupt chunk falls back to the target
-  with a WARNING; then the store is stopped mid-run and the next requests take the cold path, never a crash.
+  with a WARNING; then the store is stopped mid-run and the next requests take the cold path, never a crash;
+- a conversation of 6 turns alternating two live engines of a bidirectional bridge (`role="both"`, each holding
+  only its own model) equals a `HandoffSession` of the same turns (greedy tokens, mapped token counts).
 """
 
 from __future__ import annotations
@@ -98,7 +100,8 @@ def serve_engine(spec: dict) -> None:
 
     from hf_kvbridge.integrations import vllm as kvb
 
-    serves = "source" if spec["options"]["role"] == "source" else "target"
+    options = spec["options"]
+    serves = "source" if options["role"] == "source" else options.get("serves", "target")
     llm = LLM(
         model=kvb.served_model(spec["bridge"], serves), kv_transfer_config=kvb.kv_transfer_config(spec["bridge"],
         **spec["options"]), dtype="float32", max_model_len=1024, block_size=BLOCK, enforce_eager=True,
@@ -186,9 +189,9 @@ def setup(tmp_path_factory, store_server):
     tokenizer = AutoTokenizer.from_pretrained(pocket.model_path("pocket-l"))
     bridge = calibrate(
         "pocket/pocket-s", "pocket/pocket-l", pocket.load_texts("calibration"), num_sequences=32, seq_len=256,
-        top_k=2, tokenizer=tokenizer,
+        top_k=2, tokenizer=tokenizer, bidirectional=True,
     )  # fmt: skip
-    bridge.save_pretrained(tmp / "bridge")
+    bridge.save_pretrained(tmp / "bridge")  # with reverse/: the conversation's engines run role "both"
     # full: exported whole (prompt and reply: 311 + 10 - 1 = 5 chunks); half: only its first half was exported;
     # miss: never; plain: sent to the source without opting in; corrupt: exported, then a chunk overwritten
     full, half, miss, plain, corrupt, late = _prompts(tokenizer, [311, 260, 200, 230, 190, 210], skip=3)
@@ -407,13 +410,9 @@ def conversation(setup, store_server):
     text = _prompts_from(setup, 800)
     first = 57  # 57 + 8 - 1 = 64
     users = [text[:first]] + [text[first + 24 * i : first + 24 * (i + 1)] for i in range(5)]  # 24 ≡ -8 + 0 (mod 32)
-    source = _Engine(
-        tmp, "conv-source", setup["bridge_dir"], {"role": "source", "store": url, "chunk_size": TURN_CHUNK}
-    )
-    target = _Engine(
-        tmp, "conv-target", setup["bridge_dir"],
-        {"role": "target", "store": url, "chunk_size": TURN_CHUNK, "source_weights": False},
-    )  # fmt: skip
+    both = {"role": "both", "store": url, "chunk_size": TURN_CHUNK}  # each engine holds its own model only
+    source = _Engine(tmp, "conv-source", setup["bridge_dir"], {**both, "serves": "source"})
+    target = _Engine(tmp, "conv-target", setup["bridge_dir"], {**both, "serves": "target"})
     turns, history = [], []
     try:
         for i, user in enumerate(users):
@@ -436,8 +435,13 @@ def _prompts_from(setup, n):
 
 
 def test_conversation_switching_engines_equals_a_handoff_session(setup, conversation):
+    """Both engines run role "both" (a bidirectional bridge). The target's turns are bridged and export nothing, so
+    the source's engine finds none of the target's KV in the store and computes what it has not seen itself, exact:
+    the session that matches it re-prefills on switches back to the source (no reverse mapper)."""
     bridge = KVBridgeForCausalLM.from_pretrained(setup["bridge_dir"], dtype=torch.float32)
+    assert bridge.reverse is not None
     session = _TokenSession(bridge)
+    session.mappers["source"] = None  # target → source: the source computes the tokens itself
     for turn in conversation:
         assert (len(turn["prompt"]) + REPLY - 1) % TURN_CHUNK == 0
         session.next_prompt = turn["prompt"]
