@@ -396,9 +396,15 @@ def test_vllm_refuses_layer_recompute_at_start_up():
     module = importlib.util.module_from_spec(spec)
     saved = sys.modules.get(package)
     sys.modules[package] = stub
+    saved_module = sys.modules.get(spec.name)
+    sys.modules[spec.name] = module  # dataclasses resolve annotations through the module's entry
     try:
         spec.loader.exec_module(module)
     finally:
+        if saved_module is None:
+            del sys.modules[spec.name]
+        else:
+            sys.modules[spec.name] = saved_module
         if saved is None:
             del sys.modules[package]
     assert module.check_recompute(KVBridgeConfig(recompute_fraction=0.1), "b") == 0.1
