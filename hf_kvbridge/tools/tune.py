@@ -512,8 +512,9 @@ def run_tune(
         load_kwargs: `from_pretrained` keywords for models given by name (`dtype`, `device_map`).
 
     Returns:
-        `dict` with `points` (every configuration: `settings`, `retention`, `cost`, `mapper_flops_per_token`,
-        `mapper_parameters`, `gap_recovered`, `gap_recovered_ci`), `pareto_front` (with `check_retention`,
+        `dict` with `points` (every configuration: `settings` with its `recompute_fraction` and `recompute_layers`,
+        `retention`, `cost`, `mapper_flops_per_token`, `residual_flops_per_token`, `mapper_parameters`,
+        `gap_recovered`, `gap_recovered_ci`), `pareto_front` (with `check_retention`,
         `check_gap_recovered`, `check_gap_recovered_ci`), `choice`, the reference NLLs of both window sets (target,
         no context, source), `source_target_gap` of both (the gap and whether the windows resolve it, else the
         reason the gap recovered is n/a) and the settings; and `bridge`, the chosen bridge (not in the JSON).
