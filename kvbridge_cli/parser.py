@@ -98,6 +98,14 @@ def _share(value: str) -> float:
     return number
 
 
+def _layer_count(value: str) -> int:
+    """A whole number ≥ 0 (top target layers recomputed)."""
+    number = _whole_number(value)
+    if number < 0:
+        raise argparse.ArgumentTypeError(f"{value} is not a whole number ≥ 0 (top target layers)")
+    return number
+
+
 def _ridge_lambda(value: str) -> str | float:
     """`auto` or a number ≥ 0."""
     if value == "auto":
@@ -461,7 +469,8 @@ def _add_bench(sub) -> None:
 def _add_tune(sub) -> None:
     tune = sub.add_parser(
         "tune",
-        help="search top-k, λ, kv mode, mapper, rank and recompute share from one calibration; save the choice",
+        help="search top-k, λ, kv mode, mapper, rank, recompute share and recomputed layers from one calibration; "
+        "save the choice",
     )
     tune.add_argument("source", help="source model (Hub id, local path, or pocket/<name>)")
     tune.add_argument("target", help="target model (Hub id, local path, or pocket/<name>)")
@@ -474,8 +483,9 @@ def _add_tune(sub) -> None:
     tune.add_argument(
         "--max-cost",
         type=_positive_float,
-        help="cost budget, FLOPs per context token (mapping + recompute) as a share of the target's own prefill; "
-        "alone: the best retention within it; with --min-retention: the cheapest meeting the target within it",
+        help="cost budget, FLOPs per context token (maps + recomputed tokens and layers) as a share of the target's "
+        "own prefill; alone: the best retention within it; with --min-retention: the cheapest meeting the target "
+        "within it",
     )
     tune.add_argument("--out", required=True, help="output folder for the chosen bridge checkpoint")
     tune.add_argument("--overwrite", action="store_true", help="replace bridge files in a non-empty --out")
@@ -506,6 +516,13 @@ def _add_tune(sub) -> None:
         help="ranks of the low-rank mapper ('none': ridge only)",
     )
     grid.add_argument("--recompute-fractions", type=_comma_list(_share, "shares in [0, 1]"), default=[0.0, 0.05, 0.1])
+    grid.add_argument(
+        "--recompute-layers",
+        type=_comma_list(_layer_count, "layer counts"),
+        default=[0, 1, 2],
+        help="top target layers the target recomputes over the whole context (layer recompute; their residual maps "
+        "are fitted in the calibration pass); 0: the plain bridge",
+    )
     settings = tune.add_argument_group("calibration settings (tune's defaults)")
     add_settings_options(settings, TUNE_SETTINGS)
     tune.add_argument("--tune-windows", type=_positive_int, default=16)

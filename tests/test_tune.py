@@ -12,7 +12,16 @@ from hf_kvbridge import KVBridgeForCausalLM, pocket
 from hf_kvbridge.cli.main import main
 from hf_kvbridge.errors import TuningError
 from hf_kvbridge.tools.evaluation import continuation_nll, heldout_windows
-from hf_kvbridge.tools.tune import Point, TuneGrid, choose, format_table, pareto_front, run_tune, split_windows
+from hf_kvbridge.tools.tune import (
+    Point,
+    TuneGrid,
+    choose,
+    format_table,
+    pareto_front,
+    run_tune,
+    split_windows,
+    target_flops_per_token,
+)
 
 
 def _point(name: str, retention: float, cost: float) -> Point:
@@ -85,7 +94,15 @@ def test_grid_caps_top_k_and_crosses_mappers_with_kv_modes():
         ("low_rank", "joint"),
         ("low_rank", "separate"),
     }
-    assert TuneGrid(top_k=(2,), ridge_lambdas=("auto",), ranks=(8,)).size(3) == 4 * 3
+    assert TuneGrid(top_k=(2,), ridge_lambdas=("auto",), ranks=(8,), recompute_layers=(0,)).size(3, 6) == 4 * 3
+
+
+def test_grid_crosses_token_with_layer_recompute_and_caps_the_layers():
+    grid = TuneGrid(recompute_fractions=(0.0, 0.1), recompute_layers=(0, 2, 9))
+    assert grid.layers(target_layers=6) == [0, 2, 6]
+    # n = L_t (the target's own prefill of the span) leaves nothing to recompute token by token: fraction 0 only
+    assert grid.recompute(target_layers=6) == [(0.0, 0), (0.0, 2), (0.1, 0), (0.1, 2), (0.0, 6)]
+    assert grid.size(3, 6) == len(grid.fits(3)) * 5
 
 
 def test_check_windows_come_from_other_documents():
@@ -100,7 +117,14 @@ def test_check_windows_come_from_other_documents():
 # -- end to end on the pocket family --------------------------------------------------------------------------------
 TARGET = 0.6  # s → m keeps ~0.85–0.95 of its context's benefit on these windows: a target it clearly meets
 SMALL = {"num_sequences": 16, "seq_len": 128, "context": 128, "continuation": 32}
-GRID = TuneGrid(top_k=(1, 2), ridge_lambdas=("auto",), kv_modes=("joint",), ranks=(16,), recompute_fractions=(0, 0.1))
+GRID = TuneGrid(
+    top_k=(1, 2),
+    ridge_lambdas=("auto",),
+    kv_modes=("joint",),
+    ranks=(16,),
+    recompute_fractions=(0, 0.1),
+    recompute_layers=(0,),
+)
 
 
 @pytest.fixture(scope="module")
@@ -127,7 +151,7 @@ def tuned(tmp_path_factory):
 def test_tune_saves_the_cheapest_configuration_meeting_the_target(tuned):
     result, folder = tuned
     written = json.loads((folder / "tune.json").read_text())
-    assert len(written["points"]) == GRID.size(3) == 8
+    assert len(written["points"]) == GRID.size(3, 6) == 8
     # recompute was applied when measuring: the same mapper scores differently with 10 % recomputed
     by_fit = {}
     for p in written["points"]:
@@ -178,7 +202,7 @@ def test_tune_reports_the_gap_recovered_beside_retention(tuned):
         assert (point["check_gap_recovered"] is not None) == gap["check"]["defined"], point
     header, *rows = format_table(written).splitlines()
     assert "| gap recovered (tune) | gap recovered (check) |" in header
-    assert len(rows) == len(written["pareto_front"]) + 1 and all(row.count("|") == 12 for row in rows)
+    assert len(rows) == len(written["pareto_front"]) + 1 and all(row.count("|") == 13 for row in rows)
     tuning = result["bridge"].config.calibration["tuning"]
     assert {"tuned_gap_recovered", "check_gap_recovered"} <= set(tuning)
 
@@ -199,6 +223,121 @@ def test_the_choice_meets_its_target_on_windows_it_was_not_tuned_on(tuned):
         assert gap is None
     else:
         assert gap == pytest.approx(tuning["check_gap_recovered"], abs=1e-4)
+
+
+# -- layer recompute in the grid -----------------------------------------------------------------------------------
+# pocket-s → pocket-l, the weak direction the issue is about: the bridge keeps ~0.4–0.6 of the context's benefit on
+# these windows, `n = L_t` (the target prefills the span itself) keeps all of it at cost 1. A budget of a whole prefill
+# admits it, so the best retention within the budget is that layer-recompute configuration: measured, not assumed.
+LAYER_GRID = TuneGrid(
+    top_k=(2,),
+    ridge_lambdas=("auto",),
+    kv_modes=("joint",),
+    ranks=(),
+    recompute_fractions=(0, 0.1),
+    recompute_layers=(0, 1, 8),
+)
+LARGE_LAYERS = 8
+
+
+@pytest.fixture(scope="module")
+def tuned_layers(tmp_path_factory):
+    torch.manual_seed(0)
+    folder = tmp_path_factory.mktemp("tune-layers")
+    lines = []
+    result = run_tune(
+        "pocket/pocket-s",
+        "pocket/pocket-l",
+        pocket.load_texts("calibration"),
+        pocket.load_texts("heldout"),
+        max_cost=1.0,
+        grid=LAYER_GRID,
+        tune_windows=8,
+        check_windows=8,
+        out=folder / "bridge",
+        json_path=folder / "tune.json",
+        progress=lines.append,
+        **SMALL,
+    )
+    return result, folder, lines
+
+
+def _by_recompute(points):
+    return {(p["settings"]["recompute_fraction"], p["settings"]["recompute_layers"]): p for p in points}
+
+
+def test_tune_picks_layer_recompute_when_it_is_the_best_within_the_budget(tuned_layers):
+    result, folder, _ = tuned_layers
+    written = json.loads((folder / "tune.json").read_text())
+    points = written["points"]
+    assert len(points) == LAYER_GRID.size(3, LARGE_LAYERS) == 5
+    best = max(p["retention"] for p in points if p["cost"] <= 1.0)
+    chosen = written["choice"]
+    assert chosen["retention"] == best and chosen["settings"]["recompute_layers"] == LARGE_LAYERS, chosen
+    assert chosen["cost"] == 1.0 and chosen["retention"] == pytest.approx(1.0, abs=5e-3)
+    # it won on the measurements: every other configuration keeps clearly less of the context's benefit
+    others = [p for p in points if p["settings"]["recompute_layers"] < LARGE_LAYERS]
+    assert max(p["retention"] for p in others) < 0.95
+    # the saved checkpoint runs the chosen layer recompute, and keeps the residual map of n = 1 for run time
+    bridge = KVBridgeForCausalLM.from_pretrained(folder / "bridge")
+    assert bridge.config.recompute_layers == LARGE_LAYERS
+    assert bridge.config.calibration["tuning"]["chosen"] == chosen["settings"]
+    assert bridge.config.residual_map["recompute_layers"] == [1] and bridge.residual_mapper is not None
+    tokenizer = AutoTokenizer.from_pretrained(pocket.model_path("pocket-l"))
+    _, check = split_windows(pocket.load_texts("heldout"), tokenizer, SMALL["context"] + SMALL["continuation"], 8, 8)
+    measured = continuation_nll(bridge, check, SMALL["context"])["context_benefit_retention"]
+    assert measured == pytest.approx(bridge.config.calibration["tuning"]["check_retention"], abs=1e-4)
+
+
+def test_the_cost_axis_counts_maps_recomputed_tokens_and_layers(tuned_layers):
+    result, folder, _ = tuned_layers
+    written = json.loads((folder / "tune.json").read_text())
+    by = _by_recompute(written["points"])
+    assert set(by) == {(0.0, 0), (0.0, 1), (0.1, 0), (0.1, 1), (0.0, LARGE_LAYERS)}
+    base = by[0.0, 0]
+    kv = base["mapper_flops_per_token"]
+    per_token = kv / base["cost"]  # the target's prefill FLOPs per token the costs are shares of
+    bridge = result["bridge"]
+    assert per_token == pytest.approx(target_flops_per_token(bridge.target.config, SMALL["context"]), rel=1e-9)
+    residual = by[0.0, 1]["residual_flops_per_token"]
+    # the residual map of n = 1: 2 × (k · D_s) × D_t with k = 2 pocket-s hidden states of 128 and D_t = 256
+    assert residual == 2 * (2 * 128) * 256 and base["residual_flops_per_token"] == 0
+    for (fraction, layers), point in by.items():
+        if layers == LARGE_LAYERS:  # nothing mapped: the target's own prefill of the span
+            assert point["cost"] == 1.0 and point["mapper_flops_per_token"] == point["residual_flops_per_token"] == 0
+            continue
+        expected = (kv + point["residual_flops_per_token"]) / per_token + fraction + layers / LARGE_LAYERS
+        assert point["cost"] == pytest.approx(expected, rel=1e-9), point
+    # layer recompute was applied when measuring: the same mapper scores differently with its top layer recomputed
+    for fraction in (0.0, 0.1):
+        assert by[fraction, 1]["retention"] != by[fraction, 0]["retention"]
+
+
+def test_the_saved_residual_map_is_the_one_measured(tuned_layers):
+    """Switched to n = 1 after loading, the checkpoint reproduces that configuration's tuning retention."""
+    _, folder, _ = tuned_layers
+    written = json.loads((folder / "tune.json").read_text())
+    bridge = KVBridgeForCausalLM.from_pretrained(folder / "bridge")
+    bridge.config.recompute_layers, bridge.config.recompute_fraction = 1, 0.0
+    tokenizer = AutoTokenizer.from_pretrained(pocket.model_path("pocket-l"))
+    tune, _ = split_windows(pocket.load_texts("heldout"), tokenizer, SMALL["context"] + SMALL["continuation"], 8, 8)
+    measured = continuation_nll(bridge, tune, SMALL["context"])
+    assert measured["context_benefit_retention"] == pytest.approx(
+        _by_recompute(written["points"])[0.0, 1]["retention"], abs=1e-4
+    )
+    assert bridge.last_transfer["recomputed_layers"] == 1
+
+
+def test_the_pareto_table_shows_the_recomputed_layers(tuned_layers):
+    _, folder, lines = tuned_layers
+    written = json.loads((folder / "tune.json").read_text())
+    header, _, *rows = format_table(written).splitlines()
+    columns = [c.strip() for c in header.strip("|").split("|")]
+    assert columns[4:6] == ["recompute", "top layers"]
+    layers = [int(row.strip("|").split("|")[5]) for row in rows]
+    assert layers == [p["settings"]["recompute_layers"] for p in written["pareto_front"]] and LARGE_LAYERS in layers
+    assert any("top layers 1 " in line for line in lines)  # the progress lines name them too
+    assert lines[-1] == format_table(written)
 
 
 # -- the command line -----------------------------------------------------------------------------------------------
@@ -234,6 +373,7 @@ def test_cli_needs_a_target_or_a_budget(tmp_path, capsys, monkeypatch):
         ("--ridge-lambdas", "auto,-1", "'auto' or a number"),
         ("--min-retention", "high", "not a number"),
         ("--ranks", "16,0", "positive whole number"),
+        ("--recompute-layers", "0,-1", "whole number ≥ 0"),
     ],
 )
 def test_cli_bad_grid_values_get_one_line(flag, value, needle, tmp_path, capsys, monkeypatch):
@@ -271,6 +411,8 @@ def test_cli_says_when_no_configuration_meets_the_target(tmp_path, capsys):
             "none",
             "--recompute-fractions",
             "0",
+            "--recompute-layers",
+            "0,1",
             "--num-sequences",
             "8",
             "--seq-len",
@@ -287,5 +429,6 @@ def test_cli_says_when_no_configuration_meets_the_target(tmp_path, capsys):
     )
     _one_line_error(capsys, code, 1, "no configuration reaches retention 5", "lower --min-retention")
     written = json.loads(report.read_text())
-    assert written["choice"] is None and len(written["points"]) == 1 and "error" in written
+    assert written["choice"] is None and len(written["points"]) == 2 and "error" in written
+    assert [p["settings"]["recompute_layers"] for p in written["points"]] == [0, 1]  # the grid's layer values
     assert not out.exists()  # nothing saved

@@ -1,21 +1,46 @@
 """`kvbridge tune`: search a grid of bridge configurations from one statistics pass and pick one by quality and cost.
 
-One calibration pass keeps its `(train, held-out)` statistics; every configuration of the grid is refitted from them
-(`fit_bridge`, `calibration.refit`; no further pass over the calibration data):
+One calibration pass keeps its `(train, held-out)` statistics, and fits the residual maps of layer recompute for the
+grid's `recompute_layers` values in the same pass (`CalibrationSettings.recompute_layers=[...]`); every
+configuration of the grid is refitted from them (`fit_bridge`, `calibration.refit`; no further pass over the
+calibration data):
 
-    top_k × ridge λ × kv_mode × mapper (ridge, low rank r) × recompute_fraction
+    top_k × ridge λ × kv_mode × mapper (ridge, low rank r) × recompute_fraction × recompute_layers
+
+The residual maps are not part of the search: one per `n`, fitted once (held-out selection of the largest grid top-k
+of the source's hidden states, auto λ) and shared by every K/V configuration. `recompute_layers = L_t` (the target
+prefills the mapped span itself) needs no map, and with it token recompute has nothing left to recompute, so it is
+measured at `recompute_fraction = 0` only.
 
 Each configuration is measured on *tuning* windows cut from held-out text (context-benefit retention,
-`tools/evaluation.py`), next to its cost: the FLOPs per context token of mapping it (`mapper.flops_per_token()`)
-plus those of the context tokens the target recomputes (`recompute_fraction` × the target's prefill FLOPs per token,
-to first order), as a share of the target's own prefill FLOPs per token (`tools/bench.prefill_flops`). A cost of 0.1
-means the transfer spends a tenth of what the target would spend prefilling the context itself; the source's
-prefill is not counted (it has run anyway when its cache is handed over).
+`tools/evaluation.py`), next to its cost (`cost`): the FLOPs per context token the transfer spends beyond the
+source's prefill, as a share of the target's own prefill FLOPs per token. The FLOP model (matmul FLOPs, from the
+configs and weight shapes alone):
+
+- the target's prefill per token, `T = tools/bench.prefill_flops(target config, context) / context`: per layer
+  2 × its attention and MLP weights, plus the attention products QKᵀ and AV (2 · 2 · q_dim per token and key, half
+  the context on average by causality); no embeddings, no LM head. Every layer has the same shape, so a layer is
+  `T / L_t`;
+- token recompute (`recompute_fraction = f`): the target runs `f` of the context through all its layers, `f · T`
+  (to first order: the recomputed tail attends to more than the average token);
+- layer recompute (`recompute_layers = n`): the target runs its top `n` layers over the whole context, `n / L_t · T`;
+  with token recompute too, the recomputed tokens pass through all layers again afterwards, so the two add:
+  `(f + n / L_t) · T`;
+- the mapper: 2 × the weights each token meets (`mapper.flops_per_token()`: the K/V maps of every target layer, as
+  the bridge maps all of them even where the top layers overwrite them) plus, for `0 < n < L_t`, the residual map of
+  that `n` (2 × its `k·D_s × D_t` weights; both in `map_flops_per_token`);
+- `n = L_t` maps nothing and recomputes everything: cost exactly 1.
+
+    cost = (mapper + residual map + (f + n / L_t) · T) / T
+
+A cost of 0.1 means the transfer spends a tenth of what the target would spend prefilling the context itself; the
+source's prefill is not counted (it has run anyway when its cache is handed over).
 
 The choice (`choose`): with `min_retention`, the cheapest configuration whose tuning retention reaches it (within
 `max_cost` when that is given too); with `max_cost` alone, the best retention within that cost. The chosen
 configuration is refitted on all the statistics (train and held-out, as every fit here is), measured again on
-*check* windows cut from other documents than the tuning windows, and saved as a normal bridge checkpoint whose
+*check* windows cut from other documents than the tuning windows, and saved as a normal bridge checkpoint (with the
+residual maps when the grid has any, so `config.recompute_layers` can also be changed after loading) whose
 `config.calibration["tuning"]` records the target, the chosen settings and both retentions.
 
 Every configuration also gets its gap recovered (`tools/evaluation.gap_recovered`: the share of the source → target
@@ -57,7 +82,11 @@ DEFAULT_LAMBDAS: tuple[float | str, ...] = ("auto", 1e-3, 1e-1)
 DEFAULT_KV_MODES = ("joint", "separate")
 DEFAULT_RANKS = (16, 32)
 DEFAULT_FRACTIONS = (0.0, 0.05, 0.1)
-COST_UNIT = "FLOPs per context token (mapping + target recompute) / the target's own prefill FLOPs per token"
+DEFAULT_RECOMPUTE_LAYERS = (0, 1, 2)
+COST_UNIT = (
+    "FLOPs per context token (K/V and residual maps + the target's recomputed tokens and layers) / the target's own "
+    "prefill FLOPs per token"
+)
 # documents read from the evaluation text (alternately into tuning and check windows)
 MAX_EVAL_DOCUMENTS = 2000
 
@@ -72,6 +101,20 @@ class TuneGrid:
         kv_modes (`tuple[str]`): `"joint"` and/or `"separate"` (ridge and low-rank maps alike).
         ranks (`tuple[int]`): ranks of the low-rank mapper (empty: ridge only).
         recompute_fractions (`tuple[float]`): shares of the mapped context the target recomputes (`tail` policy).
+        recompute_layers (`tuple[int]`): top target layers the target computes over the whole context (layer
+            recompute; capped at the target's layers, duplicates dropped). Their residual maps are fitted in the
+            calibration pass; `0` is the plain bridge, the target's layer count needs no map.
+
+    Example:
+
+    ```python
+    >>> grid = TuneGrid(top_k=(2,), ridge_lambdas=("auto",), kv_modes=("joint",), ranks=(),
+    ...                 recompute_fractions=(0.0, 0.1), recompute_layers=(0, 1, 8))
+    >>> grid.recompute(target_layers=8)  # n = L_t leaves nothing to recompute token by token
+    [(0.0, 0), (0.0, 1), (0.1, 0), (0.1, 1), (0.0, 8)]
+    >>> grid.size(source_layers=3, target_layers=8)
+    5
+    ```
     """
 
     top_k: tuple[int, ...] = DEFAULT_TOP_K
@@ -79,6 +122,18 @@ class TuneGrid:
     kv_modes: tuple[str, ...] = DEFAULT_KV_MODES
     ranks: tuple[int, ...] = DEFAULT_RANKS
     recompute_fractions: tuple[float, ...] = DEFAULT_FRACTIONS
+    recompute_layers: tuple[int, ...] = DEFAULT_RECOMPUTE_LAYERS
+
+    def layers(self, target_layers: int) -> list[int]:
+        """The `recompute_layers` values measured on a target of `target_layers` layers (capped, sorted, unique)."""
+        return sorted({min(int(n), target_layers) for n in self.recompute_layers})
+
+    def recompute(self, target_layers: int) -> list[tuple[float, int]]:
+        """Every `(recompute_fraction, recompute_layers)` pair measured with each fit; `n = L_t` at fraction 0 only
+        (the target prefills the span itself: no token is left to recompute)."""
+        layers = self.layers(target_layers)
+        pairs = [(float(f), n) for f, n in itertools.product(self.recompute_fractions, layers) if n < target_layers]
+        return pairs + ([(0.0, target_layers)] if target_layers in layers else [])
 
     def fits(self, source_layers: int) -> list[dict]:
         """Every mapper to fit, as `{"top_k", "ridge_lambda", "kv_mode", "mapper_type", "rank"}` (no recompute)."""
@@ -92,20 +147,23 @@ class TuneGrid:
             ]
         return mappers
 
-    def size(self, source_layers: int) -> int:
-        return len(self.fits(source_layers)) * len(self.recompute_fractions)
+    def size(self, source_layers: int, target_layers: int) -> int:
+        """How many configurations the grid measures."""
+        return len(self.fits(source_layers)) * len(self.recompute(target_layers))
 
 
 @dataclass
 class Point:
-    """One measured configuration: its settings, tuning retention and cost (see the module docstring), and its gap
-    recovered (reported beside retention, never optimised; `None` when undefined)."""
+    """One measured configuration: its settings, tuning retention and cost (see the module docstring; the K/V
+    mapper's and the residual map's FLOPs per token are kept apart), and its gap recovered (reported beside retention,
+    never optimised; `None` when undefined)."""
 
     settings: dict
     retention: float
     cost: float
     mapper_flops_per_token: int
     mapper_parameters: int
+    residual_flops_per_token: int = 0
     check_retention: float | None = None
     gap_recovered: float | None = None
     gap_recovered_ci: list[float] | None = None
@@ -185,7 +243,7 @@ def format_settings(settings: dict) -> str:
     mapper = settings["mapper_type"] + (f" r{settings['rank']}" if settings.get("rank") else "")
     return (
         f"{mapper}, k={settings['top_k']}, λ={settings['ridge_lambda']}, {settings['kv_mode']}, "
-        f"recompute {settings['recompute_fraction']:g}"
+        f"recompute {settings['recompute_fraction']:g}, top layers {settings.get('recompute_layers', 0)}"
     )
 
 
@@ -227,7 +285,8 @@ def _gap_text(value: float | None, ci: list[float] | None) -> str:
 
 
 def fit_candidate(base, statistics, settings: dict):
-    """The bridge of `settings` (mapper part and recompute fraction), refitted from `statistics` (train, held-out).
+    """The bridge of `settings` (mapper part, recompute fraction and recompute layers), refitted from `statistics`
+    (train, held-out), with `base`'s residual maps (fitted once, in the calibration pass).
 
     The fits select layers and choose λ on the held-out statistics and solve on train + held-out (`fit_bridge`):
     every candidate, and so the chosen one, is fitted on all the statistics.
@@ -245,20 +304,31 @@ def fit_candidate(base, statistics, settings: dict):
         hold_back=base.config.hold_back,
         config_kwargs=_references(base.config),
     )
+    if base.residual_mapper is not None:  # the same residual maps for every candidate (`config.residual_map`)
+        bridge = bridge.with_residual_mapper(base.residual_mapper, bridge.config)
     if settings["mapper_type"] == "low_rank":
         bridge = refit(bridge, "low_rank", rank=settings["rank"], statistics=statistics)
-    return with_recompute(bridge, settings.get("recompute_fraction", 0.0))
+    return with_recompute(bridge, settings.get("recompute_fraction", 0.0), settings.get("recompute_layers", 0))
 
 
-def with_recompute(bridge, fraction: float):
-    """A copy of `bridge` (same mapper) that recomputes `fraction` of its mapped context (the default `tail`)."""
+def with_recompute(bridge, fraction: float, layers: int = 0):
+    """A copy of `bridge` (same mappers) that recomputes `fraction` of its mapped context (the default `tail`) and
+    its target's top `layers` layers over all of it (a value its residual map was calibrated for, `0` or `L_t`)."""
     config = copy.deepcopy(bridge.config)
     config.recompute_fraction = float(fraction)
+    config.recompute_layers = int(layers)
     return bridge.with_mapper(bridge.mapper, config)
 
 
 def _references(config) -> dict:
-    keys = ("source_name_or_path", "source_revision", "target_name_or_path", "target_revision", "calibration")
+    keys = (
+        "source_name_or_path",
+        "source_revision",
+        "target_name_or_path",
+        "target_revision",
+        "calibration",
+        "residual_map",
+    )
     return {key: copy.deepcopy(getattr(config, key)) for key in keys}
 
 
@@ -267,9 +337,41 @@ def target_flops_per_token(target_config, context: int) -> float:
     return prefill_flops(target_config, context) / context
 
 
+def _recomputed_layers(config) -> tuple[int, int]:
+    """`(n, L_t)`: the layers `config` recomputes (capped at the target's) and the target's layer count."""
+    target_layers = int(config.target_fingerprint["num_layers"])
+    return min(int(config.recompute_layers or 0), target_layers), target_layers
+
+
+def map_flops_per_token(bridge) -> tuple[int, int]:
+    """`(K/V maps, residual map)`: matmul FLOPs per context token of the maps `bridge`'s transfer runs, 2 × the
+    weights a token meets: every target layer's K/V map (`mapper.flops_per_token()`), and the residual map of
+    `config.recompute_layers` when `0 < n < L_t`; `(0, 0)` for `n = L_t` (nothing is mapped)."""
+    n, target_layers = _recomputed_layers(bridge.config)
+    if n == target_layers:
+        return 0, 0
+    residual = bridge.residual_mapper
+    if n == 0 or residual is None or n not in residual.recompute_layers:
+        return bridge.mapper.flops_per_token(), 0
+    return bridge.mapper.flops_per_token(), 2 * residual.layers[residual.recompute_layers.index(n)].weight.numel()
+
+
 def cost(bridge, target_flops: float) -> float:
-    """FLOPs per context token of mapping plus recomputing, as a share of `target_flops` per token."""
-    return (bridge.mapper.flops_per_token() + bridge.config.recompute_fraction * target_flops) / target_flops
+    """FLOPs per context token the transfer of `bridge` spends (maps, recomputed tokens and layers), as a share of
+    the target's own prefill FLOPs per token `target_flops` (the FLOP model of the module docstring).
+
+    Example:
+
+    ```python
+    >>> cost(bridge, target_flops_per_token(bridge.target.config, 192))  # doctest: +SKIP
+    0.078
+    ```
+    """
+    layers, target_layers = _recomputed_layers(bridge.config)
+    if layers == target_layers:  # the target prefills the mapped span itself: nothing is mapped
+        return 1.0
+    recomputed = (float(bridge.config.recompute_fraction) + layers / target_layers) * target_flops
+    return (sum(map_flops_per_token(bridge)) + recomputed) / target_flops
 
 
 def measure_grid(
@@ -287,26 +389,29 @@ def measure_grid(
     reference = reference or reference_scores(base, windows, context)
     target_flops = target_flops_per_token(base.target.config, context)
     source_layers = base.config.source_fingerprint["num_layers"]
+    target_layers = base.config.target_fingerprint["num_layers"]
     points = []
     for fit in grid.fits(source_layers):
         mapped = fit_candidate(base, statistics, fit)
         parameters = sum(p.numel() for p in mapped.mapper.parameters())
-        for fraction in grid.recompute_fractions:
-            settings = {**fit, "recompute_fraction": float(fraction)}
-            bridge = with_recompute(mapped, fraction)
+        for fraction, layers in grid.recompute(target_layers):
+            settings = {**fit, "recompute_fraction": fraction, "recompute_layers": layers}
+            bridge = with_recompute(mapped, fraction, layers)
             kept, gap = measure_bridge(bridge, windows, context, reference)
+            kv_flops, residual_flops = map_flops_per_token(bridge)
             point = Point(
                 settings=settings,
                 retention=kept,
                 cost=cost(bridge, target_flops),
-                mapper_flops_per_token=bridge.mapper.flops_per_token(),
+                mapper_flops_per_token=kv_flops,
                 mapper_parameters=parameters,
+                residual_flops_per_token=residual_flops,
                 gap_recovered=gap.value,
                 gap_recovered_ci=gap.fields()["gap_recovered_ci"],
             )
             points.append(point)
             progress(
-                f"  {format_settings(settings):55s} retention {point.retention:.3f}  cost {point.cost:.3f}  gap "
+                f"  {format_settings(settings):70s} retention {point.retention:.3f}  cost {point.cost:.3f}  gap "
                 f"recovered {_gap_text(point.gap_recovered, point.gap_recovered_ci)}"
             )
     return points
@@ -334,11 +439,13 @@ def _point_json(point: Point) -> dict:
 
 def format_table(result: dict) -> str:
     """The Pareto table (markdown): every configuration no other beats on both retention and cost, cheapest first,
-    with its gap recovered [95% CI] beside (reported, not part of the front: "n/a" where undefined)."""
+    with its gap recovered [95% CI] beside (reported, not part of the front: "n/a" where undefined). "recompute" is the
+    share of the context the target recomputes, "top layers" the layers it recomputes over all of it, "map FLOPs /
+    token" the K/V mapper's plus the residual map's."""
     lines = [
-        "| mapper | top-k | λ | kv mode | recompute | mapper FLOPs / token | cost | retention (tune) "
+        "| mapper | top-k | λ | kv mode | recompute | top layers | map FLOPs / token | cost | retention (tune) "
         "| retention (check) | gap recovered (tune) | gap recovered (check) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     chosen = result.get("choice")
     for point in result["pareto_front"]:
@@ -352,9 +459,10 @@ def format_table(result: dict) -> str:
             if point.get("check_retention") is None
             else _gap_text(point.get("check_gap_recovered"), point.get("check_gap_recovered_ci"))
         )
+        flops = point["mapper_flops_per_token"] + point.get("residual_flops_per_token", 0)
         lines.append(
             f"| {mapper}{mark} | {s['top_k']} | {s['ridge_lambda']} | {s['kv_mode']} | {s['recompute_fraction']:.0%} "
-            f"| {point['mapper_flops_per_token']:,} | {point['cost']:.3f} | {point['retention']:.3f} | {check} "
+            f"| {s.get('recompute_layers', 0)} | {flops:,} | {point['cost']:.3f} | {point['retention']:.3f} | {check} "
             f"| {gap} | {check_gap} |"
         )
     return "\n".join(lines)
@@ -404,8 +512,9 @@ def run_tune(
         load_kwargs: `from_pretrained` keywords for models given by name (`dtype`, `device_map`).
 
     Returns:
-        `dict` with `points` (every configuration: `settings`, `retention`, `cost`, `mapper_flops_per_token`,
-        `mapper_parameters`, `gap_recovered`, `gap_recovered_ci`), `pareto_front` (with `check_retention`,
+        `dict` with `points` (every configuration: `settings` with its `recompute_fraction` and `recompute_layers`,
+        `retention`, `cost`, `mapper_flops_per_token`, `residual_flops_per_token`, `mapper_parameters`,
+        `gap_recovered`, `gap_recovered_ci`), `pareto_front` (with `check_retention`,
         `check_gap_recovered`, `check_gap_recovered_ci`), `choice`, the reference NLLs of both window sets (target,
         no context, source), `source_target_gap` of both (the gap and whether the windows resolve it, else the
         reason the gap recovered is n/a) and the settings; and `bridge`, the chosen bridge (not in the JSON).
@@ -427,6 +536,10 @@ def run_tune(
         raise InvalidInputError("pass min_retention (a quality target) or max_cost (a cost budget), or both")
     grid = grid or TuneGrid()
     started = time.perf_counter()
+    # the residual maps of the grid's layer-recompute values, fitted in the same calibration pass (`n = 0` and
+    # `n = L_t` need none)
+    target_layers = _num_layers(target)
+    residual = [n for n in grid.layers(target_layers) if 0 < n < target_layers]
     base = calibrate(
         source,
         target,
@@ -440,6 +553,7 @@ def run_tune(
         seed=seed,
         text_field=text_field,
         keep_statistics=True,
+        recompute_layers=residual or 0,
         **load_kwargs,
     )
     statistics = base.calibration_statistics
@@ -457,9 +571,10 @@ def run_tune(
     texts = list(itertools.islice(iter_texts(eval_data, text_field), MAX_EVAL_DOCUMENTS))
     tune_ids, check_ids = split_windows(texts, tokenizer, context + continuation, tune_windows, check_windows)
     source_layers = base.config.source_fingerprint["num_layers"]
+    maps = f" (residual maps for top layers {residual})" if residual else ""
     progress(
-        f"calibrated {base.config.source_name_or_path} → {base.config.target_name_or_path} in "
-        f"{time.perf_counter() - started:.0f}s; measuring {grid.size(source_layers)} configurations on "
+        f"calibrated {base.config.source_name_or_path} → {base.config.target_name_or_path}{maps} in "
+        f"{time.perf_counter() - started:.0f}s; measuring {grid.size(source_layers, target_layers)} configurations on "
         f"{len(tune_ids)} tuning windows of {context} + {continuation} tokens"
     )
     tune_reference = reference_scores(base, tune_ids, context)
@@ -537,6 +652,19 @@ def run_tune(
     return result
 
 
+def _num_layers(model) -> int:
+    """The decoder layers of `model` (a loaded model, or a reference `calibrate` loads: its config alone is read)."""
+    if isinstance(model, str | Path):
+        from transformers import AutoConfig
+
+        from ..loading import resolve_model_reference
+
+        config = AutoConfig.from_pretrained(resolve_model_reference(str(model)))
+    else:
+        config = model.config
+    return int(config.get_text_config(decoder=True).num_hidden_layers)
+
+
 def _check(base, statistics, point: Point, windows: torch.Tensor, context: int, reference: dict):
     """The bridge of `point`'s settings, refitted from `statistics`; records its retention and gap recovered on
     `windows` (`reference`: their `reference_scores`) on `point`."""
@@ -563,6 +691,7 @@ def run_tune_cli(args: argparse.Namespace) -> int:
         kv_modes=tuple(args.kv_modes),
         ranks=tuple(args.ranks),
         recompute_fractions=tuple(args.recompute_fractions),
+        recompute_layers=tuple(args.recompute_layers),
     )
     load_kwargs = {"dtype": args.dtype} if args.dtype else {}
     result = run_tune(
