@@ -142,6 +142,7 @@ def test_vllm_connector_claims_the_plans_positions(bridge, monkeypatch):
                 assert end == (plan.recompute_start if plan.mapped_tokens else 0)
                 if end > 0:  # the load's probe is the plan's: [map_end, length)
                     request = SimpleNamespace(request_id="r", num_prompt_tokens=prompt, prompt_token_ids=[0] * prompt)
-                    load = scheduler.load(request, 0, end, list(range(8)), {"r": prompt})
+                    claim = vllm.scheduler._Claim(0, end, 0, "prefill")  # the cold path's claim of [0, end)
+                    load = scheduler.load(request, 0, claim, list(range(8)), {"r": prompt})
                     want = (plan.map_end, plan.length) if plan.gate == "checked" else (end, end)
                     assert (load.probe_start, load.probe_end) == want
