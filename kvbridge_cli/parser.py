@@ -523,6 +523,17 @@ def _add_tune(sub) -> None:
         help="top target layers the target recomputes over the whole context (layer recompute; their residual maps "
         "are fitted in the calibration pass); 0: the plain bridge",
     )
+    grid.add_argument(
+        "--mlp-hidden",
+        type=_comma_list(_positive_int, "hidden widths", allow_empty=True),
+        default=[256],
+        help="hidden widths of MLP mappers, trained from each top-k's ridge fit at the first λ and kv mode ('none': "
+        "no MLP)",
+    )
+    grid.add_argument("--mlp-loss", choices=("attention", "mse"), default="attention", help="the MLPs' training loss")
+    grid.add_argument(
+        "--mlp-epochs", type=_positive_int, default=2, help="the MLPs' passes over the calibration windows"
+    )
     settings = tune.add_argument_group("calibration settings (tune's defaults)")
     add_settings_options(settings, TUNE_SETTINGS)
     tune.add_argument("--tune-windows", type=_positive_int, default=16)

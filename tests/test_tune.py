@@ -10,7 +10,7 @@ from transformers import AutoTokenizer
 
 from hf_kvbridge import KVBridgeForCausalLM, pocket
 from hf_kvbridge.cli.main import main
-from hf_kvbridge.errors import TuningError
+from hf_kvbridge.errors import InvalidInputError, TuningError
 from hf_kvbridge.tools.evaluation import continuation_nll, heldout_windows
 from hf_kvbridge.tools.tune import (
     Point,
@@ -93,8 +93,25 @@ def test_grid_caps_top_k_and_crosses_mappers_with_kv_modes():
         ("ridge", "separate"),
         ("low_rank", "joint"),
         ("low_rank", "separate"),
+        ("mlp", "joint"),  # the default grid has the MLP: one per top-k, on the first λ and kv mode
     }
-    assert TuneGrid(top_k=(2,), ridge_lambdas=("auto",), ranks=(8,), recompute_layers=(0,)).size(3, 6) == 4 * 3
+    mlp = [f for f in fits if f["mapper_type"] == "mlp"]
+    assert [(f["top_k"], f["hidden"], f["loss"], f["epochs"]) for f in mlp] == [
+        (2, 256, "attention", 2),
+        (3, 256, "attention", 2),
+    ]
+    grid = TuneGrid(top_k=(2,), ridge_lambdas=("auto",), ranks=(8,), recompute_layers=(0,))
+    assert grid.size(3, 6) == (4 + 1) * 3
+    assert (
+        TuneGrid(top_k=(2,), ridge_lambdas=("auto",), ranks=(8,), mlp_hidden=(), recompute_layers=(0,)).size(3, 6)
+        == 4 * 3
+    )
+
+
+@pytest.mark.parametrize("bad", [{"mlp_loss": "l1"}, {"mlp_hidden": (0,)}, {"mlp_epochs": 0}])
+def test_grid_refuses_bad_mlp_settings(bad):
+    with pytest.raises(InvalidInputError, match="mlp_"):
+        TuneGrid(**bad)
 
 
 def test_grid_crosses_token_with_layer_recompute_and_caps_the_layers():
@@ -122,6 +139,7 @@ GRID = TuneGrid(
     ridge_lambdas=("auto",),
     kv_modes=("joint",),
     ranks=(16,),
+    mlp_hidden=(),
     recompute_fractions=(0, 0.1),
     recompute_layers=(0,),
 )
@@ -225,6 +243,66 @@ def test_the_choice_meets_its_target_on_windows_it_was_not_tuned_on(tuned):
         assert gap == pytest.approx(tuning["check_gap_recovered"], abs=1e-4)
 
 
+# -- the MLP mapper in the grid ----------------------------------------------------------------------------------
+MLP_GRID = TuneGrid(
+    top_k=(1,),
+    ridge_lambdas=("auto",),
+    kv_modes=("joint",),
+    ranks=(),
+    mlp_hidden=(32,),
+    mlp_epochs=1,
+    recompute_fractions=(0.0, 0.1),
+    recompute_layers=(0,),
+)
+
+
+@pytest.fixture(scope="module")
+def tuned_mlp(tmp_path_factory):
+    torch.manual_seed(0)
+    folder = tmp_path_factory.mktemp("tune-mlp")
+    result = run_tune(
+        "pocket/pocket-s",
+        "pocket/pocket-m",
+        pocket.load_texts("calibration"),
+        pocket.load_texts("heldout"),
+        max_cost=1.0,
+        grid=MLP_GRID,
+        tune_windows=8,
+        check_windows=8,
+        out=folder / "bridge",
+        json_path=folder / "tune.json",
+        progress=lambda line: None,
+        **SMALL,
+    )
+    return result, folder
+
+
+def test_tune_trains_and_measures_the_mlp_mapper(tuned_mlp):
+    result, folder = tuned_mlp
+    written = json.loads((folder / "tune.json").read_text())
+    assert len(written["points"]) == MLP_GRID.size(3, 6) == 4
+    by = {(p["settings"]["mapper_type"], p["settings"]["recompute_fraction"]): p for p in written["points"]}
+    ridge, mlp = by["ridge", 0.0], by["mlp", 0.0]
+    assert mlp["settings"]["hidden"] == 32 and mlp["settings"]["loss"] == "attention"
+    # trained, not the ridge it starts from (its residual MLPs start at zero): another retention, more weights, and
+    # a cost that counts the MLP's FLOPs on top of the same ridge map
+    assert mlp["retention"] != pytest.approx(ridge["retention"], abs=1e-6)
+    assert mlp["mapper_parameters"] > ridge["mapper_parameters"]
+    assert mlp["mapper_flops_per_token"] > ridge["mapper_flops_per_token"] and mlp["cost"] > ridge["cost"]
+    # token recompute on top of the same trained MLP (measured with it, not a second training)
+    assert by["mlp", 0.1]["mapper_parameters"] == mlp["mapper_parameters"]
+    # the choice is the best within the budget; its checkpoint is the mapper that was measured
+    valid = [p for p in written["points"] if p["cost"] <= 1.0]
+    chosen = written["choice"]
+    assert chosen["retention"] == max(p["retention"] for p in valid)
+    bridge = KVBridgeForCausalLM.from_pretrained(folder / "bridge")
+    assert bridge.config.mapper_type == chosen["settings"]["mapper_type"]
+    tokenizer = AutoTokenizer.from_pretrained(pocket.model_path("pocket-m"))
+    _, check = split_windows(pocket.load_texts("heldout"), tokenizer, SMALL["context"] + SMALL["continuation"], 8, 8)
+    measured = continuation_nll(bridge, check, SMALL["context"])["context_benefit_retention"]
+    assert measured == pytest.approx(bridge.config.calibration["tuning"]["check_retention"], abs=1e-4)
+
+
 # -- layer recompute in the grid -----------------------------------------------------------------------------------
 # pocket-s → pocket-l, the weak direction the issue is about: the bridge keeps ~0.4–0.6 of the context's benefit on
 # these windows, `n = L_t` (the target prefills the span itself) keeps all of it at cost 1. A budget of a whole prefill
@@ -236,6 +314,7 @@ LAYER_GRID = TuneGrid(
     ranks=(),
     recompute_fractions=(0, 0.1),
     recompute_layers=(0, 1, 8),
+    mlp_hidden=(),
 )
 LARGE_LAYERS = 8
 

@@ -5,7 +5,12 @@ grid's `recompute_layers` values in the same pass (`CalibrationSettings.recomput
 configuration of the grid is refitted from them (`fit_bridge`, `calibration.refit`; no further pass over the
 calibration data):
 
-    top_k × ridge λ × kv_mode × mapper (ridge, low rank r) × recompute_fraction × recompute_layers
+    (top_k × ridge λ × kv_mode × mapper (ridge, low rank r) + top_k × MLP h) × recompute_fraction × recompute_layers
+
+The MLP mappers (`mlp_hidden`, one per hidden width and top-k, on the grid's first λ and kv mode, `mlp_loss`,
+`mlp_epochs`) are the one kind that needs more than the statistics: each is trained from its ridge fit on the
+calibration windows (`refit(..., "mlp", windows=...)`, re-running both models), once per configuration, and reused
+for its recompute values and its check.
 
 The residual maps are not part of the search: one per `n`, fitted once (held-out selection of the largest grid top-k
 of the source's hidden states, auto λ) and shared by every K/V configuration. `recompute_layers = L_t` (the target
@@ -69,7 +74,7 @@ from typing import Any
 import torch
 
 from ..calibration import calibrate, fit_bridge, refit
-from ..data import iter_texts
+from ..data import iter_texts, token_windows
 from ..errors import InvalidInputError, TuningError
 from ..statistics import KVStatistics
 from .bench.mapper import prefill_flops
@@ -83,6 +88,9 @@ DEFAULT_KV_MODES = ("joint", "separate")
 DEFAULT_RANKS = (16, 32)
 DEFAULT_FRACTIONS = (0.0, 0.05, 0.1)
 DEFAULT_RECOMPUTE_LAYERS = (0, 1, 2)
+DEFAULT_MLP_HIDDEN = (256,)
+DEFAULT_MLP_LOSS = "attention"  # the mapper comparison's best form (docs/mappers_and_diagnostics.md)
+DEFAULT_MLP_EPOCHS = 2
 COST_UNIT = (
     "FLOPs per context token (K/V and residual maps + the target's recomputed tokens and layers) / the target's own "
     "prefill FLOPs per token"
@@ -104,11 +112,15 @@ class TuneGrid:
         recompute_layers (`tuple[int]`): top target layers the target computes over the whole context (layer
             recompute; capped at the target's layers, duplicates dropped). Their residual maps are fitted in the
             calibration pass; `0` is the plain bridge, the target's layer count needs no map.
+        mlp_hidden (`tuple[int]`): hidden widths of MLP mappers, each trained from the ridge fit of every top-k at
+            the first λ and kv mode of the grid (empty: no MLP).
+        mlp_loss (`str`): the MLP's training loss, `"attention"` or `"mse"`.
+        mlp_epochs (`int`): the MLP's passes over the calibration windows.
 
     Example:
 
     ```python
-    >>> grid = TuneGrid(top_k=(2,), ridge_lambdas=("auto",), kv_modes=("joint",), ranks=(),
+    >>> grid = TuneGrid(top_k=(2,), ridge_lambdas=("auto",), kv_modes=("joint",), ranks=(), mlp_hidden=(),
     ...                 recompute_fractions=(0.0, 0.1), recompute_layers=(0, 1, 8))
     >>> grid.recompute(target_layers=8)  # n = L_t leaves nothing to recompute token by token
     [(0.0, 0), (0.0, 1), (0.1, 0), (0.1, 1), (0.0, 8)]
@@ -123,6 +135,19 @@ class TuneGrid:
     ranks: tuple[int, ...] = DEFAULT_RANKS
     recompute_fractions: tuple[float, ...] = DEFAULT_FRACTIONS
     recompute_layers: tuple[int, ...] = DEFAULT_RECOMPUTE_LAYERS
+    mlp_hidden: tuple[int, ...] = DEFAULT_MLP_HIDDEN
+    mlp_loss: str = DEFAULT_MLP_LOSS
+    mlp_epochs: int = DEFAULT_MLP_EPOCHS
+
+    def __post_init__(self):
+        from ..mappers.mlp import LOSSES
+
+        if self.mlp_loss not in LOSSES:
+            raise InvalidInputError(f"mlp_loss must be one of {LOSSES}, got {self.mlp_loss!r}")
+        if any(int(h) < 1 for h in self.mlp_hidden) or int(self.mlp_epochs) < 1:
+            raise InvalidInputError(
+                f"mlp_hidden widths and mlp_epochs must be ≥ 1, got {list(self.mlp_hidden)} and {self.mlp_epochs}"
+            )
 
     def layers(self, target_layers: int) -> list[int]:
         """The `recompute_layers` values measured on a target of `target_layers` layers (capped, sorted, unique)."""
@@ -136,7 +161,8 @@ class TuneGrid:
         return pairs + ([(0.0, target_layers)] if target_layers in layers else [])
 
     def fits(self, source_layers: int) -> list[dict]:
-        """Every mapper to fit, as `{"top_k", "ridge_lambda", "kv_mode", "mapper_type", "rank"}` (no recompute)."""
+        """Every mapper to fit, as `{"top_k", "ridge_lambda", "kv_mode", "mapper_type", "rank"}` (MLPs also
+        `"hidden"`, `"loss"`, `"epochs"`; no recompute)."""
         top_k = sorted({min(k, source_layers) for k in self.top_k})
         mappers = []
         for k, lam, kv in itertools.product(top_k, self.ridge_lambdas, self.kv_modes):
@@ -145,7 +171,20 @@ class TuneGrid:
                 {"top_k": k, "ridge_lambda": lam, "kv_mode": kv, "mapper_type": "low_rank", "rank": r}
                 for r in self.ranks
             ]
+        if self.ridge_lambdas and self.kv_modes:
+            lam, kv = self.ridge_lambdas[0], self.kv_modes[0]
+            mlp = {"loss": self.mlp_loss, "epochs": int(self.mlp_epochs)}
+            mappers += [
+                {"top_k": k, "ridge_lambda": lam, "kv_mode": kv, "mapper_type": "mlp", "rank": None, "hidden": int(h),
+                 **mlp}
+                for k in top_k
+                for h in self.mlp_hidden
+            ]  # fmt: skip
         return mappers
+
+    def has_mlp(self, source_layers: int) -> bool:
+        """Whether some fit of the grid trains an MLP (and so needs the calibration windows)."""
+        return any(f["mapper_type"] == "mlp" for f in self.fits(source_layers))
 
     def size(self, source_layers: int, target_layers: int) -> int:
         """How many configurations the grid measures."""
@@ -241,6 +280,7 @@ def choose(points: Sequence[Point], *, min_retention: float | None = None, max_c
 # -- measuring -----------------------------------------------------------------------------------------------------
 def format_settings(settings: dict) -> str:
     mapper = settings["mapper_type"] + (f" r{settings['rank']}" if settings.get("rank") else "")
+    mapper += f" h{settings['hidden']} {settings['loss']}" if settings.get("hidden") else ""
     return (
         f"{mapper}, k={settings['top_k']}, λ={settings['ridge_lambda']}, {settings['kv_mode']}, "
         f"recompute {settings['recompute_fraction']:g}, top layers {settings.get('recompute_layers', 0)}"
@@ -284,13 +324,33 @@ def _gap_text(value: float | None, ci: list[float] | None) -> str:
     return "n/a" if value is None else f"{value:.3f} [{ci[0]:.3f}, {ci[1]:.3f}]"
 
 
-def fit_candidate(base, statistics, settings: dict):
+def fit_candidate(base, statistics, settings: dict, *, windows: torch.Tensor | None = None, trained=None):
     """The bridge of `settings` (mapper part, recompute fraction and recompute layers), refitted from `statistics`
     (train, held-out), with `base`'s residual maps (fitted once, in the calibration pass).
 
     The fits select layers and choose λ on the held-out statistics and solve on train + held-out (`fit_bridge`):
-    every candidate, and so the chosen one, is fitted on all the statistics.
+    every candidate, and so the chosen one, is fitted on all the statistics. An MLP (`mapper_type="mlp"`) is then
+    trained from that ridge fit on `windows` (the calibration windows; seeded, so a refit is the same mapper); pass
+    a dict as `trained` to keep each trained MLP bridge there and reuse it for the same mapper settings.
     """
+    if settings["mapper_type"] == "mlp":
+        key = json.dumps({k: v for k, v in settings.items() if not k.startswith("recompute_")}, sort_keys=True)
+        if trained is not None and key in trained:
+            bridge = trained[key]
+        else:
+            if windows is None:
+                raise TuningError("an MLP configuration is trained on the calibration windows: pass windows=")
+            ridge = fit_candidate(base, statistics, {**settings, "mapper_type": "ridge", "recompute_fraction": 0.0,
+                                                     "recompute_layers": 0})  # fmt: skip
+            bridge = refit(
+                ridge, "mlp", windows=windows, hidden=settings["hidden"], loss=settings["loss"],
+                epochs=settings["epochs"], seed=0,
+            )  # fmt: skip
+            if base.residual_mapper is not None:
+                bridge = bridge.with_residual_mapper(base.residual_mapper, bridge.config)
+            if trained is not None:
+                trained[key] = bridge
+        return with_recompute(bridge, settings.get("recompute_fraction", 0.0), settings.get("recompute_layers", 0))
     train, heldout = statistics
     bridge = fit_bridge(
         base.source,
@@ -383,16 +443,19 @@ def measure_grid(
     *,
     reference: dict[str, float] | None = None,
     progress: Callable[[str], Any] = print,
+    calibration_windows: torch.Tensor | None = None,
+    trained: dict | None = None,
 ) -> list[Point]:
     """Every configuration of `grid`, fitted from `statistics` and measured on `windows` (`context` tokens of each
-    are the context, the rest the continuation scored); `reference` is `reference_scores` of those windows."""
+    are the context, the rest the continuation scored); `reference` is `reference_scores` of those windows. MLP
+    configurations are trained on `calibration_windows` (kept in `trained`, see `fit_candidate`)."""
     reference = reference or reference_scores(base, windows, context)
     target_flops = target_flops_per_token(base.target.config, context)
     source_layers = base.config.source_fingerprint["num_layers"]
     target_layers = base.config.target_fingerprint["num_layers"]
     points = []
     for fit in grid.fits(source_layers):
-        mapped = fit_candidate(base, statistics, fit)
+        mapped = fit_candidate(base, statistics, fit, windows=calibration_windows, trained=trained)
         parameters = sum(p.numel() for p in mapped.mapper.parameters())
         for fraction, layers in grid.recompute(target_layers):
             settings = {**fit, "recompute_fraction": fraction, "recompute_layers": layers}
@@ -577,8 +640,15 @@ def run_tune(
         f"{time.perf_counter() - started:.0f}s; measuring {grid.size(source_layers, target_layers)} configurations on "
         f"{len(tune_ids)} tuning windows of {context} + {continuation} tokens"
     )
+    trained: dict = {}  # the MLP bridges, trained once each: measured, then checked (and saved) as they are
+    calibration_windows = None
+    if grid.has_mlp(source_layers):
+        calibration_windows = token_windows(data, tokenizer, num_sequences, seq_len, text_field=text_field)
     tune_reference = reference_scores(base, tune_ids, context)
-    points = measure_grid(base, statistics, tune_ids, context, grid, reference=tune_reference, progress=progress)
+    points = measure_grid(
+        base, statistics, tune_ids, context, grid, reference=tune_reference, progress=progress,
+        calibration_windows=calibration_windows, trained=trained,
+    )  # fmt: skip
     front = pareto_front(points)
     result = {
         "source": base.config.source_name_or_path,
@@ -586,7 +656,7 @@ def run_tune(
         "min_retention": min_retention,
         "max_cost": max_cost,
         "cost_unit": COST_UNIT,
-        "grid": {key: list(value) for key, value in asdict(grid).items()},
+        "grid": {key: list(value) if isinstance(value, tuple) else value for key, value in asdict(grid).items()},
         "points": [_point_json(p) for p in points],
         "pareto_front": [_point_json(p) for p in front],
         "reference_nll": {"tune": _means(tune_reference)},
@@ -618,11 +688,11 @@ def run_tune(
     result["source_target_gap"]["check"] = source_target_gap(check_reference)
     bridge = None
     for point in front:
-        fitted = _check(base, statistics, point, check_ids, context, check_reference)
+        fitted = _check(base, statistics, point, check_ids, context, check_reference, calibration_windows, trained)
         if point is choice:
             bridge = fitted
     if bridge is None:  # not on the front: cannot happen with `choose` as it is, but never save an unchecked choice
-        bridge = _check(base, statistics, choice, check_ids, context, check_reference)
+        bridge = _check(base, statistics, choice, check_ids, context, check_reference, calibration_windows, trained)
     result["pareto_front"] = [_point_json(p) for p in front]
     result["choice"] = _point_json(choice)
     result["seconds"] = round(time.perf_counter() - started, 1)
@@ -665,10 +735,11 @@ def _num_layers(model) -> int:
     return int(config.get_text_config(decoder=True).num_hidden_layers)
 
 
-def _check(base, statistics, point: Point, windows: torch.Tensor, context: int, reference: dict):
-    """The bridge of `point`'s settings, refitted from `statistics`; records its retention and gap recovered on
-    `windows` (`reference`: their `reference_scores`) on `point`."""
-    bridge = fit_candidate(base, statistics, point.settings)
+def _check(base, statistics, point: Point, windows: torch.Tensor, context: int, reference: dict,
+           calibration_windows=None, trained=None):  # fmt: skip
+    """The bridge of `point`'s settings, refitted from `statistics` (an MLP: the one trained for the grid); records
+    its retention and gap recovered on `windows` (`reference`: their `reference_scores`) on `point`."""
+    bridge = fit_candidate(base, statistics, point.settings, windows=calibration_windows, trained=trained)
     point.check_retention, gap = measure_bridge(bridge, windows, context, reference)
     point.check_gap_recovered, point.check_gap_recovered_ci = gap.value, gap.fields()["gap_recovered_ci"]
     return bridge
@@ -692,6 +763,9 @@ def run_tune_cli(args: argparse.Namespace) -> int:
         ranks=tuple(args.ranks),
         recompute_fractions=tuple(args.recompute_fractions),
         recompute_layers=tuple(args.recompute_layers),
+        mlp_hidden=tuple(args.mlp_hidden),
+        mlp_loss=args.mlp_loss,
+        mlp_epochs=args.mlp_epochs,
     )
     load_kwargs = {"dtype": args.dtype} if args.dtype else {}
     result = run_tune(
