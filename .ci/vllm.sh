@@ -7,15 +7,48 @@
 # Runs tests/test_vllm.py (vLLM engines on the pocket models), tests/test_vllm_store.py (the warm path: a source and a
 # target engine around a real redis-server), tests/test_vllm_serving.py (one `kvbridge serve` under load and faults),
 # the inference-mode and plan tests (the connector plans as bridge.prefill does) and the docs' `runs-offline: vllm`
-# blocks (a served pocket bridge). A few minutes.
+# blocks (a served pocket bridge), one test file per pytest-xdist worker (`--dist loadfile`: each file's module
+# fixtures, its engines and store server, stay in one process). A few minutes.
+#
+#   bash .ci/vllm.sh           build .venv-vllm, then run the tests
+#   bash .ci/vllm.sh --build   build .venv-vllm only, and write its exit status to .venv-vllm.rc (`.ci/run` starts
+#                              this in the background while the main suite runs; the plain form then waits for that
+#                              build and reuses it instead of building again)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-rm -rf .venv-vllm
 export PIP_DISABLE_PIP_VERSION_CHECK=1
-python3 -m venv .venv-vllm
+
+build() {
+    rm -rf .venv-vllm
+    python3 -m venv .venv-vllm
+    .venv-vllm/bin/pip install -q torch==2.13.0
+    .venv-vllm/bin/pip install -q -e ".[test,vllm]"
+    .venv-vllm/bin/pip uninstall -y -q torchvision torchaudio torchcodec
+}
+
+if [ "${1:-}" = "--build" ]; then
+    rm -f .venv-vllm.rc
+    status=0
+    build || status=$?
+    echo "$status" > .venv-vllm.rc
+    exit "$status"
+fi
+
+if [ -f .venv-vllm.building ]; then  # a background build started by .ci/run: wait for its status (at most 20 min)
+    for _ in $(seq 1200); do [ -f .venv-vllm.rc ] && break; sleep 1; done
+    [ -f .venv-vllm.rc ] || { echo "vllm.sh: the background build of .venv-vllm did not finish" >&2; exit 1; }
+    rc=$(cat .venv-vllm.rc)
+    rm -f .venv-vllm.building .venv-vllm.rc
+    if [ "$rc" != 0 ]; then
+        echo "vllm.sh: the background build of .venv-vllm failed (status $rc); its log follows" >&2
+        cat .venv-vllm.log >&2 || true
+        exit 1
+    fi
+else
+    build
+fi
+
 . .venv-vllm/bin/activate
-pip install -q torch==2.13.0
-pip install -q -e ".[test,vllm]"
-pip uninstall -y -q torchvision torchaudio torchcodec
 python -c "import vllm, torch, transformers; print('vllm', vllm.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__)"
-HF_HUB_OFFLINE=1 python -m pytest -q tests/test_vllm.py tests/test_vllm_store.py tests/test_vllm_serving.py tests/test_inference_mode.py tests/test_plan.py "tests/test_readme.py::test_page_vllm_blocks_run"
+HF_HUB_OFFLINE=1 python -m pytest -q -n 2 --dist loadfile tests/test_vllm.py tests/test_vllm_store.py \
+    tests/test_vllm_serving.py tests/test_inference_mode.py tests/test_plan.py "tests/test_readme.py::test_page_vllm_blocks_run"
