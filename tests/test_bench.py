@@ -133,6 +133,7 @@ def test_bench_cli_old_vs_new_writes_both_defaults(tmp_path, capsys, monkeypatch
     assert main([*common, "--old-vs-new", "--json", str(out)]) == 0
     payload = json.loads(out.read_text())
     assert payload["old_default"] == bench.OLD_DEFAULT and payload["new_default"] == bench.NEW_DEFAULT
+    assert payload["cpu_bf16_units"] == bench.cpu_bf16_units() and payload["cpu_capability"]
     rows = payload["old_vs_new"]
     assert [r["context_tokens"] for r in rows] == [16, 24]
     for row in rows:
@@ -144,20 +145,24 @@ def test_bench_cli_old_vs_new_writes_both_defaults(tmp_path, capsys, monkeypatch
 
 
 def test_bench_old_vs_new_times_each_path(monkeypatch):
-    """Each column is its own path's time: the old one slowed by a known delay grows by it, the new one does not."""
+    """Each column is its own path's time: the old path slowed by 0.05 s and the new one by 0.4 s, each column grows
+    by its own delay (the old one stays below the new one)."""
     from hf_kvbridge import mapping
     from hf_kvbridge.tools.bench.mapper import old_vs_new
 
     bridge = random_bridge(qwen3(layers=2).config, qwen3(layers=3, hidden=48).config, top_k=2)
-    real = mapping.map_cache
 
-    def slowed(*args, **kwargs):
-        time.sleep(0.1)
-        return real(*args, **kwargs)
+    def slowed(fn, seconds):
+        def run(*args, **kwargs):
+            time.sleep(seconds)
+            return fn(*args, **kwargs)
 
-    monkeypatch.setattr(mapping, "map_cache", slowed)  # what the old path calls; the bridge's own import is bound
+        return run
+
+    monkeypatch.setattr(mapping, "map_cache", slowed(mapping.map_cache, 0.05))  # the old path calls this one
+    monkeypatch.setattr(bridge, "map_cache", slowed(bridge.map_cache, 0.4))  # the new path is the bridge's own
     (row,) = old_vs_new(bridge, [16], repeats=2, warmup=0)
-    assert row["old_default_s"] >= 0.1 > row["new_default_s"]
+    assert 0.05 <= row["old_default_s"] < row["new_default_s"] and row["new_default_s"] >= 0.4
 
 
 def test_bench_old_vs_new_refuses_interleave(capsys, monkeypatch):
