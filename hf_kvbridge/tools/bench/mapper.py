@@ -39,13 +39,22 @@ QWEN3_SHAPES = {
 }
 
 
+# Small shapes of the same form: 3 and 8 layers with 2 KV heads × 64, the KV layout of issue 25's held-out mapper
+# pair (the mapper's time depends on the layers and the KV layout only; hidden and MLP sizes are ours).
+SMALL_SHAPES = {
+    "small-3l-2x64": (3, 256, 4, 2, 64, 512),
+    "small-8l-2x64": (8, 256, 4, 2, 64, 512),
+}
+
+
 def qwen3_shape_config(name: str, vocab_size: int = 1024, max_positions: int = 40960) -> PretrainedConfig:
-    """A `Qwen3Config` with the shape of a public Qwen3 model (for random-weight timing only)."""
+    """A `Qwen3Config` with the shape of a public Qwen3 model, or of `SMALL_SHAPES` (for random-weight timing only)."""
     from transformers import Qwen3Config
 
-    if name not in QWEN3_SHAPES:
-        raise InvalidInputError(f"unknown shape {name!r}; known: {', '.join(QWEN3_SHAPES)}")
-    layers, hidden, heads, kv_heads, head_dim, mlp = QWEN3_SHAPES[name]
+    shapes = {**QWEN3_SHAPES, **SMALL_SHAPES}
+    if name not in shapes:
+        raise InvalidInputError(f"unknown shape {name!r}; known: {', '.join(shapes)}")
+    layers, hidden, heads, kv_heads, head_dim, mlp = shapes[name]
     return Qwen3Config(
         num_hidden_layers=layers,
         hidden_size=hidden,
