@@ -107,7 +107,7 @@ def test_kept_rotations_follow_the_rotary_modules(bridge):
 @torch.no_grad()
 def test_dynamic_rope_is_never_kept():
     """A rotary whose frequencies transformers updates inside its forward (dynamic NTK) is computed on every call."""
-    source = qwen3(layers=2, seed=1, rope_scaling=None)
+    source = qwen3(layers=2, seed=1)
     dynamic = qwen3(layers=2, seed=1)
     dynamic.config.rope_parameters = {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}
     dynamic.model.rotary_emb.rope_type = "dynamic"
