@@ -11,7 +11,8 @@ that it holds from the first step that reads it to the last (`row_slots`); each 
 layers reading the same source layers, mapped by one wide matrix product) reads its source layers from there and
 writes its rotated keys and its values straight into the new cache's tensors. The chunk's buffers are a `Workspace`
 kept between calls (per thread, at most `KVMapper.max_chunk_bytes`), so mapping allocates nothing but the cache it
-returns.
+returns; the workspace also keeps the two rotations (the source's inverse, the target's) of the last positions
+mapped, so mapping again at the same positions runs neither model's rotary embedding (`Workspace.rotations`).
 """
 
 from __future__ import annotations
@@ -29,18 +30,53 @@ from .errors import KVLayoutError
 from .layout import KVLayout
 from .loading import execution_device, layer_devices
 from .mappers import KVMapper
-from .rope import Rotation, inverse_cos_sin, rotary_cos_sin
+from .rope import Rotation, inverse_cos_sin, rotary_cos_sin, rotary_module
 
 
 class Workspace:
-    """Flat buffers kept per thread between mappings.
+    """Flat buffers kept per thread between mappings, and the rotations of the last positions mapped.
 
     Fresh memory on every call costs page faults on a CPU that can exceed the arithmetic of a small mapping. Buffers
     are per thread, so threads can map at once, and go with their thread.
+
+    Args:
+        reuse_rotations (`bool`, *optional*, defaults to `True`): keep the source's inverse and the target's rotation
+            of the last positions mapped (per thread) and reuse them while the positions, the rotary modules and
+            their buffers are the same (`rotations`); `False` computes them on every call (the engine before this
+            cache, kept for `kvbridge bench mapper --old-vs-new`).
     """
 
-    def __init__(self):
+    def __init__(self, reuse_rotations: bool = True):
         self._per_thread: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self.reuse_rotations = reuse_rotations
+
+    def rotations(self, source: nn.Module, target: nn.Module, positions: torch.Tensor) -> tuple[Rotation, Rotation]:
+        """`(strip, rotate)`: the inverse of `source`'s rotation and `target`'s rotation at `positions` `(B, T)`.
+
+        Exact: the same tensors a fresh computation gives, kept per thread for the last positions mapped and reused
+        while the positions are equal and both rotary modules are the same objects with unchanged buffers (version
+        counters). Rotary types whose frequencies depend on the call history (`dynamic`, `longrope`: transformers
+        updates them inside the forward) and buffers made under `torch.inference_mode()` (no version counter) are
+        computed on every call.
+        """
+        rotaries = (rotary_module(source), rotary_module(target))
+        state = _rotary_state(rotaries)
+        if not self.reuse_rotations or state is None:
+            return _rotations(source, target, positions)
+        spaces = self._per_thread.setdefault(threading.current_thread(), {})
+        key = ("rotations", positions.device)
+        kept = spaces.get(key)
+        if (
+            kept is not None
+            and all(ref() is rotary for ref, rotary in zip(kept[0], rotaries))
+            and kept[1] == state
+            and kept[2].shape == positions.shape
+            and torch.equal(kept[2], positions)
+        ):
+            return kept[3]
+        result = _rotations(source, target, positions)
+        spaces[key] = (tuple(weakref.ref(r) for r in rotaries), state, positions.clone(), result)
+        return result
 
     def buffer(self, name: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A flat buffer of at least `numel` elements for this thread."""
@@ -57,9 +93,34 @@ class Workspace:
         self._per_thread = weakref.WeakKeyDictionary()
 
     def nbytes(self) -> int:
-        """Bytes held by all threads' buffers."""
+        """Bytes held by all threads' buffers (the kept rotations not included: `(B, T, d)` cos/sin, a few of them)."""
         spaces = list(self._per_thread.values())
-        return sum(b.numel() * b.element_size() for per_thread in spaces for b in per_thread.values())
+        return sum(
+            b.numel() * b.element_size()
+            for per_thread in spaces
+            for b in per_thread.values()
+            if isinstance(b, torch.Tensor)
+        )
+
+
+def _rotations(source: nn.Module, target: nn.Module, positions: torch.Tensor) -> tuple[Rotation, Rotation]:
+    strip = Rotation(*inverse_cos_sin(*rotary_cos_sin(source, positions)))
+    return strip, Rotation(*rotary_cos_sin(target, positions))  # cos/sin (B, T, d) each
+
+
+def _rotary_state(rotaries) -> tuple | None:
+    """What a rotary module's output depends on besides the positions (its buffers' identities and versions), or
+    `None` when it cannot be told (frequencies updated inside the forward, buffers without a version counter)."""
+    state = []
+    for rotary in rotaries:
+        rope_type = str(getattr(rotary, "rope_type", "default"))
+        if "dynamic" in rope_type or rope_type == "longrope":
+            return None
+        for buffer in rotary.buffers():
+            if buffer.is_inference():
+                return None
+            state.append((buffer.data_ptr(), buffer._version, buffer.dtype, buffer.device))
+    return tuple(state)
 
 
 class MappingSchedule(NamedTuple):
@@ -238,8 +299,7 @@ def _map_span(
     first_keys, _ = cache_layer_kv(source_cache, 0)
     batch, device = first_keys.shape[0], execution_device(target)
     positions = position_ids[:, first:].to(device)
-    strip = Rotation(*inverse_cos_sin(*rotary_cos_sin(source, positions)))
-    rotate = Rotation(*rotary_cos_sin(target, positions))  # cos/sin (B, T, d) each
+    strip, rotate = workspace.rotations(source, target, positions)  # the source's inverse, the target's: (B, T, d)
     span = seq - first
     plan, last_use, slots, num_slots, widest, _, chunk = schedule(mapper, batch, span, targets)  # steps, slots, chunk
     heads, dim = mapper.target_kv_heads, mapper.target_head_dim  # of the new cache

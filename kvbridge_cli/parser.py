@@ -277,6 +277,12 @@ def mapper_kwargs(args: argparse.Namespace) -> dict:
 def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """The settings' own value checks (stdlib only) on the settings options `args.command` offers; a bad value
     exits with status 2 and one line, as a parse error does."""
+    if args.command == "bench" and getattr(args, "bench", None) == "mapper" and args.old_vs_new and args.interleave:
+        command = parser._subparsers._group_actions[0].choices["bench"]._subparsers._group_actions[0].choices["mapper"]
+        command.error(
+            "--old-vs-new times the old and the new default mapping against each other (alternating rounds) and no "
+            "prefills; drop --interleave, which orders the prefill runs"
+        )
     offered = {"calibrate": None, "demo": DEMO_SETTINGS, "tune": TUNE_SETTINGS}
     if args.command not in offered:
         return
@@ -401,6 +407,12 @@ def _add_bench(sub) -> None:
     mapper.add_argument("--mapper-dtype", choices=BENCH_DTYPES, help="defaults to --dtype")
     mapper.add_argument(
         "--interleave", action="store_true", help="alternate source, mapper and target runs (in cascade order)"
+    )
+    mapper.add_argument(
+        "--old-vs-new",
+        action="store_true",
+        help="time the old default mapping against the new one in alternating rounds (no prefills); JSON key "
+        "old_vs_new",
     )
     mapper.add_argument(
         "--lengths",

@@ -119,3 +119,61 @@ def test_vllm_bench_random_shapes_bridge_builds(tmp_path, monkeypatch):
     bridge_dir = random_shapes_bridge(tmp_path, "tiny-a:tiny-b", top_k=2, max_positions=128)
     bridge = KVBridgeForCausalLM.from_pretrained(bridge_dir)
     assert bridge.source.config.num_hidden_layers == 2 and bridge.target.config.num_hidden_layers == 3
+
+
+def test_bench_cli_old_vs_new_writes_both_defaults(tmp_path, capsys, monkeypatch):
+    """`--old-vs-new` times the old and the new default mapping of one bridge in one run and writes both, side by
+    side, with their ratio and the largest difference of their outputs (0: the new path is exact)."""
+    from hf_kvbridge.tools.bench import mapper as bench
+
+    monkeypatch.setitem(bench.QWEN3_SHAPES, "tiny-a", (2, 32, 4, 2, 16, 64))
+    monkeypatch.setitem(bench.QWEN3_SHAPES, "tiny-b", (3, 48, 4, 2, 16, 96))
+    out = tmp_path / "old_new.json"
+    common = ["bench", "mapper", "--shapes", "tiny-a:tiny-b", "--top-k", "2", "--lengths", "16,24", "--repeats", "2"]
+    assert main([*common, "--old-vs-new", "--json", str(out)]) == 0
+    payload = json.loads(out.read_text())
+    assert payload["old_default"] == bench.OLD_DEFAULT and payload["new_default"] == bench.NEW_DEFAULT
+    assert payload["cpu_bf16_units"] == bench.cpu_bf16_units() and payload["cpu_capability"]
+    rows = payload["old_vs_new"]
+    assert [r["context_tokens"] for r in rows] == [16, 24]
+    for row in rows:
+        assert row["old_default_s"] > 0 and row["new_default_s"] > 0
+        assert row["new_over_old"] == pytest.approx(row["new_default_s"] / row["old_default_s"])
+        assert row["max_abs_difference"] == 0.0
+        assert row["mapper_flops"] == row["context_tokens"] * 3 * 2 * 128 * 64
+    assert "new / old" in capsys.readouterr().out
+
+
+def test_bench_old_vs_new_times_each_path(monkeypatch):
+    """Each column is its own path's time: the old path slowed by 0.05 s and the new one by 0.4 s, each column grows
+    by its own delay (the old one stays below the new one)."""
+    from hf_kvbridge import mapping
+    from hf_kvbridge.tools.bench.mapper import old_vs_new
+
+    bridge = random_bridge(qwen3(layers=2).config, qwen3(layers=3, hidden=48).config, top_k=2)
+
+    def slowed(fn, seconds):
+        def run(*args, **kwargs):
+            time.sleep(seconds)
+            return fn(*args, **kwargs)
+
+        return run
+
+    monkeypatch.setattr(mapping, "map_cache", slowed(mapping.map_cache, 0.05))  # the old path calls this one
+    monkeypatch.setattr(bridge, "map_cache", slowed(bridge.map_cache, 0.4))  # the new path is the bridge's own
+    (row,) = old_vs_new(bridge, [16], repeats=2, warmup=0)
+    assert 0.05 <= row["old_default_s"] < row["new_default_s"] and row["new_default_s"] >= 0.4
+
+
+def test_bench_old_vs_new_refuses_interleave(capsys, monkeypatch):
+    """`--old-vs-new --interleave` is refused by the argument checks, before any model is built, naming both."""
+    from hf_kvbridge.tools.bench import mapper as bench
+
+    built = []
+    monkeypatch.setattr(bench, "random_bridge", lambda *a, **k: built.append(1))
+    args = ["bench", "mapper", "--shapes", "qwen3-0.6b:qwen3-1.7b", "--old-vs-new", "--interleave"]
+    with pytest.raises(SystemExit) as err:
+        main(args)
+    assert err.value.code == 2 and not built
+    message = capsys.readouterr().err
+    assert "--old-vs-new" in message and "drop --interleave" in message

@@ -39,13 +39,22 @@ QWEN3_SHAPES = {
 }
 
 
+# Small shapes of the same form: 3 and 8 layers with 2 KV heads × 64, the KV layout of issue 25's held-out mapper
+# pair (the mapper's time depends on the layers and the KV layout only; hidden and MLP sizes are ours).
+SMALL_SHAPES = {
+    "small-3l-2x64": (3, 256, 4, 2, 64, 512),
+    "small-8l-2x64": (8, 256, 4, 2, 64, 512),
+}
+
+
 def qwen3_shape_config(name: str, vocab_size: int = 1024, max_positions: int = 40960) -> PretrainedConfig:
-    """A `Qwen3Config` with the shape of a public Qwen3 model (for random-weight timing only)."""
+    """A `Qwen3Config` with the shape of a public Qwen3 model, or of `SMALL_SHAPES` (for random-weight timing only)."""
     from transformers import Qwen3Config
 
-    if name not in QWEN3_SHAPES:
-        raise InvalidInputError(f"unknown shape {name!r}; known: {', '.join(QWEN3_SHAPES)}")
-    layers, hidden, heads, kv_heads, head_dim, mlp = QWEN3_SHAPES[name]
+    shapes = {**QWEN3_SHAPES, **SMALL_SHAPES}
+    if name not in shapes:
+        raise InvalidInputError(f"unknown shape {name!r}; known: {', '.join(shapes)}")
+    layers, hidden, heads, kv_heads, head_dim, mlp = shapes[name]
     return Qwen3Config(
         num_hidden_layers=layers,
         hidden_size=hidden,
@@ -157,6 +166,13 @@ def interleaved_medians(
             _sync(device)
             times[name].append(time.perf_counter() - start)
     return {name: statistics.median(values) for name, values in times.items()}
+
+
+def cpu_bf16_units() -> bool:
+    """Whether this CPU has bfloat16 matrix instructions PyTorch's oneDNN uses (avx512_bf16 or AMX). Without them a
+    bfloat16 product is emulated: measured about 80–110× slower than float32 on an AVX2-only AMD EPYC."""
+    check = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    return bool(check()) if check is not None else False
 
 
 @contextlib.contextmanager
@@ -345,6 +361,96 @@ def format_table(rows: list[dict]) -> str:
 
 DEFAULT_BENCH_LENGTHS = (256, 1024, 4096)
 
+# `--old-vs-new`: the default mapping as it was (every rotation computed on every call) against the default now
+OLD_DEFAULT = "map_cache, rotations computed on every call (the default until the workspace kept them)"
+NEW_DEFAULT = "map_cache, rotations of the last positions kept in the workspace (Workspace.rotations)"
+
+
+@torch.no_grad()
+def old_vs_new(bridge, lengths: list[int], *, batch: int = 1, repeats: int = 20, warmup: int = 2, seed: int = 0):
+    """The old default mapping against the new one on the same bridge, source caches and lengths, in one run.
+
+    Per length, one source cache; the two are timed in alternating rounds (`interleaved_medians`), so a slow patch
+    of a shared machine slows both alike, and their outputs are compared (`max_abs_difference`: 0 when the new path
+    is exact).
+
+    Returns:
+        `list[dict]`, one row per length: `old_default_s`, `new_default_s` (medians), `new_over_old` (their ratio,
+        < 1 when the new one is faster), `max_abs_difference`, `mapper_flops`, `repeats`, `threads`.
+
+    Example:
+
+    ```python
+    >>> rows = old_vs_new(bridge, [256, 1024])  # doctest: +SKIP
+    >>> rows[-1]["new_over_old"]  # doctest: +SKIP
+    ```
+    """
+    from ...loading import execution_device
+    from ...mapping import Workspace, map_cache
+
+    generator = torch.Generator().manual_seed(seed)
+    vocab, device = bridge.target_layout.vocab_size, bridge.device
+    old_workspace = Workspace(reuse_rotations=False)
+    rows = []
+    for length in lengths:
+        ids = torch.randint(0, vocab, (batch, length), generator=generator)
+        source_cache = output_cache(
+            bridge.source.model(input_ids=ids.to(execution_device(bridge.source)), use_cache=True)
+        )
+
+        def old(cache=source_cache):
+            return map_cache(
+                bridge.source,
+                bridge.target,
+                bridge.mapper,
+                bridge.source_layout,
+                cache,
+                workspace=old_workspace,
+                target_layout=bridge.target_layout,
+            )
+
+        def new(cache=source_cache):
+            return bridge.map_cache(cache)
+
+        seconds = interleaved_medians({"old": old, "new": new}, device, repeats, warmup)
+        difference = max(
+            max((a.keys - b.keys).abs().max().item(), (a.values - b.values).abs().max().item())
+            for a, b in zip(old().layers, new().layers)
+        )
+        rows.append(
+            {
+                "context_tokens": length,
+                "batch": batch,
+                "old_default_s": seconds["old"],
+                "new_default_s": seconds["new"],
+                "new_over_old": seconds["new"] / seconds["old"],
+                "max_abs_difference": difference,
+                "mapper_flops": mapper_flops(bridge.mapper, batch * length),
+                "repeats": repeats,
+                "warmup": warmup,
+                "threads": torch.get_num_threads(),
+                "device": str(device),
+                "mapper_dtype": str(bridge.mapper.layout_dtype()),
+            }
+        )
+    return rows
+
+
+def format_old_vs_new(rows: list[dict]) -> str:
+    """`old_vs_new` as a fixed-width table."""
+    header = ("tokens", "old ms", "new ms", "new / old", "max |diff|")
+    lines = ["  ".join(f"{h:>11}" for h in header)]
+    for r in rows:
+        cells = (
+            r["context_tokens"],
+            f"{r['old_default_s'] * 1e3:.2f}",
+            f"{r['new_default_s'] * 1e3:.2f}",
+            f"{r['new_over_old']:.3f}",
+            f"{r['max_abs_difference']:.1e}",
+        )
+        lines.append("  ".join(f"{c:>11}" for c in cells))
+    return "\n".join(lines)
+
 
 def run_cli(args: argparse.Namespace) -> int:
     """`kvbridge bench mapper`: a saved bridge (or random weights of public Qwen3 shapes) timed per context length."""
@@ -372,6 +478,13 @@ def run_cli(args: argparse.Namespace) -> int:
         what = f"{bridge.config.source_name_or_path} → {bridge.config.target_name_or_path} ({args.bridge})"
     else:
         raise InvalidInputError("pass a bridge folder or --shapes SOURCE:TARGET")
+    old_new = getattr(args, "old_vs_new", False)  # with --interleave refused by the parser's checks
+    if mapper_dtype == torch.bfloat16 and torch.device(args.device).type == "cpu" and not cpu_bf16_units():
+        print(
+            f"note: this CPU ({torch.backends.cpu.get_cpu_capability()}) has no bfloat16 matrix units; bfloat16 "
+            "products are emulated and far slower than float32 here",
+            file=sys.stderr,
+        )
     if args.threads:
         torch.set_num_threads(args.threads)
     limit = bridge.max_positions
@@ -380,6 +493,27 @@ def run_cli(args: argparse.Namespace) -> int:
     else:
         lengths = args.lengths
         ContextLengthError.check("a --lengths entry", max(lengths), limit, f"pass lengths up to {limit:,}")
+    if old_new:
+        rows = old_vs_new(bridge, lengths, batch=args.batch, repeats=args.repeats, warmup=args.warmup)
+        print(
+            f"{what}; {args.dtype} models, {mapper_dtype} mapper on {args.device}, {torch.get_num_threads()} threads, "
+            f"old and new default mapping in alternating rounds, median of {args.repeats}\n"
+            f"old: {OLD_DEFAULT}\nnew: {NEW_DEFAULT}"
+        )
+        print(format_old_vs_new(rows))
+        if args.json:
+            with open(args.json, "w") as handle:
+                payload = {
+                    "bridge": what,
+                    "old_default": OLD_DEFAULT,
+                    "new_default": NEW_DEFAULT,
+                    "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+                    "cpu_bf16_units": cpu_bf16_units(),
+                    "old_vs_new": rows,
+                }
+                json.dump(payload, handle, indent=2)
+            print(f"wrote {args.json}")
+        return 0
     rows = benchmark(
         bridge, lengths, batch=args.batch, repeats=args.repeats, warmup=args.warmup, interleave=args.interleave
     )
