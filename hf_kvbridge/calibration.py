@@ -37,7 +37,7 @@ from .modeling import KVBridgeForCausalLM
 from .selection import mapper_r2, select_layers, single_layer_r2
 from .settings import CalibrationSettings
 from .solve import LAMBDA_GRID, choose_ridge_lambdas, effective_ridge_lambda
-from .source_features import SourceFeatures
+from .source_features import SourceFeatures, check_feature_modes
 from .statistics import BlockStatistics, KVStatistics, SelectionStatistics, feature_groups
 from .tokenization import check_same_tokenizer
 from .version import __version__
@@ -417,6 +417,8 @@ def fit_bridge(
     if head_mode not in HEAD_MODES:
         raise ConfigurationError(f"head_mode must be one of {HEAD_MODES}, got {head_mode!r}")
     src, tgt = check_matched(source.config, target.config, source.config.name_or_path, target.config.name_or_path)
+    if features is not None:
+        check_feature_modes(head_mode, kv_mode)
     blocks = features.num_blocks if features is not None else src.num_layers
     k = max(map(len, selected_layers)) if selected_layers else min(top_k or blocks, blocks)
     inputs = k * _features_per_layer(src, tgt, head_mode, kv_mode)
