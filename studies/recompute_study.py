@@ -163,6 +163,7 @@ def run_frontier(args: argparse.Namespace) -> dict:
                         "nll": bridge_nll,
                         "target_token_share": computed / args.context,
                         "prefill_seconds": seconds,
+                        "window_nll": per_window.tolist(),  # for paired comparisons between runs
                     }
                 )
                 kept = points[-1]["retention"]
