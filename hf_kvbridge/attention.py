@@ -111,8 +111,11 @@ def attention_output_cosine(bridge, input_ids: torch.Tensor) -> torch.Tensor:
     attn_layers = [layer.self_attn for layer in decoder_layers(target)]
     queries, true_cache = target_queries(target, input_ids)  # (B, H_q, T, d) per layer, float32
     source = bridge.source
-    source_cache = output_cache(source(input_ids=input_ids.to(source.device), use_cache=True, logits_to_keep=1))
-    mapped = bridge.map_cache(source_cache)
+    hidden = getattr(bridge, "source_features", None) is not None  # the mapper reads hidden states too
+    source_out = source(
+        input_ids=input_ids.to(source.device), use_cache=True, logits_to_keep=1, output_hidden_states=hidden
+    )
+    mapped = bridge.map_cache(output_cache(source_out), hidden_states=source_out.hidden_states if hidden else None)
     out = torch.zeros(len(attn_layers), dtype=torch.float64)
     for t, attn in enumerate(attn_layers):
         true, approx = (

@@ -37,6 +37,7 @@ from .modeling import KVBridgeForCausalLM
 from .selection import mapper_r2, select_layers, single_layer_r2
 from .settings import CalibrationSettings
 from .solve import LAMBDA_GRID, choose_ridge_lambdas, effective_ridge_lambda
+from .source_features import SourceFeatures, check_feature_modes
 from .statistics import BlockStatistics, KVStatistics, SelectionStatistics, feature_groups
 from .tokenization import check_same_tokenizer
 from .version import __version__
@@ -149,6 +150,7 @@ def collect_statistics(
     checkpoint_tag: str | None = None,
     gather_rows: bool = False,
     residual: ResidualCollection | None = None,
+    features: SourceFeatures | None = None,
 ) -> tuple[KVStatistics, ...]:
     """One pass of both models over `windows`, accumulating train and held-out statistics.
 
@@ -177,18 +179,26 @@ def collect_statistics(
             (`hf_kvbridge.layer_recompute`) from the same forward passes: the two models' hidden states into
             `residual.parts` (`[train, held-out]`, filled in place; each rank adds its own batches and they are
             all-reduced at the end, also when `gather_rows`).
+        features ([`SourceFeatures`], *optional*): the source's hidden-state feature blocks
+            (`hf_kvbridge.source_features`): the same forward passes return the source's hidden states, whose blocks
+            are appended to its K/V rows (the statistics then hold `features.num_blocks` source "layers").
 
     Returns:
         `(train, heldout)` [`KVStatistics`], followed by `(reverse_train, reverse_heldout)` when `reverse`.
     """
     src, tgt = check_matched(source.config, target.config, source.config.name_or_path, target.config.name_or_path)
     heldout_list = sorted(set(heldout or []))
+    if features is not None and reverse:
+        raise ConfigurationError("hidden-state features fit the source → target map only; use reverse=False")
     pairs = [(src, tgt), (tgt, src)] if reverse else [(src, tgt)]
+    blocks = {0: features.num_blocks if features is not None else src.num_layers}  # source "layers" forward
     # parts: [train, held] forward, then [train, held] reverse
     if make_parts is None:
         parts = [
-            KVStatistics(a.num_layers, b.num_layers, *_heads(a, b)[:2], statistics_device, **_heads(a, b)[2])
-            for a, b in pairs
+            KVStatistics(
+                blocks.get(i, a.num_layers), b.num_layers, *_heads(a, b)[:2], statistics_device, **_heads(a, b)[2]
+            )
+            for i, (a, b) in enumerate(pairs)
             for _ in range(2)
         ]
     else:
@@ -214,6 +224,8 @@ def collect_statistics(
         if residual is not None:  # and so are the residual statistics
             kept = [residual.source_states, residual.target_states, [type(p).__name__ for p in extra]]
             digest = hashlib.sha256(f"{digest}residual{kept}".encode()).hexdigest()
+        if features is not None:  # and the hidden-state feature blocks
+            digest = hashlib.sha256(f"{digest}features{features.as_dict()}".encode()).hexdigest()
         classes = [type(part) for part in parts + extra]
         resumed = _load_checkpoint(folder, digest, statistics_device, classes)
         if resumed is not None:
@@ -229,17 +241,20 @@ def collect_statistics(
                 continue
             started = time.perf_counter()
             if gather:
-                rows, hidden = _gathered_rows(source, target, windows, step, rank, statistics_device, residual)
+                rows, hidden = _gathered_rows(
+                    source, target, windows, step, rank, statistics_device, residual, features
+                )
             else:
                 group, ids = step
                 batch = windows[ids]
                 hidden = None
-                if residual is None:
+                if residual is None and features is None:
                     x, y = cache_rows(source, batch, statistics_device), cache_rows(target, batch, statistics_device)
                 else:  # the same forward passes give the hidden states
-                    x, source_hidden = forward_rows(source, batch, statistics_device, hidden=True)
-                    y, target_hidden = forward_rows(target, batch, statistics_device, hidden=True)
-                    hidden = (group, *residual.rows(source_hidden, target_hidden))
+                    x, source_hidden = _source_rows(source, batch, statistics_device, features)
+                    y, target_hidden = forward_rows(target, batch, statistics_device, hidden=residual is not None)
+                    if residual is not None:
+                        hidden = (group, *residual.rows(source_hidden, target_hidden))
                     del source_hidden, target_hidden
                 rows = [(group, x, y)]
             forward_s += time.perf_counter() - started
@@ -282,7 +297,23 @@ def _features_per_layer(src, tgt, head_mode: str, kv_mode: str) -> int:
     return heads * (2 if kv_mode == "joint" else 1) * src.head_dim
 
 
-def _gathered_rows(source, target, windows, step, rank, device, residual=None):
+def _source_rows(source, batch, device, features: SourceFeatures | None):
+    """The source's statistics rows of `batch` (`cache.forward_rows`, K/V blocks) followed by its hidden-state
+    feature blocks when `features` (`(B·T, features.num_blocks·W)`), and its `output_hidden_states`."""
+    x, hidden = forward_rows(source, batch, device, hidden=True)
+    if features is not None:
+        x = torch.cat([x, features.rows(hidden, x.device)], -1)  # (B·T, (L_s + c·|states|)·W)
+    return x, hidden
+
+
+def _allowed(src, tgt, features: SourceFeatures | None) -> list[list[bool]]:
+    """`layout.allowed_sources`, extended with the hidden-state blocks (which cover every token: always allowed)."""
+    allowed = allowed_sources(src, tgt)
+    extra = 0 if features is None else features.num_blocks - src.num_layers
+    return [row + [True] * extra for row in allowed]
+
+
+def _gathered_rows(source, target, windows, step, rank, device, residual=None, features=None):
     """Runs this rank's batch of a round (`step`: one `(group, ids)` per rank) and all-gathers every rank's rows:
     `([(group, x, y)] in rank order, the same on every rank, hidden)`; `hidden` is this rank's own
     `(group, source hidden rows, target hidden rows)` for `residual` (`None` without it or without a batch)."""
@@ -292,12 +323,13 @@ def _gathered_rows(source, target, windows, step, rank, device, residual=None):
     hidden = None
     if rank < len(step):
         batch = windows[step[rank][1]]
-        if residual is None:
+        if residual is None and features is None:
             x, y = cache_rows(source, batch, device), cache_rows(target, batch, device)
         else:
-            x, source_hidden = forward_rows(source, batch, device, hidden=True)
-            y, target_hidden = forward_rows(target, batch, device, hidden=True)
-            hidden = (step[rank][0], *residual.rows(source_hidden, target_hidden))
+            x, source_hidden = _source_rows(source, batch, device, features)
+            y, target_hidden = forward_rows(target, batch, device, hidden=residual is not None)
+            if residual is not None:
+                hidden = (step[rank][0], *residual.rows(source_hidden, target_hidden))
     else:
         x = y = None
     widths = torch.tensor([-1, -1] if x is None else [x.shape[1], y.shape[1]], dtype=torch.long)
@@ -367,6 +399,7 @@ def fit_bridge(
     selected_layers: list[list[int]] | None = None,
     config_kwargs: dict | None = None,
     kv_mode: str = "joint",
+    features: SourceFeatures | None = None,
 ) -> KVBridgeForCausalLM:
     """Selects layers (held-out single-layer R²), fits the ridge mapper on all statistics and builds the bridge.
 
@@ -378,20 +411,25 @@ def fit_bridge(
             instead of selecting them.
         config_kwargs (`dict`, *optional*): extra [`KVBridgeConfig`] fields (references, provenance).
         kv_mode (`str`, *optional*, defaults to `"joint"`): or `"separate"` (keys from keys, values from values).
+        features ([`SourceFeatures`], *optional*): the hidden-state feature blocks the statistics hold after the K/V
+            blocks (`collect_statistics(features=...)`); selection ranks them with the K/V blocks.
     """
     if head_mode not in HEAD_MODES:
         raise ConfigurationError(f"head_mode must be one of {HEAD_MODES}, got {head_mode!r}")
     src, tgt = check_matched(source.config, target.config, source.config.name_or_path, target.config.name_or_path)
-    k = max(map(len, selected_layers)) if selected_layers else min(top_k or src.num_layers, src.num_layers)
-    features = k * _features_per_layer(src, tgt, head_mode, kv_mode)
-    if train.count <= features:
+    if features is not None:
+        check_feature_modes(head_mode, kv_mode)
+    blocks = features.num_blocks if features is not None else src.num_layers
+    k = max(map(len, selected_layers)) if selected_layers else min(top_k or blocks, blocks)
+    inputs = k * _features_per_layer(src, tgt, head_mode, kv_mode)
+    if train.count <= inputs:
         raise StatisticsError(
-            f"fewer calibration tokens ({train.count}) than mapper input features ({features}); use more or longer "
+            f"fewer calibration tokens ({train.count}) than mapper input features ({inputs}); use more or longer "
             "calibration sequences, a smaller top_k, or head_mode='same_head'"
         )
     r2 = single_layer_r2(train, heldout, head_mode, ridge_lambda)  # (L_t, L_s, 2)
     if selected_layers is None:
-        selected_layers = select_layers(r2, top_k, allowed_sources(src, tgt))
+        selected_layers = select_layers(r2, top_k, _allowed(src, tgt, features))
     elif len(selected_layers) != tgt.num_layers:
         raise ConfigurationError(
             f"selected_layers has {len(selected_layers)} entries, target has {tgt.num_layers} layers; give one list "
@@ -407,6 +445,8 @@ def fit_bridge(
     mapper = KVMapper.from_statistics(
         train + heldout, selected_layers, head_mode, ridge_lambdas or ridge_lambda, kv_mode=kv_mode
     )
+    if features is not None:
+        config_kwargs = {**(config_kwargs or {}), "source_features": features.as_dict()}
     return _assemble_bridge(
         source, target, mapper, r2, fitted_r2, top_k, ridge_lambda, ridge_lambdas, head_mode, hold_back, config_kwargs
     )
@@ -464,6 +504,7 @@ def fit_bridge_in_passes(
     keep_statistics: bool = False,
     kv_mode: str = "joint",
     residual: tuple[list[int], str] | None = None,
+    features: SourceFeatures | None = None,
 ) -> tuple[KVBridgeForCausalLM, tuple | None]:
     """Calibration on a memory budget (see `hf_kvbridge.budget`): a selection pass over `windows` picks the top-k
     source layers of each target layer from [`SelectionStatistics`], then fit passes accumulate
@@ -478,13 +519,16 @@ def fit_bridge_in_passes(
             in the selection pass (`mode="dense"`), or selection statistics there and the block statistics of the
             selected source hidden states in the first fit pass (`"blocks"`; `budget.plan_residual` plans both).
             The returned bridge holds them (`residual_mapper`, `config.residual_map`).
+        features ([`SourceFeatures`], *optional*): hidden-state feature blocks beside the K/V blocks (see
+            `fit_bridge`), accumulated in every pass like any source layer.
 
     Returns:
         `(bridge, statistics)`: `statistics` is `(train, held-out)` [`BlockStatistics`] or `None`.
     """
     src, tgt = check_matched(source.config, target.config, source.config.name_or_path, target.config.name_or_path)
     heads, dim, target_heads = _heads(src, tgt)
-    shape = (src.num_layers, tgt.num_layers, heads, dim)
+    blocks = features.num_blocks if features is not None else src.num_layers
+    shape = (blocks, tgt.num_layers, heads, dim)
     # the memory plan counts one row size for both sides: the larger one, so it never plans too little
     row = max(src.features_per_layer, tgt.features_per_layer)
     timings = {} if timings is None else timings
@@ -495,6 +539,7 @@ def fit_bridge_in_passes(
         "progress": progress,
         "checkpoint_dir": checkpoint_dir,
         "timings": timings,
+        "features": features,
     }
     residual_layers, residual_mode = residual if residual else ([], None)
     residual_kind = KVStatistics if residual_mode == "dense" else SelectionStatistics
@@ -535,14 +580,14 @@ def fit_bridge_in_passes(
             sources=sorted(set().union(*residual_selected)),
         )
     del collection
-    selected = select_layers(r2, top_k, allowed_sources(src, tgt))
+    selected = select_layers(r2, top_k, _allowed(src, tgt, features))
     groups = len(feature_groups(src.num_kv_heads, src.head_dim, head_mode, kv_mode, tgt.num_kv_heads, tgt.head_dim))
     passes = plan_passes(selected, row, statistics_memory, statistics_dtype, groups)
     logger.info("fitting %d target layers in %d pass(es) over the data", tgt.num_layers, len(passes))
     mapper = KVMapper(selected, heads, dim, head_mode, kv_mode=kv_mode, **target_heads)
     fitted_r2 = torch.zeros(tgt.num_layers, 2, dtype=torch.float64)
     chosen_lambdas = {"k": [[] for _ in selected], "v": [[] for _ in selected]}
-    features = max(map(len, selected)) * _features_per_layer(src, tgt, head_mode, kv_mode)
+    inputs = max(map(len, selected)) * _features_per_layer(src, tgt, head_mode, kv_mode)
     statistics = None
     rank, world = _distributed()
     # under torch.distributed each rank accumulates (and solves) its own pass of a round of `world` passes, from the
@@ -592,9 +637,9 @@ def fit_bridge_in_passes(
             owner.update(dict.fromkeys(passes[i], i - start))
         if not targets:
             continue
-        if train.count <= features:
+        if train.count <= inputs:
             raise StatisticsError(
-                f"fewer calibration tokens ({train.count}) than mapper input features ({features}); use more or "
+                f"fewer calibration tokens ({train.count}) than mapper input features ({inputs}); use more or "
                 "longer calibration sequences, a smaller top_k, or head_mode='same_head'"
             )
         lam = ridge_lambda
@@ -637,6 +682,8 @@ def fit_bridge_in_passes(
             for t in range(tgt.num_layers):
                 chosen_lambdas[kind][t] = gathered[owner[t]][kind][t]
     ridge_lambdas = chosen_lambdas if ridge_lambda == "auto" else None
+    if features is not None:
+        config_kwargs = {**(config_kwargs or {}), "source_features": features.as_dict()}
     bridge = _assemble_bridge(
         source, target, mapper, r2, fitted_r2, top_k, ridge_lambda, ridge_lambdas, head_mode, hold_back, config_kwargs
     )
@@ -750,13 +797,16 @@ def calibrate(
         else available_bytes(settings.statistics_device)
     )
     dtype = getattr(torch, settings.statistics_dtype)
-    top_k = settings.top_k or src.num_layers
+    # richer source features: hidden-state blocks after the K/V blocks, planned and selected like source layers
+    features = SourceFeatures.for_models(src, hidden_size(source), settings.hidden_state_layers)
+    blocks = features.num_blocks if features is not None else src.num_layers
+    top_k = settings.top_k or blocks
     # the budget counts one head layout for both sides: the larger one's, so it never plans too little; the Gram
     # blocks kept per layer come from the two real layouts
     heads, dim = max(src.num_kv_heads, tgt.num_kv_heads), max(src.head_dim, tgt.head_dim)
     modes = (settings.head_mode, settings.kv_mode)
     groups = len(feature_groups(src.num_kv_heads, src.head_dim, *modes, tgt.num_kv_heads, tgt.head_dim))
-    plan = [check_budget(budget, src.num_layers, tgt.num_layers, heads, dim, top_k, dtype, *modes, groups=groups)]
+    plan = [check_budget(budget, blocks, tgt.num_layers, heads, dim, top_k, dtype, *modes, groups=groups)]
     if settings.bidirectional:
         plan.append(
             check_budget(budget, tgt.num_layers, src.num_layers, heads, dim, top_k, dtype, *modes, groups=groups)
@@ -771,7 +821,7 @@ def calibrate(
         mode, residual_mode, fit_budget = plan_residual(
             budget,
             mode,
-            src.num_layers,
+            blocks,
             tgt.num_layers,
             heads,
             dim,
@@ -827,6 +877,8 @@ def calibrate(
         "statistics": mode,
         "statistics_memory": budget,
     }
+    if features is not None:
+        provenance["source_features"] = "kv+hidden"
     import transformers
 
     provenance["transformers_version"] = transformers.__version__
@@ -848,10 +900,16 @@ def calibrate(
             checkpoint_dir=settings.checkpoint_dir,
             timings=timings,
             residual=residual,
+            features=features,
         )
         statistics, reverse_statistics = stats[:2], stats[2:] or None
         bridge = fit_bridge(
-            source, target, *statistics, **fit_kwargs, config_kwargs={**references, "calibration": provenance}
+            source,
+            target,
+            *statistics,
+            **fit_kwargs,
+            config_kwargs={**references, "calibration": provenance},
+            features=features,
         )
         if residual is not None:
             fitted = fit_residual_map(
@@ -894,6 +952,7 @@ def calibrate(
             keep_statistics=want,
             config_kwargs={**references, "calibration": provenance},
             residual=(recompute_layers, residual_mode) if recompute_layers else None,
+            features=features,
         )
         if settings.bidirectional:
             reverse, reverse_statistics = fit_bridge_in_passes(

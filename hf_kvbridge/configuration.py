@@ -7,7 +7,14 @@ from typing import Any
 
 from transformers import PretrainedConfig
 
-from .constants import FORMAT_VERSION, HEAD_MODES, KV_MODES, RECOMPUTE_POLICIES
+from .constants import (
+    FORMAT_VERSION,
+    HEAD_MODES,
+    HIDDEN_FEATURES_FORMAT_VERSION,
+    KV_FORMAT_VERSION,
+    KV_MODES,
+    RECOMPUTE_POLICIES,
+)
 from .errors import ConfigurationError
 
 logger = logging.getLogger(__name__)
@@ -68,9 +75,15 @@ class KVBridgeConfig(PretrainedConfig):
         residual_map (`dict`, *optional*): what the residual map (`residual.safetensors`) was calibrated for:
             `recompute_layers` (the `n` values), `selected_layers` (per `n`, the source hidden states read), their
             `selected_layer_r2`, the maps' `heldout_r2`, `ridge_lambda` / `ridge_lambdas` and both hidden sizes.
+        source_features (`dict`, *optional*): the mapper's inputs beyond the source's K/V
+            (`hf_kvbridge.source_features`): `hidden_state_layers` (entries of the source's `output_hidden_states`),
+            `hidden_size`, `block_width`, `pieces` (feature blocks per hidden state) and `kv_layers`; selected
+            "layers" `≥ kv_layers` are hidden-state blocks. `None`: K/V only. A config with it has
+            `format_version` 2, which readers of the K/V-only format 1 refuse.
         calibration (`dict`, *optional*): provenance: data, number of sequences, sequence length, held-out
             sequences, seed, library versions, time.
-        format_version (`int`): version of the checkpoint format.
+        format_version (`int`): version of the checkpoint format: the oldest that reads this checkpoint (`1` for a
+            K/V-only bridge, `2` with `source_features`); loading refuses a version newer than this library's.
         mapper_sha256 (`dict`, *optional*): sha256 of every mapper weight file (`{file name: hex digest}`), written
             by `save_pretrained` and verified on load.
 
@@ -110,8 +123,9 @@ class KVBridgeConfig(PretrainedConfig):
     recompute_seed: int = 0
     recompute_layers: int = 0
     residual_map: dict | None = None
+    source_features: dict | None = None
     calibration: dict | None = None
-    format_version: int = FORMAT_VERSION
+    format_version: int = KV_FORMAT_VERSION
     mapper_sha256: dict | None = None
 
     def __post_init__(self, **kwargs: Any):
@@ -168,6 +182,16 @@ class KVBridgeConfig(PretrainedConfig):
                 f"this checkpoint has format version {self.format_version}, newer than this hf_kvbridge supports "
                 f"({FORMAT_VERSION}); upgrade hf_kvbridge"
             )
+        if self.source_features:  # a mapper that reads hidden states: a format K/V-only readers refuse
+            missing = sorted(
+                {"kv_layers", "hidden_state_layers", "hidden_size", "block_width"} - set(self.source_features)
+            )
+            if missing:
+                raise ConfigurationError(
+                    f"source_features lacks {missing}; it records kv_layers, hidden_state_layers, hidden_size and "
+                    "block_width (save the bridge again with this hf_kvbridge)"
+                )
+            self.format_version = max(self.format_version, HIDDEN_FEATURES_FORMAT_VERSION)
 
     def _check_recompute_layers(self) -> None:
         layers = (self.target_fingerprint or {}).get("num_layers")

@@ -25,8 +25,13 @@ DEFAULT_MAX_SHARD_SIZE = "2GB"
 MAPPER_CHECKSUMS_KEY = "mapper_sha256"
 LIBRARY_NAME = "hf-kvbridge"
 
-# Bumped whenever the meaning of a saved file changes; loading refuses newer formats.
-FORMAT_VERSION = 1
+# Bumped whenever the meaning of a saved file changes; loading refuses newer formats. A checkpoint records the
+# oldest version that can read it: K/V-only bridges stay at `KV_FORMAT_VERSION` (every reader loads them), a bridge
+# whose mapper reads the source's hidden states (`hf_kvbridge.source_features`) needs
+# `HIDDEN_FEATURES_FORMAT_VERSION`, which readers of version 1 refuse instead of loading it as a K/V-only bridge.
+KV_FORMAT_VERSION = 1
+HIDDEN_FEATURES_FORMAT_VERSION = 2
+FORMAT_VERSION = HIDDEN_FEATURES_FORMAT_VERSION  # the newest this version reads
 
 # The default calibration corpus of the paper (streamed; needs the Hub).
 DEFAULT_CALIBRATION_DATA = "HuggingFaceFW/fineweb-edu"

@@ -26,11 +26,12 @@ from torch import nn
 from transformers import Cache, DynamicCache
 
 from .cache import append_layer, cache_layer_kv, check_cache_shape, new_target_cache
-from .errors import KVLayoutError
+from .errors import InvalidInputError, KVLayoutError
 from .layout import KVLayout
 from .loading import execution_device, layer_devices
 from .mappers import KVMapper
 from .rope import Rotation, inverse_cos_sin, rotary_cos_sin, rotary_module
+from .source_features import SourceFeatures
 
 
 class Workspace:
@@ -225,6 +226,9 @@ def map_cache(
     target_cache: DynamicCache | None = None,
     workspace: Workspace | None = None,
     target_layout: KVLayout | None = None,
+    *,
+    source_features: SourceFeatures | None = None,
+    hidden_states=None,
 ) -> DynamicCache:
     """Maps `source_cache` (of `source`) to the cache `target` would have built for the same tokens.
 
@@ -245,6 +249,10 @@ def map_cache(
         target_cache (`DynamicCache`, *optional*): a cache to append to (positions must continue it).
         workspace ([`Workspace`], *optional*): buffers to reuse; fresh ones otherwise.
         target_layout ([`KVLayout`], *optional*): the target's layout (read from its config otherwise).
+        source_features ([`SourceFeatures`], *optional*), hidden_states (*optional*): when the mapper reads the
+            source's hidden states beside its K/V (`hf_kvbridge.source_features`: selected blocks `≥ L_s`), the
+            feature layout and the source's `output_hidden_states` of the cached tokens (`L_s + 1` tensors of
+            `(batch, seq, D_s)`); their blocks are written into the row slots as they are (no rotation).
 
     Returns:
         `DynamicCache` with `L_t` layers in the target's dtype, each on the device of its target layer
@@ -259,6 +267,7 @@ def map_cache(
     first_keys, _ = cache_layer_kv(source_cache, 0)
     if position_ids is None:
         position_ids = torch.arange(seq, device=first_keys.device).unsqueeze(0).expand(first_keys.shape[0], -1)
+    features = _check_features(mapper, src, source_features, hidden_states, first_keys.shape[0], seq)
     workspace = workspace if workspace is not None else Workspace()
     # target layers by the tokens they keep: all of them (full attention) or the last `window - 1` (sliding)
     by_span: dict[int, set[int]] = {}
@@ -267,7 +276,9 @@ def map_cache(
     mapped: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     for span, targets in sorted(by_span.items(), reverse=True):
         mapped.update(
-            _map_span(source, target, mapper, src, source_cache, position_ids, seq - span, targets, workspace)
+            _map_span(
+                source, target, mapper, src, source_cache, position_ids, seq - span, targets, workspace, features
+            )
         )
     cache = target_cache if target_cache is not None else new_target_cache(target.config)
     # a target split over devices reads each layer's cache on that layer's device (peft's
@@ -292,9 +303,11 @@ def _map_span(
     first: int,
     targets: set[int],
     workspace: Workspace,
+    features: tuple | None = None,
 ) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
     """Maps tokens `[first, seq)` of the target layers `targets`: `{target layer: (keys, values)}`, each
-    `(B, H, seq - first, d)` views into one block per step."""
+    `(B, H, seq - first, d)` views into one block per step. `features`: `(SourceFeatures, hidden states)` when the
+    mapper reads hidden-state blocks (`_check_features`)."""
     seq = position_ids.shape[-1]
     first_keys, _ = cache_layer_kv(source_cache, 0)
     batch, device = first_keys.shape[0], execution_device(target)
@@ -306,6 +319,9 @@ def _map_span(
     offsets = {}  # source layer → tokens it has dropped (a sliding layer holds only its last ones)
     for sources, _ in plan:
         for s in sources:
+            if s >= src.num_layers:  # a hidden-state block: the source's hidden states cover every token
+                offsets[s] = 0
+                continue
             held = cache_layer_kv(source_cache, s)[0].shape[2]
             offsets[s] = seq - held
             if offsets[s] > first:
@@ -328,7 +344,11 @@ def _map_span(
         loaded: set[int] = set()
         for step, (sources, step_targets) in enumerate(plan):
             for s in sources:
-                if s not in loaded:  # first step that reads source layer s: strip its rotation into its slot
+                if s not in loaded and s >= src.num_layers:  # a hidden-state block, as it is (no rotation)
+                    part = features[0].piece(features[1], s)[:, first + start : first + end]  # (B, c, W)
+                    features[0].write_block(mapper, rows, slots[s], part.to(device))
+                    loaded.add(s)
+                elif s not in loaded:  # first step that reads source layer s: strip its rotation into its slot
                     keys, values = cache_layer_kv(source_cache, s)  # (B, H, T_held, d), keys post-RoPE
                     lo, hi = first + start - offsets[s], first + end - offsets[s]
                     keys, values = keys[:, :, lo:hi].to(device), values[:, :, lo:hi].to(device)
@@ -343,3 +363,23 @@ def _map_span(
     return {
         t: (kv[0, i], kv[1, i]) for (_, step_targets), kv in zip(plan, outputs) for i, t in enumerate(step_targets)
     }
+
+
+def _check_features(mapper: KVMapper, src: KVLayout, source_features, hidden_states, batch: int, seq: int):
+    """`(source_features, hidden_states)` when `mapper` reads hidden-state blocks (selected source "layers" `≥ L_s`),
+    after checking that they are given and cover the cached tokens; `None` for a K/V-only mapper."""
+    if max((s for layers in mapper.selected_layers for s in layers), default=-1) < src.num_layers:
+        return None
+    if source_features is None or hidden_states is None:
+        raise InvalidInputError(
+            "this mapper reads the source's hidden states beside its K/V (source_features); pass source_features "
+            "and hidden_states (the source's output_hidden_states over the cached tokens) to map_cache"
+        )
+    shape = tuple(hidden_states[0].shape[:2])
+    if len(hidden_states) != src.num_layers + 1 or shape != (batch, seq):
+        raise InvalidInputError(
+            f"hidden_states must be the source's {src.num_layers + 1} output_hidden_states over the {seq} cached "
+            f"tokens of {batch} rows, got {len(hidden_states)} of shape {shape}; run the source with "
+            "output_hidden_states=True over the same tokens"
+        )
+    return source_features, hidden_states

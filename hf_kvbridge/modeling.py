@@ -39,6 +39,7 @@ from .persistence import (
 )
 from .plan import TransferPlan, plan_from_config
 from .session import HandoffSession
+from .source_features import SourceFeatures, check_source_features
 from .transfer import left_padding, positions_from_mask, transfer_prefill
 
 logger = logging.getLogger(__name__)
@@ -162,11 +163,17 @@ class KVBridgeForCausalLM(nn.Module):
                 f"{source_name!r} has {src.num_kv_heads} × {src.head_dim} and target {target_name!r} has "
                 f"{tgt.num_kv_heads} × {tgt.head_dim}; use the models the mapper was calibrated for"
             )
+        features = SourceFeatures.from_config(config)
+        if features is not None:
+            check_source_features(features, self.source_layout, hidden_size(source), source_name)
+        blocks = features.num_blocks if features is not None else self.source_layout.num_layers
         used = {layer for layers in mapper.selected_layers for layer in layers}
-        if used and max(used) >= self.source_layout.num_layers:
+        if used and max(used) >= blocks:
             raise MapperError(
                 f"mapper reads source layer {max(used)} but source {source_name!r} has "
-                f"{self.source_layout.num_layers} layers; use the source the mapper was calibrated for"
+                f"{self.source_layout.num_layers} layers"
+                + (f" and {blocks - self.source_layout.num_layers} hidden-state feature blocks" if features else "")
+                + "; use the source the mapper was calibrated for (and its config's source_features)"
             )
         if residual_mapper is not None:
             _check_residual_mapper(residual_mapper, config, source, target, source_name, target_name)
@@ -181,6 +188,7 @@ class KVBridgeForCausalLM(nn.Module):
             residual_mapper = converted_mapper(residual_mapper, execution_device(target), dtype)
         self.source, self.target, self.mapper = source, target, mapper
         self.residual_mapper = residual_mapper
+        self.source_features = features  # the hidden-state feature blocks the mapper reads, or None (K/V only)
         self.reverse: KVBridgeForCausalLM | None = None  # target→source bridge, for handoffs both ways
         self.last_transfer: dict | None = None  # what the last prefill did (mapped vs target tokens, gate score)
         self.transfer_counts: dict[str, int] = {}  # prefills that transferred / fell back to the target
@@ -237,6 +245,7 @@ class KVBridgeForCausalLM(nn.Module):
         source_cache: Cache,
         position_ids: torch.Tensor | None = None,
         target_cache: DynamicCache | None = None,
+        hidden_states=None,
     ) -> DynamicCache:
         """Maps a source cache to the cache the target would have built for the same tokens (`hf_kvbridge.mapping`).
 
@@ -254,6 +263,9 @@ class KVBridgeForCausalLM(nn.Module):
                 (per row for left-padded batches); defaults to `0 … seq-1`.
             target_cache (`DynamicCache`, *optional*): a cache to append to (positions must continue it);
                 a new one is made otherwise.
+            hidden_states (`tuple[torch.Tensor]`, *optional*): the source's `output_hidden_states` over the cached
+                tokens (`L_s + 1` tensors of `(batch, seq, D_s)`); needed when the mapper reads them
+                (`self.source_features`, `hf_kvbridge.source_features`), ignored otherwise.
 
         Returns:
             `DynamicCache` with `L_t` layers in the target's dtype and device.
@@ -268,6 +280,8 @@ class KVBridgeForCausalLM(nn.Module):
             target_cache=target_cache,
             workspace=self._mapping_workspace,
             target_layout=self.target_layout,
+            source_features=self.source_features,
+            hidden_states=hidden_states if self.source_features is not None else None,
         )
 
     @torch.no_grad()
@@ -364,6 +378,7 @@ class KVBridgeForCausalLM(nn.Module):
             position_ids=position_ids,
             source_logits=source_logits,
             residual_fn=self.map_residual,
+            hidden_features=self.source_features is not None,
         )
         self.last_transfer = result.decision.as_dict()
         for key, count in result.decision.counts().items():

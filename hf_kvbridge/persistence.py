@@ -37,7 +37,6 @@ from .configuration import KVBridgeConfig
 from .constants import (
     CONFIG_NAME,
     DEFAULT_MAX_SHARD_SIZE,
-    FORMAT_VERSION,
     MAPPER_CHECKSUMS_KEY,
     MAPPER_SHARD_PATTERN,
     MAPPER_WEIGHTS_INDEX_NAME,
@@ -60,6 +59,7 @@ from .layout import KVLayout
 from .loading import resolve_model_reference
 from .mappers import KVMapper, build_mapper, get_mapper_type
 from .mappers.lazy import LazyKVMapper
+from .source_features import required_format_version
 
 logger = logging.getLogger(__name__)
 
@@ -314,6 +314,9 @@ def save_bridge(
     with tempfile.TemporaryDirectory(dir=save_directory, prefix=".tmp-kvbridge-") as tmp:
         tmp = Path(tmp)
         mapper = bridge.mapper  # a lazily loaded mapper holds meta tensors: its weights come from its files
+        # the oldest format that reads this checkpoint: K/V-only bridges stay readable by every reader, one that
+        # reads hidden states needs a reader that knows them (older ones refuse it: `configuration`)
+        version = required_format_version(bridge.config)
         state = mapper.stored_state_dict() if isinstance(mapper, LazyKVMapper) else mapper.state_dict()
         checksums = save_mapper_weights(
             state,
@@ -321,7 +324,7 @@ def save_bridge(
             max_shard_size=max_shard_size,
             metadata={
                 "format": "pt",
-                "format_version": str(FORMAT_VERSION),
+                "format_version": str(version),
                 "mapper_type": bridge.config.mapper_type,
             },
         )
@@ -330,12 +333,13 @@ def save_bridge(
             save_file(
                 {k: v.detach().to("cpu").contiguous() for k, v in sorted(residual.state_dict().items())},
                 tmp / RESIDUAL_WEIGHTS_NAME,
-                metadata={"format": "pt", "format_version": str(FORMAT_VERSION)},
+                metadata={"format": "pt", "format_version": str(version)},
             )
             checksums[RESIDUAL_WEIGHTS_NAME] = sha256_file(tmp / RESIDUAL_WEIGHTS_NAME)
         bridge.config.save_pretrained(tmp)
         config_dict = json.loads((tmp / CONFIG_NAME).read_text(encoding="utf-8"))
         config_dict[MAPPER_CHECKSUMS_KEY] = checksums
+        config_dict["format_version"] = version
         (tmp / CONFIG_NAME).write_text(json.dumps(config_dict, indent=2, sort_keys=True) + "\n", encoding="utf-8")
         render_model_card(bridge.config, **(model_card_kwargs or {})).save(tmp / MODEL_CARD_NAME)
         # safetensors writes its files 0600; give them the mode the umask gives every other file here (0644)

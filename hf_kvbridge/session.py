@@ -185,7 +185,8 @@ class HandoffSession:
         else:
             whole = (start, map_end) == (0, len(theirs.tokens))
             piece = theirs.cache if whole else slice_cache(theirs.cache, start, map_end)
-            mine.cache = _recording(mapper.map_cache(piece, positions, target_cache=mine.cache))
+            features = self._feature_states(mapper, other, start, map_end)  # hidden states, if the mapper reads them
+            mine.cache = _recording(mapper.map_cache(piece, positions, target_cache=mine.cache, **features))
             mine.tokens = tokens[:map_end]
         if 0 < top < num_layers:  # the top layers compute the span from the residual mapped at each token
             stream = mapper.map_residual(self._hidden_states(other, start, map_end), top)  # (1, span, D)
@@ -209,7 +210,11 @@ class HandoffSession:
         if probe:
             self._run(name, tokens[:end])  # this model's own K/V for the probe tokens
             probe_positions = torch.arange(map_end, end, device=mapper.device).unsqueeze(0)
-            mapped_probe = mapper.map_cache(slice_cache(theirs.cache, map_end, end), probe_positions)
+            mapped_probe = mapper.map_cache(
+                slice_cache(theirs.cache, map_end, end),
+                probe_positions,
+                **self._feature_states(mapper, other, map_end, end),
+            )
             ones = torch.ones(1, probe, dtype=torch.long, device=mapper.device)
             score = float(probe_agreement(mine.cache, mapped_probe, map_end, ones)[0])
             self.last_sync["score"] = score
@@ -233,6 +238,13 @@ class HandoffSession:
         self.last_sync["recomputed_tokens"] = recomputed
         self.last_sync["recomputed_layers"] = top
         return mapped
+
+    def _feature_states(self, mapper, name: str, start: int, end: int) -> dict:
+        """`{"hidden_states": ...}` of `name`'s tokens `[start, end)` for a `mapper` that reads the source's hidden
+        states (`mapper.source_features`), else `{}`."""
+        if getattr(mapper, "source_features", None) is None:
+            return {}
+        return {"hidden_states": self._hidden_states(name, start, end)}
 
     @torch.no_grad()
     def _hidden_states(self, name: str, start: int, end: int) -> tuple[torch.Tensor, ...]:

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from .constants import HEAD_MODES, KV_MODES, MAPPER_TYPE_NAMES, STATISTICS_DTYPES
 from .errors import ConfigurationError
+from .source_features import check_feature_modes, check_hidden_state_layers_value
 
 if TYPE_CHECKING:
     import torch
@@ -78,6 +79,12 @@ class CalibrationSettings:
             passes: the bridge can then run `config.recompute_layers = n` for any of them (and for `0` and the
             target's layer count, which need no map). One number also turns it on in the saved config; a list leaves
             `config.recompute_layers` at `0` (pick one at run time). `0`: no residual map.
+        hidden_state_layers (`list[int]`, `int` or `"all"`, *optional*): richer source features
+            (`hf_kvbridge.source_features`): these entries of the source's `output_hidden_states` (`0`: the
+            embeddings, `i`: what source layer `i` receives, `L_s` or `-1`: the final normed output) become feature
+            blocks of every target layer's map beside the source's K/V, ranked with the K/V blocks by held-out R²
+            (`top_k` counts both). `None` (default): K/V only. Needs `head_mode="all_heads"`, `kv_mode="joint"` and
+            the `"ridge"` or `"low_rank"` mapper; such a bridge cannot be served by vLLM or from a KV store.
 
     Example:
 
@@ -142,6 +149,11 @@ class CalibrationSettings:
         help="fit the residual map of layer recompute for the top N target layers (a comma-separated list fits "
         "several; one number also turns it on in the saved bridge); 0: none",
     )
+    hidden_state_layers: list[int] | int | str | None = _option(
+        None,
+        help="source hidden states (output_hidden_states entries, comma-separated, -1: the last; or 'all') that "
+        "feed the K/V maps beside the source's K/V; none: K/V only (such a bridge cannot be served by vLLM)",
+    )
 
     def __post_init__(self):
         self.validate()
@@ -181,6 +193,8 @@ class CalibrationSettings:
             raise ConfigurationError(
                 f"mapper_type {self.mapper_type!r} supports kv_mode {list(entry.kv_modes)}, not {self.kv_mode!r}"
             )
+        if self.hidden_state_layers is not None:
+            check_feature_modes(self.head_mode, self.kv_mode, self.mapper_type, self.bidirectional)
 
 
 def _check_values(s: dict[str, Any]) -> None:
@@ -210,6 +224,7 @@ def _check_values(s: dict[str, Any]) -> None:
         raise ConfigurationError(
             f"recompute_layers must be an integer ≥ 0 or a list of them (top target layers), got {layers!r}"
         )
+    check_hidden_state_layers_value(s.get("hidden_state_layers"))
     hold_back = s["hold_back"]
     if not isinstance(hold_back, int) or isinstance(hold_back, bool) or hold_back < 1:
         raise ConfigurationError(

@@ -137,6 +137,7 @@ def transfer_prefill(
     position_ids: torch.LongTensor | None = None,
     source_logits: bool = True,
     residual_fn: ResidualFunction | None = None,
+    hidden_features: bool = False,
 ) -> TransferResult:
     """Builds `target`'s cache for every token of `input_ids` as `plan` says, and returns it with its decision.
 
@@ -167,6 +168,9 @@ def transfer_prefill(
             position only (generation needs none).
         residual_fn (`Callable`, *optional*): `residual_fn(source_hidden_states, n)` (see `ResidualFunction`),
             needed when `0 < plan.recompute_layers <` the target's layer count.
+        hidden_features (`bool`, *optional*, defaults to `False`): `map_fn` reads the source's hidden states beside
+            its K/V (`hf_kvbridge.source_features`): the source prefill returns them (`output_hidden_states`) and
+            `map_fn` gets those of the tokens it maps as `hidden_states=`.
 
     Returns:
         [`TransferResult`]: the target cache, the source outputs and the [`TransferDecision`].
@@ -202,8 +206,14 @@ def transfer_prefill(
         position_ids=positions.to(src_device),
         use_cache=True,
         logits_to_keep=0 if source_logits else 1,
-        output_hidden_states=residual,
+        output_hidden_states=residual or hidden_features,
     )
+
+    def hidden(start: int, end: int) -> dict:  # the source's hidden states of tokens [start, end), for map_fn
+        if not hidden_features:
+            return {}
+        return {"hidden_states": [h[:, start:end] for h in source_out.hidden_states]}  # L_s + 1 × (B, T, D_s)
+
     ids, mask, pos = input_ids.to(device), attention_mask.to(device), positions.to(device)
 
     def target_run(start: int, end: int, cache: DynamicCache | None, rows: torch.Tensor | None = None):
@@ -226,7 +236,7 @@ def transfer_prefill(
         cache = target_run(sink_end, map_end, cache)
     elif map_end > sink_end:
         piece = slice_cache(output_cache(source_out), sink_end, map_end)
-        cache = map_fn(piece, pos[:, sink_end:map_end], target_cache=cache)
+        cache = map_fn(piece, pos[:, sink_end:map_end], target_cache=cache, **hidden(sink_end, map_end))
         if residual:  # the top layers compute the span themselves, from the residual mapped at each token
             states = [h[:, sink_end:map_end] for h in source_out.hidden_states]  # L_s + 1 × (B, span, D_s)
             stream = residual_fn(states, top)  # (B, span, D_t)
@@ -250,7 +260,9 @@ def transfer_prefill(
     scores = None
     if probe > 0:
         cache = target_run(map_end, length, cache)  # the target's own K/V for the probe tokens
-        mapped_probe = map_fn(slice_cache(output_cache(source_out), map_end, length), pos[:, map_end:])
+        mapped_probe = map_fn(
+            slice_cache(output_cache(source_out), map_end, length), pos[:, map_end:], **hidden(map_end, length)
+        )
         row_scores = probe_agreement(cache, mapped_probe, map_end, mask[:, map_end:]).cpu()  # (B,)
         ok = row_scores >= plan.gate_threshold
         scores = [float(x) for x in row_scores]

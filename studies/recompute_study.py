@@ -42,11 +42,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--mapper-type", default="ridge", choices=MAPPER_TYPES, help="the mapper the recompute runs over"
     )
     parser.add_argument("--mlp-epochs", type=int, default=3, help="with --mapper-type mlp (attention-output loss)")
+    parser.add_argument(
+        "--hidden-state-layers",
+        default=None,
+        help="source hidden states that feed the K/V maps beside its K/V (comma-separated output_hidden_states "
+        "entries, or 'all'; hf_kvbridge.source_features); default: K/V only",
+    )
     parser.add_argument("--windows", type=int, default=48, help="held-out windows")
     parser.add_argument("--context", type=int, default=192)
     parser.add_argument("--continuation", type=int, default=32)
     parser.add_argument("--seeds", default="0", help="comma-separated seeds of the random policy's draws")
     parser.add_argument("--out", default="runs/recompute", help="folder for recompute.json and recompute.png")
+
+
+def hidden_state_layers(value: str | None):
+    """`--hidden-state-layers` as `calibrate` takes it: `None`, `"all"` or a list of integers."""
+    if value in (None, "", "none"):
+        return None
+    return "all" if value == "all" else [int(v) for v in value.split(",")]
 
 
 def window_nll(bridge, windows: torch.Tensor, context: int, batch_size: int = 8) -> tuple[torch.Tensor, float]:
@@ -119,6 +132,7 @@ def run_frontier(args: argparse.Namespace) -> dict:
         seq_len=args.seq_len,
         top_k=args.top_k,
         mapper_type=getattr(args, "mapper_type", "ridge"),
+        hidden_state_layers=hidden_state_layers(getattr(args, "hidden_state_layers", None)),
         **(
             {"mlp_kwargs": {"loss": "attention", "epochs": args.mlp_epochs}}
             if getattr(args, "mapper_type", "ridge") == "mlp"
@@ -149,6 +163,7 @@ def run_frontier(args: argparse.Namespace) -> dict:
                         "nll": bridge_nll,
                         "target_token_share": computed / args.context,
                         "prefill_seconds": seconds,
+                        "window_nll": per_window.tolist(),  # for paired comparisons between runs
                     }
                 )
                 kept = points[-1]["retention"]

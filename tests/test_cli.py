@@ -92,6 +92,7 @@ SAMPLES = {
     "statistics_memory": ("16GB", "16GB"),
     "statistics_dtype": ("float64", "float64"),
     "recompute_layers": ("1,2", [1, 2]),
+    "hidden_state_layers": ("0,-1", [0, -1]),
 }
 CALIBRATE = ["calibrate", "src", "tgt", "--out", "o"]
 
@@ -117,6 +118,12 @@ def test_each_settings_option_reaches_the_settings_unchanged(name):
     settings = _settings(option) if text is None else _settings(option, text)
     assert getattr(settings, name) == expected
     assert expected != getattr(CalibrationSettings(), name)  # the sample is not the default
+
+
+def test_hidden_state_layers_take_one_entry_a_list_or_all():
+    assert _settings("--hidden-state-layers", "-1").hidden_state_layers == -1
+    assert _settings("--hidden-state-layers", "all").hidden_state_layers == "all"
+    assert _settings("--hidden-state-layers", "none").hidden_state_layers is None
 
 
 def test_calibrate_defaults_are_the_settings_defaults():

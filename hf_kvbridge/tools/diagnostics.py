@@ -14,6 +14,7 @@ import torch
 
 from ..attention import attention_output_cosine, target_queries
 from ..cache import output_cache
+from ..errors import ConfigurationError
 
 
 def _pyplot():
@@ -203,6 +204,11 @@ def inspect_bridge(
     from ..selection import single_layer_r2
     from ..statistics import KVStatistics
 
+    if getattr(bridge, "source_features", None) is not None:
+        raise ConfigurationError(
+            "inspect measures the mapper from the source's K/V rows, and this bridge also reads its hidden states "
+            "(source_features); measure it with kvbridge eval (retention, NLL) or attention_output_cosine instead"
+        )
     if isinstance(data, torch.Tensor):
         windows = data.long()
     else:

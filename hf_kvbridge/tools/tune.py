@@ -363,6 +363,7 @@ def fit_candidate(base, statistics, settings: dict, *, windows: torch.Tensor | N
         head_mode=base.config.head_mode,
         hold_back=base.config.hold_back,
         config_kwargs=_references(base.config),
+        features=getattr(base, "source_features", None),  # the statistics' hidden-state blocks, if any
     )
     if base.residual_mapper is not None:  # the same residual maps for every candidate (`config.residual_map`)
         bridge = bridge.with_residual_mapper(base.residual_mapper, bridge.config)

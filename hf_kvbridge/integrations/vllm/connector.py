@@ -23,6 +23,7 @@ from vllm.logger import init_logger
 from ...constants import REVERSE_FOLDER
 from ...errors import ServingConfigError
 from ...layout import KVLayout, check_fingerprint
+from ...source_features import check_servable
 from .configuration import check_recompute, connector_settings, read_bridge_config
 from .scheduler import BridgeScheduler
 from .store import open_prefix_store, redact, store_identity
@@ -135,6 +136,12 @@ class KVBridgeConnector(KVConnectorBase_V1):
                 "prompt, so the target cannot compute the first tokens itself; save the bridge with sink_tokens=0"
             )
         check_recompute(config, self.bridge_ref)
+        # hidden-state features: the store and the source engine give K/V only (a store-only target, or not)
+        check_servable(
+            config,
+            self.bridge_ref,
+            "the vLLM connector" + ("" if self.settings.source_weights else " of a store-only target"),
+        )
         if config.gate_threshold is not None and not self.settings.source_weights:
             logger.warning(
                 "KVBridgeConnector: bridge %s has a quality gate, and this store-only target has no source model to "
