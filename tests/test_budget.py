@@ -341,3 +341,9 @@ def test_default_budget_takes_more_passes_when_half_the_free_memory_is_too_small
     monkeypatch.setattr(calibration, "free_bytes", lambda device=None: free - 1)
     with pytest.raises(StatisticsMemoryError, match=r"needs .* but statistics_memory allows"):
         _calibrate_small(source, target)
+
+
+def test_default_budget_is_half_the_free_memory_or_the_cheapest_plan_when_that_fits():
+    assert default_budget(free=100, smallest=40, reserve=10) == 50  # half is enough: half
+    assert default_budget(free=100, smallest=60, reserve=40) == 60  # more than half, fits beside the rows: the need
+    assert default_budget(free=100, smallest=61, reserve=40) == 50  # does not fit: half (then refused by the plan)
