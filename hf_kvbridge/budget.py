@@ -66,20 +66,67 @@ def format_bytes(n: int | float) -> str:
     return f"{int(n)} B"
 
 
-def available_bytes(device: torch.device | str | None = None) -> int:
-    """Memory the statistics may take by default: half of what is free on the statistics device (the CPU's available
-    RAM, or a GPU's free memory), leaving room for the models, their activations and the rows of a batch."""
+def free_bytes(device: torch.device | str | None = None) -> int:
+    """Memory free on the statistics device now: the CPU's available RAM (`MemAvailable`), or a GPU's free memory."""
     device = torch.device(device or "cpu")
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
-        return free // 2
+        return free
     try:
         with open("/proc/meminfo") as f:
             info = dict(line.split(":", 1) for line in f)
-        free = int(info["MemAvailable"].split()[0]) * 1024
+        return int(info["MemAvailable"].split()[0]) * 1024
     except (OSError, KeyError, ValueError):
-        free = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return free // 2
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def available_bytes(device: torch.device | str | None = None) -> int:
+    """Memory the statistics may take by default: half of what is free on the statistics device (the CPU's available
+    RAM, or a GPU's free memory), leaving room for the models, their activations and the rows of a batch."""
+    return free_bytes(device) // 2
+
+
+def rows_bytes(tokens: int, source_layers: int, target_layers: int, row: int) -> int:
+    """Bytes of one batch's cache rows of both models in float32 (`cache_rows`: `tokens × layers·row` each), counted
+    twice: the per-layer pieces and the joined rows are alive together while a batch is read."""
+    return 2 * tokens * (source_layers + target_layers) * row * 4
+
+
+def smallest_plan_bytes(
+    source_layers: int,
+    target_layers: int,
+    num_kv_heads: int,
+    head_dim: int,
+    top_k: int,
+    dtype,
+    groups: int,
+) -> int:
+    """Bytes the cheapest plan needs at its peak: the selection pass's statistics, or one fit pass holding a single
+    target layer's statistics and the solve of one map, whichever is larger (more passes cannot lower it)."""
+    row = num_kv_heads * 2 * head_dim
+    selection = selection_bytes(source_layers, target_layers, num_kv_heads, head_dim, dtype)
+    return max(selection, fit_bytes(min(top_k, source_layers), 1, row, dtype, groups))
+
+
+def default_budget(free: int, smallest: int, reserve: int) -> int:
+    """The statistics budget when `statistics_memory` is not given: half of the `free` bytes (`available_bytes`), or,
+    when the cheapest plan needs more than that but still fits beside `reserve` (the rows of a batch,
+    `rows_bytes`), exactly the cheapest plan's `smallest` bytes, so calibration takes more passes over the data
+    instead of refusing. When not even that fits, half of `free` (`check_budget` then refuses, naming the bytes).
+
+    Example:
+
+    ```python
+    >>> default_budget(free=16 * 10**9, smallest=5 * 10**9, reserve=10**9)  # half of the free memory is enough
+    8000000000
+    >>> default_budget(free=8 * 10**9, smallest=5 * 10**9, reserve=10**9)  # more passes rather than an error
+    5000000000
+    ```
+    """
+    half = free // 2
+    if smallest <= half or smallest + reserve > free:
+        return half
+    return smallest
 
 
 def dense_bytes(source_layers: int, target_layers: int, row: int) -> int:

@@ -16,7 +16,17 @@ import torch
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
-from .budget import available_bytes, check_budget, format_bytes, parse_bytes, plan_passes, plan_residual
+from .budget import (
+    check_budget,
+    default_budget,
+    format_bytes,
+    free_bytes,
+    parse_bytes,
+    plan_passes,
+    plan_residual,
+    rows_bytes,
+    smallest_plan_bytes,
+)
 from .cache import cache_rows, forward_rows
 from .configuration import KVBridgeConfig
 from .constants import DEFAULT_CALIBRATION_DATA, HEAD_MODES
@@ -512,6 +522,9 @@ def fit_bridge_in_passes(
     `statistics_memory` allows, and solve them.
 
     Args:
+        timings (`dict`, *optional*): besides `collect_statistics`' `forward_seconds` and `statistics_seconds`,
+            `selection_seconds` (scoring the source layers), `lambda_seconds` (the held-out λ search, or the
+            held-out R² at a fixed λ), `solve_seconds` (the final fits) and `fit_passes` are added to it.
         keep_statistics (`bool`, *optional*, defaults to `False`): return the `(train, held-out)` statistics when one
             pass held every target layer (a copy more while fitting).
         residual (`tuple[list[int], str]`, *optional*): `(recompute_layers, mode)`: also fit the residual maps of
@@ -561,7 +574,9 @@ def fit_bridge_in_passes(
     )
     # selection scores each source layer at one λ (the smallest of the auto grid's typical choices for "auto")
     selection_lambda = SELECTION_LAMBDA if ridge_lambda == "auto" else ridge_lambda
+    started = time.perf_counter()
     r2 = train.single_layer_r2(held, selection_lambda)  # (L_t, L_s, 2)
+    timings["selection_seconds"] = timings.get("selection_seconds", 0.0) + time.perf_counter() - started
     del train, held
     residual_fit = residual_fit_parts = None
     residual_shape = (residual_layers, hidden_size(source), hidden_size(target))
@@ -583,6 +598,7 @@ def fit_bridge_in_passes(
     selected = select_layers(r2, top_k, _allowed(src, tgt, features))
     groups = len(feature_groups(src.num_kv_heads, src.head_dim, head_mode, kv_mode, tgt.num_kv_heads, tgt.head_dim))
     passes = plan_passes(selected, row, statistics_memory, statistics_dtype, groups)
+    timings["fit_passes"] = timings.get("fit_passes", 0) + len(passes)
     logger.info("fitting %d target layers in %d pass(es) over the data", tgt.num_layers, len(passes))
     mapper = KVMapper(selected, heads, dim, head_mode, kv_mode=kv_mode, **target_heads)
     fitted_r2 = torch.zeros(tgt.num_layers, 2, dtype=torch.float64)
@@ -643,6 +659,7 @@ def fit_bridge_in_passes(
                 "longer calibration sequences, a smaller top_k, or head_mode='same_head'"
             )
         lam = ridge_lambda
+        started = time.perf_counter()
         if ridge_lambda == "auto":  # λ per layer, head group and K/V of this pass's target layers
             lam, pass_r2 = choose_ridge_lambdas(
                 train,
@@ -661,11 +678,14 @@ def fit_bridge_in_passes(
         else:
             pass_r2 = mapper_r2(train, held, selected, head_mode, lam, targets, kv_mode)
         fitted_r2 += pass_r2
+        timings["lambda_seconds"] = timings.get("lambda_seconds", 0.0) + time.perf_counter() - started
+        started = time.perf_counter()
         if keep_statistics and len(passes) == 1:
             statistics = (train, held)
             mapper.fit_targets(train + held, targets, lam)  # the final fit sees every token
         else:
             mapper.fit_targets(train.merge_(held), targets, lam)  # merged in place: no third copy
+        timings["solve_seconds"] = timings.get("solve_seconds", 0.0) + time.perf_counter() - started
         del train, held
     if world > 1:  # every rank ends with every target layer's weights
         import torch.distributed as dist
@@ -791,11 +811,6 @@ def calibrate(
         if settings.bidirectional:
             same_head_sources(tgt.num_kv_heads, src.num_kv_heads, *reversed(names))
     # the memory plan, before any text is read or any forward pass runs
-    budget = (
-        parse_bytes(settings.statistics_memory)
-        if settings.statistics_memory is not None
-        else available_bytes(settings.statistics_device)
-    )
     dtype = getattr(torch, settings.statistics_dtype)
     # richer source features: hidden-state blocks after the K/V blocks, planned and selected like source layers
     features = SourceFeatures.for_models(src, hidden_size(source), settings.hidden_state_layers)
@@ -806,6 +821,13 @@ def calibrate(
     heads, dim = max(src.num_kv_heads, tgt.num_kv_heads), max(src.head_dim, tgt.head_dim)
     modes = (settings.head_mode, settings.kv_mode)
     groups = len(feature_groups(src.num_kv_heads, src.head_dim, *modes, tgt.num_kv_heads, tgt.head_dim))
+    if settings.statistics_memory is not None:
+        budget = parse_bytes(settings.statistics_memory)
+    else:  # half the free memory, or the cheapest plan (more passes) when that is more and still fits
+        directions = [(blocks, tgt.num_layers)] + [(tgt.num_layers, src.num_layers)] * settings.bidirectional
+        smallest = max(smallest_plan_bytes(a, b, heads, dim, top_k, dtype, groups) for a, b in directions)
+        reserve = rows_bytes(settings.batch_size * settings.seq_len, blocks, tgt.num_layers, heads * 2 * dim)
+        budget = default_budget(free_bytes(settings.statistics_device), smallest, reserve)
     plan = [check_budget(budget, blocks, tgt.num_layers, heads, dim, top_k, dtype, *modes, groups=groups)]
     if settings.bidirectional:
         plan.append(
@@ -973,6 +995,11 @@ def calibrate(
     for part in [bridge] + ([reverse] if settings.bidirectional else []):
         part.config.calibration["forward_seconds"] = round(timings["forward_seconds"], 2)
         part.config.calibration["statistics_seconds"] = round(timings["statistics_seconds"], 2)
+        for key in ("selection_seconds", "lambda_seconds", "solve_seconds"):  # budgeted calibration's split
+            if key in timings:
+                part.config.calibration[key] = round(timings[key], 2)
+        if "fit_passes" in timings:
+            part.config.calibration["fit_passes"] = timings["fit_passes"]
     if entry.fit is not None:  # mappers beyond ridge start from the ridge bridge (see `mappers.MAPPER_REGISTRY`)
         bridge = refit(
             bridge,

@@ -66,7 +66,9 @@ class CalibrationSettings:
         checkpoint_dir (`str`, *optional*): checkpoint the statistics there and resume after an interruption.
         statistics_device (*optional*): device of the statistics (defaults to the CPU).
         statistics_memory (`str` or `int`, *optional*): bytes the calibration statistics may take (`"16GB"`,
-            `"512MiB"`); defaults to half the free memory of the statistics device. Dense statistics (exact, one
+            `"512MiB"`); defaults to half the free memory of the statistics device, or to the cheapest plan's need
+            (one target layer per fit pass) when that is more and still fits the free memory beside a batch's rows
+            (`budget.default_budget`). Dense statistics (exact, one
             pass) are used when they fit, otherwise a selection pass and as many fit passes as the budget needs (see
             `hf_kvbridge.budget`); a budget too small for one target layer is refused before any work.
         statistics_dtype (`str`, *optional*, defaults to `"float32"`): of the budgeted statistics' Gram blocks
@@ -135,7 +137,7 @@ class CalibrationSettings:
     statistics_memory: int | str | None = _option(
         None,
         help="memory the calibration statistics may take, e.g. 16GB (default: half the free memory of the statistics "
-        "device); refused up front when too small",
+        "device, more when one target layer needs it and it is free); refused up front when too small",
     )
     statistics_dtype: str = _option(
         "float32", choices=STATISTICS_DTYPES, help="of the budgeted statistics' Gram blocks"

@@ -18,8 +18,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import subprocess
 import sys
+import time
 
 
 def _status(field: str) -> int:
@@ -83,16 +85,23 @@ def child(p: int, head_dim: int, seed: int, k: int | None = None) -> dict:
     del small
     unit = p * p * 8
 
-    base = _reset_peak()
+    base = search_base = _reset_peak()
+    started = time.perf_counter()
     lambdas, r2 = solve.choose_ridge_lambdas(train, held, layers, "all_heads", heads, head_dim)
+    search_seconds = time.perf_counter() - started
     search = _status("VmHWM") - base
     merged = train.merge_(held)
     del held
     ((x_idx, y_idx),) = map_groups(merged, layers[0], 0, "all_heads")
     lam = solve.map_group_lambda(lambdas, 0, 0, "all_heads", "joint", heads, head_dim)
     base = _reset_peak()
+    started = time.perf_counter()
     weight, bias = solve.solve_ridge(merged, x_idx, y_idx, lam)
+    refit_seconds = time.perf_counter() - started
     refit = _status("VmHWM") - base
+    # getrusage's peak cannot be reset: above the resident set before the search, it is the solve's peak whenever
+    # that is above the setup's (true from p ≈ 2,000: the setup holds no more than the statistics and two blocks)
+    maxrss_delta = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - search_base
     plan = None
     try:
         from hf_kvbridge.budget import solve_bytes
@@ -116,6 +125,10 @@ def child(p: int, head_dim: int, seed: int, k: int | None = None) -> dict:
         "plan_bytes": plan,
         "plan_units": None if plan is None else round(plan / unit, 3),
         "weight_finite": bool(torch.isfinite(weight).all()),
+        "maxrss_delta_bytes": maxrss_delta,
+        "search_seconds": round(search_seconds, 2),
+        "refit_seconds": round(refit_seconds, 2),
+        "threads": torch.get_num_threads(),
     }
 
 
@@ -148,6 +161,7 @@ def main(argv=None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--k", type=int, default=None, help="source layers per map (default: 6, 4, 3, 2 or 1)")
     parser.add_argument("--code", default=None, help="a checkout whose hf_kvbridge to measure")
+    parser.add_argument("--threads", type=int, default=None, help="OMP_NUM_THREADS of the measured process")
     parser.add_argument("--json", default=None, help="write the records here")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -156,7 +170,7 @@ def main(argv=None) -> None:
         return
     records = []
     for p in args.p:
-        record = measure(p, args.head_dim, args.seed, args.code, k=args.k)
+        record = measure(p, args.head_dim, args.seed, args.code, threads=args.threads, k=args.k)
         records.append(record)
         print(json.dumps(record), flush=True)
     if args.json:

@@ -10,8 +10,20 @@ import torch
 import hf_kvbridge
 import hf_kvbridge.calibration as calibration
 from hf_kvbridge import StatisticsMemoryError
-from hf_kvbridge.budget import check_budget, fit_bytes, parse_bytes, plan_passes, selection_bytes, solve_bytes
+from hf_kvbridge.budget import (
+    check_budget,
+    default_budget,
+    dense_bytes,
+    fit_bytes,
+    parse_bytes,
+    plan_passes,
+    rows_bytes,
+    selection_bytes,
+    smallest_plan_bytes,
+    solve_bytes,
+)
 from hf_kvbridge.calibration import collect_statistics, fit_bridge_in_passes, split_heldout
+from hf_kvbridge.data import token_windows
 from hf_kvbridge.mappers import KVMapper
 from hf_kvbridge.selection import select_layers
 from hf_kvbridge.solve import solve_ridge
@@ -288,3 +300,50 @@ def test_plan_passes_refuses_only_a_layer_that_fits_no_pass():
     assert plan_passes(selected, ROW, one_layer, torch.float32) == [[0], [1], [2], [3]]  # a pass per layer
     with pytest.raises(StatisticsMemoryError, match=r"target layer 0 needs .* \(train \+ held-out statistics of its"):
         plan_passes(selected, ROW, one_layer - 1, torch.float32)
+
+
+def _calibrate_small(source, target, **kwargs):
+    return hf_kvbridge.calibrate(
+        source, target, CORPUS, tokenizer=make_tokenizer(), num_sequences=12, seq_len=24, top_k=2, batch_size=4,
+        statistics_dtype="float64", **kwargs,
+    )  # fmt: skip
+
+
+def test_default_budget_takes_more_passes_when_half_the_free_memory_is_too_small(monkeypatch):
+    """Nothing set and half the free memory below one target layer's need, but the need itself free beside a batch's
+    rows: calibration runs a fit pass per target layer (the cheapest plan) and ends with the unbudgeted mapper; with
+    less free memory than that it is refused before any forward pass."""
+    source, target = _pair()
+    heads, dim = source.config.num_key_value_heads, source.config.head_dim
+    smallest = smallest_plan_bytes(4, 5, heads, dim, 2, torch.float64, 1)
+    reserve = rows_bytes(4 * 24, 4, 5, heads * 2 * dim)
+    assert reserve < smallest < dense_bytes(4, 5, heads * 2 * dim)  # half of `smallest + reserve` is too small
+    free = smallest + reserve
+    monkeypatch.setattr(calibration, "free_bytes", lambda device=None: free)
+    bridge = _calibrate_small(source, target)
+    provenance = bridge.config.calibration
+    assert (provenance["statistics"], provenance["statistics_memory"]) == ("blocks", smallest), provenance
+    assert provenance["fit_passes"] == target.config.num_hidden_layers  # one target layer per pass
+    assert all(provenance[key] >= 0 for key in ("selection_seconds", "lambda_seconds", "solve_seconds"))
+    # the unbudgeted mapper: dense statistics of the same windows, the same source layers, λ chosen from them
+    windows = token_windows(CORPUS, make_tokenizer(), 12, 24)
+    _, heldout = split_heldout(len(windows), 0.1, 0)
+    dense = collect_statistics(source, target, windows, heldout=heldout, batch_size=4)
+    unbudgeted = calibration.fit_bridge(source, target, *dense, selected_layers=bridge.config.selected_layers)
+    assert bridge.config.ridge_lambdas == unbudgeted.config.ridge_lambdas
+    for key, value in unbudgeted.mapper.state_dict().items():
+        torch.testing.assert_close(bridge.mapper.state_dict()[key], value, atol=1e-6, rtol=1e-6)
+
+    def no_forward(*args, **kwargs):
+        raise AssertionError("a forward pass ran before the budget was checked")
+
+    monkeypatch.setattr(calibration, "cache_rows", no_forward)
+    monkeypatch.setattr(calibration, "free_bytes", lambda device=None: free - 1)
+    with pytest.raises(StatisticsMemoryError, match=r"needs .* but statistics_memory allows"):
+        _calibrate_small(source, target)
+
+
+def test_default_budget_is_half_the_free_memory_or_the_cheapest_plan_when_that_fits():
+    assert default_budget(free=100, smallest=40, reserve=10) == 50  # half is enough: half
+    assert default_budget(free=100, smallest=60, reserve=40) == 60  # more than half, fits beside the rows: the need
+    assert default_budget(free=100, smallest=61, reserve=40) == 50  # does not fit: half (then refused by the plan)
