@@ -7,8 +7,7 @@
 # Runs tests/test_vllm.py (vLLM engines on the pocket models), tests/test_vllm_store.py (the warm path: a source and a
 # target engine around a real redis-server), tests/test_vllm_serving.py (one `kvbridge serve` under load and faults),
 # the inference-mode and plan tests (the connector plans as bridge.prefill does) and the docs' `runs-offline: vllm`
-# blocks (a served pocket bridge), one test file per pytest-xdist worker (`--dist loadfile`: each file's module
-# fixtures, its engines and store server, stay in one process). A few minutes.
+# blocks (a served pocket bridge). A few minutes.
 #
 #   bash .ci/vllm.sh           build .venv-vllm, then run the tests
 #   bash .ci/vllm.sh --build   build .venv-vllm only, and write its exit status to .venv-vllm.rc (`.ci/run` starts
@@ -50,5 +49,5 @@ fi
 
 . .venv-vllm/bin/activate
 python -c "import vllm, torch, transformers; print('vllm', vllm.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__)"
-HF_HUB_OFFLINE=1 python -m pytest -q -n 2 --dist loadfile tests/test_vllm.py tests/test_vllm_store.py \
+HF_HUB_OFFLINE=1 python -m pytest -q tests/test_vllm.py tests/test_vllm_store.py \
     tests/test_vllm_serving.py tests/test_inference_mode.py tests/test_plan.py "tests/test_readme.py::test_page_vllm_blocks_run"
