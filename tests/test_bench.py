@@ -20,19 +20,22 @@ def test_flop_counts_match_the_weights():
     assert mapper_flops(bridge.mapper, tokens) == 2 * tokens * 3 * (2 * 2 * 2 * 16) * (2 * 2 * 16)
 
 
+def _slowed(fn, seconds):
+    """`fn`, each call delayed by `seconds`."""
+
+    def run(*args, **kwargs):
+        time.sleep(seconds)
+        return fn(*args, **kwargs)
+
+    return run
+
+
 def test_benchmark_times_what_it_names(monkeypatch):
     """Each timing is of its own function: slowed down by a known delay, the right field grows by it."""
     bridge = random_bridge(qwen3(layers=2).config, qwen3(layers=3, hidden=48).config, top_k=2)
 
-    def slowed(fn, seconds):
-        def run(*args, **kwargs):
-            time.sleep(seconds)
-            return fn(*args, **kwargs)
-
-        return run
-
-    monkeypatch.setattr(bridge, "map_cache", slowed(bridge.map_cache, 0.12))
-    monkeypatch.setattr(bridge.target.model, "forward", slowed(bridge.target.model.forward, 0.04))
+    monkeypatch.setattr(bridge, "map_cache", _slowed(bridge.map_cache, 0.12))
+    monkeypatch.setattr(bridge.target.model, "forward", _slowed(bridge.target.model.forward, 0.04))
     (row,) = benchmark(bridge, [32], repeats=2)
     assert row["context_tokens"] == 32
     assert row["mapper_s"] >= 0.12 and row["target_prefill_s"] >= 0.04 and row["source_prefill_s"] > 0
@@ -152,15 +155,8 @@ def test_bench_old_vs_new_times_each_path(monkeypatch):
 
     bridge = random_bridge(qwen3(layers=2).config, qwen3(layers=3, hidden=48).config, top_k=2)
 
-    def slowed(fn, seconds):
-        def run(*args, **kwargs):
-            time.sleep(seconds)
-            return fn(*args, **kwargs)
-
-        return run
-
-    monkeypatch.setattr(mapping, "map_cache", slowed(mapping.map_cache, 0.05))  # the old path calls this one
-    monkeypatch.setattr(bridge, "map_cache", slowed(bridge.map_cache, 0.4))  # the new path is the bridge's own
+    monkeypatch.setattr(mapping, "map_cache", _slowed(mapping.map_cache, 0.05))  # the old path calls this one
+    monkeypatch.setattr(bridge, "map_cache", _slowed(bridge.map_cache, 0.4))  # the new path is the bridge's own
     (row,) = old_vs_new(bridge, [16], repeats=2, warmup=0)
     assert 0.05 <= row["old_default_s"] < row["new_default_s"] and row["new_default_s"] >= 0.4
 
