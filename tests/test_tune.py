@@ -492,6 +492,8 @@ def test_cli_says_when_no_configuration_meets_the_target(tmp_path, capsys):
             "0",
             "--recompute-layers",
             "0,1",
+            "--mlp-hidden",
+            "none",
             "--num-sequences",
             "8",
             "--seq-len",
