@@ -12,11 +12,11 @@ Example:
 ```
 """
 
-import importlib.util
+import importlib
+import sys
 
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from .calibration import calibrate, collect_statistics, fit_bridge
 from .configuration import KVBridgeConfig
 from .errors import (
     CalibrationDataError,
@@ -40,26 +40,52 @@ from .errors import (
     StoreUnavailableError,
     TuningError,
 )
-from .layout import KVLayout
-from .mappers import KVMapper
-from .modeling import KVBridgeForCausalLM
 from .settings import CalibrationSettings
-from .statistics import KVStatistics
 from .version import __version__
 
+# Names imported on first use (PEP 562 `__getattr__`), as transformers' own top level does: the bridge class and the
+# calibration code need transformers' modeling stack (`PreTrainedModel`, and with it scipy and accelerate), which
+# `import hf_kvbridge` for a config, a setting or an error does not. Integrations and tools are never imported here:
+# lm-eval finds the model "kvbridge" after `import hf_kvbridge.integrations.lm_eval`.
+_LAZY = {
+    "calibrate": "calibration",
+    "collect_statistics": "calibration",
+    "fit_bridge": "calibration",
+    "KVBridgeForCausalLM": "modeling",
+    "KVLayout": "layout",
+    "KVMapper": "mappers",
+    "KVStatistics": "statistics",
+}
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value  # later lookups are plain attribute reads
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
+
+class _BridgeClassOnFirstUse:
+    """`KVBridgeForCausalLM` in `AutoModelForCausalLM`'s table until `hf_kvbridge.modeling` is imported (which
+    registers the class itself): any attribute read (`from_pretrained`, `from_config`, ...) imports it and reads it
+    there, so the Auto classes find the bridge after `import hf_kvbridge` without loading the modeling stack first."""
+
+    __name__ = __qualname__ = "KVBridgeForCausalLM"
+    config_class = KVBridgeConfig
+
+    def __getattr__(self, name: str):
+        return getattr(importlib.import_module("hf_kvbridge.modeling").KVBridgeForCausalLM, name)
+
+
 AutoConfig.register("kvbridge", KVBridgeConfig, exist_ok=True)
-AutoModelForCausalLM.register(KVBridgeConfig, KVBridgeForCausalLM, exist_ok=True)
-
-# lm-eval finds "kvbridge" through its lazy registry: a "module:object" entry, imported only when an
-# evaluation asks for it, so `simple_evaluate(model="kvbridge")` works after this import without loading the adapter.
-# lm-eval's own table (`lm_eval.models`: placeholders only, ~0.1 s, no torch) goes in first: `get_model` fills it only
-# while the registry is empty, so an entry of ours alone would hide "hf" and the rest.
-if importlib.util.find_spec("lm_eval") is not None:
-    import lm_eval.models  # noqa: F401
-    from lm_eval.api.registry import model_registry
-
-    if "kvbridge" not in model_registry.keys():
-        model_registry.register("kvbridge", target="hf_kvbridge.integrations.lm_eval:KVBridgeLM")
+if "hf_kvbridge.modeling" not in sys.modules:
+    AutoModelForCausalLM.register(KVBridgeConfig, _BridgeClassOnFirstUse(), exist_ok=True)
 
 __all__ = [
     "CalibrationDataError",

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers import Cache, DynamicCache, PreTrainedModel
+from transformers import AutoModelForCausalLM, Cache, DynamicCache, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .cache import CACHE_KWARG, cache_kwargs, output_cache
@@ -676,3 +676,8 @@ class KVBridgeForCausalLM(nn.Module):
         ```
         """
         return HandoffSession(self, tokenizer, **kwargs)
+
+
+# the Auto classes load a saved bridge (`AutoModelForCausalLM.from_pretrained(folder)`); until this module is imported,
+# `hf_kvbridge/__init__.py` registers a stand-in that imports it on first use
+AutoModelForCausalLM.register(KVBridgeConfig, KVBridgeForCausalLM, exist_ok=True)

@@ -154,26 +154,9 @@ def test_every_module_imports_on_its_own():
     assert result.returncode == 0, result.stderr[-2000:]
 
 
-def test_import_surfaces_errors_inside_the_lm_eval_integration():
-    """`import hf_kvbridge` registers the lm-eval model lazily and tolerates a missing lm-eval, but an error inside its
-    own lm-eval module surfaces where the model is asked for, not as a silently missing model."""
-    pytest.importorskip("lm_eval")
-    code = (
-        "import sys, importlib.abc\n"
-        "class Finder(importlib.abc.MetaPathFinder):\n"
-        "    def find_spec(self, name, path, target=None):\n"
-        "        if name == 'hf_kvbridge.integrations.lm_eval':\n"
-        "            raise ImportError('boom inside the integration')\n"
-        "sys.meta_path.insert(0, Finder())\n"
-        "import hf_kvbridge\n"
-        "print('imported', 'hf_kvbridge.integrations.lm_eval' in sys.modules, flush=True)\n"
-        "from lm_eval.api.registry import get_model\n"
-        "get_model('kvbridge')\n"
-    )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert result.stdout.split() == ["imported", "False"], result.stderr[-2000:]
-    assert result.returncode != 0 and "boom inside the integration" in result.stderr, result.stderr[-2000:]
-    # without lm-eval installed, the package still imports
+def test_the_package_imports_without_lm_eval():
+    """`import hf_kvbridge` never touches lm-eval (its model "kvbridge" comes with the integration's own import), so
+    the package imports where lm-eval is not installed."""
     hide = (
         "import sys, importlib.abc\n"
         "class Hide(importlib.abc.MetaPathFinder):\n"

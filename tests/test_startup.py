@@ -52,29 +52,62 @@ def _heavy(modules: set[str]) -> list[str]:
 
 def test_import_loads_the_core_only(tmp_path):
     loaded = _modules_after("import hf_kvbridge", tmp_path)
-    assert {"torch", "transformers", "hf_kvbridge.modeling", "hf_kvbridge.calibration"} <= loaded
-    never = ["lm_eval.evaluator", "lm_eval.models.huggingface", "vllm", "datasets", "matplotlib", "kvbridge_cli"]
-    never += ["hf_kvbridge.tools", "hf_kvbridge.integrations", "hf_kvbridge.cli"]
+    assert {"torch", "transformers", "hf_kvbridge.configuration", "hf_kvbridge.errors"} <= loaded
+    # the modeling stack (transformers' `PreTrainedModel`, with scipy and accelerate), the bridge class and the
+    # calibration code load on first use; tools, integrations and their dependencies only where they are used
+    never = ["transformers.modeling_utils", "hf_kvbridge.modeling", "hf_kvbridge.calibration", "hf_kvbridge.tools"]
+    never += ["hf_kvbridge.integrations", "hf_kvbridge.cli", "kvbridge_cli", "vllm", "datasets", "matplotlib"]
     assert [m for m in never if m in loaded] == []
-    # scipy and accelerate come with transformers' modeling code (its losses, its device helpers), which the
-    # AutoModelForCausalLM registration needs; the package itself adds neither
-    base = _modules_after(
-        "import transformers.modeling_utils\nfrom transformers import AutoModelForCausalLM", tmp_path
-    )
-    added = {m.split(".")[0] for m in loaded - base}
-    assert added & {"scipy", "accelerate", "matplotlib", "datasets", "vllm"} == set()
+    assert {m.split(".")[0] for m in loaded} & {"lm_eval", "scipy", "accelerate"} == set()
 
 
-def test_auto_classes_and_lm_eval_find_the_bridge_after_import(tmp_path):
+def test_the_public_names_load_on_first_use(tmp_path):
     code = """
 import sys
 import hf_kvbridge
-from transformers import AutoConfig
-from lm_eval.api.registry import get_model
+assert "hf_kvbridge.calibration" not in sys.modules
+from hf_kvbridge import calibrate, KVBridgeForCausalLM
+from hf_kvbridge.calibration import calibrate as direct
+from hf_kvbridge.modeling import KVBridgeForCausalLM as cls
+assert calibrate is direct and KVBridgeForCausalLM is cls and hf_kvbridge.KVStatistics.__name__ == "KVStatistics"
+assert set(hf_kvbridge.__all__) <= set(dir(hf_kvbridge))
+try:
+    hf_kvbridge.no_such_name
+except AttributeError as err:
+    assert "no_such_name" in str(err)
+else:
+    raise AssertionError("no AttributeError")
+"""
+    _modules_after(code, tmp_path)
+
+
+def test_auto_classes_load_a_saved_bridge_after_import(tmp_path, saved_pair):
+    from hf_kvbridge import calibrate
+
+    texts = [f"document {i}: " + "the bridge maps a cache, the target decodes from it. " * 20 for i in range(8)]
+    bridge = calibrate(saved_pair["small"], saved_pair["large"], texts, num_sequences=8, seq_len=32, top_k=1)
+    bridge.save_pretrained(tmp_path / "b")
+    code = f"""
+import sys
+import hf_kvbridge
+from transformers import AutoConfig, AutoModelForCausalLM
 assert type(AutoConfig.for_model("kvbridge")).__name__ == "KVBridgeConfig"
-assert "lm_eval.models.huggingface" not in sys.modules  # registered, not imported
-assert get_model("hf").__name__ == "HFLM"  # lm-eval's own models are still found (asked first: the adapter's import
-assert get_model("kvbridge").__name__ == "KVBridgeLM"  # would fill lm-eval's table itself)
+assert "hf_kvbridge.modeling" not in sys.modules
+model = AutoModelForCausalLM.from_pretrained({str(tmp_path / "b")!r})
+assert type(model) is hf_kvbridge.KVBridgeForCausalLM, type(model)
+# once imported, the modeling module has put the class itself in the Auto table
+assert AutoModelForCausalLM._model_mapping[hf_kvbridge.KVBridgeConfig] is hf_kvbridge.KVBridgeForCausalLM
+"""
+    _modules_after(code, tmp_path)
+
+
+def test_lm_eval_finds_the_bridge_after_importing_the_integration(tmp_path):
+    code = """
+import sys
+import hf_kvbridge.integrations.lm_eval
+from lm_eval.api.registry import get_model
+assert get_model("hf").__name__ == "HFLM"  # lm-eval's own models are still found
+assert get_model("kvbridge").__name__ == "KVBridgeLM"
 """
     _modules_after(code, tmp_path)
 

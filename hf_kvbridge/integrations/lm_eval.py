@@ -28,7 +28,7 @@ bridge would have nothing to prefill. Here, in *every* mode, a document is score
 target alone. For documents that fit in `max_length`, target and source numbers equal `HFLM`'s; longer documents
 get a strided sliding window (more context than `HFLM`'s disjoint windows).
 
-After `import hf_kvbridge.integrations.lm_eval` (or `import hf_kvbridge`), `lm_eval.simple_evaluate(model="kvbridge",
+After `import hf_kvbridge.integrations.lm_eval`, `lm_eval.simple_evaluate(model="kvbridge",
 model_args="pretrained=DIR,mode=bridge")` works.
 """
 
