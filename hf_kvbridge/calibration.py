@@ -47,7 +47,7 @@ from .modeling import KVBridgeForCausalLM
 from .selection import mapper_r2, select_layers, single_layer_r2
 from .settings import CalibrationSettings
 from .solve import LAMBDA_GRID, choose_ridge_lambdas, effective_ridge_lambda
-from .source_features import SourceFeatures, check_feature_modes
+from .source_features import SourceFeatures, check_feature_modes, source_blocks
 from .statistics import BlockStatistics, KVStatistics, SelectionStatistics, feature_groups
 from .tokenization import check_same_tokenizer
 from .version import __version__
@@ -201,12 +201,15 @@ def collect_statistics(
     if features is not None and reverse:
         raise ConfigurationError("hidden-state features fit the source → target map only; use reverse=False")
     pairs = [(src, tgt), (tgt, src)] if reverse else [(src, tgt)]
-    blocks = {0: features.num_blocks if features is not None else src.num_layers}  # source "layers" forward
     # parts: [train, held] forward, then [train, held] reverse
     if make_parts is None:
         parts = [
-            KVStatistics(
-                blocks.get(i, a.num_layers), b.num_layers, *_heads(a, b)[:2], statistics_device, **_heads(a, b)[2]
+            KVStatistics(  # the forward pair's source "layers" include the hidden-state blocks
+                source_blocks(features if i == 0 else None, a.num_layers),
+                b.num_layers,
+                *_heads(a, b)[:2],
+                statistics_device,
+                **_heads(a, b)[2],
             )
             for i, (a, b) in enumerate(pairs)
             for _ in range(2)
@@ -429,7 +432,7 @@ def fit_bridge(
     src, tgt = check_matched(source.config, target.config, source.config.name_or_path, target.config.name_or_path)
     if features is not None:
         check_feature_modes(head_mode, kv_mode)
-    blocks = features.num_blocks if features is not None else src.num_layers
+    blocks = source_blocks(features, src.num_layers)
     k = max(map(len, selected_layers)) if selected_layers else min(top_k or blocks, blocks)
     inputs = k * _features_per_layer(src, tgt, head_mode, kv_mode)
     if train.count <= inputs:
@@ -540,7 +543,7 @@ def fit_bridge_in_passes(
     """
     src, tgt = check_matched(source.config, target.config, source.config.name_or_path, target.config.name_or_path)
     heads, dim, target_heads = _heads(src, tgt)
-    blocks = features.num_blocks if features is not None else src.num_layers
+    blocks = source_blocks(features, src.num_layers)
     shape = (blocks, tgt.num_layers, heads, dim)
     # the memory plan counts one row size for both sides: the larger one, so it never plans too little
     row = max(src.features_per_layer, tgt.features_per_layer)
@@ -814,7 +817,7 @@ def calibrate(
     dtype = getattr(torch, settings.statistics_dtype)
     # richer source features: hidden-state blocks after the K/V blocks, planned and selected like source layers
     features = SourceFeatures.for_models(src, hidden_size(source), settings.hidden_state_layers)
-    blocks = features.num_blocks if features is not None else src.num_layers
+    blocks = source_blocks(features, src.num_layers)
     top_k = settings.top_k or blocks
     # the budget counts one head layout for both sides: the larger one's, so it never plans too little; the Gram
     # blocks kept per layer come from the two real layouts

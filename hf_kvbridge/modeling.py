@@ -39,7 +39,7 @@ from .persistence import (
 )
 from .plan import TransferPlan, plan_from_config
 from .session import HandoffSession
-from .source_features import SourceFeatures, check_source_features
+from .source_features import SourceFeatures, check_source_features, source_blocks
 from .transfer import left_padding, positions_from_mask, transfer_prefill
 
 logger = logging.getLogger(__name__)
@@ -166,7 +166,7 @@ class KVBridgeForCausalLM(nn.Module):
         features = SourceFeatures.from_config(config)
         if features is not None:
             check_source_features(features, self.source_layout, hidden_size(source), source_name)
-        blocks = features.num_blocks if features is not None else self.source_layout.num_layers
+        blocks = source_blocks(features, self.source_layout.num_layers)
         used = {layer for layers in mapper.selected_layers for layer in layers}
         if used and max(used) >= blocks:
             raise MapperError(

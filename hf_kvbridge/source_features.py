@@ -212,14 +212,18 @@ class SourceFeatures:
         states = resolve_hidden_state_layers(hidden_state_layers, source_layout.num_layers)
         if not states:
             return None
-        width = source_layout.num_kv_heads * 2 * source_layout.head_dim
-        return cls(source_layout.num_layers, tuple(states), int(source_hidden_size), width)
+        return cls(source_layout.num_layers, tuple(states), int(source_hidden_size), source_layout.features_per_layer)
+
+
+def source_blocks(features: SourceFeatures | None, kv_layers: int) -> int:
+    """The source "layers" (feature blocks) a mapper reads: the `kv_layers` K/V blocks, and with `features` its
+    hidden-state blocks after them (`features.num_blocks` in all)."""
+    return kv_layers if features is None else features.num_blocks
 
 
 def check_source_features(features: SourceFeatures, source_layout, source_hidden_size: int, name: str) -> None:
     """Refuses recorded `features` that do not fit the source (`KVLayoutError`, naming what differs)."""
-    width = source_layout.num_kv_heads * 2 * source_layout.head_dim
-    found = (source_layout.num_layers, int(source_hidden_size), width)
+    found = (source_layout.num_layers, int(source_hidden_size), source_layout.features_per_layer)
     recorded = (features.kv_layers, features.hidden_size, features.block_width)
     if found != recorded or max(features.hidden_states, default=0) > source_layout.num_layers:
         raise KVLayoutError(

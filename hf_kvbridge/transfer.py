@@ -209,10 +209,11 @@ def transfer_prefill(
         output_hidden_states=residual or hidden_features,
     )
 
-    def hidden(start: int, end: int) -> dict:  # the source's hidden states of tokens [start, end), for map_fn
-        if not hidden_features:
-            return {}
-        return {"hidden_states": [h[:, start:end] for h in source_out.hidden_states]}  # L_s + 1 × (B, T, D_s)
+    def states(start: int, end: int) -> list[torch.Tensor]:  # the source's hidden states of tokens [start, end)
+        return [h[:, start:end] for h in source_out.hidden_states]  # L_s + 1 × (B, end - start, D_s)
+
+    def hidden(start: int, end: int) -> dict:  # map_fn's hidden states when it reads them
+        return {"hidden_states": states(start, end)} if hidden_features else {}
 
     ids, mask, pos = input_ids.to(device), attention_mask.to(device), positions.to(device)
 
@@ -238,8 +239,7 @@ def transfer_prefill(
         piece = slice_cache(output_cache(source_out), sink_end, map_end)
         cache = map_fn(piece, pos[:, sink_end:map_end], target_cache=cache, **hidden(sink_end, map_end))
         if residual:  # the top layers compute the span themselves, from the residual mapped at each token
-            states = [h[:, sink_end:map_end] for h in source_out.hidden_states]  # L_s + 1 × (B, span, D_s)
-            stream = residual_fn(states, top)  # (B, span, D_t)
+            stream = residual_fn(states(sink_end, map_end), top)  # (B, span, D_t)
             recompute_top_layers(
                 target, cache, stream, mask[:, :map_end], pos[:, sink_end:map_end], sink_end, num_layers - top
             )

@@ -274,12 +274,18 @@ def mapper_kwargs(args: argparse.Namespace) -> dict:
     }
 
 
+def _subcommand(parser: argparse.ArgumentParser, *names: str) -> argparse.ArgumentParser:
+    """The subparser of `parser` that `names` lead to (`"bench", "mapper"`), for an error in its own words."""
+    for name in names:
+        parser = parser._subparsers._group_actions[0].choices[name]
+    return parser
+
+
 def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """The settings' own value checks (stdlib only) on the settings options `args.command` offers; a bad value
     exits with status 2 and one line, as a parse error does."""
     if args.command == "bench" and getattr(args, "bench", None) == "mapper" and args.old_vs_new and args.interleave:
-        command = parser._subparsers._group_actions[0].choices["bench"]._subparsers._group_actions[0].choices["mapper"]
-        command.error(
+        _subcommand(parser, "bench", "mapper").error(
             "--old-vs-new times the old and the new default mapping against each other (alternating rounds) and no "
             "prefills; drop --interleave, which orders the prefill runs"
         )
@@ -288,7 +294,7 @@ def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -
         return
     names = [f.name for f in cli_fields()] if offered[args.command] is None else list(offered[args.command])
     values = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
-    command = parser._subparsers._group_actions[0].choices[args.command]
+    command = _subcommand(parser, args.command)
     try:
         CalibrationSettings.check_values(values)
     except ValueError as err:  # the settings' ConfigurationError (loaded from the same file, under another name)
