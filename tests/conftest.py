@@ -72,14 +72,16 @@ def qwen3(
     return Qwen3ForCausalLM(config).eval()
 
 
-def llama(layers: int = 2, hidden: int = 32, seed: int = 0, **kw) -> LlamaForCausalLM:
+def llama(
+    layers: int = 2, hidden: int = 32, seed: int = 0, kv_heads: int = 2, head_dim: int = 16, **kw
+) -> LlamaForCausalLM:
     torch.manual_seed(seed)
     config = LlamaConfig(
         num_hidden_layers=layers,
         hidden_size=hidden,
         num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
         vocab_size=VOCAB,
         intermediate_size=2 * hidden,
         max_position_embeddings=256,

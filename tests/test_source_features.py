@@ -14,7 +14,6 @@ import json
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 import hf_kvbridge
 from hf_kvbridge import KVBridgeConfig, KVBridgeForCausalLM
@@ -31,23 +30,14 @@ from hf_kvbridge.source_features import (
     resolve_hidden_state_layers,
 )
 from tests.conftest import VOCAB
+from tests.conftest import llama as conftest_llama
 
 HELDOUT = [0, 1, 2, 3]
 
 
-def llama(layers: int, seed: int) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        num_hidden_layers=layers,
-        hidden_size=48,
-        num_attention_heads=4,
-        num_key_value_heads=1,
-        head_dim=8,
-        vocab_size=VOCAB,
-        intermediate_size=96,
-        max_position_embeddings=256,
-    )
-    return LlamaForCausalLM(config).eval()
+def llama(layers: int, seed: int):
+    """A Llama of 48 hidden units and one KV head of 8 (`tests.conftest.llama`)."""
+    return conftest_llama(layers, hidden=48, seed=seed, kv_heads=1, head_dim=8)
 
 
 @pytest.fixture(scope="module")

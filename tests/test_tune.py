@@ -145,25 +145,29 @@ GRID = TuneGrid(
 )
 
 
-@pytest.fixture(scope="module")
-def tuned(tmp_path_factory):
+def _tune(folder, target: str, grid: TuneGrid, progress=lambda line: None, **goal) -> dict:
+    """`run_tune` of pocket-s → `target` on the small windows, saving into `folder` (`bridge/`, `tune.json`)."""
     torch.manual_seed(0)
-    folder = tmp_path_factory.mktemp("tune")
-    result = run_tune(
+    return run_tune(
         "pocket/pocket-s",
-        "pocket/pocket-m",
+        target,
         pocket.load_texts("calibration"),
         pocket.load_texts("heldout"),
-        min_retention=TARGET,
-        grid=GRID,
+        grid=grid,
         tune_windows=8,
         check_windows=8,
         out=folder / "bridge",
         json_path=folder / "tune.json",
-        progress=lambda line: None,
+        progress=progress,
+        **goal,
         **SMALL,
     )
-    return result, folder
+
+
+@pytest.fixture(scope="module")
+def tuned(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tune")
+    return _tune(folder, "pocket/pocket-m", GRID, min_retention=TARGET), folder
 
 
 def test_tune_saves_the_cheapest_configuration_meeting_the_target(tuned):
@@ -258,23 +262,8 @@ MLP_GRID = TuneGrid(
 
 @pytest.fixture(scope="module")
 def tuned_mlp(tmp_path_factory):
-    torch.manual_seed(0)
     folder = tmp_path_factory.mktemp("tune-mlp")
-    result = run_tune(
-        "pocket/pocket-s",
-        "pocket/pocket-m",
-        pocket.load_texts("calibration"),
-        pocket.load_texts("heldout"),
-        max_cost=1.0,
-        grid=MLP_GRID,
-        tune_windows=8,
-        check_windows=8,
-        out=folder / "bridge",
-        json_path=folder / "tune.json",
-        progress=lambda line: None,
-        **SMALL,
-    )
-    return result, folder
+    return _tune(folder, "pocket/pocket-m", MLP_GRID, max_cost=1.0), folder
 
 
 def test_tune_trains_and_measures_the_mlp_mapper(tuned_mlp):
@@ -321,24 +310,9 @@ LARGE_LAYERS = 8
 
 @pytest.fixture(scope="module")
 def tuned_layers(tmp_path_factory):
-    torch.manual_seed(0)
     folder = tmp_path_factory.mktemp("tune-layers")
     lines = []
-    result = run_tune(
-        "pocket/pocket-s",
-        "pocket/pocket-l",
-        pocket.load_texts("calibration"),
-        pocket.load_texts("heldout"),
-        max_cost=1.0,
-        grid=LAYER_GRID,
-        tune_windows=8,
-        check_windows=8,
-        out=folder / "bridge",
-        json_path=folder / "tune.json",
-        progress=lines.append,
-        **SMALL,
-    )
-    return result, folder, lines
+    return _tune(folder, "pocket/pocket-l", LAYER_GRID, progress=lines.append, max_cost=1.0), folder, lines
 
 
 def _by_recompute(points):
