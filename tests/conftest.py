@@ -6,6 +6,11 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# under pytest-xdist (`-n 2`, the README's test command) each worker gets one core: one torch thread, here and in the
+# commands the tests start (they inherit the environment), so two workers do not oversubscribe two cores
+WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if WORKERS > 1:
+    os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = "1"
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -18,7 +23,7 @@ from transformers import (  # noqa: E402
     Qwen3ForCausalLM,
 )
 
-torch.set_num_threads(2)
+torch.set_num_threads(1 if WORKERS > 1 else 2)
 
 VOCAB = 128
 CORPUS = [
@@ -112,3 +117,27 @@ def saved_pair(tmp_path_factory, tokenizer):
         tokenizer.save_pretrained(path)
         paths[name] = str(path)
     return paths
+
+
+# the slowest test files, slowest first (seconds on 2 cores, `pytest --durations`, 2026-12-02): under
+# `-n 2 --dist loadfile` each worker takes the next whole file, so starting with the long ones keeps the two busy to
+# the end instead of leaving one idle while the other runs a long file last
+SLOW_FILES = (
+    "test_readme.py",
+    "test_lm_eval.py",
+    "test_recompute_study.py",
+    "test_tune.py",
+    "test_calibration_scale.py",
+    "test_evaluation.py",
+    "test_pocket.py",
+    "test_correlation_study.py",
+    "test_budget.py",
+    "test_startup.py",
+    "test_layer_recompute.py",
+    "test_cli_errors.py",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(SLOW_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(SLOW_FILES)))  # stable: the rest keep their order

@@ -11,7 +11,7 @@ from hf_kvbridge import pocket, transfer
 from hf_kvbridge.tools.evaluation import heldout_windows
 from studies.recompute_study import compare_policies, paired_t, recompute_variant, window_nll
 
-SEEDS = (0, 1, 2, 3)
+SEEDS = (0, 1)  # two draws keep the test to five evaluations (measured values below)
 
 
 @pytest.fixture(scope="module")
@@ -30,8 +30,8 @@ def hard_pair():
 # (mean 0.890). On this family the probe's choice does not beat every random draw (paired t 1.17 against their mean;
 # with the 1,500-step pocket-l it did, t 2.18), but its ranking is informative: its top tokens keep 0.029 more than
 # its bottom ones, per window by 0.0086 nats (paired t 1.46). The bounds are about half the measured values;
-# everything is seeded, so the test is deterministic up to BLAS rounding. A reversed ranking in `choose_tokens` swaps
-# top and bottom and fails both bounds.
+# everything is seeded, so the test is deterministic up to BLAS rounding. The test draws seeds 0 and 1 (mean 0.896).
+# A reversed ranking in `choose_tokens` swaps top and bottom and fails both bounds.
 MIN_REVERSE_MARGIN = 0.015
 MIN_REVERSE_T = 0.7
 
