@@ -54,6 +54,14 @@ from .version import __version__
 
 logger = logging.getLogger(__name__)
 
+
+def _clock() -> float:
+    """`time.perf_counter()` once the GPU's queued work is done, so the timing split (forwards, statistics, selection,
+    λ search, solves) charges each stage its own kernels, not the previous stage's (a no-op on CPU)."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+    return time.perf_counter()
+
 # λ at which the budgeted path's selection statistic scores single source layers when the fit λ is "auto"
 SELECTION_LAMBDA = 1e-3
 
@@ -252,7 +260,7 @@ def collect_statistics(
         for index, step in enumerate(mine):
             if index < done:
                 continue
-            started = time.perf_counter()
+            started = _clock()
             if gather:
                 rows, hidden = _gathered_rows(
                     source, target, windows, step, rank, statistics_device, residual, features
@@ -270,15 +278,15 @@ def collect_statistics(
                         hidden = (group, *residual.rows(source_hidden, target_hidden))
                     del source_hidden, target_hidden
                 rows = [(group, x, y)]
-            forward_s += time.perf_counter() - started
-            started = time.perf_counter()
+            forward_s += _clock() - started
+            started = _clock()
             for group, x, y in rows:
                 parts[group].update(x, y)
                 if reverse:
                     parts[2 + group].update(y, x)
             if hidden is not None:  # this rank's own batch only (all-reduced below)
                 residual.parts[hidden[0]].update(hidden[1], hidden[2])
-            stats_s += time.perf_counter() - started
+            stats_s += _clock() - started
             bar.update(1)
             if folder is not None and ((index + 1) % checkpoint_every == 0 or index + 1 == len(mine)):
                 _save_checkpoint(folder, parts + (residual.parts if residual is not None else []), index + 1, digest)
@@ -577,9 +585,9 @@ def fit_bridge_in_passes(
     )
     # selection scores each source layer at one λ (the smallest of the auto grid's typical choices for "auto")
     selection_lambda = SELECTION_LAMBDA if ridge_lambda == "auto" else ridge_lambda
-    started = time.perf_counter()
+    started = _clock()
     r2 = train.single_layer_r2(held, selection_lambda)  # (L_t, L_s, 2)
-    timings["selection_seconds"] = timings.get("selection_seconds", 0.0) + time.perf_counter() - started
+    timings["selection_seconds"] = timings.get("selection_seconds", 0.0) + _clock() - started
     del train, held
     residual_fit = residual_fit_parts = None
     residual_shape = (residual_layers, hidden_size(source), hidden_size(target))
@@ -662,7 +670,7 @@ def fit_bridge_in_passes(
                 "longer calibration sequences, a smaller top_k, or head_mode='same_head'"
             )
         lam = ridge_lambda
-        started = time.perf_counter()
+        started = _clock()
         if ridge_lambda == "auto":  # λ per layer, head group and K/V of this pass's target layers
             lam, pass_r2 = choose_ridge_lambdas(
                 train,
@@ -681,14 +689,14 @@ def fit_bridge_in_passes(
         else:
             pass_r2 = mapper_r2(train, held, selected, head_mode, lam, targets, kv_mode)
         fitted_r2 += pass_r2
-        timings["lambda_seconds"] = timings.get("lambda_seconds", 0.0) + time.perf_counter() - started
-        started = time.perf_counter()
+        timings["lambda_seconds"] = timings.get("lambda_seconds", 0.0) + _clock() - started
+        started = _clock()
         if keep_statistics and len(passes) == 1:
             statistics = (train, held)
             mapper.fit_targets(train + held, targets, lam)  # the final fit sees every token
         else:
             mapper.fit_targets(train.merge_(held), targets, lam)  # merged in place: no third copy
-        timings["solve_seconds"] = timings.get("solve_seconds", 0.0) + time.perf_counter() - started
+        timings["solve_seconds"] = timings.get("solve_seconds", 0.0) + _clock() - started
         del train, held
     if world > 1:  # every rank ends with every target layer's weights
         import torch.distributed as dist

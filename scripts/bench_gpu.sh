@@ -1,12 +1,64 @@
 #!/usr/bin/env bash
-# Real-size latency of the mapper vs the target's re-prefill on one GPU, with random weights (weights don't change
-# timings): Qwen3-14B -> Qwen3-32B shapes in bfloat16; all-heads top-6, same-head, and a rank-512 low-rank mapper.
-# Needs a CUDA torch and ~100 GB of GPU memory (32B + 14B in bf16 + the mapper). Writes JSON into ${OUT:-.}.
-set -euo pipefail
+# The real-size GPU run, on one lent GPU, in at most ~6 minutes, with random weights (weights don't change timings):
+#   1. the mapper against the target's re-prefill at Qwen3-14B -> Qwen3-32B shapes, bfloat16, weights created on the
+#      GPU: all-heads top-6 (the paper's map), same-head, and a rank-512 low-rank mapper, at 1K / 4K / 8K tokens;
+#   2. a calibration throughput run (tokens/s; forwards vs statistics, selection, λ search and solves; the projection to
+#      the paper's 500 × 1,024 tokens): Qwen3-0.6B -> 1.7B shapes, same-head top-6 with the statistics on the GPU (the
+#      paper's all-heads map needs a float64 solve of p = 12,288 per target layer, 28 of them: more than this run's
+#      minutes).
+# One JSON, ${OUT:-.}/bench-gpu.json, holds every step's result and exit status (a step that fails or runs past its
+# limit does not stop the others). Needs a CUDA torch and transformers (the lent machine's python3 has both) and about
+# 100 GB of GPU memory (32B + 14B in bf16 + the mapper). Runs the package from this checkout with `python -m`, since
+# that machine has no registry access and no install step:
+#
+#   OUT=/tmp/gpu bash scripts/bench_gpu.sh
+set -uo pipefail
+root="$(cd "$(dirname "$0")/.." && pwd)"
 out="${OUT:-.}"
-lengths="${LENGTHS:-1024,4096,16384}"
+mkdir -p "$out"
+export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
+py="${PYTHON:-python3}"
+lengths="${LENGTHS:-1024,4096,8192}"
 common=(--shapes qwen3-14b:qwen3-32b --top-k 6 --dtype bfloat16 --device cuda --lengths "$lengths"
-        --repeats "${REPEATS:-10}" --warmup "${WARMUP:-3}")
-kvbridge bench mapper "${common[@]}" --head-mode all_heads --json "$out/bench-qwen3-14b-32b-all_heads.json"
-kvbridge bench mapper "${common[@]}" --head-mode same_head --json "$out/bench-qwen3-14b-32b-same_head.json"
-kvbridge bench mapper "${common[@]}" --head-mode all_heads --rank "${RANK:-512}" --json "$out/bench-qwen3-14b-32b-rank.json"
+        --repeats "${REPEATS:-5}" --warmup "${WARMUP:-2}")
+declare -A status
+
+step() {  # step NAME SECONDS COMMAND...: run it under a time limit, keep its exit status
+    local name="$1" limit="$2"
+    shift 2
+    echo "== $name (at most ${limit} s)"
+    timeout "$limit" "$@"
+    status[$name]=$?
+}
+
+step mapper_all_heads 100 "$py" -m kvbridge_cli bench mapper "${common[@]}" --head-mode all_heads \
+    --json "$out/mapper-all_heads.json"
+step mapper_same_head 80 "$py" -m kvbridge_cli bench mapper "${common[@]}" --head-mode same_head \
+    --json "$out/mapper-same_head.json"
+step mapper_low_rank 80 "$py" -m kvbridge_cli bench mapper "${common[@]}" --head-mode all_heads \
+    --rank "${RANK:-512}" --json "$out/mapper-low_rank.json"
+step calibration 100 "$py" -m kvbridge_cli bench calibration --pair qwen3-0.6b:qwen3-1.7b --device cuda \
+    --statistics-device cuda --dtype bfloat16 --head-mode same_head --kv-mode separate --top-k 6 \
+    --num-sequences "${NUM_SEQUENCES:-32}" --seq-len 1024 --batch-size 4 --statistics-memory 40GB \
+    --json "$out/calibration.json"
+
+statuses=""
+for name in "${!status[@]}"; do statuses+="$name=${status[$name]} "; done
+"$py" - "$out" $statuses <<'EOF'
+import json, os, sys
+
+import torch
+
+out, steps = sys.argv[1], dict(arg.split("=") for arg in sys.argv[2:])
+files = {"mapper_all_heads": "mapper-all_heads.json", "mapper_same_head": "mapper-same_head.json",
+         "mapper_low_rank": "mapper-low_rank.json", "calibration": "calibration.json"}
+result = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else None, "torch": torch.__version__}
+for name, file in files.items():
+    path = os.path.join(out, file)
+    result[name] = {"exit_status": int(steps.get(name, -1)),
+                    "result": json.load(open(path)) if os.path.exists(path) else None}
+with open(os.path.join(out, "bench-gpu.json"), "w") as f:
+    json.dump(result, f, indent=2)
+print("wrote", os.path.join(out, "bench-gpu.json"), {name: r["exit_status"] for name, r in result.items()
+                                                      if isinstance(r, dict)})
+EOF

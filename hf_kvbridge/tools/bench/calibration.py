@@ -141,6 +141,7 @@ def run(args: argparse.Namespace) -> dict:
     ]  # fmt: skip
     one_pass_forward = timings["forward_seconds"] / (1 + len(passes))
     tokens = int(windows.numel())
+    cores = 1 if args.device == "cuda" else torch.get_num_threads()  # per CPU core on CPU; the whole GPU on CUDA
     result = {
         "pair": args.pair,
         "mode_if_calibrate": mode,
@@ -159,13 +160,40 @@ def run(args: argparse.Namespace) -> dict:
         "calibration_seconds": round(wall, 1),
         "forward_seconds": round(timings["forward_seconds"], 1),
         "statistics_seconds": round(timings["statistics_seconds"], 1),
+        "selection_seconds": round(timings.get("selection_seconds", 0.0), 1),
+        "lambda_seconds": round(timings.get("lambda_seconds", 0.0), 1),
+        "solve_seconds": round(timings.get("solve_seconds", 0.0), 1),
+        "threads": torch.get_num_threads(),
         "tokens_per_second": round(tokens / wall, 1),
+        "tokens_per_second_per_core": round(tokens / wall / cores, 1),
         "overhead_over_two_forward_passes": round(wall / one_pass_forward, 2),
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
     }
     if args.device == "cuda":
         result["peak_cuda_bytes"] = torch.cuda.max_memory_allocated()
+    result["projection"] = project(result, timings, PAPER_TOKENS)
     return result
+
+
+PAPER_TOKENS = 500 * 1024  # the paper's calibration set: 500 sequences of 1,024 tokens
+
+
+def project(result: dict, timings: dict, tokens: int) -> dict:
+    """The run's time at `tokens` calibration tokens, from what it measured: forwards and statistics grow with the
+    tokens (the same passes: the statistics' size, hence the plan, does not depend on them), selection scoring, λ
+    search and solves work on the summed statistics and do not. Also the share the non-forward work takes of it,
+    which the paper's cost claim needs to be small."""
+    per_token = (timings["forward_seconds"] + timings["statistics_seconds"]) / result["tokens"]
+    fixed = sum(timings.get(k, 0.0) for k in ("selection_seconds", "lambda_seconds", "solve_seconds"))
+    forwards = timings["forward_seconds"] / result["tokens"] * tokens
+    total = per_token * tokens + fixed
+    return {
+        "tokens": tokens,
+        "seconds": round(total, 1),
+        "forward_seconds": round(forwards, 1),
+        "overhead_seconds": round(total - forwards, 1),
+        "overhead_over_forwards": round((total - forwards) / forwards, 3) if forwards else None,
+    }
 
 
 def run_cli(args: argparse.Namespace) -> int:
@@ -176,8 +204,17 @@ def run_cli(args: argparse.Namespace) -> int:
     result = run(args)
     text = json.dumps(result, indent=2)
     print(text)
+    seconds = {k: result[f"{k}_seconds"] for k in ("forward", "statistics", "selection", "lambda", "solve")}
+    print("time split (s): " + ", ".join(f"{k} {v}" for k, v in seconds.items()))
+    projected = result["projection"]
     print(
-        f"{result['tokens_per_second']} tokens/s; statistics: selection "
+        f"projected to {projected['tokens']:,} tokens: {projected['seconds']:,} s, of which forwards "
+        f"{projected['forward_seconds']:,} s (statistics + selection + λ + solves: "
+        f"{projected['overhead_over_forwards']}× the forwards)"
+    )
+    print(
+        f"{result['tokens_per_second']} tokens/s ({result['tokens_per_second_per_core']} per core, "
+        f"{result['threads']} threads); statistics: selection "
         f"{format_bytes(result['selection_statistics_bytes'])}"
         f", largest fit pass {format_bytes(result['largest_fit_pass_bytes'])} in {result['fit_passes']} pass(es); "
         f"peak RSS {format_bytes(result['peak_rss_bytes'])}"
