@@ -48,7 +48,7 @@ def checkpoints(saved_pair, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def task_manager():
-    return TaskManager(include_path=str(POCKET_TASKS))
+    return TaskManager(include_path=str(POCKET_TASKS), include_defaults=False)
 
 
 def _run(path, mode, task_manager, batch_size=1, limit=4):
@@ -167,7 +167,7 @@ def test_console_script_runs_a_small_to_large_bridge(checkpoints, tmp_path):
         tasks=["kvbridge_pocket_cloze"],
         limit=4,
         batch_size=2,
-        task_manager=TaskManager(include_path=str(POCKET_TASKS)),
+        task_manager=TaskManager(include_path=str(POCKET_TASKS), include_defaults=False),
     )
     assert acc == want["results"]["kvbridge_pocket_cloze"]["acc,none"]
 
@@ -204,7 +204,7 @@ def test_kvbridge_eval_table_json_and_card(checkpoints, tmp_path, capfd, monkeyp
     rows = {(r["task"], r["metric"]): r for r in payload["rows"]}
     row = rows[("kvbridge_pocket_cloze", "acc")]
     assert row["chance"] == pytest.approx(0.25)  # 4 choices per document, read from the task's docs
-    manager = TaskManager(include_path=str(POCKET_TASKS))
+    manager = TaskManager(include_path=str(POCKET_TASKS), include_defaults=False)
     for mode in EVAL_MODES:  # each column is that mode's own lm-eval run
         run = lm_eval.simple_evaluate(
             model="kvbridge",
@@ -504,3 +504,31 @@ def test_a_pair_with_different_kv_layouts_scores_like_its_target(linear_pair, to
     bridged = _run(tmp_path / "bridge", "bridge", task_manager, limit=2)
     for task in ("kvbridge_pocket_cloze", "kvbridge_pocket_ppl"):
         torch.testing.assert_close(_loglikelihoods(bridged, task), _loglikelihoods(target, task), atol=1e-3, rtol=1e-5)
+
+
+def test_eval_indexes_lm_evals_stock_tasks_only_when_the_tasks_need_them(monkeypatch):
+    """`kvbridge eval --include-path` builds a manager of the include path alone when its tasks name nothing else
+    (indexing the stock tasks costs ~17 s each time), and the full one when a group lists a stock task."""
+    import lm_eval.tasks
+
+    from hf_kvbridge.tools.eval_cli import task_manager_for
+
+    built = []
+
+    class Recording(lm_eval.tasks.TaskManager):
+        def __init__(self, include_path=None, include_defaults=True, **kwargs):
+            built.append(include_defaults)
+            super().__init__(include_path=include_path, include_defaults=False, **kwargs)  # fast either way
+
+    monkeypatch.setattr(lm_eval.tasks, "TaskManager", Recording)
+    pocket = task_manager_for(["kvbridge_pocket_cloze", "kvbridge_pocket"], str(POCKET_TASKS))
+    assert built == [False] and "kvbridge_pocket_ppl" in pocket.all_tasks
+    built.clear()
+    task_manager_for(["kvbridge_paper"], str(ROOT / "eval_tasks" / "paper"))  # lists arc_challenge, hellaswag, ...
+    assert built == [False, True]
+    built.clear()
+    task_manager_for(["kvbridge_pocket_cloze", "hellaswag"], str(POCKET_TASKS))
+    assert built == [False, True]
+    built.clear()
+    task_manager_for(["hellaswag"])
+    assert built == [True]
