@@ -64,13 +64,38 @@ def test_frontier_command_writes_points_table_and_plot(tmp_path, capsys):
 
     argv = ["--source", "pocket-s", "--target", "pocket-m", "--num-sequences", "8", "--seq-len", "128"]
     argv += ["--windows", "2", "--fractions", "0,0.1", "--policies", "tail,probe", "--out", str(tmp_path)]
+    argv += ["--recompute-layers", "0,1"]
     assert main(argv) == 0
     result = json.loads((tmp_path / "recompute.json").read_text())
-    assert [(p["policy"], p["fraction"]) for p in result["points"]] == [
-        ("tail", 0.0), ("tail", 0.1), ("probe", 0.0), ("probe", 0.1)
-    ]  # fmt: skip
+    assert [(p["recompute_layers"], p["policy"], p["fraction"]) for p in result["points"]] == [
+        (n, policy, f) for n in (0, 1) for policy in ("tail", "probe") for f in (0.0, 0.1)
+    ]
     shares = {p["fraction"]: p["target_token_share"] for p in result["points"]}
     assert shares[0.1] > shares[0.0] > 0  # the held-back token, then 10 % more of the context
+    # the cost axis is kvbridge tune's: the mapping alone at no recompute, + f of the prefill per recomputed share,
+    # + 1 / L_t per recomputed top layer (and its residual map)
+    spent = {(p["recompute_layers"], p["policy"], p["fraction"]): p["cost"] for p in result["points"]}
+    layers = pocket.load_model("pocket-m").config.num_hidden_layers
+    for policy in ("tail", "probe"):
+        assert 0 < spent[0, policy, 0.0] < 1  # the maps alone
+        assert spent[0, policy, 0.1] == pytest.approx(spent[0, policy, 0.0] + 0.1)
+        assert spent[1, policy, 0.0] > spent[0, policy, 0.0] + 1 / layers
+    tail = [p for p in result["points"] if p["policy"] == "tail"]
+    retained = {(p["recompute_layers"], p["fraction"]): p["retention"] for p in tail}
+    assert retained[1, 0.0] != retained[0, 0.0]  # the top layer was recomputed
     assert set(result["reference"]["control_retention"]) == {"zero_cache", "random_cache"}
     assert (tmp_path / "recompute.png").stat().st_size > 0
-    assert "| tail |" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "| tail |" in printed and "| tail + 1 layer |" in printed
+
+    # --combine: runs of other mappers on the pair as one frontier, each curve named by its run's mapper
+    other = {**result, "settings": {**result["settings"], "mapper_type": "mlp", "hidden_state_layers": "all"}}
+    (tmp_path / "other.json").write_text(json.dumps(other))
+    combined = tmp_path / "combined"
+    runs = f"{tmp_path / 'recompute.json'},{tmp_path / 'other.json'}"
+    assert main(["--combine", runs, "--out", str(combined)]) == 0
+    frontier = json.loads((combined / "frontier.json").read_text())
+    assert len(frontier["points"]) == 2 * len(result["points"])
+    assert {p["variant"] for p in frontier["points"]} == {"ridge", "mlp + hidden states"}
+    assert (combined / "frontier.png").stat().st_size > 0
+    assert "| mlp + hidden states: tail + 1 layer |" in capsys.readouterr().out
