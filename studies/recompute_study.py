@@ -259,7 +259,7 @@ def plot_frontier(result: dict, path: Path) -> None:
     for (mode, value), style in zip(result["reference"].get("control_retention", {}).items(), (":", "--")):
         ax.axhline(value, linestyle=style, color="grey", label=f"control: {mode.replace('_', ' ')}")
     pair = result["pair"]
-    ax.set_title(f"Selective recompute: {pair['source']} → {pair['target']}")
+    ax.set_title(f"Recompute frontier: {pair['source']} → {pair['target']}")
     ax.set_xlabel("cost: target + mapper FLOPs, share of the target's prefill")
     ax.set_ylabel("context-benefit retention")
     ax.legend(title="policy", fontsize=7, loc="lower right")
