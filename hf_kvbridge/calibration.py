@@ -62,6 +62,7 @@ def _clock() -> float:
         torch.cuda.synchronize()
     return time.perf_counter()
 
+
 # λ at which the budgeted path's selection statistic scores single source layers when the fit λ is "auto"
 SELECTION_LAMBDA = 1e-3
 
@@ -433,7 +434,8 @@ def fit_bridge(
         config_kwargs (`dict`, *optional*): extra [`KVBridgeConfig`] fields (references, provenance).
         kv_mode (`str`, *optional*, defaults to `"joint"`): or `"separate"` (keys from keys, values from values).
         features ([`SourceFeatures`], *optional*): the hidden-state feature blocks the statistics hold after the K/V
-            blocks (`collect_statistics(features=...)`); selection ranks them with the K/V blocks.
+            blocks (`collect_statistics(features=...)`); selection ranks them with the K/V blocks. Without it, a
+            map of statistics that hold such blocks reads the K/V blocks only.
     """
     if head_mode not in HEAD_MODES:
         raise ConfigurationError(f"head_mode must be one of {HEAD_MODES}, got {head_mode!r}")
@@ -448,9 +450,13 @@ def fit_bridge(
             f"fewer calibration tokens ({train.count}) than mapper input features ({inputs}); use more or longer "
             "calibration sequences, a smaller top_k, or head_mode='same_head'"
         )
-    r2 = single_layer_r2(train, heldout, head_mode, ridge_lambda)  # (L_t, L_s, 2)
+    r2 = single_layer_r2(train, heldout, head_mode, ridge_lambda)  # (L_t, blocks held, 2)
     if selected_layers is None:
-        selected_layers = select_layers(r2, top_k, _allowed(src, tgt, features))
+        allowed = _allowed(src, tgt, features)
+        # statistics that also hold hidden-state blocks, fitted without them (`kvbridge tune`'s K/V-only
+        # configurations): those blocks are never selected, so the map is the one K/V-only statistics give
+        spare = r2.shape[1] - len(allowed[0])
+        selected_layers = select_layers(r2, top_k, [row + [False] * spare for row in allowed])
     elif len(selected_layers) != tgt.num_layers:
         raise ConfigurationError(
             f"selected_layers has {len(selected_layers)} entries, target has {tgt.num_layers} layers; give one list "

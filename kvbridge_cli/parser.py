@@ -35,7 +35,8 @@ DEBUG_HELP = "on an error, show the full traceback instead of one line"
 DEMO_SETTINGS = {"top_k": 6, "ridge_lambda": "auto", "head_mode": "all_heads", "num_sequences": None, "seq_len": None,
                  "seed": 0}  # fmt: skip
 DEMO_SIZES_HELP = {"num_sequences": "default 128; 24 with --quick", "seq_len": "default 512; 256 with --quick"}
-TUNE_SETTINGS = {"num_sequences": 64, "seq_len": 256, "heldout_fraction": 0.1, "seed": 0, "text_field": "text"}
+TUNE_SETTINGS = {"num_sequences": 64, "seq_len": 256, "heldout_fraction": 0.1, "seed": 0, "text_field": "text",
+                 "hidden_state_layers": "all"}  # fmt: skip
 
 # Options of `mapper_kwargs`, offered one by one: (mapper type, keyword, option, type, choices, help). They are passed
 # only when given, so each mapper keeps its own defaults.
@@ -151,6 +152,12 @@ def _comma_list(item_type, what: str, allow_empty: bool = False):
         return [item_type(v) for v in items]
 
     return parse
+
+
+def _yes_no(value: str) -> bool:
+    if value.lower() in ("yes", "no"):
+        return value.lower() == "yes"
+    raise argparse.ArgumentTypeError(f"{value!r}: expected yes or no")
 
 
 def _lengths(value: str) -> list[int]:
@@ -551,6 +558,13 @@ def _add_tune(sub) -> None:
     grid.add_argument("--mlp-loss", choices=("attention", "mse"), default="attention", help="the MLPs' training loss")
     grid.add_argument(
         "--mlp-epochs", type=_positive_int, default=2, help="the MLPs' passes over the calibration windows"
+    )
+    grid.add_argument(
+        "--hidden-states",
+        type=_comma_list(_yes_no, "yes/no values"),
+        default=[False, True],
+        help="no: maps of the source's K/V only; yes: ridge and low-rank joint maps that also read the source's "
+        "hidden states (--hidden-state-layers, collected in the same calibration pass) (default: no,yes)",
     )
     settings = tune.add_argument_group("calibration settings (tune's defaults)")
     add_settings_options(settings, TUNE_SETTINGS)

@@ -98,6 +98,26 @@ def test_selection_ranks_hidden_blocks_with_kv_blocks(models, windows):
     assert min(bridge.config.heldout_r2["k"][2], bridge.config.heldout_r2["v"][2]) > 0.999
 
 
+def test_a_kv_only_fit_of_statistics_with_hidden_blocks_is_the_kv_only_fit(models, windows, bridges):
+    """`kvbridge tune` fits its K/V-only configurations from the statistics its hidden-state ones need: leaving the
+    hidden-state blocks out gives the map statistics without them give, not a map that reads them."""
+    source, target = models
+    kv_only, _ = bridges
+    features = features_of(source, [-1])
+    train, held = collect_statistics(source, target, windows, heldout=HELDOUT, features=features)
+    assert train.source_layers == features.num_blocks > 2
+    for top_k in (None, 1):
+        bridge = fit_bridge(source, target, train, held, top_k=top_k, ridge_lambda=1e-6)
+        reference = kv_only if top_k is None else fitted(source, target, windows, None, top_k=top_k)
+        assert bridge.config.selected_layers == reference.config.selected_layers
+        assert all(s < 2 for layers in bridge.config.selected_layers for s in layers)
+        assert bridge.source_features is None and not bridge.config.source_features
+        for ours, theirs in zip(bridge.mapper.state_dict().values(), reference.mapper.state_dict().values()):
+            torch.testing.assert_close(ours, theirs)
+        ids = windows[:2, :16]
+        torch.testing.assert_close(bridge(ids).logits, reference(ids).logits)
+
+
 def test_the_bridge_maps_with_hidden_states_in_forward_generate_and_sessions(bridges, models, windows):
     _, bridge = bridges
     _, target = models

@@ -10,7 +10,7 @@ from transformers import AutoTokenizer
 
 from hf_kvbridge import KVBridgeForCausalLM, pocket
 from hf_kvbridge.cli.main import main
-from hf_kvbridge.errors import InvalidInputError, TuningError
+from hf_kvbridge.errors import ConfigurationError, InvalidInputError, TuningError
 from hf_kvbridge.tools.evaluation import continuation_nll, heldout_windows
 from hf_kvbridge.tools.tune import (
     Point,
@@ -95,17 +95,38 @@ def test_grid_caps_top_k_and_crosses_mappers_with_kv_modes():
         ("low_rank", "separate"),
         ("mlp", "joint"),  # the default grid has the MLP: one per top-k, on the first λ and kv mode
     }
+    # and maps that also read the source's hidden states: ridge and low rank, joint K/V only (no MLP)
+    assert {(f["mapper_type"], f["kv_mode"]) for f in fits if f["hidden_states"]} == {
+        ("ridge", "joint"),
+        ("low_rank", "joint"),
+    }
     mlp = [f for f in fits if f["mapper_type"] == "mlp"]
     assert [(f["top_k"], f["hidden"], f["loss"], f["epochs"]) for f in mlp] == [
         (2, 256, "attention", 2),
         (3, 256, "attention", 2),
     ]
     grid = TuneGrid(top_k=(2,), ridge_lambdas=("auto",), ranks=(8,), recompute_layers=(0,))
-    assert grid.size(3, 6) == (4 + 1) * 3
-    assert (
-        TuneGrid(top_k=(2,), ridge_lambdas=("auto",), ranks=(8,), mlp_hidden=(), recompute_layers=(0,)).size(3, 6)
-        == 4 * 3
-    )
+    assert grid.size(3, 6) == (4 + 2 + 1) * 3 and grid.uses_hidden_states
+    kv_only = {"top_k": (2,), "ridge_lambdas": ("auto",), "ranks": (8,), "mlp_hidden": (), "recompute_layers": (0,)}
+    assert TuneGrid(**kv_only, hidden_states=(False,)).size(3, 6) == 4 * 3
+    # no hidden-state maps without hidden states to read, or without a joint kv mode to read them in
+    for grid in (TuneGrid(**kv_only, hidden_state_layers=None), TuneGrid(**kv_only, kv_modes=("separate",))):
+        assert not grid.uses_hidden_states and not any(f["hidden_states"] for f in grid.fits(3))
+
+
+@pytest.mark.parametrize(
+    "bad, needle",
+    [
+        ({"hidden_states": (True,), "kv_modes": ("separate",)}, "'joint' kv mode"),
+        ({"hidden_states": (True,), "hidden_state_layers": None}, "needs hidden_state_layers"),
+        ({"hidden_states": ()}, "non-empty"),
+        ({"hidden_states": ("yes",)}, "True/False"),
+        ({"hidden_state_layers": "last"}, "hidden_state_layers must be"),
+    ],
+)
+def test_grid_refuses_hidden_state_maps_it_cannot_fit(bad, needle):
+    with pytest.raises((InvalidInputError, ConfigurationError), match=needle):
+        TuneGrid(**bad)
 
 
 @pytest.mark.parametrize("bad", [{"mlp_loss": "l1"}, {"mlp_hidden": (0,)}, {"mlp_epochs": 0}])
@@ -142,6 +163,7 @@ GRID = TuneGrid(
     mlp_hidden=(),
     recompute_fractions=(0, 0.1),
     recompute_layers=(0,),
+    hidden_states=(False,),
 )
 
 
@@ -257,6 +279,7 @@ MLP_GRID = TuneGrid(
     mlp_epochs=1,
     recompute_fractions=(0.0, 0.1),
     recompute_layers=(0,),
+    hidden_states=(False,),
 )
 
 
@@ -296,6 +319,7 @@ def test_tune_trains_and_measures_the_mlp_mapper(tuned_mlp):
 # pocket-s → pocket-l, the weak direction the issue is about: the bridge keeps ~0.4–0.6 of the context's benefit on
 # these windows, `n = L_t` (the target prefills the span itself) keeps all of it at cost 1. A budget of a whole prefill
 # admits it, so the best retention within the budget is that layer-recompute configuration: measured, not assumed.
+# The grid also has the ridge map that reads the source's hidden states beside its K/V, from the same pass.
 LAYER_GRID = TuneGrid(
     top_k=(2,),
     ridge_lambdas=("auto",),
@@ -304,6 +328,7 @@ LAYER_GRID = TuneGrid(
     recompute_fractions=(0, 0.1),
     recompute_layers=(0, 1, 8),
     mlp_hidden=(),
+    hidden_states=(False, True),
 )
 LARGE_LAYERS = 8
 
@@ -315,15 +340,20 @@ def tuned_layers(tmp_path_factory):
     return _tune(folder, "pocket/pocket-l", LAYER_GRID, progress=lines.append, max_cost=1.0), folder, lines
 
 
-def _by_recompute(points):
-    return {(p["settings"]["recompute_fraction"], p["settings"]["recompute_layers"]): p for p in points}
+def _by_recompute(points, hidden_states: bool = False):
+    """The K/V-only points (or the hidden-state ones) by `(recompute_fraction, recompute_layers)`."""
+    return {
+        (p["settings"]["recompute_fraction"], p["settings"]["recompute_layers"]): p
+        for p in points
+        if p["settings"]["hidden_states"] == hidden_states
+    }
 
 
 def test_tune_picks_layer_recompute_when_it_is_the_best_within_the_budget(tuned_layers):
     result, folder, _ = tuned_layers
     written = json.loads((folder / "tune.json").read_text())
     points = written["points"]
-    assert len(points) == LAYER_GRID.size(3, LARGE_LAYERS) == 5
+    assert len(points) == LAYER_GRID.size(3, LARGE_LAYERS) == 10
     best = max(p["retention"] for p in points if p["cost"] <= 1.0)
     chosen = written["choice"]
     assert chosen["retention"] == best and chosen["settings"]["recompute_layers"] == LARGE_LAYERS, chosen
@@ -340,6 +370,25 @@ def test_tune_picks_layer_recompute_when_it_is_the_best_within_the_budget(tuned_
     _, check = split_windows(pocket.load_texts("heldout"), tokenizer, SMALL["context"] + SMALL["continuation"], 8, 8)
     measured = continuation_nll(bridge, check, SMALL["context"])["context_benefit_retention"]
     assert measured == pytest.approx(bridge.config.calibration["tuning"]["check_retention"], abs=1e-4)
+
+
+def test_tune_measures_maps_that_read_the_source_hidden_states(tuned_layers):
+    result, folder, lines = tuned_layers
+    points = json.loads((folder / "tune.json").read_text())["points"]
+    by = {
+        (p["settings"]["hidden_states"], p["settings"]["recompute_fraction"], p["settings"]["recompute_layers"]): p
+        for p in points
+    }
+    assert len(by) == len(points) == 10
+    for fraction, layers in LAYER_GRID.recompute(LARGE_LAYERS):
+        kv, hidden = by[False, fraction, layers], by[True, fraction, layers]
+        if layers == LARGE_LAYERS:  # the target prefills the span itself: nothing of either map is read
+            assert hidden["retention"] == pytest.approx(kv["retention"], abs=1e-9)
+            continue
+        # another mapper (it reads hidden-state blocks), measured as such, not the K/V map under another name
+        assert hidden["retention"] != pytest.approx(kv["retention"], abs=1e-6), (fraction, layers)
+    assert result["grid"]["hidden_states"] == [False, True] and result["grid"]["hidden_state_layers"] == "all"
+    assert any("ridge + hidden states, k=2" in line for line in lines)
 
 
 def test_the_cost_axis_counts_maps_recomputed_tokens_and_layers(tuned_layers):
@@ -427,6 +476,7 @@ def test_cli_needs_a_target_or_a_budget(tmp_path, capsys, monkeypatch):
         ("--min-retention", "high", "not a number"),
         ("--ranks", "16,0", "positive whole number"),
         ("--recompute-layers", "0,-1", "whole number ≥ 0"),
+        ("--hidden-states", "no,maybe", "expected yes or no"),
     ],
 )
 def test_cli_bad_grid_values_get_one_line(flag, value, needle, tmp_path, capsys, monkeypatch):
@@ -468,6 +518,10 @@ def test_cli_says_when_no_configuration_meets_the_target(tmp_path, capsys):
             "0,1",
             "--mlp-hidden",
             "none",
+            "--hidden-states",
+            "yes",
+            "--hidden-state-layers",
+            "-1",
             "--num-sequences",
             "8",
             "--seq-len",
@@ -486,4 +540,6 @@ def test_cli_says_when_no_configuration_meets_the_target(tmp_path, capsys):
     written = json.loads(report.read_text())
     assert written["choice"] is None and len(written["points"]) == 2 and "error" in written
     assert [p["settings"]["recompute_layers"] for p in written["points"]] == [0, 1]  # the grid's layer values
+    assert all(p["settings"]["hidden_states"] for p in written["points"])  # --hidden-states yes: those maps only
+    assert written["grid"]["hidden_state_layers"] == -1
     assert not out.exists()  # nothing saved

@@ -5,7 +5,12 @@ grid's `recompute_layers` values in the same pass (`CalibrationSettings.recomput
 configuration of the grid is refitted from them (`fit_bridge`, `calibration.refit`; no further pass over the
 calibration data):
 
-    (top_k × ridge λ × kv_mode × mapper (ridge, low rank r) + top_k × MLP h) × recompute_fraction × recompute_layers
+    (top_k × ridge λ × kv_mode × mapper (ridge, low rank r) × hidden_states + top_k × MLP h)
+        × recompute_fraction × recompute_layers
+
+`hidden_states=True` configurations read the source's hidden states beside its K/V (`hidden_state_layers`, ridge
+and low rank, joint K/V only); the pass collects their statistics whenever the grid has them, and the K/V-only
+configurations are fitted from the same statistics with those blocks left out (the map K/V-only statistics give).
 
 The MLP mappers (`mlp_hidden`, one per hidden width and top-k, on the grid's first λ and kv mode, `mlp_loss`,
 `mlp_epochs`) are the one kind that needs more than the statistics: each is trained from its ridge fit on the
@@ -91,6 +96,8 @@ DEFAULT_RECOMPUTE_LAYERS = (0, 1, 2)
 DEFAULT_MLP_HIDDEN = (256,)
 DEFAULT_MLP_LOSS = "attention"  # the mapper comparison's best form (docs/mappers_and_diagnostics.md)
 DEFAULT_MLP_EPOCHS = 2
+DEFAULT_HIDDEN_STATES = (False, True)  # K/V-only maps, and maps that also read the source's hidden states
+DEFAULT_HIDDEN_STATE_LAYERS = "all"  # which hidden states the calibration pass collects for them
 COST_UNIT = (
     "FLOPs per context token (K/V and residual maps + the target's recomputed tokens and layers) / the target's own "
     "prefill FLOPs per token"
@@ -116,12 +123,18 @@ class TuneGrid:
             the first λ and kv mode of the grid (empty: no MLP).
         mlp_loss (`str`): the MLP's training loss, `"attention"` or `"mse"`.
         mlp_epochs (`int`): the MLP's passes over the calibration windows.
+        hidden_states (`tuple[bool]`): `False`: maps of the source's K/V only; `True`: maps that also read the
+            source's hidden states (`hidden_state_layers`, `hf_kvbridge.source_features`; ridge and low rank, joint
+            K/V only). The calibration pass collects those hidden states' statistics whenever the grid has `True`,
+            and the K/V-only fits leave them out, so both come from the same pass.
+        hidden_state_layers (`"all"`, `int` or `list[int]`): the source's `output_hidden_states` entries the
+            hidden-state maps read (`None`: no hidden-state maps).
 
     Example:
 
     ```python
     >>> grid = TuneGrid(top_k=(2,), ridge_lambdas=("auto",), kv_modes=("joint",), ranks=(), mlp_hidden=(),
-    ...                 recompute_fractions=(0.0, 0.1), recompute_layers=(0, 1, 8))
+    ...                 recompute_fractions=(0.0, 0.1), recompute_layers=(0, 1, 8), hidden_states=(False,))
     >>> grid.recompute(target_layers=8)  # n = L_t leaves nothing to recompute token by token
     [(0.0, 0), (0.0, 1), (0.1, 0), (0.1, 1), (0.0, 8)]
     >>> grid.size(source_layers=3, target_layers=8)
@@ -138,9 +151,24 @@ class TuneGrid:
     mlp_hidden: tuple[int, ...] = DEFAULT_MLP_HIDDEN
     mlp_loss: str = DEFAULT_MLP_LOSS
     mlp_epochs: int = DEFAULT_MLP_EPOCHS
+    hidden_states: tuple[bool, ...] = DEFAULT_HIDDEN_STATES
+    hidden_state_layers: str | int | list[int] | None = DEFAULT_HIDDEN_STATE_LAYERS
 
     def __post_init__(self):
         from ..mappers.mlp import LOSSES
+        from ..source_features import check_hidden_state_layers_value
+
+        check_hidden_state_layers_value(self.hidden_state_layers)
+        if not self.hidden_states or any(not isinstance(h, bool) for h in self.hidden_states):
+            raise InvalidInputError(
+                f"hidden_states must be a non-empty tuple of True/False, got {list(self.hidden_states)}"
+            )
+        if False not in self.hidden_states and not self.uses_hidden_states:
+            raise InvalidInputError(
+                "a grid of hidden-state maps only (hidden_states=(True,)) needs hidden_state_layers and the 'joint' "
+                f"kv mode (a hidden state has no key/value halves), got hidden_state_layers="
+                f"{self.hidden_state_layers!r}, kv_modes={list(self.kv_modes)}"
+            )
 
         if self.mlp_loss not in LOSSES:
             raise InvalidInputError(f"mlp_loss must be one of {LOSSES}, got {self.mlp_loss!r}")
@@ -148,6 +176,11 @@ class TuneGrid:
             raise InvalidInputError(
                 f"mlp_hidden widths and mlp_epochs must be ≥ 1, got {list(self.mlp_hidden)} and {self.mlp_epochs}"
             )
+
+    @property
+    def uses_hidden_states(self) -> bool:
+        """Whether some fit reads the source's hidden states (so the calibration pass collects them)."""
+        return True in self.hidden_states and self.hidden_state_layers is not None and "joint" in self.kv_modes
 
     def layers(self, target_layers: int) -> list[int]:
         """The `recompute_layers` values measured on a target of `target_layers` layers (capped, sorted, unique)."""
@@ -161,22 +194,23 @@ class TuneGrid:
         return pairs + ([(0.0, target_layers)] if target_layers in layers else [])
 
     def fits(self, source_layers: int) -> list[dict]:
-        """Every mapper to fit, as `{"top_k", "ridge_lambda", "kv_mode", "mapper_type", "rank"}` (MLPs also
-        `"hidden"`, `"loss"`, `"epochs"`; no recompute)."""
+        """Every mapper to fit, as `{"top_k", "ridge_lambda", "kv_mode", "mapper_type", "rank", "hidden_states"}`
+        (MLPs also `"hidden"`, `"loss"`, `"epochs"`; no recompute)."""
         top_k = sorted({min(k, source_layers) for k in self.top_k})
+        states = [h for h in dict.fromkeys(self.hidden_states) if not h or self.uses_hidden_states]
         mappers = []
-        for k, lam, kv in itertools.product(top_k, self.ridge_lambdas, self.kv_modes):
-            mappers.append({"top_k": k, "ridge_lambda": lam, "kv_mode": kv, "mapper_type": "ridge", "rank": None})
-            mappers += [
-                {"top_k": k, "ridge_lambda": lam, "kv_mode": kv, "mapper_type": "low_rank", "rank": r}
-                for r in self.ranks
-            ]
+        for k, lam, kv, hs in itertools.product(top_k, self.ridge_lambdas, self.kv_modes, states):
+            if hs and kv != "joint":  # a hidden state has no key/value halves
+                continue
+            common = {"top_k": k, "ridge_lambda": lam, "kv_mode": kv}
+            mappers.append({**common, "mapper_type": "ridge", "rank": None, "hidden_states": hs})
+            mappers += [{**common, "mapper_type": "low_rank", "rank": r, "hidden_states": hs} for r in self.ranks]
         if self.ridge_lambdas and self.kv_modes:
             lam, kv = self.ridge_lambdas[0], self.kv_modes[0]
             mlp = {"loss": self.mlp_loss, "epochs": int(self.mlp_epochs)}
             mappers += [
-                {"top_k": k, "ridge_lambda": lam, "kv_mode": kv, "mapper_type": "mlp", "rank": None, "hidden": int(h),
-                 **mlp}
+                {"top_k": k, "ridge_lambda": lam, "kv_mode": kv, "mapper_type": "mlp", "rank": None,
+                 "hidden_states": False, "hidden": int(h), **mlp}
                 for k in top_k
                 for h in self.mlp_hidden
             ]  # fmt: skip
@@ -281,6 +315,7 @@ def choose(points: Sequence[Point], *, min_retention: float | None = None, max_c
 def format_settings(settings: dict) -> str:
     mapper = settings["mapper_type"] + (f" r{settings['rank']}" if settings.get("rank") else "")
     mapper += f" h{settings['hidden']} {settings['loss']}" if settings.get("hidden") else ""
+    mapper += " + hidden states" if settings.get("hidden_states") else ""
     return (
         f"{mapper}, k={settings['top_k']}, λ={settings['ridge_lambda']}, {settings['kv_mode']}, "
         f"recompute {settings['recompute_fraction']:g}, top layers {settings.get('recompute_layers', 0)}"
@@ -351,6 +386,8 @@ def fit_candidate(base, statistics, settings: dict, *, windows: torch.Tensor | N
             if trained is not None:
                 trained[key] = bridge
         return with_recompute(bridge, settings.get("recompute_fraction", 0.0), settings.get("recompute_layers", 0))
+    if settings.get("hidden_states") and base.source_features is None:
+        raise TuningError("a hidden-state configuration needs statistics collected with hidden_state_layers")
     train, heldout = statistics
     bridge = fit_bridge(
         base.source,
@@ -363,7 +400,9 @@ def fit_candidate(base, statistics, settings: dict, *, windows: torch.Tensor | N
         head_mode=base.config.head_mode,
         hold_back=base.config.hold_back,
         config_kwargs=_references(base.config),
-        features=getattr(base, "source_features", None),  # the statistics' hidden-state blocks, if any
+        # the statistics' hidden-state blocks, read by the configurations that ask for them (the others are the
+        # K/V-only maps those statistics also hold)
+        features=base.source_features if settings.get("hidden_states") else None,
     )
     if base.residual_mapper is not None:  # the same residual maps for every candidate (`config.residual_map`)
         bridge = bridge.with_residual_mapper(base.residual_mapper, bridge.config)
@@ -515,6 +554,7 @@ def format_table(result: dict) -> str:
     for point in result["pareto_front"]:
         s = point["settings"]
         mapper = s["mapper_type"] + (f" r{s['rank']}" if s.get("rank") else "")
+        mapper += " + hidden states" if s.get("hidden_states") else ""
         check = "–" if point.get("check_retention") is None else f"{point['check_retention']:.3f}"
         mark = " **chosen**" if chosen is not None and point["settings"] == chosen["settings"] else ""
         gap = _gap_text(point.get("gap_recovered"), point.get("gap_recovered_ci"))
@@ -618,6 +658,8 @@ def run_tune(
         text_field=text_field,
         keep_statistics=True,
         recompute_layers=residual or 0,
+        # the hidden-state blocks of the grid's hidden-state maps, collected in the same pass
+        hidden_state_layers=grid.hidden_state_layers if grid.uses_hidden_states else None,
         **load_kwargs,
     )
     statistics = base.calibration_statistics
@@ -767,6 +809,8 @@ def run_tune_cli(args: argparse.Namespace) -> int:
         mlp_hidden=tuple(args.mlp_hidden),
         mlp_loss=args.mlp_loss,
         mlp_epochs=args.mlp_epochs,
+        hidden_states=tuple(args.hidden_states),
+        hidden_state_layers=args.hidden_state_layers,
     )
     load_kwargs = {"dtype": args.dtype} if args.dtype else {}
     result = run_tune(
