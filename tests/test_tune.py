@@ -100,6 +100,10 @@ def test_grid_caps_top_k_and_crosses_mappers_with_kv_modes():
         ("ridge", "joint"),
         ("low_rank", "joint"),
     }
+    # their top-k is capped at the blocks they choose from (3 K/V layers + 4 hidden states), not at the K/V layers
+    both = TuneGrid(top_k=(2, 9), ridge_lambdas=("auto",), ranks=(8,)).fits(source_layers=3, feature_blocks=7)
+    assert sorted({f["top_k"] for f in both if f["hidden_states"]}) == [2, 7]
+    assert sorted({f["top_k"] for f in both if not f["hidden_states"]}) == [2, 3]
     mlp = [f for f in fits if f["mapper_type"] == "mlp"]
     assert [(f["top_k"], f["hidden"], f["loss"], f["epochs"]) for f in mlp] == [
         (2, 256, "attention", 2),

@@ -193,13 +193,21 @@ class TuneGrid:
         pairs = [(float(f), n) for f, n in itertools.product(self.recompute_fractions, layers) if n < target_layers]
         return pairs + ([(0.0, target_layers)] if target_layers in layers else [])
 
-    def fits(self, source_layers: int) -> list[dict]:
+    def fits(self, source_layers: int, feature_blocks: int | None = None) -> list[dict]:
         """Every mapper to fit, as `{"top_k", "ridge_lambda", "kv_mode", "mapper_type", "rank", "hidden_states"}`
-        (MLPs also `"hidden"`, `"loss"`, `"epochs"`; no recompute)."""
+        (MLPs also `"hidden"`, `"loss"`, `"epochs"`; no recompute). Top-k is capped at the source's layers, and for
+        the hidden-state maps at the feature blocks they choose from (`feature_blocks`: K/V layers + hidden-state
+        blocks; defaults to the source's layers)."""
         top_k = sorted({min(k, source_layers) for k in self.top_k})
+        blocks = max(source_layers, feature_blocks or source_layers)
         states = [h for h in dict.fromkeys(self.hidden_states) if not h or self.uses_hidden_states]
         mappers = []
-        for k, lam, kv, hs in itertools.product(top_k, self.ridge_lambdas, self.kv_modes, states):
+        for hs, k, lam, kv in [
+            (hs, k, lam, kv)
+            for hs in states
+            for k in (sorted({min(k, blocks) for k in self.top_k}) if hs else top_k)
+            for lam, kv in itertools.product(self.ridge_lambdas, self.kv_modes)
+        ]:
             if hs and kv != "joint":  # a hidden state has no key/value halves
                 continue
             common = {"top_k": k, "ridge_lambda": lam, "kv_mode": kv}
@@ -220,9 +228,9 @@ class TuneGrid:
         """Whether some fit of the grid trains an MLP (and so needs the calibration windows)."""
         return any(f["mapper_type"] == "mlp" for f in self.fits(source_layers))
 
-    def size(self, source_layers: int, target_layers: int) -> int:
+    def size(self, source_layers: int, target_layers: int, feature_blocks: int | None = None) -> int:
         """How many configurations the grid measures."""
-        return len(self.fits(source_layers)) * len(self.recompute(target_layers))
+        return len(self.fits(source_layers, feature_blocks)) * len(self.recompute(target_layers))
 
 
 @dataclass
@@ -494,7 +502,7 @@ def measure_grid(
     source_layers = base.config.source_fingerprint["num_layers"]
     target_layers = base.config.target_fingerprint["num_layers"]
     points = []
-    for fit in grid.fits(source_layers):
+    for fit in grid.fits(source_layers, _feature_blocks(base)):
         mapped = fit_candidate(base, statistics, fit, windows=calibration_windows, trained=trained)
         parameters = sum(p.numel() for p in mapped.mapper.parameters())
         for fraction, layers in grid.recompute(target_layers):
@@ -680,7 +688,7 @@ def run_tune(
     maps = f" (residual maps for top layers {residual})" if residual else ""
     progress(
         f"calibrated {base.config.source_name_or_path} → {base.config.target_name_or_path}{maps} in "
-        f"{time.perf_counter() - started:.0f}s; measuring {grid.size(source_layers, target_layers)} configurations on "
+        f"{time.perf_counter() - started:.0f}s; measuring {grid.size(source_layers, target_layers, _feature_blocks(base))} configurations on "
         f"{len(tune_ids)} tuning windows of {context} + {continuation} tokens"
     )
     trained: dict = {}  # the MLP bridges, trained once each: measured, then checked (and saved) as they are
@@ -763,6 +771,11 @@ def run_tune(
     progress(format_table(result))
     result["bridge"] = bridge
     return result
+
+
+def _feature_blocks(base) -> int | None:
+    """The blocks a hidden-state map of `base`'s statistics chooses from (K/V layers + hidden-state blocks)."""
+    return None if base.source_features is None else base.source_features.num_blocks
 
 
 def _num_layers(model) -> int:
