@@ -202,12 +202,9 @@ class TuneGrid:
         blocks = max(source_layers, feature_blocks or source_layers)
         states = [h for h in dict.fromkeys(self.hidden_states) if not h or self.uses_hidden_states]
         mappers = []
-        for hs, k, lam, kv in [
-            (hs, k, lam, kv)
-            for hs in states
-            for k in (sorted({min(k, blocks) for k in self.top_k}) if hs else top_k)
-            for lam, kv in itertools.product(self.ridge_lambdas, self.kv_modes)
-        ]:
+        ks = {False: top_k, True: sorted({min(k, blocks) for k in self.top_k})}
+        configurations = [(h, k) for h in states for k in ks[h]]
+        for (hs, k), lam, kv in itertools.product(configurations, self.ridge_lambdas, self.kv_modes):
             if hs and kv != "joint":  # a hidden state has no key/value halves
                 continue
             common = {"top_k": k, "ridge_lambda": lam, "kv_mode": kv}
@@ -686,9 +683,10 @@ def run_tune(
     tune_ids, check_ids = split_windows(texts, tokenizer, context + continuation, tune_windows, check_windows)
     source_layers = base.config.source_fingerprint["num_layers"]
     maps = f" (residual maps for top layers {residual})" if residual else ""
+    size = grid.size(source_layers, target_layers, _feature_blocks(base))
     progress(
         f"calibrated {base.config.source_name_or_path} → {base.config.target_name_or_path}{maps} in "
-        f"{time.perf_counter() - started:.0f}s; measuring {grid.size(source_layers, target_layers, _feature_blocks(base))} configurations on "
+        f"{time.perf_counter() - started:.0f}s; measuring {size} configurations on "
         f"{len(tune_ids)} tuning windows of {context} + {continuation} tokens"
     )
     trained: dict = {}  # the MLP bridges, trained once each: measured, then checked (and saved) as they are
