@@ -328,11 +328,14 @@ def _source_rows(source, batch, device, features: SourceFeatures | None):
     return x, hidden
 
 
-def _allowed(src, tgt, features: SourceFeatures | None) -> list[list[bool]]:
-    """`layout.allowed_sources`, extended with the hidden-state blocks (which cover every token: always allowed)."""
+def _allowed(src, tgt, features: SourceFeatures | None, held: int | None = None) -> list[list[bool]]:
+    """`layout.allowed_sources`, extended with the hidden-state blocks of `features` (which cover every token: always
+    allowed) and with the other blocks of statistics holding `held` in all (never allowed: hidden-state blocks a
+    K/V-only fit leaves out, so its map is the one K/V-only statistics give)."""
     allowed = allowed_sources(src, tgt)
     extra = 0 if features is None else features.num_blocks - src.num_layers
-    return [row + [True] * extra for row in allowed]
+    spare = 0 if held is None else held - src.num_layers - extra
+    return [row + [True] * extra + [False] * spare for row in allowed]
 
 
 def _gathered_rows(source, target, windows, step, rank, device, residual=None, features=None):
@@ -452,11 +455,9 @@ def fit_bridge(
         )
     r2 = single_layer_r2(train, heldout, head_mode, ridge_lambda)  # (L_t, blocks held, 2)
     if selected_layers is None:
-        allowed = _allowed(src, tgt, features)
-        # statistics that also hold hidden-state blocks, fitted without them (`kvbridge tune`'s K/V-only
-        # configurations): those blocks are never selected, so the map is the one K/V-only statistics give
-        spare = r2.shape[1] - len(allowed[0])
-        selected_layers = select_layers(r2, top_k, [row + [False] * spare for row in allowed])
+        # without `features`, hidden-state blocks the statistics hold are never selected (`kvbridge tune`'s K/V-only
+        # configurations)
+        selected_layers = select_layers(r2, top_k, _allowed(src, tgt, features, held=r2.shape[1]))
     elif len(selected_layers) != tgt.num_layers:
         raise ConfigurationError(
             f"selected_layers has {len(selected_layers)} entries, target has {tgt.num_layers} layers; give one list "

@@ -317,10 +317,15 @@ def choose(points: Sequence[Point], *, min_retention: float | None = None, max_c
 
 
 # -- measuring -----------------------------------------------------------------------------------------------------
+def _mapper_name(settings: dict) -> str:
+    """The mapper of `settings` as the Pareto table names it: type, rank, and whether it reads hidden states."""
+    name = settings["mapper_type"] + (f" r{settings['rank']}" if settings.get("rank") else "")
+    return name + (" + hidden states" if settings.get("hidden_states") else "")
+
+
 def format_settings(settings: dict) -> str:
-    mapper = settings["mapper_type"] + (f" r{settings['rank']}" if settings.get("rank") else "")
+    mapper = _mapper_name(settings)
     mapper += f" h{settings['hidden']} {settings['loss']}" if settings.get("hidden") else ""
-    mapper += " + hidden states" if settings.get("hidden_states") else ""
     return (
         f"{mapper}, k={settings['top_k']}, λ={settings['ridge_lambda']}, {settings['kv_mode']}, "
         f"recompute {settings['recompute_fraction']:g}, top layers {settings.get('recompute_layers', 0)}"
@@ -558,8 +563,7 @@ def format_table(result: dict) -> str:
     chosen = result.get("choice")
     for point in result["pareto_front"]:
         s = point["settings"]
-        mapper = s["mapper_type"] + (f" r{s['rank']}" if s.get("rank") else "")
-        mapper += " + hidden states" if s.get("hidden_states") else ""
+        mapper = _mapper_name(s)
         check = "–" if point.get("check_retention") is None else f"{point['check_retention']:.3f}"
         mark = " **chosen**" if chosen is not None and point["settings"] == chosen["settings"] else ""
         gap = _gap_text(point.get("gap_recovered"), point.get("gap_recovered_ci"))
