@@ -28,6 +28,7 @@ from hf_kvbridge.mappers import KVMapper
 from hf_kvbridge.selection import select_layers
 from hf_kvbridge.solve import solve_ridge
 from hf_kvbridge.statistics import BlockStatistics, KVStatistics, SelectionStatistics, map_groups
+from hf_kvbridge.tools.bench.mapper import _cpu_peak_bytes
 from tests.conftest import CORPUS, make_tokenizer, qwen3
 
 LS, LT, H, D = 3, 4, 2, 3
@@ -221,20 +222,6 @@ def test_passes_select_and_fit_like_a_dense_reference(windows, head_mode, kv_mod
         torch.testing.assert_close(bridge.mapper.state_dict()[key], value, atol=1e-5, rtol=1e-5)
 
 
-def _peak_allocated(fn) -> int:
-    """Peak bytes of CPU tensors alive at once while `fn` runs, from the profiler's allocation records."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    records = sorted(
-        (e.time_range.start, e.cpu_memory_usage) for e in prof.profiler.function_events if e.name == "[memory]"
-    )
-    live = peak = 0
-    for _, change in records:
-        live += change
-        peak = max(peak, live)
-    return peak
-
-
 def test_fit_statistics_memory_does_not_grow_with_layer_counts():
     """At fixed top_k, a fit pass's statistics hold k source layers, however many layers the models have; the selection
     statistics hold per-head d×d blocks, 1/(2H) of the dense cross blocks."""
@@ -251,7 +238,7 @@ def test_fit_statistics_memory_does_not_grow_with_layer_counts():
                     part.update(x, y)
                 del parts
 
-        peaks[layers] = _peak_allocated(fit)
+        peaks[layers] = _cpu_peak_bytes(fit)
     assert 0 < peaks[12] <= 1.05 * peaks[2], peaks
     dense_cross = 12 * 12 * ROW * ROW  # numbers of `KVStatistics.xy` for 12 → 12 layers
     assert SelectionStatistics(12, 12, H, D).xy.numel() * 2 * H == dense_cross
