@@ -293,7 +293,8 @@ class KVStatistics(HeadLayouts):
 #      with every target layer (H·2·L_s·d·(d + L_t·d) numbers), enough for a single-layer held-out R² of every
 #      (target layer, source layer) pair, hence the top-k choice;
 #   2. `BlockStatistics`: for a group of target layers, the Gram matrix of the union of their selected source layers
-#      (shared by all target layers of the group) and the cross block with those target layers only.
+#      (shared by all target layers of the group) and the cross blocks of each target layer with its own selected
+#      source layers only.
 # Both keep *centred* sums (means plus Σ(x − x̄)(x − x̄)ᵀ, merged with Chan et al.'s pairwise update), so float32
 # Gram blocks lose no precision to the cancellation of large raw sums.
 
@@ -421,9 +422,15 @@ class BlockStatistics(_CentredSums, HeadLayouts):
 
     Same interface as [`KVStatistics`] for the features it holds (`count`, `source_index`, `target_index`, `moments`,
     `residual_sums`, `merge_`, `all_reduce_`, `save`/`load`), with global layer numbers, so `solve_ridge` and the λ
-    search run on it unchanged, as long as every query stays inside one group. Memory: `(U·row)²/G + U·row·T·row/G`
+    search run on it unchanged, as long as every query stays inside one group. Memory: `(U·row)²/G + K·row·T·row/G`
     numbers for `U` source and `T` target layers, `row = H·2d`, `G` groups (with `x_row = H_s·2d_s` and
-    `y_row = H_t·2d_t` for the two sides of a mismatched pair).
+    `y_row = H_t·2d_t` for the two sides of a mismatched pair), and `K = U` cross blocks per target layer, or with
+    `target_sources` the most source layers one target layer reads.
+
+    Two things keep accumulation at about half the products of the full sums, exactly: only the Gram's upper block
+    triangle is summed (source layer `i` with layers `j ≥ i`; the lower blocks are mirrored from it before any read),
+    and with `target_sources` each target layer's cross blocks are those of its own source layers only (`K·T`
+    blocks instead of `U·T`): a fit pass's union is often much wider than what one of its target layers reads.
 
     Args:
         source_layers (`int`), target_layers (`int`), num_kv_heads (`int`), head_dim (`int`): the full layout (heads
@@ -435,14 +442,20 @@ class BlockStatistics(_CentredSums, HeadLayouts):
         head_mode (`str`), kv_mode (`str`), *optional*, default to `"all_heads"`, `"joint"`: which blocks to keep.
         target_kv_heads (`int`, *optional*), target_head_dim (`int`, *optional*): the target's KV layout when it
             differs.
+        target_sources (`dict[int, list[int]]`, *optional*): per target layer, the source layers its maps read (all
+            in `sources`): only those cross blocks are kept. Default: every target layer with every source layer,
+            which a re-fit with another selection needs.
 
     Example:
 
     ```python
     >>> stats = BlockStatistics(3, 2, 1, 2, sources=[0, 2], targets=[1])
     >>> stats.update(torch.randn(10, 3 * 4), torch.randn(10, 2 * 4))  # full rows: only the kept columns are summed
-    >>> stats.xx.shape, stats.xy.shape  # (groups, U·row/G, U·row/G), (groups, U·row/G, T·row/G)
+    >>> stats.xx.shape, stats.xy.shape  # (groups, U·row/G, U·row/G), (groups, K·row/G, T·row/G)
     (torch.Size([1, 8, 8]), torch.Size([1, 8, 4]))
+    >>> own = BlockStatistics(3, 2, 1, 2, sources=[0, 2], targets=[0, 1], target_sources={0: [2], 1: [0, 2]})
+    >>> own.xy.shape  # target 0 keeps its one block, target 1 its two
+    torch.Size([1, 8, 8])
     ```
     """
 
@@ -461,24 +474,38 @@ class BlockStatistics(_CentredSums, HeadLayouts):
         kv_mode: str = "joint",
         target_kv_heads: int | None = None,
         target_head_dim: int | None = None,
+        target_sources: dict[int, list[int]] | None = None,
     ):
         self.source_layers, self.target_layers = source_layers, target_layers
         self._set_head_layouts(num_kv_heads, head_dim, target_kv_heads, target_head_dim)
         self.head_mode, self.kv_mode = head_mode, kv_mode
         self.sources, self.targets = sorted(set(map(int, sources))), sorted(set(map(int, targets)))
+        self.target_sources = self._check_target_sources(target_sources)
         self.dtype = dtype
         device = torch.device(device or "cpu")
         groups = feature_groups(
             self.source_kv_heads, self.source_head_dim, head_mode, kv_mode, self.target_kv_heads, self.target_head_dim
         )
         g = len(groups)
-        p, q = len(self.sources) * groups[0][0].numel(), len(self.targets) * groups[0][1].numel()
+        self._x_width, self._y_width = groups[0][0].numel(), groups[0][1].numel()  # features per layer and group
+        p, q = len(self.sources) * self._x_width, len(self.targets) * self._y_width
+        reads = max((len(self.target_sources[t]) for t in self.targets), default=0)
         self.count = 0
         self.x_mean = torch.zeros(g, p, dtype=torch.float64, device=device)
         self.y_mean = torch.zeros(g, q, dtype=torch.float64, device=device)
-        self.xx = torch.zeros(g, p, p, dtype=dtype, device=device)  # per group Σ(x − x̄)(x − x̄)ᵀ
-        self.xy = torch.zeros(g, p, q, dtype=dtype, device=device)  # per group Σ(x − x̄)(y − ȳ)ᵀ
+        # per group Σ(x − x̄)(x − x̄)ᵀ: summed in its upper block triangle, the lower blocks mirrored before reads
+        self.xx = torch.zeros(g, p, p, dtype=dtype, device=device)
+        self._mirrored = True
+        # per group Σ(x − x̄)(y − ȳ)ᵀ: target j's columns hold its own source layers' rows, in `sources` order
+        self.xy = torch.zeros(g, reads * self._x_width, q, dtype=dtype, device=device)
         self.yy = torch.zeros(g, q, dtype=torch.float64, device=device)  # Σ(y − ȳ)²
+        slot = {s: i for i, s in enumerate(self.sources)}
+        # per target: union slots of its source layers (the rows of its cross block), and union slot → row, or -1
+        self._reads = [[slot[s] for s in self.target_sources[t]] for t in self.targets]
+        self._read_row = torch.full((len(self.targets), max(len(self.sources), 1)), -1, dtype=torch.long)
+        for j, slots in enumerate(self._reads):
+            self._read_row[j, slots] = torch.arange(len(slots))
+        self._dense_cross = all(len(r) == len(self.sources) for r in self._reads)
 
         def columns(layers, row, side):  # (G, len(layers)·width): global feature numbers of each group, layer by layer
             if not layers:  # a rank without a pass holds empty statistics
@@ -490,6 +517,38 @@ class BlockStatistics(_CentredSums, HeadLayouts):
         # global feature number → (group, position in the group); -1: not held
         self._x_group, self._x_pos = self._locate(self._x_cols, source_layers * self.x_row, device)
         self._y_group, self._y_pos = self._locate(self._y_cols, target_layers * self.y_row, device)
+
+    def _check_target_sources(self, target_sources) -> dict[int, list[int]]:
+        if target_sources is None:
+            return {t: list(self.sources) for t in self.targets}
+        given = {int(t): sorted(set(map(int, layers))) for t, layers in dict(target_sources).items()}
+        if sorted(given) != self.targets:
+            raise StatisticsError(f"target_sources names target layers {sorted(given)}, not {self.targets}")
+        for t, layers in given.items():
+            if not set(layers) <= set(self.sources):
+                raise StatisticsError(
+                    f"target layer {t} reads source layers {layers}, which are not all kept ({self.sources})"
+                )
+        return given
+
+    def _target_columns(self, j: int) -> slice:
+        return slice(j * self._y_width, (j + 1) * self._y_width)
+
+    def _source_columns(self, slots: list[int]) -> torch.Tensor:
+        """Positions in a group's `p` union features of the union `slots`, layer by layer."""
+        w = self._x_width
+        return (torch.tensor(slots, dtype=torch.long).unsqueeze(1) * w + torch.arange(w)).reshape(-1)
+
+    def _mirror_(self) -> None:
+        """Copies the Gram's upper block triangle onto the lower one (in place, a block at a time)."""
+        if self._mirrored:
+            return
+        w = self._x_width
+        for i in range(len(self.sources)):
+            for j in range(i + 1, len(self.sources)):
+                upper = self.xx[:, i * w : (i + 1) * w, j * w : (j + 1) * w]
+                self.xx[:, j * w : (j + 1) * w, i * w : (i + 1) * w].copy_(upper.transpose(1, 2))
+        self._mirrored = True
 
     @staticmethod
     def _locate(cols: torch.Tensor, size: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -508,18 +567,22 @@ class BlockStatistics(_CentredSums, HeadLayouts):
         dtype: torch.dtype = torch.float32,
         groups: int = 1,
         target_row: int | None = None,
+        reads: int | None = None,
     ) -> int:
         """Bytes of one `BlockStatistics` of `sources` source layers of `row` features and `targets` target layers of
-        `target_row` features (defaults to `row`), kept in `groups` feature groups."""
+        `target_row` features (defaults to `row`), kept in `groups` feature groups, whose target layers read at most
+        `reads` source layers each (default: all of them)."""
         p, q = sources * row, targets * (row if target_row is None else target_row)
-        return (p * p + p * q) // groups * torch.finfo(dtype).bits // 8 + (p + 2 * q) * 8
+        cross = (sources if reads is None else min(reads, sources)) * row
+        return (p * p + cross * q) // groups * torch.finfo(dtype).bits // 8 + (p + 2 * q) * 8
 
     @property
     def shape_key(self) -> tuple:
         return (self.source_layers, self.target_layers, *self._head_key())
 
     def _key(self) -> tuple:
-        return (*self.shape_key, tuple(self.sources), tuple(self.targets), self.head_mode, self.kv_mode)
+        reads = tuple(tuple(self.target_sources[t]) for t in self.targets)
+        return (*self.shape_key, tuple(self.sources), tuple(self.targets), self.head_mode, self.kv_mode, reads)
 
     # -- accumulation (in place: no temporary the size of a Gram block) ---------------------------------------------
     _merge_what = "block statistics of layers"
@@ -530,7 +593,19 @@ class BlockStatistics(_CentredSums, HeadLayouts):
     def _outer_(self, dx: torch.Tensor, dy: torch.Tensor, alpha: float) -> None:
         dxs, dys = dx.to(self.dtype), dy.to(self.dtype)  # (G, p), (G, q)
         self.xx.baddbmm_(dxs.unsqueeze(2), dxs.unsqueeze(1), alpha=alpha)  # += alpha·dx dxᵀ, per group
-        self.xy.baddbmm_(dxs.unsqueeze(2), dys.unsqueeze(1), alpha=alpha)
+        self._add_cross_(dxs.unsqueeze(1), dys.unsqueeze(1), alpha)  # += alpha·dx dyᵀ
+
+    def _add_cross_(self, xc: torch.Tensor, yc: torch.Tensor, alpha: float = 1.0) -> None:
+        """`xy += alpha·xcᵀ yc` in the cross blocks kept (`xc` `(G, N, p)`, `yc` `(G, N, q)`): one product when
+        every target layer keeps every source layer, else one per target layer, of its own source layers' columns."""
+        if self._dense_cross:
+            self.xy.baddbmm_(xc.transpose(1, 2), yc, alpha=alpha)
+            return
+        for j, slots in enumerate(self._reads):
+            rows = len(slots) * self._x_width
+            x_own = xc.index_select(2, self._source_columns(slots).to(xc.device))  # (G, N, rows)
+            cols = self._target_columns(j)
+            self.xy[:, :rows, cols].baddbmm_(x_own.transpose(1, 2), yc[:, :, cols], alpha=alpha)
 
     @torch.no_grad()
     def update(self, x: torch.Tensor, y: torch.Tensor) -> None:
@@ -551,10 +626,25 @@ class BlockStatistics(_CentredSums, HeadLayouts):
         xc, yc = (xs - mx.unsqueeze(1)).to(self.dtype), yc64.to(self.dtype)  # centred on the batch's own means
         del xs, ys
         f, share = _chan_merge(self.count, x.shape[0])
-        self.xx.baddbmm_(xc.transpose(1, 2), xc)  # += Σ xc xcᵀ per group
-        self.xy.baddbmm_(xc.transpose(1, 2), yc)
+        w = self._x_width
+        for i in range(len(self.sources)):  # += Σ xc xcᵀ per group, upper block triangle: layer i with layers ≥ i
+            band = xc[:, :, i * w : (i + 1) * w].transpose(1, 2)  # (G, w, N)
+            self.xx[:, i * w : (i + 1) * w, i * w :].baddbmm_(band, xc[:, :, i * w :])
+        self._mirrored = False
+        self._add_cross_(xc, yc)
         self.yy.add_((yc64 * yc64).sum(1))
         self._shift(f, share, x.shape[0], mx, my)
+
+    def merge_(self, other: BlockStatistics) -> BlockStatistics:
+        mirrored = self._mirrored and other._mirrored  # a sum of unmirrored lower blocks is not the lower triangle
+        super().merge_(other)
+        self._mirrored = mirrored
+        return self
+
+    def all_reduce_(self) -> BlockStatistics:
+        super().all_reduce_()
+        self._mirrored = False  # the ranks' lower blocks need not all be mirrored
+        return self
 
     def copy(self) -> BlockStatistics:
         key = self.shape_key
@@ -567,6 +657,7 @@ class BlockStatistics(_CentredSums, HeadLayouts):
             device=self.xx.device,
             head_mode=self.head_mode,
             kv_mode=self.kv_mode,
+            target_sources=self.target_sources,
         )
         return new.merge_(self)
 
@@ -614,10 +705,33 @@ class BlockStatistics(_CentredSums, HeadLayouts):
                 f"these block statistics keep {self.head_mode}/{self.kv_mode} blocks only; source group {gx} and "
                 f"target group {gy} were not summed together"
             )
+        self._mirror_()
         n = self.count
         cxx = self.xx[gx][xl.unsqueeze(1), xl.unsqueeze(0)].to(torch.float64) / n  # one gather, no (p, P) copy
-        cxy = self.xy[gx][xl.unsqueeze(1), yl.unsqueeze(0)].to(torch.float64) / n
+        cxy = self.xy[gx][self._cross_rows(xl, yl).unsqueeze(1), yl.unsqueeze(0)].to(torch.float64) / n
         return self.x_mean[gx][xl], self.y_mean[gy][yl], cxx, cxy, self.yy[gy][yl] / n
+
+    def _cross_rows(self, xl: torch.Tensor, yl: torch.Tensor) -> torch.Tensor:
+        """Rows of `xy` holding union positions `xl` for the target columns `yl` (or `StatisticsError`)."""
+        if self._dense_cross:
+            return xl
+        read_row = self._read_row.to(xl.device)
+        owners = torch.unique(yl // self._y_width)
+        if owners.numel() > 1:
+            raise StatisticsError(
+                "these block statistics keep each target layer's cross blocks with its own source layers only; "
+                f"query one target layer at a time, not {[self.targets[int(j)] for j in owners]}"
+            )
+        j = int(owners[0]) if owners.numel() else 0
+        slot_rows = read_row[j][xl // self._x_width]
+        if (slot_rows < 0).any():
+            missing = sorted({self.sources[int(i)] for i in (xl // self._x_width)[slot_rows < 0].cpu()})
+            raise StatisticsError(
+                f"these block statistics keep target layer {self.targets[j]}'s cross blocks with source layers "
+                f"{self.target_sources[self.targets[j]]} only, not {missing}; accumulate them with "
+                "target_sources that include the layers the fit reads"
+            )
+        return slot_rows * self._x_width + xl % self._x_width
 
     def residual_sums(self, x_idx, y_idx, weight: torch.Tensor, bias: torch.Tensor):
         """Per output column, `(Σ(y − xW − b)², Σ(y − ȳ)²)` over these tokens (see `centred_residual_sums`)."""
@@ -633,6 +747,11 @@ class BlockStatistics(_CentredSums, HeadLayouts):
         state["sources"] = torch.tensor(self.sources, dtype=torch.int64)
         state["targets"] = torch.tensor(self.targets, dtype=torch.int64)
         state["modes"] = torch.tensor([self._MODES[0][self.head_mode], self._MODES[1][self.kv_mode]])
+        reads = max((len(r) for r in self._reads), default=0)
+        state["target_sources"] = torch.tensor(
+            [self.target_sources[t] + [-1] * (reads - len(self.target_sources[t])) for t in self.targets],
+            dtype=torch.int64,
+        ).reshape(len(self.targets), reads)  # (T, K), -1: padding
         return state
 
     def save(self, path: str | Path) -> None:
@@ -642,18 +761,24 @@ class BlockStatistics(_CentredSums, HeadLayouts):
     def load(cls, path: str | Path, device: torch.device | str | None = None) -> BlockStatistics:
         state = load_file(str(path))
         head_mode, kv_mode = (list(names)[int(i)] for names, i in zip(cls._MODES, state["modes"].tolist()))
+        targets = state["targets"].tolist()
+        reads = None
+        if "target_sources" in state:  # absent in files written before cross blocks were kept per target layer
+            reads = {t: [s for s in row if s >= 0] for t, row in zip(targets, state["target_sources"].tolist())}
         stats = cls(
             *state["shape_key"].tolist(),
             sources=state["sources"].tolist(),
-            targets=state["targets"].tolist(),
+            targets=targets,
             dtype=state["xx"].dtype,
             device=device,
             head_mode=head_mode,
             kv_mode=kv_mode,
+            target_sources=reads,
         )
         stats.count = int(state["count"].item())
         for name in ("x_mean", "y_mean", "xx", "xy", "yy"):
             getattr(stats, name).copy_(state[name])
+        stats._mirrored = False
         return stats
 
 

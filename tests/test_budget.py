@@ -70,6 +70,72 @@ def test_block_statistics_fit_like_dense(dtype, tmp_path):
         block.moments(dense.source_index([1]), dense.target_index(1))
 
 
+def _tensor_bytes(stats) -> int:
+    return sum(t.numel() * t.element_size() for t in (stats.xx, stats.xy, stats.x_mean, stats.y_mean, stats.yy))
+
+
+def test_block_statistics_with_own_cross_blocks_fit_like_dense_and_refuse_the_rest(tmp_path):
+    """With `target_sources`, each target layer keeps the cross blocks of its own source layers only (a pass's union is
+    wider than what one target reads): the same fit as the dense sums for what it reads, fewer bytes, exactly as
+    `nbytes(..., reads=)` plans, through batches, save/load and merging with a Gram mirrored before the merge."""
+    x, y = _rows(600, 2, mean=30.0)
+    dense = KVStatistics(LS, LT, H, D)
+    dense.update(x, y)
+    reads = {1: [2], 3: [0, 1]}
+
+    def block():
+        return BlockStatistics(LS, LT, H, D, sources=[0, 1, 2], targets=[1, 3], target_sources=reads)
+
+    parts = [block(), block()]
+    for i in range(0, 300, 64):
+        parts[0].update(x[i : min(i + 64, 300)], y[i : min(i + 64, 300)])
+    parts[0].moments(dense.source_index([1, 0]), dense.target_index(3))  # mirrors part 0's Gram before the merge
+    parts[1].update(x[300:], y[300:])
+    parts[1].save(tmp_path / "b.safetensors")
+    loaded = BlockStatistics.load(tmp_path / "b.safetensors")
+    assert loaded.target_sources == reads
+    merged = parts[0] + loaded
+    assert merged.count == 600
+    full = BlockStatistics(LS, LT, H, D, sources=[0, 1, 2], targets=[1, 3])
+    assert merged.xy.shape[1] * 3 == full.xy.shape[1] * 2  # two of the union's three layers per target
+    assert _tensor_bytes(merged) == BlockStatistics.nbytes(3, 2, ROW, torch.float32, reads=2)
+    assert _tensor_bytes(full) == BlockStatistics.nbytes(3, 2, ROW, torch.float32) > _tensor_bytes(merged)
+    for t, layers in ((1, [2]), (3, [1, 0]), (3, [0, 1])):
+        for head in (None, 1):
+            x_idx, y_idx = dense.source_index(layers, head), dense.target_index(t, head)
+            want = solve_ridge(dense, x_idx, y_idx, 0.01)
+            got = solve_ridge(merged, x_idx, y_idx, 0.01)
+            torch.testing.assert_close(got[0], want[0], atol=2e-4, rtol=2e-4)
+            torch.testing.assert_close(got[1], want[1], atol=2e-4, rtol=2e-4)
+            sse_want, sst_want = dense.residual_sums(x_idx, y_idx, *want)
+            sse_got, sst_got = merged.residual_sums(x_idx, y_idx, *want)
+            torch.testing.assert_close(sse_got, sse_want, atol=2e-4, rtol=2e-4)
+            torch.testing.assert_close(sst_got, sst_want, atol=2e-4, rtol=2e-4)
+    with pytest.raises(hf_kvbridge.StatisticsError, match=r"target layer 1's cross blocks with source layers \[2\] "):
+        merged.moments(dense.source_index([2, 0]), dense.target_index(1))
+    both = torch.cat([dense.target_index(1), dense.target_index(3)])
+    with pytest.raises(hf_kvbridge.StatisticsError, match=r"one target layer at a time, not \[1, 3\]"):
+        merged.moments(dense.source_index([2]), both)
+    with pytest.raises(hf_kvbridge.StatisticsError, match="cannot merge"):
+        merged.merge_(full)  # cross blocks of other source layers
+    with pytest.raises(hf_kvbridge.StatisticsError, match=r"names target layers \[1\], not \[1, 3\]"):
+        BlockStatistics(LS, LT, H, D, sources=[0, 1, 2], targets=[1, 3], target_sources={1: [2]})
+    with pytest.raises(hf_kvbridge.StatisticsError, match=r"target layer 3 reads source layers \[0, 1\], which are"):
+        BlockStatistics(LS, LT, H, D, sources=[0, 2], targets=[1, 3], target_sources=reads)
+
+
+def test_the_gram_is_summed_in_its_upper_triangle_and_mirrored_before_reads():
+    """The lower blocks are not summed (about half the products), yet every read sees the whole symmetric Gram."""
+    x, y = _rows(200, 3)
+    layout = KVStatistics(LS, LT, H, D)
+    stats = BlockStatistics(LS, LT, H, D, sources=[0, 1, 2], targets=[0], dtype=torch.float64)
+    stats.update(x, y)
+    assert stats.xx[0, ROW:, :ROW].abs().max() == 0  # the lower blocks: not summed
+    stats.moments(layout.source_index([2, 0]), layout.target_index(0))
+    xc = x - x.mean(0)
+    torch.testing.assert_close(stats.xx[0], xc.T @ xc)
+
+
 @pytest.mark.parametrize(
     "head_mode, kv_mode, groups",
     [("same_head", "joint", H), ("all_heads", "separate", 2), ("same_head", "separate", 2 * H)],
