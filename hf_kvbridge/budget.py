@@ -161,11 +161,22 @@ def solve_bytes(top_k: int, width: int) -> int:
     return 8 * (max(3 * p * p + p * width, 2 * p * p + 4 * p * width) + 512 * p)
 
 
-def fit_bytes(sources: int, targets: int, row: int, dtype, groups: int = 1, top_k: int | None = None) -> int:
+def fit_bytes(
+    sources: int,
+    targets: int,
+    row: int,
+    dtype,
+    groups: int = 1,
+    top_k: int | None = None,
+    reads: int | None = None,
+) -> int:
     """Bytes of one fit pass over `sources` (union) and `targets` layers: train + held-out [`BlockStatistics`] kept
-    in `groups` feature groups, plus the transient of solving one map of `top_k` (default: `sources`) layers."""
+    in `groups` feature groups, with the cross blocks of `reads` source layers per target layer (default: all
+    `sources`; calibration keeps each target layer's own `top_k`), plus the transient of solving one map of `top_k`
+    (default: `sources`) layers."""
     width = row // groups
-    return 2 * BlockStatistics.nbytes(sources, targets, row, dtype, groups) + solve_bytes(top_k or sources, width)
+    statistics = BlockStatistics.nbytes(sources, targets, row, dtype, groups, reads=reads)
+    return 2 * statistics + solve_bytes(top_k or sources, width)
 
 
 def check_budget(
@@ -215,10 +226,16 @@ def check_budget(
     return "blocks"
 
 
-def plan_passes(selected_layers: list[list[int]], row: int, budget: int, dtype, groups: int = 1) -> list[list[int]]:
+def plan_passes(
+    selected_layers: list[list[int]], row: int, budget: int, dtype, groups: int = 1, own_cross: bool = True
+) -> list[list[int]]:
     """Groups target layers into fit passes: consecutive target layers (which select similar source layers, so their
     union stays small) join a pass while its train + held-out [`BlockStatistics`] (kept in `groups` feature groups,
     see `hf_kvbridge.statistics.feature_groups`) and the solve of one map fit `budget` bytes.
+
+    `own_cross` (the default) plans each target layer's cross blocks with its own selected source layers only
+    (`BlockStatistics(..., target_sources=...)`); `False` plans them with the pass's whole union, which statistics
+    kept for re-fits with another selection need.
 
     Returns:
         `list[list[int]]`: the target layers of each pass.
@@ -226,7 +243,7 @@ def plan_passes(selected_layers: list[list[int]], row: int, budget: int, dtype, 
     top_k = max(map(len, selected_layers))
 
     def need(sources, targets):
-        return fit_bytes(sources, targets, row, dtype, groups, top_k)
+        return fit_bytes(sources, targets, row, dtype, groups, top_k, top_k if own_cross else None)
 
     passes: list[list[int]] = []
     union: set[int] = set()

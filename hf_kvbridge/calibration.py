@@ -615,7 +615,9 @@ def fit_bridge_in_passes(
     del collection
     selected = select_layers(r2, top_k, _allowed(src, tgt, features))
     groups = len(feature_groups(src.num_kv_heads, src.head_dim, head_mode, kv_mode, tgt.num_kv_heads, tgt.head_dim))
-    passes = plan_passes(selected, row, statistics_memory, statistics_dtype, groups)
+    # each target layer's cross blocks with its own source layers only, unless the statistics are kept for re-fits
+    own_cross = not keep_statistics
+    passes = plan_passes(selected, row, statistics_memory, statistics_dtype, groups, own_cross)
     timings["fit_passes"] = timings.get("fit_passes", 0) + len(passes)
     logger.info("fitting %d target layers in %d pass(es) over the data", tgt.num_layers, len(passes))
     mapper = KVMapper(selected, heads, dim, head_mode, kv_mode=kv_mode, **target_heads)
@@ -643,6 +645,7 @@ def fit_bridge_in_passes(
                     head_mode=head_mode,
                     kv_mode=kv_mode,
                     **target_heads,
+                    target_sources={t: selected[t] for t in targets} if own_cross else None,
                 )
                 for _ in range(2)
             ]

@@ -328,9 +328,12 @@ def test_default_paper_map_fits_a_24gb_machine_and_too_small_a_budget_is_refused
         assert sorted(t for group in passes for t in group) == list(range(28))
         for group in passes:
             union = set().union(*(selected[t] for t in group))
-            assert fit_bytes(len(union), len(group), 2048, torch.float32, top_k=6) <= parse_bytes(budget)
+            assert fit_bytes(len(union), len(group), 2048, torch.float32, top_k=6, reads=6) <= parse_bytes(budget)
     counts = [len(plan_passes(selected, 2048, parse_bytes(b), torch.float32)) for b in ("5.5GB", "8GB", "24GB")]
     assert counts[0] > counts[1] > counts[2] >= 1, counts
+    # each target layer's own six cross blocks, not the pass union's: more target layers a pass
+    whole_union = plan_passes(selected, 2048, parse_bytes("12GB"), torch.float32, own_cross=False)
+    assert len(plan_passes(selected, 2048, parse_bytes("12GB"), torch.float32)) < len(whole_union)
 
 
 @pytest.mark.skipif(not os.access("/proc/self/clear_refs", os.W_OK), reason="needs Linux's resettable peak RSS")

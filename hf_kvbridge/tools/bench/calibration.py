@@ -55,10 +55,10 @@ def memory_table(budget: int = 16 * 10**9, ranks: int = 8, dtype=torch.float32) 
         for k in (6, 8):
             for head_mode, kv_mode in (("all_heads", "joint"), ("all_heads", "separate"), ("same_head", "separate")):
                 groups = len(feature_groups(heads, dim, head_mode, kv_mode))
-                one = fit_bytes(k, 1, row, dtype, groups, k)
-                every = fit_bytes(ls, lt, row, dtype, groups, k)
+                one = fit_bytes(k, 1, row, dtype, groups, k, k)
+                every = fit_bytes(ls, lt, row, dtype, groups, k, k)  # each target's own k cross blocks
                 per_pass = max(
-                    [t for t in range(1, lt + 1) if fit_bytes(min(t * k, ls), t, row, dtype, groups, k) <= budget],
+                    [t for t in range(1, lt + 1) if fit_bytes(min(t * k, ls), t, row, dtype, groups, k, k) <= budget],
                     default=0,
                 )
                 passes = "–" if per_pass == 0 else f"{1 + -(-lt // per_pass)} / {1 + -(-lt // (ranks * per_pass))}"
@@ -136,7 +136,7 @@ def run(args: argparse.Namespace) -> dict:
     passes = plan_passes(bridge.config.selected_layers, row, budget, statistics_dtype, groups)
     pass_bytes = [
         fit_bytes(len(set().union(*(bridge.config.selected_layers[t] for t in group))), len(group), row,
-                  statistics_dtype, groups, args.top_k)
+                  statistics_dtype, groups, args.top_k, args.top_k)
         for group in passes
     ]  # fmt: skip
     one_pass_forward = timings["forward_seconds"] / (1 + len(passes))
