@@ -544,7 +544,9 @@ def fit_bridge_in_passes(
             `selection_seconds` (scoring the source layers), `lambda_seconds` (the held-out λ search, or the
             held-out R² at a fixed λ), `solve_seconds` (the final fits) and `fit_passes` are added to it.
         keep_statistics (`bool`, *optional*, defaults to `False`): return the `(train, held-out)` statistics when one
-            pass held every target layer (a copy more while fitting).
+            pass held every target layer (a copy more while fitting). Kept statistics hold every target layer's
+            cross blocks with the pass's whole union of source layers, for re-fits with another selection; else each
+            target layer's with its own selected source layers only (fewer bytes and multiply-adds a pass).
         residual (`tuple[list[int], str]`, *optional*): `(recompute_layers, mode)`: also fit the residual maps of
             layer recompute for those values (`hf_kvbridge.layer_recompute`), from the same passes: dense statistics
             in the selection pass (`mode="dense"`), or selection statistics there and the block statistics of the

@@ -592,8 +592,17 @@ class BlockStatistics(_CentredSums, HeadLayouts):
 
     def _outer_(self, dx: torch.Tensor, dy: torch.Tensor, alpha: float) -> None:
         dxs, dys = dx.to(self.dtype), dy.to(self.dtype)  # (G, p), (G, q)
-        self.xx.baddbmm_(dxs.unsqueeze(2), dxs.unsqueeze(1), alpha=alpha)  # += alpha·dx dxᵀ, per group
+        self._add_gram_(dxs.unsqueeze(1), alpha)  # += alpha·dx dxᵀ, per group
         self._add_cross_(dxs.unsqueeze(1), dys.unsqueeze(1), alpha)  # += alpha·dx dyᵀ
+
+    def _add_gram_(self, xc: torch.Tensor, alpha: float = 1.0) -> None:
+        """`xx += alpha·xcᵀ xc` (`xc` `(G, N, p)`) in the upper block triangle only: source layer `i` with layers
+        `≥ i`, about half the products; the lower blocks are mirrored from it before the next read."""
+        w = self._x_width
+        for i in range(len(self.sources)):
+            band = xc[:, :, i * w : (i + 1) * w].transpose(1, 2)  # (G, w, N)
+            self.xx[:, i * w : (i + 1) * w, i * w :].baddbmm_(band, xc[:, :, i * w :], alpha=alpha)
+        self._mirrored = False
 
     def _add_cross_(self, xc: torch.Tensor, yc: torch.Tensor, alpha: float = 1.0) -> None:
         """`xy += alpha·xcᵀ yc` in the cross blocks kept (`xc` `(G, N, p)`, `yc` `(G, N, q)`): one product when
@@ -626,25 +635,10 @@ class BlockStatistics(_CentredSums, HeadLayouts):
         xc, yc = (xs - mx.unsqueeze(1)).to(self.dtype), yc64.to(self.dtype)  # centred on the batch's own means
         del xs, ys
         f, share = _chan_merge(self.count, x.shape[0])
-        w = self._x_width
-        for i in range(len(self.sources)):  # += Σ xc xcᵀ per group, upper block triangle: layer i with layers ≥ i
-            band = xc[:, :, i * w : (i + 1) * w].transpose(1, 2)  # (G, w, N)
-            self.xx[:, i * w : (i + 1) * w, i * w :].baddbmm_(band, xc[:, :, i * w :])
-        self._mirrored = False
-        self._add_cross_(xc, yc)
+        self._add_gram_(xc)  # += Σ xc xcᵀ per group
+        self._add_cross_(xc, yc)  # += Σ xc ycᵀ
         self.yy.add_((yc64 * yc64).sum(1))
         self._shift(f, share, x.shape[0], mx, my)
-
-    def merge_(self, other: BlockStatistics) -> BlockStatistics:
-        mirrored = self._mirrored and other._mirrored  # a sum of unmirrored lower blocks is not the lower triangle
-        super().merge_(other)
-        self._mirrored = mirrored
-        return self
-
-    def all_reduce_(self) -> BlockStatistics:
-        super().all_reduce_()
-        self._mirrored = False  # the ranks' lower blocks need not all be mirrored
-        return self
 
     def copy(self) -> BlockStatistics:
         key = self.shape_key
