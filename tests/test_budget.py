@@ -403,3 +403,16 @@ def test_default_budget_is_half_the_free_memory_or_the_cheapest_plan_when_that_f
     assert default_budget(free=100, smallest=40, reserve=10) == 50  # half is enough: half
     assert default_budget(free=100, smallest=60, reserve=40) == 60  # more than half, fits beside the rows: the need
     assert default_budget(free=100, smallest=61, reserve=40) == 50  # does not fit: half (then refused by the plan)
+
+
+def test_statistics_rate_benchmark_runs_its_three_variants():
+    """`scripts/measure_statistics_rate.py` at a tiny width: one record per variant, the multiply-adds it counts."""
+    path = Path(__file__).parents[1] / "scripts" / "measure_statistics_rate.py"
+    spec = importlib.util.spec_from_file_location("measure_statistics_rate", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    records = script.measure(4, 2, 2, tokens=32, repeats=1, heads=1, dim=2)
+    assert [r["variant"] for r in records] == ["full", "upper", "own"]
+    assert [r["multiply_adds_per_token"] for r in records] == [(16 + 8) * 16, (10 + 8) * 16, (10 + 4) * 16]
+    assert records[2]["statistics_bytes"] < records[1]["statistics_bytes"] == records[0]["statistics_bytes"]
+    assert records[0]["time_vs_full"] == 1.0 and all(r["seconds_per_update"] > 0 for r in records)
