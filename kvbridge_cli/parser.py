@@ -463,6 +463,18 @@ def _add_bench(sub) -> None:
     cal.add_argument("--progress", action="store_true")
     cal.add_argument("--json", default=None, help="also write the result here")
     cal.add_argument("--memory-model", action="store_true", help="print the README's memory model table and exit")
+    cal.add_argument(
+        "--flop-model",
+        action="store_true",
+        help="print the FLOPs of each calibration stage and their time at rates probed on --device and on an H100 "
+        "(datasheet peaks x assumed efficiencies), then exit; no models are built",
+    )
+    cal.add_argument(
+        "--fit-passes",
+        type=_positive_int,
+        default=None,
+        help="with --flop-model: this many fit passes instead of the plan within --statistics-memory",
+    )
 
     vllm = kinds.add_parser(
         "vllm", help="time to first token and throughput in vLLM, with and without the bridge (needs vLLM)"

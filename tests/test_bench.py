@@ -240,7 +240,8 @@ def test_gpu_script_commands_parse_and_its_json_gathers_every_step(tmp_path):
                           capture_output=True, timeout=120)  # fmt: skip
     assert done.returncode == 0, done.stderr
     gathered = json.loads((out / "bench-gpu.json").read_text())
-    steps = ("mapper_all_heads", "mapper_same_head", "mapper_low_rank", "calibration")
+    steps = ("mapper_all_heads", "mapper_same_head", "mapper_low_rank", "calibration", "flop_model_small",
+             "flop_model_large")  # fmt: skip
     assert {name: gathered[name]["exit_status"] for name in steps} == dict.fromkeys(steps, 0), done.stdout
-    assert [gathered[name]["result"]["parsed"][1] for name in steps] == ["mapper"] * 3 + ["calibration"]
+    assert [gathered[name]["result"]["parsed"][1] for name in steps] == ["mapper"] * 3 + ["calibration"] * 3
     assert all(gathered[name]["result"]["device"] == "cuda" for name in steps)

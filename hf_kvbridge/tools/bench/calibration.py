@@ -13,13 +13,16 @@ import argparse
 import json
 import resource
 import time
+from dataclasses import asdict
 
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from ...budget import check_budget, fit_bytes, format_bytes, parse_bytes, plan_passes, selection_bytes
 from ...calibration import fit_bridge_in_passes, split_heldout
+from ...errors import InvalidInputError
 from ...statistics import feature_groups
+from .flop_model import H100_SXM, CalibrationShape, calibration_flops, probe_rates, project_seconds
 
 # layer shapes of real checkpoints (hidden, layers, attention heads, KV heads, head dim, MLP width, vocabulary, tied)
 SHAPES = {
@@ -37,6 +40,18 @@ LAYOUTS = {
     "Qwen3-14B → 32B": ((40, 8, 128), (64, 8, 128)),
     "Llama-3.1-8B → 70B": ((32, 8, 128), (80, 8, 128)),
 }
+
+
+def targets_per_pass(ls: int, lt: int, row: int, dtype, groups: int, k: int, budget: int, shared: bool = False) -> int:
+    """Target layers a fit pass holds within `budget` when no two of them share a source layer (`U = min(T·k, L_s)`:
+    sharing only lowers the need), or with `shared` when all read the same `k` (`U = k`); 0 when not even one
+    fits."""
+    fits = [
+        t
+        for t in range(1, lt + 1)
+        if fit_bytes(k if shared else min(t * k, ls), t, row, dtype, groups, k, k) <= budget
+    ]
+    return max(fits, default=0)
 
 
 def memory_table(budget: int = 16 * 10**9, ranks: int = 8, dtype=torch.float32) -> str:
@@ -57,10 +72,7 @@ def memory_table(budget: int = 16 * 10**9, ranks: int = 8, dtype=torch.float32) 
                 groups = len(feature_groups(heads, dim, head_mode, kv_mode))
                 one = fit_bytes(k, 1, row, dtype, groups, k, k)
                 every = fit_bytes(ls, lt, row, dtype, groups, k, k)  # each target's own k cross blocks
-                per_pass = max(
-                    [t for t in range(1, lt + 1) if fit_bytes(min(t * k, ls), t, row, dtype, groups, k, k) <= budget],
-                    default=0,
-                )
+                per_pass = targets_per_pass(ls, lt, row, dtype, groups, k, budget)
                 passes = "–" if per_pass == 0 else f"{1 + -(-lt // per_pass)} / {1 + -(-lt // (ranks * per_pass))}"
                 params = lt * (k * row // groups) * (row // groups) * groups + lt * row  # weights + biases
                 selection = format_bytes(selection_bytes(ls, lt, heads, dim, dtype))
@@ -71,10 +83,10 @@ def memory_table(budget: int = 16 * 10**9, ranks: int = 8, dtype=torch.float32) 
     return "\n".join(lines)
 
 
-def random_model(name: str, dtype: torch.dtype, device: str = "cpu", vocab: int | None = None) -> Qwen3ForCausalLM:
-    """A Qwen3 with the layer shapes of `name` (a key of `SHAPES`) and random weights, built directly in `dtype`."""
+def shape_config(name: str, vocab: int | None = None) -> Qwen3Config:
+    """The `Qwen3Config` of the layer shapes `name` (a key of `SHAPES`)."""
     hidden, layers, heads, kv_heads, head_dim, mlp, vocab_size, tied = SHAPES[name]
-    config = Qwen3Config(
+    return Qwen3Config(
         hidden_size=hidden,
         num_hidden_layers=layers,
         num_attention_heads=heads,
@@ -85,6 +97,11 @@ def random_model(name: str, dtype: torch.dtype, device: str = "cpu", vocab: int 
         tie_word_embeddings=tied,
         max_position_embeddings=4096,
     )
+
+
+def random_model(name: str, dtype: torch.dtype, device: str = "cpu", vocab: int | None = None) -> Qwen3ForCausalLM:
+    """A Qwen3 with the layer shapes of `name` (a key of `SHAPES`) and random weights, built directly in `dtype`."""
+    config = shape_config(name, vocab)
     default = torch.get_default_dtype()
     torch.set_default_dtype(dtype)  # no float32 copy of the weights on the way
     try:
@@ -196,10 +213,91 @@ def project(result: dict, timings: dict, tokens: int) -> dict:
     }
 
 
+def flop_model(args: argparse.Namespace) -> dict:
+    """`--flop-model`: the FLOPs of each stage of calibrating `args.pair` (`tools.bench.flop_model`) and their time
+    at the rates probed on `args.device` and at the H100 SXM's (datasheet peaks × assumed efficiencies). The fit
+    passes are `--fit-passes` (target layers split evenly), or planned within `--statistics-memory` with the target
+    layers of a pass sharing their `k` source layers, as neighbouring layers mostly do (the fewest passes; the
+    statistics' FLOPs are counted at both ends of the union all the same)."""
+    source_name, target_name = args.pair.split(":")
+    source, target = shape_config(source_name, args.vocab), shape_config(target_name, args.vocab)
+    heads, dim = source.num_key_value_heads, source.head_dim
+    if (target.num_key_value_heads, target.head_dim) != (heads, dim):
+        raise InvalidInputError(f"--flop-model needs a pair with one KV layout; {args.pair} has two")
+    ls, lt, row = source.num_hidden_layers, target.num_hidden_layers, heads * 2 * dim
+    groups = len(feature_groups(heads, dim, args.head_mode, args.kv_mode))
+    budget = parse_bytes(args.statistics_memory)
+    statistics_dtype = getattr(torch, args.statistics_dtype)
+    per_pass = targets_per_pass(ls, lt, row, statistics_dtype, groups, args.top_k, budget, shared=True)
+    if args.fit_passes:
+        if args.fit_passes > lt:
+            raise InvalidInputError(f"--fit-passes {args.fit_passes} is more than the target's {lt} layers")
+        per_pass = -(-lt // args.fit_passes)
+    elif per_pass == 0:
+        need = fit_bytes(args.top_k, 1, row, statistics_dtype, groups, args.top_k, args.top_k)
+        raise InvalidInputError(
+            f"one target layer needs {format_bytes(need)} but --statistics-memory is {format_bytes(budget)}"
+        )
+    sizes = tuple(min(per_pass, lt - start) for start in range(0, lt, per_pass))
+    shape = CalibrationShape(ls, lt, heads, dim, args.top_k, groups, args.num_sequences, args.seq_len, sizes)
+    flops = calibration_flops(shape, source, target)
+    devices = []
+    for rates in (probe_rates(args.device, getattr(torch, args.dtype)), H100_SXM):
+        seconds = project_seconds(flops, rates)
+        devices.append({"rates": asdict(rates), "seconds": seconds,
+                        "tokens_per_second": shape.tokens / seconds["total_high"]})  # fmt: skip
+    cores = torch.get_num_threads() if torch.device(args.device).type == "cpu" else None
+    if cores:
+        devices[0]["tokens_per_second_per_core"] = devices[0]["tokens_per_second"] / cores
+    return {
+        "pair": args.pair,
+        "top_k": args.top_k,
+        "head_mode": args.head_mode,
+        "kv_mode": args.kv_mode,
+        "tokens": shape.tokens,
+        "fit_passes": list(sizes),
+        "statistics_memory": budget,
+        "flops": flops,
+        "devices": devices,
+    }
+
+
+def _flop_table(result: dict) -> str:
+    names = [d["rates"]["name"] for d in result["devices"]]
+    lines = ["| stage | FLOPs | " + " | ".join(f"seconds: {n}" for n in names) + " |",
+             "|---|---|" + "---|" * len(names)]  # fmt: skip
+    for stage in ("forwards", "selection_statistics", "selection_scoring", "fit_statistics_low",
+                  "fit_statistics_high", "lambda_search", "refit"):  # fmt: skip
+        cells = " | ".join(f"{d['seconds'][stage]:,.1f}" for d in result["devices"])
+        lines.append(f"| {stage} | {result['flops'][stage]:.3g} | {cells} |")
+    for end in ("low", "high"):
+        cells = " | ".join(f"{d['seconds'][f'total_{end}']:,.1f} "
+                           f"(the rest {d['seconds'][f'overhead_over_forwards_{end}']:.2f}× the forwards)"
+                           for d in result["devices"])  # fmt: skip
+        lines.append(f"| total, fit statistics {end} | | {cells} |")
+    return "\n".join(lines)
+
+
 def run_cli(args: argparse.Namespace) -> int:
     """`kvbridge bench calibration`: prints the result (and writes it with `--json`)."""
     if args.memory_model:
         print(memory_table())
+        return 0
+    if args.flop_model:
+        result = flop_model(args)
+        print(
+            f"{args.pair}, top-k {args.top_k}, {args.head_mode} / {args.kv_mode}, {result['tokens']:,} tokens, "
+            f"fit passes of {result['fit_passes']} target layers, {result['flops']['maps']} maps"
+        )
+        print(_flop_table(result))
+        for device in result["devices"]:
+            per_core = device.get("tokens_per_second_per_core")
+            core = f" ({per_core:,.1f} per core)" if per_core else ""
+            print(f"{device['rates']['name']}: {device['tokens_per_second']:,.1f} tokens/s{core}; "
+                  f"rates from {device['rates']['source']}")  # fmt: skip
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(result, f, indent=2)
         return 0
     result = run(args)
     text = json.dumps(result, indent=2)

@@ -1,0 +1,222 @@
+"""FLOP model of a calibration: what each stage computes, and its time at a device's rates.
+
+    kvbridge bench calibration --flop-model --head-mode all_heads --num-sequences 500 --seq-len 1024
+
+Stages, in FLOPs (2 per multiply-add, matmul work only; `L_s`, `L_t` layers, `H` KV heads of `d`, `k` = top-k, `g`
+feature groups of `w` features a source layer, `Λ` = 13 λ of the auto-λ grid, `N` tokens, `P` fit passes):
+
+- **forwards**: both models' prefills once for the selection pass and once per fit pass,
+  `(1 + P) · (prefill(source) + prefill(target))` (`tools.bench.mapper.prefill_flops`: 2 × body weights a token
+  plus the causal attention products);
+- **selection statistics**: per token, per KV head and K/V, each source layer's `d × d` Gram block and its `d × d`
+  cross blocks with every target layer: `2 · 2H · (L_s·d² + L_s·d·L_t·d)`;
+- **selection scoring**: per head, K/V and source layer one eigendecomposition of `d × d` and the λ path's products
+  with every target layer's `d` columns: `2H · L_s · (E·d³ + (4 + 2Λ)·d²·L_t·d)`;
+- **fit statistics**: per token and fit pass (union `U` of its target layers' source layers, `T` target layers), the
+  Gram's upper block triangle and each target layer's own `k` cross blocks: `2 · g · (U(U+1)/2 + k·T) · w²`. `U`
+  depends on which source layers the selection picks: the model reports the two ends, every target layer of a
+  pass reading the same `k` (`U = k`) and no two sharing one (`U = min(L_s, T·k)`, which is also how the passes
+  are planned here, as in the memory model);
+- **λ search**, per map (`L_t · g` maps of `p = k·w` inputs, `q = w` outputs, float64; `hf_kvbridge.solve`):
+  the eigendecomposition `E·p³`, the held-out Gram block's rotation `4p³`, the two cross blocks' `4p²q`, and
+  `Λ · 2p²q` for the λ path;
+- **refit**, per map: a Cholesky factorisation `p³/3` and two triangular solves `2p²q`.
+
+`E = 14/3` counts a symmetric eigendecomposition with eigenvectors as LAPACK's `syevd` does it (tridiagonal
+reduction `4p³/3`, its back-transformation `2p³`, divide and conquer at most `4p³/3`).
+
+A device's rates (`DeviceRates`) are sustained FLOP/s for four kinds of work: the forwards' products in the models'
+dtype, float32 products (the statistics), float64 products (rotations, λ path, Cholesky, triangular solves) and the
+float64 eigendecomposition. `probe_rates` measures them on this machine (or a GPU); `H100_SXM` takes NVIDIA's
+datasheet peaks times stated efficiencies, which are assumptions, not measurements.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ...solve import LAMBDA_GRID
+from .mapper import prefill_flops
+
+EIGH_FLOPS = 14 / 3  # × p³: syevd with eigenvectors (see the module docstring)
+
+
+@dataclass(frozen=True)
+class DeviceRates:
+    """Sustained FLOP/s of one device for the four kinds of calibration work, and where the figures come from."""
+
+    name: str
+    forward: float  # products in the models' dtype (the prefills)
+    float32: float  # float32 products (the statistics)
+    float64: float  # float64 products, Cholesky and triangular solves
+    eigh: float  # float64 symmetric eigendecomposition, counted at `EIGH_FLOPS · p³`
+    source: str
+
+
+# NVIDIA H100 SXM datasheet peaks (dense): BF16 tensor 989 TFLOP/s, FP32 67 TFLOP/s, FP64 tensor 67 TFLOP/s. The H200
+# has the same compute peaks. The efficiencies are assumptions: 40 % of BF16 for 1K-token prefills, 70 % for large
+# FP32 and FP64 products, 5 % for an eigendecomposition (its tridiagonal reduction is bound by memory bandwidth).
+H100_EFFICIENCY = {"forward": 0.40, "float32": 0.70, "float64": 0.70, "eigh": 0.05}
+H100_SXM = DeviceRates(
+    name="NVIDIA H100 SXM (datasheet peaks × assumed efficiencies)",
+    forward=989e12 * H100_EFFICIENCY["forward"],
+    float32=67e12 * H100_EFFICIENCY["float32"],
+    float64=67e12 * H100_EFFICIENCY["float64"],
+    eigh=67e12 * H100_EFFICIENCY["eigh"],
+    source="datasheet peaks: BF16 989, FP32 67, FP64 67 TFLOP/s; efficiencies "
+    + ", ".join(f"{k} {v:.0%}" for k, v in H100_EFFICIENCY.items()),
+)
+
+
+@dataclass(frozen=True)
+class CalibrationShape:
+    """What a calibration computes on: the pair's layers and KV layout, the map and the text.
+
+    Args:
+        source_layers (`int`), target_layers (`int`), num_kv_heads (`int`), head_dim (`int`): a matched layout.
+        top_k (`int`): source layers per target layer.
+        groups (`int`): feature groups of a source layer (`hf_kvbridge.statistics.feature_groups`: 1 for all heads
+            jointly, 2 for all heads with K and V separate, `2H` for one head, K and V separate).
+        sequences (`int`), seq_len (`int`): the calibration text.
+        passes (`list[int]`): target layers in each fit pass.
+    """
+
+    source_layers: int
+    target_layers: int
+    num_kv_heads: int
+    head_dim: int
+    top_k: int
+    groups: int
+    sequences: int
+    seq_len: int
+    passes: tuple[int, ...]
+
+    @property
+    def tokens(self) -> int:
+        return self.sequences * self.seq_len
+
+    @property
+    def width(self) -> int:
+        """`w`: features of one source layer in one group."""
+        return self.num_kv_heads * 2 * self.head_dim // self.groups
+
+
+def calibration_flops(shape: CalibrationShape, source_config, target_config, lambdas: int = len(LAMBDA_GRID)) -> dict:
+    """FLOPs of each calibration stage (the module docstring's counts).
+
+    Returns:
+        `dict` with `forwards`, `selection_statistics`, `selection_scoring`, `fit_statistics_low`,
+        `fit_statistics_high` (the union's two ends), `lambda_search` and `refit` (all maps), and `maps`.
+
+    Example:
+
+    ```python
+    >>> from transformers import Qwen3Config
+    >>> config = Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+    ...                      num_key_value_heads=1, head_dim=32)
+    >>> shape = CalibrationShape(2, 2, 1, 32, top_k=1, groups=1, sequences=4, seq_len=16, passes=(2,))
+    >>> flops = calibration_flops(shape, config, config)
+    >>> flops["maps"], flops["refit"] == 2 * (64**3 / 3 + 2 * 64 * 64 * 64)
+    (2, True)
+    ```
+    """
+    s, t, h, d, k = shape.source_layers, shape.target_layers, shape.num_kv_heads, shape.head_dim, shape.top_k
+    n, w, g = shape.tokens, shape.width, shape.groups
+    forward_one = shape.sequences * (
+        prefill_flops(source_config, shape.seq_len) + prefill_flops(target_config, shape.seq_len)
+    )
+    heads = 2 * h  # (KV head, K/V) blocks of the selection statistics
+
+    def statistics(union: int, targets: int) -> float:
+        return 2 * n * g * (union * (union + 1) / 2 + k * targets) * w * w
+
+    p, q, maps = k * w, w, t * g
+    return {
+        "forwards": (1 + len(shape.passes)) * forward_one,
+        "selection_statistics": 2 * n * heads * (s * d * d + s * d * t * d),
+        "selection_scoring": heads * s * (EIGH_FLOPS * d**3 + (4 + 2 * lambdas) * d * d * t * d),
+        "fit_statistics_low": sum(statistics(k, targets) for targets in shape.passes),
+        "fit_statistics_high": sum(statistics(min(s, targets * k), targets) for targets in shape.passes),
+        "lambda_search": maps * ((EIGH_FLOPS + 4) * p**3 + (4 + 2 * lambdas) * p * p * q),
+        "eigh": maps * EIGH_FLOPS * p**3,
+        "refit": maps * (p**3 / 3 + 2 * p * p * q),
+        "maps": maps,
+    }
+
+
+def project_seconds(flops: dict, rates: DeviceRates) -> dict:
+    """Seconds of each stage at `rates`, and the totals with the fit statistics at their two ends.
+
+    The eigendecomposition runs at `rates.eigh`, the rest of the λ search and the refit at `rates.float64`, the
+    statistics at `rates.float32` and the forwards at `rates.forward`.
+    """
+    eigh = flops["eigh"] / rates.eigh
+    seconds = {
+        "forwards": flops["forwards"] / rates.forward,
+        "selection_statistics": flops["selection_statistics"] / rates.float32,
+        "selection_scoring": flops["selection_scoring"] / rates.float64,
+        "fit_statistics_low": flops["fit_statistics_low"] / rates.float32,
+        "fit_statistics_high": flops["fit_statistics_high"] / rates.float32,
+        "lambda_search": eigh + (flops["lambda_search"] - flops["eigh"]) / rates.float64,
+        "refit": flops["refit"] / rates.float64,
+    }
+    rest = seconds["selection_statistics"] + seconds["selection_scoring"] + seconds["lambda_search"] + seconds["refit"]
+    for end in ("low", "high"):
+        overhead = rest + seconds[f"fit_statistics_{end}"]
+        seconds[f"total_{end}"] = seconds["forwards"] + overhead
+        seconds[f"overhead_over_forwards_{end}"] = overhead / seconds["forwards"]
+    return seconds
+
+
+def _best_seconds(fn, device: torch.device, repeats: int = 3) -> float:
+    fn()  # warm-up
+    best = float("inf")
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        started = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - started)
+    return best
+
+
+def probe_rates(
+    device: str = "cpu", forward_dtype: torch.dtype = torch.float32, n: int | None = None, eigh_n: int | None = None
+) -> DeviceRates:
+    """Measures `DeviceRates` on `device`: the best of 3 timed `n × n × n` products in `forward_dtype`, float32 and
+    float64, and one float64 `eigh_n × eigh_n` eigendecomposition (counted at `EIGH_FLOPS · eigh_n³`). Defaults:
+    `n` = 2,048 and `eigh_n` = 1,536 on a CPU (seconds), 8,192 and 4,096 on a GPU (which small products leave idle).
+
+    Returns:
+        [`DeviceRates`] named after the device and the thread count.
+    """
+    dev = torch.device(device)
+    n = n or (8192 if dev.type == "cuda" else 2048)
+    eigh_n = eigh_n or (4096 if dev.type == "cuda" else 1536)
+    gen = torch.Generator(device=dev).manual_seed(0)
+
+    def gemm_rate(dtype):
+        a = torch.randn(n, n, generator=gen, device=dev, dtype=torch.float32).to(dtype)
+        return 2 * n**3 / _best_seconds(lambda: a @ a, dev)
+
+    x = torch.randn(eigh_n, eigh_n, generator=gen, device=dev, dtype=torch.float64)
+    sym = x @ x.T / eigh_n
+    eigh = EIGH_FLOPS * eigh_n**3 / _best_seconds(lambda: torch.linalg.eigh(sym), dev, repeats=1)
+    if dev.type == "cuda":
+        name = torch.cuda.get_device_name(dev)
+    else:
+        name = f"this CPU, {torch.get_num_threads()} threads"
+    return DeviceRates(
+        name=name,
+        forward=gemm_rate(forward_dtype),
+        float32=gemm_rate(torch.float32),
+        float64=gemm_rate(torch.float64),
+        eigh=eigh,
+        source=f"probed: {n}³ products ({str(forward_dtype).removeprefix('torch.')} for the forwards), "
+        f"float64 eigh of {eigh_n}",
+    )
