@@ -285,3 +285,20 @@ def test_chosen_lambda_regression():
         lambdas, r2 = choose_ridge_lambdas(train, held, [[2, 0, 3]], "all_heads", HEADS, DIM)
         assert (lambdas["k"][0][0], lambdas["v"][0][0]) == want_lambdas, (n_train, lambdas)
         torch.testing.assert_close(r2[0], torch.tensor(want_r2, dtype=torch.float64), rtol=1e-9, atol=1e-12)
+
+
+def test_solve_paths_benchmark_compares_equal_results():
+    """`scripts/measure_solve_paths.py` at a tiny size: both λ-search paths time their steps and give the same
+    held-out errors (the Cholesky path is the measured alternative to the `eigh` the solve uses)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).parents[1] / "scripts" / "measure_solve_paths.py"
+    spec = importlib.util.spec_from_file_location("measure_solve_paths", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    record = script.measure(96, 24)
+    assert set(record["eigh_steps"]) == {"eigh", "rotation", "lambda_loop"}
+    assert set(record["cholesky_steps"]) == {"cholesky", "triangular_solves", "heldout_product"}
+    assert record["max_relative_mse_difference"] < 1e-8 and record["lambdas"] == 13
+    assert record["cholesky_seconds"] > 0 and record["eigh_seconds"] > 0
