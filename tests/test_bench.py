@@ -245,3 +245,42 @@ def test_gpu_script_commands_parse_and_its_json_gathers_every_step(tmp_path):
     assert {name: gathered[name]["exit_status"] for name in steps} == dict.fromkeys(steps, 0), done.stdout
     assert [gathered[name]["result"]["parsed"][1] for name in steps] == ["mapper"] * 3 + ["calibration"] * 3
     assert all(gathered[name]["result"]["device"] == "cuda" for name in steps)
+
+
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["bench", "mapper", "--shapes", "qwen3-0.6b", "--lengths", "16"], "--shapes takes SOURCE:TARGET"),
+        (["bench", "mapper", "--shapes", "qwen3-0.6b:qwen3-9b", "--lengths", "16"], "unknown shape 'qwen3-9b'"),
+        (["bench", "calibration", "--pair", "qwen3-0.6b", "--flop-model"], "--pair takes SOURCE:TARGET"),
+        (["bench", "calibration", "--pair", "foo:qwen3-1.7b", "--flop-model"], "unknown shape 'foo'"),
+        (["bench", "calibration", "--pair", "qwen3-0.6b:a:b"], "--pair takes SOURCE:TARGET"),
+        (["bench", "calibration", "--pair", "small-3l-2x64:small-8l-2x64"], "unknown shape 'small-3l-2x64'"),
+    ],
+)
+def test_bench_names_a_bad_pair_of_shapes_and_the_known_ones(argv, expected, capsys, monkeypatch):
+    """A malformed or unknown `--shapes` / `--pair` is refused with the known names, before any model is built."""
+    from hf_kvbridge.tools.bench import calibration, mapper
+
+    def no_build(*args, **kwargs):
+        raise AssertionError("a model was built for a bad pair")
+
+    monkeypatch.setattr(calibration, "random_model", no_build)
+    monkeypatch.setattr(mapper, "random_bridge", no_build)
+    assert main(argv) != 0
+    err = capsys.readouterr().err
+    assert expected in err and "known: qwen3-0.6b, qwen3-1.7b" in err and "a model was built" not in err
+
+
+def test_calibration_bench_refuses_a_budget_too_small_before_building_the_models(capsys, monkeypatch):
+    from hf_kvbridge.tools.bench import calibration
+
+    def no_build(*args, **kwargs):
+        raise AssertionError("the models were built before the budget was checked")
+
+    monkeypatch.setattr(calibration, "random_model", no_build)
+    argv = ["bench", "calibration", "--pair", "qwen3-0.6b:qwen3-1.7b", "--head-mode", "all_heads",
+            "--statistics-memory", "1MB"]  # fmt: skip
+    assert main(argv) != 0
+    err = capsys.readouterr().err
+    assert "statistics need" in err and "statistics_memory allows 1.0 MB" in err and "were built" not in err

@@ -23,15 +23,15 @@ from ...calibration import fit_bridge_in_passes, split_heldout
 from ...errors import InvalidInputError
 from ...statistics import feature_groups
 from .flop_model import H100_SXM, CalibrationShape, calibration_flops, probe_rates, project_seconds
+from .mapper import QWEN3_SHAPES, shape_pair
 
-# layer shapes of real checkpoints (hidden, layers, attention heads, KV heads, head dim, MLP width, vocabulary, tied)
+# layer shapes of real checkpoints (hidden, layers, attention heads, KV heads, head dim, MLP width, vocabulary, tied):
+# `mapper.QWEN3_SHAPES` with the real vocabulary and tying, which the calibration's forwards and memory include
+QWEN3_VOCAB = 151936
+UNTIED = {"qwen3-8b", "qwen3-14b", "qwen3-32b"}
 SHAPES = {
-    "qwen3-0.6b": (1024, 28, 16, 8, 128, 3072, 151936, True),
-    "qwen3-1.7b": (2048, 28, 16, 8, 128, 6144, 151936, True),
-    "qwen3-4b": (2560, 36, 32, 8, 128, 9728, 151936, True),
-    "qwen3-8b": (4096, 36, 32, 8, 128, 12288, 151936, False),
-    "qwen3-14b": (5120, 40, 40, 8, 128, 17408, 151936, False),
-    "qwen3-32b": (5120, 64, 64, 8, 128, 25600, 151936, False),
+    name: (hidden, layers, heads, kv_heads, head_dim, mlp, QWEN3_VOCAB, name not in UNTIED)
+    for name, (layers, hidden, heads, kv_heads, head_dim, mlp) in QWEN3_SHAPES.items()
 }
 # (layers, KV heads, head dim) of the pairs in the README's memory model
 LAYOUTS = {
@@ -85,6 +85,8 @@ def memory_table(budget: int = 16 * 10**9, ranks: int = 8, dtype=torch.float32) 
 
 def shape_config(name: str, vocab: int | None = None) -> Qwen3Config:
     """The `Qwen3Config` of the layer shapes `name` (a key of `SHAPES`)."""
+    if name not in SHAPES:
+        raise InvalidInputError(f"unknown shape {name!r}; known: {', '.join(SHAPES)}")
     hidden, layers, heads, kv_heads, head_dim, mlp, vocab_size, tied = SHAPES[name]
     return Qwen3Config(
         hidden_size=hidden,
@@ -114,19 +116,21 @@ def random_model(name: str, dtype: torch.dtype, device: str = "cpu", vocab: int 
 
 
 def run(args: argparse.Namespace) -> dict:
-    source_name, target_name = args.pair.split(":")
+    source_name, target_name = shape_pair(args.pair, "--pair", SHAPES)
     dtype = getattr(torch, args.dtype)
     statistics_dtype = getattr(torch, args.statistics_dtype)
     budget = parse_bytes(args.statistics_memory)
+    source_config, target_config = shape_config(source_name, args.vocab), shape_config(target_name, args.vocab)
+    ls, lt = source_config.num_hidden_layers, target_config.num_hidden_layers
+    heads, dim = source_config.num_key_value_heads, source_config.head_dim
+    row = heads * 2 * dim
+    modes = (args.head_mode, args.kv_mode)
+    # refuses before any work, the models' build included
+    mode = check_budget(budget, ls, lt, heads, dim, args.top_k, statistics_dtype, *modes)
     started = time.perf_counter()
     source = random_model(source_name, dtype, args.device, args.vocab)
     target = random_model(target_name, dtype, args.device, args.vocab)
     build_s = time.perf_counter() - started
-    ls, lt = source.config.num_hidden_layers, target.config.num_hidden_layers
-    heads, dim = source.config.num_key_value_heads, source.config.head_dim
-    row = heads * 2 * dim
-    modes = (args.head_mode, args.kv_mode)
-    mode = check_budget(budget, ls, lt, heads, dim, args.top_k, statistics_dtype, *modes)  # refuses before any work
     groups = len(feature_groups(heads, dim, *modes))  # the shapes here are matched pairs
     windows = torch.randint(0, source.config.vocab_size, (args.num_sequences, args.seq_len),
                             generator=torch.Generator().manual_seed(0))  # fmt: skip
@@ -219,7 +223,7 @@ def flop_model(args: argparse.Namespace) -> dict:
     passes are `--fit-passes` (target layers split evenly), or planned within `--statistics-memory` with the target
     layers of a pass sharing their `k` source layers, as neighbouring layers mostly do (the fewest passes; the
     statistics' FLOPs are counted at both ends of the union all the same)."""
-    source_name, target_name = args.pair.split(":")
+    source_name, target_name = shape_pair(args.pair, "--pair", SHAPES)
     source, target = shape_config(source_name, args.vocab), shape_config(target_name, args.vocab)
     heads, dim = source.num_key_value_heads, source.head_dim
     if (target.num_key_value_heads, target.head_dim) != (heads, dim):
@@ -228,12 +232,11 @@ def flop_model(args: argparse.Namespace) -> dict:
     groups = len(feature_groups(heads, dim, args.head_mode, args.kv_mode))
     budget = parse_bytes(args.statistics_memory)
     statistics_dtype = getattr(torch, args.statistics_dtype)
-    per_pass = targets_per_pass(ls, lt, row, statistics_dtype, groups, args.top_k, budget, shared=True)
     if args.fit_passes:
         if args.fit_passes > lt:
             raise InvalidInputError(f"--fit-passes {args.fit_passes} is more than the target's {lt} layers")
         per_pass = -(-lt // args.fit_passes)
-    elif per_pass == 0:
+    elif not (per_pass := targets_per_pass(ls, lt, row, statistics_dtype, groups, args.top_k, budget, shared=True)):
         need = fit_bytes(args.top_k, 1, row, statistics_dtype, groups, args.top_k, args.top_k)
         raise InvalidInputError(
             f"one target layer needs {format_bytes(need)} but --statistics-memory is {format_bytes(budget)}"

@@ -33,13 +33,12 @@ datasheet peaks times stated efficiencies, which are assumptions, not measuremen
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import torch
 
 from ...solve import LAMBDA_GRID
-from .mapper import prefill_flops
+from .mapper import median_seconds, prefill_flops
 
 EIGH_FLOPS = 14 / 3  # × p³: syevd with eigenvectors (see the module docstring)
 
@@ -171,26 +170,13 @@ def project_seconds(flops: dict, rates: DeviceRates) -> dict:
     return seconds
 
 
-def _best_seconds(fn, device: torch.device, repeats: int = 3) -> float:
-    fn()  # warm-up
-    best = float("inf")
-    for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        started = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        best = min(best, time.perf_counter() - started)
-    return best
-
-
 def probe_rates(
     device: str = "cpu", forward_dtype: torch.dtype = torch.float32, n: int | None = None, eigh_n: int | None = None
 ) -> DeviceRates:
-    """Measures `DeviceRates` on `device`: the best of 3 timed `n × n × n` products in `forward_dtype`, float32 and
-    float64, and one float64 `eigh_n × eigh_n` eigendecomposition (counted at `EIGH_FLOPS · eigh_n³`). Defaults:
-    `n` = 2,048 and `eigh_n` = 1,536 on a CPU (seconds), 8,192 and 4,096 on a GPU (which small products leave idle).
+    """Measures `DeviceRates` on `device`: the median of 3 timed `n × n × n` products in `forward_dtype`, float32 and
+    float64, and one float64 `eigh_n × eigh_n` eigendecomposition (counted at `EIGH_FLOPS · eigh_n³`), each after a
+    warm-up (`tools.bench.mapper.median_seconds`). Defaults: `n` = 2,048 and `eigh_n` = 1,536 on a CPU (seconds),
+    8,192 and 4,096 on a GPU (which small products leave idle).
 
     Returns:
         [`DeviceRates`] named after the device and the thread count.
@@ -202,11 +188,11 @@ def probe_rates(
 
     def gemm_rate(dtype):
         a = torch.randn(n, n, generator=gen, device=dev, dtype=torch.float32).to(dtype)
-        return 2 * n**3 / _best_seconds(lambda: a @ a, dev)
+        return 2 * n**3 / median_seconds(lambda: a @ a, dev, repeats=3)
 
     x = torch.randn(eigh_n, eigh_n, generator=gen, device=dev, dtype=torch.float64)
     sym = x @ x.T / eigh_n
-    eigh = EIGH_FLOPS * eigh_n**3 / _best_seconds(lambda: torch.linalg.eigh(sym), dev, repeats=1)
+    eigh = EIGH_FLOPS * eigh_n**3 / median_seconds(lambda: torch.linalg.eigh(sym), dev, repeats=1)
     if dev.type == "cuda":
         name = torch.cuda.get_device_name(dev)
     else:

@@ -47,6 +47,28 @@ SMALL_SHAPES = {
 }
 
 
+def shape_pair(text: str, flag: str, known) -> tuple[str, str]:
+    """`SOURCE:TARGET` of `flag` split into two names of `known`, or an `InvalidInputError` that says what is wrong,
+    before any model is built.
+
+    Example:
+
+    ```python
+    >>> shape_pair("qwen3-0.6b:qwen3-1.7b", "--shapes", QWEN3_SHAPES)
+    ('qwen3-0.6b', 'qwen3-1.7b')
+    ```
+    """
+    names = text.split(":")
+    if len(names) != 2:
+        raise InvalidInputError(
+            f"{flag} takes SOURCE:TARGET, two shape names joined by ':'; got {text!r} (known: {', '.join(known)})"
+        )
+    for name in names:
+        if name not in known:
+            raise InvalidInputError(f"unknown shape {name!r} in {flag} {text}; known: {', '.join(known)}")
+    return names[0], names[1]
+
+
 def qwen3_shape_config(name: str, vocab_size: int = 1024, max_positions: int = 40960) -> PretrainedConfig:
     """A `Qwen3Config` with the shape of a public Qwen3 model, or of `SMALL_SHAPES` (for random-weight timing only)."""
     from transformers import Qwen3Config
@@ -457,7 +479,7 @@ def run_cli(args: argparse.Namespace) -> int:
     dtype = getattr(torch, args.dtype)
     mapper_dtype = getattr(torch, args.mapper_dtype or args.dtype)
     if args.shapes:
-        source_name, target_name = args.shapes.split(":")
+        source_name, target_name = shape_pair(args.shapes, "--shapes", {**QWEN3_SHAPES, **SMALL_SHAPES})
         bridge = random_bridge(
             qwen3_shape_config(source_name),
             qwen3_shape_config(target_name),

@@ -68,12 +68,19 @@ def random_shapes_bridge(out: Path, shapes: str, top_k: int, max_positions: int)
 
     from hf_kvbridge import pocket
     from hf_kvbridge.layout import KVLayout
-    from hf_kvbridge.tools.bench.mapper import qwen3_shape_config, random_bridge
+    from hf_kvbridge.tools.bench.mapper import (
+        QWEN3_SHAPES,
+        SMALL_SHAPES,
+        qwen3_shape_config,
+        random_bridge,
+        shape_pair,
+    )
 
+    source_name, target_name = shape_pair(shapes, "--shapes", {**QWEN3_SHAPES, **SMALL_SHAPES})
     tokenizer = AutoTokenizer.from_pretrained(pocket.model_path("pocket-l"))
-    source_name, target_name = shapes.split(":")
     configs = [
-        qwen3_shape_config(n, vocab_size=len(tokenizer), max_positions=max_positions) for n in shapes.split(":")
+        qwen3_shape_config(n, vocab_size=len(tokenizer), max_positions=max_positions)
+        for n in (source_name, target_name)
     ]
     bridge = random_bridge(*configs, top_k=top_k, dtype=torch.bfloat16)
     for name, model in ((source_name, bridge.source), (target_name, bridge.target)):
