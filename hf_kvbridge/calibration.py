@@ -319,6 +319,33 @@ def _features_per_layer(src, tgt, head_mode: str, kv_mode: str) -> int:
     return heads * (2 if kv_mode == "joint" else 1) * src.head_dim
 
 
+def check_tokens(train_tokens: int, inputs: int, ridge_lambda: float | str, warn: bool = True) -> None:
+    """Refuses an unregularised fit (`ridge_lambda` 0) from no more training tokens than map inputs, where least
+    squares has no unique answer; with auto-λ or any λ > 0 the ridge is well posed at any token count, so fewer tokens
+    than inputs (the paper's map, `p` = 12,288 at top-6, calibrated on a few thousand tokens) is allowed with a
+    warning (`warn`) that the λ chosen on the held-out data then carries the fit.
+
+    Raises:
+        `StatisticsError` if `ridge_lambda` is 0 and `train_tokens <= inputs`.
+    """
+    if train_tokens > inputs:
+        return
+    if ridge_lambda != "auto" and float(ridge_lambda) <= 0:
+        raise StatisticsError(
+            f"fewer calibration tokens ({train_tokens}) than mapper input features ({inputs}) for an unregularised "
+            "fit (ridge_lambda=0); use ridge_lambda='auto' or a λ > 0, more or longer calibration sequences, a "
+            "smaller top_k, or head_mode='same_head'"
+        )
+    if warn:
+        logger.warning(
+            "%d training tokens for maps of %d input features: the ridge (λ %s) carries the fit; more calibration "
+            "tokens than input features give a better-determined map",
+            train_tokens,
+            inputs,
+            "chosen on the held-out data" if ridge_lambda == "auto" else f"= {ridge_lambda}",
+        )
+
+
 def _source_rows(source, batch, device, features: SourceFeatures | None):
     """The source's statistics rows of `batch` (`cache.forward_rows`, K/V blocks) followed by its hidden-state
     feature blocks when `features` (`(B·T, features.num_blocks·W)`), and its `output_hidden_states`."""
@@ -448,11 +475,7 @@ def fit_bridge(
     blocks = source_blocks(features, src.num_layers)
     k = max(map(len, selected_layers)) if selected_layers else min(top_k or blocks, blocks)
     inputs = k * _features_per_layer(src, tgt, head_mode, kv_mode)
-    if train.count <= inputs:
-        raise StatisticsError(
-            f"fewer calibration tokens ({train.count}) than mapper input features ({inputs}); use more or longer "
-            "calibration sequences, a smaller top_k, or head_mode='same_head'"
-        )
+    check_tokens(train.count, inputs, ridge_lambda)
     r2 = single_layer_r2(train, heldout, head_mode, ridge_lambda)  # (L_t, blocks held, 2)
     if selected_layers is None:
         # without `features`, hidden-state blocks the statistics hold are never selected (`kvbridge tune`'s K/V-only
@@ -574,6 +597,9 @@ def fit_bridge_in_passes(
         "timings": timings,
         "features": features,
     }
+    # the token count against the widest map, before any forward pass
+    widest = min(top_k or blocks, blocks) * _features_per_layer(src, tgt, head_mode, kv_mode)
+    check_tokens((len(windows) - len(heldout)) * windows.shape[1], widest, ridge_lambda)
     residual_layers, residual_mode = residual if residual else ([], None)
     residual_kind = KVStatistics if residual_mode == "dense" else SelectionStatistics
     collection = (
@@ -676,11 +702,7 @@ def fit_bridge_in_passes(
             owner.update(dict.fromkeys(passes[i], i - start))
         if not targets:
             continue
-        if train.count <= inputs:
-            raise StatisticsError(
-                f"fewer calibration tokens ({train.count}) than mapper input features ({inputs}); use more or "
-                "longer calibration sequences, a smaller top_k, or head_mode='same_head'"
-            )
+        check_tokens(train.count, inputs, ridge_lambda, warn=False)  # warned before the selection pass
         lam = ridge_lambda
         started = _clock()
         if ridge_lambda == "auto":  # λ per layer, head group and K/V of this pass's target layers
@@ -888,6 +910,14 @@ def calibrate(
         tokenizer = _shared_tokenizer(source, target)
     windows = token_windows(data, tokenizer, settings.num_sequences, settings.seq_len, text_field=settings.text_field)
     train_ids, heldout_ids = split_heldout(len(windows), settings.heldout_fraction, settings.seed)
+    # an unregularised fit from too few tokens is refused here, before any forward pass (the fit warns of a ridge fit
+    # from fewer tokens than inputs)
+    train_tokens = len(train_ids) * windows.shape[1]
+    inputs = min(top_k, blocks) * _features_per_layer(src, tgt, *modes)
+    check_tokens(train_tokens, inputs, settings.ridge_lambda, warn=False)
+    if settings.bidirectional:
+        reverse_inputs = min(top_k, tgt.num_layers) * _features_per_layer(tgt, src, *modes)
+        check_tokens(train_tokens, reverse_inputs, settings.ridge_lambda, warn=False)
     timings: dict = {}
     entry = get_mapper_type(settings.mapper_type)
     references = {

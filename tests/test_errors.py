@@ -98,12 +98,39 @@ def test_empty_calibration_data(data):
         hf_kvbridge.calibrate(qwen3(), qwen3(seed=1), data, tokenizer=make_tokenizer(), num_sequences=4, seq_len=16)
 
 
-def test_fewer_tokens_than_features():
+def test_fewer_tokens_than_features_unregularised_is_refused_and_a_ridge_fit_warns(caplog):
+    """λ = 0 from fewer tokens than inputs has no unique answer and is refused; auto-λ is well posed at any count
+    (the paper's map of 12,288 inputs on a few thousand tokens) and fits, with a warning."""
     source, target = qwen3(layers=2), qwen3(layers=2, seed=1)
     windows = torch.randint(0, VOCAB, (3, 8))  # 16 train tokens for 2·2·2·16 = 128 features
     train, heldout = collect_statistics(source, target, windows, heldout=[0])
     with pytest.raises(StatisticsError, match=r"fewer calibration tokens \(16\) than mapper input features \(128\)"):
-        fit_bridge(source, target, train, heldout, top_k=2)
+        fit_bridge(source, target, train, heldout, top_k=2, ridge_lambda=0.0)
+    with caplog.at_level("WARNING", logger="hf_kvbridge.calibration"):
+        bridge = fit_bridge(source, target, train, heldout, top_k=2)
+    assert "16 training tokens for maps of 128 input features" in caplog.text
+    assert all(torch.isfinite(p).all() for p in bridge.mapper.parameters())
+    assert bridge.config.ridge_lambdas and all(lam > 0 for row in bridge.config.ridge_lambdas["k"] for lam in row)
+
+
+@pytest.mark.parametrize("entry", ["calibrate", "fit_bridge_in_passes"])
+def test_an_unregularised_fit_from_too_few_tokens_is_refused_before_any_pass(entry, monkeypatch):
+    import hf_kvbridge.calibration as calibration
+
+    def no_pass(*args, **kwargs):
+        raise AssertionError("a pass over the data ran before the token count was checked")
+
+    monkeypatch.setattr(calibration, "collect_statistics", no_pass)
+    source, target = qwen3(layers=2), qwen3(layers=2, seed=1)
+    message = r"fewer calibration tokens \(48\) than mapper input features \(128\)"
+    with pytest.raises(StatisticsError, match=message):
+        if entry == "calibrate":
+            hf_kvbridge.calibrate(source, target, CORPUS, tokenizer=make_tokenizer(), num_sequences=4, seq_len=16,
+                                  ridge_lambda=0.0, top_k=2)  # fmt: skip
+        else:  # 3 of 4 windows of 16 tokens train
+            windows = torch.randint(0, VOCAB, (4, 16))
+            calibration.fit_bridge_in_passes(source, target, windows, [0], statistics_memory=10**9, top_k=2,
+                                             ridge_lambda=0.0)  # fmt: skip
 
 
 def test_nan_statistics_are_refused():
