@@ -30,14 +30,13 @@ takes about 10 minutes on 2 cores). Run it on a quiet machine.
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import time
 
 import torch
 
 from hf_kvbridge.solve import LAMBDA_GRID, heldout_r2_chunks, solve_ridge
 from hf_kvbridge.statistics import KVStatistics
+from hf_kvbridge.tools.bench.report import write_measurement
 
 HEAD_DIM = 128
 F64 = torch.float64
@@ -207,15 +206,7 @@ def main(argv=None) -> int:
                 f"weights {record['max_relative_weight_difference']:.1e}; row/library {record['row_vs_library']}"
             )
         print(line)
-    result = {
-        "threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "machine": platform.processor() or platform.machine(),
-        "records": records,
-    }
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=2)
-    print(f"wrote {args.out}")
+    write_measurement(args.out, records=records)
     return 0
 
 

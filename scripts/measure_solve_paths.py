@@ -20,13 +20,12 @@ Gram block of rank `min(p, 512)` plus 1 % noise): the cost does not depend on th
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import time
 
 import torch
 
 from hf_kvbridge.solve import LAMBDA_GRID, _block, _rotate_
+from hf_kvbridge.tools.bench.report import write_measurement
 
 
 def _problem(p: int, q: int, seed: int = 0):
@@ -124,15 +123,7 @@ def main(argv=None) -> int:
             f"{record['cholesky_seconds']} s {record['cholesky_steps']} ({record['cholesky_vs_eigh']}×); "
             f"max |Δ mse| / var {record['max_relative_mse_difference']:.1e}"
         )
-    result = {
-        "threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "machine": platform.processor() or platform.machine(),
-        "records": records,
-    }
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=2)
-    print(f"wrote {args.out}")
+    write_measurement(args.out, records=records)
     return 0
 
 

@@ -20,14 +20,13 @@ the cost does not depend on the values. Run it on a quiet machine.
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import time
 
 import torch
 
 from hf_kvbridge.statistics import BlockStatistics
 from hf_kvbridge.tools.bench.mapper import _cpu_peak_bytes
+from hf_kvbridge.tools.bench.report import write_measurement
 
 HEADS, DIM = 8, 128  # Qwen3-0.6B and -1.7B: row = 8 · 2 · 128 = 2,048
 CASES = [(6, 4, 6), (12, 4, 6), (20, 8, 6)]  # (U, T, k)
@@ -114,15 +113,8 @@ def main():
     parser.add_argument("--out", default="statistics_rate.json")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    results = {
-        "threads": args.threads,
-        "torch": torch.__version__,
-        "machine": platform.processor() or platform.machine(),
-        "cases": [r for case in CASES for r in measure(*case, args.tokens, args.repeats)],
-    }
-    with open(args.out, "w") as f:
-        json.dump(results, f, indent=1)
-    print(f"wrote {args.out}")
+    cases = [r for case in CASES for r in measure(*case, args.tokens, args.repeats)]
+    write_measurement(args.out, threads=args.threads, cases=cases)
 
 
 if __name__ == "__main__":
