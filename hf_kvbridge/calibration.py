@@ -44,6 +44,7 @@ from .layout import allowed_sources, check_matched, check_models, same_head_sour
 from .loading import model_reference, resolve_model_reference
 from .mappers import KVMapper, get_mapper_type
 from .modeling import KVBridgeForCausalLM
+from .row_statistics import RowStatistics
 from .selection import mapper_r2, select_layers, single_layer_r2
 from .settings import CalibrationSettings
 from .solve import LAMBDA_GRID, choose_ridge_lambdas, effective_ridge_lambda
@@ -346,6 +347,30 @@ def check_tokens(train_tokens: int, inputs: int, ridge_lambda: float | str, warn
         )
 
 
+def rows_are_cheaper(
+    windows: torch.Tensor,
+    heldout: list[int],
+    inputs: int,
+    sources: int,
+    targets: int,
+    row: int,
+    ridge_lambda: float | str,
+    statistics_memory: int,
+    dtype: torch.dtype,
+) -> bool:
+    """Whether a fit pass keeps the rows (`RowStatistics`) instead of their sums: a ridge fit (auto-λ or λ > 0) with
+    fewer training tokens than the widest map's `inputs`, whose rows (`sources` source and `targets` target layers
+    of `row` features, every token) and one map's float64 kernel solve fit in `statistics_memory`. Then the λ search
+    and refit of a map cost `O(n²p)` instead of `O(p³)`, and the rows are smaller than the `p × p` sums."""
+    train = (len(windows) - len(set(heldout))) * windows.shape[1]
+    if train >= inputs or (ridge_lambda != "auto" and float(ridge_lambda) <= 0):
+        return False
+    tokens = int(windows.numel())
+    kept = RowStatistics.nbytes(tokens, sources, targets, row, row, dtype)
+    solve = 8 * (3 * tokens * inputs + 2 * tokens * tokens + 3 * tokens * row)  # float64 rows, kernel, outputs
+    return kept + solve <= statistics_memory
+
+
 def _source_rows(source, batch, device, features: SourceFeatures | None):
     """The source's statistics rows of `batch` (`cache.forward_rows`, K/V blocks) followed by its hidden-state
     feature blocks when `features` (`(B·T, features.num_blocks·W)`), and its `output_hidden_states`."""
@@ -645,15 +670,28 @@ def fit_bridge_in_passes(
     groups = len(feature_groups(src.num_kv_heads, src.head_dim, head_mode, kv_mode, tgt.num_kv_heads, tgt.head_dim))
     # each target layer's cross blocks with its own source layers only, unless the statistics are kept for re-fits
     own_cross = not keep_statistics
-    passes = plan_passes(selected, row, statistics_memory, statistics_dtype, groups, own_cross)
+    inputs = max(map(len, selected)) * _features_per_layer(src, tgt, head_mode, kv_mode)
+    rank, world = _distributed()
+    simple = not (keep_statistics or residual_layers or features is not None or checkpoint_dir is not None)
+    use_rows = simple and world == 1 and rows_are_cheaper(
+        windows, heldout, inputs, len(set().union(*selected)), tgt.num_layers, row, ridge_lambda, statistics_memory,
+        statistics_dtype,
+    )  # fmt: skip
+    if use_rows:  # fewer training tokens than map inputs: one pass keeps the rows (`RowStatistics`)
+        passes = [list(range(tgt.num_layers))]
+    else:
+        passes = plan_passes(selected, row, statistics_memory, statistics_dtype, groups, own_cross)
     timings["fit_passes"] = timings.get("fit_passes", 0) + len(passes)
-    logger.info("fitting %d target layers in %d pass(es) over the data", tgt.num_layers, len(passes))
+    logger.info(
+        "fitting %d target layers in %d pass(es) over the data%s",
+        tgt.num_layers,
+        len(passes),
+        " from the rows themselves (fewer training tokens than map inputs)" if use_rows else "",
+    )
     mapper = KVMapper(selected, heads, dim, head_mode, kv_mode=kv_mode, **target_heads)
     fitted_r2 = torch.zeros(tgt.num_layers, 2, dtype=torch.float64)
     chosen_lambdas = {"k": [[] for _ in selected], "v": [[] for _ in selected]}
-    inputs = max(map(len, selected)) * _features_per_layer(src, tgt, head_mode, kv_mode)
     statistics = None
-    rank, world = _distributed()
     # under torch.distributed each rank accumulates (and solves) its own pass of a round of `world` passes, from the
     # rows of every rank's batches: the fit statistics are split by target layer, the forward passes by data
     owner = {}
@@ -663,6 +701,11 @@ def fit_bridge_in_passes(
         union = sorted(set().union(*(selected[t] for t in targets))) if targets else []
 
         def make_parts(union=union, targets=targets):
+            if use_rows:
+                return [
+                    RowStatistics(*shape, union, targets, statistics_dtype, statistics_device, **target_heads)
+                    for _ in range(2)
+                ]
             return [
                 BlockStatistics(
                     *shape,

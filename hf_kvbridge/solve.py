@@ -96,6 +96,8 @@ def solve_ridge(
     smallest = float(ridge_lambda.min()) if isinstance(ridge_lambda, torch.Tensor) else float(ridge_lambda)
     if smallest <= 0:
         _check_count(stats, p)
+    elif hasattr(stats, "rows"):  # `RowStatistics`: the same map from the n × n kernel
+        return _solve_ridge_rows(stats, x_idx, y_idx, ridge_lambda)
     mx, my, cxx, cxy, _ = _moments(stats, x_idx, y_idx)
     scale = _feature_scale(cxx)  # ridge on standardized inputs (a copy: the diagonal is rewritten below)
     # the system `C_xx + λ·D` is built in place on `cxx`'s diagonal (from a copy of the diagonal, so every λ adds to
@@ -218,6 +220,8 @@ def heldout_r2_chunks(
     q = y_idx.numel()
     if q % head_dim:
         raise InvalidInputError(f"{q} output columns are not whole chunks of {head_dim}; pass whole head_dim chunks")
+    if hasattr(train, "rows"):  # `RowStatistics`: the same path from the n × n kernel
+        return _heldout_r2_rows(train, heldout, x_idx, y_idx, head_dim, lambdas)
     # Peak memory: three `p × p` float64 matrices (the eigendecomposition: eigenvectors written over the standardized
     # Gram block, plus LAPACK's `2·p²` workspace), with the held-out moments read only after it, rotated in place
     # (see `hf_kvbridge.budget.solve_bytes`)
@@ -254,6 +258,76 @@ def heldout_r2_chunks(
         mse = hvy - 2 * linear + quadratic + (offset - shift @ w) ** 2  # (q,)
         sse = mse.clamp_min(0).view(chunks, head_dim).sum(-1)  # (chunks,)
         out[i] = 1 - sse / sst
+    return out
+
+
+# -- fewer tokens than inputs: the same maps from the rows (`RowStatistics`) ------------------------------------------
+def _standardized_rows(x: torch.Tensor, y: torch.Tensor):
+    """`(mean_x (p,), mean_y (q,), root (p,), xs (n, p), ys (n, q))` of rows `x`, `y`: `xs` centred, each feature
+    divided by its floored standard deviation (`_feature_scale`) and all by `√n`, so `xsᵀxs` is the standardized Gram
+    block `Z` and `xsᵀys` its standardized cross block."""
+    n = x.shape[0]
+    mx, my = x.mean(0), y.mean(0)
+    xc = x - mx  # (n, p)
+    variance = (xc * xc).mean(0)
+    root = variance.clamp_min(1e-6 * variance.mean().clamp_min(torch.finfo(torch.float64).tiny)).sqrt()
+    return mx, my, root, xc.div_(root).div_(n**0.5), (y - my) / n**0.5
+
+
+def _solve_ridge_rows(stats, x_idx, y_idx, ridge_lambda) -> tuple[torch.Tensor, torch.Tensor]:
+    """`solve_ridge` from the rows, λ > 0: `W = D^-½ xsᵀ (xs xsᵀ + λI)⁻¹ ys`, one `n × n` Cholesky per λ."""
+    x, y = stats.rows(x_idx, y_idx)
+    mx, my, root, xs, ys = _standardized_rows(x, y)
+    del x, y
+    kernel = xs @ xs.T  # (n, n)
+    q = ys.shape[1]
+    lambdas = ridge_lambda.to(torch.float64).reshape(-1) if isinstance(ridge_lambda, torch.Tensor) else None
+    if lambdas is not None and lambdas.numel() != q:
+        raise InvalidInputError(f"got {lambdas.numel()} ridge λ for {q} output columns; pass one λ, or one per column")
+    if lambdas is None:
+        lambdas = torch.full((q,), float(ridge_lambda), dtype=torch.float64)
+    dual = torch.empty_like(ys)  # (n, q)
+    for value in lambdas.unique().tolist():
+        columns = (lambdas == value).nonzero().squeeze(1)
+        system = kernel.clone()
+        system.diagonal().add_(value)
+        dual[:, columns] = torch.cholesky_solve(ys[:, columns], torch.linalg.cholesky(system))
+    weight = (xs.T @ dual).div_(root[:, None])  # (p, q)
+    return weight, my - mx @ weight
+
+
+def _heldout_r2_rows(train, heldout, x_idx, y_idx, head_dim: int, lambdas) -> torch.Tensor:
+    """`heldout_r2_chunks` from the rows: one eigendecomposition of the `n × n` kernel `xs xsᵀ = U S² Uᵀ` gives the
+    training Gram block's nonzero eigenpairs (`V_r = xsᵀ U S⁻¹`), in which the held-out moments are `r × r` and
+    `r × q` blocks; every ridge map lies in that row space, so the path equals the `p × p` one."""
+    x, y = train.rows(x_idx, y_idx)
+    n = x.shape[0]
+    mx, my, root, xs, ys = _standardized_rows(x, y)
+    del x, y
+    s2, u = torch.linalg.eigh(xs @ xs.T)  # (n,), (n, n)
+    keep = s2 > s2.max().clamp_min(torch.finfo(torch.float64).tiny) * n * torch.finfo(torch.float64).eps
+    s2, u = s2[keep], u[:, keep]  # (r,), (n, r): the centering drops one
+    s = s2.sqrt()
+    a = s[:, None] * (u.T @ ys)  # (r, q) V_rᵀ D^-½ C_xy = S Uᵀ ys
+    hx, hy = heldout.rows(x_idx, y_idx)
+    nh = hx.shape[0]
+    hmx, hmy = hx.mean(0), hy.mean(0)
+    hxs = (hx - hmx).div_(root).div_(nh**0.5)  # (n', p) held-out, in the training scale
+    hys = (hy - hmy) / nh**0.5  # (n', q)
+    del hx, hy
+    proj = (hxs @ xs.T) @ u / s  # (n', r) hxs V_r
+    m = proj.T @ proj  # (r, r) V_rᵀ Z' V_r
+    c = proj.T @ hys  # (r, q)
+    shift = (u.T @ (xs @ ((hmx - mx) / root))) / s  # (r,): held-out minus train input mean
+    hvy = (hys * hys).sum(0)  # (q,)
+    offset = hmy - my
+    chunks = y_idx.numel() // head_dim
+    sst = hvy.view(chunks, head_dim).sum(-1).clamp_min(torch.finfo(torch.float64).tiny)
+    out = torch.empty(len(lambdas), chunks, dtype=torch.float64)
+    for i, lam in enumerate(lambdas):
+        w = a / (s2 + lam)[:, None]  # (r, q)
+        mse = hvy - 2 * (c * w).sum(0) + (m @ w).mul_(w).sum(0) + (offset - shift @ w) ** 2
+        out[i] = 1 - mse.clamp_min(0).view(chunks, head_dim).sum(-1) / sst
     return out
 
 

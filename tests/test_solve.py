@@ -305,9 +305,9 @@ def test_solve_paths_benchmark_compares_equal_results():
 
 
 def test_row_solve_measurement_matches_the_library_solve():
-    """`scripts/measure_row_solve.py` at a tiny size with fewer training tokens than map inputs: the row form's
-    held-out R² over the λ grid, chosen λ and refitted weights equal the library's (`heldout_r2_chunks`,
-    `solve_ridge` from `KVStatistics`), so its timings compare equal results."""
+    """`scripts/measure_row_solve.py` at a tiny size with fewer training tokens than map inputs: from the rows
+    (`RowStatistics`) the held-out R² over the λ grid, chosen λ and refitted weights equal those from the sums
+    (`KVStatistics`), so its timings compare equal results."""
     import importlib.util
     from pathlib import Path
 
@@ -320,5 +320,4 @@ def test_row_solve_measurement_matches_the_library_solve():
     assert record["max_relative_weight_difference"] < 1e-10 and record["max_relative_bias_difference"] < 1e-10
     assert record["row_lambda_kv"] == record["library_lambda_kv"]
     assert all(1e-6 < lam < 1.0 for lam in record["row_lambda_kv"])  # an interior best: the grid's ends are not it
-    assert set(record["row_search_steps"]) == {"kernel_eigh", "heldout_products", "lambda_loop"}
     assert record["row_search_seconds"] > 0 and record["library_search_seconds"] > 0
