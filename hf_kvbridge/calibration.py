@@ -585,7 +585,9 @@ def fit_bridge_in_passes(
     """Calibration on a memory budget (see `hf_kvbridge.budget`): a selection pass over `windows` picks the top-k
     source layers of each target layer from [`SelectionStatistics`], then fit passes accumulate
     [`BlockStatistics`] of the selected source layers only, for as many target layers per pass as
-    `statistics_memory` allows, and solve them.
+    `statistics_memory` allows, and solve them. A ridge fit from fewer training tokens than map inputs keeps the rows
+    themselves instead ([`RowStatistics`], one fit pass, when they fit the budget; `rows_are_cheaper`): the same maps
+    from `n × n` kernels instead of `p × p` sums.
 
     Args:
         timings (`dict`, *optional*): besides `collect_statistics`' `forward_seconds` and `statistics_seconds`,
