@@ -84,6 +84,16 @@ def _head_index(row: int, head_dim: int, layers: list[int], heads, device) -> to
     return torch.cat(parts).to(device)
 
 
+CHUNK_BYTES = 2**28  # float64 bytes of the rows one statistics update works on at a time
+
+
+def _chunk_rows(features: int) -> int:
+    """Rows an update takes at a time: `CHUNK_BYTES` of float64 rows of `features` features (the update's copies of
+    its rows, centred and regrouped, are a few times that; a batch of 8 × 256 tokens of Qwen3-0.6B → 1.7B rows is
+    0.9 GB of them per side)."""
+    return max(1, CHUNK_BYTES // (8 * max(features, 1)))
+
+
 class KVStatistics(HeadLayouts):
     """Sums over calibration tokens of source rows `x` and target rows `y` (see the module docstring).
 
@@ -618,13 +628,18 @@ class BlockStatistics(_CentredSums, HeadLayouts):
 
     @torch.no_grad()
     def update(self, x: torch.Tensor, y: torch.Tensor) -> None:
-        """Adds full rows `x` `(N, F)` and `y` `(N, G)` (only the kept layers' columns are summed)."""
+        """Adds full rows `x` `(N, F)` and `y` `(N, G)` (only the kept layers' columns are summed), in chunks of
+        `_chunk_rows` rows (exact: Chan's merge)."""
         if x.shape[0] != y.shape[0] or x.shape[1] != self._x_group.numel() or y.shape[1] != self._y_group.numel():
             raise StatisticsError(
                 f"rows of shape {tuple(x.shape)} / {tuple(y.shape)} do not fit statistics with "
                 f"F={self._x_group.numel()}, G={self._y_group.numel()}"
             )
         if x.shape[0] == 0:
+            return
+        if x.shape[0] > (chunk := _chunk_rows(self._x_cols.numel() + self._y_cols.numel())):
+            for start in range(0, x.shape[0], chunk):
+                self.update(x[start : start + chunk], y[start : start + chunk])
             return
         device = self.xx.device
         x, y = x.to(device), y.to(device)
@@ -882,13 +897,17 @@ class SelectionStatistics(_CentredSums, HeadLayouts):
 
     @torch.no_grad()
     def update(self, x: torch.Tensor, y: torch.Tensor) -> None:
-        """Adds full rows `x` `(N, F)` and `y` `(N, G)`."""
+        """Adds full rows `x` `(N, F)` and `y` `(N, G)`, in chunks of `_chunk_rows` rows (exact: Chan's merge)."""
         if x.shape[0] != y.shape[0] or x.shape[1] != self.x_mean.numel() or y.shape[1] != self.yy.numel():
             raise StatisticsError(
                 f"rows of shape {tuple(x.shape)} / {tuple(y.shape)} do not fit selection statistics with "
                 f"F={self.x_mean.numel()}, G={self.yy.numel()}"
             )
         if x.shape[0] == 0:
+            return
+        if x.shape[0] > (chunk := _chunk_rows(x.shape[1] + y.shape[1])):
+            for start in range(0, x.shape[0], chunk):
+                self.update(x[start : start + chunk], y[start : start + chunk])
             return
         device = self.xx.device
         xs = self._split(x.to(device, torch.float64), self.source_layers, self.source_kv_heads, self.source_head_dim)
