@@ -13,10 +13,10 @@ import torch
 
 from .errors import StatisticsError
 from .layout import HeadLayouts
-from .statistics import _head_index, centred_residual_sums
+from .statistics import GlobalLayerIndex, _head_index
 
 
-class RowStatistics(HeadLayouts):
+class RowStatistics(GlobalLayerIndex, HeadLayouts):
     """The rows of source layers `sources` and target layers `targets` over calibration tokens.
 
     Args:
@@ -119,13 +119,9 @@ class RowStatistics(HeadLayouts):
     def all_reduce_(self):
         raise StatisticsError("row statistics are not all-reduced; under torch.distributed calibrate from sums")
 
-    # -- indexing (global layer numbers, as in `KVStatistics`) ------------------------------------------------------
-    def source_index(self, layers: list[int], head: int | list[int] | None = None) -> torch.Tensor:
-        """Global feature indices of source `layers` (in that order), all heads, only `head`, or a list of heads."""
-        return _head_index(self.x_row, self.source_head_dim, layers, head, self.device)
-
-    def target_index(self, layer: int, head: int | list[int] | None = None) -> torch.Tensor:
-        return _head_index(self.y_row, self.target_head_dim, [layer], head, self.device)
+    @property
+    def _index_device(self) -> torch.device:
+        return self.device
 
     def _local(self, index: torch.Tensor, pos_of: torch.Tensor, what: str) -> torch.Tensor:
         pos = pos_of[index.to(self.device)]
@@ -154,7 +150,3 @@ class RowStatistics(HeadLayouts):
         xc, yc = x - mx, y - my
         n = self.count
         return mx, my, xc.T @ xc / n, xc.T @ yc / n, (yc * yc).sum(0) / n
-
-    def residual_sums(self, x_idx, y_idx, weight: torch.Tensor, bias: torch.Tensor):
-        """Per output column, `(Σ(y − xW − b)², Σ(y − ȳ)²)` over these tokens (see `centred_residual_sums`)."""
-        return centred_residual_sums(self.count, *self.moments(x_idx, y_idx), weight, bias)

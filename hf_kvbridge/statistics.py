@@ -84,6 +84,24 @@ def _head_index(row: int, head_dim: int, layers: list[int], heads, device) -> to
     return torch.cat(parts).to(device)
 
 
+class GlobalLayerIndex:
+    """Feature indices with global layer numbers, and residual sums from `moments`, for statistics that hold layers
+    of a `(source_layers, target_layers)` layout ([`KVStatistics`], [`BlockStatistics`], [`RowStatistics`]); the
+    indices live on `_index_device`."""
+
+    def source_index(self, layers: list[int], head: int | list[int] | None = None) -> torch.Tensor:
+        """Global feature indices of source `layers` (in that order), all heads, only `head`, or a list of heads."""
+        return _head_index(self.x_row, self.source_head_dim, layers, head, self._index_device)
+
+    def target_index(self, layer: int, head: int | list[int] | None = None) -> torch.Tensor:
+        """Global feature indices of target `layer`, all heads, only `head`, or a list of heads."""
+        return _head_index(self.y_row, self.target_head_dim, [layer], head, self._index_device)
+
+    def residual_sums(self, x_idx, y_idx, weight: torch.Tensor, bias: torch.Tensor):
+        """Per output column, `(Σ(y − xW − b)², Σ(y − ȳ)²)` over these tokens (see `centred_residual_sums`)."""
+        return centred_residual_sums(self.count, *self.moments(x_idx, y_idx), weight, bias)
+
+
 CHUNK_BYTES = 2**28  # float64 bytes of the rows one statistics update works on at a time
 
 
@@ -94,7 +112,7 @@ def _chunk_rows(features: int) -> int:
     return max(1, CHUNK_BYTES // (8 * max(features, 1)))
 
 
-class KVStatistics(HeadLayouts):
+class KVStatistics(GlobalLayerIndex, HeadLayouts):
     """Sums over calibration tokens of source rows `x` and target rows `y` (see the module docstring).
 
     Args:
@@ -235,13 +253,9 @@ class KVStatistics(HeadLayouts):
                 )
 
     # -- indexing -------------------------------------------------------------------------------------------------
-    def source_index(self, layers: list[int], head: int | list[int] | None = None) -> torch.Tensor:
-        """Feature indices of source `layers` (in that order), all heads, only `head`, or the heads of a list."""
-        return _head_index(self.x_row, self.source_head_dim, layers, head, self.xx.device)
-
-    def target_index(self, layer: int, head: int | list[int] | None = None) -> torch.Tensor:
-        """Feature indices of target `layer`, all heads or only `head`."""
-        return _head_index(self.y_row, self.target_head_dim, [layer], head, self.xx.device)
+    @property
+    def _index_device(self) -> torch.device:
+        return self.xx.device
 
     # -- centered moments ----------------------------------------------------------------------------------------
     def moments(self, x_idx: torch.Tensor, y_idx: torch.Tensor):
@@ -426,7 +440,7 @@ def feature_groups(
     ]
 
 
-class BlockStatistics(_CentredSums, HeadLayouts):
+class BlockStatistics(GlobalLayerIndex, _CentredSums, HeadLayouts):
     """Centred sums for `targets` (target layers) over the union `sources` of their selected source layers, kept per
     feature group (see `feature_groups`): the Gram and cross blocks that the maps of one head mode and kv mode read.
 
@@ -674,12 +688,9 @@ class BlockStatistics(_CentredSums, HeadLayouts):
         return self.copy().merge_(other)
 
     # -- indexing (global layer numbers, as in `KVStatistics`) ------------------------------------------------------
-    def source_index(self, layers: list[int], head: int | list[int] | None = None) -> torch.Tensor:
-        """Global feature indices of source `layers` (in that order), all heads, only `head`, or a list of heads."""
-        return _head_index(self.x_row, self.source_head_dim, layers, head, self.xx.device)
-
-    def target_index(self, layer: int, head: int | list[int] | None = None) -> torch.Tensor:
-        return _head_index(self.y_row, self.target_head_dim, [layer], head, self.xx.device)
+    @property
+    def _index_device(self) -> torch.device:
+        return self.xx.device
 
     def _local(self, index: torch.Tensor, what: str) -> tuple[int, torch.Tensor]:
         """`(group, positions)` of global feature numbers `index`, which must all lie in one kept group."""
@@ -741,10 +752,6 @@ class BlockStatistics(_CentredSums, HeadLayouts):
                 "target_sources that include the layers the fit reads"
             )
         return slot_rows * self._x_width + xl % self._x_width
-
-    def residual_sums(self, x_idx, y_idx, weight: torch.Tensor, bias: torch.Tensor):
-        """Per output column, `(Σ(y − xW − b)², Σ(y − ȳ)²)` over these tokens (see `centred_residual_sums`)."""
-        return centred_residual_sums(self.count, *self.moments(x_idx, y_idx), weight, bias)
 
     # -- persistence ------------------------------------------------------------------------------------------------
     _MODES = ({"all_heads": 0, "same_head": 1}, {"joint": 0, "separate": 1})
