@@ -48,10 +48,14 @@ def _check_count(stats, p: int) -> None:
         )
 
 
-def _feature_scale(cxx: torch.Tensor) -> torch.Tensor:
-    """Each feature's own variance `(p,)`, floored so a constant feature still gets a ridge."""
-    variance = torch.diagonal(cxx)
+def _floored(variance: torch.Tensor) -> torch.Tensor:
+    """Each feature's variance `(p,)`, floored so a constant feature still gets a ridge."""
     return variance.clamp_min(1e-6 * variance.mean().clamp_min(torch.finfo(torch.float64).tiny))
+
+
+def _feature_scale(cxx: torch.Tensor) -> torch.Tensor:
+    """Each feature's own variance `(p,)` from the Gram block's diagonal, floored (`_floored`)."""
+    return _floored(torch.diagonal(cxx))
 
 
 def _moments(stats, x_idx: torch.Tensor, y_idx: torch.Tensor):
@@ -93,6 +97,10 @@ def solve_ridge(
     ```
     """
     p = x_idx.numel()
+    if isinstance(ridge_lambda, torch.Tensor) and ridge_lambda.numel() != y_idx.numel():
+        raise InvalidInputError(
+            f"got {ridge_lambda.numel()} ridge λ for {y_idx.numel()} output columns; pass one λ, or one per column"
+        )
     smallest = float(ridge_lambda.min()) if isinstance(ridge_lambda, torch.Tensor) else float(ridge_lambda)
     if smallest <= 0:
         _check_count(stats, p)
@@ -106,10 +114,6 @@ def solve_ridge(
     variance = diagonal.clone()
     if isinstance(ridge_lambda, torch.Tensor):
         lambdas = ridge_lambda.to(torch.float64).reshape(-1)
-        if lambdas.numel() != cxy.shape[1]:
-            raise InvalidInputError(
-                f"got {lambdas.numel()} ridge λ for {cxy.shape[1]} output columns; pass one λ, or one per column"
-            )
         weight = torch.empty_like(cxy)  # (p, q)
         for value in lambdas.unique().tolist():
             columns = (lambdas == value).nonzero().squeeze(1)
@@ -264,13 +268,13 @@ def heldout_r2_chunks(
 # -- fewer tokens than inputs: the same maps from the rows (`RowStatistics`) ------------------------------------------
 def _standardized_rows(x: torch.Tensor, y: torch.Tensor):
     """`(mean_x (p,), mean_y (q,), root (p,), xs (n, p), ys (n, q))` of rows `x`, `y`: `xs` centred, each feature
-    divided by its floored standard deviation (`_feature_scale`) and all by `√n`, so `xsᵀxs` is the standardized Gram
+    divided by its floored standard deviation (`_floored`) and all by `√n`, so `xsᵀxs` is the standardized Gram
     block `Z` and `xsᵀys` its standardized cross block."""
     n = x.shape[0]
     mx, my = x.mean(0), y.mean(0)
     xc = x - mx  # (n, p)
     variance = (xc * xc).mean(0)
-    root = variance.clamp_min(1e-6 * variance.mean().clamp_min(torch.finfo(torch.float64).tiny)).sqrt()
+    root = _floored(variance).sqrt()
     return mx, my, root, xc.div_(root).div_(n**0.5), (y - my) / n**0.5
 
 
@@ -280,12 +284,10 @@ def _solve_ridge_rows(stats, x_idx, y_idx, ridge_lambda) -> tuple[torch.Tensor, 
     mx, my, root, xs, ys = _standardized_rows(x, y)
     del x, y
     kernel = xs @ xs.T  # (n, n)
-    q = ys.shape[1]
-    lambdas = ridge_lambda.to(torch.float64).reshape(-1) if isinstance(ridge_lambda, torch.Tensor) else None
-    if lambdas is not None and lambdas.numel() != q:
-        raise InvalidInputError(f"got {lambdas.numel()} ridge λ for {q} output columns; pass one λ, or one per column")
-    if lambdas is None:
-        lambdas = torch.full((q,), float(ridge_lambda), dtype=torch.float64)
+    if isinstance(ridge_lambda, torch.Tensor):
+        lambdas = ridge_lambda.to(torch.float64).reshape(-1)  # (q,), counted by `solve_ridge`
+    else:
+        lambdas = torch.full((ys.shape[1],), float(ridge_lambda), dtype=torch.float64)
     dual = torch.empty_like(ys)  # (n, q)
     for value in lambdas.unique().tolist():
         columns = (lambdas == value).nonzero().squeeze(1)

@@ -321,3 +321,16 @@ def test_row_solve_measurement_matches_the_library_solve():
     assert record["row_lambda_kv"] == record["library_lambda_kv"]
     assert all(1e-6 < lam < 1.0 for lam in record["row_lambda_kv"])  # an interior best: the grid's ends are not it
     assert record["row_search_seconds"] > 0 and record["library_search_seconds"] > 0
+
+
+def test_a_per_column_lambda_of_the_wrong_length_is_refused_for_sums_and_rows():
+    from hf_kvbridge.errors import InvalidInputError
+    from hf_kvbridge.row_statistics import RowStatistics
+
+    sums = KVStatistics(1, 1, 1, 2)
+    rows = RowStatistics(1, 1, 1, 2, sources=[0], targets=[0])
+    x = torch.randn(20, 4, dtype=torch.float64)
+    for stats in (sums, rows):
+        stats.update(x, x + 0.1)
+        with pytest.raises(InvalidInputError, match=r"got 3 ridge λ for 4 output columns"):
+            solve_ridge(stats, torch.arange(4), torch.arange(4), torch.full((3,), 0.01))
