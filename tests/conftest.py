@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -33,6 +34,13 @@ CORPUS = [
     "Rotary position embeddings rotate pairs of dimensions by an angle that grows with position.",
     "Ridge regression adds a multiple of the identity to the covariance before solving.",
 ] * 4
+
+
+def sigint_as_in_a_terminal() -> None:
+    """`preexec_fn` for a child that a test stops with SIGINT. A background job of a non-interactive shell
+    (`pytest ... &`) ignores SIGINT, and Python installs no KeyboardInterrupt handler when it starts with SIGINT
+    ignored; a terminal user's Ctrl-C is never ignored."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def make_tokenizer(corpus: list[str] = CORPUS, vocab_size: int = VOCAB) -> PreTrainedTokenizerFast:

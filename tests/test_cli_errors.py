@@ -14,7 +14,7 @@ import hf_kvbridge
 from hf_kvbridge.cli.main import main
 from hf_kvbridge.errors import CheckpointNotFoundError
 from hf_kvbridge.persistence import resolve_checkpoint
-from tests.conftest import CORPUS, VOCAB, make_tokenizer
+from tests.conftest import CORPUS, VOCAB, make_tokenizer, sigint_as_in_a_terminal
 
 
 @pytest.fixture(scope="module")
@@ -134,12 +134,6 @@ def test_debug_shows_the_traceback(tmp_path):
         main(["--debug", "generate", str(tmp_path / "missing"), "hello"])
 
 
-def _sigint_as_in_a_terminal() -> None:
-    # A background job of a non-interactive shell (`pytest ... &`) ignores SIGINT, and Python installs no
-    # KeyboardInterrupt handler when it starts with SIGINT ignored; a terminal user's Ctrl-C is never ignored.
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-
-
 def _run_kvbridge(*args: str, **kwargs) -> subprocess.Popen:
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     command = [sys.executable, "-c", "import sys; from hf_kvbridge.cli.main import main; sys.exit(main())", *args]
@@ -149,7 +143,7 @@ def _run_kvbridge(*args: str, **kwargs) -> subprocess.Popen:
         text=True,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
-        preexec_fn=_sigint_as_in_a_terminal,
+        preexec_fn=sigint_as_in_a_terminal,
         **kwargs,
     )
 

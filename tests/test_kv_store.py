@@ -49,7 +49,7 @@ from hf_kvbridge.integrations.kv_store import (
 from hf_kvbridge.integrations.kv_store.local_server import free_port
 from hf_kvbridge.integrations.kv_store.sizing import HEADER_BYTES_FIXED, HEADER_BYTES_PER_LAYER
 from hf_kvbridge.pocket import model_path
-from tests.conftest import VOCAB, qwen3
+from tests.conftest import VOCAB, qwen3, sigint_as_in_a_terminal
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "org/source@abc123"
@@ -564,6 +564,7 @@ def test_store_serve_runs_until_interrupted():
     proc = subprocess.Popen(
         [sys.executable, "-m", "kvbridge_cli", "store", "serve", "--port", str(port), "--maxmemory", "32mb"],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        preexec_fn=sigint_as_in_a_terminal,
     )  # fmt: skip
     try:
         line = proc.stdout.readline()  # the URL, once the server answers
