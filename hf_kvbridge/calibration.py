@@ -591,8 +591,10 @@ def fit_bridge_in_passes(
 
     Args:
         timings (`dict`, *optional*): besides `collect_statistics`' `forward_seconds` and `statistics_seconds`,
+            `selection_statistics_seconds` (the selection pass's share of `statistics_seconds`),
             `selection_seconds` (scoring the source layers), `lambda_seconds` (the held-out λ search, or the
-            held-out R² at a fixed λ), `solve_seconds` (the final fits) and `fit_passes` are added to it.
+            held-out R² at a fixed λ), `solve_seconds` (the final fits), `fit_passes` and `row_statistics` (whether
+            the fit pass kept the rows) are added to it.
         keep_statistics (`bool`, *optional*, defaults to `False`): return the `(train, held-out)` statistics when one
             pass held every target layer (a copy more while fitting). Kept statistics hold every target layer's
             cross blocks with the pass's whole union of source layers, for re-fits with another selection; else each
@@ -634,6 +636,7 @@ def fit_bridge_in_passes(
         if residual_layers
         else None
     )
+    before = timings.get("statistics_seconds", 0.0)
     train, held = collect_statistics(
         source,
         target,
@@ -644,6 +647,9 @@ def fit_bridge_in_passes(
         checkpoint_tag="selection",
         residual=collection,
         **common,
+    )
+    timings["selection_statistics_seconds"] = (
+        timings.get("selection_statistics_seconds", 0.0) + timings.get("statistics_seconds", 0.0) - before
     )
     # selection scores each source layer at one λ (the smallest of the auto grid's typical choices for "auto")
     selection_lambda = SELECTION_LAMBDA if ridge_lambda == "auto" else ridge_lambda
@@ -684,6 +690,7 @@ def fit_bridge_in_passes(
     else:
         passes = plan_passes(selected, row, statistics_memory, statistics_dtype, groups, own_cross)
     timings["fit_passes"] = timings.get("fit_passes", 0) + len(passes)
+    timings["row_statistics"] = use_rows
     logger.info(
         "fitting %d target layers in %d pass(es) over the data%s",
         tgt.num_layers,

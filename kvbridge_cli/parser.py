@@ -460,6 +460,13 @@ def _add_bench(sub) -> None:
     cal.add_argument("--dtype", default="bfloat16")
     cal.add_argument("--device", default="cpu")
     cal.add_argument("--vocab", type=_positive_int, default=None, help="override the vocabulary size")
+    cal.add_argument(
+        "--layers",
+        default=None,
+        metavar="S:T",
+        help="build only the first S source and T target layers (real layer shapes: a pair too large for this "
+        "machine); the JSON's full_depth scales each stage to the whole pair",
+    )
     cal.add_argument("--progress", action="store_true")
     cal.add_argument("--json", default=None, help="also write the result here")
     cal.add_argument("--memory-model", action="store_true", help="print the README's memory model table and exit")

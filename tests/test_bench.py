@@ -284,3 +284,80 @@ def test_calibration_bench_refuses_a_budget_too_small_before_building_the_models
     assert main(argv) != 0
     err = capsys.readouterr().err
     assert "statistics need" in err and "statistics_memory allows 1.0 MB" in err and "were built" not in err
+
+
+def test_calibration_bench_on_the_first_layers_scales_each_stage_to_the_whole_pair(tmp_path, monkeypatch):
+    """`--layers S:T` builds only the first layers (a pair too large for the machine) and `full_depth` scales each
+    measured stage by what its work grows with: the forwards by the prefill FLOPs, selection by source × target
+    layers, the fit statistics, λ search and solves by the target layers."""
+    from hf_kvbridge.tools.bench import calibration as bench
+
+    monkeypatch.setattr(bench, "SHAPES", {**bench.SHAPES, **TINY_SHAPES})
+    built = []
+    monkeypatch.setattr(bench, "random_model", _recorded(bench.random_model, built))
+    out = tmp_path / "cal.json"
+    argv = ["bench", "calibration", "--pair", "tiny-s:tiny-t", "--layers", "1:2", "--num-sequences", "4",
+            "--seq-len", "16", "--batch-size", "2", "--heldout-fraction", "0.25", "--top-k", "1",
+            "--dtype", "float32", "--json", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    assert [model.config.num_hidden_layers for model in built] == [1, 2]
+    result = json.loads(out.read_text())
+    assert (result["source_layers"], result["target_layers"]) == (1, 2) and result["row_statistics"] is False
+    full = result["full_depth"]
+    assert (full["source_layers"], full["target_layers"]) == (2, 3)
+    a, b = (prefill_flops(bench.shape_config(name, layers=1), 16) for name in ("tiny-s", "tiny-t"))  # one layer
+    ratio = (2 * a + 3 * b) / (a + 2 * b)
+    assert full["forward_seconds"] == pytest.approx(result["forward_seconds"] * ratio, abs=0.11)
+    assert full["lambda_seconds"] == pytest.approx(result["lambda_seconds"] * 1.5, abs=0.11)
+    assert full["selection_seconds"] == pytest.approx(result["selection_seconds"] * 3, abs=0.11)
+    assert full["projection"]["tokens"] == bench.PAPER_TOKENS
+
+
+def _recorded(fn, calls):
+    def run(*args, **kwargs):
+        calls.append(out := fn(*args, **kwargs))
+        return out
+
+    return run
+
+
+@pytest.mark.parametrize(
+    "layers, expected",
+    [
+        ("8", "--layers takes S:T"),
+        ("0:2", "--layers takes S:T"),
+        ("3:x", "--layers takes S:T"),
+        ("3:2", "the source shape has 2 layers, not 3"),
+        ("2:4", "the target shape has 3 layers, not 4"),
+    ],  # fmt: skip
+)
+def test_calibration_bench_refuses_bad_layers_before_building(layers, expected, capsys, monkeypatch):
+    from hf_kvbridge.tools.bench import calibration as bench
+
+    def no_build(*args, **kwargs):
+        raise AssertionError("a model was built for bad --layers")
+
+    monkeypatch.setattr(bench, "SHAPES", {**bench.SHAPES, **TINY_SHAPES})
+    monkeypatch.setattr(bench, "random_model", no_build)
+    assert main(["bench", "calibration", "--pair", "tiny-s:tiny-t", "--layers", layers]) != 0
+    err = capsys.readouterr().err
+    assert expected in err and "a model was built" not in err
+
+
+def test_calibration_bench_does_not_project_the_rows_solves_to_more_tokens(tmp_path):
+    """Fewer training tokens than map inputs keep the rows, whose λ search and solves (an `n × n` kernel) say nothing
+    of the sums' at the paper's tokens: the projection leaves them out and says so."""
+    from hf_kvbridge.tools.bench import calibration as bench
+
+    out = tmp_path / "cal.json"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(bench, "SHAPES", {**bench.SHAPES, **TINY_SHAPES})
+        argv = ["bench", "calibration", "--pair", "tiny-s:tiny-t", "--num-sequences", "4", "--seq-len", "16",
+                "--batch-size", "2", "--heldout-fraction", "0.25", "--top-k", "2", "--head-mode", "all_heads",
+                "--dtype", "float32", "--json", str(out)]  # fmt: skip
+        assert main(argv) == 0  # 48 training tokens for 2 × 32 inputs
+    result = json.loads(out.read_text())
+    assert result["row_statistics"] is True and result["fit_passes"] == 1
+    projected = result["projection"]
+    assert projected["seconds"] is None and projected["overhead_over_forwards"] is None
+    assert "kept the rows" in projected["not_projected"] and projected["forward_seconds"] > 0

@@ -21,9 +21,10 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 from ...budget import check_budget, fit_bytes, format_bytes, parse_bytes, plan_passes, selection_bytes
 from ...calibration import fit_bridge_in_passes, split_heldout
 from ...errors import InvalidInputError
+from ...row_statistics import RowStatistics
 from ...statistics import feature_groups
 from .flop_model import H100_SXM, CalibrationShape, calibration_flops, probe_rates, project_seconds
-from .mapper import QWEN3_SHAPES, shape_pair
+from .mapper import QWEN3_SHAPES, prefill_flops, shape_pair
 
 # layer shapes of real checkpoints (hidden, layers, attention heads, KV heads, head dim, MLP width, vocabulary, tied):
 # `mapper.QWEN3_SHAPES` with the real vocabulary and tying, which the calibration's forwards and memory include
@@ -83,14 +84,15 @@ def memory_table(budget: int = 16 * 10**9, ranks: int = 8, dtype=torch.float32) 
     return "\n".join(lines)
 
 
-def shape_config(name: str, vocab: int | None = None) -> Qwen3Config:
-    """The `Qwen3Config` of the layer shapes `name` (a key of `SHAPES`)."""
+def shape_config(name: str, vocab: int | None = None, layers: int | None = None) -> Qwen3Config:
+    """The `Qwen3Config` of the layer shapes `name` (a key of `SHAPES`), with its first `layers` layers only if
+    given."""
     if name not in SHAPES:
         raise InvalidInputError(f"unknown shape {name!r}; known: {', '.join(SHAPES)}")
-    hidden, layers, heads, kv_heads, head_dim, mlp, vocab_size, tied = SHAPES[name]
+    hidden, depth, heads, kv_heads, head_dim, mlp, vocab_size, tied = SHAPES[name]
     return Qwen3Config(
         hidden_size=hidden,
-        num_hidden_layers=layers,
+        num_hidden_layers=layers or depth,
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
         head_dim=head_dim,
@@ -101,9 +103,12 @@ def shape_config(name: str, vocab: int | None = None) -> Qwen3Config:
     )
 
 
-def random_model(name: str, dtype: torch.dtype, device: str = "cpu", vocab: int | None = None) -> Qwen3ForCausalLM:
-    """A Qwen3 with the layer shapes of `name` (a key of `SHAPES`) and random weights, built directly in `dtype`."""
-    config = shape_config(name, vocab)
+def random_model(
+    name: str, dtype: torch.dtype, device: str = "cpu", vocab: int | None = None, layers: int | None = None
+) -> Qwen3ForCausalLM:
+    """A Qwen3 with the layer shapes of `name` (a key of `SHAPES`) and random weights, built directly in `dtype`
+    (its first `layers` layers only, if given)."""
+    config = shape_config(name, vocab, layers)
     default = torch.get_default_dtype()
     torch.set_default_dtype(dtype)  # no float32 copy of the weights on the way
     try:
@@ -115,12 +120,74 @@ def random_model(name: str, dtype: torch.dtype, device: str = "cpu", vocab: int 
     return model
 
 
+def layer_counts(text: str, source: Qwen3Config, target: Qwen3Config) -> tuple[int, int]:
+    """`--layers S:T`: the first `S` source and `T` target layers, at most the shapes' depths.
+
+    Example:
+
+    ```python
+    >>> layer_counts("8:4", shape_config("qwen3-4b"), shape_config("qwen3-8b"))
+    (8, 4)
+    ```
+    """
+    parts = text.split(":")
+    if len(parts) != 2 or not all(part.isdigit() and int(part) > 0 for part in parts):
+        raise InvalidInputError(f"--layers takes S:T, two positive layer counts joined by ':'; got {text!r}")
+    counts = int(parts[0]), int(parts[1])
+    for side, count, config in zip(("source", "target"), counts, (source, target)):
+        if count > config.num_hidden_layers:
+            raise InvalidInputError(
+                f"--layers {text}: the {side} shape has {config.num_hidden_layers} layers, not {count}"
+            )
+    return counts
+
+
+def scale_to_depth(timings: dict, measured: tuple, full: tuple, seq_len: int) -> dict:
+    """The stages' seconds of a run on the first layers of a pair (`measured`: the `(source, target)` configs it
+    ran) scaled to the whole pair (`full`), per what each stage's work grows with:
+    - forwards: with the two prefills' FLOPs (`prefill_flops`; every layer of a model has the same shape);
+    - the selection pass's statistics and scoring: with source × target layers (every pair is scored);
+    - the fit passes' statistics, the λ search and the solves: with the target layers (one map each, from as many
+      source layers as the run's: a deeper source may spread a pass's union wider, which the FLOP model brackets).
+
+    Example:
+
+    ```python
+    >>> small = (shape_config("qwen3-4b", layers=4), shape_config("qwen3-8b", layers=2))
+    >>> full = (shape_config("qwen3-4b"), shape_config("qwen3-8b"))
+    >>> timings = {"forward_seconds": 1.0, "statistics_seconds": 3.0, "selection_statistics_seconds": 1.0,
+    ...            "selection_seconds": 1.0, "lambda_seconds": 1.0, "solve_seconds": 1.0}
+    >>> scaled = scale_to_depth(timings, small, full, 256)
+    >>> scaled["selection_seconds"], scaled["lambda_seconds"], round(scaled["statistics_seconds"], 1)
+    (162.0, 18.0, 198.0)
+    ```
+    """
+    (ms, mt), (fs, ft) = measured, full
+    forward = (prefill_flops(fs, seq_len) + prefill_flops(ft, seq_len)) / (
+        prefill_flops(ms, seq_len) + prefill_flops(mt, seq_len)
+    )
+    pairs = fs.num_hidden_layers * ft.num_hidden_layers / (ms.num_hidden_layers * mt.num_hidden_layers)
+    targets = ft.num_hidden_layers / mt.num_hidden_layers
+    selection_statistics = timings.get("selection_statistics_seconds", 0.0)
+    fit_statistics = timings["statistics_seconds"] - selection_statistics
+    return {
+        "forward_seconds": timings["forward_seconds"] * forward,
+        "statistics_seconds": selection_statistics * pairs + fit_statistics * targets,
+        "selection_statistics_seconds": selection_statistics * pairs,
+        "selection_seconds": timings.get("selection_seconds", 0.0) * pairs,
+        "lambda_seconds": timings.get("lambda_seconds", 0.0) * targets,
+        "solve_seconds": timings.get("solve_seconds", 0.0) * targets,
+    }
+
+
 def run(args: argparse.Namespace) -> dict:
     source_name, target_name = shape_pair(args.pair, "--pair", SHAPES)
     dtype = getattr(torch, args.dtype)
     statistics_dtype = getattr(torch, args.statistics_dtype)
     budget = parse_bytes(args.statistics_memory)
-    source_config, target_config = shape_config(source_name, args.vocab), shape_config(target_name, args.vocab)
+    full = shape_config(source_name, args.vocab), shape_config(target_name, args.vocab)
+    layers = layer_counts(args.layers, *full) if args.layers else (None, None)
+    source_config, target_config = (shape_config(n, args.vocab, k) for n, k in zip((source_name, target_name), layers))
     ls, lt = source_config.num_hidden_layers, target_config.num_hidden_layers
     heads, dim = source_config.num_key_value_heads, source_config.head_dim
     row = heads * 2 * dim
@@ -128,8 +195,8 @@ def run(args: argparse.Namespace) -> dict:
     # refuses before any work, the models' build included
     mode = check_budget(budget, ls, lt, heads, dim, args.top_k, statistics_dtype, *modes)
     started = time.perf_counter()
-    source = random_model(source_name, dtype, args.device, args.vocab)
-    target = random_model(target_name, dtype, args.device, args.vocab)
+    source = random_model(source_name, dtype, args.device, args.vocab, layers[0])
+    target = random_model(target_name, dtype, args.device, args.vocab, layers[1])
     build_s = time.perf_counter() - started
     groups = len(feature_groups(heads, dim, *modes))  # the shapes here are matched pairs
     windows = torch.randint(0, source.config.vocab_size, (args.num_sequences, args.seq_len),
@@ -154,12 +221,18 @@ def run(args: argparse.Namespace) -> dict:
             timings=timings,
         )
     wall = time.perf_counter() - started
-    passes = plan_passes(bridge.config.selected_layers, row, budget, statistics_dtype, groups)
-    pass_bytes = [
-        fit_bytes(len(set().union(*(bridge.config.selected_layers[t] for t in group))), len(group), row,
-                  statistics_dtype, groups, args.top_k, args.top_k)
-        for group in passes
-    ]  # fmt: skip
+    selected = bridge.config.selected_layers
+    if timings["row_statistics"]:  # one pass kept every target layer's rows (fewer training tokens than inputs)
+        passes = [list(range(len(selected)))]
+        union = len(set().union(*selected))
+        pass_bytes = [RowStatistics.nbytes(int(windows.numel()), union, len(selected), row, row, statistics_dtype)]
+    else:
+        passes = plan_passes(selected, row, budget, statistics_dtype, groups)
+        pass_bytes = [
+            fit_bytes(len(set().union(*(selected[t] for t in group))), len(group), row, statistics_dtype, groups,
+                      args.top_k, args.top_k)
+            for group in passes
+        ]  # fmt: skip
     one_pass_forward = timings["forward_seconds"] / (1 + len(passes))
     tokens = int(windows.numel())
     cores = 1 if args.device == "cuda" else torch.get_num_threads()  # per CPU core on CPU; the whole GPU on CUDA
@@ -172,7 +245,10 @@ def run(args: argparse.Namespace) -> dict:
         "top_k": args.top_k,
         "statistics_memory": budget,
         "statistics_dtype": args.statistics_dtype,
+        "source_layers": ls,
+        "target_layers": lt,
         "fit_passes": len(passes),
+        "row_statistics": timings["row_statistics"],
         "selection_statistics_bytes": selection_bytes(ls, lt, heads, dim, statistics_dtype),
         "feature_groups": groups,
         "largest_fit_pass_bytes": max(pass_bytes),
@@ -193,6 +269,15 @@ def run(args: argparse.Namespace) -> dict:
     if args.device == "cuda":
         result["peak_cuda_bytes"] = torch.cuda.max_memory_allocated()
     result["projection"] = project(result, timings, PAPER_TOKENS)
+    if args.layers:  # the whole pair's stages, scaled from this run's first layers
+        scaled = scale_to_depth(timings, (source_config, target_config), full, args.seq_len)
+        scaled["row_statistics"] = timings["row_statistics"]
+        result["full_depth"] = {
+            "source_layers": full[0].num_hidden_layers,
+            "target_layers": full[1].num_hidden_layers,
+            **{key: round(value, 1) for key, value in scaled.items() if key.endswith("_seconds")},
+            "projection": project(result, scaled, PAPER_TOKENS),
+        }
     return result
 
 
@@ -207,6 +292,17 @@ def project(result: dict, timings: dict, tokens: int) -> dict:
     per_token = (timings["forward_seconds"] + timings["statistics_seconds"]) / result["tokens"]
     fixed = sum(timings.get(k, 0.0) for k in ("selection_seconds", "lambda_seconds", "solve_seconds"))
     forwards = timings["forward_seconds"] / result["tokens"] * tokens
+    if timings.get("row_statistics"):  # fewer tokens than inputs: the rows' λ search and solves do not scale
+        return {
+            "tokens": tokens,
+            "seconds": None,
+            "forward_seconds": round(forwards, 1),
+            "overhead_seconds": None,
+            "overhead_over_forwards": None,
+            "not_projected": "the fit kept the rows (fewer training tokens than map inputs); at these tokens it "
+            "takes the sums, whose λ search and solves this run did not measure (scripts/measure_row_solve.py "
+            "times both)",
+        }
     total = per_token * tokens + fixed
     return {
         "tokens": tokens,
@@ -224,6 +320,8 @@ def flop_model(args: argparse.Namespace) -> dict:
     layers of a pass sharing their `k` source layers, as neighbouring layers mostly do (the fewest passes; the
     statistics' FLOPs are counted at both ends of the union all the same)."""
     source_name, target_name = shape_pair(args.pair, "--pair", SHAPES)
+    if getattr(args, "layers", None):
+        raise InvalidInputError("--layers is for a measured run; --flop-model counts the whole pair")
     source, target = shape_config(source_name, args.vocab), shape_config(target_name, args.vocab)
     heads, dim = source.num_key_value_heads, source.head_dim
     if (target.num_key_value_heads, target.head_dim) != (heads, dim):
@@ -307,12 +405,19 @@ def run_cli(args: argparse.Namespace) -> int:
     print(text)
     seconds = {k: result[f"{k}_seconds"] for k in ("forward", "statistics", "selection", "lambda", "solve")}
     print("time split (s): " + ", ".join(f"{k} {v}" for k, v in seconds.items()))
-    projected = result["projection"]
-    print(
-        f"projected to {projected['tokens']:,} tokens: {projected['seconds']:,} s, of which forwards "
-        f"{projected['forward_seconds']:,} s (statistics + selection + λ + solves: "
-        f"{projected['overhead_over_forwards']}× the forwards)"
-    )
+    for label, part in (("", result), (" (the whole pair, scaled from its first layers)", result.get("full_depth"))):
+        if part is None:
+            continue
+        projected = part["projection"]
+        if projected["seconds"] is None:
+            print(f"projected to {projected['tokens']:,} tokens{label}: forwards {projected['forward_seconds']:,} s; "
+                  f"the rest not projected: {projected['not_projected']}")  # fmt: skip
+        else:
+            print(
+                f"projected to {projected['tokens']:,} tokens{label}: {projected['seconds']:,} s, of which forwards "
+                f"{projected['forward_seconds']:,} s (statistics + selection + λ + solves: "
+                f"{projected['overhead_over_forwards']}× the forwards)"
+            )
     print(
         f"{result['tokens_per_second']} tokens/s ({result['tokens_per_second_per_core']} per core, "
         f"{result['threads']} threads); statistics: selection "
