@@ -289,8 +289,6 @@ def project(result: dict, timings: dict, tokens: int) -> dict:
     tokens (the same passes: the statistics' size, hence the plan, does not depend on them), selection scoring, λ
     search and solves work on the summed statistics and do not. Also the share the non-forward work takes of it,
     which the paper's cost claim needs to be small."""
-    per_token = (timings["forward_seconds"] + timings["statistics_seconds"]) / result["tokens"]
-    fixed = sum(timings.get(k, 0.0) for k in ("selection_seconds", "lambda_seconds", "solve_seconds"))
     forwards = timings["forward_seconds"] / result["tokens"] * tokens
     if timings.get("row_statistics"):  # fewer tokens than inputs: the rows' λ search and solves do not scale
         return {
@@ -303,6 +301,8 @@ def project(result: dict, timings: dict, tokens: int) -> dict:
             "takes the sums, whose λ search and solves this run did not measure (scripts/measure_row_solve.py "
             "times both)",
         }
+    per_token = (timings["forward_seconds"] + timings["statistics_seconds"]) / result["tokens"]
+    fixed = sum(timings.get(k, 0.0) for k in ("selection_seconds", "lambda_seconds", "solve_seconds"))
     total = per_token * tokens + fixed
     return {
         "tokens": tokens,
