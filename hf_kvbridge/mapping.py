@@ -337,6 +337,15 @@ def _map_span(
     dtype = mapper.layout_dtype()
     row_space = workspace.buffer("rows", batch * chunk * num_slots * mapper.slot_features, dtype, device)
     out_space = workspace.buffer("mapped", batch * chunk * widest, dtype, device)
+    # a mapper in another dtype than the caches (a bfloat16 copy of a float32 mapper): the rotations run in the caches'
+    # dtype on scratch copies, since elementwise ops of mixed dtypes take about twice as long
+    strip_scratch = rotate_scratch = None
+    if dtype != first_keys.dtype:
+        strip_scratch = workspace.buffer(
+            "strip", batch * chunk * src.num_kv_heads * src.head_dim, first_keys.dtype, device
+        )
+    if dtype != target.dtype:
+        rotate_scratch = workspace.buffer("rotate", batch * chunk * widest // 2, target.dtype, device)
     for start in range(0, span, chunk):
         end = min(start + chunk, span)
         strip_c, rotate_c = strip.narrow(start, end), rotate.narrow(start, end)
@@ -352,12 +361,20 @@ def _map_span(
                     keys, values = cache_layer_kv(source_cache, s)  # (B, H, T_held, d), keys post-RoPE
                     lo, hi = first + start - offsets[s], first + end - offsets[s]
                     keys, values = keys[:, :, lo:hi].to(device), values[:, :, lo:hi].to(device)
-                    mapper.write_rows(rows, slots[s], keys, values, write_keys=strip_c)
+                    write_keys = strip_c
+                    if strip_scratch is not None:  # stripped in the cache's dtype, then copied into the rows
+
+                        def write_keys(k, out, rotation=strip_c):
+                            out.copy_(rotation(k, out=strip_scratch[: k.numel()].view(k.shape)))
+
+                    mapper.write_rows(rows, slots[s], keys, values, write_keys=write_keys)
                     loaded.add(s)
             mapped = mapper.map_targets(sources, step_targets, rows, out=out_space, slots=slots)
             loaded -= {s for s in sources if last_use[s] == step}  # their slots go to later layers
             keys_c, values = mapper.split_rows(mapped, batch, end - start, layers=len(step_targets))  # (n,B,H,c,d)
             block = outputs[step][:, :, :, :, start:end]  # (2, n, B, H, c, d) view of the cache tensors
+            if rotate_scratch is not None:  # rotated in the cache's dtype from a copy of the keys in it
+                keys_c = rotate_scratch[: keys_c.numel()].view(keys_c.shape).copy_(keys_c)
             rotate_c(keys_c, out=block[0])
             block[1].copy_(values)
     return {

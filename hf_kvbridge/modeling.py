@@ -38,6 +38,7 @@ from .persistence import (
     save_bridge,
 )
 from .plan import TransferPlan, plan_from_config
+from .precision import HALF_TYPES, resolve_mapper_dtype
 from .session import HandoffSession
 from .source_features import SourceFeatures, check_source_features, source_blocks
 from .transfer import left_padding, positions_from_mask, transfer_prefill
@@ -120,6 +121,10 @@ class KVBridgeForCausalLM(nn.Module):
         residual_mapper ([`ResidualMapper`], *optional*): maps the source's hidden states to the residual stream
             entering the target's top layers, for layer recompute (`config.recompute_layers`,
             `hf_kvbridge.layer_recompute`).
+        mapper_dtype (`torch.dtype` or `str`, *optional*): the dtype to keep the mapper in and map with (`float32`,
+            `bfloat16`, `float16`). Defaults to `"auto"`: the target's dtype when that is a half type, else float32,
+            mapping with a bfloat16 copy where `torch.set_float32_matmul_precision("medium")` allows it and the device
+            has bfloat16 matrix units (`mapping_mapper`).
 
     Example:
 
@@ -141,8 +146,14 @@ class KVBridgeForCausalLM(nn.Module):
         target: PreTrainedModel,
         mapper: KVMapper,
         residual_mapper: ResidualMapper | None = None,
+        mapper_dtype: torch.dtype | str | None = None,
     ):
         super().__init__()
+        # an explicit dtype is the mapper's own (converted below, saved as such); `None`/"auto" keeps the mapper in the
+        # target's half type or float32 and may map with a bfloat16 copy (`mapping_mapper`)
+        storage_dtype = resolve_mapper_dtype(target.dtype, execution_device(target), mapper_dtype)  # validated first
+        if mapper_dtype in (None, "auto"):
+            storage_dtype = target.dtype if target.dtype in HALF_TYPES else torch.float32
         source_name = config.source_name_or_path or source.config.name_or_path
         target_name = config.target_name_or_path or target.config.name_or_path
         self.source_layout, self.target_layout = check_models(source, target, source_name, target_name)
@@ -179,13 +190,13 @@ class KVBridgeForCausalLM(nn.Module):
             _check_residual_mapper(residual_mapper, config, source, target, source_name, target_name)
         check_layer_recompute(config, self.target_layout, residual_mapper)  # refused here, before any prompt
         self.config = config
-        # the mapper lives in the target's dtype when that is a half type (matmuls accumulate in float32 anyway); a
-        # mapper in another dtype or on another device is converted into a copy, never in the caller's hands
-        half = target.dtype in (torch.bfloat16, torch.float16)
-        dtype = target.dtype if half else torch.float32
-        mapper = converted_mapper(mapper, execution_device(target), dtype)
+        # the mapper lives in the target's dtype when that is a half type (matmuls accumulate in float32 anyway), else
+        # in float32, or in the dtype asked for; a mapper in another dtype or on another device is converted into a
+        # copy, never in the caller's hands
+        mapper = converted_mapper(mapper, execution_device(target), storage_dtype)
         if residual_mapper is not None:
-            residual_mapper = converted_mapper(residual_mapper, execution_device(target), dtype)
+            residual_mapper = converted_mapper(residual_mapper, execution_device(target), storage_dtype)
+        self.mapper_dtype = mapper_dtype
         self.source, self.target, self.mapper = source, target, mapper
         self.residual_mapper = residual_mapper
         self.source_features = features  # the hidden-state feature blocks the mapper reads, or None (K/V only)
@@ -273,7 +284,7 @@ class KVBridgeForCausalLM(nn.Module):
         return map_cache(
             self.source,
             self.target,
-            self.mapper,
+            self.mapping_mapper(),
             self.source_layout,
             source_cache,
             position_ids=position_ids,
@@ -283,6 +294,43 @@ class KVBridgeForCausalLM(nn.Module):
             source_features=self.source_features,
             hidden_states=hidden_states if self.source_features is not None else None,
         )
+
+    def mapping_mapper(self) -> KVMapper:
+        """The mapper `map_cache` computes with: `self.mapper`, or, when `mapper_dtype` is `None`/`"auto"`, the target
+        is float32, `torch.get_float32_matmul_precision()` is `"medium"` and the device has bfloat16 matrix units
+        (`hf_kvbridge.precision.resolve_mapper_dtype`), a bfloat16 copy of it. The copy is kept (half the float32
+        mapper's bytes) until a weight of `self.mapper` changes or moves; `self.mapper` itself, and so what
+        `save_pretrained` writes, stays float32. A lazily loaded mapper is never copied.
+
+        Example:
+
+        ```python
+        >>> torch.set_float32_matmul_precision("medium")  # doctest: +SKIP
+        >>> bridge.mapping_mapper().layout_dtype()  # doctest: +SKIP
+        torch.bfloat16
+        ```
+        """
+        mapper = self.mapper
+        if self.mapper_dtype not in (None, "auto") or isinstance(mapper, LazyKVMapper):
+            return mapper
+        if mapper.layout_dtype() != torch.float32:  # a half target's mapper, or one converted by hand
+            return mapper
+        dtype = resolve_mapper_dtype(self.target.dtype, execution_device(self.target), None)
+        if dtype == torch.float32:
+            return mapper
+        # parameters made under `torch.inference_mode()` have no version counter: their storage is the key
+        key = (
+            dtype,
+            tuple((p.data_ptr(), p.device, None if p.is_inference() else p._version) for p in mapper.parameters()),
+        )
+        kept = self.__dict__.get("_compute_mapper")  # kept out of nn.Module's attribute machinery (not a submodule)
+        if kept is None or kept[0] != key:
+            self.__dict__["_compute_mapper"] = None  # never two copies at once
+            kept = self.__dict__["_compute_mapper"] = (
+                key,
+                converted_mapper(mapper, execution_device(self.target), dtype),
+            )
+        return kept[1]
 
     @torch.no_grad()
     def map_residual(self, source_hidden_states, recompute_layers: int) -> torch.Tensor:
@@ -318,7 +366,7 @@ class KVBridgeForCausalLM(nn.Module):
         return self._rebuilt(config, self.mapper, residual_mapper)
 
     def _rebuilt(self, config, mapper, residual_mapper) -> KVBridgeForCausalLM:
-        new = type(self)(config, self.source, self.target, mapper, residual_mapper)
+        new = type(self)(config, self.source, self.target, mapper, residual_mapper, mapper_dtype=self.mapper_dtype)
         for name in ("layer_r2", "calibration_statistics"):
             if hasattr(self, name):
                 setattr(new, name, getattr(self, name))
@@ -610,6 +658,7 @@ class KVBridgeForCausalLM(nn.Module):
         token: str | bool | None = None,
         force_download: bool = False,
         lazy_mapper: bool = False,
+        mapper_dtype: torch.dtype | str | None = None,
         **load_kwargs: Any,
     ) -> KVBridgeForCausalLM:
         r"""Loads a bridge checkpoint and its two models.
@@ -621,6 +670,7 @@ class KVBridgeForCausalLM(nn.Module):
             revision (`str`, *optional*): revision of the bridge repo on the Hub.
             lazy_mapper (`bool`, *optional*, defaults to `False`): keep the mapper's weights on disk and load one
                 target layer's weights at a time while mapping (for mappers too large to hold in memory).
+            mapper_dtype (`torch.dtype` or `str`, *optional*): as in the constructor; `"auto"` by default.
             load_kwargs: passed to `AutoModelForCausalLM.from_pretrained` for the two models (`torch_dtype`,
                 `dtype`, `device_map`, ...).
 
@@ -632,6 +682,7 @@ class KVBridgeForCausalLM(nn.Module):
         """
         for key in _AUTO_KWARGS:
             load_kwargs.pop(key, None)
+        resolve_mapper_dtype(torch.float32, "cpu", mapper_dtype)  # a bad mapper_dtype is named before any loading
         folder = resolve_checkpoint(
             pretrained_model_name_or_path,
             revision=revision,
@@ -656,7 +707,7 @@ class KVBridgeForCausalLM(nn.Module):
                 check_fingerprint(fingerprint, KVLayout.from_config(model.config), role, name)
         mapper = load_mapper(config, layout, folder, checksums, lazy=lazy_mapper)
         residual_mapper = load_residual_mapper(config, folder, checksums)  # None without layer recompute
-        bridge = cls(config, source_model, target_model, mapper, residual_mapper)
+        bridge = cls(config, source_model, target_model, mapper, residual_mapper, mapper_dtype=mapper_dtype)
         bridge.config.name_or_path = str(pretrained_model_name_or_path)
         if (folder / REVERSE_FOLDER / CONFIG_NAME).is_file():
             bridge.reverse = cls.from_pretrained(

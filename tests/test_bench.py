@@ -124,10 +124,16 @@ def test_vllm_bench_random_shapes_bridge_builds(tmp_path, monkeypatch):
     assert bridge.source.config.num_hidden_layers == 2 and bridge.target.config.num_hidden_layers == 3
 
 
-def test_bench_cli_old_vs_new_writes_both_defaults(tmp_path, capsys, monkeypatch):
-    """`--old-vs-new` times the old and the new default mapping of one bridge in one run and writes both, side by
-    side, with their ratio and the largest difference of their outputs (0: the new path is exact)."""
+@pytest.mark.parametrize("units", [True, False])
+def test_bench_cli_old_vs_new_writes_both_defaults(tmp_path, capsys, monkeypatch, units):
+    """`--old-vs-new` times the old default mapping (the float32 mapper) and the new one (a bfloat16 copy under
+    matmul precision "medium", where the device has bfloat16 units) of one bridge in one run and writes both, side by
+    side, with their ratio and the differences of their outputs: bfloat16 rounding with units, 0 without."""
+    from hf_kvbridge import precision
     from hf_kvbridge.tools.bench import mapper as bench
+
+    real_units = precision.bf16_matmul_units("cpu")  # where oneDNN has them, "medium" uses them in float32 products
+    monkeypatch.setattr(precision, "bf16_matmul_units", lambda device: units)
 
     monkeypatch.setitem(bench.QWEN3_SHAPES, "tiny-a", (2, 32, 4, 2, 16, 64))
     monkeypatch.setitem(bench.QWEN3_SHAPES, "tiny-b", (3, 48, 4, 2, 16, 96))
@@ -136,13 +142,18 @@ def test_bench_cli_old_vs_new_writes_both_defaults(tmp_path, capsys, monkeypatch
     assert main([*common, "--old-vs-new", "--json", str(out)]) == 0
     payload = json.loads(out.read_text())
     assert payload["old_default"] == bench.OLD_DEFAULT and payload["new_default"] == bench.NEW_DEFAULT
-    assert payload["cpu_bf16_units"] == bench.cpu_bf16_units() and payload["cpu_capability"]
+    assert payload["cpu_bf16_units"] is units and payload["cpu_capability"]
     rows = payload["old_vs_new"]
     assert [r["context_tokens"] for r in rows] == [16, 24]
     for row in rows:
         assert row["old_default_s"] > 0 and row["new_default_s"] > 0
         assert row["new_over_old"] == pytest.approx(row["new_default_s"] / row["old_default_s"])
-        assert row["max_abs_difference"] == 0.0
+        assert row["mapper_dtype"] == "torch.float32"
+        if units:
+            assert row["new_mapper_dtype"] == "torch.bfloat16" and 0 < row["relative_difference"] < 0.05
+        else:  # the float32 mapper: the same products, in bfloat16 inside oneDNN where the CPU has the units
+            assert row["new_mapper_dtype"] == "torch.float32" and row["relative_difference"] < 0.05
+            assert real_units or row["max_abs_difference"] == 0.0
         assert row["mapper_flops"] == row["context_tokens"] * 3 * 2 * 128 * 64
     assert "new / old" in capsys.readouterr().out
 

@@ -427,11 +427,12 @@ class KVMapper(nn.Module, HeadLayouts):
         """`_stack(sources, targets)`, cached until any parameter of those target layers or their layer order
         changes. Parameters made under `torch.inference_mode()` (a bridge loaded in a vLLM worker, say) have no
         version counter, so in-place edits to them cannot be seen: their stack is rebuilt on every call instead."""
-        if any(p.is_inference() for t in targets for p in self.layers[t].parameters()):
+        params = [p for t in targets for p in self.layers[t].parameters()]  # one walk over the modules per call
+        if any(p.is_inference() for p in params):
             return self._stack(sources, targets)
-        versions = tuple(
-            (tuple((p._version, p.data_ptr()) for p in self.layers[t].parameters()), tuple(self.selected_layers[t]))
-            for t in targets
+        versions = (
+            tuple((p._version, p.data_ptr()) for p in params),
+            tuple(tuple(self.selected_layers[t]) for t in targets),
         )
         key = (tuple(sources), tuple(targets))
         cache = self.__dict__.setdefault("_stacked_cache", {})

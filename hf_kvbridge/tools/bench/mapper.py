@@ -21,6 +21,7 @@ from collections.abc import Callable
 import torch
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
+from ... import precision
 from ...cache import output_cache
 from ...configuration import KVBridgeConfig
 from ...errors import ContextLengthError, InvalidInputError
@@ -191,10 +192,9 @@ def interleaved_medians(
 
 
 def cpu_bf16_units() -> bool:
-    """Whether this CPU has bfloat16 matrix instructions PyTorch's oneDNN uses (avx512_bf16 or AMX). Without them a
-    bfloat16 product is emulated: measured about 80–110× slower than float32 on an AVX2-only AMD EPYC."""
-    check = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
-    return bool(check()) if check is not None else False
+    """Whether this CPU has bfloat16 matrix instructions PyTorch's oneDNN uses (`hf_kvbridge.precision.
+    bf16_matmul_units`)."""
+    return precision.bf16_matmul_units("cpu")
 
 
 @contextlib.contextmanager
@@ -383,22 +383,52 @@ def format_table(rows: list[dict]) -> str:
 
 DEFAULT_BENCH_LENGTHS = (256, 1024, 4096)
 
-# `--old-vs-new`: the default mapping as it was (every rotation computed on every call) against the default now
-OLD_DEFAULT = "map_cache, rotations computed on every call (the default until the workspace kept them)"
-NEW_DEFAULT = "map_cache, rotations of the last positions kept in the workspace (Workspace.rotations)"
+# `--old-vs-new`: the default mapping of a float32 bridge at PyTorch's default matmul precision against the one where
+# `torch.set_float32_matmul_precision("medium")` lets it map with a bfloat16 copy of the mapper
+OLD_DEFAULT = "map_cache with the float32 mapper (float32 matmul precision 'highest', PyTorch's default)"
+NEW_DEFAULT = (
+    "map_cache with a bfloat16 copy of the mapper (KVBridgeForCausalLM.mapping_mapper) under "
+    "torch.set_float32_matmul_precision('medium'), where the device has bfloat16 matrix units; the float32 mapper "
+    "otherwise"
+)
+
+
+@contextlib.contextmanager
+def float32_matmul_precision(precision: str):
+    """`torch.set_float32_matmul_precision(precision)` inside the block; what was set before afterwards (also when it
+    was set through the backend API, whose settings are restored one by one)."""
+    try:
+        before = torch.get_float32_matmul_precision()
+    except RuntimeError:  # set through the backend API: keep each backend's own setting
+        before = None
+    backends = [b for b in (torch.backends.mkldnn.matmul, torch.backends.cuda.matmul) if hasattr(b, "fp32_precision")]
+    kept = [b.fp32_precision for b in backends]
+    torch.set_float32_matmul_precision(precision)
+    try:
+        yield
+    finally:
+        if before is not None:
+            torch.set_float32_matmul_precision(before)
+        else:
+            for backend, value in zip(backends, kept):
+                backend.fp32_precision = value
 
 
 @torch.no_grad()
 def old_vs_new(bridge, lengths: list[int], *, batch: int = 1, repeats: int = 20, warmup: int = 2, seed: int = 0):
     """The old default mapping against the new one on the same bridge, source caches and lengths, in one run.
 
-    Per length, one source cache; the two are timed in alternating rounds (`interleaved_medians`), so a slow patch
-    of a shared machine slows both alike, and their outputs are compared (`max_abs_difference`: 0 when the new path
-    is exact).
+    Old: the bridge's float32 mapper (`map_cache` with `bridge.mapper`). New: `bridge.map_cache` under
+    `torch.set_float32_matmul_precision("medium")`, which maps with a bfloat16 copy of the mapper where the device has
+    bfloat16 matrix units (`hf_kvbridge.precision`). Per length, one source cache; the two are timed in alternating
+    rounds (`interleaved_medians`), so a slow patch of a shared machine slows both alike, and their outputs are
+    compared (`max_abs_difference`, and `relative_difference`: the largest `‖new − old‖ / ‖old‖` over the layers' keys
+    and values; 0 where the new one maps in float32 too).
 
     Returns:
         `list[dict]`, one row per length: `old_default_s`, `new_default_s` (medians), `new_over_old` (their ratio,
-        < 1 when the new one is faster), `max_abs_difference`, `mapper_flops`, `repeats`, `threads`.
+        < 1 when the new one is faster), `max_abs_difference`, `relative_difference`, `new_mapper_dtype`,
+        `mapper_flops`, `repeats`, `threads`.
 
     Example:
 
@@ -412,7 +442,9 @@ def old_vs_new(bridge, lengths: list[int], *, batch: int = 1, repeats: int = 20,
 
     generator = torch.Generator().manual_seed(seed)
     vocab, device = bridge.target_layout.vocab_size, bridge.device
-    old_workspace = Workspace(reuse_rotations=False)
+    old_workspace = Workspace()
+    with float32_matmul_precision("medium"):
+        new_dtype = bridge.mapping_mapper().layout_dtype()
     rows = []
     for length in lengths:
         ids = torch.randint(0, vocab, (batch, length), generator=generator)
@@ -432,13 +464,15 @@ def old_vs_new(bridge, lengths: list[int], *, batch: int = 1, repeats: int = 20,
             )
 
         def new(cache=source_cache):
-            return bridge.map_cache(cache)
+            with float32_matmul_precision("medium"):
+                return bridge.map_cache(cache)
 
         seconds = interleaved_medians({"old": old, "new": new}, device, repeats, warmup)
-        difference = max(
-            max((a.keys - b.keys).abs().max().item(), (a.values - b.values).abs().max().item())
-            for a, b in zip(old().layers, new().layers)
-        )
+        pairs = [
+            (a, b)
+            for old_layer, new_layer in zip(old().layers, new().layers)
+            for a, b in ((old_layer.keys, new_layer.keys), (old_layer.values, new_layer.values))
+        ]
         rows.append(
             {
                 "context_tokens": length,
@@ -446,13 +480,17 @@ def old_vs_new(bridge, lengths: list[int], *, batch: int = 1, repeats: int = 20,
                 "old_default_s": seconds["old"],
                 "new_default_s": seconds["new"],
                 "new_over_old": seconds["new"] / seconds["old"],
-                "max_abs_difference": difference,
+                "max_abs_difference": max((b.float() - a.float()).abs().max().item() for a, b in pairs),
+                "relative_difference": max(
+                    ((b.float() - a.float()).norm() / a.float().norm().clamp_min(1e-30)).item() for a, b in pairs
+                ),
                 "mapper_flops": mapper_flops(bridge.mapper, batch * length),
                 "repeats": repeats,
                 "warmup": warmup,
                 "threads": torch.get_num_threads(),
                 "device": str(device),
                 "mapper_dtype": str(bridge.mapper.layout_dtype()),
+                "new_mapper_dtype": str(new_dtype),
             }
         )
     return rows
@@ -460,7 +498,7 @@ def old_vs_new(bridge, lengths: list[int], *, batch: int = 1, repeats: int = 20,
 
 def format_old_vs_new(rows: list[dict]) -> str:
     """`old_vs_new` as a fixed-width table."""
-    header = ("tokens", "old ms", "new ms", "new / old", "max |diff|")
+    header = ("tokens", "old ms", "new ms", "new / old", "max |diff|", "rel. diff")
     lines = ["  ".join(f"{h:>11}" for h in header)]
     for r in rows:
         cells = (
@@ -469,6 +507,7 @@ def format_old_vs_new(rows: list[dict]) -> str:
             f"{r['new_default_s'] * 1e3:.2f}",
             f"{r['new_over_old']:.3f}",
             f"{r['max_abs_difference']:.1e}",
+            f"{r['relative_difference']:.1e}",
         )
         lines.append("  ".join(f"{c:>11}" for c in cells))
     return "\n".join(lines)

@@ -1,0 +1,165 @@
+"""The mapper's dtype (`hf_kvbridge.precision`, `KVBridgeForCausalLM.mapping_mapper`): float32 at PyTorch's default
+matmul precision, a bfloat16 copy where `torch.set_float32_matmul_precision("medium")` allows it on bfloat16 units,
+and the dtype asked for with `mapper_dtype`."""
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from hf_kvbridge import precision
+from hf_kvbridge.calibration import collect_statistics, fit_bridge
+from hf_kvbridge.errors import InvalidInputError
+from hf_kvbridge.modeling import KVBridgeForCausalLM
+from hf_kvbridge.precision import bf16_matmul_allowed, resolve_mapper_dtype
+from hf_kvbridge.tools.bench.mapper import float32_matmul_precision
+from tests.conftest import VOCAB, qwen3
+
+
+@pytest.fixture
+def bf16_units(monkeypatch):
+    """bfloat16 matrix units as far as the bridge can tell, on any CPU (without them bfloat16 is emulated: slow, but
+    exact to bfloat16 rounding, which is all these tiny shapes need)."""
+    monkeypatch.setattr(precision, "bf16_matmul_units", lambda device: True)
+
+
+@pytest.fixture(scope="module")
+def pair_bridge(windows):
+    source, target = qwen3(layers=2, seed=1), qwen3(layers=3, hidden=48, seed=2)
+    train, heldout = collect_statistics(source, target, windows, heldout=[0, 1, 2, 3])
+    # a firm λ keeps the weights small: at auto-λ this tiny random pair's map has weights up to 182 that cancel, and
+    # bfloat16 rows then err by 7 % (0.2 % here); the rounding itself is what these tests look at
+    return fit_bridge(source, target, train, heldout, top_k=2, ridge_lambda=1.0)
+
+
+def _cache(bridge, seq=24, seed=0):
+    ids = torch.randint(0, VOCAB, (2, seq), generator=torch.Generator().manual_seed(seed))
+    return bridge.source(ids, use_cache=True).past_key_values
+
+
+def _relative(a, b):
+    return max(
+        ((x.keys - y.keys).norm() / y.keys.norm()).item() + ((x.values - y.values).norm() / y.values.norm()).item()
+        for x, y in zip(a.layers, b.layers)
+    )
+
+
+def test_resolve_mapper_dtype(bf16_units):
+    assert resolve_mapper_dtype(torch.bfloat16, "cpu") == torch.bfloat16  # a half target's own dtype
+    assert resolve_mapper_dtype(torch.float16, "cpu", "auto") == torch.float16
+    assert resolve_mapper_dtype(torch.float32, "cpu") == torch.float32  # PyTorch's default precision: "highest"
+    with float32_matmul_precision("medium"):
+        assert resolve_mapper_dtype(torch.float32, "cpu") == torch.bfloat16
+        assert resolve_mapper_dtype(torch.float32, "cpu", torch.float32) == torch.float32  # asked for: kept
+    with float32_matmul_precision("high"):  # TF32 is no licence for bfloat16
+        assert resolve_mapper_dtype(torch.float32, "cpu") == torch.float32
+    assert resolve_mapper_dtype(torch.float32, "cpu", "bfloat16") == torch.bfloat16
+    assert resolve_mapper_dtype(torch.bfloat16, "cpu", "torch.float32") == torch.float32
+
+
+def test_no_bf16_units_no_bf16(monkeypatch):
+    monkeypatch.setattr(precision, "bf16_matmul_units", lambda device: False)
+    with float32_matmul_precision("medium"):
+        assert resolve_mapper_dtype(torch.float32, "cpu") == torch.float32
+
+
+@pytest.mark.parametrize("bad", ["int8", "float64", "bf16x", torch.int8, torch.float64, 3])
+def test_bad_mapper_dtype_is_named(bad):
+    with pytest.raises(InvalidInputError, match="mapper_dtype must be"):
+        resolve_mapper_dtype(torch.float32, "cpu", bad)
+
+
+def test_backend_api_setting_is_read():
+    """Set through the backend API (`torch.backends.mkldnn.matmul.fp32_precision`), where PyTorch's summary refuses to
+    answer; restored afterwards."""
+    matmul = torch.backends.mkldnn.matmul
+    before = matmul.fp32_precision
+    try:
+        matmul.fp32_precision = "bf16"
+        assert bf16_matmul_allowed("cpu")
+        matmul.fp32_precision = "ieee"
+        assert not bf16_matmul_allowed("cpu")
+    finally:
+        matmul.fp32_precision = before
+        torch.set_float32_matmul_precision("highest")
+    assert not bf16_matmul_allowed("cpu")
+
+
+def test_float32_matmul_precision_restores():
+    torch.set_float32_matmul_precision("highest")
+    with float32_matmul_precision("medium"):
+        assert torch.get_float32_matmul_precision() == "medium"
+    assert torch.get_float32_matmul_precision() == "highest"
+
+
+def test_medium_precision_maps_with_a_bf16_copy(pair_bridge, bf16_units, tmp_path):
+    bridge = KVBridgeForCausalLM(pair_bridge.config, pair_bridge.source, pair_bridge.target, pair_bridge.mapper)
+    cache = _cache(bridge)
+    assert bridge.mapping_mapper() is bridge.mapper  # the default precision: the float32 mapper itself
+    exact = bridge.map_cache(cache)
+    with float32_matmul_precision("medium"):
+        copy = bridge.mapping_mapper()
+        assert copy is not bridge.mapper and copy.layout_dtype() == torch.bfloat16
+        assert bridge.mapping_mapper() is copy  # kept between calls
+        mapped = bridge.map_cache(cache)
+        # the cache stays in the target's dtype; bfloat16 rounding (8 bits), not another map
+        assert all(layer.keys.dtype == torch.float32 for layer in mapped.layers)
+        assert 0 < _relative(mapped, exact) < 1e-2
+        with torch.no_grad():
+            bridge.mapper.layers[0].weight.mul_(2.0)  # an in-place edit: the copy is rebuilt from it
+        assert bridge.mapping_mapper() is not copy
+        edited = bridge.map_cache(cache)
+        with torch.no_grad():
+            bridge.mapper.layers[0].weight.mul_(0.5)
+        assert _relative(edited, mapped) > 0.05
+    assert bridge.mapper.layout_dtype() == torch.float32  # what is saved stays float32
+    assert not any("compute" in name for name in bridge.state_dict())
+    bridge.save_pretrained(tmp_path / "saved")
+    weights = load_file(tmp_path / "saved" / "mapper.safetensors")
+    assert {t.dtype for t in weights.values() if t.is_floating_point()} == {torch.float32}
+    assert bridge.mapping_mapper() is bridge.mapper  # back at "highest"
+
+
+def test_explicit_mapper_dtype_is_kept(pair_bridge, bf16_units):
+    bridge = KVBridgeForCausalLM(
+        pair_bridge.config, pair_bridge.source, pair_bridge.target, pair_bridge.mapper, mapper_dtype="bfloat16"
+    )
+    assert bridge.mapper.layout_dtype() == torch.bfloat16 and pair_bridge.mapper.layout_dtype() == torch.float32
+    assert bridge.mapping_mapper() is bridge.mapper
+    exact = pair_bridge.map_cache(_cache(bridge))
+    assert 0 < _relative(bridge.map_cache(_cache(bridge)), exact) < 1e-2
+    pinned = KVBridgeForCausalLM(
+        pair_bridge.config, pair_bridge.source, pair_bridge.target, pair_bridge.mapper, mapper_dtype=torch.float32
+    )
+    with float32_matmul_precision("medium"):  # asked for float32: no copy, whatever the precision
+        assert pinned.mapping_mapper() is pinned.mapper
+
+
+def test_bf16_mapper_with_float32_caches_matches_the_float32_engine(pair_bridge):
+    """The engine's scratch path (a mapper in another dtype than the caches: rotations in the caches' dtype, on
+    copies) against the float32 engine with the same bfloat16 weights held in float32: they differ only by the
+    rounding of the rows and of the products' outputs to bfloat16. A skipped or misplaced rotation is far off."""
+    bf16 = KVBridgeForCausalLM(
+        pair_bridge.config, pair_bridge.source, pair_bridge.target, pair_bridge.mapper, mapper_dtype=torch.bfloat16
+    )
+    rounded = KVBridgeForCausalLM(
+        pair_bridge.config, pair_bridge.source, pair_bridge.target, bf16.mapper, mapper_dtype=torch.float32
+    )  # the bfloat16 weights, exactly, in float32
+    cache = _cache(pair_bridge, seq=40, seed=3)
+    assert _relative(bf16.map_cache(cache), rounded.map_cache(cache)) < 1e-2
+
+
+def test_from_pretrained_takes_mapper_dtype(pair_bridge, tmp_path, monkeypatch):
+    pair_bridge.save_pretrained(tmp_path / "b")
+    loaded = KVBridgeForCausalLM.from_pretrained(
+        tmp_path / "b", pair_bridge.source, pair_bridge.target, mapper_dtype=torch.bfloat16
+    )
+    assert loaded.mapper.layout_dtype() == torch.bfloat16
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("a bad mapper_dtype must be refused before anything is read")
+
+    from hf_kvbridge import modeling
+
+    monkeypatch.setattr(modeling, "resolve_checkpoint", no_loading)
+    with pytest.raises(InvalidInputError, match="mapper_dtype must be"):
+        KVBridgeForCausalLM.from_pretrained(tmp_path / "b", mapper_dtype="int8")
