@@ -457,6 +457,13 @@ def _add_bench(sub) -> None:
     cal.add_argument("--statistics-memory", default="8GB")
     cal.add_argument("--statistics-dtype", default="float32", choices=_constants.STATISTICS_DTYPES)
     cal.add_argument("--statistics-device", default=None)
+    cal.add_argument(
+        "--float32-matmul-precision",
+        default=None,
+        choices=("highest", "high", "medium"),
+        help="torch.set_float32_matmul_precision for the run: 'medium' lets float32 products (the statistics, and "
+        "float32 models' forwards) run in bfloat16 with float32 accumulation on bfloat16 units",
+    )
     cal.add_argument("--dtype", default="bfloat16")
     cal.add_argument("--device", default="cpu")
     cal.add_argument("--vocab", type=_positive_int, default=None, help="override the vocabulary size")

@@ -163,3 +163,36 @@ def test_from_pretrained_takes_mapper_dtype(pair_bridge, tmp_path, monkeypatch):
     monkeypatch.setattr(modeling, "resolve_checkpoint", no_loading)
     with pytest.raises(InvalidInputError, match="mapper_dtype must be"):
         KVBridgeForCausalLM.from_pretrained(tmp_path / "b", mapper_dtype="int8")
+
+
+def test_statistics_under_medium_precision_match_float64():
+    """Under "medium", float32 statistics products run in bfloat16 with float32 accumulation on bfloat16 units (the
+    lever for calibration's statistics on such hardware): the moments, the ridge map and its held-out R² stay close
+    to float64 statistics of the same rows."""
+    from hf_kvbridge.solve import solve_ridge
+    from hf_kvbridge.statistics import BlockStatistics
+
+    gen = torch.Generator().manual_seed(0)
+    mix = torch.randn(24, 24, generator=gen, dtype=torch.float64)
+    x = torch.randn(3000, 24, generator=gen, dtype=torch.float64) @ mix + 2.0  # 3 source layers × 2 heads × 2·2 dims
+    w = torch.randn(24, 16, generator=gen, dtype=torch.float64)
+    y = x @ w + 0.5 * torch.randn(3000, 16, generator=gen, dtype=torch.float64) - 1.0  # 2 target layers
+    train, held = slice(0, 2500), slice(2500, None)
+
+    def fit(dtype, precision):
+        stats = [BlockStatistics(3, 2, 2, 2, sources=[0, 1, 2], targets=[0, 1], dtype=dtype) for _ in range(2)]
+        with float32_matmul_precision(precision):
+            stats[0].update(x[train].to(dtype), y[train].to(dtype))
+            stats[1].update(x[held].to(dtype), y[held].to(dtype))
+        x_idx, y_idx = stats[0].source_index([0, 1, 2]), stats[0].target_index(1)
+        weight, bias = solve_ridge(stats[0], x_idx, y_idx, ridge_lambda=0.01)
+        sse, sst = stats[1].residual_sums(x_idx, y_idx, weight, bias)
+        return stats[0].moments(x_idx, y_idx), weight, (1 - sse / sst).mean().item()
+
+    (_, _, cxx, cxy, _), weight, r2 = fit(torch.float64, "highest")
+    (_, _, cxx_m, cxy_m, _), weight_m, r2_m = fit(torch.float32, "medium")
+    errors = [((a - b).norm() / b.norm()).item() for a, b in ((cxx_m, cxx), (cxy_m, cxy), (weight_m, weight))]
+    assert max(errors) < 2e-3, errors
+    assert abs(r2_m - r2) < 1e-3 and r2 > 0.9
+    if precision.bf16_matmul_units("cpu"):  # the products really ran in bfloat16 here
+        assert errors[0] > 1e-6

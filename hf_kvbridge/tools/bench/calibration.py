@@ -10,6 +10,7 @@ data are those of the real pair. Timing figures need a quiet machine.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import resource
 import time
@@ -21,10 +22,11 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 from ...budget import check_budget, fit_bytes, format_bytes, parse_bytes, plan_passes, selection_bytes
 from ...calibration import fit_bridge_in_passes, split_heldout
 from ...errors import InvalidInputError
+from ...precision import bf16_matmul_units
 from ...row_statistics import RowStatistics
 from ...statistics import feature_groups
 from .flop_model import H100_SXM, CalibrationShape, calibration_flops, probe_rates, project_seconds
-from .mapper import QWEN3_SHAPES, prefill_flops, shape_pair
+from .mapper import QWEN3_SHAPES, float32_matmul_precision, prefill_flops, shape_pair
 
 # layer shapes of real checkpoints (hidden, layers, attention heads, KV heads, head dim, MLP width, vocabulary, tied):
 # `mapper.QWEN3_SHAPES` with the real vocabulary and tying, which the calibration's forwards and memory include
@@ -203,8 +205,9 @@ def run(args: argparse.Namespace) -> dict:
                             generator=torch.Generator().manual_seed(0))  # fmt: skip
     _, heldout = split_heldout(len(windows), args.heldout_fraction, 0)
     timings: dict = {}
+    precision = getattr(args, "float32_matmul_precision", None)
     started = time.perf_counter()
-    with torch.no_grad():
+    with torch.no_grad(), float32_matmul_precision(precision) if precision else contextlib.nullcontext():
         bridge, _ = fit_bridge_in_passes(
             source,
             target,
@@ -245,6 +248,9 @@ def run(args: argparse.Namespace) -> dict:
         "top_k": args.top_k,
         "statistics_memory": budget,
         "statistics_dtype": args.statistics_dtype,
+        "float32_matmul_precision": precision or torch.get_float32_matmul_precision(),
+        "cpu_bf16_units": bf16_matmul_units("cpu"),
+        "heldout_r2_mean": _mean_r2(bridge.config.heldout_r2),
         "source_layers": ls,
         "target_layers": lt,
         "fit_passes": len(passes),
@@ -279,6 +285,16 @@ def run(args: argparse.Namespace) -> dict:
             "projection": project(result, scaled, PAPER_TOKENS),
         }
     return result
+
+
+def _mean_r2(heldout_r2: dict | None) -> dict:
+    """`{"k": mean, "v": mean}` of a config's per-layer held-out R² (layers without one left out)."""
+    means = {}
+    for kv, values in (heldout_r2 or {}).items():
+        known = [float(v) for v in values if v is not None]
+        if known:
+            means[kv] = round(sum(known) / len(known), 4)
+    return means
 
 
 PAPER_TOKENS = 500 * 1024  # the paper's calibration set: 500 sequences of 1,024 tokens
