@@ -221,6 +221,32 @@ def test_calibration_bench_splits_its_time(tmp_path, capsys, monkeypatch):
                          "overhead_over_forwards": 0.8}  # fmt: skip
 
 
+def test_calibration_bench_runs_under_the_precision_asked_for(tmp_path, monkeypatch):
+    """`--float32-matmul-precision medium` runs the calibration under it (seen from inside the fit), records it and
+    the mean held-out R² in the JSON, and restores the precision afterwards."""
+    import hf_kvbridge.calibration as calibration
+    from hf_kvbridge.tools.bench import calibration as bench
+
+    monkeypatch.setattr(bench, "SHAPES", {**bench.SHAPES, **TINY_SHAPES})
+    seen = []
+    inner = calibration.choose_ridge_lambdas
+
+    def spying(*args, **kwargs):
+        seen.append(torch.get_float32_matmul_precision())
+        return inner(*args, **kwargs)
+
+    monkeypatch.setattr(calibration, "choose_ridge_lambdas", spying)
+    out = tmp_path / "cal.json"
+    argv = ["bench", "calibration", "--pair", "tiny-s:tiny-t", "--num-sequences", "4", "--seq-len", "16",
+            "--batch-size", "2", "--heldout-fraction", "0.25", "--top-k", "1", "--head-mode", "all_heads",
+            "--dtype", "float32", "--float32-matmul-precision", "medium", "--json", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    result = json.loads(out.read_text())
+    assert seen and set(seen) == {"medium"} and result["float32_matmul_precision"] == "medium"
+    assert set(result["heldout_r2_mean"]) == {"k", "v"}
+    assert torch.get_float32_matmul_precision() == "highest"
+
+
 def test_gpu_script_commands_parse_and_its_json_gathers_every_step(tmp_path):
     """`scripts/bench_gpu.sh` (run only on a lent GPU) stays runnable: with a `python3` that parses each
     `python -m kvbridge_cli ...` command line instead of running it (and writes its --json), every step parses and
