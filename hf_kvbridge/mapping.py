@@ -44,7 +44,7 @@ class Workspace:
         reuse_rotations (`bool`, *optional*, defaults to `True`): keep the source's inverse and the target's rotation
             of the last positions mapped (per thread) and reuse them while the positions, the rotary modules and
             their buffers are the same (`rotations`); `False` computes them on every call (the engine before this
-            cache, kept for `kvbridge bench mapper --old-vs-new`).
+            cache, kept for `scripts/mapper_time_split.py` and the tests that check the cache against it).
     """
 
     def __init__(self, reuse_rotations: bool = True):
