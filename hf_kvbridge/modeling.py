@@ -297,10 +297,11 @@ class KVBridgeForCausalLM(nn.Module):
 
     def mapping_mapper(self) -> KVMapper:
         """The mapper `map_cache` computes with: `self.mapper`, or, when `mapper_dtype` is `None`/`"auto"`, the target
-        is float32, `torch.get_float32_matmul_precision()` is `"medium"` and the device has bfloat16 matrix units
-        (`hf_kvbridge.precision.resolve_mapper_dtype`), a bfloat16 copy of it. The copy is kept (half the float32
-        mapper's bytes) until a weight of `self.mapper` changes or moves; `self.mapper` itself, and so what
-        `save_pretrained` writes, stays float32. A lazily loaded mapper is never copied.
+        is float32, PyTorch's float32 matmul precision allows bfloat16 (`torch.set_float32_matmul_precision(
+        "medium")`) and the device has bfloat16 matrix units (`hf_kvbridge.precision.resolve_mapper_dtype`), a
+        bfloat16 copy of it. The copy is kept (half the float32 mapper's bytes) until a weight of `self.mapper`
+        changes or moves; `self.mapper` itself, and so what `save_pretrained` writes, stays float32. A lazily loaded
+        mapper is never copied.
 
         Example:
 

@@ -3,6 +3,8 @@ PyTorch's float32 matmul precision allows bfloat16 and the device has bfloat16 m
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from .errors import InvalidInputError
@@ -91,3 +93,33 @@ def bf16_matmul_allowed(device: torch.device | str) -> bool:
         return torch.get_float32_matmul_precision() == "medium"
     except RuntimeError:  # set through the backend API for another backend: PyTorch refuses to summarise it
         return False
+
+
+@contextlib.contextmanager
+def float32_matmul_precision(value: str):
+    """`torch.set_float32_matmul_precision(value)` inside the block, and what was set before afterwards (also when that
+    was set through the backend API: each backend's setting is restored).
+
+    Example:
+
+    ```python
+    >>> with float32_matmul_precision("medium"):
+    ...     torch.get_float32_matmul_precision()
+    'medium'
+    ```
+    """
+    try:
+        before = torch.get_float32_matmul_precision()
+    except RuntimeError:  # set through the backend API: keep each backend's own setting
+        before = None
+    backends = [b for b in (torch.backends.mkldnn.matmul, torch.backends.cuda.matmul) if hasattr(b, "fp32_precision")]
+    kept = [b.fp32_precision for b in backends]
+    torch.set_float32_matmul_precision(value)
+    try:
+        yield
+    finally:
+        if before is not None:
+            torch.set_float32_matmul_precision(before)
+        else:
+            for backend, setting in zip(backends, kept):
+                backend.fp32_precision = setting

@@ -20,8 +20,7 @@ from hf_kvbridge import pocket
 from hf_kvbridge.calibration import collect_statistics, fit_bridge, split_heldout
 from hf_kvbridge.data import token_windows
 from hf_kvbridge.modeling import KVBridgeForCausalLM
-from hf_kvbridge.precision import bf16_matmul_units
-from hf_kvbridge.tools.bench.mapper import float32_matmul_precision
+from hf_kvbridge.precision import bf16_matmul_units, float32_matmul_precision
 from hf_kvbridge.tools.evaluation import continuation_nll, heldout_windows
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

@@ -10,8 +10,7 @@ from hf_kvbridge import precision
 from hf_kvbridge.calibration import collect_statistics, fit_bridge
 from hf_kvbridge.errors import InvalidInputError
 from hf_kvbridge.modeling import KVBridgeForCausalLM
-from hf_kvbridge.precision import bf16_matmul_allowed, resolve_mapper_dtype
-from hf_kvbridge.tools.bench.mapper import float32_matmul_precision
+from hf_kvbridge.precision import bf16_matmul_allowed, float32_matmul_precision, resolve_mapper_dtype
 from tests.conftest import VOCAB, qwen3
 
 

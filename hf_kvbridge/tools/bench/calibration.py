@@ -22,11 +22,11 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 from ...budget import check_budget, fit_bytes, format_bytes, parse_bytes, plan_passes, selection_bytes
 from ...calibration import fit_bridge_in_passes, split_heldout
 from ...errors import InvalidInputError
-from ...precision import bf16_matmul_units
+from ...precision import bf16_matmul_units, float32_matmul_precision
 from ...row_statistics import RowStatistics
 from ...statistics import feature_groups
 from .flop_model import H100_SXM, CalibrationShape, calibration_flops, probe_rates, project_seconds
-from .mapper import QWEN3_SHAPES, float32_matmul_precision, prefill_flops, shape_pair
+from .mapper import QWEN3_SHAPES, prefill_flops, shape_pair
 
 # layer shapes of real checkpoints (hidden, layers, attention heads, KV heads, head dim, MLP width, vocabulary, tied):
 # `mapper.QWEN3_SHAPES` with the real vocabulary and tying, which the calibration's forwards and memory include

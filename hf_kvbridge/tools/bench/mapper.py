@@ -27,6 +27,7 @@ from ...configuration import KVBridgeConfig
 from ...errors import ContextLengthError, InvalidInputError
 from ...layout import check_matched
 from ...mappers import KVMapper
+from ...precision import float32_matmul_precision
 
 # Public Qwen3 shapes (layers, hidden, heads, KV heads, head dim, MLP width); vocab is cut to 1024 for random-weight
 # benchmarks: embeddings and the LM head are not part of what is timed.
@@ -391,27 +392,6 @@ NEW_DEFAULT = (
     "torch.set_float32_matmul_precision('medium'), where the device has bfloat16 matrix units; the float32 mapper "
     "otherwise"
 )
-
-
-@contextlib.contextmanager
-def float32_matmul_precision(precision: str):
-    """`torch.set_float32_matmul_precision(precision)` inside the block; what was set before afterwards (also when it
-    was set through the backend API, whose settings are restored one by one)."""
-    try:
-        before = torch.get_float32_matmul_precision()
-    except RuntimeError:  # set through the backend API: keep each backend's own setting
-        before = None
-    backends = [b for b in (torch.backends.mkldnn.matmul, torch.backends.cuda.matmul) if hasattr(b, "fp32_precision")]
-    kept = [b.fp32_precision for b in backends]
-    torch.set_float32_matmul_precision(precision)
-    try:
-        yield
-    finally:
-        if before is not None:
-            torch.set_float32_matmul_precision(before)
-        else:
-            for backend, value in zip(backends, kept):
-                backend.fp32_precision = value
 
 
 @torch.no_grad()
