@@ -195,3 +195,16 @@ def test_statistics_under_medium_precision_match_float64():
     assert abs(r2_m - r2) < 1e-3 and r2 > 0.9
     if precision.bf16_matmul_units("cpu"):  # the products really ran in bfloat16 here
         assert errors[0] > 1e-6
+
+
+@pytest.mark.parametrize("head_mode", ["all_heads", "same_head"])
+@pytest.mark.parametrize("kv_mode", ["joint", "separate"])
+def test_bf16_mapper_every_layout(windows, head_mode, kv_mode):
+    """The scratch path fits every mapper layout (its buffers are sized from the schedule): a bfloat16 mapper of each
+    head and K/V mode maps a float32 pair to within bfloat16 rounding of its float32 mapper."""
+    source, target = qwen3(layers=2, seed=1, kv_heads=2), qwen3(layers=3, hidden=48, seed=2, kv_heads=4)
+    train, heldout = collect_statistics(source, target, windows, heldout=[0, 1, 2, 3])
+    exact = fit_bridge(source, target, train, heldout, top_k=2, head_mode=head_mode, kv_mode=kv_mode, ridge_lambda=1.0)
+    bf16 = KVBridgeForCausalLM(exact.config, source, target, exact.mapper, mapper_dtype=torch.bfloat16)
+    cache = _cache(exact, seq=30, seed=4)
+    assert 0 < _relative(bf16.map_cache(cache), exact.map_cache(cache)) < 1e-2
