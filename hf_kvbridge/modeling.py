@@ -151,9 +151,10 @@ class KVBridgeForCausalLM(nn.Module):
         super().__init__()
         # an explicit dtype is the mapper's own (converted below, saved as such); `None`/"auto" keeps the mapper in the
         # target's half type or float32 and may map with a bfloat16 copy (`mapping_mapper`)
-        storage_dtype = resolve_mapper_dtype(target.dtype, execution_device(target), mapper_dtype)  # validated first
         if mapper_dtype in (None, "auto"):
             storage_dtype = target.dtype if target.dtype in HALF_TYPES else torch.float32
+        else:  # validated first
+            storage_dtype = resolve_mapper_dtype(target.dtype, execution_device(target), mapper_dtype)
         source_name = config.source_name_or_path or source.config.name_or_path
         target_name = config.target_name_or_path or target.config.name_or_path
         self.source_layout, self.target_layout = check_models(source, target, source_name, target_name)

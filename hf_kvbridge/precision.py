@@ -47,9 +47,8 @@ def resolve_mapper_dtype(
             - the target's dtype when that is a half type (bfloat16 or float16);
             - for a float32 target, bfloat16 when PyTorch's float32 matmul precision allows bfloat16 inside float32
               matmuls (`bf16_matmul_allowed`: `torch.set_float32_matmul_precision("medium")`) and `device` has
-              bfloat16 matrix units
-              (`bf16_matmul_units`), else float32. At PyTorch's default, `"highest"`, a float32 bridge maps in
-              float32, and a bridge of a model with itself reproduces the model's own logits.
+              bfloat16 matrix units (`bf16_matmul_units`), else float32. At PyTorch's default, `"highest"`, a float32
+              bridge maps in float32, and a bridge of a model with itself reproduces the model's own logits.
 
     Example:
 

@@ -192,12 +192,6 @@ def interleaved_medians(
     return {name: statistics.median(values) for name, values in times.items()}
 
 
-def cpu_bf16_units() -> bool:
-    """Whether this CPU has bfloat16 matrix instructions PyTorch's oneDNN uses (`hf_kvbridge.precision.
-    bf16_matmul_units`)."""
-    return precision.bf16_matmul_units("cpu")
-
-
 @contextlib.contextmanager
 def _native_output_silenced():
     """Sends what native code writes to stdout/stderr to /dev/null: the profiler's tracing backend prints
@@ -520,7 +514,11 @@ def run_cli(args: argparse.Namespace) -> int:
     else:
         raise InvalidInputError("pass a bridge folder or --shapes SOURCE:TARGET")
     old_new = getattr(args, "old_vs_new", False)  # with --interleave refused by the parser's checks
-    if mapper_dtype == torch.bfloat16 and torch.device(args.device).type == "cpu" and not cpu_bf16_units():
+    if (
+        mapper_dtype == torch.bfloat16
+        and torch.device(args.device).type == "cpu"
+        and not precision.bf16_matmul_units("cpu")
+    ):
         print(
             f"note: this CPU ({torch.backends.cpu.get_cpu_capability()}) has no bfloat16 matrix units; bfloat16 "
             "products are emulated and far slower than float32 here",
@@ -549,7 +547,7 @@ def run_cli(args: argparse.Namespace) -> int:
                     "old_default": OLD_DEFAULT,
                     "new_default": NEW_DEFAULT,
                     "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-                    "cpu_bf16_units": cpu_bf16_units(),
+                    "cpu_bf16_units": precision.bf16_matmul_units("cpu"),
                     "old_vs_new": rows,
                 }
                 json.dump(payload, handle, indent=2)
