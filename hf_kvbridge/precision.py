@@ -59,10 +59,11 @@ def resolve_mapper_dtype(
     torch.float32
     ```
     """
+    asked = mapper_dtype
     if isinstance(mapper_dtype, str) and mapper_dtype != "auto":
         mapper_dtype = getattr(torch, mapper_dtype.removeprefix("torch."), mapper_dtype)
     if mapper_dtype not in (None, "auto", torch.float32, *HALF_TYPES):
-        raise InvalidInputError(f"mapper_dtype must be 'auto', float32, bfloat16 or float16, got {mapper_dtype!r}")
+        raise InvalidInputError(f"mapper_dtype must be 'auto', float32, bfloat16 or float16, got {asked!r}")
     if isinstance(mapper_dtype, torch.dtype):
         return mapper_dtype
     if target_dtype in HALF_TYPES:

@@ -63,8 +63,9 @@ def test_no_bf16_units_no_bf16(monkeypatch):
 
 @pytest.mark.parametrize("bad", ["int8", "float64", "bf16x", torch.int8, torch.float64, 3])
 def test_bad_mapper_dtype_is_named(bad):
-    with pytest.raises(InvalidInputError, match="mapper_dtype must be"):
+    with pytest.raises(InvalidInputError, match="mapper_dtype must be") as raised:
         resolve_mapper_dtype(torch.float32, "cpu", bad)
+    assert str(raised.value).endswith(f"got {bad!r}")  # what the caller passed, as passed
 
 
 def test_backend_api_setting_is_read():
