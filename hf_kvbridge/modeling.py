@@ -27,8 +27,8 @@ from .layer_recompute import ResidualMapper, calibrated_layers, check_layer_reco
 from .layout import KVLayout, check_fingerprint, check_models
 from .loading import execution_device, load_model
 from .mappers import KVMapper
+from .mappers.engine import Workspace, map_cache
 from .mappers.lazy import LazyKVMapper
-from .mapping import Workspace, map_cache
 from .persistence import (
     load_mapper,
     load_residual_mapper,
@@ -259,7 +259,8 @@ class KVBridgeForCausalLM(nn.Module):
         target_cache: DynamicCache | None = None,
         hidden_states=None,
     ) -> DynamicCache:
-        """Maps a source cache to the cache the target would have built for the same tokens (`hf_kvbridge.mapping`).
+        """Maps a source cache to the cache the target would have built for the same tokens (the mapping engine,
+        `hf_kvbridge.mappers.engine`).
 
         The mapping streams over the sequence in chunks of tokens (`mapping.chunk_tokens`). For each chunk every
         source layer is stripped of its rotation once, into a slot of one row buffer that it holds from the first

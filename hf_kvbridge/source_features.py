@@ -17,7 +17,7 @@ So [`KVStatistics`] / [`SelectionStatistics`] / [`BlockStatistics`] accumulate t
 selection ranks K/V blocks and hidden-state blocks together by held-out single-block R² (top-k over all of them),
 the budget plans them like any block, the ridge solve and λ choice are unchanged, and [`KVMapper`] holds and applies
 the weights (a selected block index `≥ L_s` reads hidden-state features; the mapping engine writes them into its
-row slot, `hf_kvbridge.mapping`). Hidden-state features carry no rotation (keys still go to content space as
+row slot, `hf_kvbridge.mappers.engine`). Hidden-state features carry no rotation (keys still go to content space as
 before). Layer recompute (`hf_kvbridge.layer_recompute`) maps the same hidden states to a residual stream; here they
 feed the K/V maps themselves.
 

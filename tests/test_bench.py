@@ -161,7 +161,7 @@ def test_bench_cli_old_vs_new_writes_both_defaults(tmp_path, capsys, monkeypatch
 def test_bench_old_vs_new_times_each_path(monkeypatch):
     """Each column is its own path's time: the old path slowed by 0.05 s and the new one by 0.4 s, each column grows
     by its own delay (the old one stays below the new one)."""
-    from hf_kvbridge import mapping
+    from hf_kvbridge.mappers import engine as mapping
     from hf_kvbridge.tools.bench.mapper import old_vs_new
 
     bridge = random_bridge(qwen3(layers=2).config, qwen3(layers=3, hidden=48).config, top_k=2)

@@ -224,7 +224,7 @@ def test_mapped_layers_land_on_their_target_layers_devices(monkeypatch):
     their shape), with the per-layer lookup faked. What this shows: the engine asks for each layer's device and puts
     the layer there. That a real GPU split's devices are read right is `test_layer_devices_follow_the_device_map`.
     """
-    from hf_kvbridge import mapping
+    from hf_kvbridge.mappers import engine as mapping
 
     model = qwen3(layers=3)
     windows = torch.randint(0, VOCAB, (8, 24), generator=torch.Generator().manual_seed(0))

@@ -9,8 +9,9 @@ from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 import hf_kvbridge
-from hf_kvbridge import KVBridgeConfig, KVBridgeForCausalLM, mapping
+from hf_kvbridge import KVBridgeConfig, KVBridgeForCausalLM
 from hf_kvbridge.calibration import collect_statistics, fit_bridge
+from hf_kvbridge.mappers import engine as mapping
 from tests.conftest import CORPUS, VOCAB, qwen3
 
 # config, mapper, card and the pair's shared tokenizer (persistence.save_bridge)
