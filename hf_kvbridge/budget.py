@@ -278,8 +278,8 @@ def plan_residual(
     residual_targets: int,
     hidden: int,
 ) -> tuple[str, str, int]:
-    """The memory plan with the residual statistics of layer recompute (`hf_kvbridge.layer_recompute`) beside the
-    K/V statistics: `(kv_mode, residual_mode, kv_fit_budget)`.
+    """The memory plan with the residual statistics of layer recompute (`hf_kvbridge.transfer.layer_recompute`) beside
+    the K/V statistics: `(kv_mode, residual_mode, kv_fit_budget)`.
 
     The residual block is `source_states` source hidden states against `residual_targets` target hidden states of
     `hidden` features (the larger hidden size), planned like a K/V block of one head of `hidden / 2`:

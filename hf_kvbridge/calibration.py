@@ -32,14 +32,6 @@ from .configuration import KVBridgeConfig
 from .constants import DEFAULT_CALIBRATION_DATA, HEAD_MODES
 from .data import describe_data, token_windows
 from .errors import CalibrationDataError, ConfigurationError, StatisticsError, StatisticsMemoryError
-from .layer_recompute import (
-    ResidualCollection,
-    fit_residual_map,
-    hidden_layout,
-    hidden_size,
-    normalize_recompute_layers,
-    residual_statistics,
-)
 from .layout import allowed_sources, check_matched, check_models, same_head_sources
 from .loading import model_reference, resolve_model_reference
 from .mappers import KVMapper, get_mapper_type
@@ -51,6 +43,14 @@ from .solve import LAMBDA_GRID, choose_ridge_lambdas, effective_ridge_lambda
 from .source_features import SourceFeatures, check_feature_modes, source_blocks
 from .statistics import BlockStatistics, KVStatistics, SelectionStatistics, feature_groups
 from .tokenization import check_same_tokenizer
+from .transfer.layer_recompute import (
+    ResidualCollection,
+    fit_residual_map,
+    hidden_layout,
+    hidden_size,
+    normalize_recompute_layers,
+    residual_statistics,
+)
 from .version import __version__
 
 logger = logging.getLogger(__name__)
@@ -196,7 +196,7 @@ def collect_statistics(
             of them to its own statistics (which may differ per rank: each holds the target layers it fits); no
             all-reduce at the end.
         residual ([`ResidualCollection`], *optional*): also accumulate the residual statistics of layer recompute
-            (`hf_kvbridge.layer_recompute`) from the same forward passes: the two models' hidden states into
+            (`hf_kvbridge.transfer.layer_recompute`) from the same forward passes: the two models' hidden states into
             `residual.parts` (`[train, held-out]`, filled in place; each rank adds its own batches and they are
             all-reduced at the end, also when `gather_rows`).
         features ([`SourceFeatures`], *optional*): the source's hidden-state feature blocks
@@ -600,9 +600,9 @@ def fit_bridge_in_passes(
             cross blocks with the pass's whole union of source layers, for re-fits with another selection; else each
             target layer's with its own selected source layers only (fewer bytes and multiply-adds a pass).
         residual (`tuple[list[int], str]`, *optional*): `(recompute_layers, mode)`: also fit the residual maps of
-            layer recompute for those values (`hf_kvbridge.layer_recompute`), from the same passes: dense statistics
-            in the selection pass (`mode="dense"`), or selection statistics there and the block statistics of the
-            selected source hidden states in the first fit pass (`"blocks"`; `budget.plan_residual` plans both).
+            layer recompute for those values (`hf_kvbridge.transfer.layer_recompute`), from the same passes: dense
+            statistics in the selection pass (`mode="dense"`), or selection statistics there and the block statistics
+            of the selected source hidden states in the first fit pass (`"blocks"`; `budget.plan_residual` plans both).
             The returned bridge holds them (`residual_mapper`, `config.residual_map`).
         features ([`SourceFeatures`], *optional*): hidden-state feature blocks beside the K/V blocks (see
             `fit_bridge`), accumulated in every pass like any source layer.

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from hf_kvbridge.errors import InvalidInputError
-from hf_kvbridge.session import HandoffSession
+from hf_kvbridge.transfer.session import HandoffSession
 
 
 @torch.no_grad()

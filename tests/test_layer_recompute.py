@@ -26,11 +26,11 @@ from hf_kvbridge.errors import (
     ServingConfigError,
     StatisticsMemoryError,
 )
-from hf_kvbridge.layer_recompute import fit_residual_map, hidden_size, recompute_top_layers
-from hf_kvbridge.session import HandoffSession
 from hf_kvbridge.settings import CalibrationSettings
 from hf_kvbridge.statistics import KVStatistics
-from hf_kvbridge.transfer import positions_from_mask
+from hf_kvbridge.transfer.layer_recompute import fit_residual_map, hidden_size, recompute_top_layers
+from hf_kvbridge.transfer.prefill import positions_from_mask
+from hf_kvbridge.transfer.session import HandoffSession
 from tests.conftest import CORPUS, VOCAB, make_tokenizer, qwen3
 from tests.test_architectures import SUPPORTED, tiny, tiny_config
 

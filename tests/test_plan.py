@@ -9,8 +9,8 @@ import torch
 from hf_kvbridge import KVBridgeConfig
 from hf_kvbridge.calibration import collect_statistics, fit_bridge
 from hf_kvbridge.mappers.engine import map_cache
-from hf_kvbridge.plan import plan_from_config, plan_prompt, plan_transfer
-from hf_kvbridge.transfer import TransferDecision, transfer_prefill
+from hf_kvbridge.transfer.plan import plan_from_config, plan_prompt, plan_transfer
+from hf_kvbridge.transfer.prefill import TransferDecision, transfer_prefill
 from tests.conftest import VOCAB, qwen3
 
 

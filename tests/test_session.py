@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from hf_kvbridge.calibration import collect_statistics, fit_bridge
-from hf_kvbridge.session import HandoffSession
+from hf_kvbridge.transfer.session import HandoffSession
 from studies.drift import drift_conversation, drift_summary
 from tests.conftest import make_tokenizer, qwen3
 

@@ -29,17 +29,17 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from .attention import decoder_layers
-from .cache import CACHE_KWARG
-from .configuration import check_recompute_layers
-from .errors import ConfigurationError, KVLayoutError
-from .layout import KVLayout
-from .loading import layer_devices
-from .mappers import KVMapper
-from .rope import rotary_module
-from .selection import mapper_r2, select_layers, single_layer_r2
-from .solve import LAMBDA_GRID, choose_ridge_lambdas
-from .statistics import KVStatistics
+from ..attention import decoder_layers
+from ..cache import CACHE_KWARG
+from ..configuration import check_recompute_layers
+from ..errors import ConfigurationError, KVLayoutError
+from ..layout import KVLayout
+from ..loading import layer_devices
+from ..mappers import KVMapper
+from ..rope import rotary_module
+from ..selection import mapper_r2, select_layers, single_layer_r2
+from ..solve import LAMBDA_GRID, choose_ridge_lambdas
+from ..statistics import KVStatistics
 
 
 def hidden_size(model: nn.Module) -> int:
