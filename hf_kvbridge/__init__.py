@@ -54,7 +54,7 @@ _LAZY = {
     "KVBridgeForCausalLM": "modeling",
     "KVLayout": "layout",
     "KVMapper": "mappers",
-    "KVStatistics": "statistics",
+    "KVStatistics": "statistics.dense",
 }
 
 

@@ -36,12 +36,14 @@ from .layout import allowed_sources, check_matched, check_models, same_head_sour
 from .loading import model_reference, resolve_model_reference
 from .mappers import KVMapper, get_mapper_type
 from .modeling import KVBridgeForCausalLM
-from .row_statistics import RowStatistics
 from .selection import mapper_r2, select_layers, single_layer_r2
 from .settings import CalibrationSettings
 from .solve import LAMBDA_GRID, choose_ridge_lambdas, effective_ridge_lambda
 from .source_features import SourceFeatures, check_feature_modes, source_blocks
-from .statistics import BlockStatistics, KVStatistics, SelectionStatistics, feature_groups
+from .statistics.blocks import BlockStatistics, feature_groups
+from .statistics.dense import KVStatistics
+from .statistics.rows import RowStatistics
+from .statistics.selection import SelectionStatistics
 from .tokenization import check_same_tokenizer
 from .transfer.layer_recompute import (
     ResidualCollection,

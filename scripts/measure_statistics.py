@@ -23,7 +23,8 @@ from hf_kvbridge.data import token_windows
 from hf_kvbridge.mappers import KVMapper
 from hf_kvbridge.selection import mapper_r2, select_layers, single_layer_r2
 from hf_kvbridge.solve import LAMBDA_GRID, choose_ridge_lambdas
-from hf_kvbridge.statistics import BlockStatistics, SelectionStatistics
+from hf_kvbridge.statistics.blocks import BlockStatistics
+from hf_kvbridge.statistics.selection import SelectionStatistics
 from hf_kvbridge.tools.evaluation import continuation_nll, heldout_windows
 
 PAIRS = [

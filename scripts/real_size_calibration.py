@@ -104,7 +104,7 @@ def selection_only(args, source, target, tokenizer, result: dict) -> None:
     """What `fit_bridge_in_passes` runs before its fit passes: the selection pass and the layer choice."""
     from hf_kvbridge.calibration import SELECTION_LAMBDA, allowed_sources, check_matched, collect_statistics
     from hf_kvbridge.selection import select_layers
-    from hf_kvbridge.statistics import SelectionStatistics
+    from hf_kvbridge.statistics.selection import SelectionStatistics
 
     src, tgt = check_matched(source.config, target.config, SOURCE, TARGET)
     windows, heldout = windows_and_split(args, tokenizer)

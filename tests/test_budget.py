@@ -27,7 +27,10 @@ from hf_kvbridge.data import token_windows
 from hf_kvbridge.mappers import KVMapper
 from hf_kvbridge.selection import select_layers
 from hf_kvbridge.solve import solve_ridge
-from hf_kvbridge.statistics import BlockStatistics, KVStatistics, SelectionStatistics, map_groups
+from hf_kvbridge.statistics.base import map_groups
+from hf_kvbridge.statistics.blocks import BlockStatistics
+from hf_kvbridge.statistics.dense import KVStatistics
+from hf_kvbridge.statistics.selection import SelectionStatistics
 from hf_kvbridge.tools.bench.mapper import _cpu_peak_bytes
 from tests.conftest import CORPUS, make_tokenizer, qwen3
 

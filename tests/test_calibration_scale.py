@@ -93,7 +93,7 @@ def test_killed_calibration_resumes_to_the_same_mapper(tmp_path):
     resumed = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=ROOT)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "finished after 5 batches" in resumed.stdout  # 9 train + 2 held-out batches: only the last 5 ran again
-    from hf_kvbridge.statistics import KVStatistics
+    from hf_kvbridge.statistics.dense import KVStatistics
 
     train = KVStatistics.load(checkpoint / "statistics-0.safetensors")
     heldout = KVStatistics.load(checkpoint / "statistics-1.safetensors")
@@ -114,7 +114,7 @@ def test_two_processes_split_fit_statistics_by_target_layer(tmp_path):
     script.write_text(
         textwrap.dedent(f"""
         import torch, torch.distributed as dist
-        import hf_kvbridge.statistics as statistics
+        import hf_kvbridge.statistics.blocks as statistics
         from hf_kvbridge.budget import fit_bytes
         from hf_kvbridge.calibration import fit_bridge_in_passes
         dist.init_process_group("gloo")

@@ -25,7 +25,7 @@ from hf_kvbridge.errors import (
     EvaluationError,
     InvalidInputError,
 )
-from hf_kvbridge.statistics import KVStatistics
+from hf_kvbridge.statistics.dense import KVStatistics
 from tests.conftest import CORPUS, VOCAB, make_tokenizer, qwen3
 
 

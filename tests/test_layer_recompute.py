@@ -27,7 +27,7 @@ from hf_kvbridge.errors import (
     StatisticsMemoryError,
 )
 from hf_kvbridge.settings import CalibrationSettings
-from hf_kvbridge.statistics import KVStatistics
+from hf_kvbridge.statistics.dense import KVStatistics
 from hf_kvbridge.transfer.layer_recompute import fit_residual_map, hidden_size, recompute_top_layers
 from hf_kvbridge.transfer.prefill import positions_from_mask
 from hf_kvbridge.transfer.session import HandoffSession

@@ -12,8 +12,9 @@ from hf_kvbridge.calibration import collect_statistics, fit_bridge, refit
 from hf_kvbridge.errors import MapperError
 from hf_kvbridge.mappers import KVMapper, MLPKVMapper, build_mapper
 from hf_kvbridge.mappers.mlp import rows_from_layout, rows_in_layout, train_mlp_mapper
-from hf_kvbridge.mappers.weighted import WeightedKVStatistics, attention_mass, fit_attention_weighted
+from hf_kvbridge.mappers.weighted import attention_mass, fit_attention_weighted
 from hf_kvbridge.solve import effective_ridge_lambda
+from hf_kvbridge.statistics.weighted import WeightedKVStatistics
 from tests.conftest import CORPUS, VOCAB, qwen3
 
 

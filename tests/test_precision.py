@@ -170,7 +170,7 @@ def test_statistics_under_medium_precision_match_float64():
     lever for calibration's statistics on such hardware): the moments, the ridge map and its held-out R² stay close
     to float64 statistics of the same rows."""
     from hf_kvbridge.solve import solve_ridge
-    from hf_kvbridge.statistics import BlockStatistics
+    from hf_kvbridge.statistics.blocks import BlockStatistics
 
     gen = torch.Generator().manual_seed(0)
     mix = torch.randn(24, 24, generator=gen, dtype=torch.float64)

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from hf_kvbridge.errors import StatisticsError
-from hf_kvbridge.row_statistics import RowStatistics
 from hf_kvbridge.solve import LAMBDA_GRID, choose_ridge_lambdas, heldout_r2_chunks, solve_ridge
-from hf_kvbridge.statistics import KVStatistics
+from hf_kvbridge.statistics.dense import KVStatistics
+from hf_kvbridge.statistics.rows import RowStatistics
 
 
 def _rows(n, layers, row, seed, rank=6):

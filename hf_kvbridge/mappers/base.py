@@ -18,7 +18,8 @@ from ..constants import HEAD_MODES, KV_MODES
 from ..errors import MapperError
 from ..layout import HeadLayouts, same_head_sources, target_heads_of
 from ..solve import map_group_lambda, solve_ridge
-from ..statistics import KVStatistics, map_groups
+from ..statistics.base import map_groups
+from ..statistics.dense import KVStatistics
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from torch import nn
 from ..errors import MapperError
 from ..layout import target_heads_of
 from ..selection import mapped_heldout_r2
-from ..statistics import KVStatistics
+from ..statistics.dense import KVStatistics
 from .base import KVMapper, MapperType
 
 

@@ -39,7 +39,7 @@ from ..mappers import KVMapper
 from ..rope import rotary_module
 from ..selection import mapper_r2, select_layers, single_layer_r2
 from ..solve import LAMBDA_GRID, choose_ridge_lambdas
-from ..statistics import KVStatistics
+from ..statistics.dense import KVStatistics
 
 
 def hidden_size(model: nn.Module) -> int:
