@@ -17,7 +17,10 @@ from transformers import AutoModelForCausalLM
 import hf_kvbridge
 from hf_kvbridge import KVBridgeForCausalLM
 from hf_kvbridge.budget import dense_bytes, fit_bytes, plan_residual, selection_bytes
-from hf_kvbridge.calibration import collect_statistics, fit_bridge, fit_bridge_in_passes, residual_collection
+from hf_kvbridge.calibration.budgeted_fit import fit_bridge_in_passes
+from hf_kvbridge.calibration.data_pass import collect_statistics
+from hf_kvbridge.calibration.dense_fit import fit_bridge
+from hf_kvbridge.calibration.residual import residual_collection
 from hf_kvbridge.configuration import KVBridgeConfig
 from hf_kvbridge.errors import (
     ConfigurationError,

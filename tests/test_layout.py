@@ -7,7 +7,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import hf_kvbridge
 from hf_kvbridge import KVBridgeForCausalLM, KVLayoutError
-from hf_kvbridge.calibration import fit_bridge_in_passes, split_heldout
+from hf_kvbridge.calibration.budgeted_fit import fit_bridge_in_passes
+from hf_kvbridge.calibration.checks import split_heldout
 from hf_kvbridge.layout import same_head_sources
 from hf_kvbridge.transfer.session import HandoffSession
 from tests.conftest import CORPUS, VOCAB, make_tokenizer, qwen3

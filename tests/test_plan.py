@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from hf_kvbridge import KVBridgeConfig
-from hf_kvbridge.calibration import collect_statistics, fit_bridge
+from hf_kvbridge.calibration.data_pass import collect_statistics
+from hf_kvbridge.calibration.dense_fit import fit_bridge
 from hf_kvbridge.mappers.engine import map_cache
 from hf_kvbridge.transfer.plan import plan_from_config, plan_prompt, plan_transfer
 from hf_kvbridge.transfer.prefill import TransferDecision, transfer_prefill

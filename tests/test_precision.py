@@ -7,7 +7,8 @@ import torch
 from safetensors.torch import load_file
 
 from hf_kvbridge import precision
-from hf_kvbridge.calibration import collect_statistics, fit_bridge
+from hf_kvbridge.calibration.data_pass import collect_statistics
+from hf_kvbridge.calibration.dense_fit import fit_bridge
 from hf_kvbridge.errors import InvalidInputError
 from hf_kvbridge.modeling import KVBridgeForCausalLM
 from hf_kvbridge.precision import bf16_matmul_allowed, float32_matmul_precision, resolve_mapper_dtype

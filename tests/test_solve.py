@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from hf_kvbridge import KVBridgeForCausalLM
-from hf_kvbridge.calibration import collect_statistics, fit_bridge
+from hf_kvbridge.calibration.data_pass import collect_statistics
+from hf_kvbridge.calibration.dense_fit import fit_bridge
 from hf_kvbridge.mappers import KVMapper
 from hf_kvbridge.selection import mapped_heldout_r2, mapper_r2, single_layer_r2
 from hf_kvbridge.solve import (

@@ -17,7 +17,9 @@ import torch
 
 import hf_kvbridge
 from hf_kvbridge import KVBridgeConfig, KVBridgeForCausalLM
-from hf_kvbridge.calibration import collect_statistics, fit_bridge, fit_bridge_in_passes
+from hf_kvbridge.calibration.budgeted_fit import fit_bridge_in_passes
+from hf_kvbridge.calibration.data_pass import collect_statistics
+from hf_kvbridge.calibration.dense_fit import fit_bridge
 from hf_kvbridge.constants import FORMAT_VERSION, HIDDEN_FEATURES_FORMAT_VERSION, KV_FORMAT_VERSION
 from hf_kvbridge.errors import ConfigurationError, InvalidInputError, KVLayoutError, ServingConfigError
 from hf_kvbridge.layout import KVLayout

@@ -217,7 +217,7 @@ def fit_low_rank(
     Example:
 
     ```python
-    >>> from hf_kvbridge.calibration import refit
+    >>> from hf_kvbridge.calibration.refit import refit
     >>> cheap = refit(bridge, "low_rank", rank=32)  # doctest: +SKIP
     >>> cheap.mapper.flops_per_token() < bridge.mapper.flops_per_token()  # doctest: +SKIP
     True

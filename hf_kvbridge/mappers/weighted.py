@@ -94,7 +94,7 @@ def fit_attention_weighted(
     Example:
 
     ```python
-    >>> from hf_kvbridge.calibration import refit
+    >>> from hf_kvbridge.calibration.refit import refit
     >>> weighted = refit(bridge, "ridge_attention_weighted", windows=windows)  # doctest: +SKIP
     >>> weighted.config.mapper_type  # doctest: +SKIP
     'ridge_attention_weighted'

@@ -199,7 +199,7 @@ def inspect_bridge(
     ```
     """
     from ..cache import cache_rows
-    from ..calibration import split_heldout
+    from ..calibration.checks import split_heldout
     from ..mappers.mlp import rows_from_layout, source_rows_in_layout
     from ..selection import single_layer_r2
     from ..statistics.dense import KVStatistics

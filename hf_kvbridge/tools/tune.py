@@ -78,7 +78,9 @@ from typing import Any
 
 import torch
 
-from ..calibration import calibrate, fit_bridge, refit
+from ..calibration.calibrate import calibrate
+from ..calibration.dense_fit import fit_bridge
+from ..calibration.refit import refit
 from ..data import iter_texts, token_windows
 from ..errors import InvalidInputError, TuningError
 from ..statistics.dense import KVStatistics

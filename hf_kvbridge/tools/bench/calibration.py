@@ -20,7 +20,8 @@ import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from ...budget import check_budget, fit_bytes, format_bytes, parse_bytes, plan_passes, selection_bytes
-from ...calibration import fit_bridge_in_passes, split_heldout
+from ...calibration.budgeted_fit import fit_bridge_in_passes
+from ...calibration.checks import split_heldout
 from ...errors import InvalidInputError
 from ...precision import bf16_matmul_units, float32_matmul_precision
 from ...statistics.blocks import feature_groups
