@@ -23,11 +23,12 @@ from .cache import CACHE_KWARG, cache_kwargs, output_cache
 from .configuration import KVBridgeConfig
 from .constants import CONFIG_NAME, DEFAULT_MAX_SHARD_SIZE, REVERSE_FOLDER
 from .errors import ConfigurationError, ContextLengthError, InvalidInputError, KVLayoutError, MapperError
-from .layout import KVLayout, check_fingerprint, check_models
+from .layout import KVLayout, check_fingerprint, check_models, hidden_size
 from .loading import execution_device, load_model
 from .mappers import KVMapper
 from .mappers.engine import Workspace, map_cache
 from .mappers.lazy import LazyKVMapper
+from .mappers.residual import ResidualMapper
 from .persistence import (
     load_mapper,
     load_residual_mapper,
@@ -38,7 +39,7 @@ from .persistence import (
 )
 from .precision import HALF_TYPES, resolve_mapper_dtype
 from .source_features import SourceFeatures, check_source_features, source_blocks
-from .transfer.layer_recompute import ResidualMapper, calibrated_layers, check_layer_recompute, hidden_size
+from .transfer.layer_recompute import calibrated_layers, check_layer_recompute
 from .transfer.plan import TransferPlan, plan_from_config
 from .transfer.prefill import left_padding, positions_from_mask, transfer_prefill
 from .transfer.session import HandoffSession

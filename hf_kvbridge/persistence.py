@@ -58,8 +58,8 @@ from .layout import KVLayout
 from .loading import resolve_model_reference
 from .mappers import KVMapper, build_mapper, get_mapper_type
 from .mappers.lazy import LazyKVMapper
+from .mappers.residual import ResidualMapper
 from .source_features import required_format_version
-from .transfer.layer_recompute import ResidualMapper
 
 logger = logging.getLogger(__name__)
 

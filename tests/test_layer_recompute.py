@@ -20,7 +20,7 @@ from hf_kvbridge.budget import dense_bytes, fit_bytes, plan_residual, selection_
 from hf_kvbridge.calibration.budgeted_fit import fit_bridge_in_passes
 from hf_kvbridge.calibration.data_pass import collect_statistics
 from hf_kvbridge.calibration.dense_fit import fit_bridge
-from hf_kvbridge.calibration.residual import residual_collection
+from hf_kvbridge.calibration.residual import fit_residual_map, residual_collection
 from hf_kvbridge.configuration import KVBridgeConfig
 from hf_kvbridge.errors import (
     ConfigurationError,
@@ -29,9 +29,10 @@ from hf_kvbridge.errors import (
     ServingConfigError,
     StatisticsMemoryError,
 )
+from hf_kvbridge.layout import hidden_size
 from hf_kvbridge.settings import CalibrationSettings
 from hf_kvbridge.statistics.dense import KVStatistics
-from hf_kvbridge.transfer.layer_recompute import fit_residual_map, hidden_size, recompute_top_layers
+from hf_kvbridge.transfer.layer_recompute import recompute_top_layers
 from hf_kvbridge.transfer.prefill import positions_from_mask
 from hf_kvbridge.transfer.session import HandoffSession
 from tests.conftest import CORPUS, VOCAB, make_tokenizer, qwen3

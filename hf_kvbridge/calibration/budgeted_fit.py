@@ -12,7 +12,7 @@ from transformers import PreTrainedModel
 from ..budget import (
     plan_passes,
 )
-from ..layout import check_matched
+from ..layout import check_matched, hidden_size
 from ..mappers import KVMapper
 from ..modeling import KVBridgeForCausalLM
 from ..selection import mapper_r2, select_layers
@@ -22,14 +22,10 @@ from ..statistics.blocks import BlockStatistics, feature_groups
 from ..statistics.dense import KVStatistics
 from ..statistics.rows import RowStatistics
 from ..statistics.selection import SelectionStatistics
-from ..transfer.layer_recompute import (
-    fit_residual_map,
-    hidden_size,
-)
 from .checks import allowed_blocks, check_tokens, features_per_layer, pair_heads
 from .data_pass import clock, collect_statistics, distributed_rank
 from .dense_fit import assemble_bridge
-from .residual import residual_collection, with_residual_map
+from .residual import fit_residual_map, residual_collection, with_residual_map
 
 logger = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ from ..budget import (
 from ..constants import DEFAULT_CALIBRATION_DATA
 from ..data import describe_data, token_windows
 from ..errors import StatisticsMemoryError
-from ..layout import check_models, same_head_sources
+from ..layout import check_models, hidden_layout, hidden_size, same_head_sources
 from ..loading import model_reference, resolve_model_reference
 from ..mappers import get_mapper_type
 from ..modeling import KVBridgeForCausalLM
@@ -32,19 +32,13 @@ from ..settings import CalibrationSettings
 from ..source_features import SourceFeatures, source_blocks
 from ..statistics.blocks import feature_groups
 from ..statistics.dense import KVStatistics
-from ..transfer.layer_recompute import (
-    fit_residual_map,
-    hidden_layout,
-    hidden_size,
-    normalize_recompute_layers,
-)
 from ..version import __version__
 from .budgeted_fit import fit_bridge_in_passes
 from .checks import check_tokens, features_per_layer, shared_tokenizer, split_heldout
 from .data_pass import collect_statistics
 from .dense_fit import fit_bridge
 from .refit import refit
-from .residual import residual_collection, with_residual_map
+from .residual import fit_residual_map, normalize_recompute_layers, residual_collection, with_residual_map
 
 logger = logging.getLogger(__name__)
 

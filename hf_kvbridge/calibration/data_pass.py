@@ -18,11 +18,9 @@ from ..errors import ConfigurationError
 from ..layout import check_matched
 from ..source_features import SourceFeatures, source_blocks
 from ..statistics.dense import KVStatistics
-from ..transfer.layer_recompute import (
-    ResidualCollection,
-)
 from .checkpoints import load_checkpoint, save_checkpoint, windows_digest
 from .checks import pair_heads
+from .residual import ResidualCollection
 
 logger = logging.getLogger(__name__)
 
