@@ -23,8 +23,8 @@ from transformers import Cache, DynamicCache
 
 from ..attention import decoder_layers
 from ..cache import cache_kwargs, output_cache, slice_cache
+from ..devices import execution_device
 from ..errors import InvalidInputError
-from ..loading import execution_device
 from .layer_recompute import recompute_top_layers
 from .plan import TransferPlan
 from .token_recompute import choose_tokens, probe_scores, recompute_tokens
