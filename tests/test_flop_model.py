@@ -13,7 +13,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from hf_kvbridge.cli import main
 from hf_kvbridge.solve import LAMBDA_GRID, heldout_r2_chunks
 from hf_kvbridge.statistics import BlockStatistics, SelectionStatistics, map_groups
-from hf_kvbridge.tools.bench import calibration as bench
 from hf_kvbridge.tools.bench.flop_model import (
     EIGH_FLOPS,
     H100_SXM,
@@ -22,6 +21,7 @@ from hf_kvbridge.tools.bench.flop_model import (
     calibration_flops,
     project_seconds,
 )
+from hf_kvbridge.tools.bench.shapes import CHECKPOINT_SHAPES, shape_config
 
 TINY_SHAPES = {"tiny-s": (32, 4, 2, 1, 4, 64, 128, True), "tiny-t": (48, 3, 2, 1, 4, 96, 128, False)}
 
@@ -60,7 +60,7 @@ def _shape(sequences: int, seq_len: int, passes=(3,), top_k=2, groups=1) -> Cali
 def test_fit_statistics_count_is_what_an_update_dispatches():
     """Per token, a fit pass's `BlockStatistics.update` with each target's own `k` cross blocks dispatches the
     model's count at both ends of the union: every target reading the same `k` source layers, and none sharing."""
-    config = bench.shape_config("qwen3-0.6b")  # only the forwards read it; they are not compared here
+    config = shape_config("qwen3-0.6b")  # only the forwards read it; they are not compared here
     heads, dim, k, targets = 1, 4, 2, 2
     row = heads * 2 * dim
     for union, reads in ((2, {0: [0, 1], 1: [0, 1]}), (4, {0: [0, 1], 1: [2, 3]})):
@@ -78,7 +78,7 @@ def test_fit_statistics_count_is_what_an_update_dispatches():
 
 
 def test_selection_statistics_count_is_what_an_update_dispatches():
-    config = bench.shape_config("qwen3-0.6b")
+    config = shape_config("qwen3-0.6b")
     stats = SelectionStatistics(4, 3, 2, 4)
 
     def update(tokens):
@@ -92,7 +92,7 @@ def test_selection_statistics_count_is_what_an_update_dispatches():
 def test_lambda_search_count_is_what_the_search_dispatches_besides_its_eigh():
     """`heldout_r2_chunks` of one all-heads joint map: its products are the model's λ-search count without the
     eigendecomposition (to the λ path's `shift @ w` vectors, `2pq` a λ, which the model leaves out)."""
-    config = bench.shape_config("qwen3-0.6b")
+    config = shape_config("qwen3-0.6b")
     heads, dim, k = 1, 4, 2
     train, held = (BlockStatistics(3, 1, heads, dim, sources=[0, 1, 2], targets=[0]) for _ in range(2))
     for stats in (train, held):
@@ -108,7 +108,7 @@ def test_lambda_search_count_is_what_the_search_dispatches_besides_its_eigh():
 
 
 def test_forwards_count_both_models_once_per_pass():
-    source, target = bench.shape_config("qwen3-0.6b"), bench.shape_config("qwen3-1.7b")
+    source, target = shape_config("qwen3-0.6b"), shape_config("qwen3-1.7b")
     one = calibration_flops(_shape(2, 64, passes=(3,)), source, target)
     three = calibration_flops(_shape(2, 64, passes=(1, 1, 1)), source, target)
     assert three["forwards"] == pytest.approx(2 * one["forwards"])  # 1 + 3 passes against 1 + 1
@@ -116,7 +116,7 @@ def test_forwards_count_both_models_once_per_pass():
 
 
 def test_projection_divides_each_stage_by_its_rate():
-    config = bench.shape_config("qwen3-0.6b")
+    config = shape_config("qwen3-0.6b")
     flops = calibration_flops(_shape(4, 32), config, config)
     rates = DeviceRates("unit", forward=1.0, float32=2.0, float64=4.0, eigh=8.0, source="test")
     seconds = project_seconds(flops, rates)
@@ -129,7 +129,8 @@ def test_projection_divides_each_stage_by_its_rate():
 
 
 def test_flop_model_cli_prints_and_writes_both_devices(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(bench, "SHAPES", {**bench.SHAPES, **TINY_SHAPES})
+    for name, shape in TINY_SHAPES.items():
+        monkeypatch.setitem(CHECKPOINT_SHAPES, name, shape)
     out = tmp_path / "flops.json"
     argv = ["bench", "calibration", "--flop-model", "--pair", "tiny-s:tiny-t", "--head-mode", "all_heads",
             "--top-k", "2", "--num-sequences", "10", "--seq-len", "64", "--dtype", "float32",

@@ -82,7 +82,7 @@ from ..calibration import calibrate, fit_bridge, refit
 from ..data import iter_texts, token_windows
 from ..errors import InvalidInputError, TuningError
 from ..statistics import KVStatistics
-from .bench.mapper import prefill_flops
+from .bench.flop_model import prefill_flops
 from .evaluation import GapRecovered, gap_recovered, heldout_windows, retention, window_nll
 
 logger = logging.getLogger(__name__)

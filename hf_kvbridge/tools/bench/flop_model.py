@@ -1,4 +1,5 @@
-"""FLOP model of a calibration: what each stage computes, and its time at a device's rates.
+"""The FLOP model: a prefill's and a mapping's matrix-product FLOPs (`prefill_flops`, `mapper_flops`), what each
+stage of a calibration computes, and its time at a device's rates.
 
     kvbridge bench calibration --flop-model --head-mode all_heads --num-sequences 500 --seq-len 1024
 
@@ -6,7 +7,7 @@ Stages, in FLOPs (2 per multiply-add, matmul work only; `L_s`, `L_t` layers, `H`
 feature groups of `w` features a source layer, `Λ` = 13 λ of the auto-λ grid, `N` tokens, `P` fit passes):
 
 - **forwards**: both models' prefills once for the selection pass and once per fit pass,
-  `(1 + P) · (prefill(source) + prefill(target))` (`tools.bench.mapper.prefill_flops`: 2 × body weights a token
+  `(1 + P) · (prefill(source) + prefill(target))` (`prefill_flops`: 2 × body weights a token
   plus the causal attention products);
 - **selection statistics**: per token, per KV head and K/V, each source layer's `d × d` Gram block and its `d × d`
   cross blocks with every target layer: `2 · 2H · (L_s·d² + L_s·d·L_t·d)`;
@@ -36,11 +37,31 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from transformers import PretrainedConfig
 
+from ...mappers import KVMapper
 from ...solve import LAMBDA_GRID
-from .mapper import median_seconds, prefill_flops
+from .timing import median_seconds
 
 EIGH_FLOPS = 14 / 3  # × p³: syevd with eigenvectors (see the module docstring)
+
+
+def prefill_flops(config: PretrainedConfig, tokens: int) -> float:
+    """Matmul FLOPs of a causal decoder body over `tokens` tokens (no LM head): 2 × tokens × body weights, plus the
+    attention products (QKᵀ and AV, halved by causality)."""
+    c = config.get_text_config(decoder=True)
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    q, kv = c.num_attention_heads * head_dim, c.num_key_value_heads * head_dim
+    attn_weights = c.hidden_size * (q + 2 * kv) + q * c.hidden_size
+    mlp_weights = 3 * c.hidden_size * c.intermediate_size
+    linear = 2 * tokens * (attn_weights + mlp_weights)
+    attention = 2 * 2 * tokens * tokens * q / 2
+    return float(c.num_hidden_layers * (linear + attention))
+
+
+def mapper_flops(mapper: KVMapper, tokens: int) -> float:
+    """Matmul FLOPs of mapping `tokens` tokens (`KVMapper.flops_per_token`: 2 × the weights each token meets)."""
+    return float(tokens * mapper.flops_per_token())
 
 
 @dataclass(frozen=True)
@@ -175,7 +196,7 @@ def probe_rates(
 ) -> DeviceRates:
     """Measures `DeviceRates` on `device`: the median of 3 timed `n × n × n` products in `forward_dtype`, float32 and
     float64, and one float64 `eigh_n × eigh_n` eigendecomposition (counted at `EIGH_FLOPS · eigh_n³`), each after a
-    warm-up (`tools.bench.mapper.median_seconds`). Defaults: `n` = 2,048 and `eigh_n` = 1,536 on a CPU (seconds),
+    warm-up (`tools.bench.timing.median_seconds`). Defaults: `n` = 2,048 and `eigh_n` = 1,536 on a CPU (seconds),
     8,192 and 4,096 on a GPU (which small products leave idle).
 
     Returns:
