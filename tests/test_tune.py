@@ -11,6 +11,7 @@ from transformers import AutoTokenizer
 from hf_kvbridge import KVBridgeForCausalLM, pocket
 from hf_kvbridge.cli.main import main
 from hf_kvbridge.errors import ConfigurationError, InvalidInputError, TuningError
+from hf_kvbridge.tools.bench.flop_model import target_flops_per_token
 from hf_kvbridge.tools.evaluation import continuation_nll, heldout_windows
 from hf_kvbridge.tools.tune import (
     Point,
@@ -20,7 +21,6 @@ from hf_kvbridge.tools.tune import (
     pareto_front,
     run_tune,
     split_windows,
-    target_flops_per_token,
 )
 
 

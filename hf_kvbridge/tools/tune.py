@@ -23,28 +23,8 @@ prefills the mapped span itself) needs no map, and with it token recompute has n
 measured at `recompute_fraction = 0` only.
 
 Each configuration is measured on *tuning* windows cut from held-out text (context-benefit retention,
-`tools/evaluation.py`), next to its cost (`cost`): the FLOPs per context token the transfer spends beyond the
-source's prefill, as a share of the target's own prefill FLOPs per token. The FLOP model (matmul FLOPs, from the
-configs and weight shapes alone):
-
-- the target's prefill per token, `T = tools/bench.prefill_flops(target config, context) / context`: per layer
-  2 × its attention and MLP weights, plus the attention products QKᵀ and AV (2 · 2 · q_dim per token and key, half
-  the context on average by causality); no embeddings, no LM head. Every layer has the same shape, so a layer is
-  `T / L_t`;
-- token recompute (`recompute_fraction = f`): the target runs `f` of the context through all its layers, `f · T`
-  (to first order: the recomputed tail attends to more than the average token);
-- layer recompute (`recompute_layers = n`): the target runs its top `n` layers over the whole context, `n / L_t · T`;
-  with token recompute too, the recomputed tokens pass through all layers again afterwards, so the two add:
-  `(f + n / L_t) · T`;
-- the mapper: 2 × the weights each token meets (`mapper.flops_per_token()`: the K/V maps of every target layer, as
-  the bridge maps all of them even where the top layers overwrite them) plus, for `0 < n < L_t`, the residual map of
-  that `n` (2 × its `k·D_s × D_t` weights; both in `map_flops_per_token`);
-- `n = L_t` maps nothing and recomputes everything: cost exactly 1.
-
-    cost = (mapper + residual map + (f + n / L_t) · T) / T
-
-A cost of 0.1 means the transfer spends a tenth of what the target would spend prefilling the context itself; the
-source's prefill is not counted (it has run anyway when its cache is handed over).
+`tools/evaluation.py`), next to its cost (`tools/bench/flop_model.cost`): the FLOPs per context token the transfer
+spends beyond the source's prefill, as a share of the target's own prefill FLOPs per token.
 
 The choice (`choose`): with `min_retention`, the cheapest configuration whose tuning retention reaches it (within
 `max_cost` when that is given too); with `max_cost` alone, the best retention within that cost. The chosen
@@ -82,7 +62,7 @@ from ..calibration import calibrate, fit_bridge, refit
 from ..data import iter_texts, token_windows
 from ..errors import InvalidInputError, TuningError
 from ..statistics import KVStatistics
-from .bench.flop_model import prefill_flops
+from .bench.flop_model import COST_UNIT, cost, map_flops_per_token, target_flops_per_token
 from .evaluation import GapRecovered, gap_recovered, heldout_windows, retention, window_nll
 
 logger = logging.getLogger(__name__)
@@ -98,10 +78,6 @@ DEFAULT_MLP_LOSS = "attention"  # the mapper comparison's best form (docs/mapper
 DEFAULT_MLP_EPOCHS = 2
 DEFAULT_HIDDEN_STATES = (False, True)  # K/V-only maps, and maps that also read the source's hidden states
 DEFAULT_HIDDEN_STATE_LAYERS = "all"  # which hidden states the calibration pass collects for them
-COST_UNIT = (
-    "FLOPs per context token (K/V and residual maps + the target's recomputed tokens and layers) / the target's own "
-    "prefill FLOPs per token"
-)
 # documents read from the evaluation text (alternately into tuning and check windows)
 MAX_EVAL_DOCUMENTS = 2000
 
@@ -440,48 +416,6 @@ def _references(config) -> dict:
         "residual_map",
     )
     return {key: copy.deepcopy(getattr(config, key)) for key in keys}
-
-
-def target_flops_per_token(target_config, context: int) -> float:
-    """The target's prefill FLOPs per token over a `context`-token prefill (`tools/bench.prefill_flops`)."""
-    return prefill_flops(target_config, context) / context
-
-
-def _recomputed_layers(config) -> tuple[int, int]:
-    """`(n, L_t)`: the layers `config` recomputes (capped at the target's) and the target's layer count."""
-    target_layers = int(config.target_fingerprint["num_layers"])
-    return min(int(config.recompute_layers or 0), target_layers), target_layers
-
-
-def map_flops_per_token(bridge) -> tuple[int, int]:
-    """`(K/V maps, residual map)`: matmul FLOPs per context token of the maps `bridge`'s transfer runs, 2 × the
-    weights a token meets: every target layer's K/V map (`mapper.flops_per_token()`), and the residual map of
-    `config.recompute_layers` when `0 < n < L_t`; `(0, 0)` for `n = L_t` (nothing is mapped)."""
-    n, target_layers = _recomputed_layers(bridge.config)
-    if n == target_layers:
-        return 0, 0
-    residual = bridge.residual_mapper
-    if n == 0 or residual is None or n not in residual.recompute_layers:
-        return bridge.mapper.flops_per_token(), 0
-    return bridge.mapper.flops_per_token(), 2 * residual.layers[residual.recompute_layers.index(n)].weight.numel()
-
-
-def cost(bridge, target_flops: float) -> float:
-    """FLOPs per context token the transfer of `bridge` spends (maps, recomputed tokens and layers), as a share of
-    the target's own prefill FLOPs per token `target_flops` (the FLOP model of the module docstring).
-
-    Example:
-
-    ```python
-    >>> cost(bridge, target_flops_per_token(bridge.target.config, 192))  # doctest: +SKIP
-    0.078
-    ```
-    """
-    layers, target_layers = _recomputed_layers(bridge.config)
-    if layers == target_layers:  # the target prefills the mapped span itself: nothing is mapped
-        return 1.0
-    recomputed = (float(bridge.config.recompute_fraction) + layers / target_layers) * target_flops
-    return (sum(map_flops_per_token(bridge)) + recomputed) / target_flops
 
 
 def measure_grid(
