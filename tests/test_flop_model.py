@@ -1,6 +1,7 @@
-"""The calibration FLOP model (`hf_kvbridge.tools.bench.flop_model`) counts what the code computes: its counts are
-checked against the matrix products the statistics and the λ search really dispatch, and `kvbridge bench calibration
---flop-model` prints and writes them with times at probed and datasheet rates."""
+"""The FLOP model (`hf_kvbridge.tools.bench.flop_model`) counts what the code computes: the calibration's counts are
+checked against the matrix products the statistics and the λ search really dispatch, `kvbridge bench calibration
+--flop-model` prints and writes them with times at probed and datasheet rates, and a transfer's cost (`kvbridge
+tune`'s axis) agrees with the mapper bench's FLOP counts."""
 
 from __future__ import annotations
 
@@ -19,9 +20,15 @@ from hf_kvbridge.tools.bench.flop_model import (
     CalibrationShape,
     DeviceRates,
     calibration_flops,
+    cost,
+    map_flops_per_token,
+    prefill_flops,
     project_seconds,
+    target_flops_per_token,
 )
-from hf_kvbridge.tools.bench.shapes import CHECKPOINT_SHAPES, shape_config
+from hf_kvbridge.tools.bench.mapper import benchmark
+from hf_kvbridge.tools.bench.shapes import CHECKPOINT_SHAPES, random_bridge, shape_config
+from tests.conftest import qwen3
 
 TINY_SHAPES = {"tiny-s": (32, 4, 2, 1, 4, 64, 128, True), "tiny-t": (48, 3, 2, 1, 4, 96, 128, False)}
 
@@ -160,3 +167,34 @@ def test_flop_model_cli_refuses_a_budget_that_holds_no_target_layer(capsys):
     assert main(argv) != 0
     err = capsys.readouterr().err
     assert "one target layer needs" in err and "--statistics-memory" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("rank", [None, 4])
+def test_tune_cost_and_the_mapper_bench_count_with_one_model(rank):
+    """Tune's cost axis and the mapper bench's FLOP figures come from the one FLOP model and agree: a bridge that maps
+    every layer and recomputes nothing costs the inverse of the bench's FLOP bound (≤ 1e-6); token and layer recompute
+    add `(f + n / L_t)` of the target's prefill; recomputing every target layer maps nothing and costs exactly 1."""
+    bridge = random_bridge(qwen3(layers=2).config, qwen3(layers=3, hidden=48).config, top_k=2, rank=rank)
+    context = 32
+    (row,) = benchmark(bridge, [context], repeats=1, warmup=0)
+    per_token = target_flops_per_token(bridge.target.config, context)
+    assert per_token == pytest.approx(prefill_flops(bridge.target.config, context) / context, rel=1e-12)
+    assert per_token == pytest.approx(row["target_prefill_flops"] / context, rel=1e-6)
+    assert cost(bridge, per_token) == pytest.approx(1 / row["flop_ratio_bound"], rel=1e-6)
+    maps = row["mapper_flops"] / context / per_token
+    for fraction, layers in ((0.1, 0), (0.0, 1), (0.2, 2)):
+        bridge.config.recompute_fraction, bridge.config.recompute_layers = fraction, layers
+        assert cost(bridge, per_token) == pytest.approx(maps + fraction + layers / 3, rel=1e-6)
+    bridge.config.recompute_fraction, bridge.config.recompute_layers = 0.0, 3
+    assert cost(bridge, per_token) == 1.0 and map_flops_per_token(bridge) == (0, 0)
+
+
+def test_calibration_forwards_are_the_prefill_model_once_per_pass():
+    """The calibration's forwards are the same prefill FLOPs the transfer's cost divides by: both models' prefills of
+    every sequence, once for the selection pass and once per fit pass."""
+    source, target = shape_config("qwen3-0.6b"), shape_config("qwen3-1.7b")
+    shape = CalibrationShape(28, 28, 8, 128, top_k=6, groups=1, sequences=5, seq_len=512, passes=(10, 10, 8))
+    flops = calibration_flops(shape, source, target)
+    one = prefill_flops(source, 512) + prefill_flops(target, 512)
+    assert flops["forwards"] == pytest.approx(4 * 5 * one, rel=1e-12)
+    assert target_flops_per_token(target, 512) * 512 == pytest.approx(prefill_flops(target, 512), rel=1e-12)

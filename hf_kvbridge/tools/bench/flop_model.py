@@ -100,17 +100,18 @@ def target_flops_per_token(target_config, context: int) -> float:
     return prefill_flops(target_config, context) / context
 
 
-def _recomputed_layers(config) -> tuple[int, int]:
-    """`(n, L_t)`: the layers `config` recomputes (capped at the target's) and the target's layer count."""
-    target_layers = int(config.target_fingerprint["num_layers"])
-    return min(int(config.recompute_layers or 0), target_layers), target_layers
+def _recomputed_layers(bridge) -> tuple[int, int]:
+    """`(n, L_t)`: the layers `bridge` recomputes (capped at the target's) and the target's layer count, read from the
+    target's layout as the mapper bench reads it (a bridge built in memory may have no config fingerprint)."""
+    target_layers = bridge.target_layout.num_layers
+    return min(int(bridge.config.recompute_layers or 0), target_layers), target_layers
 
 
 def map_flops_per_token(bridge) -> tuple[int, int]:
     """`(K/V maps, residual map)`: matmul FLOPs per context token of the maps `bridge`'s transfer runs, 2 × the
     weights a token meets: every target layer's K/V map (`mapper.flops_per_token()`), and the residual map of
     `config.recompute_layers` when `0 < n < L_t`; `(0, 0)` for `n = L_t` (nothing is mapped)."""
-    n, target_layers = _recomputed_layers(bridge.config)
+    n, target_layers = _recomputed_layers(bridge)
     if n == target_layers:
         return 0, 0
     residual = bridge.residual_mapper
@@ -130,7 +131,7 @@ def cost(bridge, target_flops: float) -> float:
     0.078
     ```
     """
-    layers, target_layers = _recomputed_layers(bridge.config)
+    layers, target_layers = _recomputed_layers(bridge)
     if layers == target_layers:  # the target prefills the mapped span itself: nothing is mapped
         return 1.0
     recomputed = (float(bridge.config.recompute_fraction) + layers / target_layers) * target_flops
