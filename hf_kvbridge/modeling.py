@@ -26,7 +26,7 @@ from .devices import execution_device
 from .errors import ConfigurationError, ContextLengthError, InvalidInputError, KVLayoutError, MapperError
 from .layout import KVLayout, check_fingerprint, check_models, hidden_size
 from .loading import load_model
-from .mappers import KVMapper
+from .mappers.base import KVMapper
 from .mappers.engine import Workspace, map_cache
 from .mappers.lazy import LazyKVMapper
 from .mappers.residual import ResidualMapper

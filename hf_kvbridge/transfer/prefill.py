@@ -20,9 +20,8 @@ import torch
 from torch import nn
 from transformers import Cache, DynamicCache
 
-from ..attention import decoder_layers
 from ..cache import cache_kwargs, output_cache
-from ..devices import execution_device
+from ..devices import decoder_layers, execution_device
 from ..errors import InvalidInputError
 from .plan import TransferPlan
 from .steps import MapFunction, ResidualFunction, SourceKV, TargetSide, TransferDecision, TransferSteps
