@@ -523,12 +523,12 @@ def fit_bridge(
     )
     if features is not None:
         config_kwargs = {**(config_kwargs or {}), "source_features": features.as_dict()}
-    return _assemble_bridge(
+    return assemble_bridge(
         source, target, mapper, r2, fitted_r2, top_k, ridge_lambda, ridge_lambdas, head_mode, hold_back, config_kwargs
     )
 
 
-def _assemble_bridge(
+def assemble_bridge(
     source, target, mapper, r2, fitted_r2, top_k, ridge_lambda, ridge_lambdas, head_mode, hold_back, config_kwargs
 ) -> KVBridgeForCausalLM:
     """The bridge of a fitted `mapper`, with its selection R² `r2` `(L_t, L_s, 2)` and held-out R² `fitted_r2`
@@ -801,7 +801,7 @@ def fit_bridge_in_passes(
     ridge_lambdas = chosen_lambdas if ridge_lambda == "auto" else None
     if features is not None:
         config_kwargs = {**(config_kwargs or {}), "source_features": features.as_dict()}
-    bridge = _assemble_bridge(
+    bridge = assemble_bridge(
         source, target, mapper, r2, fitted_r2, top_k, ridge_lambda, ridge_lambdas, head_mode, hold_back, config_kwargs
     )
     if residual_fit is not None:

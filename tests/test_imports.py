@@ -312,6 +312,85 @@ def test_every_hf_kvbridge_import_resolves(path):
     assert unresolved_imports(path) == []
 
 
+# -- no private name crosses a package ----------------------------------------------------------------------------
+PRIVATE_CHECKED = ("hf_kvbridge", "kvbridge_cli", "scripts", "studies")
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def private_imports(path: Path, root: Path = ROOT) -> list[str]:
+    """Every import in `path` (module level or inside a function) of a private name (`_name`, a function, class or
+    module) from a module of another package, as `line: what`. A module's package is the folder it sits in
+    (`hf_kvbridge.tools.tune` for `hf_kvbridge/tools/tune/search.py`, `scripts` for a script): modules of one package
+    may share private helpers; anything outside it imports public names only."""
+    relative = path.relative_to(root)
+    module = ".".join(relative.with_suffix("").parts)
+    package = module.removesuffix(".__init__") if path.name == "__init__.py" else module.rsplit(".", 1)[0]
+    problems: list[tuple[int, str]] = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.ImportFrom):
+            base = _absolute(node.module or "", node.level, package)
+            written = "." * node.level + (node.module or "")
+            imported = [(f"{base}.{a.name}", a.name) for a in node.names]
+        elif isinstance(node, ast.Import):
+            written, imported = "", [(a.name, a.name) for a in node.names]
+        else:
+            continue
+        for full, name in imported:
+            parts = full.split(".")
+            owner = ".".join(parts[:-1])  # the module (or package) the last name is taken from
+            owner_package = owner if root.joinpath(*parts[:-1]).is_dir() else owner.rpartition(".")[0]
+            if owner_package == package:
+                continue  # within the importer's own package
+            if any(_private(part) for part in parts):
+                what = f"from {written} import {name}" if written else f"import {full}"
+                problems.append((node.lineno, f"{what}: a private name of {owner or full}"))
+    return [f"{line}: {what}" for line, what in sorted(problems)]
+
+
+def _private_params():
+    files = []
+    for folder in PRIVATE_CHECKED:
+        files += sorted(p for p in (ROOT / folder).rglob("*.py") if "__pycache__" not in p.parts)
+    return [pytest.param(path, id=path.relative_to(ROOT).as_posix()) for path in files]
+
+
+@pytest.mark.parametrize("path", _private_params())
+def test_no_private_name_is_imported_from_another_package(path):
+    """The package, the light CLI entry, the scripts and the studies import only public names of other packages (a
+    private helper is free to change; what another package needs is made public where it lives)."""
+    assert private_imports(path) == []
+
+
+def test_the_private_import_checker_sees_a_private_name_of_another_package(tmp_path):
+    """The check above would pass on files it cannot read: here it must flag each planted private import from another
+    package, function-level ones too, and none of the public or same-package ones."""
+    (tmp_path / "hf_kvbridge" / "tools").mkdir(parents=True)
+    (tmp_path / "hf_kvbridge" / "statistics").mkdir()
+    (tmp_path / "scripts").mkdir()
+    (tmp_path / "hf_kvbridge" / "tools" / "bench.py").write_text(
+        "from ._shared import helper\nfrom .timing import _sync\nfrom ..solve import _block, strip_rows\n"
+        "from ..statistics import _head_index\nfrom ..statistics.blocks import _gram\n"
+    )
+    (tmp_path / "scripts" / "measure.py").write_text(
+        "from scripts.common import _load\n"
+        "def main():\n"
+        "    from hf_kvbridge.tools.diagnostics import _pyplot, pyplot\n"
+        "    import hf_kvbridge._light\n"
+    )
+    assert private_imports(tmp_path / "hf_kvbridge" / "tools" / "bench.py", tmp_path) == [
+        "3: from ..solve import _block: a private name of hf_kvbridge.solve",
+        "4: from ..statistics import _head_index: a private name of hf_kvbridge.statistics",
+        "5: from ..statistics.blocks import _gram: a private name of hf_kvbridge.statistics.blocks",
+    ]
+    assert private_imports(tmp_path / "scripts" / "measure.py", tmp_path) == [
+        "3: from hf_kvbridge.tools.diagnostics import _pyplot: a private name of hf_kvbridge.tools.diagnostics",
+        "4: import hf_kvbridge._light: a private name of hf_kvbridge",
+    ]
+
+
 def test_the_import_checker_sees_missing_modules_and_names(tmp_path):
     """The check above would pass on files it cannot read: here it must flag each planted bad import, and none of
     the good ones."""
