@@ -40,7 +40,7 @@ def mapper_vs_prefill(
     with `interleave=True` the rounds run source, mapper, target, so the mapper runs right after a source prefill,
     as in a cascade, and each one after the others have evicted its data.
     """
-    from ...loading import execution_device
+    from ...devices import execution_device
 
     device = bridge.device
     ids_t, ids_s = input_ids.to(device), input_ids.to(execution_device(bridge.source))
@@ -191,8 +191,8 @@ def old_vs_new(bridge, lengths: list[int], *, batch: int = 1, repeats: int = 20,
     >>> rows[-1]["new_over_old"]  # doctest: +SKIP
     ```
     """
-    from ...loading import execution_device
-    from ...mapping import Workspace, map_cache
+    from ...devices import execution_device
+    from ...mappers.engine import Workspace, map_cache
 
     generator = torch.Generator().manual_seed(seed)
     vocab, device = bridge.target_layout.vocab_size, bridge.device

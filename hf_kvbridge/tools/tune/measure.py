@@ -10,7 +10,8 @@ from typing import Any
 
 import torch
 
-from ...calibration import fit_bridge, refit
+from ...calibration.dense_fit import fit_bridge
+from ...calibration.refit import refit
 from ...errors import TuningError
 from ..bench.flop_model import cost, map_flops_per_token, target_flops_per_token
 from ..evaluation import GapRecovered, gap_recovered, retention, window_nll

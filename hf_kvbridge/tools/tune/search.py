@@ -14,10 +14,10 @@ from typing import Any
 
 import torch
 
-from ...calibration import calibrate
+from ...calibration.calibrate import calibrate
 from ...data import iter_texts, token_windows
 from ...errors import InvalidInputError, TuningError
-from ...statistics import KVStatistics
+from ...statistics.dense import KVStatistics
 from ..bench.flop_model import COST_UNIT
 from ..evaluation import heldout_windows
 from .choice import Point, choose, format_gap, format_settings, format_table, pareto_front
