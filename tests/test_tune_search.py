@@ -9,12 +9,12 @@ import torch
 from transformers import AutoTokenizer
 
 from hf_kvbridge import KVBridgeForCausalLM, pocket
-from hf_kvbridge.cli.main import main
 from hf_kvbridge.tools.bench.flop_model import target_flops_per_token
 from hf_kvbridge.tools.evaluation import continuation_nll, heldout_windows
 from hf_kvbridge.tools.tune.choice import format_table
 from hf_kvbridge.tools.tune.grid import TuneGrid
 from hf_kvbridge.tools.tune.search import run_tune, split_windows
+from kvbridge_cli import main
 
 
 def test_check_windows_come_from_other_documents():

@@ -135,7 +135,7 @@ class Stages:
         return result
 
 
-def _threads(count: int) -> str:
+def describe_threads(count: int) -> str:
     return f"{count} torch thread" + ("" if count == 1 else "s")
 
 
@@ -244,7 +244,8 @@ def measure(args: argparse.Namespace, stages: Stages | None = None) -> dict:
     timing_ids = heldout_windows(heldout_texts, tokenizer, size["timing_context"], 1)
     timing = stages.run(
         "timing",
-        f"timing mapper vs target re-prefill at {size['timing_context']} tokens ({_threads(torch.get_num_threads())})",
+        f"timing mapper vs target re-prefill at {size['timing_context']} tokens "
+        f"({describe_threads(torch.get_num_threads())})",
         lambda: mapper_vs_prefill(bridge, timing_ids, repeats=size["timing_repeats"]),
     )
 
@@ -344,7 +345,8 @@ def report(results: dict) -> str:
         f"latency at {timing['context_tokens']} context tokens (median of {timing['repeats']}): target "
         f"re-prefill {timing['target_prefill_s'] * 1e3:.1f} ms, mapper {timing['mapper_s'] * 1e3:.1f} ms, "
         f"source prefill {timing['source_prefill_s'] * 1e3:.1f} ms → warm speedup "
-        f"{timing['warm_speedup']:.2f}×, cold {timing['cold_speedup']:.2f}× ({_threads(results['torch_threads'])}"
+        f"{timing['warm_speedup']:.2f}×, cold {timing['cold_speedup']:.2f}× "
+        f"({describe_threads(results['torch_threads'])}"
         + (", measured on a busy machine" if results.get("machine_busy") else "")
         + ")",
     ]
@@ -446,30 +448,3 @@ def write_outputs(results: dict, out: Path) -> None:
         out / "r2_heatmap.png",
         f"{pair}: R² of each target layer's K/V from one source layer alone (held-out calibration windows)",
     )
-
-
-def run_demo(args: argparse.Namespace) -> int:
-    if args.source == args.target:
-        print("error: --source and --target must differ; pick two pocket models", file=sys.stderr)
-        return 2
-    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    out = Path(args.out) / f"{args.source}-to-{args.target}-{stamp}"  # a new folder: earlier runs are kept
-    busy = busy_share()
-    threads, why = choose_threads(getattr(args, "threads", None), busy)
-    torch.set_num_threads(threads)
-    print(f"using {_threads(threads)} ({why})")
-    machine_busy = busy is not None and busy >= BUSY_WARNING_SHARE
-    if machine_busy:
-        print(
-            f"warning: other processes keep {busy:.0%} of the CPUs busy; timings will be slower and noisier than on "
-            "a quiet machine (quality figures are not affected)",
-            file=sys.stderr,
-        )
-    results = measure(args)
-    results["machine_busy"] = machine_busy
-    results["cpu_busy_share_before"] = busy
-    print()
-    print(report(results))
-    write_outputs(results, out)
-    print(f"\nwrote {out}/results.json, r2_vs_k.png, attention_cosine.png, r2_heatmap.png")
-    return 0

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import resource
 import time
 from dataclasses import asdict
@@ -336,7 +335,7 @@ def flop_model(args: argparse.Namespace) -> dict:
     }
 
 
-def _flop_table(result: dict) -> str:
+def format_flop_table(result: dict) -> str:
     names = [d["rates"]["name"] for d in result["devices"]]
     lines = ["| stage | FLOPs | " + " | ".join(f"seconds: {n}" for n in names) + " |",
              "|---|---|" + "---|" * len(names)]  # fmt: skip
@@ -350,55 +349,3 @@ def _flop_table(result: dict) -> str:
                            for d in result["devices"])  # fmt: skip
         lines.append(f"| total, fit statistics {end} | | {cells} |")
     return "\n".join(lines)
-
-
-def run_cli(args: argparse.Namespace) -> int:
-    """`kvbridge bench calibration`: prints the result (and writes it with `--json`)."""
-    if args.memory_model:
-        print(memory_table())
-        return 0
-    if args.flop_model:
-        result = flop_model(args)
-        print(
-            f"{args.pair}, top-k {args.top_k}, {args.head_mode} / {args.kv_mode}, {result['tokens']:,} tokens, "
-            f"fit passes of {result['fit_passes']} target layers, {result['flops']['maps']} maps"
-        )
-        print(_flop_table(result))
-        for device in result["devices"]:
-            per_core = device.get("tokens_per_second_per_core")
-            core = f" ({per_core:,.1f} per core)" if per_core else ""
-            print(f"{device['rates']['name']}: {device['tokens_per_second']:,.1f} tokens/s{core}; "
-                  f"rates from {device['rates']['source']}")  # fmt: skip
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(result, f, indent=2)
-        return 0
-    result = run(args)
-    text = json.dumps(result, indent=2)
-    print(text)
-    seconds = {k: result[f"{k}_seconds"] for k in ("forward", "statistics", "selection", "lambda", "solve")}
-    print("time split (s): " + ", ".join(f"{k} {v}" for k, v in seconds.items()))
-    for label, part in (("", result), (" (the whole pair, scaled from its first layers)", result.get("full_depth"))):
-        if part is None:
-            continue
-        projected = part["projection"]
-        if projected["seconds"] is None:
-            print(f"projected to {projected['tokens']:,} tokens{label}: forwards {projected['forward_seconds']:,} s; "
-                  f"the rest not projected: {projected['not_projected']}")  # fmt: skip
-        else:
-            print(
-                f"projected to {projected['tokens']:,} tokens{label}: {projected['seconds']:,} s, of which forwards "
-                f"{projected['forward_seconds']:,} s (statistics + selection + λ + solves: "
-                f"{projected['overhead_over_forwards']}× the forwards)"
-            )
-    print(
-        f"{result['tokens_per_second']} tokens/s ({result['tokens_per_second_per_core']} per core, "
-        f"{result['threads']} threads); statistics: selection "
-        f"{format_bytes(result['selection_statistics_bytes'])}"
-        f", largest fit pass {format_bytes(result['largest_fit_pass_bytes'])} in {result['fit_passes']} pass(es); "
-        f"peak RSS {format_bytes(result['peak_rss_bytes'])}"
-    )
-    if args.json:
-        with open(args.json, "w") as f:
-            f.write(text)
-    return 0

@@ -3,7 +3,6 @@ the choice measured again on check windows and saved."""
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import json
 import time
@@ -20,7 +19,7 @@ from ...errors import InvalidInputError, TuningError
 from ...statistics.dense import KVStatistics
 from ..bench.flop_model import COST_UNIT
 from ..evaluation import heldout_windows
-from .choice import Point, choose, format_gap, format_settings, format_table, pareto_front
+from .choice import Point, choose, format_table, pareto_front
 from .grid import TuneGrid
 from .measure import (
     feature_blocks,
@@ -279,51 +278,3 @@ def _round(value: float | None) -> float | None:
 def _write_json(result: dict, path: str | Path | None) -> None:
     if path is not None:
         Path(path).write_text(json.dumps(result, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-
-
-def run_tune_cli(args: argparse.Namespace) -> int:
-    """`kvbridge tune`: the arguments are parsed and checked by the CLI (`kvbridge_cli/parser.py`)."""
-    grid = TuneGrid(
-        top_k=tuple(args.top_k),
-        ridge_lambdas=tuple(args.ridge_lambdas),
-        kv_modes=tuple(args.kv_modes),
-        ranks=tuple(args.ranks),
-        recompute_fractions=tuple(args.recompute_fractions),
-        recompute_layers=tuple(args.recompute_layers),
-        mlp_hidden=tuple(args.mlp_hidden),
-        mlp_loss=args.mlp_loss,
-        mlp_epochs=args.mlp_epochs,
-        hidden_states=tuple(args.hidden_states),
-        hidden_state_layers=args.hidden_state_layers,
-    )
-    load_kwargs = {"dtype": args.dtype} if args.dtype else {}
-    result = run_tune(
-        args.source,
-        args.target,
-        args.data,
-        args.eval_data,
-        min_retention=args.min_retention,
-        max_cost=args.max_cost,
-        grid=grid,
-        num_sequences=args.num_sequences,
-        seq_len=args.seq_len,
-        heldout_fraction=args.heldout_fraction,
-        seed=args.seed,
-        tune_windows=args.tune_windows,
-        check_windows=args.check_windows,
-        context=args.context,
-        continuation=args.continuation,
-        text_field=args.text_field,
-        out=args.out,
-        overwrite=args.overwrite,
-        json_path=args.json,
-        **load_kwargs,
-    )
-    choice = result["choice"]
-    print(
-        f"chose {format_settings(choice['settings'])}: retention {choice['retention']:.3f} on the tuning windows, "
-        f"{choice['check_retention']:.3f} on {result['settings']['check_windows']} check windows (gap recovered "
-        f"{format_gap(choice['check_gap_recovered'], choice['check_gap_recovered_ci'])}), cost "
-        f"{choice['cost']:.3f}; saved to {args.out}" + (f", all points in {args.json}" if args.json else "")
-    )
-    return 0
