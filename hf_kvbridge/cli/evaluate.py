@@ -23,7 +23,7 @@ def evaluate(args: argparse.Namespace) -> int:
     from ..controls import CONTROL_MARGIN
     from ..integrations.hub import read_eval_table, render_model_card
     from ..modeling import KVBridgeForCausalLM
-    from ..tools.eval_cli import evaluate_modes
+    from ..tools.task_retention import evaluate_modes
 
     modes = tuple(m.strip() for m in args.modes.split(",") if m.strip())
     unknown = sorted(set(modes) - set(EVAL_MODES))

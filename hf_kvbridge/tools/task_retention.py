@@ -307,7 +307,7 @@ def task_manager_for(tasks: list[str], include_path: str | None = None):
     tasks too.
 
     Example:
-        >>> from hf_kvbridge.tools.eval_cli import task_manager_for
+        >>> from hf_kvbridge.tools.task_retention import task_manager_for
         >>> task_manager_for(["kvbridge_pocket_cloze"], "eval_tasks/pocket").all_tasks
         ['kvbridge_pocket', 'kvbridge_pocket_cloze', 'kvbridge_pocket_ppl']
     """
