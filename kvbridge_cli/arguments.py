@@ -115,6 +115,17 @@ def _comma_list(item_type, what: str, allow_empty: bool = False):
     return parse
 
 
+def _eval_modes(value: str) -> tuple[str, ...]:
+    """Comma-separated modes of `kvbridge eval`, each one of `constants.EVAL_MODES`."""
+    modes = tuple(m.strip() for m in value.split(",") if m.strip())
+    unknown = sorted(set(modes) - set(_constants.EVAL_MODES))
+    if unknown or not modes:
+        raise argparse.ArgumentTypeError(
+            f"unknown modes {unknown or [value]}; choose from {', '.join(_constants.EVAL_MODES)}"
+        )
+    return modes
+
+
 def _yes_no(value: str) -> bool:
     if value.lower() in ("yes", "no"):
         return value.lower() == "yes"

@@ -9,13 +9,20 @@ Where things are: `arguments` (the argument types), `settings_options` (the opti
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
+from . import settings_options
+from ._light import core
 from .arguments import _Parser
 from .bridge_commands import add_calibrate, add_generate_and_chat, add_push, add_serve, add_store
-from .settings_options import MAPPER_OPTIONS, CalibrationSettings, cli_fields
+from .settings_options import cli_fields
 from .tool_commands import DEMO_SETTINGS, TUNE_SETTINGS, add_bench, add_demo, add_eval, add_inspect, add_tune
 
+_choice = core("tools.tune.choice")
+
 DEBUG_HELP = "on an error, show the full traceback instead of one line"
+# the settings fields each command offers besides `calibrate` (which offers them all)
+OFFERED_SETTINGS = {"demo": DEMO_SETTINGS, "tune": TUNE_SETTINGS}
 
 
 def _subcommand(parser: argparse.ArgumentParser, *names: str) -> argparse.ArgumentParser:
@@ -25,28 +32,82 @@ def _subcommand(parser: argparse.ArgumentParser, *names: str) -> argparse.Argume
     return parser
 
 
-def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """The settings' own value checks (stdlib only) on the settings options `args.command` offers; a bad value
-    exits with status 2 and one line, as a parse error does."""
-    if args.command == "bench" and getattr(args, "bench", None) == "mapper" and args.old_vs_new and args.interleave:
-        _subcommand(parser, "bench", "mapper").error(
+def _settings_values(args: argparse.Namespace) -> str | None:
+    """The settings' own value checks (stdlib only) on the settings options the command offers."""
+    names = [f.name for f in cli_fields()] if args.command == "calibrate" else list(OFFERED_SETTINGS[args.command])
+    values = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
+    try:
+        settings_options.CalibrationSettings.check_values(values)
+    except ValueError as err:  # the settings' ConfigurationError (loaded from the same file, under another name)
+        return str(err)
+    return None
+
+
+def _out_folder(args: argparse.Namespace) -> str | None:
+    """`--out` must be a folder that is new or empty, or `--overwrite` given: refused before hours of calibration or
+    search, not after."""
+    out = Path(args.out)
+    if out.is_file():
+        return f"--out {out} is a file; pass a folder (new or empty)"
+    if out.exists() and any(out.iterdir()) and not args.overwrite:
+        return f"--out {out} is not empty; pass --overwrite to replace the bridge files in it"
+    return None
+
+
+def _objective(args: argparse.Namespace) -> str | None:
+    """A search needs a quality target or a cost budget (the library's own check, `tools.tune.choice`)."""
+    try:
+        _choice.check_objective(args.min_retention, args.max_cost, ("--min-retention", "--max-cost"))
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+def _two_models(args: argparse.Namespace) -> str | None:
+    return "--source and --target must differ; pick two pocket models" if args.source == args.target else None
+
+
+def _card_folder(args: argparse.Namespace) -> str | None:
+    if args.write_card and not Path(args.bridge).is_dir():
+        return "--write-card needs a local checkpoint folder"
+    return None
+
+
+def _old_vs_new_alone(args: argparse.Namespace) -> str | None:
+    if args.old_vs_new and args.interleave:
+        return (
             "--old-vs-new times the old and the new default mapping against each other (alternating rounds) and no "
             "prefills; drop --interleave, which orders the prefill runs"
         )
-    offered = {"calibrate": None, "demo": DEMO_SETTINGS, "tune": TUNE_SETTINGS}
-    if args.command not in offered:
-        return
-    names = [f.name for f in cli_fields()] if offered[args.command] is None else list(offered[args.command])
-    values = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
-    command = _subcommand(parser, args.command)
-    try:
-        CalibrationSettings.check_values(values)
-    except ValueError as err:  # the settings' ConfigurationError (loaded from the same file, under another name)
-        command.error(str(err))
-    if args.command == "calibrate":
-        for mapper_type, _key, option, *_ in MAPPER_OPTIONS:
-            if getattr(args, option[2:].replace("-", "_")) is not None and mapper_type != args.mapper_type:
-                command.error(f"{option} applies to --mapper-type {mapper_type}, not {args.mapper_type}")
+    return None
+
+
+def _flop_model_alone(args: argparse.Namespace) -> str | None:
+    if args.flop_model and args.layers:
+        return "--layers is for a measured run; --flop-model counts the whole pair"
+    return None
+
+
+# the checks of each command (and bench kind), in order: the first problem is the one reported
+CHECKS = {
+    "calibrate": (_settings_values, settings_options.check_mapper_kwargs, _out_folder),
+    "tune": (_objective, _settings_values, _out_folder),
+    "demo": (_two_models, _settings_values),
+    "eval": (_card_folder,),
+    "bench mapper": (_old_vs_new_alone,),
+    "bench calibration": (_flop_model_alone,),
+}
+
+
+def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """What argument types cannot check alone (options together, the settings' own value checks, a folder on disk),
+    standard library only: the first problem exits with status 2 and one line, as a parse error does, before anything
+    is loaded."""
+    names = [args.command, *([args.bench] if args.command == "bench" else [])]
+    for check in CHECKS.get(" ".join(names), ()):
+        problem = check(args)
+        if problem:
+            _subcommand(parser, *names).error(problem)
 
 
 COMMANDS = ("calibrate", "generate", "chat", "eval", "push", "inspect", "bench", "tune", "serve", "demo", "store")

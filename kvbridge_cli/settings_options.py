@@ -14,19 +14,27 @@ from .arguments import _comma_list, _number, _positive_int, _ridge_lambda, _top_
 _settings = core("settings")
 CalibrationSettings = _settings.CalibrationSettings
 
-# Options of `mapper_kwargs`, offered one by one: (mapper type, keyword, option, type, choices, help). They are passed
-# only when given, so each mapper keeps its own defaults.
-MAPPER_OPTIONS = (
-    ("low_rank", "rank", "--rank", int, None, "rank of a low_rank mapper (default 64)"),
-    ("mlp", "hidden", "--mlp-hidden", int, None, "hidden width of the MLP mapper (default 256)"),
-    ("mlp", "loss", "--mlp-loss", str, ("mse", "attention"), "MLP training loss (default mse)"),
-    ("mlp", "epochs", "--mlp-epochs", int, None, "MLP training epochs (default 2)"),
-    ("mlp", "lr", "--mlp-lr", float, None, "MLP learning rate (default 3e-3)"),
-    ("mlp", "steps_per_batch", "--mlp-steps-per-batch", int, None, "MLP optimiser steps per batch (default 8)"),
-    ("mlp", "weight_decay", "--mlp-weight-decay", float, None, "MLP weight decay (default 0)"),
-    ("ridge_attention_weighted", "weighting", "--weighting", str, ("attention", "uniform"),
-     "token weights of ridge_attention_weighted (default attention)"),
-)  # fmt: skip
+_constants = core("constants")
+
+# The command-line spelling of each `mapper_kwargs` keyword (`constants.MAPPER_KWARGS` says which mapper type takes
+# it): keyword → (option, type, help). They are passed only when given, so each mapper keeps its own defaults; a
+# keyword without an option here (the MLP's `seed`) is library-only.
+MAPPER_OPTIONS = {
+    "rank": ("--rank", int, "rank of a low_rank mapper (default 64)"),
+    "hidden": ("--mlp-hidden", int, "hidden width of the MLP mapper (default 256)"),
+    "loss": ("--mlp-loss", _constants.MLP_LOSSES, "MLP training loss (default mse)"),
+    "epochs": ("--mlp-epochs", int, "MLP training epochs (default 2)"),
+    "lr": ("--mlp-lr", float, "MLP learning rate (default 3e-3)"),
+    "steps_per_batch": ("--mlp-steps-per-batch", int, "MLP optimiser steps per batch (default 8)"),
+    "weight_decay": ("--mlp-weight-decay", float, "MLP weight decay (default 0)"),
+    "weighting": (
+        "--weighting",
+        _constants.WEIGHTINGS,
+        "token weights of ridge_attention_weighted (default attention)",
+    ),
+}
+# the mapper type each keyword belongs to
+MAPPER_OF_KEYWORD = {key: name for name, keys in _constants.MAPPER_KWARGS.items() for key in keys}
 
 
 def cli_fields() -> list[dataclasses.Field]:
@@ -101,17 +109,37 @@ def add_settings_options(parser: argparse.ArgumentParser, defaults: dict | None 
         parser.add_argument(option_name(f.name), **kwargs)
 
 
+class _MapperKeyword(argparse.Action):
+    """Stores a mapper option's value under its keyword in `args.mapper_kwargs` (a new dict each time: the default
+    is shared between parses)."""
+
+    def __init__(self, *args, keyword: str, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.keyword = keyword
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        namespace.mapper_kwargs = {**(namespace.mapper_kwargs or {}), self.keyword: values}
+
+
 def add_mapper_options(parser: argparse.ArgumentParser) -> None:
+    """One option per `mapper_kwargs` keyword of `MAPPER_OPTIONS`; what is given lands in `args.mapper_kwargs`
+    (`{}` when none is), which `check_arguments` checks against `--mapper-type`."""
     group = parser.add_argument_group("mapper options (mapper_kwargs; each only with its --mapper-type)")
-    for _mapper_type, _key, option, kind, choices, help_text in MAPPER_OPTIONS:
-        kind = {int: _positive_int, float: _number}.get(kind, kind)
-        group.add_argument(option, type=None if choices else kind, choices=choices, default=None, help=help_text)
+    parser.set_defaults(mapper_kwargs={})
+    for keyword, (option, kind, help_text) in MAPPER_OPTIONS.items():
+        choices = kind if isinstance(kind, tuple) else None
+        kind = None if choices else {int: _positive_int, float: _number}.get(kind, kind)
+        metavar = None if choices else option[2:].upper().replace("-", "_")  # as argparse names it from the option
+        group.add_argument(
+            option, type=kind, choices=choices, help=help_text, action=_MapperKeyword, keyword=keyword,
+            dest=f"mapper_option_{keyword}", default=argparse.SUPPRESS, metavar=metavar,
+        )  # fmt: skip
 
 
-def mapper_kwargs(args: argparse.Namespace) -> dict:
-    """The `mapper_kwargs` the mapper options given on the command line make (checked by `check_arguments`)."""
-    return {
-        key: getattr(args, option[2:].replace("-", "_"))
-        for mapper_type, key, option, *_ in MAPPER_OPTIONS
-        if mapper_type == args.mapper_type and getattr(args, option[2:].replace("-", "_")) is not None
-    }
+def check_mapper_kwargs(args: argparse.Namespace) -> str | None:
+    """What is wrong with the mapper options given for `args.mapper_type` (one line), or `None`."""
+    for keyword in args.mapper_kwargs:
+        if MAPPER_OF_KEYWORD[keyword] != args.mapper_type:
+            option = MAPPER_OPTIONS[keyword][0]
+            return f"{option} applies to --mapper-type {MAPPER_OF_KEYWORD[keyword]}, not {args.mapper_type}"
+    return None

@@ -7,6 +7,7 @@ from .arguments import (
     POCKET_DATA,
     _calibration_data,
     _comma_list,
+    _eval_modes,
     _heldout_data,
     _kv_mode,
     _layer_count,
@@ -23,19 +24,37 @@ from .settings_options import add_settings_options
 
 _constants = core("constants")
 _pocket = core("pocket")
+_defaults = core("tools.defaults")  # the demo's and the mapper benchmark's defaults
+_grid = core("tools.tune.grid")  # the tune grid's and search's defaults
 
 # the pocket models the demo offers: all of them (pocket-x has another KV layout, mapped like the others)
 DEMO_MODELS = _pocket.POCKET_MODELS
-DEFAULT_BENCH_LENGTHS = (256, 1024, 4096)
 BENCH_DTYPES = ("float32", "bfloat16", "float16")
 # The settings fields `demo` and `tune` offer, with the defaults those commands deliberately use instead of the
 # library's (None: the command picks the value, as its --help says). Every other command-line option of theirs is
 # their own.
-DEMO_SETTINGS = {"top_k": 6, "ridge_lambda": "auto", "head_mode": "all_heads", "num_sequences": None, "seq_len": None,
-                 "seed": 0}  # fmt: skip
-DEMO_SIZES_HELP = {"num_sequences": "default 128; 24 with --quick", "seq_len": "default 512; 256 with --quick"}
-TUNE_SETTINGS = {"num_sequences": 64, "seq_len": 256, "heldout_fraction": 0.1, "seed": 0, "text_field": "text",
-                 "hidden_state_layers": "all"}  # fmt: skip
+DEMO_SETTINGS = {**_defaults.DEMO_SETTINGS, "num_sequences": None, "seq_len": None}
+
+
+def _full(name: str) -> int:
+    return _defaults.DEMO_SIZES[name][0]
+
+
+def _quick(name: str) -> int:
+    return _defaults.DEMO_SIZES[name][1]
+
+
+DEMO_SIZES_HELP = {
+    name: f"default {_full(name)}; {_quick(name)} with --quick" for name in ("num_sequences", "seq_len")
+}
+TUNE_SETTINGS = {
+    "num_sequences": _grid.DEFAULT_NUM_SEQUENCES,
+    "seq_len": _grid.DEFAULT_SEQ_LEN,
+    "heldout_fraction": _grid.DEFAULT_HELDOUT_FRACTION,
+    "seed": _grid.DEFAULT_SEED,
+    "text_field": _grid.DEFAULT_TEXT_FIELD,
+    "hidden_state_layers": _grid.DEFAULT_HIDDEN_STATE_LAYERS,
+}
 
 
 def add_eval(sub) -> None:
@@ -52,7 +71,7 @@ def add_eval(sub) -> None:
     ev.add_argument("--rolling-stride", type=int, help="chunk size of rolling log-likelihood (default 256)")
     ev.add_argument("--bootstrap-iters", type=int, default=100000, help="lm-eval's, for non-mean metrics")
     modes = _constants.EVAL_MODES
-    ev.add_argument("--modes", default=",".join(modes), help=f"subset of {','.join(modes)}")
+    ev.add_argument("--modes", type=_eval_modes, default=",".join(modes), help=f"subset of {','.join(modes)}")
     ev.add_argument("--output", help="write the results (table rows and each mode's lm-eval results) as JSON")
     ev.add_argument("--write-card", action="store_true", help="put the table into the checkpoint's README.md")
 
@@ -97,7 +116,7 @@ def add_bench(sub) -> None:
         "--lengths",
         type=_lengths,
         help="context lengths in tokens (default "
-        + ",".join(map(str, DEFAULT_BENCH_LENGTHS))
+        + ",".join(map(str, _defaults.BENCH_LENGTHS))
         + ", cut to the models' maximum positions)",
     )
     mapper.add_argument("--batch", type=_positive_int, default=1)
@@ -221,49 +240,67 @@ def add_tune(sub) -> None:
         "family's held-out split",
     )
     grid = tune.add_argument_group("grid (comma-separated values)")
-    grid.add_argument("--top-k", type=_comma_list(_tune_top_k, "top-k values"), default=[2, 4])
+    grid.add_argument("--top-k", type=_comma_list(_tune_top_k, "top-k values"), default=list(_grid.DEFAULT_TOP_K))
     grid.add_argument(
-        "--ridge-lambdas", type=_comma_list(_ridge_lambda, "λ values ('auto' or ≥ 0)"), default=["auto", 1e-3, 1e-1]
+        "--ridge-lambdas",
+        type=_comma_list(_ridge_lambda, "λ values ('auto' or ≥ 0)"),
+        default=list(_grid.DEFAULT_LAMBDAS),
     )
-    grid.add_argument("--kv-modes", type=_comma_list(_kv_mode, "kv modes"), default=list(_constants.KV_MODES))
+    grid.add_argument("--kv-modes", type=_comma_list(_kv_mode, "kv modes"), default=list(_grid.DEFAULT_KV_MODES))
     grid.add_argument(
         "--ranks",
         type=_comma_list(_positive_int, "ranks", allow_empty=True),
-        default=[16, 32],
+        default=list(_grid.DEFAULT_RANKS),
         help="ranks of the low-rank mapper ('none': ridge only)",
     )
-    grid.add_argument("--recompute-fractions", type=_comma_list(_share, "shares in [0, 1]"), default=[0.0, 0.05, 0.1])
+    grid.add_argument(
+        "--recompute-fractions", type=_comma_list(_share, "shares in [0, 1]"), default=list(_grid.DEFAULT_FRACTIONS)
+    )
     grid.add_argument(
         "--recompute-layers",
         type=_comma_list(_layer_count, "layer counts"),
-        default=[0, 1, 2],
+        default=list(_grid.DEFAULT_RECOMPUTE_LAYERS),
         help="top target layers the target recomputes over the whole context (layer recompute; their residual maps "
         "are fitted in the calibration pass); 0: the plain bridge",
     )
     grid.add_argument(
         "--mlp-hidden",
         type=_comma_list(_positive_int, "hidden widths", allow_empty=True),
-        default=[256],
+        default=list(_grid.DEFAULT_MLP_HIDDEN),
         help="hidden widths of MLP mappers, trained from each top-k's ridge fit at the first λ and kv mode ('none': "
         "no MLP)",
     )
-    grid.add_argument("--mlp-loss", choices=("attention", "mse"), default="attention", help="the MLPs' training loss")
     grid.add_argument(
-        "--mlp-epochs", type=_positive_int, default=2, help="the MLPs' passes over the calibration windows"
+        "--mlp-loss", choices=_constants.MLP_LOSSES, default=_grid.DEFAULT_MLP_LOSS, help="the MLPs' training loss"
+    )
+    grid.add_argument(
+        "--mlp-epochs",
+        type=_positive_int,
+        default=_grid.DEFAULT_MLP_EPOCHS,
+        help="the MLPs' passes over the calibration windows",
     )
     grid.add_argument(
         "--hidden-states",
         type=_comma_list(_yes_no, "yes/no values"),
-        default=[False, True],
+        default=list(_grid.DEFAULT_HIDDEN_STATES),
         help="no: maps of the source's K/V only; yes: ridge and low-rank joint maps that also read the source's "
-        "hidden states (--hidden-state-layers, collected in the same calibration pass) (default: no,yes)",
+        "hidden states (--hidden-state-layers, collected in the same calibration pass) (default: "
+        + ",".join("yes" if h else "no" for h in _grid.DEFAULT_HIDDEN_STATES)
+        + ")",
     )
     settings = tune.add_argument_group("calibration settings (tune's defaults)")
     add_settings_options(settings, TUNE_SETTINGS)
-    tune.add_argument("--tune-windows", type=_positive_int, default=16)
-    tune.add_argument("--check-windows", type=_positive_int, default=16)
-    tune.add_argument("--context", type=_positive_int, default=192, help="context tokens of each window")
-    tune.add_argument("--continuation", type=_positive_int, default=32, help="scored tokens after the context")
+    tune.add_argument("--tune-windows", type=_positive_int, default=_grid.DEFAULT_TUNE_WINDOWS)
+    tune.add_argument("--check-windows", type=_positive_int, default=_grid.DEFAULT_CHECK_WINDOWS)
+    tune.add_argument(
+        "--context", type=_positive_int, default=_grid.DEFAULT_CONTEXT, help="context tokens of each window"
+    )
+    tune.add_argument(
+        "--continuation",
+        type=_positive_int,
+        default=_grid.DEFAULT_CONTINUATION,
+        help="scored tokens after the context",
+    )
     tune.add_argument("--dtype", help="model dtype, e.g. bfloat16")
 
 
@@ -271,13 +308,16 @@ def add_demo(sub) -> None:
     demo = sub.add_parser(
         "demo",
         help="calibrate and measure a bridge of the shipped pocket family (offline)",
-        description="Calibrates a pocket bridge and measures it (retention, cloze, speed); 128 × 512-token "
-        "calibration windows by default, 24 × 256 with --quick.",
+        description="Calibrates a pocket bridge and measures it (retention, cloze, speed); "
+        f"{_full('num_sequences')} × {_full('seq_len')}-token calibration windows by default, "
+        f"{_quick('num_sequences')} × {_quick('seq_len')} with --quick.",
     )
     demo.add_argument("--out", default="kvbridge-demo", help="parent folder; each run writes a new folder in it")
     demo.add_argument("--quick", action="store_true", help="smaller calibration and evaluation (for tests)")
-    demo.add_argument("--source", default="pocket-s", choices=DEMO_MODELS, help="pocket model that prefills")
-    demo.add_argument("--target", default="pocket-l", choices=DEMO_MODELS, help="pocket model that decodes")
+    demo.add_argument(
+        "--source", default=_defaults.DEMO_SOURCE, choices=DEMO_MODELS, help="pocket model that prefills"
+    )
+    demo.add_argument("--target", default=_defaults.DEMO_TARGET, choices=DEMO_MODELS, help="pocket model that decodes")
     settings = demo.add_argument_group("calibration settings (the demo's defaults)")
     add_settings_options(settings, DEMO_SETTINGS, DEMO_SIZES_HELP)
     demo.add_argument(

@@ -56,8 +56,10 @@ def test_calibrate_then_generate(saved_pair, tmp_path, capsys):
     expected = bridge.generate(**inputs, max_new_tokens=5, do_sample=False, pad_token_id=tokenizer.eos_token_id)
     assert expected.shape[1] > inputs["input_ids"].shape[1]
     assert capsys.readouterr().out.strip() == tokenizer.decode(expected[0], skip_special_tokens=True).strip()
-    # a second calibrate into the same folder refuses before doing any work
-    assert main(["calibrate", saved_pair["small"], saved_pair["large"], "--data", str(data), "--out", str(out)]) == 2
+    # a second calibrate into the same folder refuses before doing any work (the parser's check: exit status 2)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["calibrate", saved_pair["small"], saved_pair["large"], "--data", str(data), "--out", str(out)])
+    assert exit_info.value.code == 2
 
 
 def test_help_imports_no_tool():
@@ -164,3 +166,46 @@ def test_demo_and_tune_declare_their_defaults_once():
     tune = build_parser().parse_args(["tune", "s", "t", "--out", "o", "--eval-data", "pocket"])
     assert {name: getattr(tune, name) for name in cli_commands.TUNE_SETTINGS} == cli_commands.TUNE_SETTINGS
     assert isinstance(tune, argparse.Namespace)
+
+
+def test_the_command_line_defaults_are_the_tools_own():
+    """`kvbridge tune` and `demo` read their defaults from the tools' standard-library modules (`tools/tune/grid.py`,
+    `tools/defaults.py`): a command line with no options asks for exactly what the library does by default."""
+    import inspect
+
+    from hf_kvbridge.tools.demo import measure
+    from hf_kvbridge.tools.tune.grid import TuneGrid
+    from hf_kvbridge.tools.tune.search import run_tune
+
+    tune = build_parser().parse_args(["tune", "s", "t", "--out", "o", "--eval-data", "pocket"])
+    grid = {name: getattr(tune, name) for name in dataclasses.asdict(TuneGrid())}
+    grid = {name: tuple(value) if isinstance(value, list) else value for name, value in grid.items()}
+    assert TuneGrid(**grid) == TuneGrid()
+    library = {name: p.default for name, p in inspect.signature(run_tune).parameters.items()}
+    sizes = ("num_sequences", "seq_len", "heldout_fraction", "seed", "text_field", "tune_windows", "check_windows")
+    for name in (*sizes, "context", "continuation"):
+        assert getattr(tune, name) == library[name], name
+    demo = build_parser().parse_args(["demo"])
+    library = {name: p.default for name, p in inspect.signature(measure).parameters.items()}
+    for name in (
+        "source",
+        "target",
+        "quick",
+        "top_k",
+        "ridge_lambda",
+        "head_mode",
+        "num_sequences",
+        "seq_len",
+        "seed",
+    ):
+        assert getattr(demo, name) == library[name], name
+
+
+def test_mapper_options_are_keywords_of_their_mapper_type():
+    """Each mapper option of `kvbridge calibrate` is a `mapper_kwargs` keyword its registry entry accepts, and every
+    registry entry takes the keywords `constants.MAPPER_KWARGS` names (one table, read by the settings and the CLI)."""
+    from hf_kvbridge.constants import MAPPER_KWARGS
+
+    assert {name: entry.kwargs for name, entry in MAPPER_REGISTRY.items()} == MAPPER_KWARGS
+    for keyword in cli_options.MAPPER_OPTIONS:
+        assert keyword in MAPPER_REGISTRY[cli_options.MAPPER_OF_KEYWORD[keyword]].kwargs

@@ -1,7 +1,8 @@
-"""The package's import graph (module- and function-level imports, read with `ast`): no cycles, the core never
-imports the tooling on top of it (`tools/`, `integrations/`, `cli/`), not even inside a function, and every
-`hf_kvbridge` import anywhere in the repository (package, tests, scripts, studies) names a module and a name that
-exist.
+"""The import graph of the package and of the light CLI entry `kvbridge_cli` (module- and function-level imports,
+read with `ast`): no cycles, the core never imports the tooling on top of it (`tools/`, `integrations/`, `cli/`), not
+even inside a function, the package never imports `kvbridge_cli`, every `hf_kvbridge` import anywhere in the
+repository (package, light entry, tests, scripts, studies) names a module and a name that exist, and no private name
+crosses a package.
 
 An import-linter of our own: what `/tmp/cycles.py` printed during the restructure, as a test that fails.
 """
@@ -18,8 +19,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "hf_kvbridge"
+LIGHT_ENTRY = ROOT / "kvbridge_cli"  # the `kvbridge` console script: imports hf_kvbridge, never the other way
 # folders of the repository whose Python files may import hf_kvbridge
-SCANNED = ("hf_kvbridge", "tests", "scripts", "studies")
+SCANNED = ("hf_kvbridge", "kvbridge_cli", "tests", "scripts", "studies")
 TOOLING = ("hf_kvbridge.tools", "hf_kvbridge.integrations", "hf_kvbridge.cli")
 
 
@@ -31,12 +33,13 @@ def _modules(root: Path = PACKAGE) -> dict[str, Path]:
     return mods
 
 
-def import_graph(root: Path = PACKAGE) -> dict[str, set[str]]:
-    """`{module: modules of the package it imports}`, every `import`/`from ... import` anywhere in its body.
+def import_graph(*roots: Path) -> dict[str, set[str]]:
+    """`{module: modules of the graph it imports}`, every `import`/`from ... import` anywhere in its body; the graph's
+    modules are those of the packages `roots` (default: `hf_kvbridge` and `kvbridge_cli`).
 
     `from pkg import name` counts as an import of `pkg.name` when that is a module, else of `pkg`.
     """
-    mods = _modules(root)
+    mods = {name: path for root in roots or (PACKAGE, LIGHT_ENTRY) for name, path in _modules(root).items()}
     graph: dict[str, set[str]] = {m: set() for m in mods}
     for module, path in mods.items():
         package = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
@@ -101,10 +104,11 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 
 def upward_imports(graph: dict[str, set[str]]) -> dict[str, list[str]]:
-    """Core modules that import tooling. The package `__init__` may register the lm-eval model at import."""
+    """Core modules that import tooling. The package `__init__` may register the lm-eval model at import; the light
+    entry `kvbridge_cli` sits above everything."""
     bad = {}
     for module, deps in graph.items():
-        if module.startswith(TOOLING) or module == "hf_kvbridge":
+        if module.startswith(TOOLING) or module == "hf_kvbridge" or module.split(".")[0] == "kvbridge_cli":
             continue
         up = sorted(d for d in deps if d.startswith(TOOLING))
         if up:
@@ -114,6 +118,15 @@ def upward_imports(graph: dict[str, set[str]]) -> dict[str, list[str]]:
 
 def test_no_import_cycles():
     assert cycles(import_graph()) == []
+
+
+def test_the_package_never_imports_the_light_entry():
+    """`kvbridge_cli` parses and hands the arguments to `hf_kvbridge.cli`; nothing in `hf_kvbridge` imports it back
+    (it once did, for the settings' option names: the one cycle of the repository)."""
+    graph = import_graph()
+    back = {m: sorted(d for d in deps if d.split(".")[0] == "kvbridge_cli") for m, deps in graph.items()}
+    assert {m: deps for m, deps in back.items() if deps and m.startswith("hf_kvbridge")} == {}
+    assert "hf_kvbridge.cli" in graph["kvbridge_cli"]  # the graph sees the light entry's own imports
 
 
 def test_core_never_imports_tooling():
@@ -148,7 +161,8 @@ def test_every_module_imports_on_its_own():
 
     optional = "hf_kvbridge.integrations.vllm"  # needs the vllm extra
     have_vllm = importlib.util.find_spec("vllm") is not None
-    names = sorted(m for m in _modules() if have_vllm or not (m == optional or m.startswith(optional + ".")))
+    modules = {**_modules(), **{m: p for m, p in _modules(LIGHT_ENTRY).items() if p.name != "__main__.py"}}
+    names = sorted(m for m in modules if have_vllm or not (m == optional or m.startswith(optional + ".")))
     code = "import importlib, sys\nfor n in sys.argv[1:]:\n    importlib.import_module(n)\n"
     result = subprocess.run([sys.executable, "-c", code, *names], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]

@@ -338,7 +338,9 @@ def _refuse_to_tune(monkeypatch):
 def test_cli_needs_a_target_or_a_budget(tmp_path, capsys, monkeypatch):
     _refuse_to_tune(monkeypatch)
     args = ["tune", "pocket/pocket-s", "pocket/pocket-m", "--eval-data", "pocket", "--out", str(tmp_path / "b")]
-    _one_line_error(capsys, main(args), 2, "--min-retention", "--max-cost")
+    with pytest.raises(SystemExit) as exit_info:  # refused by the parser's checks, before anything loads
+        main(args)
+    _one_line_error(capsys, exit_info.value.code, 2, "--min-retention", "--max-cost")
 
 
 @pytest.mark.parametrize(

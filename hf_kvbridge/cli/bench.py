@@ -9,6 +9,7 @@ import sys
 
 
 def bench(args: argparse.Namespace) -> int:
+    """`kvbridge bench mapper|calibration|vllm`."""
     return {"mapper": bench_mapper, "calibration": bench_calibration, "vllm": bench_vllm}[args.bench](args)
 
 
@@ -19,7 +20,6 @@ def bench_mapper(args: argparse.Namespace) -> int:
     from .. import precision
     from ..errors import ContextLengthError, InvalidInputError
     from ..tools.bench.mapper import (
-        DEFAULT_BENCH_LENGTHS,
         NEW_DEFAULT,
         OLD_DEFAULT,
         benchmark,
@@ -28,6 +28,7 @@ def bench_mapper(args: argparse.Namespace) -> int:
         old_vs_new,
     )
     from ..tools.bench.shapes import QWEN3_SHAPES, SMALL_SHAPES, qwen3_shape_config, random_bridge, shape_pair
+    from ..tools.defaults import BENCH_LENGTHS
 
     dtype = getattr(torch, args.dtype)
     mapper_dtype = getattr(torch, args.mapper_dtype or args.dtype)
@@ -68,7 +69,7 @@ def bench_mapper(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     limit = bridge.max_positions
     if args.lengths is None:  # the defaults, cut to what the models take
-        lengths = [n for n in DEFAULT_BENCH_LENGTHS if n <= limit] or [limit]
+        lengths = [n for n in BENCH_LENGTHS if n <= limit] or [limit]
     else:
         lengths = args.lengths
         ContextLengthError.check("a --lengths entry", max(lengths), limit, f"pass lengths up to {limit:,}")
@@ -112,13 +113,26 @@ def bench_mapper(args: argparse.Namespace) -> int:
 def bench_calibration(args: argparse.Namespace) -> int:
     """`kvbridge bench calibration`: prints the result (and writes it with `--json`)."""
     from ..budget import format_bytes
-    from ..tools.bench.calibration import flop_model, format_flop_table, memory_table, run
+    from ..tools.bench.calibration import flop_model_report, format_flop_table, memory_table, run
 
     if args.memory_model:
         print(memory_table())
         return 0
     if args.flop_model:
-        result = flop_model(args)
+        result = flop_model_report(
+            args.pair,
+            num_sequences=args.num_sequences,
+            seq_len=args.seq_len,
+            top_k=args.top_k,
+            head_mode=args.head_mode,
+            kv_mode=args.kv_mode,
+            statistics_memory=args.statistics_memory,
+            statistics_dtype=args.statistics_dtype,
+            dtype=args.dtype,
+            device=args.device,
+            vocab=args.vocab,
+            fit_passes=args.fit_passes,
+        )
         print(
             f"{args.pair}, top-k {args.top_k}, {args.head_mode} / {args.kv_mode}, {result['tokens']:,} tokens, "
             f"fit passes of {result['fit_passes']} target layers, {result['flops']['maps']} maps"
@@ -133,7 +147,25 @@ def bench_calibration(args: argparse.Namespace) -> int:
             with open(args.json, "w") as f:
                 json.dump(result, f, indent=2)
         return 0
-    result = run(args)
+    result = run(
+        args.pair,
+        num_sequences=args.num_sequences,
+        seq_len=args.seq_len,
+        batch_size=args.batch_size,
+        heldout_fraction=args.heldout_fraction,
+        top_k=args.top_k,
+        head_mode=args.head_mode,
+        kv_mode=args.kv_mode,
+        statistics_memory=args.statistics_memory,
+        statistics_dtype=args.statistics_dtype,
+        statistics_device=args.statistics_device,
+        matmul_precision=args.float32_matmul_precision,
+        dtype=args.dtype,
+        device=args.device,
+        vocab=args.vocab,
+        layers=args.layers,
+        progress=args.progress,
+    )
     text = json.dumps(result, indent=2)
     print(text)
     seconds = {k: result[f"{k}_seconds"] for k in ("forward", "statistics", "selection", "lambda", "solve")}

@@ -22,27 +22,34 @@ def max_positions(reference: str) -> int | None:
         return None
 
 
+def check_fits_the_models(references: tuple[str, ...], lengths: list[tuple[str, int, str]]) -> None:
+    """Refuses, before any model is loaded, each `(what, tokens, what to do)` of `lengths` past the smallest maximum
+    positions of the models `references` name (read from their configs alone; a model that cannot be resolved here is
+    left to its loading to refuse)."""
+    limits = [n for n in map(max_positions, references) if n]
+    if limits:
+        for what, tokens, fix in lengths:
+            ContextLengthError.check(what, tokens, min(limits), fix)
+
+
 def settings_from_args(args: argparse.Namespace):
-    """The `CalibrationSettings` a `kvbridge calibrate` command line asks for (validated)."""
-    from kvbridge_cli.settings_options import cli_fields, mapper_kwargs
+    """The `CalibrationSettings` a `kvbridge calibrate` command line asks for (validated): every settings field the
+    parser put in `args` (its options and `mapper_kwargs`), with progress bars on."""
+    import dataclasses
 
     from ..settings import CalibrationSettings
 
-    values = {f.name: getattr(args, f.name) for f in cli_fields()}
-    return CalibrationSettings(**values, mapper_kwargs=mapper_kwargs(args), progress=True)
+    fields = {f.name for f in dataclasses.fields(CalibrationSettings)}
+    values = {name: value for name, value in vars(args).items() if name in fields}
+    return CalibrationSettings(**{**values, "progress": True})
 
 
 def calibrate(args: argparse.Namespace) -> int:
+    """`kvbridge calibrate` (`--out` is checked by the parser: a non-empty folder needs `--overwrite`)."""
     import hf_kvbridge
 
-    out = Path(args.out)
-    if out.exists() and any(out.iterdir()) and not args.overwrite:  # refuse before hours of calibration, not after
-        print(f"error: {out} is not empty; pass --overwrite to replace the bridge files in it", file=sys.stderr)
-        return 2
     settings = settings_from_args(args)  # the full validation (mapper registry, memory budget) before any load
-    limits = [n for n in (max_positions(args.source), max_positions(args.target)) if n]
-    if limits:
-        ContextLengthError.check("--seq-len", args.seq_len, min(limits), "pass a smaller --seq-len")
+    check_fits_the_models((args.source, args.target), [("--seq-len", args.seq_len, "pass a smaller --seq-len")])
     load_kwargs = {}
     if args.dtype:
         load_kwargs["dtype"] = args.dtype
@@ -57,6 +64,7 @@ def calibrate(args: argparse.Namespace) -> int:
         target_revision=args.target_revision,
         **load_kwargs,
     )
+    out = Path(args.out)
     bridge.save_pretrained(out, overwrite=args.overwrite)
     r2 = bridge.config.heldout_r2
     print(

@@ -1,4 +1,4 @@
-"""`kvbridge demo`: the threads, the output folder, the report (`hf_kvbridge.tools.demo` measures)."""
+"""`kvbridge demo`: the threads, the output folder and the report around `hf_kvbridge.tools.demo.measure`."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ from pathlib import Path
 
 
 def demo(args: argparse.Namespace) -> int:
-    """`kvbridge demo`: calibrates and measures a pocket bridge, prints the report and writes it into a new folder."""
+    """`kvbridge demo`: calibrates and measures a pocket bridge, prints the report and writes it into a new folder
+    (the parser has refused a pair of one model)."""
     import torch
 
     from ..tools.demo import (
@@ -22,9 +23,6 @@ def demo(args: argparse.Namespace) -> int:
         write_outputs,
     )
 
-    if args.source == args.target:
-        print("error: --source and --target must differ; pick two pocket models", file=sys.stderr)
-        return 2
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     out = Path(args.out) / f"{args.source}-to-{args.target}-{stamp}"  # a new folder: earlier runs are kept
     busy = busy_share()
@@ -38,7 +36,17 @@ def demo(args: argparse.Namespace) -> int:
             "a quiet machine (quality figures are not affected)",
             file=sys.stderr,
         )
-    results = measure(args)
+    results = measure(
+        args.source,
+        args.target,
+        quick=args.quick,
+        top_k=args.top_k,
+        ridge_lambda=args.ridge_lambda,
+        head_mode=args.head_mode,
+        num_sequences=args.num_sequences,
+        seq_len=args.seq_len,
+        seed=args.seed,
+    )
     results["machine_busy"] = machine_busy
     results["cpu_busy_share_before"] = busy
     print()

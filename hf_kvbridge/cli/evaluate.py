@@ -16,20 +16,16 @@ logger = logging.getLogger(__name__)
 
 
 def evaluate(args: argparse.Namespace) -> int:
-    """`kvbridge eval`: prints the table, optionally writes JSON and the model card."""
+    """`kvbridge eval`: prints the table, optionally writes JSON and the model card (the parser has checked the
+    modes, and that `--write-card` has a local checkpoint folder to write into)."""
     import torch
 
-    from ..constants import EVAL_MODES
     from ..controls import CONTROL_MARGIN
     from ..integrations.hub import read_eval_table, render_model_card
     from ..modeling import KVBridgeForCausalLM
     from ..tools.task_retention import evaluate_modes
 
-    modes = tuple(m.strip() for m in args.modes.split(",") if m.strip())
-    unknown = sorted(set(modes) - set(EVAL_MODES))
-    if unknown:
-        print(f"error: unknown modes {unknown}; choose from {', '.join(EVAL_MODES)}", file=sys.stderr)
-        return 2
+    modes = tuple(args.modes)
     limit = None if args.limit is None else (int(args.limit) if args.limit >= 1 else args.limit)
     load_kwargs = {} if args.dtype in (None, "auto") else {"dtype": getattr(torch, args.dtype)}
     bridge = KVBridgeForCausalLM.from_pretrained(args.bridge, revision=args.revision, **load_kwargs)
@@ -77,9 +73,6 @@ def evaluate(args: argparse.Namespace) -> int:
         print(f"wrote {args.output}")
     if args.write_card:
         card_path = Path(args.bridge) / "README.md"
-        if not Path(args.bridge).is_dir():
-            print("error: --write-card needs a local checkpoint folder", file=sys.stderr)
-            return 2
         previous = card_path.read_text(encoding="utf-8") if card_path.is_file() else ""
         if read_eval_table(previous):
             logger.info("replacing the retention table in %s", card_path)

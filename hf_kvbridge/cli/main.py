@@ -1,9 +1,10 @@
 """The `kvbridge` command: `calibrate`, `generate`, `chat`, `demo`, `eval`, ...
 
-Arguments are validated when they are parsed, before any model is loaded. Any error a command meets is printed as
-one line (what is wrong, what to do) with exit status 1 (`--debug` shows the traceback instead); Ctrl-C exits with
-status 130 and one line. The command functions: `bridge` (calibrate, generate, chat, push, serve, store), `evaluate`
-(eval, inspect), `bench`, `tune`, `demo`.
+`run` runs a command line that `kvbridge_cli` (the console script's light entry) has parsed and checked: arguments
+are validated when they are parsed, before any model is loaded, and this package never imports `kvbridge_cli`. Any
+error a command meets is printed as one line (what is wrong, what to do) with exit status 1 (`--debug` shows the
+traceback instead); Ctrl-C exits with status 130 and one line. The command functions: `bridge` (calibrate, generate,
+chat, push, serve, store), `evaluate` (eval, inspect), `bench`, `tune`, `demo`.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from collections.abc import Sequence
 
 from .bench import bench
 from .bridge import calibrate, chat, generate, push, serve, store
@@ -64,14 +64,3 @@ def run(args: argparse.Namespace) -> int:
             raise
         print(f"error: {_one_line(err)} (--debug shows the traceback)", file=sys.stderr)
         return 1
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """`kvbridge` (the console script is `kvbridge_cli:main`, which parses without importing torch)."""
-    from kvbridge_cli import main as light_main
-
-    return light_main(argv)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,34 +1,25 @@
-"""`kvbridge tune`: the pre-flight checks, and the arguments handed to `hf_kvbridge.tools.tune.search.run_tune`."""
+"""`kvbridge tune`: the arguments handed to `hf_kvbridge.tools.tune.search.run_tune`, and the choice printed.
+
+The parser has checked the arguments (a quality target or a cost budget, a `--out` it may write to); the windows are
+checked against the models' maximum positions here, before the calibration pass.
+"""
 
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
-from ..errors import ContextLengthError
-from .bridge import max_positions
+from .bridge import check_fits_the_models
 
 
 def tune(args: argparse.Namespace) -> int:
-    if args.min_retention is None and args.max_cost is None:
-        print("error: pass --min-retention (a quality target), --max-cost (a cost budget), or both", file=sys.stderr)
-        return 2
-    out = Path(args.out)
-    if out.exists() and any(out.iterdir()) and not args.overwrite:  # refuse before the search, not after
-        print(f"error: {out} is not empty; pass --overwrite to replace the bridge files in it", file=sys.stderr)
-        return 2
-    limits = [n for n in (max_positions(args.source), max_positions(args.target)) if n]
-    if limits:
-        ContextLengthError.check("--seq-len", args.seq_len, min(limits), "pass a smaller --seq-len")
-        ContextLengthError.check(
-            "--context plus --continuation", args.context + args.continuation, min(limits), "shorten them"
-        )
-    return run_tune_cli(args)
-
-
-def run_tune_cli(args: argparse.Namespace) -> int:
-    """`kvbridge tune`: the arguments are parsed and checked by the CLI (`kvbridge_cli/parser.py`)."""
+    """`kvbridge tune`: searches the grid the options describe, saves the choice to `--out`, prints it."""
+    check_fits_the_models(
+        (args.source, args.target),
+        [
+            ("--seq-len", args.seq_len, "pass a smaller --seq-len"),
+            ("--context plus --continuation", args.context + args.continuation, "shorten them"),
+        ],
+    )
     from ..tools.tune.choice import format_gap, format_settings
     from ..tools.tune.grid import TuneGrid
     from ..tools.tune.search import run_tune

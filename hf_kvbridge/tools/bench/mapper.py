@@ -149,8 +149,6 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-DEFAULT_BENCH_LENGTHS = (256, 1024, 4096)
-
 # `--old-vs-new`: the default mapping of a float32 bridge at PyTorch's default matmul precision against the one where
 # `torch.set_float32_matmul_precision("medium")` lets it map with a bfloat16 copy of the mapper
 OLD_DEFAULT = "map_cache with the float32 mapper (float32 matmul precision 'highest', PyTorch's default)"

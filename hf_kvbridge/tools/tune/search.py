@@ -19,8 +19,19 @@ from ...errors import InvalidInputError, TuningError
 from ...statistics.dense import KVStatistics
 from ..bench.flop_model import COST_UNIT
 from ..evaluation import heldout_windows
-from .choice import Point, choose, format_table, pareto_front
-from .grid import TuneGrid
+from .choice import Point, check_objective, choose, format_table, pareto_front
+from .grid import (
+    DEFAULT_CHECK_WINDOWS,
+    DEFAULT_CONTEXT,
+    DEFAULT_CONTINUATION,
+    DEFAULT_HELDOUT_FRACTION,
+    DEFAULT_NUM_SEQUENCES,
+    DEFAULT_SEED,
+    DEFAULT_SEQ_LEN,
+    DEFAULT_TEXT_FIELD,
+    DEFAULT_TUNE_WINDOWS,
+    TuneGrid,
+)
 from .measure import (
     feature_blocks,
     fit_candidate,
@@ -63,16 +74,16 @@ def run_tune(
     min_retention: float | None = None,
     max_cost: float | None = None,
     grid: TuneGrid | None = None,
-    num_sequences: int = 64,
-    seq_len: int = 256,
-    heldout_fraction: float = 0.1,
+    num_sequences: int = DEFAULT_NUM_SEQUENCES,
+    seq_len: int = DEFAULT_SEQ_LEN,
+    heldout_fraction: float = DEFAULT_HELDOUT_FRACTION,
     batch_size: int = 8,
-    seed: int = 0,
-    tune_windows: int = 16,
-    check_windows: int = 16,
-    context: int = 192,
-    continuation: int = 32,
-    text_field: str = "text",
+    seed: int = DEFAULT_SEED,
+    tune_windows: int = DEFAULT_TUNE_WINDOWS,
+    check_windows: int = DEFAULT_CHECK_WINDOWS,
+    context: int = DEFAULT_CONTEXT,
+    continuation: int = DEFAULT_CONTINUATION,
+    text_field: str = DEFAULT_TEXT_FIELD,
     tokenizer=None,
     out: str | Path | None = None,
     overwrite: bool = False,
@@ -118,8 +129,7 @@ def run_tune(
     >>> result["choice"]["settings"]  # doctest: +SKIP
     ```
     """
-    if min_retention is None and max_cost is None:
-        raise InvalidInputError("pass min_retention (a quality target) or max_cost (a cost budget), or both")
+    check_objective(min_retention, max_cost)  # before any work
     grid = grid or TuneGrid()
     started = time.perf_counter()
     # the residual maps of the grid's layer-recompute values, fitted in the same calibration pass (`n = 0` and
