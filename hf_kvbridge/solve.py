@@ -148,7 +148,7 @@ def _symmetrize_(z: torch.Tensor, block: int) -> torch.Tensor:
     return z
 
 
-def _rotate_(m: torch.Tensor, evecs: torch.Tensor, block: int) -> torch.Tensor:
+def rotate_(m: torch.Tensor, evecs: torch.Tensor, block: int) -> torch.Tensor:
     """`m ← Vᵀ m V` in place: column strips of `Vᵀ m` (each needs only that strip of `m`), then row strips of
     `(Vᵀ m) V`; only `(p, block)` strips besides `m` and `V`."""
     p = m.shape[0]
@@ -159,7 +159,7 @@ def _rotate_(m: torch.Tensor, evecs: torch.Tensor, block: int) -> torch.Tensor:
     return m
 
 
-def _block(p: int) -> int:
+def strip_rows(p: int) -> int:
     """Rows per strip of the in-place steps: a strip is at most 1/16 of a `p × p` matrix."""
     return max(1, min(p, max(64, p // 16)))
 
@@ -229,7 +229,7 @@ def heldout_r2_chunks(
     # Peak memory: three `p × p` float64 matrices (the eigendecomposition: eigenvectors written over the standardized
     # Gram block, plus LAPACK's `2·p²` workspace), with the held-out moments read only after it, rotated in place
     # (see `hf_kvbridge.budget.solve_bytes`)
-    block = _block(x_idx.numel())
+    block = strip_rows(x_idx.numel())
     mx, my, z, a, _ = _moments(train, x_idx, y_idx)
     root = _feature_scale(z).sqrt()  # (p,) D^½
     z.div_(root[:, None]).div_(root[None, :])  # (p, p) standardized Gram block Z = D^-½ C_xx D^-½, in place
@@ -245,7 +245,7 @@ def heldout_r2_chunks(
     # the held-out moments in the same rotated, standardized coordinates
     hmx, hmy, m, c, hvy = _moments(heldout, x_idx, y_idx)
     m.div_(root[:, None]).div_(root[None, :])
-    _rotate_(m, evecs, block)  # (p, p) M = Vᵀ D^-½ C_xx' D^-½ V, over the held-out Gram block
+    rotate_(m, evecs, block)  # (p, p) M = Vᵀ D^-½ C_xx' D^-½ V, over the held-out Gram block
     c = evecs.T @ c.div_(root[:, None])  # (p, q)
     shift = evecs.T @ ((hmx - mx) / root)  # (p,): held-out minus train input mean
     del evecs

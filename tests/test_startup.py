@@ -122,6 +122,13 @@ assert get_model("kvbridge").__name__ == "KVBridgeLM"
         (["calibrate", "a", "b", "--out", "o", "--heldout-fraction", "1.5"], 2, "heldout_fraction"),
         (["calibrate", "a", "b", "--out", "o", "--data", "./no/such.jsonl"], 2, "does not exist"),
         (["nosuchcommand"], 2, "invalid choice"),
+        # the options and checks read from the tools' standard-library modules (`kvbridge_cli._light`)
+        (["tune", "--help"], 0, "--recompute-layers"),
+        (["demo", "--help"], 0, "--quick"),
+        (["bench", "mapper", "--help"], 0, "256,1024,4096"),
+        (["tune", "a", "b", "--eval-data", "pocket", "--out", "o"], 2, "--min-retention"),
+        (["calibrate", "a", "b", "--out", "docs"], 2, "is not empty"),
+        (["eval", "b", "--tasks", "t", "--modes", "bridge,nope"], 2, "unknown modes ['nope']"),
     ],
 )
 def test_cli_answers_help_and_mistakes_without_torch(tmp_path, args, status, needle):

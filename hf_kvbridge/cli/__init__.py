@@ -1,5 +1,6 @@
-"""The `kvbridge` command functions: each runs one parsed command (the parser is `kvbridge_cli.parser`)."""
+"""The `kvbridge` command functions: each runs one command line that `kvbridge_cli` parsed and checked, handing plain
+arguments to the tools and the core; `run(args)` dispatches them (`cli/main.py`)."""
 
-from .main import main, run
+from .main import run
 
-__all__ = ["main", "run"]
+__all__ = ["run"]

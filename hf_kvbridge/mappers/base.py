@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..constants import HEAD_MODES, KV_MODES
+from ..constants import HEAD_MODES, KV_MODES, MAPPER_KWARGS
 from ..errors import MapperError
 from ..heads import HeadLayouts, map_groups, same_head_sources, target_heads_of
 from ..solve import map_group_lambda, solve_ridge
@@ -34,7 +34,6 @@ class MapperType:
             calibration or modeling: `calibration.refit` hands them the ridge mapper, the two models, the calibration
             windows and statistics, and builds the bridge from what they return.
         linear (`bool`): its weights are a plain `KVMapper`'s (lazy per-layer loading works).
-        kwargs (`tuple[str, ...]`): the `mapper_kwargs` its `fit` accepts (validated before any work).
         kv_modes (`tuple[str, ...]`): the `kv_mode`s it fits and maps (`CalibrationSettings` refuses the others
             before any work); every type so far supports both.
         description (`str`): one line for `--help` and the docs.
@@ -44,9 +43,14 @@ class MapperType:
     mapper_class: type
     fit: Callable | None
     linear: bool
-    kwargs: tuple[str, ...] = ()
     description: str = ""
     kv_modes: tuple[str, ...] = KV_MODES
+
+    @property
+    def kwargs(self) -> tuple[str, ...]:
+        """The `mapper_kwargs` its `fit` accepts (validated before any work): `constants.MAPPER_KWARGS[name]`, named
+        there so that the settings and the command line read them without importing the mappers."""
+        return MAPPER_KWARGS[self.name]
 
 
 class LayerMap(nn.Module):

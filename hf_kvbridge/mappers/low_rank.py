@@ -245,6 +245,5 @@ MAPPER = MapperType(
     LowRankKVMapper,
     fit=fit_low_rank,
     linear=False,
-    kwargs=("rank",),
     description="each ridge map reduced to rank `rank` (two factors): fewer FLOPs and bytes",
 )

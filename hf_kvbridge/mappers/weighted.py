@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from ..attention import target_queries
+from ..constants import WEIGHTINGS
 from ..content_rows import cache_rows
 from ..devices import decoder_layers
 from ..errors import MapperError
@@ -33,8 +34,6 @@ from ..statistics.weighted import WeightedKVStatistics
 from .base import KVMapper, MapperType
 
 logger = logging.getLogger(__name__)
-
-WEIGHTINGS = ("attention", "uniform")
 
 
 def attention_mass(queries: torch.Tensor, keys: torch.Tensor, scaling: float) -> torch.Tensor:
@@ -149,6 +148,5 @@ MAPPER = MapperType(
     KVMapper,
     fit=fit_attention_weighted,
     linear=True,
-    kwargs=("weighting",),
     description="ridge refitted with the target's attention mass as token weights",
 )
