@@ -33,7 +33,6 @@ from __future__ import annotations
 import torch
 
 from .errors import ConfigurationError, InvalidInputError, StatisticsError
-from .heads import map_groups
 
 # 1e-6 … 1 in half decades: the search grid of `ridge_lambda="auto"` (relative λ, see the module docstring)
 LAMBDA_GRID: tuple[float, ...] = tuple(float(f"{10 ** (e / 2):.3g}") for e in range(-12, 1))
@@ -408,10 +407,10 @@ def choose_ridge_lambdas(
         if kv_mode == "joint":
             paths = [
                 heldout_r2_path(train, heldout, x_idx, y_idx, head_dim, grid).mean(1)  # (Λ, 2)
-                for x_idx, y_idx in map_groups(train, layers, t, head_mode)
+                for x_idx, y_idx in train.map_groups(layers, t, head_mode)
             ]
         else:  # keys from keys, values from values: the key maps of every head group, then the value maps
-            maps = map_groups(train, layers, t, head_mode, "separate")
+            maps = train.map_groups(layers, t, head_mode, "separate")
             half = len(maps) // 2
             paths = [
                 torch.stack(

@@ -21,7 +21,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     check_arguments(parser, args)  # exits with status 2 and one line on a bad value, before anything loads
-    from hf_kvbridge.cli import run
+    from hf_kvbridge.cli.main import run
 
     return run(args)
 

@@ -10,14 +10,10 @@ chat, push, serve, store), `evaluate` (eval, inspect), `bench`, `tune`, `demo`.
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import sys
-
-from .bench import bench
-from .bridge import calibrate, chat, generate, push, serve, store
-from .demo import demo
-from .evaluate import evaluate, inspect
-from .tune import tune
+from collections.abc import Callable
 
 
 def _one_line(err: BaseException) -> str:
@@ -30,19 +26,27 @@ def _one_line(err: BaseException) -> str:
     return f"{type(err).__name__}: {message}"
 
 
+# command → `module:function` of this package; a command imports only its own module (and with it its tools), so
+# `kvbridge calibrate` never loads vLLM's, lm-eval's or the benchmarks' code
 COMMANDS = {
-    "calibrate": calibrate,
-    "generate": generate,
-    "chat": chat,
-    "eval": evaluate,
-    "push": push,
-    "inspect": inspect,
-    "bench": bench,
-    "tune": tune,
-    "serve": serve,
-    "demo": demo,
-    "store": store,
+    "calibrate": "bridge:calibrate",
+    "generate": "bridge:generate",
+    "chat": "bridge:chat",
+    "eval": "evaluate:evaluate",
+    "push": "bridge:push",
+    "inspect": "evaluate:inspect",
+    "bench": "bench:bench",
+    "tune": "tune:tune",
+    "serve": "bridge:serve",
+    "demo": "demo:demo",
+    "store": "bridge:store",
 }
+
+
+def command(name: str) -> Callable[[argparse.Namespace], int]:
+    """The function of command `name` (`COMMANDS`), its module imported now."""
+    module, function = COMMANDS[name].split(":")
+    return getattr(importlib.import_module(f"{__package__}.{module}"), function)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -53,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
 
         transformers_logging.disable_progress_bar()
     try:
-        return COMMANDS[args.command](args)
+        return command(args.command)(args)
     except KeyboardInterrupt:
         if args.debug:
             raise

@@ -16,7 +16,7 @@ from torch import nn
 
 from ..constants import HEAD_MODES, KV_MODES, MAPPER_KWARGS
 from ..errors import MapperError
-from ..heads import HeadLayouts, map_groups, same_head_sources, target_heads_of
+from ..heads import HeadLayouts, same_head_sources, target_heads_of
 from ..solve import map_group_lambda, solve_ridge
 
 
@@ -218,7 +218,7 @@ class KVMapper(nn.Module, HeadLayouts):
         """
         layers = self.selected_layers[target_layer] if source_layers is None else list(source_layers)
         row = target_layer if stats_target is None else stats_target
-        for g, (x_idx, y_idx) in enumerate(map_groups(stats, layers, row, self.head_mode, self.kv_mode)):
+        for g, (x_idx, y_idx) in enumerate(stats.map_groups(layers, row, self.head_mode, self.kv_mode)):
             lam = map_group_lambda(
                 ridge_lambda, target_layer, g, self.head_mode, self.kv_mode, self.target_kv_heads, self.target_head_dim
             )

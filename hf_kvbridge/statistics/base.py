@@ -20,6 +20,7 @@ import logging
 import torch
 
 from ..errors import StatisticsError
+from ..heads import map_groups
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +70,11 @@ class GlobalLayerIndex:
     def residual_sums(self, x_idx, y_idx, weight: torch.Tensor, bias: torch.Tensor):
         """Per output column, `(Σ(y − xW − b)², Σ(y − ȳ)²)` over these tokens (see `centred_residual_sums`)."""
         return centred_residual_sums(self.count, *self.moments(x_idx, y_idx), weight, bias)
+
+    def map_groups(self, layers: list[int], target: int, head_mode: str, kv_mode: str = "joint"):
+        """`heads.map_groups` of these statistics: the feature indices of each independent map of target layer
+        `target` fitted from source `layers`, in the mapper's group order."""
+        return map_groups(self, layers, target, head_mode, kv_mode)
 
 
 CHUNK_BYTES = 2**28  # float64 bytes of the rows one statistics update works on at a time
