@@ -16,7 +16,6 @@ from hf_kvbridge.budget import (
     default_budget,
     dense_bytes,
     fit_bytes,
-    parse_bytes,
     plan_passes,
     rows_bytes,
     selection_bytes,
@@ -31,6 +30,7 @@ from hf_kvbridge.data import token_windows
 from hf_kvbridge.heads import map_groups
 from hf_kvbridge.mappers import KVMapper
 from hf_kvbridge.selection import select_layers
+from hf_kvbridge.sizes import parse_bytes
 from hf_kvbridge.solve import solve_ridge
 from hf_kvbridge.statistics.blocks import BlockStatistics
 from hf_kvbridge.statistics.dense import KVStatistics

@@ -11,16 +11,7 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from ..budget import (
-    check_budget,
-    default_budget,
-    format_bytes,
-    free_bytes,
-    parse_bytes,
-    plan_residual,
-    rows_bytes,
-    smallest_plan_bytes,
-)
+from ..budget import check_budget, default_budget, free_bytes, plan_residual, rows_bytes, smallest_plan_bytes
 from ..constants import DEFAULT_CALIBRATION_DATA
 from ..data import describe_data, token_windows
 from ..errors import StatisticsMemoryError
@@ -30,6 +21,7 @@ from ..loading import model_reference, resolve_model_reference
 from ..mappers import get_mapper_type
 from ..modeling import KVBridgeForCausalLM
 from ..settings import CalibrationSettings
+from ..sizes import format_bytes, parse_bytes
 from ..source_features import SourceFeatures, source_blocks
 from ..statistics.blocks import feature_groups
 from ..statistics.dense import KVStatistics
