@@ -33,11 +33,12 @@ def centred_residual_sums(n, mx, my, cxx, cxy, vy, weight, bias) -> tuple[torch.
 
     Args:
         n (`int` or `float`): the token count. mx (`(p,)`), my (`(q,)`), cxx (`(p, p)`), cxy (`(p, q)`), vy (`(q,)`):
-            float64 moments. weight (`(p, q)`), bias (`(q,)`).
+            float64 moments. weight (`(p, q)`), bias (`(q,)`). Any leading batch dimensions broadcast (a batch of
+            maps).
     """
     w, b = weight.to(torch.float64), bias.to(torch.float64)
-    offset = my - mx @ w - b  # (q,)
-    explained = ((cxx @ w) * w).sum(0) - 2 * (cxy * w).sum(0)  # (q,)
+    offset = my - (mx.unsqueeze(-2) @ w).squeeze(-2) - b  # (..., q)
+    explained = ((cxx @ w) * w).sum(-2) - 2 * (cxy * w).sum(-2)  # (..., q)
     sse = n * (vy + explained + offset * offset)
     return sse, n * vy
 
