@@ -33,7 +33,7 @@ from __future__ import annotations
 import torch
 
 from .errors import ConfigurationError, InvalidInputError, StatisticsError
-from .statistics.base import map_groups
+from .heads import map_groups
 
 # 1e-6 … 1 in half decades: the search grid of `ridge_lambda="auto"` (relative λ, see the module docstring)
 LAMBDA_GRID: tuple[float, ...] = tuple(float(f"{10 ** (e / 2):.3g}") for e in range(-12, 1))
@@ -445,7 +445,7 @@ def effective_ridge_lambda(config) -> float | dict:
 def map_group_lambda(
     ridge_lambda, target_layer: int, group: int, head_mode: str, kv_mode: str, num_kv_heads: int, head_dim: int
 ):
-    """The λ of map `group` of target layer `target_layer` (in `statistics.map_groups` order) for `solve_ridge`;
+    """The λ of map `group` of target layer `target_layer` (in `heads.map_groups` order) for `solve_ridge`;
     `num_kv_heads` and `head_dim` are the target's.
 
     Joint maps take `group_lambda`'s per-column λ (K columns, V columns); a separate map (`kv_mode="separate"`:

@@ -103,6 +103,39 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
+def longest_chain(graph: dict[str, set[str]]) -> list[str]:
+    """The longest import chain of an acyclic `graph`, as its modules in order (a module counts once)."""
+    best: dict[str, list[str]] = {}
+    for root in sorted(graph):
+        if root in best:
+            continue
+        work, on_path = [(root, iter(sorted(graph[root])))], {root}
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child in on_path:
+                    raise ValueError(f"import cycle through {child}: no longest chain")
+                if child in graph and child not in best:
+                    work.append((child, iter(sorted(graph[child]))))
+                    on_path.add(child)
+                continue
+            work.pop()
+            on_path.discard(node)
+            below = [best[c] for c in graph[node] if c in best]
+            best[node] = [node, *max(below, key=len, default=[])]
+    return max(best.values(), key=len, default=[])
+
+
+def module_lines(*roots: Path) -> dict[str, int]:
+    """Lines of every `.py` file under `roots`, by module name."""
+    return {
+        name: len(path.read_text(encoding="utf-8").splitlines())
+        for root in roots
+        for name, path in _modules(root).items()
+    }
+
+
 def upward_imports(graph: dict[str, set[str]]) -> dict[str, list[str]]:
     """Core modules that import tooling. The package `__init__` may register the lm-eval model at import; the light
     entry `kvbridge_cli` sits above everything."""
@@ -138,6 +171,45 @@ def test_mappers_never_import_calibration_or_modeling():
     forbidden = {"hf_kvbridge.calibration", "hf_kvbridge.modeling"}
     bad = {m: sorted(deps & forbidden) for m, deps in graph.items() if m.startswith("hf_kvbridge.mappers")}
     assert {m: d for m, d in bad.items() if d} == {}
+
+
+# -- the shape of the house (issue 39): the package and the light command-line entry, read together ----------------
+HOUSE = (PACKAGE, LIGHT_ENTRY)
+MAX_CHAIN = 14  # modules on the longest import chain (21 before the redesign)
+MAX_MODULE_LINES = 600
+
+
+def test_the_house_has_no_cycle_no_long_chain_and_no_long_module():
+    """No import cycle in `hf_kvbridge/` and `kvbridge_cli/` together (function-level imports included), a longest
+    import chain of at most `MAX_CHAIN` modules, and no module over `MAX_MODULE_LINES` lines."""
+    graph = import_graph(*HOUSE)
+    assert cycles(graph) == []
+    chain = longest_chain(graph)
+    assert len(chain) <= MAX_CHAIN, f"{len(chain)} modules: " + " -> ".join(chain)
+    long = {name: lines for name, lines in module_lines(*HOUSE).items() if lines > MAX_MODULE_LINES}
+    assert long == {}
+
+
+def test_the_house_figures_see_a_long_chain_a_cycle_across_packages_and_a_long_module(tmp_path):
+    """The figures above, on a planted tree: a chain of four modules through a function-level import, a cycle between
+    the package and a second one, and a module of 601 lines."""
+    pkg, cli = tmp_path / "hf_kvbridge", tmp_path / "kvbridge_cli"
+    pkg.mkdir()
+    cli.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from . import b\n")
+    (pkg / "b.py").write_text("def f():\n    from .c import x\n")
+    (pkg / "c.py").write_text("x = 1\n" + "# filler\n" * 600)
+    (pkg / "main.py").write_text("def g():\n    import kvbridge_cli\n")
+    (cli / "__init__.py").write_text("from hf_kvbridge import main\n")
+    graph = import_graph(pkg, cli)
+    assert longest_chain({m: d for m, d in graph.items() if m.startswith("hf_kvbridge.")}) == [
+        "hf_kvbridge.a",
+        "hf_kvbridge.b",
+        "hf_kvbridge.c",
+    ]
+    assert cycles(graph) == [["hf_kvbridge.main", "kvbridge_cli"]]
+    assert {n: k for n, k in module_lines(pkg, cli).items() if k > MAX_MODULE_LINES} == {"hf_kvbridge.c": 601}
 
 
 def test_the_checker_sees_function_level_cycles_and_upward_imports(tmp_path):

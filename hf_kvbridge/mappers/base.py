@@ -16,10 +16,8 @@ from torch import nn
 
 from ..constants import HEAD_MODES, KV_MODES, MAPPER_KWARGS
 from ..errors import MapperError
-from ..layout import HeadLayouts, same_head_sources, target_heads_of
+from ..heads import HeadLayouts, map_groups, same_head_sources, target_heads_of
 from ..solve import map_group_lambda, solve_ridge
-from ..statistics.base import map_groups
-from ..statistics.dense import KVStatistics
 
 
 @dataclass(frozen=True)
@@ -175,7 +173,7 @@ class KVMapper(nn.Module, HeadLayouts):
     @classmethod
     def from_statistics(
         cls,
-        stats: KVStatistics,
+        stats,
         selected_layers: list[list[int]],
         head_mode: str,
         ridge_lambda: float | dict,
@@ -209,7 +207,7 @@ class KVMapper(nn.Module, HeadLayouts):
         stats_target: int | None = None,
     ):
         """Yields `(group, x_idx, y_idx, weight (p, q), bias (q,))`, the ridge solution of each map of target layer
-        `target_layer` in this mapper's group order (`statistics.map_groups` for its `head_mode` and `kv_mode`), with
+        `target_layer` in this mapper's group order (`heads.map_groups` for its `head_mode` and `kv_mode`), with
         that map's λ; the mapper types that start from the ridge (low rank, attention-weighted) reshape these.
 
         Args:

@@ -29,9 +29,10 @@ import time
 import torch
 from torch import nn
 
-from ..attention import attend, decoder_layers, target_queries
-from ..cache import cache_rows
+from ..attention import attend, target_queries
 from ..constants import MLP_LOSSES
+from ..content_rows import cache_rows
+from ..devices import decoder_layers
 from ..errors import MapperError
 from ..rope import rotary_cos_sin, rotate_half
 from .base import KVMapper, MapperType

@@ -25,9 +25,10 @@ import time
 import torch
 from torch import nn
 
-from ..attention import decoder_layers, target_queries
-from ..cache import cache_rows
+from ..attention import target_queries
 from ..constants import WEIGHTINGS
+from ..content_rows import cache_rows
+from ..devices import decoder_layers
 from ..errors import MapperError
 from ..statistics.weighted import WeightedKVStatistics
 from .base import KVMapper, MapperType

@@ -198,8 +198,8 @@ def inspect_bridge(
     >>> report["attention_cosine"]  # one per target layer  # doctest: +SKIP
     ```
     """
-    from ..cache import cache_rows
     from ..calibration.checks import split_heldout
+    from ..content_rows import cache_rows
     from ..mappers.mlp import rows_from_layout, source_rows_in_layout
     from ..selection import single_layer_r2
     from ..statistics.dense import KVStatistics
