@@ -2,8 +2,8 @@
 
 `kvbridge --help`, `kvbridge CMD --help` and argument mistakes are answered without importing torch or transformers
 (the parser is built from the settings' field definitions and the tools' defaults, read by `_light`); the command
-functions live in `hf_kvbridge.cli`, imported only when a command runs. The dependency goes one way: `hf_kvbridge`
-never imports this package.
+functions live in `hf_kvbridge.cli` (`command_function` names each one), imported only when a command runs, and
+`hf_kvbridge.cli.main.run` runs them. The dependency goes one way: `hf_kvbridge` never imports this package.
 """
 
 from __future__ import annotations
@@ -21,9 +21,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     check_arguments(parser, args)  # exits with status 2 and one line on a bad value, before anything loads
-    from hf_kvbridge.cli import run
+    from hf_kvbridge.cli.main import run
 
-    return run(args)
+    return run(args, command_function(args.command))
+
+
+def command_function(name: str):
+    """The function of `hf_kvbridge.cli` that runs the command `name` (imported when a command runs; torch with it)."""
+    from hf_kvbridge.cli import bench, bridge, demo, evaluate, tune
+
+    functions = {
+        "calibrate": bridge.calibrate,
+        "generate": bridge.generate,
+        "chat": bridge.chat,
+        "eval": evaluate.evaluate,
+        "push": bridge.push,
+        "inspect": evaluate.inspect,
+        "bench": bench.bench,
+        "tune": tune.tune,
+        "serve": bridge.serve,
+        "demo": demo.demo,
+        "store": bridge.store,
+    }
+    return functions[name]
 
 
 if __name__ == "__main__":

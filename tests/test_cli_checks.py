@@ -3,15 +3,15 @@ refusal is one line with exit status 2 and the command never runs; what passes t
 
 import pytest
 
-import hf_kvbridge.cli
+import hf_kvbridge.cli.main
 from kvbridge_cli import main
 
 
 @pytest.fixture
 def commands(monkeypatch):
-    """The command lines that reach `hf_kvbridge.cli.run` (stubbed: nothing is loaded or computed)."""
+    """The command lines that reach `hf_kvbridge.cli.main.run` (stubbed: nothing is loaded or computed)."""
     reached = []
-    monkeypatch.setattr(hf_kvbridge.cli, "run", lambda args: reached.append(args) or 0)
+    monkeypatch.setattr(hf_kvbridge.cli.main, "run", lambda args, command: reached.append(args) or 0)
     return reached
 
 

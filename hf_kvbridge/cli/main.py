@@ -1,10 +1,10 @@
-"""The `kvbridge` command: `calibrate`, `generate`, `chat`, `demo`, `eval`, ...
+"""How a `kvbridge` command runs: `run(args, command)` runs the command function of a command line that `kvbridge_cli`
+(the console script's light entry) has parsed and checked, with the command line's logging and errors.
 
-`run` runs a command line that `kvbridge_cli` (the console script's light entry) has parsed and checked: arguments
-are validated when they are parsed, before any model is loaded, and this package never imports `kvbridge_cli`. Any
-error a command meets is printed as one line (what is wrong, what to do) with exit status 1 (`--debug` shows the
-traceback instead); Ctrl-C exits with status 130 and one line. The command functions: `bridge` (calibrate, generate,
-chat, push, serve, store), `evaluate` (eval, inspect), `bench`, `tune`, `demo`.
+Arguments are validated when they are parsed, before any model is loaded, and this package never imports
+`kvbridge_cli`. Any error a command meets is printed as one line (what is wrong, what to do) with exit status 1
+(`--debug` shows the traceback instead); Ctrl-C exits with status 130 and one line. The command functions: `bridge`
+(calibrate, generate, chat, push, serve, store), `evaluate` (eval, inspect), `bench`, `tune`, `demo`.
 """
 
 from __future__ import annotations
@@ -12,12 +12,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-
-from .bench import bench
-from .bridge import calibrate, chat, generate, push, serve, store
-from .demo import demo
-from .evaluate import evaluate, inspect
-from .tune import tune
+from collections.abc import Callable
 
 
 def _one_line(err: BaseException) -> str:
@@ -30,30 +25,16 @@ def _one_line(err: BaseException) -> str:
     return f"{type(err).__name__}: {message}"
 
 
-COMMANDS = {
-    "calibrate": calibrate,
-    "generate": generate,
-    "chat": chat,
-    "eval": evaluate,
-    "push": push,
-    "inspect": inspect,
-    "bench": bench,
-    "tune": tune,
-    "serve": serve,
-    "demo": demo,
-    "store": store,
-}
-
-
-def run(args: argparse.Namespace) -> int:
-    """Runs the command `args` (parsed and checked by `kvbridge_cli`) names; returns its exit status."""
+def run(args: argparse.Namespace, command: Callable[[argparse.Namespace], int]) -> int:
+    """Runs `command(args)`, the function of the command `args` (parsed and checked by `kvbridge_cli`) names; returns
+    its exit status."""
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(message)s")
     if not args.verbose:  # transformers' "Loading weights" bar on every model load says nothing to a user
         from transformers.utils import logging as transformers_logging
 
         transformers_logging.disable_progress_bar()
     try:
-        return COMMANDS[args.command](args)
+        return command(args)
     except KeyboardInterrupt:
         if args.debug:
             raise
