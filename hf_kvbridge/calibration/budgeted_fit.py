@@ -302,22 +302,8 @@ def fit_bridge_in_passes(
             for t in range(tgt.num_layers):
                 chosen_lambdas[kind][t] = gathered[owner[t]][kind][t]
     ridge_lambdas = chosen_lambdas if ridge_lambda == "auto" else None
-    if features is not None:
-        config_kwargs = {**(config_kwargs or {}), "source_features": features.as_dict()}
-    bridge = assemble_bridge(
-        source,
-        target,
-        mapper,
-        r2,
-        fitted_r2,
-        top_k,
-        ridge_lambda,
-        ridge_lambdas,
-        head_mode,
-        hold_back,
-        config_kwargs,
-        (src, tgt),
-    )
+    fit = (top_k, ridge_lambda, ridge_lambdas, head_mode, hold_back)
+    bridge = assemble_bridge(source, target, mapper, r2, fitted_r2, fit, config_kwargs, (src, tgt), features)
     if residual_fit is not None:
         bridge = with_residual_map(bridge, residual_fit)
     return bridge, statistics

@@ -83,40 +83,25 @@ def fit_bridge(
     mapper = KVMapper.from_statistics(
         train + heldout, selected_layers, head_mode, ridge_lambdas or ridge_lambda, kv_mode=kv_mode
     )
-    if features is not None:
-        config_kwargs = {**(config_kwargs or {}), "source_features": features.as_dict()}
-    return assemble_bridge(
-        source,
-        target,
-        mapper,
-        r2,
-        fitted_r2,
-        top_k,
-        ridge_lambda,
-        ridge_lambdas,
-        head_mode,
-        hold_back,
-        config_kwargs,
-        (src, tgt),
-    )
+    fit = (top_k, ridge_lambda, ridge_lambdas, head_mode, hold_back)
+    return assemble_bridge(source, target, mapper, r2, fitted_r2, fit, config_kwargs, (src, tgt), features)
 
 
 def assemble_bridge(
-    source,
-    target,
-    mapper,
-    r2,
-    fitted_r2,
-    top_k,
-    ridge_lambda,
-    ridge_lambdas,
-    head_mode,
-    hold_back,
-    config_kwargs,
-    layouts: tuple | None = None,
+    source, target, mapper, r2, fitted_r2, fit: tuple, config_kwargs=None, layouts=None, features=None
 ) -> KVBridgeForCausalLM:
     """The bridge of a fitted `mapper`, with its selection R² `r2` `(L_t, L_s, 2)` and held-out R² `fitted_r2`
-    `(L_t, 2)` recorded in the config."""
+    `(L_t, 2)` recorded in the config.
+
+    Args:
+        fit (`tuple`): `(top_k, ridge_lambda, ridge_lambdas, head_mode, hold_back)` of the fit.
+        config_kwargs (`dict`, *optional*): more [`KVBridgeConfig`] fields (references, provenance).
+        layouts (`tuple[KVLayout, KVLayout]`, *optional*): the two models' layouts, checked already.
+        features ([`SourceFeatures`], *optional*): the hidden-state feature blocks the mapper reads (recorded).
+    """
+    top_k, ridge_lambda, ridge_lambdas, head_mode, hold_back = fit
+    if features is not None:
+        config_kwargs = {**(config_kwargs or {}), "source_features": features.as_dict()}
     src, tgt = layouts or pair_layouts(source, target)
     selected_layers = mapper.selected_layers
     config = KVBridgeConfig(

@@ -43,6 +43,16 @@ def centred_residual_sums(n, mx, my, cxx, cxy, vy, weight, bias) -> tuple[torch.
     return sse, n * vy
 
 
+def has_rows(x: torch.Tensor, y: torch.Tensor, features: int, targets: int, what: str = "statistics") -> bool:
+    """Whether `x` `(N, F)` and `y` `(N, G)` hold any rows, after checking that they fit statistics of `features`
+    source and `targets` target features (a `StatisticsError` naming both shapes otherwise)."""
+    if x.shape[0] != y.shape[0] or x.shape[1] != features or y.shape[1] != targets:
+        raise StatisticsError(
+            f"rows of shape {tuple(x.shape)} / {tuple(y.shape)} do not fit {what} with F={features}, G={targets}"
+        )
+    return x.shape[0] > 0
+
+
 def head_index(row: int, head_dim: int, layers: list[int], heads, device) -> torch.Tensor:
     """Feature indices of `layers` (in that order) in rows of `row` features per layer: all heads (`heads=None`),
     one head (an `int`) or several (a list, in that order) of `2·head_dim` features each."""

@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 from ..errors import StatisticsError
 from ..heads import HeadLayouts, target_heads_of
 from ..solve import ridge_from_moments
-from .base import CentredSums, centred_residual_sums, chan_merge, chunk_rows
+from .base import CentredSums, centred_residual_sums, chan_merge, chunk_rows, has_rows
 
 logger = logging.getLogger(__name__)
 
@@ -125,12 +125,7 @@ class SelectionStatistics(CentredSums, HeadLayouts):
     @torch.no_grad()
     def update(self, x: torch.Tensor, y: torch.Tensor) -> None:
         """Adds full rows `x` `(N, F)` and `y` `(N, G)`, in chunks of `_chunk_rows` rows (exact: Chan's merge)."""
-        if x.shape[0] != y.shape[0] or x.shape[1] != self.x_mean.numel() or y.shape[1] != self.yy.numel():
-            raise StatisticsError(
-                f"rows of shape {tuple(x.shape)} / {tuple(y.shape)} do not fit selection statistics with "
-                f"F={self.x_mean.numel()}, G={self.yy.numel()}"
-            )
-        if x.shape[0] == 0:
+        if not has_rows(x, y, self.x_mean.numel(), self.yy.numel(), "selection statistics"):
             return
         if x.shape[0] > (chunk := chunk_rows(x.shape[1] + y.shape[1])):
             for start in range(0, x.shape[0], chunk):
