@@ -1,12 +1,23 @@
-"""Store keys of a token sequence: one per full chunk of `chunk_size` tokens, chained over the sequence.
+"""Store keys of a token sequence: one per full chunk of `chunk_size` tokens, chained over the sequence, and one
+"next" slot per chain node for the sequence's trailing partial chunk.
 
 The key of chunk `i` is a digest of the digest of chunk `i - 1` and chunk `i`'s token ids, and the chain starts from
 a digest of the format version, the model's identity and the tenant's cache salt. So a key stands for the whole
 prefix up to the end of its chunk: two sequences share a key exactly when they share every token up to there, and
-the longest stored prefix of a sequence is its longest run of leading keys found in the store. Chunks are counted in
-tokens, independent of any engine's block size. The model's digest and the salt's digest are readable in every key
-(`kvbridge:v1:<model 12 hex>:<salt 8 hex or "-">:<chain 32 hex>`), so a `SCAN` pattern picks one model's or one
-tenant's entries (`scan_pattern`).
+the longest stored run of whole chunks of a sequence is its longest run of leading keys found in the store. Chunks
+are counted in tokens, independent of any engine's block size.
+
+A chain *node* is the digest after `k` whole chunks (node 0 is the chain's root). A sequence that ends inside a chunk
+stores its trailing partial chunk under a content key of its own (`<node>.part<digest of its tokens>`) and names it
+in the node's *slot* (`<node>.next`): a small record of the tokens that follow the node and the key that holds
+their K/V (the partial's, or a whole chunk's once the sequence has filled it). A slot holds one continuation: the
+last one written (a longer partial of the same conversation, or another branch's) replaces it. A reader takes from
+it only the tokens it shares with its own sequence (`shared_tokens`), so a partial that is not a prefix of the
+reader's tokens is never used.
+
+The model's digest and the salt's digest are readable in every key
+(`kvbridge:v2:<model 12 hex>:<salt 8 hex or "-">:<chain 32 hex>[.next | .part<32 hex>]`), so a `SCAN` pattern picks
+one model's or one tenant's entries (`scan_pattern`).
 """
 
 from __future__ import annotations
@@ -15,12 +26,14 @@ import hashlib
 import json
 import struct
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from ...errors import InvalidInputError
 
-FORMAT_VERSION = 1
-"""Version of the keys and of the stored chunk format (`format.py`); a change of either bumps it."""
+FORMAT_VERSION = 2
+"""Version of the keys and of the stored chunk format (`format.py`); a change of either bumps it (2: partial chunks,
+next slots, token ids in every chunk)."""
 
 DEFAULT_CHUNK_SIZE = 256
 """Tokens per stored chunk."""
@@ -82,9 +95,9 @@ def scan_pattern(model_id: str | None = None, salt: str | None = None, *, any_sa
 
     ```python
     >>> scan_pattern()
-    'kvbridge:v1:*'
+    'kvbridge:v2:*'
     >>> scan_pattern("Qwen/Qwen3-0.6B@main", "tenant-a", any_salt=False)
-    'kvbridge:v1:8e85322260a1:80a707af:*'
+    'kvbridge:v2:8e85322260a1:80a707af:*'
     ```
     """
     if model_id is None:
@@ -117,15 +130,78 @@ def _token_bytes(tokens: Sequence[int]) -> bytes:
 
 
 def chain_root(model_id: str, salt: str | None = None) -> bytes:
-    """The digest the chain of a model (and salt) starts from: format version, model identity, salt."""
+    """The digest the chain of a model (and salt) starts from (node 0): format version, model identity, salt."""
     if not isinstance(model_id, str) or not model_id:
         raise InvalidInputError(f"model_id must be a non-empty string (see model_identity), got {model_id!r}")
     seed = json.dumps([KEY_PREFIX, FORMAT_VERSION, model_id, salt or None]).encode()
     return hashlib.blake2b(seed, digest_size=_CHAIN_BYTES).digest()
 
 
+def _check_chunk_size(chunk_size: Any) -> None:
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise InvalidInputError(f"chunk_size must be a whole number of tokens ≥ 1, got {chunk_size!r}")
+
+
+def _link(node: bytes, tokens: Sequence[int]) -> bytes:
+    """The digest of `tokens` following `node` (the next node for a whole chunk, a partial's content digest)."""
+    return hashlib.blake2b(node + _token_bytes(tokens), digest_size=_CHAIN_BYTES).digest()
+
+
+def key_prefix(model_id: str, salt: str | None = None) -> str:
+    """`kvbridge:v2:<model digest>:<salt digest>:`, the start of every key of this model and tenant."""
+    return f"{KEY_PREFIX}:v{FORMAT_VERSION}:{model_digest(model_id)}:{salt_digest(salt)}:"
+
+
+@dataclass(frozen=True)
+class SequenceKeys:
+    """The keys of one token sequence (`sequence_keys`): its whole chunks' keys and its chain nodes.
+
+    Attributes:
+        prefix (`str`): `key_prefix(model_id, salt)`.
+        chunk_size (`int`): tokens per chunk.
+        nodes (`list[bytes]`): the chain digests after `0, 1, ..., K` whole chunks (`K = len(tokens) // chunk_size`).
+    """
+
+    prefix: str
+    chunk_size: int
+    nodes: list[bytes]
+
+    @property
+    def chunks(self) -> list[str]:
+        """The key of each whole chunk: chunk `i` stands for tokens `[0, (i + 1) * chunk_size)`."""
+        return [self.prefix + node.hex() for node in self.nodes[1:]]
+
+    def slot(self, node: int) -> str:
+        """The key of node `node`'s slot: what follows the first `node` whole chunks (a partial, or a whole chunk)."""
+        return f"{self.prefix}{self.nodes[node].hex()}.next"
+
+    def partial(self, node: int, tokens: Sequence[int]) -> str:
+        """The content key of the partial chunk `tokens` (fewer than `chunk_size`) that follows node `node`."""
+        return f"{self.prefix}{self.nodes[node].hex()}.part{_link(self.nodes[node], tokens).hex()}"
+
+
+def sequence_keys(token_ids: Any, *, model_id: str, chunk_size: int, salt: str | None = None) -> SequenceKeys:
+    """The chain of `token_ids`: one node per whole chunk (see `SequenceKeys`), from token 0.
+
+    Example:
+
+    ```python
+    >>> seq = sequence_keys(list(range(600)), model_id="pocket-s", chunk_size=256)
+    >>> len(seq.chunks), seq.slot(2).endswith(".next")
+    (2, True)
+    ```
+    """
+    _check_chunk_size(chunk_size)
+    tokens = as_token_list(token_ids)
+    nodes = [chain_root(model_id, salt)]
+    for start in range(0, len(tokens) - chunk_size + 1, chunk_size):
+        nodes.append(_link(nodes[-1], tokens[start : start + chunk_size]))
+    return SequenceKeys(key_prefix(model_id, salt), chunk_size, nodes)
+
+
 def chunk_keys(token_ids: Any, *, model_id: str, chunk_size: int, salt: str | None = None) -> list[str]:
-    """One store key per full chunk of `token_ids`, chained from token 0; a trailing partial chunk has none.
+    """One store key per full chunk of `token_ids`, chained from token 0; a trailing partial chunk has none (it is
+    stored under its node's slot, see `SequenceKeys.slot`).
 
     Args:
         token_ids (list of `int`, or a 1-D tensor): the sequence from its first token.
@@ -141,28 +217,47 @@ def chunk_keys(token_ids: Any, *, model_id: str, chunk_size: int, salt: str | No
     ```python
     >>> keys = chunk_keys(list(range(600)), model_id="pocket-s", chunk_size=256)
     >>> len(keys), keys[0][:25]
-    (2, 'kvbridge:v1:54748c083f53:')
+    (2, 'kvbridge:v2:54748c083f53:')
     ```
     """
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
-        raise InvalidInputError(f"chunk_size must be a whole number of tokens ≥ 1, got {chunk_size!r}")
-    tokens = as_token_list(token_ids)
-    prefix = f"{KEY_PREFIX}:v{FORMAT_VERSION}:{model_digest(model_id)}:{salt_digest(salt)}:"
-    digest = chain_root(model_id, salt)
-    keys = []
-    for start in range(0, len(tokens) - chunk_size + 1, chunk_size):
-        digest = hashlib.blake2b(digest + _token_bytes(tokens[start : start + chunk_size]), digest_size=_CHAIN_BYTES)
-        digest = digest.digest()
-        keys.append(prefix + digest.hex())
-    return keys
+    return sequence_keys(token_ids, model_id=model_id, chunk_size=chunk_size, salt=salt).chunks
+
+
+def shared_tokens(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens `a` and `b` share.
+
+    Example:
+
+    ```python
+    >>> shared_tokens([1, 2, 3, 4], [1, 2, 9])
+    2
+    ```
+    """
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+KEY_KINDS = ("chunk", "slot", "partial")
+"""What a key holds: a whole chunk, a node's slot record, or a partial chunk."""
 
 
 def parse_key(key: str) -> dict[str, str]:
-    """The fields of a key this package wrote: `version`, `model` (digest), `salt` (digest or `"-"`), `chain`.
+    """The fields of a key this package wrote: `version`, `model` (digest), `salt` (digest or `"-"`), `chain` (the
+    chunk's or the node's digest) and `kind` (`"chunk"`, `"slot"` or `"partial"`).
 
     Raises `InvalidInputError` for anything else.
     """
     parts = key.split(":")
     if len(parts) != 5 or parts[0] != KEY_PREFIX or not parts[1].startswith("v"):
-        raise InvalidInputError(f"{key!r} is not an hf_kvbridge store key (kvbridge:v1:<model>:<salt>:<chain>)")
-    return {"version": parts[1][1:], "model": parts[2], "salt": parts[3], "chain": parts[4]}
+        raise InvalidInputError(
+            f"{key!r} is not an hf_kvbridge store key (kvbridge:v2:<model>:<salt>:<chain>[.next | .part<digest>])"
+        )
+    chain, _, suffix = parts[4].partition(".")
+    kind = "chunk" if not suffix else "slot" if suffix == "next" else "partial" if suffix.startswith("part") else ""
+    if not kind:
+        raise InvalidInputError(f"{key!r} is not an hf_kvbridge store key: unknown suffix {suffix!r}")
+    return {"version": parts[1][1:], "model": parts[2], "salt": parts[3], "chain": chain, "kind": kind}
