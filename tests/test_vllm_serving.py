@@ -432,8 +432,8 @@ def test_server_memory_stays_bounded(burst):
 
 
 # -- the middleware alone (pure ASGI) ------------------------------------------------------------------------------
-def _run_asgi(app, messages, path="/v1/completions", method="POST"):
-    """Drives `app` with the request `messages` (then a disconnect); what it sent."""
+def _run_asgi(app, messages, path="/v1/completions", method="POST", headers=()):
+    """Drives `app` with the request `messages` and `headers` (then a disconnect); what it sent."""
     sent, inbox = [], deque(messages)
 
     async def receive():
@@ -442,7 +442,8 @@ def _run_asgi(app, messages, path="/v1/completions", method="POST"):
     async def send(message):
         sent.append(message)
 
-    asyncio.run(app({"type": "http", "method": method, "path": path, "root_path": ""}, receive, send))
+    raw = [(k.lower().encode(), v.encode()) for k, v in headers]
+    asyncio.run(app({"type": "http", "method": method, "path": path, "root_path": "", "headers": raw}, receive, send))
     return sent
 
 
@@ -503,3 +504,112 @@ def test_middleware_refuses_a_bad_flag_only_where_it_should():
     sent = _run_asgi(KVBridgeParamsMiddleware(_streaming_app(seen), max_body_bytes=16), chunks)
     assert sent[0]["status"] == 200 and seen == [*chunks, {"type": "http.disconnect"}]
     assert body_refusal(body) is not None and body_refusal(b"[1, 2]") is None
+
+
+def _json_app(seen: list, status: dict | None, stream: bool = False):
+    """An ASGI app that records the request body and answers like vLLM: a JSON completion whose
+    `kv_transfer_params["kvbridge"]` is `status`, or (`stream`) server-sent events."""
+
+    async def app(scope, receive, send):
+        body = b""
+        while True:
+            message = await receive()
+            body += message.get("body", b"")
+            if not message.get("more_body", False):
+                break
+        seen.append((dict(scope["headers"]), json.loads(body)))
+        kind = b"text/event-stream" if stream else b"application/json"
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", kind)]})
+        if stream:
+            for chunk in (b"data: {}\n\n", b"data: [DONE]\n\n"):
+                await send({"type": "http.response.body", "body": chunk, "more_body": chunk != b"data: [DONE]\n\n"})
+            return
+        out = {"choices": [], "kv_transfer_params": None if status is None else {"kvbridge": status}}
+        await send({"type": "http.response.body", "body": json.dumps(out).encode()})
+
+    return app
+
+
+def _status_header(sent) -> str | None:
+    return dict(sent[0]["headers"]).get(b"x-vsr-kv-transfer-status", b"").decode() or None
+
+
+def _authenticated(app, tokens=("sekret",)):
+    """`app` behind vLLM's own authentication and, outside it, the bridge's middleware: as `kvbridge serve --api-key`
+    stacks them (vLLM adds --middleware classes last, so outermost)."""
+    from vllm.entrypoints.serve.middleware.authenticate import AuthenticationMiddleware
+
+    return KVBridgeParamsMiddleware(AuthenticationMiddleware(app, tokens=list(tokens)), mapper_id="pocket-bridge")
+
+
+def test_middleware_answers_nothing_before_authentication_in_each_order_of_failure():
+    good, key = {"Authorization": "Bearer sekret"}, [("Authorization", "Bearer sekret")]
+    cases = [  # (headers, body flag, expected status): no key × bad flag, and every neighbour
+        ([], "yes", 401),
+        ([("Authorization", "Bearer wrong")], "yes", 401),
+        ([], True, 401),
+        ([("x-vsr-kv-mapper-id", "pocket-bridge")], False, 401),  # a router header that contradicts the body
+        (key, "yes", 400),
+        (key + [("x-vsr-kv-mapper-id", "pocket-bridge")], False, 400),
+        (key, True, 200),
+    ]
+    for headers, flag, status in cases:
+        seen = []
+        sent = _run_asgi(_authenticated(_json_app(seen, None)), [{"type": "http.request", "body": _body(flag)}],
+                         headers=headers)  # fmt: skip
+        assert sent[0]["status"] == status, (headers, flag)
+        assert bool(seen) == (status == 200), (headers, flag)  # the app (the engine) saw only the good one
+        if status == 401:
+            assert json.loads(sent[1]["body"]) == {"error": "Unauthorized"}  # vLLM's own answer
+    del good
+
+
+def test_middleware_turns_router_headers_into_the_opt_in_and_the_status_header():
+    router = [("x-vsr-kv-mapper-id", "pocket-bridge"), ("x-vsr-kv-cache-id", "sess-1"),
+              ("x-vsr-kv-source-pod", "10.0.1.5:8000")]  # fmt: skip
+    body = json.dumps({"prompt": [1, 2, 3]}).encode()
+    statuses = {"mapped": "applied", "exported": None, **dict.fromkeys(("fallback", "gated", "target", "refused"),
+                                                                        "fallback_reprefill")}  # fmt: skip
+    for status, header in statuses.items():
+        seen = []
+        app = KVBridgeParamsMiddleware(_json_app(seen, {"status": status}), mapper_id="pocket-bridge")
+        sent = _run_asgi(app, [{"type": "http.request", "body": body}], headers=router)
+        assert _status_header(sent) == header, status
+        headers, request = seen[0]
+        assert request["kv_transfer_params"] == {
+            "kvbridge": True, "kvbridge_router": {"mapper_id": "pocket-bridge", "cache_id": "sess-1",
+                                                  "source_pod": "10.0.1.5:8000"},
+        }  # fmt: skip
+        assert int(headers[b"content-length"]) == len(json.dumps(request).encode())
+    # another mapper: never bridged (even under requests=all), and the response says so, streamed or not
+    for stream in (False, True):
+        seen = []
+        app = KVBridgeParamsMiddleware(_json_app(seen, None, stream=stream), mapper_id="pocket-bridge")
+        sent = _run_asgi(app, [{"type": "http.request", "body": body}], headers=[("x-vsr-kv-mapper-id", "qwen3-v1")])
+        assert _status_header(sent) == "unsupported" and seen[0][1]["kv_transfer_params"]["kvbridge"] is False
+    # the body's own opt-in gets the header too; a request with no status (not opted in) and a stream get none
+    for flag, stream, header in [(True, False, "applied"), (None, False, None), (True, True, None)]:
+        seen = []
+        app = KVBridgeParamsMiddleware(_json_app(seen, {"status": "mapped"} if flag else None, stream=stream))
+        sent = _run_asgi(app, [{"type": "http.request", "body": _body(flag)}])
+        assert _status_header(sent) == header, (flag, stream)
+        assert [m.get("body") for m in sent[1:]][-1] in (
+            b"data: [DONE]\n\n",
+            json.dumps(
+                {"choices": [], "kv_transfer_params": {"kvbridge": {"status": "mapped"}} if flag else None}
+            ).encode(),
+        )
+    # a header and a body that disagree, or a header that is not a short printable value: 400 naming them
+    for headers, flag, param in [
+        ([("x-vsr-kv-mapper-id", "pocket-bridge")], False, "x-vsr-kv-mapper-id, kv_transfer_params.kvbridge"),
+        ([("x-vsr-kv-mapper-id", "qwen3-v1")], True, "x-vsr-kv-mapper-id, kv_transfer_params.kvbridge"),
+        ([("x-vsr-kv-mapper-id", "pocket-bridge"), ("x-vsr-kv-cache-id", "x" * 300)], None, "x-vsr-kv-cache-id"),
+    ]:
+        seen = []
+        app = KVBridgeParamsMiddleware(_json_app(seen, None), mapper_id="pocket-bridge")
+        sent = _run_asgi(app, [{"type": "http.request", "body": _body(flag)}], headers=headers)
+        error = json.loads(sent[1]["body"])["error"]
+        assert sent[0]["status"] == 400 and error["param"] == param and not seen, error
+        if "," in param:
+            assert "qwen3-v1" in error["message"] or "pocket-bridge" in error["message"]
+            assert f"kv_transfer_params.kvbridge is {json.dumps(flag)}" in error["message"]

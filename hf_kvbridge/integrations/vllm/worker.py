@@ -107,6 +107,7 @@ class BridgeWorker:
         self._invalid_blocks: set[int] = set()
         self._step_outcomes: dict[str, dict[str, Any]] = {}
         self._gate_checks: list[GateCheck] = []
+        self._finished_sending: set[str] = set()  # ended requests whose blocks an export read in this step
 
     def start_load_kv(self, meta, forward_context) -> None:
         """Maps and writes every load of this step's metadata before the forward pass; a failure falls back."""
@@ -196,18 +197,18 @@ class BridgeWorker:
         return written
 
     def source_kv(self, load: BridgeLoad):
-        """The source's cache of the load's tokens (at least `[0, probe_end)`): tokens `[0, store_end)` fetched from
-        the KV store (`hf_kvbridge.integrations.kv_store.load_cache`, cast to the source's dtype), the rest computed
-        by the worker's source model over the fetched cache (the cold path when nothing was fetched)."""
+        """The source's cache of the load's tokens (at least `[0, probe_end)`): the tokens of `[0, store_end)` it needs
+        fetched from the KV store (`hf_kvbridge.integrations.kv_store.load_cache`, cast to the source's dtype), the
+        rest computed by the worker's source model over the fetched cache (the cold path when nothing was fetched)."""
         from ..kv_store import load_cache
 
         bridge, cache = self.bridge, None
-        fetched = load.store_end  # whole store chunks; may reach past probe_end (by less than a chunk)
+        fetched = min(load.store_end, load.probe_end)
         if fetched > 0:
             started = time.perf_counter()
             cache = load_cache(
-                self.store, load.token_ids[:fetched], fetched, salt=load.store_salt, dtype=bridge.source.dtype,
-                device=bridge.device,
+                self.store, load.token_ids, fetched, salt=load.store_salt, dtype=bridge.source.dtype,
+                device=bridge.device, stored=load.store_prefix,
             )  # fmt: skip
             self.count(fetch_seconds=time.perf_counter() - started, tokens_fetched=fetched)
         if load.probe_end > fetched:
@@ -228,22 +229,29 @@ class BridgeWorker:
 
     def export_steps(self, meta) -> None:
         """After the forward pass: reads the K/V of each export task's tokens back from the paged cache (one gather
-        per layer; the store's writer thread encodes and writes them, so the step does not wait for the store)."""
-        if self.exports is None or not isinstance(meta, KVBridgeConnectorMetadata) or not meta.exports:
+        per layer; the store's writer thread encodes and writes them, so the step does not wait for the store). An
+        ended request's task (`finished`) is reported in `finished_sending` afterwards, whatever its outcome, so that
+        vLLM frees its blocks."""
+        if not isinstance(meta, KVBridgeConnectorMetadata) or not meta.exports:
             return
         from vllm.model_executor.models.utils import extract_layer_index
 
         layers = sorted(self._layers.items(), key=lambda item: extract_layer_index(item[0]))
         for task in meta.exports:
             try:
+                if self.exports is None:
+                    continue
                 slots = slots_of(task.block_ids, self.block_size, task.start, task.end)  # (T,)
                 keys, values = [], []
                 for _, layer in layers:
                     k, v = read_slots(layer, slots)  # (T, H, d) each, copies
                     keys.append(k.transpose(0, 1).contiguous())  # (H, T, d)
                     values.append(v.transpose(0, 1).contiguous())
-                chunks = self.exports.save(task.token_ids, keys, values, start=task.start, salt=task.salt)
-                self.count(chunks_exported=chunks, tokens_exported=task.end - task.start)
+                chunks = self.exports.save(
+                    task.token_ids, keys, values, start=task.start, salt=task.salt, tail=task.tail, relink=task.relink
+                )
+                tokens = task.end - task.start
+                self.count(chunks_exported=chunks, partials_exported=int(task.tail), tokens_exported=tokens)
             except Exception as error:  # an export never fails the request: the store just lacks these chunks
                 self.count(export_errors=1)
                 logger.warning(
@@ -254,6 +262,14 @@ class BridgeWorker:
                     type(error).__name__,
                     error,
                 )
+            finally:
+                if task.finished:
+                    self._finished_sending.add(task.req_id)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """The ended requests whose last export read their blocks in this step: vLLM frees their blocks now."""
+        done, self._finished_sending = self._finished_sending, set()
+        return (done or None), None
 
     def check_gates(self) -> None:
         """The quality gate of this step's gated loads, after the forward pass wrote the target's own K/V of the probe
