@@ -14,8 +14,8 @@ import inspect
 import torch
 from torch import nn
 
+from .devices import execution_device
 from .errors import KVLayoutError
-from .loading import execution_device
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:

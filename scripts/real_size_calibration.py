@@ -1,7 +1,7 @@
 """The paper's map at real size with default settings: `calibrate(random Qwen3-0.6B, random Qwen3-1.7B, texts,
 top_k=6)` (all heads, K and V jointly, auto-λ, the default memory budget), 8 × 256 tokens of the pocket texts.
 
-Random weights with the real layer shapes (`hf_kvbridge.tools.bench.calibration.random_model`: hidden 1024 / 2048,
+Random weights with the real layer shapes (`hf_kvbridge.tools.bench.shapes.random_model`: hidden 1024 / 2048,
 28 / 28 layers, 16 query heads, 8 KV heads × 128, MLP 3072 / 6144, vocabulary 151,936, tied embeddings) give
 meaningless maps but the real memory plan and costs. The text is tokenized by the pocket tokenizer (vocabulary 4,096,
 so every id is one of the models'). Prints figures and writes JSON: peak RSS (`getrusage`, models included), the
@@ -37,7 +37,7 @@ if ROOT not in sys.path:  # run as a path from a checkout
 
 from hf_kvbridge import budget as plan  # noqa: E402
 from hf_kvbridge.pocket import load_texts, model_path  # noqa: E402
-from hf_kvbridge.tools.bench.calibration import SHAPES, random_model  # noqa: E402
+from hf_kvbridge.tools.bench.shapes import CHECKPOINT_SHAPES, random_model  # noqa: E402
 
 SOURCE, TARGET = "qwen3-0.6b", "qwen3-1.7b"
 
@@ -48,7 +48,7 @@ def _peak_rss() -> int:
 
 def _model_bytes(name: str, dtype: torch.dtype, layers: int | None = None) -> int:
     """Parameter bytes of a random model of `name`'s shapes (tied embeddings counted once)."""
-    hidden, n, heads, kv_heads, head_dim, mlp, vocab, tied = SHAPES[name]
+    hidden, n, heads, kv_heads, head_dim, mlp, vocab, tied = CHECKPOINT_SHAPES[name]
     n = layers or n
     attention = hidden * (heads + 2 * kv_heads) * head_dim + heads * head_dim * hidden + 2 * head_dim
     layer = attention + 3 * hidden * mlp + 2 * hidden
@@ -92,7 +92,7 @@ def plan_figures(args, free: int, selected: list[list[int]], source_layers: int,
 
 
 def windows_and_split(args, tokenizer):
-    from hf_kvbridge.calibration import split_heldout
+    from hf_kvbridge.calibration.checks import split_heldout
     from hf_kvbridge.data import token_windows
 
     windows = token_windows(load_texts("calibration"), tokenizer, args.num_sequences, args.seq_len)
@@ -102,9 +102,11 @@ def windows_and_split(args, tokenizer):
 
 def selection_only(args, source, target, tokenizer, result: dict) -> None:
     """What `fit_bridge_in_passes` runs before its fit passes: the selection pass and the layer choice."""
-    from hf_kvbridge.calibration import SELECTION_LAMBDA, allowed_sources, check_matched, collect_statistics
+    from hf_kvbridge.calibration.budgeted_fit import SELECTION_LAMBDA
+    from hf_kvbridge.calibration.data_pass import collect_statistics
+    from hf_kvbridge.layout import allowed_sources, check_matched
     from hf_kvbridge.selection import select_layers
-    from hf_kvbridge.statistics import SelectionStatistics
+    from hf_kvbridge.statistics.selection import SelectionStatistics
 
     src, tgt = check_matched(source.config, target.config, SOURCE, TARGET)
     windows, heldout = windows_and_split(args, tokenizer)
@@ -183,8 +185,8 @@ def main(argv=None) -> dict:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     dtype = getattr(torch, args.dtype)
-    source_layers = SHAPES[SOURCE][1]
-    target_layers = args.target_layers or SHAPES[TARGET][1]
+    source_layers = CHECKPOINT_SHAPES[SOURCE][1]
+    target_layers = args.target_layers or CHECKPOINT_SHAPES[TARGET][1]
     result: dict = {
         "pair": f"{SOURCE} → {TARGET} (random weights)",
         "target_layers": target_layers,

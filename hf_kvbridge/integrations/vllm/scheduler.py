@@ -1,6 +1,6 @@
 """The connector's scheduler side: which requests are bridged, how many prompt tokens the connector claims (the
-transfer plan's, `hf_kvbridge.plan.plan_prompt`, as `bridge.prefill` plans them; with a KV store, how much of it a
-stored source prefix covers), the loads sent to the worker, and (an exporting engine) what each step exports: the
+transfer plan's, `hf_kvbridge.transfer.plan.plan_prompt`, as `bridge.prefill` plans them; with a KV store, how much of
+it a stored source prefix covers), the loads sent to the worker, and (an exporting engine) what each step exports: the
 store chunks it completes, the prompt's trailing partial chunk in the step that completes the prefill, and the
 conversation's trailing partial chunk once the request has ended (its blocks are held one more step for it).
 """
@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.logger import init_logger
 
-from ...plan import TransferPlan, plan_prompt
+from ...transfer.plan import TransferPlan, plan_prompt
 from .configuration import PARAM_KEY, ROUTER_PARAM_KEY, parse_request_flag
 from .metadata import BridgeLoad, ExportTask, KVBridgeConnectorMetadata
 
@@ -71,8 +71,8 @@ class BridgeScheduler:
 
     # -- positions: the transfer plan's ------------------------------------------------------------------------------
     def plan(self, num_prompt_tokens: int) -> TransferPlan:
-        """The positions of a prompt, as `bridge.prefill` plans them (`hf_kvbridge.plan.plan_prompt`), with this
-        connector's hold-back (vLLM computes at least the last prompt token)."""
+        """The positions of a prompt, as `bridge.prefill` plans them (`hf_kvbridge.transfer.plan.plan_prompt`), with
+        this connector's hold-back (vLLM computes at least the last prompt token)."""
         return plan_prompt(num_prompt_tokens, self.config, hold_back=self.hold_back)
 
     def map_end(self, num_prompt_tokens: int) -> int:

@@ -25,13 +25,13 @@ import torch
 from torch import nn
 from transformers import Cache, DynamicCache
 
-from .cache import append_layer, cache_layer_kv, check_cache_shape, new_target_cache
-from .errors import InvalidInputError, KVLayoutError
-from .layout import KVLayout
-from .loading import execution_device, layer_devices
-from .mappers import KVMapper
-from .rope import Rotation, inverse_cos_sin, rotary_cos_sin, rotary_module
-from .source_features import SourceFeatures
+from ..cache import append_layer, cache_layer_kv, check_cache_shape, new_target_cache
+from ..devices import execution_device, layer_devices
+from ..errors import InvalidInputError, KVLayoutError
+from ..layout import KVLayout
+from ..rope import Rotation, inverse_cos_sin, rotary_cos_sin, rotary_module
+from ..source_features import SourceFeatures
+from .base import KVMapper
 
 
 class Workspace:
@@ -256,7 +256,7 @@ def map_cache(
 
     Returns:
         `DynamicCache` with `L_t` layers in the target's dtype, each on the device of its target layer
-        (`loading.layer_devices`: one device, or the layers' devices of a target split by a `device_map`).
+        (`devices.layer_devices`: one device, or the layers' devices of a target split by a `device_map`).
     """
     src = source_layout
     tgt = target_layout if target_layout is not None else KVLayout.from_config(target.config)
