@@ -8,8 +8,9 @@ implement. The pieces, one module each:
 - `keys`: chained per-chunk keys over token ids, with the model's identity and the tenant's salt in every key, and the
   per-node slots of partial chunks;
 - `format`: the versioned, engine-layout-independent chunk payload (safetensors) and the slot record;
-- `base`, `redis_store`, `redis_cluster`: the store interface, its metrics, and the clients of one Redis/Valkey
-  server and of a cluster; `deadline`: the deadline of every call and the health of each server;
+- `base`, `redis_store`, `redis_cluster`, `backends`: the store interface, its metrics, the clients of one
+  Redis/Valkey server and of a cluster, and `open_store` (the backend a URL names); `deadline`: the deadline of every
+  call and the health of each server;
 - `writer`: asynchronous writes that never block or fail the caller;
 - `prefix`: lookup / save / load of one model's prefixes; `dynamic_cache`: the same for a transformers cache;
 - `local_server`: a local Redis/Valkey server (or cluster) for single-host setups and the tests; `sizing`: bytes per
@@ -27,6 +28,7 @@ Example:
 """
 
 from ...errors import StoreFormatError, StoreMissError, StoreUnavailableError
+from .backends import open_store
 from .base import KVStore, StoreMetrics
 from .dynamic_cache import load_cache, save_cache
 from .format import FORMAT_NAME, decode_chunk, encode_chunk, read_metadata
@@ -46,7 +48,7 @@ from .keys import (
 from .local_server import LocalCluster, LocalServer, find_server_binary, start_local_cluster, start_local_server
 from .prefix import PrefixKVStore, StoredPrefix
 from .redis_cluster import RedisClusterKVStore
-from .redis_store import CLUSTER_SCHEMES, STORE_SCHEMES, RedisKVStore, open_store, safe_url
+from .redis_store import CLUSTER_SCHEMES, STORE_SCHEMES, RedisKVStore, safe_url
 from .sizing import chunk_bytes
 from .writer import AsyncWriter
 

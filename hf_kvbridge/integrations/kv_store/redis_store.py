@@ -1,5 +1,5 @@
-"""`RedisKVStore`: the KV store on a Redis-protocol server (Redis or Valkey), through the `redis` client; `open_store`,
-which picks the backend from the URL (`redis_cluster.RedisClusterKVStore` for a cluster).
+"""`RedisKVStore`: the KV store on a Redis-protocol server (Redis or Valkey), through the `redis` client, and what it
+shares with the cluster's store (`redis_cluster.RedisClusterKVStore`): URL schemes, deadlines, error messages.
 
 One server, on one host or reached across hosts. Eviction is the server's: run it with `maxmemory` and
 `maxmemory-policy allkeys-lru` (what `start_local_server` and `kvbridge store serve` do), and it drops the least
@@ -433,33 +433,3 @@ def summarize(by_model: dict[str, dict[str, int]]) -> dict[str, Any]:
         name: sum(e[name] for e in by_model.values()) for name in ("keys", "bytes", "chunks", "partials", "slots")
     }
     return {**total, "by_model": dict(sorted(by_model.items()))}
-
-
-def open_store(url: str, **kwargs: Any) -> KVStore:
-    """The store a URL names: `redis://`, `rediss://`, `unix://`, `valkey://`, `valkeys://` → `RedisKVStore` (one
-    server); `redis-cluster://host:port[,host:port...]` (and `rediss-cluster://`, `valkey-cluster://`,
-    `valkeys-cluster://`) → `RedisClusterKVStore` (a cluster; the hosts are where it starts to discover the others).
-
-    Keywords go to the backend (`ttl_s`, `timeout`, `bulk_timeout`, `cooldown_s`, `password`, `ssl_*`, ...). An
-    unknown scheme is a `ServingConfigError` that lists the known ones.
-
-    Example:
-
-    ```python
-    >>> store = open_store("valkey://127.0.0.1:6379/0", ttl_s=600)  # doctest: +SKIP
-    ```
-    """
-    if not isinstance(url, str):
-        raise ServingConfigError(f"the KV store URL must be a string such as redis://HOST:PORT/DB, got {url!r}")
-    scheme = url_scheme(url)
-    if scheme in CLUSTER_SCHEMES:
-        from .redis_cluster import RedisClusterKVStore
-
-        return RedisClusterKVStore(url, **kwargs)
-    if scheme in STORE_SCHEMES:
-        return RedisKVStore(url, **kwargs)
-    raise ServingConfigError(
-        f"unknown KV store URL {safe_url(url)!r} (scheme {scheme or 'missing'!r}); use redis://HOST:PORT/DB, "
-        "rediss:// (TLS), unix:///path/to.sock, valkey:// / valkeys://, or redis-cluster://HOST:PORT[,HOST:PORT...] "
-        "(rediss-cluster:// for TLS)"
-    )
