@@ -33,7 +33,7 @@ from hf_kvbridge.integrations.kv_store.redis_cluster import parse_cluster_url
 from tests.conftest import VOCAB, qwen3
 
 CHUNK = 8
-DEADLINE_S = 0.05
+DEADLINE_S = 0.2  # a healthy master on 2 busy cores answers well within it (one that misses it is skipped)
 
 
 @pytest.fixture(scope="module")
@@ -118,9 +118,9 @@ def test_a_hung_master_turns_its_keys_into_misses_within_the_deadline(cluster, s
         found = prefix.lookup(ids)  # the live masters answer; the hung one's keys read as missing
         elapsed = time.monotonic() - begin
         assert found.chunks == first and found.tokens <= (first + 1) * CHUNK, found
-        assert elapsed < 0.5, elapsed  # one deadline (50 ms) and the bookkeeping, not a socket timeout
+        assert elapsed < 2 * DEADLINE_S + 0.3, elapsed  # one deadline and the bookkeeping, not a socket timeout
         begin = time.monotonic()
-        assert prefix.lookup(ids).chunks == first and time.monotonic() - begin < 0.05  # skipped now, not waited on
+        assert prefix.lookup(ids).chunks == first and time.monotonic() - begin < DEADLINE_S  # skipped, not waited on
         assert store.metrics.timeouts >= 1 and store.metrics.skipped_down >= 1
         if first > 0:  # what the live masters hold is still right
             loaded = load_cache(prefix, ids, first * CHUNK)
@@ -128,30 +128,43 @@ def test_a_hung_master_turns_its_keys_into_misses_within_the_deadline(cluster, s
         begin = time.monotonic()
         with pytest.raises(StoreUnavailableError, match=node):  # a fetch that needs the hung master fails
             prefix.load(ids, 300, stored=before)
-        assert time.monotonic() - begin < 0.5
+        assert time.monotonic() - begin < 2 * DEADLINE_S + 0.3
     finally:
         os.kill(hung.pid, signal.SIGCONT)
 
 
-def test_a_killed_master_and_a_hung_one_leave_the_third_serving(cluster, store, saved):
-    prefix, ids, _ = saved
+def test_a_killed_master_and_a_hung_one_leave_the_third_serving_reads(cluster, store, saved):
+    """Two of three masters lost: the third serves what it holds (`cluster-allow-reads-when-down`), and refuses writes
+    once it sees it has lost the majority (Redis Cluster's own rule); each refusal is counted, none waits."""
+    import redis
+
+    prefix, ids, cache = saved
     dead, hung, alive = cluster.masters
     os.kill(dead.pid, signal.SIGKILL)
     os.kill(hung.pid, signal.SIGSTOP)
     try:
+        survivor = redis.Redis(port=alive.port, socket_timeout=1.0)
+        deadline = time.monotonic() + 20  # its cluster-node-timeout (500 ms) and the failure reports
+        while survivor.execute_command("CLUSTER INFO").get("cluster_state") != "fail" and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert survivor.execute_command("CLUSTER INFO").get("cluster_state") == "fail"
         time.sleep(0.6)  # past the cool-downs of earlier failures: every master is asked again
         begin = time.monotonic()
         found = prefix.lookup(ids)
-        assert time.monotonic() - begin < 0.5
+        assert time.monotonic() - begin < 2 * DEADLINE_S + 0.3
         live = f"127.0.0.1:{alive.port}"
         first_lost = next(i for i, key in enumerate(prefix.keys(ids)) if store.node_of(key) != live)
-        assert found.chunks == first_lost
+        assert found.chunks == first_lost  # what the live master holds, up to the first chunk it does not
+        if first_lost:
+            loaded = load_cache(prefix, ids, first_lost * CHUNK)
+            assert torch.equal(loaded.layers[0].values, cache.layers[0].values[:, :, : first_lost * CHUNK])
         before = store.metrics.write_errors
         keys = prefix.keys(ids[:, :200].flip(1))  # chunks of another sequence, over every master's slots
+        begin = time.monotonic()
         with pytest.raises(StoreUnavailableError, match="127.0.0.1"):
-            store.put_many({key: b"x" for key in keys})  # the live master takes its share; the rest are counted
-        lost = sum(store.node_of(key) != live for key in keys)
-        assert store.metrics.write_errors - before == lost > 0
-        assert all(store.exists_many([key for key in keys if store.node_of(key) == live]))
+            store.put_many({key: b"x" for key in keys})
+        assert time.monotonic() - begin < 2 * DEADLINE_S + 0.3
+        assert store.metrics.write_errors - before == len(keys)  # each one counted: lost masters and CLUSTERDOWN
+        assert not any(store.exists_many([key for key in keys if store.node_of(key) == live]))
     finally:
         os.kill(hung.pid, signal.SIGCONT)

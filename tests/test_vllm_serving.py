@@ -490,6 +490,7 @@ def test_prompts_served_by_the_source_engine_are_mapped_whole_by_the_target(serv
         deadline = time.monotonic() + 30
         while any(prefix.lookup(p).tokens < len(p) for p in whole) and time.monotonic() < deadline:
             time.sleep(0.2)
+        assert [prefix.lookup(p).tokens for p in whole] == list(WHOLE), source.tail()
     bridge = KVBridgeForCausalLM.from_pretrained(bridge_dir, dtype=torch.float32)
     for prompt in whole:
         code, headers, out = _completion(target, prompt, True, max_tokens=WHOLE_TOKENS, headers=KEY)

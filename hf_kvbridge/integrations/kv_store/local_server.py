@@ -336,8 +336,10 @@ def start_local_cluster(
     """Starts a Redis/Valkey cluster of `masters` masters (no replicas) on 127.0.0.1 and waits until it serves.
 
     Each master is a `start_local_server` with `cluster-enabled yes`, `cluster-require-full-coverage no` (the others
-    keep serving their slots when one master is gone) and `cluster-node-timeout node_timeout_ms`; the slots are
-    split between them by `redis-cli --cluster create` (or `valkey-cli`).
+    keep serving their slots when one master is gone), `cluster-allow-reads-when-down yes` (a master cut off from the
+    majority of masters refuses writes but still serves its chunks: they are content-addressed, a read cannot be
+    stale) and `cluster-node-timeout node_timeout_ms`; the slots are split between them by `redis-cli --cluster
+    create` (or `valkey-cli`).
 
     Example:
 
@@ -354,7 +356,7 @@ def start_local_cluster(
     if cli is None:
         raise MissingDependencyError("a cluster is created with redis-cli (or valkey-cli), which is not on PATH")
     config = ["cluster-enabled yes", "cluster-config-file nodes.conf", f"cluster-node-timeout {int(node_timeout_ms)}",
-              "cluster-require-full-coverage no"]  # fmt: skip
+              "cluster-require-full-coverage no", "cluster-allow-reads-when-down yes"]  # fmt: skip
     if password:
         config.append(f"masterauth {_quote(password)}")
     servers: list[LocalServer] = []

@@ -136,7 +136,11 @@ class RedisClusterKVStore(RedisStoreBase):
         self._cluster = None  # redis-py's RedisCluster: the slot map
         self._discovery: Future | None = None
         self._last_refresh = 0.0
-        self._discover()
+        try:  # the layout now, at start-up (bounded); a cluster that cannot be reached is asked again later
+            self._discover().result(timeout=self.bulk_timeout)
+        except Exception as err:
+            logger.warning("KV store %s: the cluster's layout is not known yet (%s: %s)", self.url,
+                           type(err).__name__, err)  # fmt: skip
 
     def __repr__(self) -> str:
         return f"RedisClusterKVStore({self.url!r}, ttl_ms={self.ttl_ms})"

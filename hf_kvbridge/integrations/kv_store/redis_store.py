@@ -181,6 +181,11 @@ class RedisStoreBase(KVStore):
             hint = "the server refused the credentials: check the user, the password and the user's ACL"
         elif "maxmemory" in reason or type(err).__name__ == "OutOfMemoryError":
             hint = "the server is full and does not evict: run it with maxmemory-policy allkeys-lru"
+        elif "CLUSTERDOWN" in reason:
+            hint = (
+                "the cluster is down for this master (it lost sight of the majority of masters, or a slot has no "
+                "master): check the cluster's masters"
+            )
         elif "MOVED" in reason or "CROSSSLOT" in reason or "cluster" in reason.lower():
             hint = "this is a Redis Cluster: use a redis-cluster:// URL"
         else:
