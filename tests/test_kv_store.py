@@ -359,6 +359,7 @@ def test_password_is_passed_through_and_never_shown():
 def test_a_stopped_server_fails_fast_with_store_unavailable():
     doomed = start_local_server(maxmemory="16mb")
     store = open_store(doomed.url, timeout=0.5)
+    store.warm_up()  # connects both clients
     store.put_many({"kvbridge:v2:gone": b"x"})
     doomed.stop()
     assert not doomed.running
@@ -369,6 +370,8 @@ def test_a_stopped_server_fails_fast_with_store_unavailable():
             call()
     assert time.monotonic() - begin < 5
     assert store.metrics.read_errors == 2 and store.metrics.write_errors == 1
+    with pytest.raises(StoreUnavailableError):
+        store.warm_up()
     store.close()
 
 

@@ -45,6 +45,7 @@ def cluster():
 @pytest.fixture(scope="module")
 def store(cluster):
     with open_store(cluster.url, timeout=DEADLINE_S, cooldown_s=0.5) as opened:
+        opened.warm_up()  # a connection to every master, as an engine makes at start-up
         yield opened
 
 

@@ -114,11 +114,21 @@ class KVStore(ABC):
     def exists_many(self, keys: list[str]) -> list[bool]:
         """For each key, whether the store holds it (one round trip)."""
 
-    def probe(self, exists: list[str], get: list[str]) -> tuple[list[bool], list[bytes | None]]:
-        """Whether the store holds each of `exists`, and the (small) payloads of `get`, in one round trip, within the
-        deadline: what a prefix lookup asks. A backend that keys some of them on a server it cannot reach may answer
-        those as missing instead of failing the whole call."""
-        return self.exists_many(exists), self.get_many(get)
+    def probe(
+        self, exists: list[str], get: list[str], *, timeout: float | None = None
+    ) -> tuple[list[int], list[bytes | None]]:
+        """For each of `exists` the stored payload's size in bytes (`0`: not stored), and the (small) payloads of
+        `get`, in one round trip, within the deadline (`timeout` seconds; default: the store's lookup deadline, what
+        vLLM's scheduler can wait; the writer thread passes a longer one): what a prefix lookup asks. A backend that
+        keys some of them on a server it cannot reach may answer those as missing instead of failing the whole call.
+        This default asks `exists_many` (a size of 1 stands for "stored, size unknown")."""
+        return [int(present) for present in self.exists_many(exists)], self.get_many(get)
+
+    def warm_up(self) -> None:
+        """Connects now (an engine calls it at start-up, so that its first lookups do not pay for the connections
+        within their deadline); raises `StoreUnavailableError` when the store cannot be reached. This default asks
+        whether one key exists."""
+        self.exists_many(["kvbridge:warm-up"])
 
     def count_prefix(self, keys: list[str]) -> int:
         """How many of the LEADING `keys` the store holds (one round trip): the length of the stored prefix."""

@@ -224,7 +224,7 @@ class PrefixKVStore:
         def job() -> int:
             wanted, sizes = list(range(first, last)), {}
             if skip_stored and wanted:
-                stored_sizes = self.store.probe(seq.chunks[first:last], [])[0]
+                stored_sizes = self.store.probe(seq.chunks[first:last], [], timeout=self._writer_deadline())[0]
                 sizes = {i: n for i, n in zip(wanted, stored_sizes, strict=True) if n > 0}
                 wanted = [i for i in wanted if i not in sizes]
             items = {}
@@ -253,6 +253,11 @@ class PrefixKVStore:
         count = last - first
         nbytes = sum(t.numel() * t.element_size() for t in (*keys, *values))
         return count if self.writer.submit_job(job, nbytes=nbytes) else 0
+
+    def _writer_deadline(self) -> float | None:
+        """The deadline of a save's question of what is stored: the store's bulk one (a save runs on the writer
+        thread, or for a caller that can wait), not the lookup deadline vLLM's scheduler needs."""
+        return getattr(self.store, "bulk_timeout", None)
 
     def _replace_slot(self, slot: str, record: bytes) -> None:
         """Points `slot` at a new chunk and deletes the partial chunk it named before (if another one)."""

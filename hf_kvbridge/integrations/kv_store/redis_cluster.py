@@ -262,15 +262,25 @@ class RedisClusterKVStore(RedisStoreBase):
         return results
 
     # -- the store interface -------------------------------------------------------------------------------------
-    def probe(self, exists: list[str], get: list[str]) -> tuple[list[int], list[bytes | None]]:
-        """Sizes of `exists` (`0`: not stored) and payloads of `get`, from every master at once within the deadline;
-        keys on a master that does not answer read as not stored."""
+    def warm_up(self) -> None:
+        """Connects to every master now (a PING on each of its clients, within `bulk_timeout`)."""
+        cluster = self._layout(self.bulk_timeout)
+        for node in sorted(primary.name for primary in cluster.get_primaries()):
+            for bulk in (False, True):
+                self._run(node, "PING", self._client(node, bulk).ping, self.bulk_timeout)
+
+    def probe(
+        self, exists: list[str], get: list[str], *, timeout: float | None = None
+    ) -> tuple[list[int], list[bytes | None]]:
+        """Sizes of `exists` (`0`: not stored) and payloads of `get`, from every master at once within the deadline
+        (`timeout`, default the lookup deadline); keys on a master that does not answer read as not stored."""
         keys = [*exists, *get]
         if not keys:
             return [], []
+        deadline = self.timeout if timeout is None else timeout
         started = time.monotonic()
         try:
-            groups, _ = self._by_node(keys, self.timeout)
+            groups, _ = self._by_node(keys, deadline)
         except StoreUnavailableError:
             self.metrics.add(read_errors=1)
             raise
@@ -280,8 +290,8 @@ class RedisClusterKVStore(RedisStoreBase):
             for i in indices:
                 (pipe.strlen if i < n else pipe.get)(keys[i])
 
-        left = max(self.timeout - (time.monotonic() - started), 0.001)
-        results = self._each_node(f"lookup of {len(keys)} keys", groups, build, left, bulk=False)
+        left = max(deadline - (time.monotonic() - started), 0.001)
+        results = self._each_node(f"lookup of {len(keys)} keys", groups, build, left, bulk=deadline > self.timeout)
         replies: list[Any] = [None] * len(keys)
         failed = 0
         for node, indices in groups.items():

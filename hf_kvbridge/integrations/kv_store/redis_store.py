@@ -293,14 +293,23 @@ class RedisKVStore(RedisStoreBase):
         deadline."""
         self._run(self.node, "PING", self._fast.ping, self.timeout)
 
-    def probe(self, exists: list[str], get: list[str]) -> tuple[list[int], list[bytes | None]]:
+    def warm_up(self) -> None:
+        """Connects both clients now (a PING each, within `bulk_timeout`)."""
+        for client in (self._fast, self._bulk):
+            self._run(self.node, "PING", client.ping, self.bulk_timeout)
+
+    def probe(
+        self, exists: list[str], get: list[str], *, timeout: float | None = None
+    ) -> tuple[list[int], list[bytes | None]]:
         """For each of `exists` the stored payload's size (`0`: not stored), and the payloads of `get`: one pipeline
-        (`STRLEN`, `GET`), within the deadline."""
+        (`STRLEN`, `GET`), within the deadline (`timeout`, default the lookup deadline)."""
         if not exists and not get:
             return [], []
+        deadline = self.timeout if timeout is None else timeout
+        client = self._fast if deadline <= self.timeout else self._bulk  # the fast one's sockets time out first
 
         def run():
-            pipe = self._fast.pipeline(transaction=False)
+            pipe = client.pipeline(transaction=False)
             for key in exists:
                 pipe.strlen(key)
             for key in get:
@@ -308,7 +317,7 @@ class RedisKVStore(RedisStoreBase):
             return pipe.execute()
 
         try:
-            replies = self._run(self.node, f"lookup of {len(exists)} + {len(get)} keys", run, self.timeout)
+            replies = self._run(self.node, f"lookup of {len(exists)} + {len(get)} keys", run, deadline)
         except StoreUnavailableError:
             self.metrics.add(read_errors=1)
             raise

@@ -3,6 +3,10 @@ the connector's settings (`open_prefix_store`; the store itself is `hf_kvbridge.
 
 from __future__ import annotations
 
+from vllm.logger import init_logger
+
+logger = init_logger("vllm.hf_kvbridge")  # under "vllm", so vLLM's handlers format and show it
+
 
 def store_identity(config, side: str) -> str:
     """The store's identity of the bridge config's `side` model (`"source"` or `"target"`): its name, revision and
@@ -25,6 +29,12 @@ def open_prefix_store(settings, model_id: str, *, writer: bool = False):
     if settings.store_ttl_s is not None:
         kwargs["ttl_s"] = settings.store_ttl_s
     store = open_store(settings.store, **kwargs)
+    try:  # connect now, so that the first lookups do not pay for it within their deadline
+        store.warm_up()
+    except Exception as error:  # a store that is down at start-up: lookups are misses until it answers
+        logger.warning(
+            "KVBridgeConnector: KV store %s is not reachable at start-up: %s", redact(settings.store), error
+        )
     return PrefixKVStore(
         store,
         model_id=model_id,
