@@ -41,6 +41,7 @@ from hf_kvbridge.integrations.kv_store import (
     decode_chunk,
     encode_chunk,
     load_cache,
+    model_digest,
     model_identity,
     open_store,
     parse_key,
@@ -48,7 +49,6 @@ from hf_kvbridge.integrations.kv_store import (
     sequence_keys,
     start_local_server,
 )
-from hf_kvbridge.integrations.kv_store.format import decode_slot, encode_slot
 from hf_kvbridge.integrations.kv_store.local_server import free_port
 from hf_kvbridge.integrations.kv_store.sizing import HEADER_BYTES_FIXED, HEADER_BYTES_PER_LAYER, TOKEN_ID_BYTES
 from hf_kvbridge.pocket import model_path
@@ -133,34 +133,23 @@ def test_chunk_keys_refuse_bad_arguments():
         chunk_keys([-1], model_id=MODEL, chunk_size=1)
 
 
-def test_sequence_keys_name_each_node_its_slot_and_partial_chunks():
-    ids = _ids(16 * 3 + 5)
+def test_sequence_keys_chain_a_partial_chunk_in_sub_chunks_and_a_remainder():
+    ids = _ids(16 * 3 + 37)
     seq = sequence_keys(ids, model_id=MODEL, chunk_size=16)
-    assert seq.chunks == chunk_keys(ids, model_id=MODEL, chunk_size=16) and len(seq.nodes) == 4
-    assert seq.slot(3).endswith(".next") and parse_key(seq.slot(3))["kind"] == "slot"
-    assert parse_key(seq.chunks[0])["kind"] == "chunk"
-    part = seq.partial(3, ids[48:])
-    assert parse_key(part)["kind"] == "partial" and parse_key(part)["chain"] == parse_key(seq.slot(3))["chain"]
-    assert seq.partial(3, ids[48:52]) != part  # content-addressed: other tokens, another key
-    # a node is its prefix: the slot of node 2 is the same for every sequence sharing the first 32 tokens
-    assert sequence_keys(ids[:40], model_id=MODEL, chunk_size=16).slot(2) == seq.slot(2)
-    assert sequence_keys(ids, model_id=MODEL, chunk_size=16, salt="t").slot(0) != seq.slot(0)
+    assert seq.chunks == chunk_keys(ids, model_id=MODEL, chunk_size=16) and len(seq.nodes) == len(ids) // 16 + 1
+    long = sequence_keys(_ids(300), model_id=MODEL, chunk_size=256)
+    tail = long.tail(1, _ids(300)[256:])  # 44 tokens after the whole chunk: 2 sub-chunks of 16, then 12
+    assert len(tail.subs) == 2 and all(parse_key(k)["kind"] == "sub" for k in tail.subs)
+    remainders = tail.remainders(2, _ids(300)[288:])
+    assert len(remainders) == 12 and all(parse_key(k)["kind"] == "partial" for k in remainders)
+    assert len(set(remainders)) == 12  # every length its own key
+    # content-addressed: a sequence sharing the first 20 tokens of the tail shares its first sub-chunk, not the second
+    other = _ids(300)[:276] + [1, 2, 3] + _ids(300)[279:]
+    other_tail = sequence_keys(other, model_id=MODEL, chunk_size=256).tail(1, other[256:])
+    assert other_tail.subs[0] == tail.subs[0] and other_tail.subs[1] != tail.subs[1]
+    assert not set(tail.subs) & set(long.chunks)  # never a whole chunk's key
     with pytest.raises(InvalidInputError, match="unknown suffix"):
         parse_key(seq.chunks[0] + ".bogus")
-
-
-def test_slot_records_round_trip_and_refuse_anything_else():
-    record = encode_slot(32, [5, 6, 7], "kvbridge:v2:x", 100)
-    assert decode_slot(record) == (32, [5, 6, 7], "kvbridge:v2:x", 100)
-    for payload, message in [
-        (b"not json", "not JSON"),
-        (b'{"format": "other"}', "not an hf_kvbridge slot record"),
-        (record.replace(b'"version":2', b'"version":1'), "format version 1"),
-        (record.replace(b'"tokens":[5,6,7]', b'"tokens":[]'), "lacks its start, tokens or key"),
-        (record.replace(b'"tokens":[5,6,7]', b'"tokens":[5,"6"]'), "not integers"),
-    ]:
-        with pytest.raises(StoreFormatError, match=message):
-            decode_slot(payload)
 
 
 def test_model_identity_names_the_model_revision_and_layout():
@@ -564,7 +553,7 @@ def test_saved_cache_loads_back_exactly_and_the_model_continues_from_it(store, m
     # a longer prompt (the next turn) finds the same 100 tokens (two round trips: its whole chunks stop at node 6,
     # before its last node 7) and the model continues from them at position 100
     found = prefix.lookup(ids)
-    assert (found.tokens, found.chunks, found.round_trips) == (100, 6, 2)
+    assert (found.tokens, found.chunks, found.round_trips) == (100, 6, 3)  # the tail after chunk 6 in two more
     _, continued = _prefill(model, ids[:, 100:], load_cache(prefix, ids, 100, stored=found))
     torch.testing.assert_close(continued, logits[:, 100:])
     assert prefix.stored_tokens(ids, salt="tenant-b") == 0  # another tenant sees nothing
@@ -575,68 +564,59 @@ def test_saved_cache_loads_back_exactly_and_the_model_continues_from_it(store, m
 
 @torch.no_grad()
 def test_a_partial_chunk_is_taken_only_as_far_as_it_is_the_readers_own_prefix(store, model):
-    ids = torch.randint(0, VOCAB, (1, 100), generator=torch.Generator().manual_seed(11))
-    prefix = PrefixKVStore(store, model_id=_model_id(model), chunk_size=16)
+    ids = torch.randint(0, VOCAB, (1, 140), generator=torch.Generator().manual_seed(11))
+    prefix = PrefixKVStore(store, model_id=_model_id(model), chunk_size=64)  # sub-chunks of 16
     cache, _ = _prefill(model, ids)
-    save_cache(prefix, ids, cache)  # tokens [96, 100) under node 6's slot
-    branch = ids.clone()
-    branch[0, 98] = (branch[0, 98] + 1) % VOCAB  # a conversation that branches inside the partial chunk
+    save_cache(prefix, ids, cache)  # 2 whole chunks, then 12 tokens: no sub-chunk, a remainder of 12
+    found = prefix.lookup(ids)
+    assert (found.tokens, found.chunks, found.tail_tokens, found.round_trips) == (140, 2, 12, 1)
+    many = torch.randint(0, VOCAB, (1, 100), generator=torch.Generator().manual_seed(14))
+    many_cache, _ = _prefill(model, many)
+    save_cache(prefix, many, many_cache)  # 1 whole chunk, 2 sub-chunks (96), a remainder of 4
+    # a remainder is found by a reader that has all of its tokens; one that ends inside it stops at the sub-chunk
+    assert prefix.lookup(many).tokens == 100 and prefix.lookup(many[:, :98]).tokens == 96
+    branch = many.clone()
+    branch[0, 90] = (branch[0, 90] + 1) % VOCAB  # branches inside the second sub-chunk
     found = prefix.lookup(branch)
-    assert (found.tokens, found.tail_tokens) == (98, 2)  # only the tokens it shares with the stored partial
-    own, _ = _prefill(model, branch[:, :98])
-    loaded = load_cache(prefix, branch, 98, stored=found)
-    for layer in range(2):  # the stored K/V of the 98 tokens it shares, which are its own
-        assert torch.equal(loaded.layers[layer].keys, cache.layers[layer].keys[:, :, :98])
+    assert (found.tokens, found.tail_tokens) == (80, 16)  # the sub-chunk it shares, not the one it does not
+    loaded = load_cache(prefix, branch, 80, stored=found)
+    own, _ = _prefill(model, branch[:, :80])
+    for layer in range(2):  # the stored K/V of the 80 tokens it shares, which are its own
+        assert torch.equal(loaded.layers[layer].keys, many_cache.layers[layer].keys[:, :, :80])
         torch.testing.assert_close(loaded.layers[layer].keys, own.layers[layer].keys)
-    assert prefix.lookup(ids[:, :97]).tokens == 97  # a shorter prompt takes the part of the partial it shares
-    early = ids.clone()
-    early[0, 96] = (early[0, 96] + 1) % VOCAB  # differs at the partial's first token: nothing past the chunks
-    assert prefix.lookup(early).tokens == 96
-    with pytest.raises(StoreMissError, match="holds 96 tokens of this sequence"):
-        prefix.load(early, 97)
-    # a chunk read for more tokens than the reader shares is refused, never used (a slot replaced since the lookup)
-    with pytest.raises(StoreFormatError, match="holds other tokens"):
-        prefix.load(branch, 99, stored=prefix.lookup(ids))
+    longer = torch.cat([many, ids[:, :30]], dim=1)  # a longer prompt (the next turn): all that is stored of it
+    found = prefix.lookup(longer)
+    assert (found.tokens, found.round_trips) == (100, 3)  # its whole chunks stop early: then sub-chunks, remainders
+    with pytest.raises(StoreMissError, match="holds 100 tokens of this sequence"):
+        prefix.load(longer, 101)
+    # two short prompts (no whole chunk: they share only the chain's root) are both found whole
+    short_a, short_b = ids[:, :40], many[:, :50]
+    for short in (short_a, short_b):
+        save_cache(prefix, short, _prefill(model, short)[0])
+    assert prefix.lookup(short_a).tokens == 40 and prefix.lookup(short_b).tokens == 50
 
 
 @torch.no_grad()
-def test_a_superseded_partial_is_replaced_and_a_filled_one_relinked(store, model):
-    ids = torch.randint(0, VOCAB, (1, 120), generator=torch.Generator().manual_seed(12))
-    prefix = PrefixKVStore(store, model_id=_model_id(model), chunk_size=16)
+def test_every_turn_of_a_growing_conversation_is_found_whole(store, model):
+    ids = torch.randint(0, VOCAB, (1, 150), generator=torch.Generator().manual_seed(12))
+    prefix = PrefixKVStore(store, model_id=_model_id(model), chunk_size=64)
     full, _ = _prefill(model, ids)
-    kv = [(layer.keys[0], layer.values[0]) for layer in full.layers]  # per layer (H, 120, d)
-    seq = prefix.sequence(ids)
-
-    def save(end, start=0, relink=()):
-        keys = [k[:, start:end] for k, _ in kv]
-        values = [v[:, start:end] for _, v in kv]
-        return prefix.save(ids[:, :end], keys, values, start=start, relink=relink)
-
-    def partials():  # the partial chunks stored after this sequence's nodes
-        nodes = {node.hex() for node in seq.nodes}
-        fields = [parse_key(k.decode()) for k in store._bulk.scan_iter(match=seq.prefix + "*")]
-        return [f for f in fields if f["kind"] == "partial" and f["chain"] in nodes]
-
-    assert save(100) == 6  # a prompt: 6 chunks, a partial of 4 tokens at node 6
-    assert len(partials()) == 1
-    assert save(108, start=96) == 0  # the conversation grew inside the chunk: a longer partial replaces it
-    assert len(partials()) == 1 and prefix.lookup(ids[:, :100]).tokens == 100  # the prompt still finds itself
-    assert prefix.lookup(ids[:, :110]).tokens == 108
-    assert save(118, start=96, relink=[6]) == 1  # chunk 6 is whole now; its slot names it, its partial is gone
-    slot = decode_slot(store.get_many([seq.slot(6)])[0])
-    assert slot[2] == seq.chunks[6] and slot[1] == ids[0, 96:112].tolist()
-    assert len(partials()) == 1  # the partial of node 7 only
-    for n in (100, 110, 118):  # every earlier turn's prompt is still found whole, and loads its own K/V
+    kv = [(layer.keys[0], layer.values[0]) for layer in full.layers]  # per layer (H, 150, d)
+    done = 0
+    for end in (40, 58, 71, 150):  # each turn exports what it added, from its first whole chunk not yet stored
+        start = done // 64 * 64
+        keys, values = [k[:, start:end] for k, _ in kv], [v[:, start:end] for _, v in kv]
+        assert prefix.save(ids[:, :end], keys, values, start=start) == end // 64 - start // 64
+        done = end
+    # every turn's prompt is found whole; a prefix no turn ended at finds what earlier turns left before it (71): the
+    # later turn's whole chunk [64, 128) is keyed by tokens a 100-token reader does not have
+    for n in (40, 58, 71, 150, 100):
         found = prefix.lookup(ids[:, :n])
-        assert found.tokens == n, n
-        loaded = load_cache(prefix, ids[:, :n], n, stored=found)
-        assert torch.equal(loaded.layers[1].values, full.layers[1].values[:, :, :n])
-    other = ids.clone()
-    other[0, 113:] = (other[0, 113:] + 1) % VOCAB  # another branch writes its partial at node 7: it replaces
-    branch_cache, _ = _prefill(model, other[:, :117])
-    save_cache(prefix, other[:, :117], branch_cache)
-    assert prefix.lookup(ids[:, :118]).tokens == 113 and prefix.lookup(other[:, :117]).tokens == 117
-    assert len(partials()) == 1
+        assert found.tokens == (71 if n == 100 else n), n
+        loaded = load_cache(prefix, ids[:, :n], found.tokens, stored=found)
+        assert torch.equal(loaded.layers[1].values, full.layers[1].values[:, :, : found.tokens])
+    by_model = store.stats(_model_id(model))["by_model"][model_digest(_model_id(model))]
+    assert by_model["subs"] >= 2 and by_model["partials"] >= 4  # earlier turns' partial chunks stay findable
 
 
 @torch.no_grad()
@@ -673,7 +653,7 @@ def test_an_evicted_or_corrupt_chunk_stops_the_prefix_or_refuses_the_load(store,
     keys = prefix.keys(ids)
     store.delete_many([keys[3]])  # as the server's eviction would
     assert prefix.stored_tokens(ids) == 48
-    with pytest.raises(StoreMissError, match=r"chunk of tokens \[48, 64\).*evicted, expired or replaced"):
+    with pytest.raises(StoreMissError, match=r"chunk of tokens \[48, 64\).*evicted or expired"):
         prefix.load(ids, 128)
     assert prefix.load(ids, 48)[0][0].shape == (2, 48, 16)
     chunk_two = store.get_many([keys[2]])[0]

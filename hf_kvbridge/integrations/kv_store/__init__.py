@@ -6,8 +6,8 @@ system, a Redis-protocol server (Redis or Valkey), behind a small interface (`KV
 implement. The pieces, one module each:
 
 - `keys`: chained per-chunk keys over token ids, with the model's identity and the tenant's salt in every key, and the
-  per-node slots of partial chunks;
-- `format`: the versioned, engine-layout-independent chunk payload (safetensors) and the slot record;
+  finer keys of a trailing partial chunk (sub-chunks and a remainder);
+- `format`: the versioned, engine-layout-independent chunk payload (safetensors);
 - `base`, `redis_store`, `redis_cluster`, `backends`: the store interface, its metrics, the clients of one
   Redis/Valkey server and of a cluster, and `open_store` (the backend a URL names); `deadline`: the deadline of every
   call and the health of each server;

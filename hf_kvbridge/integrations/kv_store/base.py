@@ -1,10 +1,9 @@
 """The store interface the prefix store and the vLLM connector use, and its metrics.
 
-`KVStore` is what any backend provides: existence of keys and a few small reads in one round trip (`probe`, for the
-longest-prefix lookup), batched writes and batched reads of opaque payloads, a swap (set and return the old value,
-for the slots of partial chunks) and deletes. `RedisKVStore` (one Redis-protocol server: Redis or Valkey) and
-`RedisClusterKVStore` (a Redis/Valkey cluster) implement it; an LMCache backend for GPU deployments can be added beside
-them by implementing these methods.
+`KVStore` is what any backend provides: the sizes of many keys in one round trip (`probe`, for the longest-prefix
+lookup), batched writes and batched reads of opaque payloads, and deletes. `RedisKVStore` (one Redis-protocol server:
+Redis or Valkey) and `RedisClusterKVStore` (a Redis/Valkey cluster) implement it; an LMCache backend for GPU
+deployments can be added beside them by implementing these methods.
 """
 
 from __future__ import annotations
@@ -24,7 +23,7 @@ class StoreMetrics:
     Args:
         lookups (`int`): prefix lookups (`PrefixKVStore.lookup`).
         lookup_hit_chunks (`int`): whole chunks those lookups found stored (the leading run).
-        lookup_tail_tokens (`int`): tokens those lookups found after the whole chunks, in a node's slot.
+        lookup_tail_tokens (`int`): tokens those lookups found after the whole chunks (a partial chunk's entries).
         lookup_miss (`int`): lookups that found nothing.
         round_trips (`int`): store calls the caller waited for (a pipeline, or a cluster's requests to its nodes
             sent together, is one).
@@ -140,16 +139,12 @@ class KVStore(ABC):
         return count
 
     @abstractmethod
-    def put_many(self, items: dict[str, bytes]) -> None:
-        """Stores every `key → payload` (one round trip; the store's TTL applies)."""
+    def put_many(self, items: dict[str, bytes], *, ttl_s: float | None = None) -> None:
+        """Stores every `key → payload` (one round trip; `ttl_s`, or else the store's TTL, applies)."""
 
     @abstractmethod
     def get_many(self, keys: list[str]) -> list[bytes | None]:
         """The payloads of `keys`, `None` for a key the store does not hold (one round trip)."""
-
-    @abstractmethod
-    def swap(self, key: str, payload: bytes) -> bytes | None:
-        """Stores `key → payload` (the store's TTL applies) and returns what the key held before (`None`)."""
 
     @abstractmethod
     def delete_many(self, keys: list[str]) -> int:

@@ -1,5 +1,5 @@
-"""The stored chunk: per-token K/V of every layer for `chunk_size` tokens (fewer for a partial chunk), as one
-safetensors payload; and the slot record that names what follows a chain node.
+"""The stored chunk: per-token K/V of every layer for `chunk_size` tokens (fewer for a partial chunk's sub-chunks and
+remainder), as one safetensors payload.
 
 A chunk holds, for each layer `l`, tensors `layers.{l}.keys` and `layers.{l}.values` of shape `(kv_heads_l, tokens,
 head_dim_l)`: keys as the model computed them (post-RoPE at the chunk's absolute positions `start .. start + tokens -
@@ -34,9 +34,6 @@ FORMAT_NAME = "hf_kvbridge.kv"
 def _name(layer: int, kind: str) -> str:
     return f"layers.{layer}.{kind}"
 
-
-SLOT_FORMAT_NAME = "hf_kvbridge.kv.next"
-"""The `format` field of a slot record (`encode_slot`)."""
 
 TOKEN_IDS = "token_ids"
 """The name of a chunk's token-id tensor."""
@@ -239,40 +236,3 @@ def decode_chunk(
                 "for (replaced since the lookup, or another sequence's): not used"
             )
     return keys, values
-
-
-def encode_slot(start: int, token_ids: Sequence[int], key: str, nbytes: int) -> bytes:
-    """A slot record: the tokens that follow a chain node (starting at absolute position `start`), the key of the
-    chunk that holds their K/V, and that chunk's size in bytes (a fetch's deadline grows with it).
-
-    Example:
-
-    ```python
-    >>> decode_slot(encode_slot(256, [7, 8, 9], "kvbridge:v2:...", 4096))
-    (256, [7, 8, 9], 'kvbridge:v2:...', 4096)
-    ```
-    """
-    record = {"format": SLOT_FORMAT_NAME, "version": FORMAT_VERSION, "start": int(start), "key": key,
-              "nbytes": int(nbytes)}  # fmt: skip
-    return json.dumps({**record, "tokens": [int(t) for t in token_ids]}, separators=(",", ":")).encode()
-
-
-def decode_slot(payload: bytes) -> tuple[int, list[int], str, int]:
-    """`(start, token_ids, key, nbytes)` of a slot record; `StoreFormatError` for anything else."""
-    try:
-        record = json.loads(bytes(payload))
-    except (ValueError, UnicodeDecodeError, TypeError):
-        raise StoreFormatError("the stored slot record is not JSON: not a slot, or corrupt bytes") from None
-    if not isinstance(record, dict) or record.get("format") != SLOT_FORMAT_NAME:
-        raise StoreFormatError("the stored entry is not an hf_kvbridge slot record")
-    if record.get("version") != FORMAT_VERSION:
-        raise StoreFormatError(
-            f"the stored slot record has format version {record.get('version')!r}, this hf_kvbridge reads "
-            f"{FORMAT_VERSION}"
-        )
-    start, tokens, key, nbytes = (record.get(name) for name in ("start", "tokens", "key", "nbytes"))
-    if not isinstance(start, int) or not isinstance(key, str) or not isinstance(tokens, list) or not tokens:
-        raise StoreFormatError("the stored slot record lacks its start, tokens or key")
-    if not isinstance(nbytes, int) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
-        raise StoreFormatError("the stored slot record's tokens or size are not integers")
-    return start, tokens, key, nbytes

@@ -1,5 +1,5 @@
-"""Store keys of a token sequence: one per full chunk of `chunk_size` tokens, chained over the sequence, and one
-"next" slot per chain node for the sequence's trailing partial chunk.
+"""Store keys of a token sequence: one per whole chunk of `chunk_size` tokens, chained over the sequence, and for its
+trailing partial chunk, sub-chunks of `SUB_CHUNK_SIZE` tokens and a remainder, chained on from the last whole chunk.
 
 The key of chunk `i` is a digest of the digest of chunk `i - 1` and chunk `i`'s token ids, and the chain starts from
 a digest of the format version, the model's identity and the tenant's cache salt. So a key stands for the whole
@@ -8,16 +8,18 @@ the longest stored run of whole chunks of a sequence is its longest run of leadi
 are counted in tokens, independent of any engine's block size.
 
 A chain *node* is the digest after `k` whole chunks (node 0 is the chain's root). A sequence that ends inside a chunk
-stores its trailing partial chunk under a content key of its own (`<node>.part<digest of its tokens>`) and names it
-in the node's *slot* (`<node>.next`): a small record of the tokens that follow the node and the key that holds
-their K/V (the partial's, or a whole chunk's once the sequence has filled it). A slot holds one continuation: the
-last one written (a longer partial of the same conversation, or another branch's) replaces it. A reader takes from
-it only the tokens it shares with its own sequence (`shared_tokens`), so a partial that is not a prefix of the
-reader's tokens is never used.
+stores the tokens after its last node as a chain of its own, in finer steps: sub-chunks of `SUB_CHUNK_SIZE` tokens
+(`<digest>.sub`, each chained from the one before, the first from the node) and a remainder of fewer tokens
+(`<digest>.part`, chained from the last sub-chunk). Every key of it is content-addressed, like a whole chunk's: it
+stands for every token from the sequence's start to its own end, so a reader finds exactly the part of a stored
+sequence that it shares (to the sub-chunk, and to the token for the remainder, whose every length it probes), two
+sequences that branch never share a key past their branch point, and nothing is ever replaced. A partial chunk that a
+longer conversation later completes stays a valid entry of the shorter sequence; it is never read by anything else,
+so the server's LRU eviction drops it first, and `partial_ttl_s` makes it expire.
 
 The model's digest and the salt's digest are readable in every key
-(`kvbridge:v2:<model 12 hex>:<salt 8 hex or "-">:<chain 32 hex>[.next | .part<32 hex>]`), so a `SCAN` pattern picks
-one model's or one tenant's entries (`scan_pattern`).
+(`kvbridge:v2:<model 12 hex>:<salt 8 hex or "-">:<chain 32 hex>[.sub | .part]`), so a `SCAN` pattern picks one
+model's or one tenant's entries (`scan_pattern`).
 """
 
 from __future__ import annotations
@@ -32,11 +34,15 @@ from typing import Any
 from ...errors import InvalidInputError
 
 FORMAT_VERSION = 2
-"""Version of the keys and of the stored chunk format (`format.py`); a change of either bumps it (2: partial chunks,
-next slots, token ids in every chunk)."""
+"""Version of the keys and of the stored chunk format (`format.py`); a change of either bumps it (2: partial chunks
+as sub-chunks and a remainder, token ids in every chunk)."""
 
 DEFAULT_CHUNK_SIZE = 256
 """Tokens per stored chunk."""
+
+SUB_CHUNK_SIZE = 16
+"""Tokens per sub-chunk of a trailing partial chunk (at most the chunk size): a reader finds a stored partial chunk to
+the sub-chunk in one step, and its remainder (fewer tokens) by probing each length."""
 
 KEY_PREFIX = "kvbridge"
 """First field of every key the package writes."""
@@ -142,14 +148,40 @@ def _check_chunk_size(chunk_size: Any) -> None:
         raise InvalidInputError(f"chunk_size must be a whole number of tokens ≥ 1, got {chunk_size!r}")
 
 
-def _link(node: bytes, tokens: Sequence[int]) -> bytes:
-    """The digest of `tokens` following `node` (the next node for a whole chunk, a partial's content digest)."""
-    return hashlib.blake2b(node + _token_bytes(tokens), digest_size=_CHAIN_BYTES).digest()
+def _link(node: bytes, tokens: Sequence[int], kind: bytes = b"") -> bytes:
+    """The digest of `tokens` following `node`: the next node for a whole chunk; with `kind` (`b"sub"`, `b"part"`)
+    the digest of a sub-chunk or a remainder (domain-separated: never a whole chunk's)."""
+    return hashlib.blake2b(kind + node + _token_bytes(tokens), digest_size=_CHAIN_BYTES).digest()
 
 
 def key_prefix(model_id: str, salt: str | None = None) -> str:
     """`kvbridge:v2:<model digest>:<salt digest>:`, the start of every key of this model and tenant."""
     return f"{KEY_PREFIX}:v{FORMAT_VERSION}:{model_digest(model_id)}:{salt_digest(salt)}:"
+
+
+@dataclass(frozen=True)
+class TailKeys:
+    """The keys of a trailing partial chunk: the tokens after a node, in sub-chunks and a remainder.
+
+    Attributes:
+        start (`int`): the absolute position of the first token after the node.
+        sub_size (`int`): tokens per sub-chunk.
+        subs (`list[str]`): one key per whole sub-chunk; sub-chunk `j` holds tokens `[start + j·sub_size, start +
+            (j + 1)·sub_size)`.
+        sub_nodes (`list[bytes]`): the chain digests after `0, 1, ...` sub-chunks (`sub_nodes[0]` is the node).
+    """
+
+    prefix: str
+    start: int
+    sub_size: int
+    subs: list[str]
+    sub_nodes: list[bytes]
+
+    def remainders(self, sub: int, tokens: Sequence[int]) -> list[str]:
+        """The key of each remainder after sub-chunk node `sub`: `tokens[:1]`, `tokens[:2]`, ... (the tokens that
+        follow that node, fewer than `sub_size` of them): every length a reader probes; a writer writes the longest."""
+        node = self.sub_nodes[sub]
+        return [f"{self.prefix}{_link(node, tokens[:n], b'part').hex()}.part" for n in range(1, len(tokens) + 1)]
 
 
 @dataclass(frozen=True)
@@ -171,13 +203,16 @@ class SequenceKeys:
         """The key of each whole chunk: chunk `i` stands for tokens `[0, (i + 1) * chunk_size)`."""
         return [self.prefix + node.hex() for node in self.nodes[1:]]
 
-    def slot(self, node: int) -> str:
-        """The key of node `node`'s slot: what follows the first `node` whole chunks (a partial, or a whole chunk)."""
-        return f"{self.prefix}{self.nodes[node].hex()}.next"
-
-    def partial(self, node: int, tokens: Sequence[int]) -> str:
-        """The content key of the partial chunk `tokens` (fewer than `chunk_size`) that follows node `node`."""
-        return f"{self.prefix}{self.nodes[node].hex()}.part{_link(self.nodes[node], tokens).hex()}"
+    def tail(self, node: int, tokens: Sequence[int]) -> TailKeys:
+        """The sub-chunk keys of `tokens`, the tokens that follow node `node` (those of a partial chunk: at most
+        `chunk_size - 1` of them are used)."""
+        size = min(SUB_CHUNK_SIZE, self.chunk_size)
+        tokens = list(tokens)[: self.chunk_size - 1]
+        sub_nodes, subs = [self.nodes[node]], []
+        for lo in range(0, len(tokens) - size + 1, size):
+            sub_nodes.append(_link(sub_nodes[-1], tokens[lo : lo + size], b"sub"))
+            subs.append(f"{self.prefix}{sub_nodes[-1].hex()}.sub")
+        return TailKeys(self.prefix, node * self.chunk_size, size, subs, sub_nodes)
 
 
 def sequence_keys(token_ids: Any, *, model_id: str, chunk_size: int, salt: str | None = None) -> SequenceKeys:
@@ -187,8 +222,9 @@ def sequence_keys(token_ids: Any, *, model_id: str, chunk_size: int, salt: str |
 
     ```python
     >>> seq = sequence_keys(list(range(600)), model_id="pocket-s", chunk_size=256)
-    >>> len(seq.chunks), seq.slot(2).endswith(".next")
-    (2, True)
+    >>> tail = seq.tail(2, list(range(512, 600)))  # 88 tokens after the 2 whole chunks: 5 sub-chunks and 8 more
+    >>> len(seq.chunks), len(tail.subs), len(tail.remainders(5, list(range(592, 600))))
+    (2, 5, 8)
     ```
     """
     _check_chunk_size(chunk_size)
@@ -200,8 +236,8 @@ def sequence_keys(token_ids: Any, *, model_id: str, chunk_size: int, salt: str |
 
 
 def chunk_keys(token_ids: Any, *, model_id: str, chunk_size: int, salt: str | None = None) -> list[str]:
-    """One store key per full chunk of `token_ids`, chained from token 0; a trailing partial chunk has none (it is
-    stored under its node's slot, see `SequenceKeys.slot`).
+    """One store key per full chunk of `token_ids`, chained from token 0 (a trailing partial chunk's keys are its
+    sub-chunks' and remainder's, see `SequenceKeys.tail`).
 
     Args:
         token_ids (list of `int`, or a 1-D tensor): the sequence from its first token.
@@ -223,41 +259,23 @@ def chunk_keys(token_ids: Any, *, model_id: str, chunk_size: int, salt: str | No
     return sequence_keys(token_ids, model_id=model_id, chunk_size=chunk_size, salt=salt).chunks
 
 
-def shared_tokens(a: Sequence[int], b: Sequence[int]) -> int:
-    """How many leading tokens `a` and `b` share.
-
-    Example:
-
-    ```python
-    >>> shared_tokens([1, 2, 3, 4], [1, 2, 9])
-    2
-    ```
-    """
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
-KEY_KINDS = ("chunk", "slot", "partial")
-"""What a key holds: a whole chunk, a node's slot record, or a partial chunk."""
+KEY_KINDS = ("chunk", "sub", "partial")
+"""What a key holds: a whole chunk, a sub-chunk of a partial chunk, or a partial chunk's remainder."""
 
 
 def parse_key(key: str) -> dict[str, str]:
     """The fields of a key this package wrote: `version`, `model` (digest), `salt` (digest or `"-"`), `chain` (the
-    chunk's or the node's digest) and `kind` (`"chunk"`, `"slot"` or `"partial"`).
+    entry's digest) and `kind` (`"chunk"`, `"sub"` or `"partial"`).
 
     Raises `InvalidInputError` for anything else.
     """
     parts = key.split(":")
     if len(parts) != 5 or parts[0] != KEY_PREFIX or not parts[1].startswith("v"):
         raise InvalidInputError(
-            f"{key!r} is not an hf_kvbridge store key (kvbridge:v2:<model>:<salt>:<chain>[.next | .part<digest>])"
+            f"{key!r} is not an hf_kvbridge store key (kvbridge:v2:<model>:<salt>:<chain>[.sub | .part])"
         )
     chain, _, suffix = parts[4].partition(".")
-    kind = "chunk" if not suffix else "slot" if suffix == "next" else "partial" if suffix.startswith("part") else ""
-    if not kind:
+    kind = {"": "chunk", "sub": "sub", "part": "partial"}.get(suffix)
+    if kind is None:
         raise InvalidInputError(f"{key!r} is not an hf_kvbridge store key: unknown suffix {suffix!r}")
     return {"version": parts[1][1:], "model": parts[2], "salt": parts[3], "chain": chain, "kind": kind}

@@ -1,16 +1,15 @@
 """`PrefixKVStore`: one model's per-token K/V in a store, by prefix: look up, save, load.
 
-A sequence's K/V is stored as chunks of `chunk_size` tokens under chained keys, and its trailing partial chunk under
-the slot of the node it follows (`keys.py`); each chunk is a self-describing payload (`format.py`). A lookup finds the
-leading whole chunks stored and what the slot after them holds of the sequence's next tokens (one round trip; two when
-the whole chunks stop before the sequence's last node); a save writes the chunks it covers that are not stored yet and
-its partial tail; a load fetches a prefix's chunks in one round trip and checks each before joining them.
+A sequence's K/V is stored as chunks of `chunk_size` tokens under chained keys, and its trailing partial chunk as
+sub-chunks and a remainder chained on from the last whole chunk (`keys.py`); each entry is a self-describing payload
+(`format.py`). A lookup finds the leading whole chunks stored, then the sub-chunks and the longest remainder after
+them (one round trip in the common cases); a save writes the entries it covers that are not stored yet; a load
+fetches a prefix's entries in one round trip and checks each before joining them.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,11 +17,14 @@ import torch
 
 from ...errors import InvalidInputError, StoreFormatError, StoreMissError, StoreUnavailableError
 from .base import KVStore
-from .format import decode_chunk, decode_slot, encode_chunk, encode_slot
-from .keys import DEFAULT_CHUNK_SIZE, SequenceKeys, as_token_list, parse_key, sequence_keys, shared_tokens
+from .format import decode_chunk, encode_chunk
+from .keys import DEFAULT_CHUNK_SIZE, SequenceKeys, as_token_list, sequence_keys
 from .writer import AsyncWriter
 
 logger = logging.getLogger(__name__)
+
+DEFAULT_PARTIAL_TTL_S = 3600.0
+"""Seconds a partial chunk's sub-chunks and remainder live in the store by default."""
 
 
 def _check_kv(keys: list[torch.Tensor], values: list[torch.Tensor], what: str) -> int:
@@ -44,22 +46,18 @@ class StoredPrefix:
     """What the store holds of a sequence (`PrefixKVStore.lookup`): the K/V of its tokens `[0, tokens)`.
 
     Attributes:
-        tokens (`int`): tokens covered, from token 0: `chunks × chunk_size + tail_tokens`.
+        tokens (`int`): tokens covered, from token 0.
         chunks (`int`): leading whole chunks stored.
-        chunk_bytes (`tuple[int, ...]`): the stored size of each of them.
-        tail_key (`str` or `None`): the key whose chunk holds the `tail_tokens` tokens after them (a partial chunk,
-            or a whole chunk of a longer sequence), from the slot of node `chunks`.
-        tail_tokens (`int`): how many of that chunk's tokens are this sequence's next tokens.
-        tail_bytes (`int`): the stored size of the tail's chunk.
+        tail_tokens (`int`): tokens covered after them, by sub-chunks and a remainder of a partial chunk.
+        pieces (`tuple`): `(key, first token, end, stored bytes)` of each stored entry of the prefix, in order: the
+            whole chunks, then the partial chunk's sub-chunks and remainder (what a fetch reads).
         round_trips (`int`): store calls the lookup made.
     """
 
     tokens: int = 0
     chunks: int = 0
-    chunk_bytes: tuple[int, ...] = ()
-    tail_key: str | None = None
     tail_tokens: int = 0
-    tail_bytes: int = 0
+    pieces: tuple[tuple[str, int, int, int], ...] = ()
     round_trips: int = 0
 
 
@@ -72,6 +70,8 @@ class PrefixKVStore:
         chunk_size (`int`, *optional*, defaults to `DEFAULT_CHUNK_SIZE`): tokens per chunk; writers and readers of
             one model must agree on it (it changes every key).
         writer (`AsyncWriter`, *optional*): writes saves in the background; without one, `save` writes at once.
+        partial_ttl_s (`float`, *optional*, defaults to `3600`): seconds a partial chunk's entries live (`None`: the
+            store's TTL): a conversation that goes on leaves its earlier partial chunks behind, read by nothing else.
 
     Example:
 
@@ -84,15 +84,24 @@ class PrefixKVStore:
     """
 
     def __init__(
-        self, store: KVStore, *, model_id: str, chunk_size: int = DEFAULT_CHUNK_SIZE, writer: AsyncWriter | None = None
+        self,
+        store: KVStore,
+        *,
+        model_id: str,
+        chunk_size: int = DEFAULT_CHUNK_SIZE,
+        writer: AsyncWriter | None = None,
+        partial_ttl_s: float | None = DEFAULT_PARTIAL_TTL_S,
     ):
         sequence_keys([], model_id=model_id, chunk_size=chunk_size)  # checks both
         if writer is not None and writer.store is not store:
             raise InvalidInputError("the AsyncWriter given to PrefixKVStore must write to the same store")
+        if partial_ttl_s is not None and not partial_ttl_s > 0:
+            raise InvalidInputError(f"partial_ttl_s must be a number of seconds > 0 or None, got {partial_ttl_s!r}")
         self.store = store
         self.model_id = model_id
         self.chunk_size = chunk_size
         self.writer = writer
+        self.partial_ttl_s = partial_ttl_s
 
     @property
     def metrics(self):
@@ -109,56 +118,60 @@ class PrefixKVStore:
 
     # -- lookup ------------------------------------------------------------------------------------------------------
     def lookup(self, token_ids: Any, salt: str | None = None) -> StoredPrefix:
-        """The longest stored prefix of `token_ids`: the leading whole chunks the store holds, then what the slot of
-        the node after them holds of the sequence's next tokens (a partial chunk, or part of a longer sequence's
-        chunk; only tokens this sequence shares with it count).
+        """The longest stored prefix of `token_ids`: the leading whole chunks the store holds, then the sub-chunks of
+        a partial chunk after them, then the longest remainder (every stored entry is content-addressed: only this
+        sequence's own tokens can match, a branch's never).
 
-        One round trip (`probe`: the whole chunks' sizes and the last node's slot), two when the whole chunks stop
-        before the sequence's last node (that node's slot is then read). Counted in `metrics` (`lookups`,
-        `lookup_hit_chunks`, `lookup_tail_tokens`, `lookup_miss`). Raises `StoreUnavailableError` when the store
-        cannot be asked within its deadline (the caller computes the tokens instead).
+        One round trip (`probe`: sizes of the whole chunks' keys, the sub-chunks' and every remainder length's after
+        them), two when the sub-chunks stop early (the remainders after the last one found are probed then), three
+        when the whole chunks stop before the sequence's last one (the sub-chunks after the last found, then the
+        remainders). Counted in `metrics` (`lookups`, `lookup_hit_chunks`, `lookup_tail_tokens`, `lookup_miss`).
+        Raises `StoreUnavailableError` when the store cannot be asked within its deadline (the caller computes the
+        tokens instead).
         """
         tokens = as_token_list(token_ids)
         seq = self.sequence(tokens, salt)
-        whole = len(seq.chunks)
-        sizes, (slot,) = self.store.probe(seq.chunks, [seq.slot(whole)])
-        chunks, trips = 0, 1
-        while chunks < whole and sizes[chunks] > 0:
-            chunks += 1
-        if chunks < whole:  # the run of whole chunks broke early: the slot after it may hold part of the next chunk
-            trips += 1
-            try:
-                _, (slot,) = self.store.probe([], [seq.slot(chunks)])
-            except StoreUnavailableError as err:  # what was found stands; the slot's server did not answer
-                logger.debug("%s", err)
-                slot = None
-        found = StoredPrefix(chunks * self.chunk_size, chunks, tuple(sizes[:chunks]), round_trips=trips)
-        tail = self._tail(slot, seq, chunks, tokens)
-        if tail is not None:
-            key, shared, nbytes = tail
-            found = StoredPrefix(found.tokens + shared, chunks, found.chunk_bytes, key, shared, nbytes, trips)
-        self.metrics.add(lookups=1, lookup_hit_chunks=chunks, lookup_tail_tokens=found.tail_tokens,
-                         lookup_miss=int(found.tokens == 0))  # fmt: skip
-        return found
+        size, whole = self.chunk_size, len(seq.chunks)
+        tail = seq.tail(whole, tokens[whole * size :])
+        subs, step = len(tail.subs), tail.sub_size
+        remainders = tail.remainders(subs, tokens[whole * size + subs * step :])
+        sizes, _ = self.store.probe([*seq.chunks, *tail.subs, *remainders], [])
+        trips, chunks = 1, _leading(sizes[:whole])
+        pieces = [(key, i * size, (i + 1) * size, sizes[i]) for i, key in enumerate(seq.chunks[:chunks])]
+        if chunks == whole:
+            found = _leading(sizes[whole : whole + subs])
+            sub_sizes, rem_sizes = sizes[whole : whole + found], sizes[whole + subs :] if found == subs else None
+        else:  # the whole chunks stop early: the tail after the last one found, from this sequence's next tokens
+            tail = seq.tail(chunks, tokens[chunks * size : (chunks + 1) * size])
+            sub_sizes = self._probe_or_nothing(tail.subs)
+            found, rem_sizes, trips = _leading(sub_sizes), None, trips + 1
+            sub_sizes = sub_sizes[:found]
+        start = chunks * size
+        pieces += [(tail.subs[j], start + j * step, start + (j + 1) * step, n) for j, n in enumerate(sub_sizes)]
+        after = start + found * step  # the remainder's first token
+        rest = tokens[after : min(len(tokens), start + size - 1, after + step - 1)]
+        remainders = tail.remainders(found, rest)
+        if rem_sizes is None:
+            rem_sizes, trips = self._probe_or_nothing(remainders), trips + 1
+        longest = max((n for n in range(1, len(rem_sizes) + 1) if rem_sizes[n - 1] > 0), default=0)
+        if longest:
+            pieces.append((remainders[longest - 1], after, after + longest, rem_sizes[longest - 1]))
+        covered = pieces[-1][2] if pieces else 0
+        stored = StoredPrefix(covered, chunks, covered - chunks * size, tuple(pieces), trips)
+        self.metrics.add(lookups=1, lookup_hit_chunks=chunks, lookup_tail_tokens=stored.tail_tokens,
+                         lookup_miss=int(covered == 0))  # fmt: skip
+        return stored
 
-    def _tail(
-        self, slot: bytes | None, seq: SequenceKeys, node: int, tokens: list[int]
-    ) -> tuple[str, int, int] | None:
-        """`(key, shared tokens, bytes)` of what slot `node` holds of `tokens`' next tokens, or `None`."""
-        if slot is None:
-            return None
+    def _probe_or_nothing(self, keys: list[str]) -> list[int]:
+        """The sizes of `keys` (a lookup's later round trip); all `0` if the store does not answer: what the lookup
+        found so far stands."""
+        if not keys:
+            return []
         try:
-            start, stored, key, nbytes = decode_slot(slot)
-            parse_key(key)
-        except (StoreFormatError, InvalidInputError) as err:
-            logger.warning("KV store: slot of node %d of model %s is not usable: %s", node, self.model_id, err)
-            return None
-        if start != node * self.chunk_size:
-            return None
-        if node < len(seq.chunks) and key == seq.chunks[node]:  # this very chunk, which the lookup found missing
-            return None
-        shared = min(shared_tokens(stored, tokens[start:]), self.chunk_size)
-        return (key, shared, nbytes) if shared > 0 else None
+            return self.store.probe(keys, [])[0]
+        except StoreUnavailableError as err:
+            logger.debug("%s", err)
+            return [0] * len(keys)
 
     def stored_tokens(self, token_ids: Any, salt: str | None = None) -> int:
         """Tokens covered by the longest stored prefix (`lookup(...).tokens`)."""
@@ -175,10 +188,9 @@ class PrefixKVStore:
         salt: str | None = None,
         skip_stored: bool = True,
         tail: bool = True,
-        relink: Iterable[int] = (),
     ) -> int:
         """Writes every whole chunk inside tokens `[start, start + T)` of `token_ids`, and (with `tail`) the partial
-        chunk after the last of them, under its node's slot (replacing what the slot held).
+        chunk after the last of them: its sub-chunks and its remainder, which expire after `partial_ttl_s`.
 
         Args:
             token_ids (list of `int` or a 1-D tensor): the whole sequence from token 0 (the key chain needs it).
@@ -187,13 +199,10 @@ class PrefixKVStore:
             values (list of `torch.Tensor`): per layer, the same shape.
             start (`int`): absolute position of `keys[l][:, 0]`; a multiple of `chunk_size`.
             salt (`str`, *optional*): the tenant's cache salt.
-            skip_stored (`bool`, *optional*, defaults to `True`): leave whole chunks the store already holds alone (one
+            skip_stored (`bool`, *optional*, defaults to `True`): leave entries the store already holds alone (one
                 round trip to ask); `False` rewrites them (and restarts their TTL).
             tail (`bool`, *optional*, defaults to `True`): also store the trailing partial chunk (`start + T` not a
-                multiple of `chunk_size`); a longer sequence's save later replaces it in its slot.
-            relink (iterable of `int`, *optional*): nodes whose slot held this sequence's partial chunk and whose
-                chunk this save completes: their slot then names the whole chunk instead (the partial is deleted),
-                so a reader of the shorter sequence still finds it.
+                multiple of `chunk_size`).
 
         Returns:
             `int`: whole chunks written (stored ones skipped), or with a writer queued (all those in the range; the
@@ -215,61 +224,40 @@ class PrefixKVStore:
             )
         seq = self.sequence(tokens[:end], salt)
         first, last = start // size, end // size  # whole chunks [first, last)
-        relink = sorted({int(node) for node in relink if first <= int(node) < last})
-        has_tail = tail and end % size > 0
-
-        def piece(lo: int, hi: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:  # views of tokens [lo, hi)
-            return [k[:, lo - start : hi - start] for k in keys], [v[:, lo - start : hi - start] for v in values]
+        entries = [(seq.chunks[i], i * size, (i + 1) * size, False) for i in range(first, last)]
+        if tail and end % size:
+            pieces = seq.tail(last, tokens[last * size : end])
+            lo, step = last * size, pieces.sub_size
+            entries += [(key, lo + j * step, lo + (j + 1) * step, True) for j, key in enumerate(pieces.subs)]
+            after = lo + len(pieces.subs) * step
+            if after < end:  # the remainder
+                entries.append((pieces.remainders(len(pieces.subs), tokens[after:end])[-1], after, end, True))
 
         def job() -> int:
-            wanted, sizes = list(range(first, last)), {}
+            wanted = entries
             if skip_stored and wanted:
-                stored_sizes = self.store.probe(seq.chunks[first:last], [], timeout=self._writer_deadline())[0]
-                sizes = {i: n for i, n in zip(wanted, stored_sizes, strict=True) if n > 0}
-                wanted = [i for i in wanted if i not in sizes]
-            items = {}
-            for i in wanted:
-                ids = tokens[i * size : (i + 1) * size]
-                items[seq.chunks[i]] = encode_chunk(*piece(i * size, (i + 1) * size), model_id=self.model_id,
-                                                    start=i * size, token_ids=ids)  # fmt: skip
-            partial = None
-            if has_tail:
-                ids = tokens[last * size : end]
-                partial = seq.partial(last, ids), ids
-                items[partial[0]] = encode_chunk(*piece(last * size, end), model_id=self.model_id, start=last * size,
-                                                 token_ids=ids)  # fmt: skip
-            self.store.put_many(items)
-            for node in relink:  # the slot names the whole chunk now (its size: what put_many wrote, or stored)
-                ids = tokens[node * size : (node + 1) * size]
-                nbytes = len(items[seq.chunks[node]]) if seq.chunks[node] in items else sizes.get(node, 0)
-                self._replace_slot(seq.slot(node), encode_slot(node * size, ids, seq.chunks[node], nbytes))
-            if partial is not None:
-                key, ids = partial
-                self._replace_slot(seq.slot(last), encode_slot(last * size, ids, key, len(items[key])))
-            return len(wanted)
+                stored = self.store.probe([e[0] for e in wanted], [], timeout=self._writer_deadline())[0]
+                wanted = [entry for entry, n in zip(wanted, stored, strict=True) if not n]
+            for is_tail in (False, True):
+                items = {
+                    key: encode_chunk([k[:, lo - start : hi - start] for k in keys],
+                                      [v[:, lo - start : hi - start] for v in values],
+                                      model_id=self.model_id, start=lo, token_ids=tokens[lo:hi])
+                    for key, lo, hi, partial in wanted if partial == is_tail
+                }  # fmt: skip
+                if items:
+                    self.store.put_many(items, ttl_s=self.partial_ttl_s if is_tail else None)
+            return sum(not partial for *_, partial in wanted)
 
         if self.writer is None:
             return job()
-        count = last - first
         nbytes = sum(t.numel() * t.element_size() for t in (*keys, *values))
-        return count if self.writer.submit_job(job, nbytes=nbytes) else 0
+        return last - first if self.writer.submit_job(job, nbytes=nbytes) else 0
 
     def _writer_deadline(self) -> float | None:
         """The deadline of a save's question of what is stored: the store's bulk one (a save runs on the writer
         thread, or for a caller that can wait), not the lookup deadline vLLM's scheduler needs."""
         return getattr(self.store, "bulk_timeout", None)
-
-    def _replace_slot(self, slot: str, record: bytes) -> None:
-        """Points `slot` at a new chunk and deletes the partial chunk it named before (if another one)."""
-        old = self.store.swap(slot, record)
-        if old is None:
-            return
-        try:
-            old_key = decode_slot(old)[2]
-        except StoreFormatError:
-            return
-        if old_key != decode_slot(record)[2] and parse_key(old_key)["kind"] == "partial":
-            self.store.delete_many([old_key])
 
     # -- load --------------------------------------------------------------------------------------------------------
     def load(
@@ -281,16 +269,16 @@ class PrefixKVStore:
             token_ids (list of `int` or a 1-D tensor): the sequence (at least `num_tokens` tokens).
             num_tokens (`int`): at most what `lookup` found (`stored.tokens`).
             salt (`str`, *optional*): the tenant's cache salt the chunks were saved under.
-            stored (`StoredPrefix`, *optional*): the lookup of `token_ids` (where its tail is, and its size); without
-                one, a `num_tokens` that ends inside a chunk is looked up first (one more round trip).
+            stored (`StoredPrefix`, *optional*): the lookup of `token_ids` (which entries hold the prefix, and their
+                sizes); without one, a `num_tokens` that ends inside a chunk is looked up first (one more round trip).
 
         Returns:
             `(keys, values)`: per layer, CPU tensors `(kv_heads, num_tokens, head_dim)` in the stored dtype.
 
         Raises:
-            `StoreMissError`: a chunk is not in the store (evicted or expired since the lookup), or the store holds
+            `StoreMissError`: an entry is not in the store (evicted or expired since the lookup), or the store holds
                 fewer tokens than `num_tokens`.
-            `StoreFormatError`: a chunk is not a valid chunk of this model at its position, or holds other tokens.
+            `StoreFormatError`: an entry is not a valid chunk of this model at its position, or holds other tokens.
         """
         tokens = as_token_list(token_ids)
         size = self.chunk_size
@@ -299,40 +287,36 @@ class PrefixKVStore:
                 f"num_tokens must be a number of tokens in [1, {len(tokens)}] (the sequence's length), got "
                 f"{num_tokens!r}"
             )
-        if stored is None:
-            stored = StoredPrefix(num_tokens, num_tokens // size) if num_tokens % size == 0 else self.lookup(
-                tokens, salt
-            )  # fmt: skip
+        if stored is None and num_tokens % size == 0:  # whole chunks: their keys say it all
+            chunks = self.sequence(tokens[:num_tokens], salt).chunks
+            stored = StoredPrefix(num_tokens, len(chunks), 0, tuple((k, i * size, (i + 1) * size, 0)
+                                                                    for i, k in enumerate(chunks)))  # fmt: skip
+        elif stored is None:
+            stored = self.lookup(tokens, salt)
         if num_tokens > stored.tokens:
             raise StoreMissError(
                 f"the store holds {stored.tokens} tokens of this sequence of model {self.model_id!r}, not the "
                 f"{num_tokens} asked for; compute the rest"
             )
-        whole = stored.chunks * size  # ≤ len(tokens): the lookup computed those chunks' keys from them
-        chunks = self.sequence(tokens[:whole], salt).chunks
-        # (first token, end, key) of each chunk to read: whole chunks (the last one maybe in part), then the tail
-        parts = [
-            (i * size, min((i + 1) * size, num_tokens), chunks[i]) for i in range(-(-min(num_tokens, whole) // size))
-        ]
-        if num_tokens > whole:
-            parts.append((whole, num_tokens, stored.tail_key))
-        expected = None
-        if stored.chunk_bytes or stored.tail_bytes:
-            expected = sum(stored.chunk_bytes[: len(parts)]) + (stored.tail_bytes if num_tokens > whole else 0)
-        payloads = self.store.get_many([key for _, _, key in parts], expected_bytes=expected)
+        parts = [piece for piece in stored.pieces if piece[1] < num_tokens]  # (key, first token, end, bytes)
+        sizes = [piece[3] for piece in parts]
+        payloads = self.store.get_many(
+            [piece[0] for piece in parts], expected_bytes=sum(sizes) if all(sizes) else None
+        )
         layer_keys: list[list[torch.Tensor]] = []
         layer_values: list[list[torch.Tensor]] = []
-        for (lo, hi, _), payload in zip(parts, payloads, strict=True):
+        for (_, lo, hi, _), payload in zip(parts, payloads, strict=True):
+            hi = min(hi, num_tokens)
             if payload is None:
                 raise StoreMissError(
                     f"the chunk of tokens [{lo}, {hi}) of the stored prefix of model {self.model_id!r} is no longer "
-                    "in the store (evicted, expired or replaced since the lookup); look up again or compute them"
+                    "in the store (evicted or expired since the lookup); look up again or compute them"
                 )
             try:
                 chunk_k, chunk_v = decode_chunk(payload, model_id=self.model_id, start=lo, token_ids=tokens[lo:hi])
             except StoreFormatError as err:
                 raise StoreFormatError(f"chunk of tokens [{lo}, {hi}): {err}") from None
-            chunk_k = [k[:, : hi - lo] for k in chunk_k]  # (H, hi - lo, d): the part this sequence shares
+            chunk_k = [k[:, : hi - lo] for k in chunk_k]  # (H, hi - lo, d): the part this load needs
             chunk_v = [v[:, : hi - lo] for v in chunk_v]
             if not layer_keys:
                 layer_keys = [[k] for k in chunk_k]
@@ -352,3 +336,11 @@ class PrefixKVStore:
         keys_out = [torch.cat(ks, dim=1) for ks in layer_keys]  # per layer (H, num_tokens, d)
         values_out = [torch.cat(vs, dim=1) for vs in layer_values]
         return keys_out, values_out
+
+
+def _leading(sizes: list[int]) -> int:
+    """How many of the leading `sizes` are stored (`> 0`)."""
+    count = 0
+    while count < len(sizes) and sizes[count] > 0:
+        count += 1
+    return count

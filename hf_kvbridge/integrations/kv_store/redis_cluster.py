@@ -343,7 +343,7 @@ class RedisClusterKVStore(RedisStoreBase):
         )
         return payloads
 
-    def put_many(self, items: dict[str, bytes]) -> None:
+    def put_many(self, items: dict[str, bytes], *, ttl_s: float | None = None) -> None:
         if not items:
             return
         keys = list(items)
@@ -354,9 +354,11 @@ class RedisClusterKVStore(RedisStoreBase):
             self.metrics.add(write_errors=len(items))
             raise
 
+        ttl_ms = self._ttl_ms(ttl_s)
+
         def build(pipe, indices):
             for i in indices:
-                pipe.set(keys[i], items[keys[i]], px=self.ttl_ms)
+                pipe.set(keys[i], items[keys[i]], px=ttl_ms)
 
         results = self._each_node(f"SET of {len(items)} chunks", groups, build, None, bulk=True)
         written, errors = [], []
@@ -377,22 +379,6 @@ class RedisClusterKVStore(RedisStoreBase):
         if errors:
             self.metrics.add(write_errors=sum(n for n, _ in errors))
             raise errors[0][1]
-
-    def swap(self, key: str, payload: bytes) -> bytes | None:
-        node = self.node_of(key, self._layout(self.bulk_timeout))
-        if node is None:
-            self.metrics.add(write_errors=1)
-            raise StoreUnavailableError(f"KV store {self.url}: no live master holds the slot of {key}")
-        try:
-            old = self._run(
-                node, "SET ... GET", lambda: self._client(node, True).set(key, payload, px=self.ttl_ms, get=True), None
-            )
-        except StoreUnavailableError:
-            self.metrics.add(write_errors=1)
-            self.refresh()
-            raise
-        self.metrics.add(round_trips=1, bytes_written=len(payload))
-        return old
 
     def delete_many(self, keys: list[str]) -> int:
         if not keys:

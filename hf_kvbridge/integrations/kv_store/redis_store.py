@@ -160,6 +160,13 @@ class RedisStoreBase(KVStore):
         self.health = NodeHealth(cooldown_s)
         self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="kvbridge-store")
 
+    def _ttl_ms(self, ttl_s: float | None) -> int | None:
+        """`ttl_s` in milliseconds (`None`: the store's TTL); the shorter of the two when both are set."""
+        if ttl_s is None:
+            return self.ttl_ms
+        ms = max(1, round(ttl_s * 1000))
+        return ms if self.ttl_ms is None else min(ms, self.ttl_ms)
+
     def fetch_deadline(self, expected_bytes: int | None) -> float | None:
         """The wall-clock deadline of a fetch of `expected_bytes` (`None` when the size is not known: the fetch is
         then bounded by `bulk_timeout` of silence only)."""
@@ -327,14 +334,14 @@ class RedisKVStore(RedisStoreBase):
     def exists_many(self, keys: list[str]) -> list[bool]:
         return [size > 0 for size in self.probe(keys, [])[0]]
 
-    def put_many(self, items: dict[str, bytes]) -> None:
+    def put_many(self, items: dict[str, bytes], *, ttl_s: float | None = None) -> None:
         if not items:
             return
 
         def run():
             pipe = self._bulk.pipeline(transaction=False)
             for key, payload in items.items():
-                pipe.set(key, payload, px=self.ttl_ms)
+                pipe.set(key, payload, px=self._ttl_ms(ttl_s))
             pipe.execute()
 
         try:
@@ -362,17 +369,6 @@ class RedisKVStore(RedisStoreBase):
         found = [p for p in payloads if p is not None]
         self.metrics.add(round_trips=1, chunks_read=len(found), bytes_read=sum(len(p) for p in found))
         return payloads
-
-    def swap(self, key: str, payload: bytes) -> bytes | None:
-        try:
-            old = self._run(
-                self.node, "SET ... GET", lambda: self._bulk.set(key, payload, px=self.ttl_ms, get=True), None
-            )
-        except StoreUnavailableError:
-            self.metrics.add(write_errors=1)
-            raise
-        self.metrics.add(round_trips=1, bytes_written=len(payload))
-        return old
 
     def delete_many(self, keys: list[str]) -> int:
         """Deletes `keys`; returns how many existed."""
@@ -413,7 +409,7 @@ class RedisKVStore(RedisStoreBase):
 
 
 def scan_usage(client, pattern: str, scan_count: int = 1000) -> tuple[dict, dict[str, dict[str, int]]]:
-    """`(INFO memory, {model digest: {"keys", "bytes", "chunks", "partials", "slots"}})` of one server's entries that
+    """`(INFO memory, {model digest: {"keys", "bytes", "chunks", "subs", "partials"}})` of one server's entries that
     match `pattern`: `SCAN` (never blocks the server), then `MEMORY USAGE` of each, pipelined 500 at a time."""
     info = client.info("memory")
     by_model: dict[str, dict[str, int]] = {}
@@ -425,11 +421,11 @@ def scan_usage(client, pattern: str, scan_count: int = 1000) -> tuple[dict, dict
             pipe.memory_usage(name)
         for name, used in zip(names, pipe.execute(), strict=True):
             fields = parse_key(name.decode())
-            entry = by_model.setdefault(fields["model"], {"keys": 0, "bytes": 0, "chunks": 0, "partials": 0,
-                                                          "slots": 0})  # fmt: skip
+            entry = by_model.setdefault(fields["model"], {"keys": 0, "bytes": 0, "chunks": 0, "subs": 0,
+                                                          "partials": 0})  # fmt: skip
             entry["keys"] += 1
             entry["bytes"] += int(used or 0)
-            entry[{"chunk": "chunks", "partial": "partials", "slot": "slots"}[fields["kind"]]] += 1
+            entry[{"chunk": "chunks", "sub": "subs", "partial": "partials"}[fields["kind"]]] += 1
 
     for name in client.scan_iter(match=pattern, count=scan_count):
         batch.append(name)
@@ -443,7 +439,5 @@ def scan_usage(client, pattern: str, scan_count: int = 1000) -> tuple[dict, dict
 
 def summarize(by_model: dict[str, dict[str, int]]) -> dict[str, Any]:
     """Totals of `scan_usage`'s per-model counts, and the counts sorted by model digest."""
-    total = {
-        name: sum(e[name] for e in by_model.values()) for name in ("keys", "bytes", "chunks", "partials", "slots")
-    }
+    total = {name: sum(e[name] for e in by_model.values()) for name in ("keys", "bytes", "chunks", "subs", "partials")}
     return {**total, "by_model": dict(sorted(by_model.items()))}

@@ -73,9 +73,8 @@ class ExportTask:
     """One request's export in this step (a source engine's connector): after the forward pass, read the K/V of
     tokens `[start, end)` (`start` chunk-aligned) from the slots of `block_ids` and write them to the KV store,
     chained from `token_ids[:start]` (`token_ids` is the sequence from token 0 up to `end`): the whole chunks, and
-    with `tail` the trailing partial chunk (under its node's slot). `relink`: nodes whose slot held this request's
-    partial chunk and whose whole chunk this export writes (`PrefixKVStore.save`). `finished`: the request has ended
-    and its blocks are held for this export; the worker reports it in `finished_sending` once it has read them."""
+    with `tail` the trailing partial chunk (its sub-chunks and remainder). `finished`: the request has ended and its
+    blocks are held for this export; the worker reports it in `finished_sending` once it has read them."""
 
     req_id: str
     token_ids: list[int]
@@ -84,7 +83,6 @@ class ExportTask:
     block_ids: list[int]
     salt: str | None = None
     tail: bool = False
-    relink: tuple[int, ...] = ()
     finished: bool = False
 
 

@@ -247,8 +247,7 @@ class BridgeScheduler:
         one not yet in the store up to there is exported, and in the step that completes the prompt's prefill, the
         prompt's trailing partial chunk too (so a prompt of any length is found whole). On arrival the store is asked
         what it already holds (a prompt another request exported, or this engine's own prefix-cache hit exported
-        before), and those chunks are skipped. A whole chunk that completes the node of this request's earlier
-        partial chunk relinks that node's slot to it (`ExportTask.relink`)."""
+        before), and those chunks are skipped."""
         if self.exports is None:
             return []
         tasks = []
@@ -287,15 +286,12 @@ class BridgeScheduler:
         tail = tail and computed % size > 0 and computed > export.tail_end
         if done <= export.next_token and not tail:
             return None
-        relink = ()
-        if export.partial_node is not None and export.next_token // size <= export.partial_node < done // size:
-            relink, export.partial_node = (export.partial_node,), None
         end = computed if tail else done
         tokens = list(export.request.all_token_ids[:end])
-        task = ExportTask(req_id, tokens, export.next_token, end, list(export.block_ids), export.salt, tail, relink)
+        task = ExportTask(req_id, tokens, export.next_token, end, list(export.block_ids), export.salt, tail)
         export.next_token = done
         if tail:
-            export.partial_node, export.tail_end = done // size, computed
+            export.tail_end = computed
         return task
 
     def load(self, request: Request, start: int, claim: _Claim, block_ids, scheduled: dict[str, int]) -> BridgeLoad:
@@ -421,13 +417,11 @@ class _Claim:
 @dataclass
 class _Export:
     """An exported request: the request, its tenant salt, its block table (kept up to date from the scheduler's
-    output), the first token not yet in the store in whole chunks (`None` until its first step asks the store), the
-    end of the stored prefix with its partial chunk (`tail_end`), and the node of the partial chunk it wrote last
-    (`partial_node`, relinked once a whole chunk completes it)."""
+    output), the first token not yet in the store in whole chunks (`None` until its first step asks the store), and
+    the end of the stored prefix with its partial chunk (`tail_end`)."""
 
     request: Any
     salt: str | None
     block_ids: list[int] = field(default_factory=list)
     next_token: int | None = None
     tail_end: int = 0
-    partial_node: int | None = None

@@ -248,7 +248,7 @@ class BridgeWorker:
                     keys.append(k.transpose(0, 1).contiguous())  # (H, T, d)
                     values.append(v.transpose(0, 1).contiguous())
                 chunks = self.exports.save(
-                    task.token_ids, keys, values, start=task.start, salt=task.salt, tail=task.tail, relink=task.relink
+                    task.token_ids, keys, values, start=task.start, salt=task.salt, tail=task.tail
                 )
                 tokens = task.end - task.start
                 self.count(chunks_exported=chunks, partials_exported=int(task.tail), tokens_exported=tokens)
