@@ -33,7 +33,6 @@ from __future__ import annotations
 import torch
 
 from .errors import ConfigurationError, InvalidInputError, StatisticsError
-from .statistics.base import map_groups
 
 # 1e-6 … 1 in half decades: the search grid of `ridge_lambda="auto"` (relative λ, see the module docstring)
 LAMBDA_GRID: tuple[float, ...] = tuple(float(f"{10 ** (e / 2):.3g}") for e in range(-12, 1))
@@ -148,7 +147,7 @@ def _symmetrize_(z: torch.Tensor, block: int) -> torch.Tensor:
     return z
 
 
-def _rotate_(m: torch.Tensor, evecs: torch.Tensor, block: int) -> torch.Tensor:
+def rotate_(m: torch.Tensor, evecs: torch.Tensor, block: int) -> torch.Tensor:
     """`m ← Vᵀ m V` in place: column strips of `Vᵀ m` (each needs only that strip of `m`), then row strips of
     `(Vᵀ m) V`; only `(p, block)` strips besides `m` and `V`."""
     p = m.shape[0]
@@ -159,7 +158,7 @@ def _rotate_(m: torch.Tensor, evecs: torch.Tensor, block: int) -> torch.Tensor:
     return m
 
 
-def _block(p: int) -> int:
+def strip_rows(p: int) -> int:
     """Rows per strip of the in-place steps: a strip is at most 1/16 of a `p × p` matrix."""
     return max(1, min(p, max(64, p // 16)))
 
@@ -229,7 +228,7 @@ def heldout_r2_chunks(
     # Peak memory: three `p × p` float64 matrices (the eigendecomposition: eigenvectors written over the standardized
     # Gram block, plus LAPACK's `2·p²` workspace), with the held-out moments read only after it, rotated in place
     # (see `hf_kvbridge.budget.solve_bytes`)
-    block = _block(x_idx.numel())
+    block = strip_rows(x_idx.numel())
     mx, my, z, a, _ = _moments(train, x_idx, y_idx)
     root = _feature_scale(z).sqrt()  # (p,) D^½
     z.div_(root[:, None]).div_(root[None, :])  # (p, p) standardized Gram block Z = D^-½ C_xx D^-½, in place
@@ -245,7 +244,7 @@ def heldout_r2_chunks(
     # the held-out moments in the same rotated, standardized coordinates
     hmx, hmy, m, c, hvy = _moments(heldout, x_idx, y_idx)
     m.div_(root[:, None]).div_(root[None, :])
-    _rotate_(m, evecs, block)  # (p, p) M = Vᵀ D^-½ C_xx' D^-½ V, over the held-out Gram block
+    rotate_(m, evecs, block)  # (p, p) M = Vᵀ D^-½ C_xx' D^-½ V, over the held-out Gram block
     c = evecs.T @ c.div_(root[:, None])  # (p, q)
     shift = evecs.T @ ((hmx - mx) / root)  # (p,): held-out minus train input mean
     del evecs
@@ -408,10 +407,10 @@ def choose_ridge_lambdas(
         if kv_mode == "joint":
             paths = [
                 heldout_r2_path(train, heldout, x_idx, y_idx, head_dim, grid).mean(1)  # (Λ, 2)
-                for x_idx, y_idx in map_groups(train, layers, t, head_mode)
+                for x_idx, y_idx in train.map_groups(layers, t, head_mode)
             ]
         else:  # keys from keys, values from values: the key maps of every head group, then the value maps
-            maps = map_groups(train, layers, t, head_mode, "separate")
+            maps = train.map_groups(layers, t, head_mode, "separate")
             half = len(maps) // 2
             paths = [
                 torch.stack(
@@ -445,7 +444,7 @@ def effective_ridge_lambda(config) -> float | dict:
 def map_group_lambda(
     ridge_lambda, target_layer: int, group: int, head_mode: str, kv_mode: str, num_kv_heads: int, head_dim: int
 ):
-    """The λ of map `group` of target layer `target_layer` (in `statistics.map_groups` order) for `solve_ridge`;
+    """The λ of map `group` of target layer `target_layer` (in `heads.map_groups` order) for `solve_ridge`;
     `num_kv_heads` and `head_dim` are the target's.
 
     Joint maps take `group_lambda`'s per-column λ (K columns, V columns); a separate map (`kv_mode="separate"`:

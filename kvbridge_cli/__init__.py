@@ -1,8 +1,9 @@
 """The `kvbridge` command's light entry: parses and checks the arguments, then imports `hf_kvbridge` to run them.
 
 `kvbridge --help`, `kvbridge CMD --help` and argument mistakes are answered without importing torch or transformers
-(the parser is built from the settings' field definitions, read by `_light`); the command functions live in
-`hf_kvbridge.cli.main`, imported only when a command runs.
+(the parser is built from the settings' field definitions and the tools' defaults, read by `_light`); the command
+functions live in `hf_kvbridge.cli`, imported only when a command runs. The dependency goes one way: `hf_kvbridge`
+never imports this package.
 """
 
 from __future__ import annotations

@@ -6,12 +6,12 @@ import time
 import pytest
 import torch
 
-from hf_kvbridge.cli.main import main
 from hf_kvbridge.tools.bench import shapes
 from hf_kvbridge.tools.bench.flop_model import mapper_flops, prefill_flops
 from hf_kvbridge.tools.bench.mapper import benchmark
 from hf_kvbridge.tools.bench.shapes import random_bridge
 from hf_kvbridge.tools.bench.timing import peak_extra_bytes
+from kvbridge_cli import main
 from tests.conftest import qwen3
 
 
@@ -173,10 +173,8 @@ def test_bench_old_vs_new_times_each_path(monkeypatch):
 
 def test_bench_old_vs_new_refuses_interleave(capsys, monkeypatch):
     """`--old-vs-new --interleave` is refused by the argument checks, before any model is built, naming both."""
-    from hf_kvbridge.tools.bench import mapper as bench
-
     built = []
-    monkeypatch.setattr(bench, "random_bridge", lambda *a, **k: built.append(1))
+    monkeypatch.setattr(shapes, "random_bridge", lambda *a, **k: built.append(1))
     args = ["bench", "mapper", "--shapes", "qwen3-0.6b:qwen3-1.7b", "--old-vs-new", "--interleave"]
     with pytest.raises(SystemExit) as err:
         main(args)
@@ -301,13 +299,13 @@ def test_gpu_script_commands_parse_and_its_json_gathers_every_step(tmp_path):
 )
 def test_bench_names_a_bad_pair_of_shapes_and_the_known_ones(argv, expected, capsys, monkeypatch):
     """A malformed or unknown `--shapes` / `--pair` is refused with the known names, before any model is built."""
-    from hf_kvbridge.tools.bench import calibration, mapper
+    from hf_kvbridge.tools.bench import calibration
 
     def no_build(*args, **kwargs):
         raise AssertionError("a model was built for a bad pair")
 
     monkeypatch.setattr(calibration, "random_model", no_build)
-    monkeypatch.setattr(mapper, "random_bridge", no_build)
+    monkeypatch.setattr(shapes, "random_bridge", no_build)
     assert main(argv) != 0
     err = capsys.readouterr().err
     assert expected in err and "known: qwen3-0.6b, qwen3-1.7b" in err and "a model was built" not in err

@@ -28,10 +28,10 @@ from hf_kvbridge.calibration.checks import split_heldout
 from hf_kvbridge.calibration.data_pass import collect_statistics
 from hf_kvbridge.calibration.dense_fit import fit_bridge
 from hf_kvbridge.data import token_windows
+from hf_kvbridge.heads import map_groups
 from hf_kvbridge.mappers import KVMapper
 from hf_kvbridge.selection import select_layers
 from hf_kvbridge.solve import solve_ridge
-from hf_kvbridge.statistics.base import map_groups
 from hf_kvbridge.statistics.blocks import BlockStatistics
 from hf_kvbridge.statistics.dense import KVStatistics
 from hf_kvbridge.statistics.selection import SelectionStatistics

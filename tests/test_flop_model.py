@@ -11,9 +11,8 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from hf_kvbridge.cli import main
+from hf_kvbridge.heads import map_groups
 from hf_kvbridge.solve import LAMBDA_GRID, heldout_r2_chunks
-from hf_kvbridge.statistics.base import map_groups
 from hf_kvbridge.statistics.blocks import BlockStatistics
 from hf_kvbridge.statistics.selection import SelectionStatistics
 from hf_kvbridge.tools.bench.flop_model import (
@@ -30,6 +29,7 @@ from hf_kvbridge.tools.bench.flop_model import (
 )
 from hf_kvbridge.tools.bench.mapper import benchmark
 from hf_kvbridge.tools.bench.shapes import CHECKPOINT_SHAPES, random_bridge, shape_config
+from kvbridge_cli import main
 from tests.conftest import qwen3
 
 TINY_SHAPES = {"tiny-s": (32, 4, 2, 1, 4, 64, 128, True), "tiny-t": (48, 3, 2, 1, 4, 96, 128, False)}

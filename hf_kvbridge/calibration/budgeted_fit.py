@@ -24,8 +24,8 @@ from ..statistics.rows import RowStatistics
 from ..statistics.selection import SelectionStatistics
 from .checks import allowed_blocks, check_tokens, features_per_layer, pair_heads
 from .data_pass import clock, collect_statistics, distributed_rank
-from .dense_fit import assemble_bridge
-from .residual import fit_residual_map, residual_collection, with_residual_map
+from .dense_fit import assemble_bridge, with_residual_map
+from .residual import fit_residual_map, residual_collection
 
 logger = logging.getLogger(__name__)
 

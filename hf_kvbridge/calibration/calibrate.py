@@ -24,7 +24,8 @@ from ..budget import (
 from ..constants import DEFAULT_CALIBRATION_DATA
 from ..data import describe_data, token_windows
 from ..errors import StatisticsMemoryError
-from ..layout import check_models, hidden_layout, hidden_size, same_head_sources
+from ..heads import same_head_sources
+from ..layout import check_models, hidden_layout, hidden_size
 from ..loading import model_reference, resolve_model_reference
 from ..mappers import get_mapper_type
 from ..modeling import KVBridgeForCausalLM
@@ -36,9 +37,9 @@ from ..version import __version__
 from .budgeted_fit import fit_bridge_in_passes
 from .checks import check_tokens, features_per_layer, shared_tokenizer, split_heldout
 from .data_pass import collect_statistics
-from .dense_fit import fit_bridge
+from .dense_fit import fit_bridge, with_residual_map
 from .refit import refit
-from .residual import fit_residual_map, normalize_recompute_layers, residual_collection, with_residual_map
+from .residual import fit_residual_map, normalize_recompute_layers, residual_collection
 
 logger = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
-from ..cache import cache_rows, forward_rows
+from ..content_rows import cache_rows, forward_rows
 from ..errors import ConfigurationError
 from ..layout import check_matched
 from ..source_features import SourceFeatures, source_blocks
@@ -196,7 +196,7 @@ def collect_statistics(
 
 
 def _source_rows(source, batch, device, features: SourceFeatures | None):
-    """The source's statistics rows of `batch` (`cache.forward_rows`, K/V blocks) followed by its hidden-state
+    """The source's statistics rows of `batch` (`content_rows.forward_rows`, K/V blocks) followed by its hidden-state
     feature blocks when `features` (`(B·T, features.num_blocks·W)`), and its `output_hidden_states`."""
     x, hidden = forward_rows(source, batch, device, hidden=True)
     if features is not None:

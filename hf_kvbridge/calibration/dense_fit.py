@@ -3,6 +3,7 @@ assembled from a fitted mapper."""
 
 from __future__ import annotations
 
+import copy
 import logging
 
 from transformers import PreTrainedModel
@@ -116,3 +117,15 @@ def assemble_bridge(
     bridge = KVBridgeForCausalLM(config, source, target, mapper)
     bridge.layer_r2 = r2  # the full single-layer R² matrix, for diagnostics and plots
     return bridge
+
+
+def with_residual_map(bridge: KVBridgeForCausalLM, fitted: tuple) -> KVBridgeForCausalLM:
+    """`bridge` with the residual map `fitted` (`fit_residual_map`'s `(mapper, summary)`), recorded in its config
+    (`residual_map`)."""
+    mapper, summary = fitted
+    config = copy.deepcopy(bridge.config)
+    config.residual_map = summary
+    logger.info(
+        "residual maps for recompute_layers %s: held-out R² %s", summary["recompute_layers"], summary["heldout_r2"]
+    )
+    return bridge.with_residual_mapper(mapper, config)

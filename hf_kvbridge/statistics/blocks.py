@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ..errors import StatisticsError
-from ..layout import HeadLayouts, target_heads_of
+from ..heads import HeadLayouts, target_heads_of
 from .base import CentredSums, GlobalLayerIndex, chan_merge, chunk_rows
 
 logger = logging.getLogger(__name__)

@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ..errors import StatisticsError
-from ..layout import HeadLayouts, target_heads_of
+from ..heads import HeadLayouts, target_heads_of
 from .base import GlobalLayerIndex, centred_residual_sums, chan_merge
 
 logger = logging.getLogger(__name__)

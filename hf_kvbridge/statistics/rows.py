@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import StatisticsError
-from ..layout import HeadLayouts
+from ..heads import HeadLayouts
 from .base import GlobalLayerIndex, head_index
 
 

@@ -18,25 +18,16 @@ the budget on the last tokens, half by the probe score).
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import nn
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from ..attention import decoder_layers
 from ..cache import cache_kwargs, output_cache
 from ..constants import RECOMPUTE_POLICIES
+from ..devices import decoder_layers
 from ..errors import ConfigurationError, InvalidInputError, KVLayoutError
 from ..rope import apply_rotary, rotary_cos_sin
-
-
-def recompute_count(fraction: float, length: int) -> int:
-    """How many of `length` context tokens a `fraction` recomputes (rounded up, so any fraction > 0 recomputes one)."""
-    if not 0.0 <= fraction <= 1.0:
-        raise ConfigurationError(f"recompute_fraction must lie in [0, 1], got {fraction}")
-    return min(length, math.ceil(fraction * length))
 
 
 @torch.no_grad()
@@ -187,3 +178,30 @@ def recompute_tokens(
                 context[b, :, columns[b, :k]] = fresh[b, :, :k]
             setattr(layer, name, context)
     return output_cache(out)
+
+
+def recompute_mapped(
+    target: nn.Module,
+    cache: DynamicCache,
+    ids: torch.Tensor,
+    mask: torch.Tensor,
+    pos: torch.Tensor,
+    first_mapped: int,
+    *,
+    count: int,
+    policy: str = "tail",
+    seed: int = 0,
+) -> int:
+    """Selective recompute of `count` of the mapped columns `[first_mapped, T)` of `cache` (chosen by `policy`; `seed`
+    for `"random"`) by `target`, in place; returns the most tokens a row recomputed.
+
+    `ids`, `mask`, `pos` (`(batch, T)` each) are the tokens, mask and positions of the cached columns."""
+    if count == 0:
+        return 0
+    mapped = mask.clone()
+    mapped[:, :first_mapped] = 0  # sink tokens are the target's own already
+    score = probe_scores(target, cache, ids, pos) if "probe" in policy else None
+    generator = torch.Generator().manual_seed(seed)
+    chosen = choose_tokens(policy, count, mapped, score=score, generator=generator)
+    recompute_tokens(target, cache, ids, mask, pos, chosen)
+    return int(chosen.sum(-1).max())

@@ -40,7 +40,6 @@ were mapped (`kv_transfer_params["kvbridge"]`) — a benchmark whose mappings fe
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -405,35 +404,51 @@ def _spawn(spec: dict[str, Any], folder: Path, name: str) -> dict[str, Any]:
     return json.loads(out_path.read_text())
 
 
-def run_cli(args: argparse.Namespace) -> int:
-    """`kvbridge bench vllm`: vLLM is imported here (in each engine's process), when the benchmark runs."""
-    lengths = list(args.lengths)
-    store = getattr(args, "store", None)
-    chunk_sizes = list(getattr(args, "chunk_sizes", None) or [None])
-    source_throughput = getattr(args, "source_throughput", False)
-    if source_throughput and store is None:
-        from hf_kvbridge.errors import InvalidInputError
+def run_benchmark(
+    *,
+    lengths: list[int],
+    bridge: str | None = None,
+    shapes: str | None = None,
+    pair: str = "pocket-s:pocket-l",
+    num_sequences: int = 64,
+    seq_len: int = 512,
+    top_k: int = 6,
+    repeats: int = 5,
+    requests: int = 8,
+    max_tokens: int = 32,
+    dtype: str = "bfloat16",
+    block_size: int | None = None,
+    kv_cache_gb: float = 1.0,
+    max_model_len: int | None = None,
+    store: str | None = None,
+    chunk_sizes: list[int] | None = None,
+    source_throughput: bool = False,
+) -> dict[str, Any]:
+    """The whole benchmark (what `kvbridge bench vllm` runs): the bridge (`bridge`, or random `shapes`, or the pocket
+    `pair` calibrated here), a local store if `store` is `"local"` / `"local-cluster"`, one target engine per chunk
+    size, and with `source_throughput` the source engine alone and exporting; each engine in a process of its own.
+    Returns the rows, the engines' settings and the machine."""
+    from hf_kvbridge.errors import InvalidInputError
 
+    chunk_sizes = list(chunk_sizes or [None])
+    if source_throughput and store is None:
         raise InvalidInputError("--source-throughput measures exports to a KV store: give --store (e.g. local)")
     with tempfile.TemporaryDirectory(prefix="kvbridge-vllm-bench-") as tmp:
-        if args.bridge:
-            bridge_dir, what = args.bridge, args.bridge
-        elif args.shapes:
-            bridge_dir = str(random_shapes_bridge(Path(tmp), args.shapes, args.top_k, max(40960, max(lengths) + 64)))
-            what = f"random weights, shapes {args.shapes}"
+        if bridge:
+            bridge_dir, what = bridge, bridge
+        elif shapes:
+            bridge_dir = str(random_shapes_bridge(Path(tmp), shapes, top_k, max(40960, max(lengths) + 64)))
+            what = f"random weights, shapes {shapes}"
         else:
-            source, target = args.pair.split(":")
-            bridge_dir = str(
-                calibrated_pocket_bridge(
-                    Path(tmp) / "bridge", source, target, args.num_sequences, args.seq_len, args.top_k
-                )
-            )
-            what = f"{args.pair}, calibrated on {args.num_sequences} x {args.seq_len} tokens, top-k {args.top_k}"
-        max_model_len = args.max_model_len or max(lengths) + max(args.max_tokens, 1) + 8
+            source, target = pair.split(":")
+            bridge_dir = str(calibrated_pocket_bridge(Path(tmp) / "bridge", source, target, num_sequences, seq_len,
+                                                      top_k))  # fmt: skip
+            what = f"{pair}, calibrated on {num_sequences} x {seq_len} tokens, top-k {top_k}"
+        max_model_len = max_model_len or max(lengths) + max(max_tokens, 1) + 8
         import torch
 
         on_cpu = not torch.cuda.is_available()
-        block_size = args.block_size or (32 if on_cpu else None)
+        block_size = block_size or (32 if on_cpu else None)
         server = None
         if store in ("local", "local-cluster"):
             from hf_kvbridge.integrations.kv_store import start_local_cluster, start_local_server
@@ -442,25 +457,22 @@ def run_cli(args: argparse.Namespace) -> int:
                 start_local_server(maxmemory="8gb") if store == "local" else start_local_cluster(3, maxmemory="3gb")
             )
             store = server.url
-        common = {"bridge_dir": bridge_dir, "lengths": lengths, "requests": args.requests,
-                  "max_tokens": args.max_tokens, "dtype": args.dtype, "block_size": block_size,
-                  "kv_cache_gb": args.kv_cache_gb, "max_model_len": max_model_len, "store": store}  # fmt: skip
+        common = {"bridge_dir": bridge_dir, "lengths": lengths, "requests": requests, "max_tokens": max_tokens,
+                  "dtype": dtype, "block_size": block_size, "kv_cache_gb": kv_cache_gb,
+                  "max_model_len": max_model_len, "store": store}  # fmt: skip
         try:
             runs = []
             for chunk_size in chunk_sizes if store else [None]:
-                name = f"target-chunk-{chunk_size or 'default'}"
-                runs.append(_spawn({"kind": "target", **common, "repeats": args.repeats, "chunk_size": chunk_size},
-                                   Path(tmp), name))  # fmt: skip
+                spec = {"kind": "target", **common, "repeats": repeats, "chunk_size": chunk_size}
+                runs.append(_spawn(spec, Path(tmp), f"target-chunk-{chunk_size or 'default'}"))
             result: dict[str, Any] = {"rows": [row for r in runs for row in r["rows"]], "engine": runs[0]["engine"]}
             if len(runs) > 1:
                 result["runs"] = runs
             if source_throughput:
-                source_rows = []
-                for name, store_url in (("source-alone", None), ("source-exporting", store)):
-                    out = _spawn({"kind": "source", **common, "store": store_url, "chunk_size": chunk_sizes[-1]},
-                                 Path(tmp), name)  # fmt: skip
-                    source_rows += out["rows"]
-                result["source_rows"] = source_rows
+                result["source_rows"] = []
+                for name, url in (("source-alone", None), ("source-exporting", store)):
+                    spec = {"kind": "source", **common, "store": url, "chunk_size": chunk_sizes[-1]}
+                    result["source_rows"] += _spawn(spec, Path(tmp), name)["rows"]
         finally:
             if server is not None:
                 server.stop()
@@ -468,17 +480,11 @@ def run_cli(args: argparse.Namespace) -> int:
 
     result.update(
         bridge=what,
-        settings=vars(args),
         machine={"platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
                  "vllm": vllm.__version__, "device": torch.cuda.get_device_name() if not on_cpu else "cpu",
-                 "threads": torch.get_num_threads(), "load_average": os.getloadavg()},
+                 "load_average": os.getloadavg()},
     )  # fmt: skip
-    text = json.dumps(result, indent=2)
-    if args.json:
-        Path(args.json).write_text(text + "\n")
-    else:
-        print(text)
-    return 0
+    return result
 
 
 if __name__ == "__main__":  # one engine of the benchmark (see _spawn)
