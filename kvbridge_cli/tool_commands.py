@@ -196,6 +196,12 @@ def add_bench(sub) -> None:
         "(default: the store's default)",
     )
     vllm.add_argument(
+        "--fetch-parts",
+        type=_lengths,
+        help="with --store: the runs a load from the store is fetched in, each mapped while the next arrives, one "
+        "engine each, e.g. 1,4 (1: fetch, then map; default 4)",
+    )
+    vllm.add_argument(
         "--source-throughput",
         action="store_true",
         help="with --store: also the source engine's throughput, alone and exporting (requests opted in and not)",

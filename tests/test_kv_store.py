@@ -620,6 +620,27 @@ def test_every_turn_of_a_growing_conversation_is_found_whole(store, model):
 
 
 @torch.no_grad()
+def test_iter_load_yields_runs_that_join_into_the_load_and_stops_at_a_missing_run(store, model):
+    ids = torch.randint(0, VOCAB, (1, 150), generator=torch.Generator().manual_seed(15))
+    prefix = PrefixKVStore(store, model_id=_model_id(model), chunk_size=16)
+    cache, _ = _prefill(model, ids)
+    save_cache(prefix, ids, cache)  # 9 whole chunks and a remainder of 6: 10 entries
+    found = prefix.lookup(ids)
+    runs = list(prefix.iter_load(ids, 150, stored=found, start=20, parts=4))
+    assert [(run.start, run.end) for run in runs] == [(20, 64), (64, 112), (112, 150)]  # 9 entries from token 20
+    assert all(run.seconds > 0 for run in runs)
+    keys, _ = prefix.load(ids, 150, stored=found)
+    for layer in range(2):  # the runs, joined, are the load from token 20 on: the model's own K/V
+        joined = torch.cat([run.keys[layer] for run in runs], dim=1)
+        assert torch.equal(joined, keys[layer][:, 20:]) and torch.equal(keys[layer], cache.layers[layer].keys[0])
+    store.delete_many([found.pieces[5][0]])  # evicted: the run that holds tokens [80, 96) fails, the first not
+    iterator = prefix.iter_load(ids, 150, stored=found, parts=3)  # runs of 4, 4 and 2 entries
+    assert next(iterator).end == 64
+    with pytest.raises(StoreMissError, match=r"tokens \[80, 96\)"):
+        next(iterator)
+
+
+@torch.no_grad()
 def test_a_longer_sequence_saves_only_its_new_chunks(store, model):
     ids = torch.randint(0, VOCAB, (1, 160), generator=torch.Generator().manual_seed(7))
     prefix = PrefixKVStore(store, model_id=_model_id(model), chunk_size=16)

@@ -46,7 +46,7 @@ from .keys import (
     sequence_keys,
 )
 from .local_server import LocalCluster, LocalServer, find_server_binary, start_local_cluster, start_local_server
-from .prefix import PrefixKVStore, StoredPrefix
+from .prefix import FetchedRun, PrefixKVStore, StoredPrefix
 from .redis_cluster import RedisClusterKVStore
 from .redis_store import CLUSTER_SCHEMES, STORE_SCHEMES, RedisKVStore, safe_url
 from .sizing import chunk_bytes
@@ -60,6 +60,7 @@ __all__ = [
     "STORE_SCHEMES",
     "AsyncWriter",
     "CLUSTER_SCHEMES",
+    "FetchedRun",
     "KVStore",
     "LocalCluster",
     "LocalServer",

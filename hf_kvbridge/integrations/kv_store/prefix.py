@@ -10,6 +10,10 @@ fetches a prefix's entries in one round trip and checks each before joining them
 from __future__ import annotations
 
 import logging
+import queue
+import threading
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,6 +43,19 @@ def _check_kv(keys: list[torch.Tensor], values: list[torch.Tensor], what: str) -
                 f"tokens, head_dim) with the {tokens} tokens of layer 0"
             )
     return tokens
+
+
+@dataclass(frozen=True)
+class FetchedRun:
+    """A run of a stored prefix, fetched and checked (`PrefixKVStore.iter_load`): the K/V of tokens `[start, end)`,
+    per layer CPU tensors `(kv_heads, end − start, head_dim)` in the stored dtype, and the seconds its fetch and checks
+    took (on the fetching thread)."""
+
+    start: int
+    end: int
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    seconds: float
 
 
 @dataclass(frozen=True)
@@ -281,6 +298,14 @@ class PrefixKVStore:
             `StoreFormatError`: an entry is not a valid chunk of this model at its position, or holds other tokens.
         """
         tokens = as_token_list(token_ids)
+        stored = self._stored(tokens, num_tokens, salt, stored)
+        _, _, keys, values = self._fetch(tokens, [p for p in stored.pieces if p[1] < num_tokens], 0, num_tokens)
+        return keys, values
+
+    def _stored(
+        self, tokens: list[int], num_tokens: int, salt: str | None, stored: StoredPrefix | None
+    ) -> StoredPrefix:
+        """`stored`, or what the store holds of `tokens` (asked only when `num_tokens` ends inside a chunk)."""
         size = self.chunk_size
         if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or not 0 < num_tokens <= len(tokens):
             raise InvalidInputError(
@@ -298,15 +323,70 @@ class PrefixKVStore:
                 f"the store holds {stored.tokens} tokens of this sequence of model {self.model_id!r}, not the "
                 f"{num_tokens} asked for; compute the rest"
             )
-        parts = [piece for piece in stored.pieces if piece[1] < num_tokens]  # (key, first token, end, bytes)
-        sizes = [piece[3] for piece in parts]
+        return stored
+
+    def iter_load(
+        self,
+        token_ids: Any,
+        num_tokens: int,
+        salt: str | None = None,
+        *,
+        stored: StoredPrefix | None = None,
+        start: int = 0,
+        parts: int = 4,
+    ) -> Iterator[FetchedRun]:
+        """The stored K/V of tokens `[start, num_tokens)`, in `parts` runs of entries fetched one after another on a
+        thread of their own: each run is yielded (a `FetchedRun`) as soon as it has arrived and been checked, while the
+        next one is being fetched, so the caller maps one run while the next arrives. Raises what `load` raises, at
+        the run it concerns.
+
+        Example:
+
+        ```python
+        >>> for run in prefix.iter_load(ids, n, stored=found, parts=4):  # doctest: +SKIP
+        ...     mapped = map_tokens(run.start, run.end, run.keys, run.values)
+        ```
+        """
+        tokens = as_token_list(token_ids)
+        stored = self._stored(tokens, num_tokens, salt, stored)
+        if not 0 <= start < num_tokens:
+            raise InvalidInputError(f"start must be in [0, {num_tokens}), got {start!r}")
+        pieces = [p for p in stored.pieces if p[1] < num_tokens and p[2] > start]
+        runs, per_run = [], -(-len(pieces) // max(1, min(parts, len(pieces))))
+        for i in range(0, len(pieces), per_run):
+            runs.append(pieces[i : i + per_run])
+        results: queue.Queue = queue.Queue()
+
+        def fetch_runs() -> None:
+            for run in runs:
+                began = time.perf_counter()
+                try:
+                    lo, hi, keys, values = self._fetch(tokens, run, max(start, run[0][1]), min(num_tokens, run[-1][2]))
+                except BaseException as err:  # handed to the caller, at this run
+                    results.put(err)
+                    return
+                results.put(FetchedRun(lo, hi, keys, values, time.perf_counter() - began))
+
+        threading.Thread(target=fetch_runs, name="kvbridge-store-fetch", daemon=True).start()
+        for _ in runs:
+            item = results.get()
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+
+    def _fetch(
+        self, tokens: list[int], pieces: list[tuple[str, int, int, int]], start: int, end: int
+    ) -> tuple[int, int, list[torch.Tensor], list[torch.Tensor]]:
+        """`(start, end, keys, values)`: the stored K/V of tokens `[start, end)`, from `pieces` (which cover them), in
+        one round trip, each entry checked."""
+        sizes = [piece[3] for piece in pieces]
         payloads = self.store.get_many(
-            [piece[0] for piece in parts], expected_bytes=sum(sizes) if all(sizes) else None
+            [piece[0] for piece in pieces], expected_bytes=sum(sizes) if all(sizes) else None
         )
         layer_keys: list[list[torch.Tensor]] = []
         layer_values: list[list[torch.Tensor]] = []
-        for (_, lo, hi, _), payload in zip(parts, payloads, strict=True):
-            hi = min(hi, num_tokens)
+        for (_, lo, hi, _), payload in zip(pieces, payloads, strict=True):
+            hi = min(hi, end)
             if payload is None:
                 raise StoreMissError(
                     f"the chunk of tokens [{lo}, {hi}) of the stored prefix of model {self.model_id!r} is no longer "
@@ -316,8 +396,9 @@ class PrefixKVStore:
                 chunk_k, chunk_v = decode_chunk(payload, model_id=self.model_id, start=lo, token_ids=tokens[lo:hi])
             except StoreFormatError as err:
                 raise StoreFormatError(f"chunk of tokens [{lo}, {hi}): {err}") from None
-            chunk_k = [k[:, : hi - lo] for k in chunk_k]  # (H, hi - lo, d): the part this load needs
-            chunk_v = [v[:, : hi - lo] for v in chunk_v]
+            first = max(start, lo) - lo
+            chunk_k = [k[:, first : hi - lo] for k in chunk_k]  # (H, hi - max(start, lo), d): the part needed
+            chunk_v = [v[:, first : hi - lo] for v in chunk_v]
             if not layer_keys:
                 layer_keys = [[k] for k in chunk_k]
                 layer_values = [[v] for v in chunk_v]
@@ -333,9 +414,9 @@ class PrefixKVStore:
             for ks, vs, k, v in zip(layer_keys, layer_values, chunk_k, chunk_v, strict=True):
                 ks.append(k)
                 vs.append(v)
-        keys_out = [torch.cat(ks, dim=1) for ks in layer_keys]  # per layer (H, num_tokens, d)
+        keys_out = [torch.cat(ks, dim=1) for ks in layer_keys]  # per layer (H, end - start, d)
         values_out = [torch.cat(vs, dim=1) for vs in layer_values]
-        return keys_out, values_out
+        return start, end, keys_out, values_out
 
 
 def _leading(sizes: list[int]) -> int:

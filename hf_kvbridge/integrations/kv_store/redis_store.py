@@ -224,9 +224,11 @@ class RedisStoreBase(KVStore):
         except errors.ResponseError as err:  # the server answered (an error reply): it is up
             raise self._error(what, err, node) from err
         except (errors.RedisError, OSError) as err:
-            if isinstance(err, errors.TimeoutError):
-                self.metrics.add(timeouts=1)
             self.health.failed(node)
+            if isinstance(err, errors.TimeoutError | TimeoutError):  # the socket's timeout came first: the same miss
+                self.metrics.add(timeouts=1)
+                wait = self.bulk_timeout if deadline is None else deadline  # calls without one use the bulk client
+                raise self._error(what, DeadlineExceeded(f"no answer within {wait * 1000:.0f} ms"), node) from err
             raise self._error(what, err, node) from err
         self.health.succeeded(node)
         return result

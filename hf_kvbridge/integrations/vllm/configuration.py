@@ -37,6 +37,8 @@ class ConnectorSettings:
         store_ttl_s: lifetime of exported chunks in the store (`None`: until the server evicts them).
         store_timeout_ms: the deadline of each store lookup (vLLM's scheduler waits at most this long; a dead or hung
             store is then a miss), and of connecting.
+        store_fetch_parts: a load whose mapped tokens all come from the store is fetched in this many runs, each
+            mapped and written while the next is fetched (`1`: fetch all, then map).
         on_miss: what a mapping engine does when the store holds too little of a prompt: `"prefill"` (the cold path:
             the worker's source model prefills) or `"target"` (the target computes the prompt itself).
         source_weights: whether a mapping engine's worker loads the source model (`False`: store only, no source
@@ -52,6 +54,7 @@ class ConnectorSettings:
     chunk_size: int | None = None
     store_ttl_s: float | None = None
     store_timeout_ms: float = 50.0
+    store_fetch_parts: int = 4
     on_miss: str = "prefill"
     source_weights: bool = True
 
@@ -109,6 +112,9 @@ def connector_settings(extra: dict[str, Any]) -> ConnectorSettings:
     ttl = extra.get("store_ttl_s")
     if ttl is not None and (isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or ttl <= 0):
         raise ServingConfigError(f"kv_connector_extra_config['store_ttl_s'] must be a positive number, not {ttl!r}")
+    parts = extra.get("store_fetch_parts", 4)
+    if isinstance(parts, bool) or not isinstance(parts, int) or parts < 1:
+        raise ServingConfigError(f"kv_connector_extra_config['store_fetch_parts'] must be an int ≥ 1, not {parts!r}")
     timeout = extra.get("store_timeout_ms", 50.0)
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout <= 60_000:
         raise ServingConfigError(
@@ -146,6 +152,7 @@ def connector_settings(extra: dict[str, Any]) -> ConnectorSettings:
         chunk_size=chunk_size,
         store_ttl_s=None if ttl is None else float(ttl),
         store_timeout_ms=float(timeout),
+        store_fetch_parts=parts,
         on_miss=on_miss,
         source_weights=source_weights,
     )
@@ -163,6 +170,7 @@ def kv_transfer_config(
     chunk_size: int | None = None,
     store_ttl_s: float | None = None,
     store_timeout_ms: float | None = None,
+    store_fetch_parts: int | None = None,
     revision: str | None = None,
 ) -> dict[str, Any]:
     """The `kv_transfer_config` dict for `vllm.LLM(...)` (or, as JSON, `vllm serve --kv-transfer-config`).
@@ -185,6 +193,8 @@ def kv_transfer_config(
             same.
         store_ttl_s: lifetime of exported chunks (default: until the server evicts them).
         store_timeout_ms: the deadline of each store lookup in vLLM's scheduler (default 50 ms).
+        store_fetch_parts: runs a load from the store is fetched in, each mapped while the next arrives (default 4;
+            1: fetch, then map).
         revision: revision of a Hub bridge.
 
     Example:
@@ -203,6 +213,7 @@ def kv_transfer_config(
         "chunk_size": chunk_size,
         "store_ttl_s": store_ttl_s,
         "store_timeout_ms": store_timeout_ms,
+        "store_fetch_parts": store_fetch_parts,
         "revision": revision,
     }
     extra.update({key: value for key, value in optional.items() if value is not None})

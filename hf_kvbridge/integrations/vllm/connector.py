@@ -118,6 +118,7 @@ class KVBridgeConnector(KVConnectorBase_V1):
                 store=import_store,
                 exports=export_store,
                 source_weights=settings.source_weights,
+                fetch_parts=settings.store_fetch_parts,
             )
         logger.info(
             "KVBridgeConnector: role %s (serves the bridge's %s), store %s, requests %s",

@@ -134,7 +134,15 @@ def prompt_pool(
     return pool
 
 
-STAGES = ("lookup_seconds", "fetch_seconds", "prefill_seconds", "map_seconds", "write_seconds")
+STAGES = (
+    "lookup_seconds",
+    "fetch_seconds",
+    "fetch_wait_seconds",
+    "prefill_seconds",
+    "map_seconds",
+    "write_seconds",
+    "load_seconds",
+)
 
 
 def _engine(model: str, kv_transfer_config, *, dtype, block_size, kv_cache_gb, max_model_len, max_num_seqs):
@@ -197,6 +205,7 @@ def run(
     max_model_len: int,
     store: str | None = None,
     chunk_size: int | None = None,
+    fetch_parts: int | None = None,
     log=print,
 ) -> dict[str, Any]:
     """The target engine's rows: `target` and `bridge` per length, and with a store `warm` and `warm_whole`."""
@@ -208,7 +217,8 @@ def run(
 
     target = kvb.target_model(bridge_dir)
     chunk_size = chunk_size or DEFAULT_CHUNK_SIZE
-    store_options = {} if store is None else {"store": store, "chunk_size": chunk_size, "store_timeout_ms": 1000}
+    store_options = {} if store is None else {"store": store, "chunk_size": chunk_size, "store_timeout_ms": 1000,
+                                              "store_fetch_parts": fetch_parts}  # fmt: skip
     llm, engine = _engine(
         target, kvb.kv_transfer_config(bridge_dir, **store_options), dtype=dtype, block_size=block_size,
         kv_cache_gb=kv_cache_gb, max_model_len=max_model_len, max_num_seqs=requests,
@@ -259,6 +269,7 @@ def run(
                 )
                 row.update(
                     chunk_size=chunk_size,
+                    fetch_parts=fetch_parts,
                     store_tokens=statistics.mean(s.get("store_tokens", 0) for s in statuses),
                     keys_per_prompt=keys_per_prompt.get(mode, {}).get(length, 0.0),
                     round_trips_per_request=(delta["store_round_trips"] + now["round_trips"] - fetched["round_trips"])
@@ -422,11 +433,13 @@ def run_benchmark(
     max_model_len: int | None = None,
     store: str | None = None,
     chunk_sizes: list[int] | None = None,
+    fetch_parts: list[int] | None = None,
     source_throughput: bool = False,
 ) -> dict[str, Any]:
     """The whole benchmark (what `kvbridge bench vllm` runs): the bridge (`bridge`, or random `shapes`, or the pocket
     `pair` calibrated here), a local store if `store` is `"local"` / `"local-cluster"`, one target engine per chunk
-    size, and with `source_throughput` the source engine alone and exporting; each engine in a process of its own.
+    size (and per number of fetch runs, `fetch_parts`), and with `source_throughput` the source engine alone and
+    exporting; each engine in a process of its own.
     Returns the rows, the engines' settings and the machine."""
     from hf_kvbridge.errors import InvalidInputError
 
@@ -463,8 +476,10 @@ def run_benchmark(
         try:
             runs = []
             for chunk_size in chunk_sizes if store else [None]:
-                spec = {"kind": "target", **common, "repeats": repeats, "chunk_size": chunk_size}
-                runs.append(_spawn(spec, Path(tmp), f"target-chunk-{chunk_size or 'default'}"))
+                for parts in fetch_parts or [None]:
+                    spec = {"kind": "target", **common, "repeats": repeats, "chunk_size": chunk_size,
+                            "fetch_parts": parts}  # fmt: skip
+                    runs.append(_spawn(spec, Path(tmp), f"target-chunk-{chunk_size or 'default'}-parts-{parts}"))
             result: dict[str, Any] = {"rows": [row for r in runs for row in r["rows"]], "engine": runs[0]["engine"]}
             if len(runs) > 1:
                 result["runs"] = runs
