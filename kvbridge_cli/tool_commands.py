@@ -186,8 +186,25 @@ def add_bench(sub) -> None:
     vllm.add_argument("--lengths", type=_lengths, default=[512, 1024, 2000], help="prompt lengths in tokens")
     vllm.add_argument(
         "--store",
-        help="a KV store URL (or 'local': start a redis-server here) to time the warm path too: prompts whose "
-        "source KV are in the store, mapped with no source prefill",
+        help="a KV store URL (or 'local': start a redis-server here; 'local-cluster': a 3-master cluster) to time "
+        "the warm path too: prompts whose source KV are in the store, mapped with no source prefill",
+    )
+    vllm.add_argument(
+        "--chunk-sizes",
+        type=_lengths,
+        help="with --store: the store chunk sizes to time the warm path at, one engine each, e.g. 16,64,256 "
+        "(default: the store's default)",
+    )
+    vllm.add_argument(
+        "--fetch-parts",
+        type=_lengths,
+        help="with --store: the runs a load from the store is fetched in, each mapped while the next arrives, one "
+        "engine each, e.g. 1,4 (1: fetch, then map; default 4)",
+    )
+    vllm.add_argument(
+        "--source-throughput",
+        action="store_true",
+        help="with --store: also the source engine's throughput, alone and exporting (requests opted in and not)",
     )
     vllm.add_argument("--repeats", type=_positive_int, default=5, help="TTFT samples per length and mode")
     vllm.add_argument("--requests", type=_positive_int, default=8, help="requests per throughput batch")

@@ -197,64 +197,16 @@ def bench_calibration(args: argparse.Namespace) -> int:
 
 
 def bench_vllm(args: argparse.Namespace) -> int:
-    """`kvbridge bench vllm`: vLLM is imported here, when the benchmark runs."""
-    import platform
-    import tempfile
+    """`kvbridge bench vllm`: vLLM is imported here (in each engine's process), when the benchmark runs."""
     from pathlib import Path
 
-    from ..tools.bench.vllm import calibrated_pocket_bridge, random_shapes_bridge, run
+    from ..tools.bench.vllm import run_benchmark
 
-    lengths = list(args.lengths)
-    with tempfile.TemporaryDirectory(prefix="kvbridge-vllm-bench-") as tmp:
-        if args.bridge:
-            bridge_dir, what = args.bridge, args.bridge
-        elif args.shapes:
-            bridge_dir = str(random_shapes_bridge(Path(tmp), args.shapes, args.top_k, max(40960, max(lengths) + 64)))
-            what = f"random weights, shapes {args.shapes}"
-        else:
-            source, target = args.pair.split(":")
-            bridge_dir = str(
-                calibrated_pocket_bridge(
-                    Path(tmp) / "bridge", source, target, args.num_sequences, args.seq_len, args.top_k
-                )
-            )
-            what = f"{args.pair}, calibrated on {args.num_sequences} x {args.seq_len} tokens, top-k {args.top_k}"
-        max_model_len = args.max_model_len or max(lengths) + max(args.max_tokens, 1) + 8
-        import torch
-
-        on_cpu = not torch.cuda.is_available()
-        block_size = args.block_size or (32 if on_cpu else None)
-        server = None
-        store = getattr(args, "store", None)
-        if store == "local":
-            from ..integrations.kv_store import start_local_server
-
-            server = start_local_server(maxmemory="8gb")
-            store = server.url
-        try:
-            result = run(
-                bridge_dir,
-                lengths,
-                repeats=args.repeats,
-                requests=args.requests,
-                max_tokens=args.max_tokens,
-                dtype=args.dtype,
-                block_size=block_size,
-                kv_cache_gb=args.kv_cache_gb,
-                max_model_len=max_model_len,
-                store=store,
-            )
-        finally:
-            if server is not None:
-                server.stop()
-    import vllm
-
-    result.update(
-        bridge=what,
-        settings=vars(args),
-        machine={"platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
-                 "vllm": vllm.__version__, "device": torch.cuda.get_device_name() if not on_cpu else "cpu"},
-    )  # fmt: skip
+    names = ("lengths", "bridge", "shapes", "pair", "num_sequences", "seq_len", "top_k", "repeats", "requests",
+             "max_tokens", "dtype", "block_size", "kv_cache_gb", "max_model_len", "store", "chunk_sizes",
+             "fetch_parts", "source_throughput")  # fmt: skip
+    result = run_benchmark(**{name: getattr(args, name) for name in names if getattr(args, name, None) is not None})
+    result["settings"] = vars(args)
     text = json.dumps(result, indent=2)
     if args.json:
         Path(args.json).write_text(text + "\n")

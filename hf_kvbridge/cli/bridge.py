@@ -218,7 +218,7 @@ def store(args: argparse.Namespace) -> int:
     from ..integrations.kv_store import open_store, start_local_server
 
     if args.store == "stats":
-        store = open_store(args.url, socket_timeout=args.socket_timeout)
+        store = open_store(args.url, timeout=args.socket_timeout, bulk_timeout=args.socket_timeout)
         try:
             print(json.dumps(store.stats(), indent=2))
         finally:
