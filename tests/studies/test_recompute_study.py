@@ -9,7 +9,7 @@ from transformers import AutoTokenizer
 import hf_kvbridge
 from hf_kvbridge import pocket
 from hf_kvbridge.tools.evaluation import heldout_windows
-from hf_kvbridge.transfer import prefill as transfer
+from hf_kvbridge.transfer import token_recompute
 from studies.recompute_study import compare_policies, paired_t, recompute_variant, window_nll
 
 SEEDS = (0, 1)  # two draws keep the test to five evaluations (measured values below)
@@ -46,8 +46,8 @@ def test_probe_score_ranks_tokens_by_the_damage_of_their_mapped_kv(hard_pair, mo
     assert result["retention"] > sum(random) / len(random), result  # no worse than a random choice on average
 
     top = torch.tensor(result["window_nll"])  # (N,): the probe's own choice, its highest scores
-    original = transfer.probe_scores
-    monkeypatch.setattr(transfer, "probe_scores", lambda *args, **kwargs: -original(*args, **kwargs))
+    original = token_recompute.probe_scores
+    monkeypatch.setattr(token_recompute, "probe_scores", lambda *args, **kwargs: -original(*args, **kwargs))
     bottom, _ = window_nll(recompute_variant(bridge, "probe", 0.1), windows, 192)  # (N,): the lowest scores
     delta = bottom - top  # (N,) nats per token, positive = the top-scored tokens were worth recomputing
     margin = float(delta.mean()) / result["context_benefit_nats"]  # in context-benefit retention
