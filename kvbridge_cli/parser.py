@@ -110,7 +110,6 @@ def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -
             _subcommand(parser, *names).error(problem)
 
 
-COMMANDS = ("calibrate", "generate", "chat", "eval", "push", "inspect", "bench", "tune", "serve", "demo", "store")
 NESTED = ("bench", "store")  # commands whose subcommands take the options
 
 

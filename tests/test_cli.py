@@ -209,3 +209,11 @@ def test_mapper_options_are_keywords_of_their_mapper_type():
     assert {name: entry.kwargs for name, entry in MAPPER_REGISTRY.items()} == MAPPER_KWARGS
     for keyword in cli_options.MAPPER_OPTIONS:
         assert keyword in MAPPER_REGISTRY[cli_options.MAPPER_OF_KEYWORD[keyword]].kwargs
+
+
+def test_every_command_of_the_parser_has_its_function():
+    """The parser's subcommands and `kvbridge_cli.COMMANDS` (a command's module and function in `hf_kvbridge.cli`)
+    name the same commands."""
+    from kvbridge_cli import COMMANDS
+
+    assert set(build_parser()._subparsers._group_actions[0].choices) == set(COMMANDS)
