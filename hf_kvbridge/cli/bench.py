@@ -113,26 +113,26 @@ def bench_mapper(args: argparse.Namespace) -> int:
 def bench_calibration(args: argparse.Namespace) -> int:
     """`kvbridge bench calibration`: prints the result (and writes it with `--json`)."""
     from ..sizes import format_bytes
-    from ..tools.bench.calibration import flop_model_report, format_flop_table, memory_table, run
+    from ..tools.bench.calibration import CalibrationWorkload, flop_model_report, format_flop_table, memory_table, run
 
     if args.memory_model:
         print(memory_table())
         return 0
+    workload = CalibrationWorkload(
+        args.pair,
+        num_sequences=args.num_sequences,
+        seq_len=args.seq_len,
+        top_k=args.top_k,
+        head_mode=args.head_mode,
+        kv_mode=args.kv_mode,
+        statistics_memory=args.statistics_memory,
+        statistics_dtype=args.statistics_dtype,
+        dtype=args.dtype,
+        device=args.device,
+        vocab=args.vocab,
+    )
     if args.flop_model:
-        result = flop_model_report(
-            args.pair,
-            num_sequences=args.num_sequences,
-            seq_len=args.seq_len,
-            top_k=args.top_k,
-            head_mode=args.head_mode,
-            kv_mode=args.kv_mode,
-            statistics_memory=args.statistics_memory,
-            statistics_dtype=args.statistics_dtype,
-            dtype=args.dtype,
-            device=args.device,
-            vocab=args.vocab,
-            fit_passes=args.fit_passes,
-        )
+        result = flop_model_report(workload, fit_passes=args.fit_passes)
         print(
             f"{args.pair}, top-k {args.top_k}, {args.head_mode} / {args.kv_mode}, {result['tokens']:,} tokens, "
             f"fit passes of {result['fit_passes']} target layers, {result['flops']['maps']} maps"
@@ -148,21 +148,11 @@ def bench_calibration(args: argparse.Namespace) -> int:
                 json.dump(result, f, indent=2)
         return 0
     result = run(
-        args.pair,
-        num_sequences=args.num_sequences,
-        seq_len=args.seq_len,
+        workload,
         batch_size=args.batch_size,
         heldout_fraction=args.heldout_fraction,
-        top_k=args.top_k,
-        head_mode=args.head_mode,
-        kv_mode=args.kv_mode,
-        statistics_memory=args.statistics_memory,
-        statistics_dtype=args.statistics_dtype,
         statistics_device=args.statistics_device,
         matmul_precision=args.float32_matmul_precision,
-        dtype=args.dtype,
-        device=args.device,
-        vocab=args.vocab,
         layers=args.layers,
         progress=args.progress,
     )

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import resource
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 
 import torch
 from transformers import Qwen3Config
@@ -138,62 +138,77 @@ def scale_to_depth(timings: dict, measured: tuple, full: tuple, seq_len: int) ->
     }
 
 
+@dataclass(frozen=True)
+class CalibrationWorkload:
+    """What a benchmarked calibration computes on: random-weight models of the checkpoint shapes `pair`
+    (`"SOURCE:TARGET"`, keys of `shapes.CHECKPOINT_SHAPES`) in `dtype` on `device`, `num_sequences` random windows of
+    `seq_len` tokens, a map of `top_k` source layers per target layer in `head_mode` / `kv_mode`, and statistics in
+    `statistics_dtype` within `statistics_memory` (`"8GB"`). `dtype` and `statistics_dtype` are torch dtype names;
+    `vocab` overrides the shapes' vocabulary. `kvbridge bench calibration` builds it from its options (and their
+    defaults); `run` measures it, `flop_model_report` counts it."""
+
+    pair: str
+    num_sequences: int
+    seq_len: int
+    top_k: int
+    head_mode: str
+    kv_mode: str
+    statistics_memory: str
+    statistics_dtype: str
+    dtype: str
+    device: str
+    vocab: int | None = None
+
+    def shapes(self, layers: tuple[int | None, int | None] = (None, None)) -> tuple[Qwen3Config, Qwen3Config]:
+        """The source's and the target's configs (their first `layers` layers only, where given)."""
+        names = shape_pair(self.pair, "--pair", CHECKPOINT_SHAPES)
+        return tuple(shape_config(name, self.vocab, count) for name, count in zip(names, layers))
+
+
 def run(
-    pair: str,
+    workload: CalibrationWorkload,
     *,
-    num_sequences: int,
-    seq_len: int,
     batch_size: int,
     heldout_fraction: float,
-    top_k: int,
-    head_mode: str,
-    kv_mode: str,
-    statistics_memory: str,
-    statistics_dtype: str,
-    dtype: str,
-    device: str,
     statistics_device: str | None = None,
     matmul_precision: str | None = None,
-    vocab: int | None = None,
     layers: str | None = None,
     progress: bool = False,
 ) -> dict:
-    """Calibrates random-weight models of the checkpoint shapes `pair` (`"SOURCE:TARGET"`, `shapes.CHECKPOINT_SHAPES`)
-    on random token windows within `statistics_memory`, and returns what it measured: the time of each stage, tokens
-    per second, statistics bytes, peak RSS, the projection to the paper's calibration set (`project`), and with
-    `layers` (`"S:T"`, the first layers only) each stage scaled to the whole pair (`scale_to_depth`). `dtype` and
-    `statistics_dtype` are torch dtype names; `matmul_precision` (`"highest"`, `"high"`, `"medium"`: the float32
-    matmul precision) is set for the run. `kvbridge bench calibration` passes its options (and their defaults) here.
+    """Calibrates `workload` on random token windows and returns what it measured: the time of each stage, tokens per
+    second, statistics bytes, peak RSS, the projection to the paper's calibration set (`project`), and with `layers`
+    (`"S:T"`, the first layers only) each stage scaled to the whole pair (`scale_to_depth`). `matmul_precision`
+    (`"highest"`, `"high"`, `"medium"`: the float32 matmul precision) is set for the run.
 
     Example:
 
     ```python
-    >>> result = run("qwen3-0.6b:qwen3-1.7b", num_sequences=8, seq_len=256, batch_size=2, heldout_fraction=0.125,
-    ...              top_k=6, head_mode="same_head", kv_mode="joint", statistics_memory="8GB",
-    ...              statistics_dtype="float32", dtype="bfloat16", device="cpu", layers="2:2")  # doctest: +SKIP
+    >>> workload = CalibrationWorkload("qwen3-0.6b:qwen3-1.7b", num_sequences=8, seq_len=256, top_k=6,
+    ...                                head_mode="same_head", kv_mode="joint", statistics_memory="8GB",
+    ...                                statistics_dtype="float32", dtype="bfloat16", device="cpu")
+    >>> result = run(workload, batch_size=2, heldout_fraction=0.125, layers="2:2")  # doctest: +SKIP
     >>> result["tokens_per_second"]  # doctest: +SKIP
     ```
     """
-    statistics_dtype_name, dtype_name = statistics_dtype, dtype
-    source_name, target_name = shape_pair(pair, "--pair", CHECKPOINT_SHAPES)
-    dtype = getattr(torch, dtype_name)
-    statistics_dtype = getattr(torch, statistics_dtype_name)
-    budget = parse_bytes(statistics_memory)
-    full = shape_config(source_name, vocab), shape_config(target_name, vocab)
+    w = workload
+    source_name, target_name = shape_pair(w.pair, "--pair", CHECKPOINT_SHAPES)
+    dtype, statistics_dtype = getattr(torch, w.dtype), getattr(torch, w.statistics_dtype)
+    budget = parse_bytes(w.statistics_memory)
+    full = w.shapes()
     counts = layer_counts(layers, *full) if layers else (None, None)
-    source_config, target_config = (shape_config(n, vocab, k) for n, k in zip((source_name, target_name), counts))
+    source_config, target_config = w.shapes(counts)
     ls, lt = source_config.num_hidden_layers, target_config.num_hidden_layers
     heads, dim = source_config.num_key_value_heads, source_config.head_dim
     row = heads * 2 * dim
-    modes = (head_mode, kv_mode)
+    modes = (w.head_mode, w.kv_mode)
     # refuses before any work, the models' build included
-    mode = check_budget(budget, ls, lt, heads, dim, top_k, statistics_dtype, *modes)
+    mode = check_budget(budget, ls, lt, heads, dim, w.top_k, statistics_dtype, *modes)
     started = time.perf_counter()
-    source = random_model(source_name, dtype, device, vocab, counts[0])
-    target = random_model(target_name, dtype, device, vocab, counts[1])
+    source = random_model(source_name, dtype, w.device, w.vocab, counts[0])
+    target = random_model(target_name, dtype, w.device, w.vocab, counts[1])
     build_s = time.perf_counter() - started
     groups = len(feature_groups(heads, dim, *modes))  # the shapes here are matched pairs
-    windows = torch.randint(0, source.config.vocab_size, (num_sequences, seq_len),
+    windows = torch.randint(0, source.config.vocab_size, (w.num_sequences, w.seq_len),
                             generator=torch.Generator().manual_seed(0))  # fmt: skip
     _, heldout = split_heldout(len(windows), heldout_fraction, 0)
     timings: dict = {}
@@ -206,9 +221,9 @@ def run(
             windows,
             heldout,
             statistics_memory=budget,
-            top_k=top_k,
-            head_mode=head_mode,
-            kv_mode=kv_mode,
+            top_k=w.top_k,
+            head_mode=w.head_mode,
+            kv_mode=w.kv_mode,
             statistics_dtype=statistics_dtype,
             batch_size=batch_size,
             statistics_device=statistics_device,
@@ -225,21 +240,21 @@ def run(
         passes = plan_passes(selected, row, budget, statistics_dtype, groups)
         pass_bytes = [
             fit_bytes(len(set().union(*(selected[t] for t in group))), len(group), row, statistics_dtype, groups,
-                      top_k, top_k)
+                      w.top_k, w.top_k)
             for group in passes
         ]  # fmt: skip
     one_pass_forward = timings["forward_seconds"] / (1 + len(passes))
     tokens = int(windows.numel())
-    cores = 1 if device == "cuda" else torch.get_num_threads()  # per CPU core on CPU; the whole GPU on CUDA
+    cores = 1 if w.device == "cuda" else torch.get_num_threads()  # per CPU core on CPU; the whole GPU on CUDA
     result = {
-        "pair": pair,
+        "pair": w.pair,
         "mode_if_calibrate": mode,
         "tokens": tokens,
-        "head_mode": head_mode,
-        "kv_mode": kv_mode,
-        "top_k": top_k,
+        "head_mode": w.head_mode,
+        "kv_mode": w.kv_mode,
+        "top_k": w.top_k,
         "statistics_memory": budget,
-        "statistics_dtype": statistics_dtype_name,
+        "statistics_dtype": w.statistics_dtype,
         "float32_matmul_precision": precision or torch.get_float32_matmul_precision(),
         "cpu_bf16_units": bf16_matmul_units("cpu"),
         "heldout_r2_mean": _mean_r2(bridge.config.heldout_r2),
@@ -264,11 +279,11 @@ def run(
         "overhead_over_two_forward_passes": round(wall / one_pass_forward, 2),
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
     }
-    if device == "cuda":
+    if w.device == "cuda":
         result["peak_cuda_bytes"] = torch.cuda.max_memory_allocated()
     result["projection"] = project(result, timings, PAPER_TOKENS)
     if layers:  # the whole pair's stages, scaled from this run's first layers
-        scaled = scale_to_depth(timings, (source_config, target_config), full, seq_len)
+        scaled = scale_to_depth(timings, (source_config, target_config), full, w.seq_len)
         scaled["row_statistics"] = timings["row_statistics"]
         result["full_depth"] = {
             "source_layers": full[0].num_hidden_layers,
@@ -321,61 +336,47 @@ def project(result: dict, timings: dict, tokens: int) -> dict:
     }
 
 
-def flop_model_report(
-    pair: str,
-    *,
-    num_sequences: int,
-    seq_len: int,
-    top_k: int,
-    head_mode: str,
-    kv_mode: str,
-    statistics_memory: str,
-    statistics_dtype: str,
-    dtype: str,
-    device: str,
-    vocab: int | None = None,
-    fit_passes: int | None = None,
-) -> dict:
-    """`kvbridge bench calibration --flop-model`: the FLOPs of each stage of calibrating `pair`
-    (`tools.bench.flop_model`) and their time at the rates probed on `device` (products in `dtype`) and at the H100
-    SXM's (datasheet peaks × assumed efficiencies). The fit passes are `fit_passes` (target layers split evenly), or
-    planned within `statistics_memory` with the target layers of a pass sharing their `k` source layers, as
+def flop_model_report(workload: CalibrationWorkload, *, fit_passes: int | None = None) -> dict:
+    """`kvbridge bench calibration --flop-model`: the FLOPs of each stage of calibrating `workload`
+    (`tools.bench.flop_model`) and their time at the rates probed on its device (products in its dtype) and at the
+    H100 SXM's (datasheet peaks × assumed efficiencies). The fit passes are `fit_passes` (target layers split evenly),
+    or planned within the statistics' memory with the target layers of a pass sharing their `k` source layers, as
     neighbouring layers mostly do (the fewest passes; the statistics' FLOPs are counted at both ends of the union all
     the same)."""
-    source_name, target_name = shape_pair(pair, "--pair", CHECKPOINT_SHAPES)
-    source, target = shape_config(source_name, vocab), shape_config(target_name, vocab)
+    w = workload
+    source, target = w.shapes()
     heads, dim = source.num_key_value_heads, source.head_dim
     if (target.num_key_value_heads, target.head_dim) != (heads, dim):
-        raise InvalidInputError(f"--flop-model needs a pair with one KV layout; {pair} has two")
+        raise InvalidInputError(f"--flop-model needs a pair with one KV layout; {w.pair} has two")
     ls, lt, row = source.num_hidden_layers, target.num_hidden_layers, heads * 2 * dim
-    groups = len(feature_groups(heads, dim, head_mode, kv_mode))
-    budget = parse_bytes(statistics_memory)
-    statistics_dtype = getattr(torch, statistics_dtype)
+    groups = len(feature_groups(heads, dim, w.head_mode, w.kv_mode))
+    budget = parse_bytes(w.statistics_memory)
+    statistics_dtype = getattr(torch, w.statistics_dtype)
     if fit_passes:
         if fit_passes > lt:
             raise InvalidInputError(f"--fit-passes {fit_passes} is more than the target's {lt} layers")
         per_pass = -(-lt // fit_passes)
-    elif not (per_pass := targets_per_pass(ls, lt, row, statistics_dtype, groups, top_k, budget, shared=True)):
-        need = fit_bytes(top_k, 1, row, statistics_dtype, groups, top_k, top_k)
+    elif not (per_pass := targets_per_pass(ls, lt, row, statistics_dtype, groups, w.top_k, budget, shared=True)):
+        need = fit_bytes(w.top_k, 1, row, statistics_dtype, groups, w.top_k, w.top_k)
         raise InvalidInputError(
             f"one target layer needs {format_bytes(need)} but --statistics-memory is {format_bytes(budget)}"
         )
     sizes = tuple(min(per_pass, lt - start) for start in range(0, lt, per_pass))
-    shape = CalibrationShape(ls, lt, heads, dim, top_k, groups, num_sequences, seq_len, sizes)
+    shape = CalibrationShape(ls, lt, heads, dim, w.top_k, groups, w.num_sequences, w.seq_len, sizes)
     flops = calibration_flops(shape, source, target)
     devices = []
-    for rates in (probe_rates(device, getattr(torch, dtype)), H100_SXM):
+    for rates in (probe_rates(w.device, getattr(torch, w.dtype)), H100_SXM):
         seconds = project_seconds(flops, rates)
         devices.append({"rates": asdict(rates), "seconds": seconds,
                         "tokens_per_second": shape.tokens / seconds["total_high"]})  # fmt: skip
-    cores = torch.get_num_threads() if torch.device(device).type == "cpu" else None
+    cores = torch.get_num_threads() if torch.device(w.device).type == "cpu" else None
     if cores:
         devices[0]["tokens_per_second_per_core"] = devices[0]["tokens_per_second"] / cores
     return {
-        "pair": pair,
-        "top_k": top_k,
-        "head_mode": head_mode,
-        "kv_mode": kv_mode,
+        "pair": w.pair,
+        "top_k": w.top_k,
+        "head_mode": w.head_mode,
+        "kv_mode": w.kv_mode,
         "tokens": shape.tokens,
         "fit_passes": list(sizes),
         "statistics_memory": budget,
