@@ -215,6 +215,21 @@ def store(bridge_dir, prompts, cluster):
     return cluster
 
 
+_SOURCE = {}
+
+
+def _source_cache(ids):
+    """pocket-s's own cache of `ids` (float32), as a source engine computes and exports it."""
+    import torch
+
+    from hf_kvbridge.loading import load_model
+
+    if "model" not in _SOURCE:
+        _SOURCE["model"] = load_model("pocket/pocket-s", dtype=torch.float32)
+    with torch.no_grad():
+        return _SOURCE["model"](input_ids=torch.tensor([ids]), use_cache=True).past_key_values
+
+
 def _start(bridge_dir, name: str, model: str, options: list[str]) -> Server:
     import hf_kvbridge
 
@@ -340,7 +355,16 @@ def burst(server, prompts, store, source_model_id):
     }
     # the warm prompts through the cold path: another tenant's salt misses the store
     cold = {i: _ask(client, server.model, prompts[i], True, salt="another-tenant") for i in WARM}
-    dead, hung, placement = _masters_to_lose(store, prompts, source_model_id)
+    dead, hung, left = _masters_to_lose(store, prompts, source_model_id)
+    # the paths a warm prompt can take once the masters are gone, sent alone before: a store hit of what will be left
+    # (that prefix saved under a tenant salt of its own, mapped from it), beside the full hit and the cold path
+    partial = {}
+    with open_store(store.url, timeout=5.0) as opened:
+        prefix = PrefixKVStore(opened, model_id=source_model_id, chunk_size=DEFAULT_CHUNK_SIZE)
+        for i in WARM:
+            if 0 < left[i] < len(prompts[i]):
+                save_cache(prefix, prompts[i][: left[i]], _source_cache(prompts[i][: left[i]]), salt=f"left-{i}")
+                partial[i] = _ask(client, server.model, prompts[i], True, salt=f"left-{i}")
     before = {
         "rss": server.rss(),
         "preemptions": server.metric("vllm:num_preemptions_total"),
@@ -395,36 +419,40 @@ def burst(server, prompts, store, source_model_id):
     return {
         "reference": reference, "jobs": jobs, "results": results, "abort_results": abort_results,
         "before": before, "after": after, "final": final, "seconds": seconds, "cold": cold,
-        "second": second_results, "killed_at": killed_at, "live": f"127.0.0.1:{_other(store, dead, hung).port}",
-        "placement": placement,
+        "second": second_results, "killed_at": killed_at,
+        "left": left, "partial": partial,
     }  # fmt: skip
 
 
-def _other(cluster, *lost):
-    return next(m for m in cluster.masters if m not in lost)
-
-
 def _masters_to_lose(cluster, prompts, model_id):
-    """`(dead, hung, placement)`: the master that holds the first warm prompt's slot dies, another one hangs (the
-    next warm prompt's slot's, where that is a third); `placement` maps each warm prompt to the masters of its keys."""
+    """`(dead, hung, left)`: the master holding the first warm prompt's first key dies, another one hangs (one that
+    holds a key of another warm prompt, where there is one); `left[i]` is what the store will then hold of warm prompt
+    `i` (its entries, in order, up to the first on a lost master: the lookup's answer)."""
     from hf_kvbridge.integrations.kv_store import sequence_keys
 
     with open_store(cluster.url, timeout=5.0) as opened:
-        placement = {}
+        entries = {}  # warm prompt → [(key, end token)] of its sub-chunks and remainder (all shorter than a chunk)
         for i in WARM:
-            seq = sequence_keys(prompts[i], model_id=model_id, chunk_size=DEFAULT_CHUNK_SIZE)
-            slot = opened.get_many([seq.slot(0)])[0]
-            partial = json.loads(slot)["key"]
-            placement[i] = {opened.node_of(seq.slot(0)), opened.node_of(partial)}
-        first = opened.node_of(
-            sequence_keys(prompts[WARM[0]], model_id=model_id, chunk_size=DEFAULT_CHUNK_SIZE).slot(0)
-        )
+            tail = sequence_keys(prompts[i], model_id=model_id, chunk_size=DEFAULT_CHUNK_SIZE).tail(0, prompts[i])
+            ends = [(key, (j + 1) * tail.sub_size) for j, key in enumerate(tail.subs)]
+            rest = prompts[i][len(tail.subs) * tail.sub_size :]
+            if rest:
+                ends.append((tail.remainders(len(tail.subs), rest)[-1], len(prompts[i])))
+            entries[i] = [(opened.node_of(key), end) for key, end in ends]
     by_node = {f"127.0.0.1:{m.port}": m for m in cluster.masters}
-    dead = by_node[first]
-    others = [m for m in cluster.masters if m is not dead]
-    wanted = [n for i in WARM[1:] for n in placement[i] if by_node[n] is not dead]
-    hung = by_node[wanted[0]] if wanted else others[0]
-    return dead, hung, placement
+    dead = by_node[entries[WARM[0]][0][0]]
+    others = [by_node[node] for i in WARM[1:] for node, _ in entries[i] if by_node[node] is not dead]
+    hung = others[0] if others else next(m for m in cluster.masters if m is not dead)
+    lost = {f"127.0.0.1:{m.port}" for m in (dead, hung)}
+    left = {}
+    for i in WARM:
+        held = 0
+        for node, end in entries[i]:
+            if node in lost:
+                break
+            held = end
+        left[i] = held
+    return dead, hung, left
 
 
 # -- strict request parameters ----------------------------------------------------------------------------------
@@ -586,20 +614,20 @@ def test_burst_completes_and_outputs_equal_the_same_prompt_alone(burst, server):
 
 
 def _through(burst, i, outcome):
-    """What prompt `i` gives alone through the path its `outcome` names: the store (its reference, for a warm prompt),
-    the cold path (a warm prompt's cold reference; any other prompt's reference), or the target alone (a fetch that
-    failed when the store went away falls back)."""
+    """What prompt `i` gives alone through the path its `outcome` names: the store (the whole prompt: its reference;
+    the part left once masters were lost: that part's reference), the cold path (a warm prompt's cold reference; any
+    other prompt's reference), or the target alone (a fetch that failed when a master went away falls back)."""
     if outcome["status"] == "fallback":
         return burst["reference"][(i, None)][0]
     if outcome["status"] == "target":  # its own earlier blocks (mapped from the store) hold all the store has
         assert i in WARM and outcome["reason"] == "nothing to map beyond the prefix cache", outcome
         return burst["reference"][(i, True)][0]
     assert outcome["status"] == "mapped", outcome
-    length, source = LENGTHS[i], outcome["source"]
-    if source == "store":  # the whole prompt from the store (after its own prefix-cache hit, if it had one)
-        assert i in WARM and outcome["start"] + outcome["mapped_tokens"] == length - 1, outcome
-        return burst["reference"][(i, True)][0]
-    assert source == "prefill" and outcome["start"] + outcome["mapped_tokens"] == length - 1, outcome
+    length, source, end = LENGTHS[i], outcome["source"], outcome["start"] + outcome["mapped_tokens"]
+    if source == "store":  # the whole prompt (after its own prefix-cache hit, if it had one), or what was left of it
+        assert i in WARM and end in (length - 1, burst["left"][i]), outcome
+        return burst["reference"][(i, True)][0] if end == length - 1 else burst["partial"][i][0]
+    assert source == "prefill" and end == length - 1, outcome
     return burst["cold"][i][0] if i in WARM else burst["reference"][(i, True)][0]
 
 
@@ -610,17 +638,18 @@ def test_warm_prompts_map_from_the_store_and_fall_back_when_masters_go_away(burs
         assert outcome["mapped_tokens"] == outcome["store_tokens"] == LENGTHS[i] - 1, outcome
         assert cold["source"] == "prefill" and cold["store_tokens"] == 0, cold
     assert any(burst["reference"][(i, True)][0] != burst["cold"][i][0] for i in WARM)  # the paths can be told apart
-    # the wave sent after a master died and another hung: every request completed; a prompt whose keys are all on the
-    # live master still maps from the store, the others take the cold path (or the target, when a fetch failed)
+    assert burst["left"][WARM[0]] == 0  # its first entry's master died: a miss
+    # the wave sent after a master died and another hung: every request completed; each warm prompt maps what the
+    # live master holds of it (all of it, a part, or nothing: the cold path), or falls back when a fetch failed
     for i, result in zip(WARM, burst["second"]):
         assert result[0] == "ok", (result, server.tail())
         tokens, outcome = result[1]
-        if burst["placement"][i] == {burst["live"]}:
-            assert outcome["status"] == "mapped" and outcome["source"] == "store", outcome
-        else:
-            assert outcome["status"] == "fallback" or outcome["source"] == "prefill", outcome
+        left = burst["left"][i]
+        if outcome["status"] == "mapped" and outcome["source"] == "store":
+            assert left > 0 and outcome["start"] + outcome["mapped_tokens"] == min(left, LENGTHS[i] - 1), outcome
+        elif outcome["status"] == "mapped":
+            assert left == 0 and outcome["source"] == "prefill", outcome
         assert tokens == _through(burst, i, outcome)
-    assert "KV store lookup failed" in _log(server), server.tail()  # the first warm prompt's slot died
 
 
 def test_kv_pressure_made_vllm_preempt(burst):
