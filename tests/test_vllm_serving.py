@@ -274,6 +274,7 @@ def servers(bridge_dir, store):
         "--kv-cache-memory-bytes", str(KV_BYTES), "--max-num-seqs", "64", "--api-key", API_KEY,
         "--enable-log-requests", "--max-log-len", "0",  # logs each abort ("Aborted request(s) ID,...")
         "--store", store.url,  # the warm path; misses take the cold path
+        "--store-timeout-ms", "500",  # lookups on 2 busy cores: a hung master still costs only this, once a second
     ])  # fmt: skip
     source = _start(bridge_dir, "source", served_model(str(bridge_dir), "source"), [
         "--kv-cache-memory-bytes", str(8 << 20), "--max-num-seqs", "8", "--role", "source", "--store", store.url,
@@ -518,7 +519,7 @@ def test_prompts_served_by_the_source_engine_are_mapped_whole_by_the_target(serv
         deadline = time.monotonic() + 30
         while any(prefix.lookup(p).tokens < len(p) for p in whole) and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert [prefix.lookup(p).tokens for p in whole] == list(WHOLE), source.tail()
+        assert [prefix.lookup(p).tokens for p in whole] == list(WHOLE), (opened.stats(), source.tail())
     bridge = KVBridgeForCausalLM.from_pretrained(bridge_dir, dtype=torch.float32)
     for prompt in whole:
         code, headers, out = _completion(target, prompt, True, max_tokens=WHOLE_TOKENS, headers=KEY)
@@ -533,6 +534,39 @@ def test_prompts_served_by_the_source_engine_are_mapped_whole_by_the_target(serv
         want = bridge.generate(torch.tensor([prompt]), max_new_tokens=WHOLE_TOKENS, min_new_tokens=WHOLE_TOKENS,
                                do_sample=False)[0, n:].tolist()  # fmt: skip
         assert out["choices"][0]["token_ids"] == want, n
+
+
+def test_a_request_that_stops_early_exports_its_last_partial_chunk_in_the_next_step(source_server, tokenizer, store,
+                                                                                    bridge_dir):  # fmt: skip
+    """A request that ends before `max_tokens` (a stop token here; an end of sequence or an abort alike) exports the
+    conversation's last partial chunk in the engine's next step, from blocks vLLM keeps for it (the connector's
+    `request_finished` returns True) and frees once the worker has read them (`get_finished`)."""
+    ids = tokenizer("\n".join(pocket.load_texts("heldout")))["input_ids"][30_000:30_200]  # 200 tokens of its own
+    client = source_server.client()
+    tokens, _ = _ask(client, source_server.model, ids, True, max_tokens=8, salt="runs-on")  # its greedy reply
+    stop = tokens[3]
+    assert stop not in tokens[:3]
+    response = client.completions.create(
+        model=source_server.model, prompt=ids, max_tokens=8, temperature=0,
+        extra_body={"return_token_ids": True, "stop_token_ids": [stop], "cache_salt": "stops-early",
+                    "kv_transfer_params": {"kvbridge": True}},
+    )  # fmt: skip
+    out = list(response.choices[0].token_ids)
+    assert out == tokens[:4] and response.choices[0].finish_reason == "stop"  # ended at its 4th token, not the 8th
+    _, config, _ = read_bridge_config(str(bridge_dir))
+    with open_store(store.url, timeout=5.0) as opened:
+        prefix = PrefixKVStore(opened, model_id=store_identity(config, "source"), chunk_size=DEFAULT_CHUNK_SIZE)
+        conversation = ids + out[:3]  # K/V of the prompt and the 3 tokens fed back
+        deadline = time.monotonic() + 30
+        while (
+            prefix.lookup(conversation, salt="stops-early").tokens < len(conversation) and time.monotonic() < deadline
+        ):
+            time.sleep(0.2)
+        assert prefix.lookup(conversation, salt="stops-early").tokens == len(conversation) == 203
+    deadline = time.monotonic() + 30  # and the blocks held for it were freed
+    while source_server.metric("vllm:kv_cache_usage_perc") > 0 and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert source_server.metric("vllm:kv_cache_usage_perc") == 0, source_server.tail()
 
 
 def test_authentication_answers_first_in_each_order_of_failure(server, prompts):
