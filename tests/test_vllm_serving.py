@@ -673,7 +673,8 @@ def test_warm_prompts_map_from_the_store_and_fall_back_when_masters_go_away(burs
         assert outcome["source"] == "store" and outcome["prefill_tokens"] == 0, outcome
         assert outcome["start"] + outcome["mapped_tokens"] == outcome["store_tokens"] == LENGTHS[i] - 1, outcome
         assert cold["source"] == "prefill" and cold["store_tokens"] == 0, cold
-    assert any(burst["reference"][(i, True)][0] != burst["cold"][i][0] for i in WARM)  # the paths can be told apart
+    # (the store's K/V are the source's own: the two paths map the same K/V, and their outputs agree to numerics; that
+    # the store path is the library's is tested with the source server's exports above)
     assert burst["left"][WARM[0]] == 0  # its first entry's master died: a miss
     # the wave sent after a master died and another hung: every request completed; each warm prompt maps what the
     # live master holds of it (all of it, a part, or nothing: the cold path), or falls back when a fetch failed
