@@ -48,8 +48,8 @@ def _check_count(stats, p: int) -> None:
 
 
 def _floored(variance: torch.Tensor) -> torch.Tensor:
-    """Each feature's variance `(p,)`, floored so a constant feature still gets a ridge."""
-    return variance.clamp_min(1e-6 * variance.mean().clamp_min(torch.finfo(torch.float64).tiny))
+    """Each feature's variance `(..., p)`, floored (per map) so a constant feature still gets a ridge."""
+    return variance.clamp_min(1e-6 * variance.mean(-1, keepdim=True).clamp_min(torch.finfo(torch.float64).tiny))
 
 
 def _feature_scale(cxx: torch.Tensor) -> torch.Tensor:
@@ -126,10 +126,42 @@ def solve_ridge(
     return weight, bias
 
 
+def ridge_from_moments(
+    cxx: torch.Tensor, cxy: torch.Tensor, mx: torch.Tensor, my: torch.Tensor, ridge_lambda: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The centered ridge map from centred moments (covariances divided by the token count), for a batch of maps:
+    `W = (C_xx + λ·D)⁻¹ C_xy`, `b = ȳ − x̄ W`, with `D` each input's own variance (floored, `_floored`).
+
+    `solve_ridge` builds the same system in place for one map of statistics; this takes the moments themselves, with
+    any leading batch dimensions (the selection statistics' every source layer at once).
+
+    Args:
+        cxx (`torch.Tensor` of shape `(..., p, p)`), cxy (`(..., p, q)`), mx (`(..., p)`), my (`(..., q)`): float64.
+        ridge_lambda (`float`): the relative ridge strength (`0`: least squares).
+
+    Returns:
+        `(weight (..., p, q), bias (..., q))`.
+
+    Example:
+
+    ```python
+    >>> x = torch.randn(100, 3, dtype=torch.float64)
+    >>> y = x @ torch.tensor([[1.0], [2.0], [-1.0]], dtype=torch.float64) + 5
+    >>> xc, yc = x - x.mean(0), y - y.mean(0)
+    >>> w, b = ridge_from_moments(xc.T @ xc / 100, xc.T @ yc / 100, x.mean(0), y.mean(0), 0.0)
+    >>> [round(v, 6) for v in w.flatten().tolist()], round(float(b), 6)
+    ([1.0, 2.0, -1.0], 5.0)
+    ```
+    """
+    system = cxx + torch.diag_embed(ridge_lambda * _floored(torch.diagonal(cxx, dim1=-2, dim2=-1)))
+    weight = _ridge_weight(system, cxy)
+    return weight, my - (mx.unsqueeze(-2) @ weight).squeeze(-2)
+
+
 def _ridge_weight(system: torch.Tensor, cxy: torch.Tensor) -> torch.Tensor:
-    """`system⁻¹ cxy` for the ridge system `C_xx + λ·D` `(p, p)`; `system` is read, never written."""
+    """`system⁻¹ cxy` for the ridge system `C_xx + λ·D` `(..., p, p)`; `system` is read, never written."""
     chol, info = torch.linalg.cholesky_ex(system)
-    if info.item() == 0:  # two triangular solves, as `cholesky_solve` does, without the copy of the factor it makes
+    if not info.any():  # two triangular solves, as `cholesky_solve` does, without the copy of the factor it makes
         half = torch.linalg.solve_triangular(chol, cxy, upper=False)
         return torch.linalg.solve_triangular(chol.mT, half, upper=True)  # (p, q)
     del chol  # λ = 0 on rank-deficient inputs: minimum-norm least squares (`lstsq` copies `system` once)

@@ -11,7 +11,7 @@ from kvbridge_cli import main
 def commands(monkeypatch):
     """The command lines that reach `hf_kvbridge.cli.main.run` (stubbed: nothing is loaded or computed)."""
     reached = []
-    monkeypatch.setattr(hf_kvbridge.cli.main, "run", lambda args: reached.append(args) or 0)
+    monkeypatch.setattr(hf_kvbridge.cli.main, "run", lambda args, command: reached.append(args) or 0)
     return reached
 
 

@@ -504,3 +504,27 @@ def test_the_import_checker_sees_missing_modules_and_names(tmp_path):
     assert unresolved_imports(tmp_path / "tests" / "test_x.py", tmp_path) == [
         "1: from hf_kvbridge import Gone: hf_kvbridge has no Gone"
     ]
+
+
+SERVING = ("hf_kvbridge.modeling", "hf_kvbridge.transfer", "hf_kvbridge.integrations.vllm")
+FITTING = ("hf_kvbridge.calibration", "hf_kvbridge.statistics", "hf_kvbridge.selection", "hf_kvbridge.content_rows")
+
+
+def _reached(graph: dict[str, set[str]], roots) -> set[str]:
+    seen, todo = set(), list(roots)
+    while todo:
+        module = todo.pop()
+        if module not in seen:
+            seen.add(module)
+            todo += sorted(graph.get(module, ()))
+    return seen
+
+
+def test_serving_never_imports_fitting_code():
+    """The bridge class, the transfers and the vLLM integration reach no calibration, statistics, selection or
+    content-row code (the mapper's own ridge solve, `solve.py`, is all of fitting they carry)."""
+    graph = import_graph(*HOUSE)
+    roots = [m for m in graph if m.startswith(SERVING)]
+    assert sorted(m for m in _reached(graph, roots) if m.startswith(FITTING)) == []
+    planted = {"hf_kvbridge.modeling": {"hf_kvbridge.transfer.x"}, "hf_kvbridge.transfer.x": {"hf_kvbridge.selection"}}
+    assert "hf_kvbridge.selection" in _reached(planted, ["hf_kvbridge.modeling"])  # the walk follows chains

@@ -140,16 +140,37 @@ def test_cli_answers_help_and_mistakes_without_torch(tmp_path, args, status, nee
 
 def test_a_command_imports_only_its_own_module():
     """`kvbridge calibrate` loads the calibration command's module, not the benchmarks', lm-eval's or vLLM's
-    (`hf_kvbridge.cli.main.COMMANDS` names each command's module; `command` imports it when the command runs)."""
+    (`kvbridge_cli.COMMANDS` names each command's module; `command_function` imports it when the command runs)."""
     code = (
         "import sys\n"
-        "from hf_kvbridge.cli.main import COMMANDS, command\n"
-        "assert callable(command('calibrate'))\n"
+        "from kvbridge_cli import COMMANDS, command_function\n"
+        "assert callable(command_function('calibrate'))\n"
         "loaded = [m for m in ('hf_kvbridge.cli.bench', 'hf_kvbridge.cli.evaluate', 'hf_kvbridge.cli.tune',\n"
         "          'hf_kvbridge.integrations.vllm', 'lm_eval') if m in sys.modules]\n"
-        "assert all(callable(command(name)) for name in COMMANDS)\n"
+        "assert all(callable(command_function(name)) for name in COMMANDS)\n"
         "print(loaded)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "[]"
+
+
+def test_the_settings_validate_without_torch():
+    """`CalibrationSettings` validates every value, the memory budget and the mapper type's keywords included,
+    with the standard library alone (read as the light entry reads it), and refuses a bad one there."""
+    code = (
+        "import sys\n"
+        "from kvbridge_cli._light import core\n"
+        "settings = core('settings')\n"
+        "settings.CalibrationSettings(statistics_memory='1.5GB', mapper_type='low_rank', mapper_kwargs={'rank': 4})\n"
+        "try:\n"
+        "    settings.CalibrationSettings(mapper_type='mlp', mapper_kwargs={'rank': 4})\n"
+        "except ValueError as err:\n"
+        "    print('refused:', err)\n"
+        "print('torch' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    refused, torch_loaded = out.stdout.strip().splitlines()
+    assert "mapper_type 'mlp' takes mapper_kwargs" in refused and "not ['rank']" in refused
+    assert torch_loaded == "False"

@@ -112,7 +112,7 @@ def bench_mapper(args: argparse.Namespace) -> int:
 
 def bench_calibration(args: argparse.Namespace) -> int:
     """`kvbridge bench calibration`: prints the result (and writes it with `--json`)."""
-    from ..budget import format_bytes
+    from ..sizes import format_bytes
     from ..tools.bench.calibration import flop_model_report, format_flop_table, memory_table, run
 
     if args.memory_model:

@@ -1,16 +1,15 @@
-"""The `kvbridge` command: `calibrate`, `generate`, `chat`, `demo`, `eval`, ...
+"""How a `kvbridge` command runs: `run(args, command)` runs the command function of a command line that `kvbridge_cli`
+(the console script's light entry) has parsed and checked, with the command line's logging and errors.
 
-`run` runs a command line that `kvbridge_cli` (the console script's light entry) has parsed and checked: arguments
-are validated when they are parsed, before any model is loaded, and this package never imports `kvbridge_cli`. Any
-error a command meets is printed as one line (what is wrong, what to do) with exit status 1 (`--debug` shows the
-traceback instead); Ctrl-C exits with status 130 and one line. The command functions: `bridge` (calibrate, generate,
-chat, push, serve, store), `evaluate` (eval, inspect), `bench`, `tune`, `demo`.
+Arguments are validated when they are parsed, before any model is loaded, and this package never imports
+`kvbridge_cli`. Any error a command meets is printed as one line (what is wrong, what to do) with exit status 1
+(`--debug` shows the traceback instead); Ctrl-C exits with status 130 and one line. The command functions: `bridge`
+(calibrate, generate, chat, push, serve, store), `evaluate` (eval, inspect), `bench`, `tune`, `demo`.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import logging
 import sys
 from collections.abc import Callable
@@ -26,38 +25,16 @@ def _one_line(err: BaseException) -> str:
     return f"{type(err).__name__}: {message}"
 
 
-# command → `module:function` of this package; a command imports only its own module (and with it its tools), so
-# `kvbridge calibrate` never loads vLLM's, lm-eval's or the benchmarks' code
-COMMANDS = {
-    "calibrate": "bridge:calibrate",
-    "generate": "bridge:generate",
-    "chat": "bridge:chat",
-    "eval": "evaluate:evaluate",
-    "push": "bridge:push",
-    "inspect": "evaluate:inspect",
-    "bench": "bench:bench",
-    "tune": "tune:tune",
-    "serve": "bridge:serve",
-    "demo": "demo:demo",
-    "store": "bridge:store",
-}
-
-
-def command(name: str) -> Callable[[argparse.Namespace], int]:
-    """The function of command `name` (`COMMANDS`), its module imported now."""
-    module, function = COMMANDS[name].split(":")
-    return getattr(importlib.import_module(f"{__package__}.{module}"), function)
-
-
-def run(args: argparse.Namespace) -> int:
-    """Runs the command `args` (parsed and checked by `kvbridge_cli`) names; returns its exit status."""
+def run(args: argparse.Namespace, command: Callable[[argparse.Namespace], int]) -> int:
+    """Runs `command(args)`, the function of the command `args` (parsed and checked by `kvbridge_cli`) names; returns
+    its exit status."""
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(message)s")
     if not args.verbose:  # transformers' "Loading weights" bar on every model load says nothing to a user
         from transformers.utils import logging as transformers_logging
 
         transformers_logging.disable_progress_bar()
     try:
-        return command(args.command)(args)
+        return command(args)
     except KeyboardInterrupt:
         if args.debug:
             raise

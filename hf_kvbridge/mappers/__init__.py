@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Iterator, MutableMapping
 
-from ..errors import MapperError
+from ..errors import unknown_mapper_type
 from .base import KVMapper, MapperType
 
 # mapper_type → the module of this package that defines its `MAPPER`
@@ -67,10 +67,7 @@ MAPPER_TYPES = tuple(_TYPE_MODULES)
 def get_mapper_type(name: str) -> MapperType:
     """The registry entry of `mapper_type` `name`; a `MapperError` naming the known types otherwise."""
     if name not in MAPPER_REGISTRY:
-        raise MapperError(
-            f"unknown mapper_type {name!r}; this hf_kvbridge knows {', '.join(MAPPER_REGISTRY)}: use one of them, or "
-            "upgrade hf_kvbridge for a checkpoint saved by a newer version"
-        )
+        raise unknown_mapper_type(name, MAPPER_REGISTRY)
     return MAPPER_REGISTRY[name]
 
 

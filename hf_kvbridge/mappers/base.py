@@ -37,6 +37,9 @@ class MapperType:
         kv_modes (`tuple[str, ...]`): the `kv_mode`s it fits and maps (`CalibrationSettings` refuses the others
             before any work); every type so far supports both.
         description (`str`): one line for `--help` and the docs.
+        kwargs (`tuple[str, ...]`, *optional*): the `mapper_kwargs` its `fit` accepts (validated before any work);
+            defaults to `constants.MAPPER_KWARGS[name]`, where the shipped types name theirs so that the settings and
+            the command line read them without importing the mappers (none for a type of your own not named there).
     """
 
     name: str
@@ -45,12 +48,11 @@ class MapperType:
     linear: bool
     description: str = ""
     kv_modes: tuple[str, ...] = KV_MODES
+    kwargs: tuple[str, ...] | None = None
 
-    @property
-    def kwargs(self) -> tuple[str, ...]:
-        """The `mapper_kwargs` its `fit` accepts (validated before any work): `constants.MAPPER_KWARGS[name]`, named
-        there so that the settings and the command line read them without importing the mappers."""
-        return MAPPER_KWARGS[self.name]
+    def __post_init__(self):
+        if self.kwargs is None:  # the shipped types' keywords are named once, where the settings read them
+            object.__setattr__(self, "kwargs", MAPPER_KWARGS.get(self.name, ()))
 
 
 class LayerMap(nn.Module):

@@ -33,13 +33,24 @@ def centred_residual_sums(n, mx, my, cxx, cxy, vy, weight, bias) -> tuple[torch.
 
     Args:
         n (`int` or `float`): the token count. mx (`(p,)`), my (`(q,)`), cxx (`(p, p)`), cxy (`(p, q)`), vy (`(q,)`):
-            float64 moments. weight (`(p, q)`), bias (`(q,)`).
+            float64 moments. weight (`(p, q)`), bias (`(q,)`). Any leading batch dimensions broadcast (a batch of
+            maps).
     """
     w, b = weight.to(torch.float64), bias.to(torch.float64)
-    offset = my - mx @ w - b  # (q,)
-    explained = ((cxx @ w) * w).sum(0) - 2 * (cxy * w).sum(0)  # (q,)
+    offset = my - (mx.unsqueeze(-2) @ w).squeeze(-2) - b  # (..., q)
+    explained = ((cxx @ w) * w).sum(-2) - 2 * (cxy * w).sum(-2)  # (..., q)
     sse = n * (vy + explained + offset * offset)
     return sse, n * vy
+
+
+def has_rows(x: torch.Tensor, y: torch.Tensor, features: int, targets: int, what: str = "statistics") -> bool:
+    """Whether `x` `(N, F)` and `y` `(N, G)` hold any rows, after checking that they fit statistics of `features`
+    source and `targets` target features (a `StatisticsError` naming both shapes otherwise)."""
+    if x.shape[0] != y.shape[0] or x.shape[1] != features or y.shape[1] != targets:
+        raise StatisticsError(
+            f"rows of shape {tuple(x.shape)} / {tuple(y.shape)} do not fit {what} with F={features}, G={targets}"
+        )
+    return x.shape[0] > 0
 
 
 def head_index(row: int, head_dim: int, layers: list[int], heads, device) -> torch.Tensor:

@@ -17,11 +17,12 @@ from dataclasses import asdict
 import torch
 from transformers import Qwen3Config
 
-from ...budget import check_budget, fit_bytes, format_bytes, parse_bytes, plan_passes, selection_bytes
+from ...budget import check_budget, fit_bytes, plan_passes, selection_bytes
 from ...calibration.budgeted_fit import fit_bridge_in_passes
 from ...calibration.checks import split_heldout
 from ...errors import InvalidInputError
 from ...precision import bf16_matmul_units, float32_matmul_precision
+from ...sizes import format_bytes, parse_bytes
 from ...statistics.blocks import feature_groups
 from ...statistics.rows import RowStatistics
 from .flop_model import H100_SXM, CalibrationShape, calibration_flops, prefill_flops, probe_rates, project_seconds
