@@ -83,6 +83,7 @@ ABORT_AFTER = 2
 # prompts whose source KV are in the store before the server starts: shorter than a store chunk, so each is one
 # partial chunk and its node's slot, and a lost master makes it a hit, a miss or a failed fetch, never a shorter hit
 WARM = tuple(i for i, n in enumerate(LENGTHS) if n < DEFAULT_CHUNK_SIZE)[:4]
+COLD = 5  # a prompt not in the store, which the tests before the burst send: the warm ones stay untouched till then
 WHOLE = (64, 200, 480)  # served by the source engine, then mapped whole by the target
 SOURCE_TOKENS, WHOLE_TOKENS = 8, 16
 API_KEY = "kvbridge-test-key"
@@ -215,6 +216,21 @@ def store(bridge_dir, prompts, cluster):
     return cluster
 
 
+_SOURCE = {}
+
+
+def _source_cache(ids):
+    """pocket-s's own cache of `ids` (float32), as a source engine computes and exports it."""
+    import torch
+
+    from hf_kvbridge.loading import load_model
+
+    if "model" not in _SOURCE:
+        _SOURCE["model"] = load_model("pocket/pocket-s", dtype=torch.float32)
+    with torch.no_grad():
+        return _SOURCE["model"](input_ids=torch.tensor([ids]), use_cache=True).past_key_values
+
+
 def _start(bridge_dir, name: str, model: str, options: list[str]) -> Server:
     import hf_kvbridge
 
@@ -259,6 +275,7 @@ def servers(bridge_dir, store):
         "--kv-cache-memory-bytes", str(KV_BYTES), "--max-num-seqs", "64", "--api-key", API_KEY,
         "--enable-log-requests", "--max-log-len", "0",  # logs each abort ("Aborted request(s) ID,...")
         "--store", store.url,  # the warm path; misses take the cold path
+        "--store-timeout-ms", "500",  # lookups on 2 busy cores: a hung master still costs only this, once a second
     ])  # fmt: skip
     source = _start(bridge_dir, "source", served_model(str(bridge_dir), "source"), [
         "--kv-cache-memory-bytes", str(8 << 20), "--max-num-seqs", "8", "--role", "source", "--store", store.url,
@@ -340,7 +357,16 @@ def burst(server, prompts, store, source_model_id):
     }
     # the warm prompts through the cold path: another tenant's salt misses the store
     cold = {i: _ask(client, server.model, prompts[i], True, salt="another-tenant") for i in WARM}
-    dead, hung, placement = _masters_to_lose(store, prompts, source_model_id)
+    dead, hung, left = _masters_to_lose(store, prompts, source_model_id)
+    # the paths a warm prompt can take once the masters are gone, sent alone before: a store hit of what will be left
+    # (that prefix saved under a tenant salt of its own, mapped from it), beside the full hit and the cold path
+    partial = {}
+    with open_store(store.url, timeout=5.0) as opened:
+        prefix = PrefixKVStore(opened, model_id=source_model_id, chunk_size=DEFAULT_CHUNK_SIZE)
+        for i in WARM:
+            if 0 < left[i] < len(prompts[i]):
+                save_cache(prefix, prompts[i][: left[i]], _source_cache(prompts[i][: left[i]]), salt=f"left-{i}")
+                partial[i] = _ask(client, server.model, prompts[i], True, salt=f"left-{i}")
     before = {
         "rss": server.rss(),
         "preemptions": server.metric("vllm:num_preemptions_total"),
@@ -384,7 +410,7 @@ def burst(server, prompts, store, source_model_id):
         "running": server.metric("vllm:num_requests_running"),
         "waiting": server.metric("vllm:num_requests_waiting"),
     }
-    final = _outcome(_ask, client, server.model, prompts[3], True)
+    final = _outcome(_ask, client, server.model, prompts[COLD], True)
     after["rss"] = server.rss()
     print(
         f"\nburst of {len(jobs)} requests and {len(aborts)} client aborts: {seconds:.1f} s, "
@@ -395,36 +421,40 @@ def burst(server, prompts, store, source_model_id):
     return {
         "reference": reference, "jobs": jobs, "results": results, "abort_results": abort_results,
         "before": before, "after": after, "final": final, "seconds": seconds, "cold": cold,
-        "second": second_results, "killed_at": killed_at, "live": f"127.0.0.1:{_other(store, dead, hung).port}",
-        "placement": placement,
+        "second": second_results, "killed_at": killed_at,
+        "left": left, "partial": partial,
     }  # fmt: skip
 
 
-def _other(cluster, *lost):
-    return next(m for m in cluster.masters if m not in lost)
-
-
 def _masters_to_lose(cluster, prompts, model_id):
-    """`(dead, hung, placement)`: the master that holds the first warm prompt's slot dies, another one hangs (the
-    next warm prompt's slot's, where that is a third); `placement` maps each warm prompt to the masters of its keys."""
+    """`(dead, hung, left)`: the master holding the first warm prompt's first key dies, another one hangs (one that
+    holds a key of another warm prompt, where there is one); `left[i]` is what the store will then hold of warm prompt
+    `i` (its entries, in order, up to the first on a lost master: the lookup's answer)."""
     from hf_kvbridge.integrations.kv_store import sequence_keys
 
     with open_store(cluster.url, timeout=5.0) as opened:
-        placement = {}
+        entries = {}  # warm prompt → [(key, end token)] of its sub-chunks and remainder (all shorter than a chunk)
         for i in WARM:
-            seq = sequence_keys(prompts[i], model_id=model_id, chunk_size=DEFAULT_CHUNK_SIZE)
-            slot = opened.get_many([seq.slot(0)])[0]
-            partial = json.loads(slot)["key"]
-            placement[i] = {opened.node_of(seq.slot(0)), opened.node_of(partial)}
-        first = opened.node_of(
-            sequence_keys(prompts[WARM[0]], model_id=model_id, chunk_size=DEFAULT_CHUNK_SIZE).slot(0)
-        )
+            tail = sequence_keys(prompts[i], model_id=model_id, chunk_size=DEFAULT_CHUNK_SIZE).tail(0, prompts[i])
+            ends = [(key, (j + 1) * tail.sub_size) for j, key in enumerate(tail.subs)]
+            rest = prompts[i][len(tail.subs) * tail.sub_size :]
+            if rest:
+                ends.append((tail.remainders(len(tail.subs), rest)[-1], len(prompts[i])))
+            entries[i] = [(opened.node_of(key), end) for key, end in ends]
     by_node = {f"127.0.0.1:{m.port}": m for m in cluster.masters}
-    dead = by_node[first]
-    others = [m for m in cluster.masters if m is not dead]
-    wanted = [n for i in WARM[1:] for n in placement[i] if by_node[n] is not dead]
-    hung = by_node[wanted[0]] if wanted else others[0]
-    return dead, hung, placement
+    dead = by_node[entries[WARM[0]][0][0]]
+    others = [by_node[node] for i in WARM[1:] for node, _ in entries[i] if by_node[node] is not dead]
+    hung = others[0] if others else next(m for m in cluster.masters if m is not dead)
+    lost = {f"127.0.0.1:{m.port}" for m in (dead, hung)}
+    left = {}
+    for i in WARM:
+        held = 0
+        for node, end in entries[i]:
+            if node in lost:
+                break
+            held = end
+        left[i] = held
+    return dead, hung, left
 
 
 # -- strict request parameters ----------------------------------------------------------------------------------
@@ -448,8 +478,9 @@ def test_flag_that_is_not_a_boolean_is_answered_400_before_the_engine(server, pr
         assert error["message"].startswith(f"{FIELD} must be a boolean (JSON true / false) or absent, not "), error
     # the engine never saw them (its connector would have logged a refusal), and the same server maps a good one
     assert "is served unbridged" not in _log(server), server.tail()
-    tokens, outcome = _ask(client, server.model, prompts[1], True)  # not in the store: the cold path
-    assert outcome["status"] == "mapped" and outcome["start"] + outcome["mapped_tokens"] == len(prompts[1]) - 1
+    tokens, outcome = _ask(client, server.model, prompts[COLD], True)  # not in the store: the cold path
+    assert outcome["source"] == "prefill", outcome
+    assert outcome["status"] == "mapped" and outcome["start"] + outcome["mapped_tokens"] == len(prompts[COLD]) - 1
     assert len(tokens) == NEW_TOKENS
 
 
@@ -490,7 +521,7 @@ def test_prompts_served_by_the_source_engine_are_mapped_whole_by_the_target(serv
         deadline = time.monotonic() + 30
         while any(prefix.lookup(p).tokens < len(p) for p in whole) and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert [prefix.lookup(p).tokens for p in whole] == list(WHOLE), source.tail()
+        assert [prefix.lookup(p).tokens for p in whole] == list(WHOLE), (opened.stats(), source.tail())
     bridge = KVBridgeForCausalLM.from_pretrained(bridge_dir, dtype=torch.float32)
     for prompt in whole:
         code, headers, out = _completion(target, prompt, True, max_tokens=WHOLE_TOKENS, headers=KEY)
@@ -507,6 +538,39 @@ def test_prompts_served_by_the_source_engine_are_mapped_whole_by_the_target(serv
         assert out["choices"][0]["token_ids"] == want, n
 
 
+def test_a_request_that_stops_early_exports_its_last_partial_chunk_in_the_next_step(source_server, tokenizer, store,
+                                                                                    bridge_dir):  # fmt: skip
+    """A request that ends before `max_tokens` (a stop token here; an end of sequence or an abort alike) exports the
+    conversation's last partial chunk in the engine's next step, from blocks vLLM keeps for it (the connector's
+    `request_finished` returns True) and frees once the worker has read them (`get_finished`)."""
+    ids = tokenizer("\n".join(pocket.load_texts("heldout")))["input_ids"][30_000:30_200]  # 200 tokens of its own
+    client = source_server.client()
+    tokens, _ = _ask(client, source_server.model, ids, True, max_tokens=8, salt="runs-on")  # its greedy reply
+    stop = tokens[3]
+    assert stop not in tokens[:3]
+    response = client.completions.create(
+        model=source_server.model, prompt=ids, max_tokens=8, temperature=0,
+        extra_body={"return_token_ids": True, "stop_token_ids": [stop], "cache_salt": "stops-early",
+                    "kv_transfer_params": {"kvbridge": True}},
+    )  # fmt: skip
+    out = list(response.choices[0].token_ids)
+    assert out == tokens[:4] and response.choices[0].finish_reason == "stop"  # ended at its 4th token, not the 8th
+    _, config, _ = read_bridge_config(str(bridge_dir))
+    with open_store(store.url, timeout=5.0) as opened:
+        prefix = PrefixKVStore(opened, model_id=store_identity(config, "source"), chunk_size=DEFAULT_CHUNK_SIZE)
+        conversation = ids + out[:3]  # K/V of the prompt and the 3 tokens fed back
+        deadline = time.monotonic() + 30
+        while (
+            prefix.lookup(conversation, salt="stops-early").tokens < len(conversation) and time.monotonic() < deadline
+        ):
+            time.sleep(0.2)
+        assert prefix.lookup(conversation, salt="stops-early").tokens == len(conversation) == 203
+    deadline = time.monotonic() + 30  # and the blocks held for it were freed
+    while source_server.metric("vllm:kv_cache_usage_perc") > 0 and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert source_server.metric("vllm:kv_cache_usage_perc") == 0, source_server.tail()
+
+
 def test_authentication_answers_first_in_each_order_of_failure(server, prompts):
     bad = {"kvbridge": "yes"}
     conflict = {"x-vsr-kv-mapper-id": "bridge"}  # opts in, while the body says false
@@ -520,7 +584,7 @@ def test_authentication_answers_first_in_each_order_of_failure(server, prompts):
         (KEY, True, 200),
     ]
     for headers, flag, expected in cases:
-        code, _, out = _completion(server, prompts[1], flag, max_tokens=2, headers=headers)
+        code, _, out = _completion(server, prompts[COLD], flag, max_tokens=2, headers=headers)
         assert code == expected, (headers, flag, out)
         if expected == 401:
             assert out == {"error": "Unauthorized"}, out  # vLLM's own answer
@@ -533,29 +597,29 @@ def test_router_headers_opt_in_and_get_the_transfer_status(server, prompts):
     router = {**KEY, "x-vsr-kv-mapper-id": "bridge", "x-vsr-kv-cache-id": "sess-abc123",
               "x-vsr-kv-source-pod": "10.0.1.5:8000"}  # fmt: skip
     assert "mapper id 'bridge'" in _log(server)  # the bridge folder's name, logged at start-up
-    code, headers, out = _completion(server, prompts[1], headers=router)  # no body flag: the header opts in
+    code, headers, out = _completion(server, prompts[COLD], headers=router)  # no body flag: the header opts in
     status = _status(out)
     assert code == 200 and headers["x-vsr-kv-transfer-status"] == "applied", (headers, out)
     assert status["status"] == "mapped" and status["router"] == {
         "mapper_id": "bridge", "cache_id": "sess-abc123", "source_pod": "10.0.1.5:8000",
     }  # fmt: skip
     assert "router cache id sess-abc123, source pod 10.0.1.5:8000" in _log(server), server.tail()
-    _, _, plain = _completion(server, prompts[1], headers=KEY)
-    _, _, bridged = _completion(server, prompts[1], True, headers=KEY)
-    assert out["choices"][0]["token_ids"] == bridged["choices"][0]["token_ids"] != plain["choices"][0]["token_ids"]
+    _, _, plain = _completion(server, prompts[COLD], headers=KEY)
+    _, _, bridged = _completion(server, prompts[COLD], True, headers=KEY)
+    assert out["choices"][0]["token_ids"] == bridged["choices"][0]["token_ids"]  # the header opts in as the body does
     # another mapper: never a guess; served unbridged, the target's own tokens
-    code, headers, out = _completion(server, prompts[1], headers={**KEY, "x-vsr-kv-mapper-id": "qwen3-14b-32b-v1"})
+    code, headers, out = _completion(server, prompts[COLD], headers={**KEY, "x-vsr-kv-mapper-id": "qwen3-14b-32b-v1"})
     assert code == 200 and headers["x-vsr-kv-transfer-status"] == "unsupported" and _status(out) is None
     assert out["choices"][0]["token_ids"] == plain["choices"][0]["token_ids"]
     # nothing to map (a one-token prompt): the target prefilled
-    code, headers, out = _completion(server, prompts[1][:1], headers=router)
+    code, headers, out = _completion(server, prompts[COLD][:1], headers=router)
     assert headers["x-vsr-kv-transfer-status"] == "fallback_reprefill" and _status(out)["status"] == "target"
     # a request that did not opt in gets no header (absent: unsupported)
-    assert "x-vsr-kv-transfer-status" not in _completion(server, prompts[1], headers=KEY)[1]
+    assert "x-vsr-kv-transfer-status" not in _completion(server, prompts[COLD], headers=KEY)[1]
     # streamed: the headers leave before the engine decides; no status header, and the stream is whole
     request = urllib.request.Request(
         server.url + "/v1/completions", method="POST",
-        data=json.dumps({"model": server.model, "prompt": prompts[1], "max_tokens": 4, "stream": True}).encode(),
+        data=json.dumps({"model": server.model, "prompt": prompts[COLD], "max_tokens": 4, "stream": True}).encode(),
         headers={"Content-Type": "application/json", **router},
     )  # fmt: skip
     with urllib.request.urlopen(request, timeout=REQUEST_S) as response:
@@ -586,20 +650,20 @@ def test_burst_completes_and_outputs_equal_the_same_prompt_alone(burst, server):
 
 
 def _through(burst, i, outcome):
-    """What prompt `i` gives alone through the path its `outcome` names: the store (its reference, for a warm prompt),
-    the cold path (a warm prompt's cold reference; any other prompt's reference), or the target alone (a fetch that
-    failed when the store went away falls back)."""
+    """What prompt `i` gives alone through the path its `outcome` names: the store (the whole prompt: its reference;
+    the part left once masters were lost: that part's reference), the cold path (a warm prompt's cold reference; any
+    other prompt's reference), or the target alone (a fetch that failed when a master went away falls back)."""
     if outcome["status"] == "fallback":
         return burst["reference"][(i, None)][0]
     if outcome["status"] == "target":  # its own earlier blocks (mapped from the store) hold all the store has
         assert i in WARM and outcome["reason"] == "nothing to map beyond the prefix cache", outcome
         return burst["reference"][(i, True)][0]
     assert outcome["status"] == "mapped", outcome
-    length, source = LENGTHS[i], outcome["source"]
-    if source == "store":  # the whole prompt from the store (after its own prefix-cache hit, if it had one)
-        assert i in WARM and outcome["start"] + outcome["mapped_tokens"] == length - 1, outcome
-        return burst["reference"][(i, True)][0]
-    assert source == "prefill" and outcome["start"] + outcome["mapped_tokens"] == length - 1, outcome
+    length, source, end = LENGTHS[i], outcome["source"], outcome["start"] + outcome["mapped_tokens"]
+    if source == "store":  # the whole prompt (after its own prefix-cache hit, if it had one), or what was left of it
+        assert i in WARM and end in (length - 1, burst["left"][i]), outcome
+        return burst["reference"][(i, True)][0] if end == length - 1 else burst["partial"][i][0]
+    assert source == "prefill" and end == length - 1, outcome
     return burst["cold"][i][0] if i in WARM else burst["reference"][(i, True)][0]
 
 
@@ -607,20 +671,22 @@ def test_warm_prompts_map_from_the_store_and_fall_back_when_masters_go_away(burs
     for i in WARM:  # alone, with the cluster whole: the whole prompt from the store; another tenant's salt: a miss
         outcome, cold = burst["reference"][(i, True)][1], burst["cold"][i][1]
         assert outcome["source"] == "store" and outcome["prefill_tokens"] == 0, outcome
-        assert outcome["mapped_tokens"] == outcome["store_tokens"] == LENGTHS[i] - 1, outcome
+        assert outcome["start"] + outcome["mapped_tokens"] == outcome["store_tokens"] == LENGTHS[i] - 1, outcome
         assert cold["source"] == "prefill" and cold["store_tokens"] == 0, cold
-    assert any(burst["reference"][(i, True)][0] != burst["cold"][i][0] for i in WARM)  # the paths can be told apart
-    # the wave sent after a master died and another hung: every request completed; a prompt whose keys are all on the
-    # live master still maps from the store, the others take the cold path (or the target, when a fetch failed)
+    # (the store's K/V are the source's own: the two paths map the same K/V, and their outputs agree to numerics; that
+    # the store path is the library's is tested with the source server's exports above)
+    assert burst["left"][WARM[0]] == 0  # its first entry's master died: a miss
+    # the wave sent after a master died and another hung: every request completed; each warm prompt maps what the
+    # live master holds of it (all of it, a part, or nothing: the cold path), or falls back when a fetch failed
     for i, result in zip(WARM, burst["second"]):
         assert result[0] == "ok", (result, server.tail())
         tokens, outcome = result[1]
-        if burst["placement"][i] == {burst["live"]}:
-            assert outcome["status"] == "mapped" and outcome["source"] == "store", outcome
-        else:
-            assert outcome["status"] == "fallback" or outcome["source"] == "prefill", outcome
+        left = burst["left"][i]
+        if outcome["status"] == "mapped" and outcome["source"] == "store":
+            assert left > 0 and outcome["start"] + outcome["mapped_tokens"] == min(left, LENGTHS[i] - 1), outcome
+        elif outcome["status"] == "mapped":
+            assert left == 0 and outcome["source"] == "prefill", outcome
         assert tokens == _through(burst, i, outcome)
-    assert "KV store lookup failed" in _log(server), server.tail()  # the first warm prompt's slot died
 
 
 def test_kv_pressure_made_vllm_preempt(burst):
@@ -646,10 +712,9 @@ def test_client_aborts_mid_stream_end_cleanly(burst, server):
 
 def test_server_keeps_serving_after_the_burst(burst, server):
     assert burst["final"][0] == "ok", (burst["final"], server.tail())
-    tokens, outcome = burst["final"][1]  # the store is down now: the cold path
-    assert (
-        tokens == burst["reference"][(3, True)][0] and outcome["status"] == "mapped" and outcome["source"] == "prefill"
-    )
+    tokens, outcome = burst["final"][1]  # a prompt the store never held: the cold path
+    assert outcome["status"] == "mapped" and outcome["source"] == "prefill", outcome
+    assert tokens == _through(burst, COLD, outcome)
     assert server.health() == 200
     assert server.proc.poll() is None
 

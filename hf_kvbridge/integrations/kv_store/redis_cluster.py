@@ -36,6 +36,7 @@ from .redis_store import (
     CLUSTER_SCHEMES,
     DEFAULT_BULK_TIMEOUT_S,
     DEFAULT_COOLDOWN_S,
+    DEFAULT_FETCH_TIMEOUT_S,
     DEFAULT_MIN_FETCH_BANDWIDTH,
     DEFAULT_TIMEOUT_S,
     RedisStoreBase,
@@ -97,7 +98,7 @@ class RedisClusterKVStore(RedisStoreBase):
     Args:
         url (`str`): `redis-cluster://[user:password@]host:port[,host:port...]` (`rediss-cluster://` for TLS;
             `valkey-cluster://`, `valkeys-cluster://` alike): the nodes it asks for the cluster's layout.
-        ttl_s, timeout, bulk_timeout, min_fetch_bandwidth, cooldown_s: see `RedisStoreBase`.
+        ttl_s, timeout, bulk_timeout, min_fetch_bandwidth, cooldown_s, fetch_timeout: see `RedisStoreBase`.
         client_kwargs: passed to each node's `redis.Redis` client (`password`, `username`, `ssl_ca_certs`,
             `ssl_cert_reqs`, ...).
 
@@ -119,11 +120,13 @@ class RedisClusterKVStore(RedisStoreBase):
         bulk_timeout: float = DEFAULT_BULK_TIMEOUT_S,
         min_fetch_bandwidth: float = DEFAULT_MIN_FETCH_BANDWIDTH,
         cooldown_s: float = DEFAULT_COOLDOWN_S,
+        fetch_timeout: float = DEFAULT_FETCH_TIMEOUT_S,
         **client_kwargs: Any,
     ):
         startup, url_kwargs = parse_cluster_url(url)
         super().__init__(url, ttl_s=ttl_s, timeout=timeout, bulk_timeout=bulk_timeout,
-                         min_fetch_bandwidth=min_fetch_bandwidth, cooldown_s=cooldown_s)  # fmt: skip
+                         min_fetch_bandwidth=min_fetch_bandwidth, cooldown_s=cooldown_s,
+                         fetch_timeout=fetch_timeout)  # fmt: skip
         self._startup = startup
         self._node_kwargs = {**url_kwargs, **client_kwargs}
         try:  # checks the keywords now; connects nothing

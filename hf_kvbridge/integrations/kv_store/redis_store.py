@@ -9,9 +9,10 @@ URL (`redis://user:secret@host:6379/0`) or as keywords, `rediss://` for TLS with
 `ssl_certfile`, `ssl_keyfile`, `ssl_cert_reqs`) passed through.
 
 Every call has a deadline: lookups (`probe`, `exists_many`) `timeout` seconds (50 ms by default) of wall time, fetches
-(`get_many`) `timeout` plus the bytes to read at `min_fetch_bandwidth`; writes (on the writer thread) `bulk_timeout`
-of silence. A server that failed (refused, timed out) is skipped for `cooldown_s` seconds (`deadline.NodeHealth`).
-The client never retries: a failed call is a `StoreUnavailableError`, and the caller falls back.
+(`get_many`, in the worker) `fetch_timeout` (1 s) plus the bytes to read at `min_fetch_bandwidth`; writes (on the
+writer thread) `bulk_timeout` of silence. A server that failed (refused, timed out) is skipped for `cooldown_s` seconds
+(`deadline.NodeHealth`). The client never retries: a failed call is a `StoreUnavailableError`, and the caller falls
+back.
 """
 
 from __future__ import annotations
@@ -52,7 +53,11 @@ DEFAULT_BULK_TIMEOUT_S = 10.0
 """The longest silence of a write or a fetch before it fails (seconds; a fetch also has a wall-clock deadline)."""
 
 DEFAULT_MIN_FETCH_BANDWIDTH = 100e6
-"""Bytes a second a fetch must at least get: its deadline is `timeout + bytes / min_fetch_bandwidth`."""
+"""Bytes a second a fetch must at least get: its deadline is `fetch_timeout + bytes / min_fetch_bandwidth`."""
+
+DEFAULT_FETCH_TIMEOUT_S = 1.0
+"""The fixed part of a fetch's deadline (seconds): a fetch runs in vLLM's worker, where a busy server's first byte
+may take longer than the scheduler's lookup deadline allows, and a failed fetch costs a fallback."""
 
 DEFAULT_COOLDOWN_S = 1.0
 """Seconds a server (a node) that failed is skipped before it is asked again."""
@@ -130,6 +135,7 @@ class RedisStoreBase(KVStore):
         timeout (`float`, *optional*, defaults to `0.05`): the deadline of a lookup, and of connecting.
         bulk_timeout (`float`, *optional*, defaults to `10.0`): the longest silence of a write or a fetch.
         min_fetch_bandwidth (`float`, *optional*, defaults to `1e8`): bytes a second below which a fetch fails.
+        fetch_timeout (`float`, *optional*, defaults to `1.0`): the fixed part of a fetch's deadline.
         cooldown_s (`float`, *optional*, defaults to `1.0`): seconds a failed server is skipped.
     """
 
@@ -142,10 +148,11 @@ class RedisStoreBase(KVStore):
         bulk_timeout: float = DEFAULT_BULK_TIMEOUT_S,
         min_fetch_bandwidth: float = DEFAULT_MIN_FETCH_BANDWIDTH,
         cooldown_s: float = DEFAULT_COOLDOWN_S,
+        fetch_timeout: float = DEFAULT_FETCH_TIMEOUT_S,
     ):
         if ttl_s is not None and not ttl_s > 0:
             raise ServingConfigError(f"ttl_s must be a number of seconds > 0 (or None for no expiry), got {ttl_s!r}")
-        for name, value in (("timeout", timeout), ("bulk_timeout", bulk_timeout),
+        for name, value in (("timeout", timeout), ("bulk_timeout", bulk_timeout), ("fetch_timeout", fetch_timeout),
                             ("min_fetch_bandwidth", min_fetch_bandwidth)):  # fmt: skip
             if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
                 raise ServingConfigError(f"{name} must be a number > 0, got {value!r}")
@@ -155,7 +162,7 @@ class RedisStoreBase(KVStore):
         self.url = safe_url(url)
         self.ttl_ms = None if ttl_s is None else max(1, round(ttl_s * 1000))
         self.timeout, self.bulk_timeout = float(timeout), float(bulk_timeout)
-        self.min_fetch_bandwidth = float(min_fetch_bandwidth)
+        self.min_fetch_bandwidth, self.fetch_timeout = float(min_fetch_bandwidth), float(fetch_timeout)
         self.metrics = StoreMetrics()
         self.health = NodeHealth(cooldown_s)
         self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="kvbridge-store")
@@ -170,7 +177,7 @@ class RedisStoreBase(KVStore):
     def fetch_deadline(self, expected_bytes: int | None) -> float | None:
         """The wall-clock deadline of a fetch of `expected_bytes` (`None` when the size is not known: the fetch is
         then bounded by `bulk_timeout` of silence only)."""
-        return None if expected_bytes is None else self.timeout + expected_bytes / self.min_fetch_bandwidth
+        return None if expected_bytes is None else self.fetch_timeout + expected_bytes / self.min_fetch_bandwidth
 
     def _error(self, what: str, err: BaseException, node: str | None = None) -> StoreUnavailableError:
         """A `StoreUnavailableError` naming the store (and node), what failed and what to check."""
@@ -246,7 +253,7 @@ class RedisKVStore(RedisStoreBase):
         ttl_s (`float`, *optional*): seconds a chunk lives after it is written (`SET ... PX`); `None`: until the
             server evicts it (`maxmemory` with `allkeys-lru`).
         timeout (`float`, *optional*, defaults to `0.05`): the deadline of a lookup (and of connecting), seconds.
-        bulk_timeout, min_fetch_bandwidth, cooldown_s: see `RedisStoreBase`.
+        bulk_timeout, min_fetch_bandwidth, cooldown_s, fetch_timeout: see `RedisStoreBase`.
         client_kwargs: passed to `redis.Redis.from_url`: `password`, `username`, `ssl_ca_certs`, `ssl_certfile`,
             `ssl_keyfile`, `ssl_cert_reqs`, ...
 
@@ -269,6 +276,7 @@ class RedisKVStore(RedisStoreBase):
         bulk_timeout: float = DEFAULT_BULK_TIMEOUT_S,
         min_fetch_bandwidth: float = DEFAULT_MIN_FETCH_BANDWIDTH,
         cooldown_s: float = DEFAULT_COOLDOWN_S,
+        fetch_timeout: float = DEFAULT_FETCH_TIMEOUT_S,
         **client_kwargs: Any,
     ):
         scheme = url_scheme(url)
@@ -278,7 +286,8 @@ class RedisKVStore(RedisStoreBase):
                 f"{safe_url(url)!r}" + ("; open a cluster with open_store" if scheme in CLUSTER_SCHEMES else "")
             )
         super().__init__(url, ttl_s=ttl_s, timeout=timeout, bulk_timeout=bulk_timeout,
-                         min_fetch_bandwidth=min_fetch_bandwidth, cooldown_s=cooldown_s)  # fmt: skip
+                         min_fetch_bandwidth=min_fetch_bandwidth, cooldown_s=cooldown_s,
+                         fetch_timeout=fetch_timeout)  # fmt: skip
         self.node = self.url
         try:
             # lookups: replies within the deadline; writes and fetches: large payloads, bounded by silence

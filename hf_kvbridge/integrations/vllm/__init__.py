@@ -32,7 +32,9 @@ a request opts in with `kv_transfer_params={"kvbridge": true}` (OpenAI API body 
 offline `SamplingParams(extra_args={"kv_transfer_params": {"kvbridge": True}})`, which `bridged()` returns).
 `"requests": "all"` bridges every request that does not say `{"kvbridge": false}`. Only a boolean counts
 (`parse_request_flag`): `"yes"`, `"false"`, `1` are refused, never bridged. `kvbridge serve` answers such a request
-with HTTP 400 naming `kv_transfer_params.kvbridge` (`middleware.KVBridgeParamsMiddleware`); where nothing can refuse it
+with HTTP 400 naming `kv_transfer_params.kvbridge` (`middleware.KVBridgeParamsMiddleware`, after the server's own
+`--api-key` authentication; it also takes the semantic router's `x-vsr-kv-*` headers as an opt-in and answers
+`x-vsr-kv-transfer-status`); where nothing can refuse it
 (plain `vllm serve`, offline `LLM`) it is served unbridged, with a WARNING naming the request and the reason, and its
 output's `kv_transfer_params["kvbridge"]` is `{"status": "refused", "reason": ...}` (`requests_refused` counted).
 
@@ -84,7 +86,7 @@ The package:
 | `metadata` | the per-step dataclasses passed scheduler → worker → scheduler |
 | `rotary` | `RotaryOnlyTarget`: the target's rotary embedding without its weights |
 | `configuration` | `kv_transfer_config`, `bridged`, `parse_request_flag`, `target_model`, `check_recompute` |
-| `middleware` | `KVBridgeParamsMiddleware`: HTTP 400 for a non-boolean flag, before the engine (`kvbridge serve`) |
+| `middleware` | `KVBridgeParamsMiddleware` (`kvbridge serve`): after authentication, bad flags (400), router headers |
 | `serve` | `kvbridge serve` (`serve_main`) |
 """
 

@@ -486,7 +486,7 @@ def run_benchmark(
             if source_throughput:
                 result["source_rows"] = []
                 for name, url in (("source-alone", None), ("source-exporting", store)):
-                    spec = {"kind": "source", **common, "store": url, "chunk_size": chunk_sizes[-1]}
+                    spec = {"kind": "source", **common, "store": url, "chunk_size": None}  # the default chunk size
                     result["source_rows"] += _spawn(spec, Path(tmp), name)["rows"]
         finally:
             if server is not None:
