@@ -256,28 +256,29 @@ class KVBridgeForCausalLM(nn.Module):
         self,
         source_cache: Cache,
         position_ids: torch.Tensor | None = None,
-        target_cache: DynamicCache | None = None,
+        target_cache: Cache | None = None,
         hidden_states=None,
-    ) -> DynamicCache:
+        schedule: str | None = None,
+    ) -> Cache:
         """Maps a source cache to the cache the target would have built for the same tokens (`hf_kvbridge.mapping`).
 
-        The mapping streams over the sequence in chunks of tokens (`mapping.chunk_tokens`). For each chunk every
-        source layer is stripped of its rotation once, into a slot of one row buffer that it holds from the first
-        step that reads it to the last (`mapping.row_slots`); each step of `mapping.mapping_plan` (target layers
-        reading the same source layers, mapped by one wide matrix product) reads its source layers from there and
-        writes its rotated keys and its values straight into the new cache's tensors. The chunk's
-        buffers are a workspace kept between calls (per thread, at most `KVMapper.max_chunk_bytes`; see
-        `free_workspace`), so mapping allocates nothing but the cache it returns.
+        The schedule depends on the device (`hf_kvbridge.mapping`): on a CPU the mapping streams over the sequence
+        in cache-sized chunks of tokens; on a GPU it maps whole layers, each source layer stripped of its rotation
+        once, each step (target layers reading the same source layers) one matrix product and one fused rotation
+        that writes the cache. The buffers are a workspace kept between calls (per thread; see `free_workspace`), so
+        mapping allocates nothing but the cache it returns.
 
         Args:
             source_cache (`Cache`): the source's cache, `L_s` layers of `(batch, kv_heads, seq, head_dim)`.
             position_ids (`torch.LongTensor` of shape `(batch, seq)`, *optional*): positions of the cached tokens
                 (per row for left-padded batches); defaults to `0 … seq-1`.
-            target_cache (`DynamicCache`, *optional*): a cache to append to (positions must continue it);
-                a new one is made otherwise.
+            target_cache (`Cache`, *optional*): a cache to append to (positions must continue it); a new one is
+                made otherwise. A `StaticCache` is written in place by the `"layers"` schedule.
             hidden_states (`tuple[torch.Tensor]`, *optional*): the source's `output_hidden_states` over the cached
                 tokens (`L_s + 1` tensors of `(batch, seq, D_s)`); needed when the mapper reads them
                 (`self.source_features`, `hf_kvbridge.source_features`), ignored otherwise.
+            schedule (`str`, *optional*): `"chunked"` or `"layers"` (`hf_kvbridge.mapping.SCHEDULES`); by default the
+                one for the target's device (`mapping.default_schedule`: whole layers on CUDA, chunks on CPU).
 
         Returns:
             `DynamicCache` with `L_t` layers in the target's dtype and device.
@@ -294,6 +295,7 @@ class KVBridgeForCausalLM(nn.Module):
             target_layout=self.target_layout,
             source_features=self.source_features,
             hidden_states=hidden_states if self.source_features is not None else None,
+            schedule=schedule,
         )
 
     def mapping_mapper(self) -> KVMapper:
