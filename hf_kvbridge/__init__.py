@@ -48,13 +48,13 @@ from .version import __version__
 # `import hf_kvbridge` for a config, a setting or an error does not. Integrations and tools are never imported here:
 # lm-eval finds the model "kvbridge" after `import hf_kvbridge.integrations.lm_eval`.
 _LAZY = {
-    "calibrate": "calibration",
-    "collect_statistics": "calibration",
-    "fit_bridge": "calibration",
+    "calibrate": "calibration.calibrate",
+    "collect_statistics": "calibration.data_pass",
+    "fit_bridge": "calibration.dense_fit",
     "KVBridgeForCausalLM": "modeling",
     "KVLayout": "layout",
     "KVMapper": "mappers",
-    "KVStatistics": "statistics",
+    "KVStatistics": "statistics.dense",
 }
 
 

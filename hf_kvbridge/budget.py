@@ -30,7 +30,8 @@ import re
 import torch
 
 from .errors import ConfigurationError, StatisticsMemoryError
-from .statistics import BlockStatistics, SelectionStatistics, feature_groups
+from .statistics.blocks import BlockStatistics, feature_groups
+from .statistics.selection import SelectionStatistics
 
 logger = logging.getLogger(__name__)
 
@@ -194,7 +195,7 @@ def check_budget(
     """Which calibration fits `budget` bytes: `"dense"` or `"blocks"`; raises `StatisticsMemoryError` (naming bytes
     needed, bytes available and what to change) when not even the smallest block plan fits. Runs before any work."""
     row = num_kv_heads * 2 * head_dim
-    if groups is None:  # Gram blocks kept per layer (see `hf_kvbridge.statistics.feature_groups`)
+    if groups is None:  # Gram blocks kept per layer (see `hf_kvbridge.statistics.blocks.feature_groups`)
         groups = len(feature_groups(num_kv_heads, head_dim, head_mode, kv_mode))
     if dense_bytes(source_layers, target_layers, row) <= budget:
         return "dense"
@@ -231,7 +232,7 @@ def plan_passes(
 ) -> list[list[int]]:
     """Groups target layers into fit passes: consecutive target layers (which select similar source layers, so their
     union stays small) join a pass while its train + held-out [`BlockStatistics`] (kept in `groups` feature groups,
-    see `hf_kvbridge.statistics.feature_groups`) and the solve of one map fit `budget` bytes.
+    see `hf_kvbridge.statistics.blocks.feature_groups`) and the solve of one map fit `budget` bytes.
 
     `own_cross` (the default) plans each target layer's cross blocks with its own selected source layers only
     (`BlockStatistics(..., target_sources=...)`); `False` plans them with the pass's whole union, which statistics
@@ -278,8 +279,8 @@ def plan_residual(
     residual_targets: int,
     hidden: int,
 ) -> tuple[str, str, int]:
-    """The memory plan with the residual statistics of layer recompute (`hf_kvbridge.layer_recompute`) beside the
-    K/V statistics: `(kv_mode, residual_mode, kv_fit_budget)`.
+    """The memory plan with the residual statistics of layer recompute (`hf_kvbridge.transfer.layer_recompute`) beside
+    the K/V statistics: `(kv_mode, residual_mode, kv_fit_budget)`.
 
     The residual block is `source_states` source hidden states against `residual_targets` target hidden states of
     `hidden` features (the larger hidden size), planned like a K/V block of one head of `hidden / 2`:

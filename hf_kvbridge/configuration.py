@@ -63,15 +63,16 @@ class KVBridgeConfig(PretrainedConfig):
             score did not predict a working transfer's quality: `0.5` is a safety net against a broken mapper.
         gate_probe_tokens (`int`, *optional*, defaults to `8`): probe size of the quality gate.
         recompute_fraction (`float`, *optional*, defaults to `0.0`): share of the mapped context tokens the target
-            recomputes itself over the mapped cache (`hf_kvbridge.recompute`).
+            recomputes itself over the mapped cache (`hf_kvbridge.transfer.token_recompute`).
         recompute_policy (`str`, *optional*, defaults to `"tail"`): which tokens it recomputes (`RECOMPUTE_POLICIES`).
         recompute_seed (`int`, *optional*, defaults to `0`): seed of the `"random"` policy's choice (each prefill
             draws from a generator seeded with it, so the same prompt gets the same tokens).
-        recompute_layers (`int`, *optional*, defaults to `0`): layer recompute (`hf_kvbridge.layer_recompute`): the
-            target computes its top `n` layers itself over the mapped span, from a residual stream mapped from the
-            source's hidden states, and gets mapped K/V for its lower layers only (cost: `n / L_t` of its prefill).
-            `0`: the plain bridge; the target's layer count: the target prefills the span itself; any other value
-            must be one the residual map was calibrated for (`residual_map["recompute_layers"]`).
+        recompute_layers (`int`, *optional*, defaults to `0`): layer recompute
+            (`hf_kvbridge.transfer.layer_recompute`): the target computes its top `n` layers itself over the mapped
+            span, from a residual stream mapped from the source's hidden states, and gets mapped K/V for its lower
+            layers only (cost: `n / L_t` of its prefill). `0`: the plain bridge; the target's layer count: the target
+            prefills the span itself; any other value must be one the residual map was calibrated for
+            (`residual_map["recompute_layers"]`).
         residual_map (`dict`, *optional*): what the residual map (`residual.safetensors`) was calibrated for:
             `recompute_layers` (the `n` values), `selected_layers` (per `n`, the source hidden states read), their
             `selected_layer_r2`, the maps' `heldout_r2`, `ridge_lambda` / `ridge_lambdas` and both hidden sizes.

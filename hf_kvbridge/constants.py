@@ -3,7 +3,7 @@
 CONFIG_NAME = "config.json"
 MAPPER_WEIGHTS_NAME = "mapper.safetensors"
 MAPPER_WEIGHTS_INDEX_NAME = "mapper.safetensors.index.json"
-# the residual map of layer recompute (`hf_kvbridge.layer_recompute`), beside the K/V mapper when calibrated
+# the residual map of layer recompute (`hf_kvbridge.transfer.layer_recompute`), beside the K/V mapper when calibrated
 RESIDUAL_WEIGHTS_NAME = "residual.safetensors"
 MODEL_CARD_NAME = "README.md"
 # the shared tokenizer a checkpoint carries (so `AutoTokenizer.from_pretrained(bridge_dir)` works): whatever of these
@@ -55,7 +55,8 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
 # A bidirectional checkpoint keeps its target→source mapper (config, weights) in this sub-folder.
 REVERSE_FOLDER = "reverse"
 
-# How selective recompute chooses the context tokens the target recomputes (see `hf_kvbridge.recompute`).
+# How selective recompute chooses the context tokens the target recomputes (see
+# `hf_kvbridge.transfer.token_recompute`).
 RECOMPUTE_POLICIES = ("tail", "random", "spread", "probe", "tail_probe")
 
 # Caches that carry no information about the context, scored next to the bridge (see `hf_kvbridge.controls`).

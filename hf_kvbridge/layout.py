@@ -313,3 +313,20 @@ def check_fingerprint(expected: dict, layout: KVLayout, role: str, name: str) ->
             f"This mapper was calibrated for a different {role} model than {name!r} (wrong mapper for this model "
             f"pair?): " + "; ".join(diffs)
         )
+
+
+def hidden_size(model: nn.Module) -> int:
+    """Width of `model`'s residual stream (`config.hidden_size` of its text config)."""
+    return int(model.config.get_text_config(decoder=True).hidden_size)
+
+
+def hidden_layout(width: int, what: str = "model") -> tuple[int, int]:
+    """`(num_kv_heads, head_dim)` of a hidden state of `width` features laid out as statistics rows: `(1, width // 2)`.
+
+    Raises `KVLayoutError` for an odd width (the layout puts one half in the key slot and one in the value slot)."""
+    if width % 2:
+        raise KVLayoutError(
+            f"the {what}'s hidden size {width} is odd; layer recompute lays hidden states out in two halves and needs "
+            "an even hidden size (use recompute_layers=0)"
+        )
+    return 1, width // 2

@@ -23,12 +23,12 @@ from .cache import CACHE_KWARG, cache_kwargs, output_cache
 from .configuration import KVBridgeConfig
 from .constants import CONFIG_NAME, DEFAULT_MAX_SHARD_SIZE, REVERSE_FOLDER
 from .errors import ConfigurationError, ContextLengthError, InvalidInputError, KVLayoutError, MapperError
-from .layer_recompute import ResidualMapper, calibrated_layers, check_layer_recompute, hidden_size
-from .layout import KVLayout, check_fingerprint, check_models
+from .layout import KVLayout, check_fingerprint, check_models, hidden_size
 from .loading import execution_device, load_model
 from .mappers import KVMapper
+from .mappers.engine import Workspace, map_cache
 from .mappers.lazy import LazyKVMapper
-from .mapping import Workspace, map_cache
+from .mappers.residual import ResidualMapper
 from .persistence import (
     load_mapper,
     load_residual_mapper,
@@ -37,11 +37,12 @@ from .persistence import (
     resolve_checkpoint,
     save_bridge,
 )
-from .plan import TransferPlan, plan_from_config
 from .precision import HALF_TYPES, resolve_mapper_dtype
-from .session import HandoffSession
 from .source_features import SourceFeatures, check_source_features, source_blocks
-from .transfer import left_padding, positions_from_mask, transfer_prefill
+from .transfer.layer_recompute import calibrated_layers, check_layer_recompute
+from .transfer.plan import TransferPlan, plan_from_config
+from .transfer.prefill import left_padding, positions_from_mask, transfer_prefill
+from .transfer.session import HandoffSession
 
 logger = logging.getLogger(__name__)
 
@@ -120,7 +121,7 @@ class KVBridgeForCausalLM(nn.Module):
         mapper ([`KVMapper`]): maps content-space source KV rows to target KV rows.
         residual_mapper ([`ResidualMapper`], *optional*): maps the source's hidden states to the residual stream
             entering the target's top layers, for layer recompute (`config.recompute_layers`,
-            `hf_kvbridge.layer_recompute`).
+            `hf_kvbridge.transfer.layer_recompute`).
         mapper_dtype (`torch.dtype` or `str`, *optional*): the dtype to keep the mapper in and map with (`float32`,
             `bfloat16`, `float16`). Defaults to `"auto"`: the target's dtype when that is a half type, else float32,
             mapping with a bfloat16 copy where `torch.set_float32_matmul_precision("medium")` allows it and the device
@@ -260,13 +261,14 @@ class KVBridgeForCausalLM(nn.Module):
         hidden_states=None,
         schedule: str | None = None,
     ) -> Cache:
-        """Maps a source cache to the cache the target would have built for the same tokens (`hf_kvbridge.mapping`).
+        """Maps a source cache to the cache the target would have built for the same tokens (the mapping engine,
+        `hf_kvbridge.mappers.engine`).
 
-        The schedule depends on the device (`hf_kvbridge.mapping`): on a CPU the mapping streams over the sequence
-        in cache-sized chunks of tokens; on a GPU it maps whole layers, each source layer stripped of its rotation
-        once, each step (target layers reading the same source layers) one matrix product and one fused rotation
-        that writes the cache. The buffers are a workspace kept between calls (per thread; see `free_workspace`), so
-        mapping allocates nothing but the cache it returns.
+        The schedule depends on the device: on a CPU the mapping streams over the sequence in cache-sized chunks of
+        tokens; on a GPU it maps whole layers, each source layer stripped of its rotation once, each step (target
+        layers reading the same source layers) one matrix product, then one fused rotation that writes the cache.
+        The buffers are a workspace kept between calls (per thread; see `free_workspace`), so mapping allocates
+        nothing but the cache it returns.
 
         Args:
             source_cache (`Cache`): the source's cache, `L_s` layers of `(batch, kv_heads, seq, head_dim)`.
@@ -277,8 +279,8 @@ class KVBridgeForCausalLM(nn.Module):
             hidden_states (`tuple[torch.Tensor]`, *optional*): the source's `output_hidden_states` over the cached
                 tokens (`L_s + 1` tensors of `(batch, seq, D_s)`); needed when the mapper reads them
                 (`self.source_features`, `hf_kvbridge.source_features`), ignored otherwise.
-            schedule (`str`, *optional*): `"chunked"` or `"layers"` (`hf_kvbridge.mapping.SCHEDULES`); by default the
-                one for the target's device (`mapping.default_schedule`: whole layers on CUDA, chunks on CPU).
+            schedule (`str`, *optional*): `"chunked"` or `"layers"` (`mappers.engine.SCHEDULES`); by default the
+                one for the target's device (`engine.default_schedule`: whole layers on CUDA, chunks on CPU).
 
         Returns:
             `DynamicCache` with `L_t` layers in the target's dtype and device.
@@ -340,7 +342,7 @@ class KVBridgeForCausalLM(nn.Module):
     def map_residual(self, source_hidden_states, recompute_layers: int) -> torch.Tensor:
         """The residual stream entering target layer `L_t − recompute_layers`, mapped from the source's hidden states
         (`output_hidden_states` of the source: `L_s + 1` tensors of `(batch, seq, D_s)`) by the residual map of
-        layer recompute (`hf_kvbridge.layer_recompute`).
+        layer recompute (`hf_kvbridge.transfer.layer_recompute`).
 
         Returns:
             `torch.Tensor` of shape `(batch, seq, D_t)` in the target's dtype, on its device.
@@ -409,11 +411,11 @@ class KVBridgeForCausalLM(nn.Module):
 
         Call it on the prompt without its held-back tokens. The source prefills all of `input_ids`; its KV is mapped,
         except for attention sinks, recomputed tokens and the quality gate's probe tokens, which the target computes
-        itself: the positions are `self.transfer_plan(...)`'s, the work is `hf_kvbridge.transfer.transfer_prefill`'s.
-        The decision (a [`TransferDecision`] as a dict) is kept in `self.last_transfer` and its rows counted in
-        `self.transfer_counts`. `position_ids` (`(batch, seq)`, *optional*) are the tokens' positions for both models
-        (default: `cumsum(attention_mask) - 1`). With `source_logits=False` the source computes logits for the last
-        position only.
+        itself: the positions are `self.transfer_plan(...)`'s, the work is
+        `hf_kvbridge.transfer.prefill.transfer_prefill`'s. The decision (a [`TransferDecision`] as a dict) is kept in
+        `self.last_transfer` and its rows counted in `self.transfer_counts`. `position_ids` (`(batch, seq)`,
+        *optional*) are the tokens' positions for both models (default: `cumsum(attention_mask) - 1`). With
+        `source_logits=False` the source computes logits for the last position only.
         """
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
@@ -439,7 +441,7 @@ class KVBridgeForCausalLM(nn.Module):
 
     def transfer_plan(self, length: int, *, padding: int = 0) -> TransferPlan:
         """The [`TransferPlan`] `prefill` follows for `length` tokens (with `padding` tokens of left padding at most):
-        `hf_kvbridge.plan.plan_from_config` with this bridge's config."""
+        `hf_kvbridge.transfer.plan.plan_from_config` with this bridge's config."""
         return plan_from_config(length, self.config, padding=padding)
 
     def forward(

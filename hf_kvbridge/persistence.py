@@ -8,8 +8,8 @@ holds exactly:
 - the mapper weights: `mapper.safetensors`, or, above `max_shard_size`, `mapper-00001-of-0000N.safetensors` shards
   and `mapper.safetensors.index.json` (`{"metadata": {"total_size": ...}, "weight_map": {tensor: shard}}`, the
   layout transformers uses for `model.safetensors.index.json`);
-- `residual.safetensors`: the residual map of layer recompute (`hf_kvbridge.layer_recompute`), when the bridge was
-  calibrated with `recompute_layers` (its sha256 is in `mapper_sha256` too);
+- `residual.safetensors`: the residual map of layer recompute (`hf_kvbridge.transfer.layer_recompute`), when the bridge
+  was calibrated with `recompute_layers` (its sha256 is in `mapper_sha256` too);
 - `README.md`: the model card (`card.render_model_card`);
 - the shared tokenizer's files (`tokenizer.json`, `tokenizer_config.json`, ...), when the bridge knows its tokenizer,
   so `AutoTokenizer.from_pretrained(bridge_dir)` works;
@@ -54,11 +54,11 @@ from .errors import (
     InvalidInputError,
     MapperFileError,
 )
-from .layer_recompute import ResidualMapper
 from .layout import KVLayout
 from .loading import resolve_model_reference
 from .mappers import KVMapper, build_mapper, get_mapper_type
 from .mappers.lazy import LazyKVMapper
+from .mappers.residual import ResidualMapper
 from .source_features import required_format_version
 
 logger = logging.getLogger(__name__)

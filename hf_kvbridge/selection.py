@@ -11,7 +11,8 @@ import torch
 from .errors import InvalidInputError
 from .layout import same_head_sources
 from .solve import LAMBDA_GRID, choose_ridge_lambdas, heldout_r2_path, map_group_lambda, solve_ridge
-from .statistics import KVStatistics, map_groups
+from .statistics.base import map_groups
+from .statistics.dense import KVStatistics
 
 
 def _r2_by_head(sse: torch.Tensor, sst: torch.Tensor, heads: int, head_dim: int) -> torch.Tensor:

@@ -77,8 +77,8 @@ class CalibrationSettings:
             `bridge.calibration_statistics` (for studies and diagnostics; they can take gigabytes).
         progress (`bool`, *optional*, defaults to `False`): progress bars.
         recompute_layers (`int` or `list[int]`, *optional*, defaults to `0`): also fit the residual map of layer
-            recompute (`hf_kvbridge.layer_recompute`) for these numbers of top target layers, from the same forward
-            passes: the bridge can then run `config.recompute_layers = n` for any of them (and for `0` and the
+            recompute (`hf_kvbridge.transfer.layer_recompute`) for these numbers of top target layers, from the same
+            forward passes: the bridge can then run `config.recompute_layers = n` for any of them (and for `0` and the
             target's layer count, which need no map). One number also turns it on in the saved config; a list leaves
             `config.recompute_layers` at `0` (pick one at run time). `0`: no residual map.
         hidden_state_layers (`list[int]`, `int` or `"all"`, *optional*): richer source features

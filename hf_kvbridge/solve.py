@@ -33,7 +33,7 @@ from __future__ import annotations
 import torch
 
 from .errors import ConfigurationError, InvalidInputError, StatisticsError
-from .statistics import map_groups
+from .statistics.base import map_groups
 
 # 1e-6 … 1 in half decades: the search grid of `ridge_lambda="auto"` (relative λ, see the module docstring)
 LAMBDA_GRID: tuple[float, ...] = tuple(float(f"{10 ** (e / 2):.3g}") for e in range(-12, 1))
@@ -88,7 +88,7 @@ def solve_ridge(
     Example:
 
     ```python
-    >>> from hf_kvbridge.statistics import KVStatistics
+    >>> from hf_kvbridge.statistics.dense import KVStatistics
     >>> stats = KVStatistics(source_layers=1, target_layers=1, num_kv_heads=1, head_dim=2)
     >>> stats.update(torch.randn(50, 4), torch.randn(50, 4))
     >>> weight, bias = solve_ridge(stats, torch.arange(4), torch.arange(4), 0.01)
@@ -190,7 +190,7 @@ def heldout_r2_path(
     Example:
 
     ```python
-    >>> from hf_kvbridge.statistics import KVStatistics
+    >>> from hf_kvbridge.statistics.dense import KVStatistics
     >>> train, held = (KVStatistics(1, 1, num_kv_heads=1, head_dim=2) for _ in range(2))
     >>> for stats in (train, held):
     ...     x = torch.randn(200, 4)

@@ -17,9 +17,9 @@ So [`KVStatistics`] / [`SelectionStatistics`] / [`BlockStatistics`] accumulate t
 selection ranks K/V blocks and hidden-state blocks together by held-out single-block R² (top-k over all of them),
 the budget plans them like any block, the ridge solve and λ choice are unchanged, and [`KVMapper`] holds and applies
 the weights (a selected block index `≥ L_s` reads hidden-state features; the mapping engine writes them into its
-row slot, `hf_kvbridge.mapping`). Hidden-state features carry no rotation (keys still go to content space as
-before). Layer recompute (`hf_kvbridge.layer_recompute`) maps the same hidden states to a residual stream; here they
-feed the K/V maps themselves.
+row slot, `hf_kvbridge.mappers.engine`). Hidden-state features carry no rotation (keys still go to content space as
+before). Layer recompute (`hf_kvbridge.transfer.layer_recompute`) maps the same hidden states to a residual stream;
+here they feed the K/V maps themselves.
 
 The halves of a block mean nothing for a hidden state, so these features need `head_mode="all_heads"` and
 `kv_mode="joint"` (where a block's row is exactly a slice of the hidden state). Hidden states are not in a KV store

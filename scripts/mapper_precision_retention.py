@@ -17,7 +17,9 @@ import torch
 from transformers import AutoTokenizer
 
 from hf_kvbridge import pocket
-from hf_kvbridge.calibration import collect_statistics, fit_bridge, split_heldout
+from hf_kvbridge.calibration.checks import split_heldout
+from hf_kvbridge.calibration.data_pass import collect_statistics
+from hf_kvbridge.calibration.dense_fit import fit_bridge
 from hf_kvbridge.data import token_windows
 from hf_kvbridge.modeling import KVBridgeForCausalLM
 from hf_kvbridge.precision import bf16_matmul_units, float32_matmul_precision

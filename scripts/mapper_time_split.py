@@ -17,7 +17,7 @@ import time
 import torch
 
 from hf_kvbridge.cache import output_cache
-from hf_kvbridge.mapping import Workspace, map_cache
+from hf_kvbridge.mappers.engine import Workspace, map_cache
 from hf_kvbridge.tools.bench.mapper import qwen3_shape_config, random_bridge
 
 

@@ -1,4 +1,4 @@
-"""The auto-λ search and refit of one map from the calibration rows (`hf_kvbridge.row_statistics.RowStatistics`)
+"""The auto-λ search and refit of one map from the calibration rows (`hf_kvbridge.statistics.rows.RowStatistics`)
 against the same from their sums (`KVStatistics`), side by side in one process on the same rows, when there are
 fewer training tokens than map inputs (`n < p`; issue 25, item 2).
 
@@ -24,9 +24,9 @@ import time
 
 import torch
 
-from hf_kvbridge.row_statistics import RowStatistics
 from hf_kvbridge.solve import LAMBDA_GRID, heldout_r2_chunks, solve_ridge
-from hf_kvbridge.statistics import KVStatistics
+from hf_kvbridge.statistics.dense import KVStatistics
+from hf_kvbridge.statistics.rows import RowStatistics
 from hf_kvbridge.tools.bench.report import write_measurement
 
 HEAD_DIM = 128

@@ -18,12 +18,15 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hf_kvbridge import pocket
-from hf_kvbridge.calibration import _assemble_bridge, collect_statistics, split_heldout
+from hf_kvbridge.calibration.checks import split_heldout
+from hf_kvbridge.calibration.data_pass import collect_statistics
+from hf_kvbridge.calibration.dense_fit import assemble_bridge
 from hf_kvbridge.data import token_windows
 from hf_kvbridge.mappers import KVMapper
 from hf_kvbridge.selection import mapper_r2, select_layers, single_layer_r2
 from hf_kvbridge.solve import LAMBDA_GRID, choose_ridge_lambdas
-from hf_kvbridge.statistics import BlockStatistics, SelectionStatistics
+from hf_kvbridge.statistics.blocks import BlockStatistics
+from hf_kvbridge.statistics.selection import SelectionStatistics
 from hf_kvbridge.tools.evaluation import continuation_nll, heldout_windows
 
 PAIRS = [
@@ -78,7 +81,7 @@ def measure(source_name: str, target_name: str, tokenizer, eval_windows) -> dict
     for kv_mode in ("joint", "separate"):  # both at the default auto-λ, chosen for the maps as each mode fits them
         lam, r2 = choose_ridge_lambdas(train, held, exact_sel, "all_heads", heads, dim, LAMBDA_GRID, kv_mode=kv_mode)
         mapper = KVMapper.from_statistics(both, exact_sel, "all_heads", lam, kv_mode=kv_mode)
-        bridge = _assemble_bridge(source, target, mapper, exact, r2, k, "auto", lam, "all_heads", 1, None)
+        bridge = assemble_bridge(source, target, mapper, exact, r2, k, "auto", lam, "all_heads", 1, None)
         retention = continuation_nll(bridge, eval_windows, 192)["context_benefit_retention"]
         out["kv_mode"][kv_mode] = {
             "heldout_r2_k": round(r2[:, 0].mean().item(), 4),

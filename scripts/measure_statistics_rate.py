@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from hf_kvbridge.statistics import BlockStatistics
+from hf_kvbridge.statistics.blocks import BlockStatistics
 from hf_kvbridge.tools.bench.mapper import _cpu_peak_bytes
 from hf_kvbridge.tools.bench.report import write_measurement
 

@@ -92,7 +92,7 @@ def plan_figures(args, free: int, selected: list[list[int]], source_layers: int,
 
 
 def windows_and_split(args, tokenizer):
-    from hf_kvbridge.calibration import split_heldout
+    from hf_kvbridge.calibration.checks import split_heldout
     from hf_kvbridge.data import token_windows
 
     windows = token_windows(load_texts("calibration"), tokenizer, args.num_sequences, args.seq_len)
@@ -102,9 +102,11 @@ def windows_and_split(args, tokenizer):
 
 def selection_only(args, source, target, tokenizer, result: dict) -> None:
     """What `fit_bridge_in_passes` runs before its fit passes: the selection pass and the layer choice."""
-    from hf_kvbridge.calibration import SELECTION_LAMBDA, allowed_sources, check_matched, collect_statistics
+    from hf_kvbridge.calibration.budgeted_fit import SELECTION_LAMBDA
+    from hf_kvbridge.calibration.data_pass import collect_statistics
+    from hf_kvbridge.layout import allowed_sources, check_matched
     from hf_kvbridge.selection import select_layers
-    from hf_kvbridge.statistics import SelectionStatistics
+    from hf_kvbridge.statistics.selection import SelectionStatistics
 
     src, tgt = check_matched(source.config, target.config, SOURCE, TARGET)
     windows, heldout = windows_and_split(args, tokenizer)

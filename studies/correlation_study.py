@@ -24,7 +24,9 @@ from transformers import AutoTokenizer
 from hf_kvbridge import pocket
 from hf_kvbridge.attention import attention_output_cosine
 from hf_kvbridge.cache import output_cache
-from hf_kvbridge.calibration import calibrate, fit_bridge, refit
+from hf_kvbridge.calibration.calibrate import calibrate
+from hf_kvbridge.calibration.dense_fit import fit_bridge
+from hf_kvbridge.calibration.refit import refit
 from hf_kvbridge.data import token_windows
 from hf_kvbridge.rope import rotary_cos_sin, strip_rotary
 from hf_kvbridge.tools.diagnostics import _pyplot

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from hf_kvbridge.errors import InvalidInputError
-from hf_kvbridge.session import HandoffSession
+from hf_kvbridge.transfer.session import HandoffSession
 
 
 @torch.no_grad()
@@ -138,7 +138,7 @@ def run_drift(args) -> int:
     from transformers import AutoTokenizer
 
     from hf_kvbridge import pocket
-    from hf_kvbridge.calibration import calibrate
+    from hf_kvbridge.calibration.calibrate import calibrate
 
     tokenizer = AutoTokenizer.from_pretrained(pocket.model_path(args.large))
     bridge = calibrate(

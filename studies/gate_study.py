@@ -2,9 +2,10 @@
 
 For each pocket pair, one calibration; then on held-out windows (context + continuation) the bridge runs with the
 gate switched on but never refusing (`gate_threshold = -1`), so that every window records its gate score (mean cosine
-between the target's own K/V and the mapped K/V on the probe tokens, `hf_kvbridge.transfer.probe_agreement`) next
-to its continuation NLL in three modes: the target's own prefill, the gated bridge (the probe tokens are the target's
-own, as under a real gate) and no context (`hf_kvbridge.tools.evaluation`). The same windows are also scored by a
+between the target's own K/V and the mapped K/V on the probe tokens, `hf_kvbridge.transfer.prefill.probe_agreement`)
+next to its continuation NLL in three modes: the target's own prefill, the gated bridge (the probe tokens are the
+target's own, as under a real gate) and no context (`hf_kvbridge.tools.evaluation`). The same windows are also scored
+by a
 *broken* copy of each bridge (every target layer's source layers in reversed order), whose gate scores show what a
 threshold must catch (`broken_scores`; not part of the threshold table).
 
@@ -39,7 +40,7 @@ import torch
 from transformers import AutoTokenizer
 
 from hf_kvbridge import pocket
-from hf_kvbridge.calibration import calibrate
+from hf_kvbridge.calibration.calibrate import calibrate
 from hf_kvbridge.tools.evaluation import heldout_windows, score_tokens
 
 PAIRS = ("pocket-l:pocket-s", "pocket-m:pocket-s", "pocket-s:pocket-l", "pocket-s:pocket-m", "pocket-m:pocket-l")

@@ -23,7 +23,7 @@ from transformers import AutoTokenizer
 
 from hf_kvbridge import pocket
 from hf_kvbridge.attention import attention_output_cosine
-from hf_kvbridge.calibration import fit_bridge
+from hf_kvbridge.calibration.dense_fit import fit_bridge
 from hf_kvbridge.tools.evaluation import heldout_windows
 from studies.correlation_study import _nll, _refit_base, mapped_r2
 

@@ -90,7 +90,9 @@ def prepare_pair(
     from transformers import AutoTokenizer
 
     from hf_kvbridge import pocket
-    from hf_kvbridge.calibration import collect_statistics, fit_bridge, split_heldout
+    from hf_kvbridge.calibration.checks import split_heldout
+    from hf_kvbridge.calibration.data_pass import collect_statistics
+    from hf_kvbridge.calibration.dense_fit import fit_bridge
     from hf_kvbridge.data import token_windows
     from hf_kvbridge.tools.evaluation import build_cloze, heldout_windows
 
@@ -136,7 +138,8 @@ def prepare_pair(
 
 def _linear_variant(ridge, name: str):
     """The closed-form variants of the ridge bridge: `ridge_same_head`, `low_rank_<rank>`; `None` for others."""
-    from hf_kvbridge.calibration import fit_bridge, refit
+    from hf_kvbridge.calibration.dense_fit import fit_bridge
+    from hf_kvbridge.calibration.refit import refit
 
     train, heldout = ridge.calibration_statistics
     config = ridge.config
@@ -194,7 +197,7 @@ def measure_mapper(
     import torch
 
     from hf_kvbridge.attention import attention_output_cosine
-    from hf_kvbridge.calibration import refit
+    from hf_kvbridge.calibration.refit import refit
     from hf_kvbridge.errors import ConfigurationError
     from hf_kvbridge.tools.evaluation import cloze_accuracy, continuation_nll
 

@@ -1,11 +1,11 @@
 """The selective-recompute frontier: context-benefit retention against the share of the context the target recomputes.
 
 For one pocket pair (by default pocket-l → pocket-s), one calibration, and the same held-out windows
-for every point, each policy recomputes a fraction of the mapped context (`hf_kvbridge.recompute`); `sinks` computes
-the first tokens instead (`config.sink_tokens`). Every point reports its cost: the share of the context's tokens the
-target runs (its prefill FLOPs, to first order) and the wall time of the bridged prefill. The zero- and random-cache
-controls are reported next to the bridge. The `random` policy is drawn once per `--seeds` seed (its table cell is the
-mean); `compare_policies` puts a chosen policy against those draws window by window.
+for every point, each policy recomputes a fraction of the mapped context (`hf_kvbridge.transfer.token_recompute`);
+`sinks` computes the first tokens instead (`config.sink_tokens`). Every point reports its cost: the share of the
+context's tokens the target runs (its prefill FLOPs, to first order) and the wall time of the bridged prefill. The
+zero- and random-cache controls are reported next to the bridge. The `random` policy is drawn once per `--seeds` seed
+(its table cell is the mean); `compare_policies` puts a chosen policy against those draws window by window.
 
     python -m studies.recompute_study --source pocket-l --target pocket-s --out runs/recompute
 """
@@ -22,7 +22,7 @@ import torch
 from transformers import AutoTokenizer
 
 from hf_kvbridge import pocket
-from hf_kvbridge.calibration import calibrate
+from hf_kvbridge.calibration.calibrate import calibrate
 from hf_kvbridge.mappers import MAPPER_TYPES
 from hf_kvbridge.tools.evaluation import continuation_nll, heldout_windows, retention, score_tokens
 from hf_kvbridge.tools.tune import cost, target_flops_per_token

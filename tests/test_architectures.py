@@ -8,7 +8,8 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from hf_kvbridge.calibration import collect_statistics, fit_bridge
+from hf_kvbridge.calibration.data_pass import collect_statistics
+from hf_kvbridge.calibration.dense_fit import fit_bridge
 from hf_kvbridge.errors import KVLayoutError
 from hf_kvbridge.layout import check_models
 from tests.conftest import VOCAB
@@ -137,7 +138,7 @@ def test_a_target_layer_no_source_layer_can_fill_is_refused():
 def test_handoff_session_with_sliding_window_layers_runs_past_the_window(model_type, overrides):
     """An identity session switching models every turn, the conversation far longer than the window of 8: every
     turn's greedy tokens equal a target-only session's (sliding layers receive only the window they keep)."""
-    from hf_kvbridge.session import HandoffSession
+    from hf_kvbridge.transfer.session import HandoffSession
     from tests.conftest import make_tokenizer
     from tests.test_session import QUESTIONS, TEMPLATE, _bidirectional
 

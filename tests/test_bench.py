@@ -161,7 +161,7 @@ def test_bench_cli_old_vs_new_writes_both_defaults(tmp_path, capsys, monkeypatch
 def test_bench_old_vs_new_times_each_path(monkeypatch):
     """Each column is its own path's time: the old path slowed by 0.05 s and the new one by 0.4 s, each column grows
     by its own delay (the old one stays below the new one)."""
-    from hf_kvbridge import mapping
+    from hf_kvbridge.mappers import engine as mapping
     from hf_kvbridge.tools.bench.mapper import old_vs_new
 
     bridge = random_bridge(qwen3(layers=2).config, qwen3(layers=3, hidden=48).config, top_k=2)
@@ -192,7 +192,7 @@ TINY_SHAPES = {"tiny-s": (32, 2, 2, 1, 16, 64, 128, True), "tiny-t": (48, 3, 2, 
 def test_calibration_bench_splits_its_time(tmp_path, capsys, monkeypatch):
     """`kvbridge bench calibration` charges each stage its own time: the λ search and the solves, each slowed by a
     known delay, show it in their own fields; the projection adds the per-token stages scaled and the rest as is."""
-    import hf_kvbridge.calibration as calibration
+    import hf_kvbridge.calibration.budgeted_fit as calibration
     from hf_kvbridge.mappers import KVMapper
     from hf_kvbridge.tools.bench import calibration as bench
 
@@ -224,7 +224,7 @@ def test_calibration_bench_splits_its_time(tmp_path, capsys, monkeypatch):
 def test_calibration_bench_runs_under_the_precision_asked_for(tmp_path, monkeypatch):
     """`--float32-matmul-precision medium` runs the calibration under it (seen from inside the fit), records it and
     the mean held-out R² in the JSON, and restores the precision afterwards."""
-    import hf_kvbridge.calibration as calibration
+    import hf_kvbridge.calibration.budgeted_fit as calibration
     from hf_kvbridge.tools.bench import calibration as bench
 
     monkeypatch.setattr(bench, "SHAPES", {**bench.SHAPES, **TINY_SHAPES})

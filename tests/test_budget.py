@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import hf_kvbridge
-import hf_kvbridge.calibration as calibration
+import hf_kvbridge.calibration.calibrate as calibration
+import hf_kvbridge.calibration.data_pass as data_pass
 from hf_kvbridge import StatisticsMemoryError
 from hf_kvbridge.budget import (
     check_budget,
@@ -22,12 +23,18 @@ from hf_kvbridge.budget import (
     smallest_plan_bytes,
     solve_bytes,
 )
-from hf_kvbridge.calibration import collect_statistics, fit_bridge_in_passes, split_heldout
+from hf_kvbridge.calibration.budgeted_fit import fit_bridge_in_passes
+from hf_kvbridge.calibration.checks import split_heldout
+from hf_kvbridge.calibration.data_pass import collect_statistics
+from hf_kvbridge.calibration.dense_fit import fit_bridge
 from hf_kvbridge.data import token_windows
 from hf_kvbridge.mappers import KVMapper
 from hf_kvbridge.selection import select_layers
 from hf_kvbridge.solve import solve_ridge
-from hf_kvbridge.statistics import BlockStatistics, KVStatistics, SelectionStatistics, map_groups
+from hf_kvbridge.statistics.base import map_groups
+from hf_kvbridge.statistics.blocks import BlockStatistics
+from hf_kvbridge.statistics.dense import KVStatistics
+from hf_kvbridge.statistics.selection import SelectionStatistics
 from hf_kvbridge.tools.bench.mapper import _cpu_peak_bytes
 from tests.conftest import CORPUS, make_tokenizer, qwen3
 
@@ -247,7 +254,7 @@ def test_calibrate_refuses_an_impossible_budget_before_any_forward(monkeypatch):
     def no_forward(*args, **kwargs):
         raise AssertionError("a forward pass ran before the budget was checked")
 
-    monkeypatch.setattr(calibration, "cache_rows", no_forward)
+    monkeypatch.setattr(data_pass, "cache_rows", no_forward)
     source, target = _pair()
     message = r"need 415\.7 kB \(4 source × 5 target layers.* but statistics_memory allows 2\.0 kB"
     with pytest.raises(StatisticsMemoryError, match=message):
@@ -385,7 +392,7 @@ def test_default_budget_takes_more_passes_when_half_the_free_memory_is_too_small
     windows = token_windows(CORPUS, make_tokenizer(), 12, 24)
     _, heldout = split_heldout(len(windows), 0.1, 0)
     dense = collect_statistics(source, target, windows, heldout=heldout, batch_size=4)
-    unbudgeted = calibration.fit_bridge(source, target, *dense, selected_layers=bridge.config.selected_layers)
+    unbudgeted = fit_bridge(source, target, *dense, selected_layers=bridge.config.selected_layers)
     assert bridge.config.ridge_lambdas == unbudgeted.config.ridge_lambdas
     for key, value in unbudgeted.mapper.state_dict().items():
         torch.testing.assert_close(bridge.mapper.state_dict()[key], value, atol=1e-6, rtol=1e-6)
@@ -393,7 +400,7 @@ def test_default_budget_takes_more_passes_when_half_the_free_memory_is_too_small
     def no_forward(*args, **kwargs):
         raise AssertionError("a forward pass ran before the budget was checked")
 
-    monkeypatch.setattr(calibration, "cache_rows", no_forward)
+    monkeypatch.setattr(data_pass, "cache_rows", no_forward)
     monkeypatch.setattr(calibration, "free_bytes", lambda device=None: free - 1)
     with pytest.raises(StatisticsMemoryError, match=r"needs .* but statistics_memory allows"):
         _calibrate_small(source, target)

@@ -15,7 +15,8 @@ from accelerate import cpu_offload
 from transformers import AutoModelForCausalLM
 
 import hf_kvbridge
-from hf_kvbridge.calibration import collect_statistics, fit_bridge
+from hf_kvbridge.calibration.data_pass import collect_statistics
+from hf_kvbridge.calibration.dense_fit import fit_bridge
 from tests.conftest import CORPUS, VOCAB, qwen3
 
 FIELDS = ("x_sum", "y_sum", "xx", "xy", "yy")
@@ -224,7 +225,7 @@ def test_mapped_layers_land_on_their_target_layers_devices(monkeypatch):
     their shape), with the per-layer lookup faked. What this shows: the engine asks for each layer's device and puts
     the layer there. That a real GPU split's devices are read right is `test_layer_devices_follow_the_device_map`.
     """
-    from hf_kvbridge import mapping
+    from hf_kvbridge.mappers import engine as mapping
 
     model = qwen3(layers=3)
     windows = torch.randint(0, VOCAB, (8, 24), generator=torch.Generator().manual_seed(0))

@@ -7,7 +7,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from hf_kvbridge.attention import decoder_layers, target_queries
-from hf_kvbridge.calibration import collect_statistics, fit_bridge, refit
+from hf_kvbridge.calibration.data_pass import collect_statistics
+from hf_kvbridge.calibration.dense_fit import fit_bridge
+from hf_kvbridge.calibration.refit import refit
 from hf_kvbridge.cli.main import main
 from hf_kvbridge.tools.diagnostics import INSPECT_FILES, inspect_bridge
 from tests.conftest import CORPUS, VOCAB, qwen3

@@ -16,7 +16,8 @@ from hf_kvbridge import (
     MapperFileError,
     StatisticsError,
 )
-from hf_kvbridge.calibration import collect_statistics, fit_bridge
+from hf_kvbridge.calibration.data_pass import collect_statistics
+from hf_kvbridge.calibration.dense_fit import fit_bridge
 from hf_kvbridge.errors import (
     CheckpointExistsError,
     CheckpointFileError,
@@ -25,7 +26,7 @@ from hf_kvbridge.errors import (
     EvaluationError,
     InvalidInputError,
 )
-from hf_kvbridge.statistics import KVStatistics
+from hf_kvbridge.statistics.dense import KVStatistics
 from tests.conftest import CORPUS, VOCAB, make_tokenizer, qwen3
 
 
@@ -115,12 +116,14 @@ def test_fewer_tokens_than_features_unregularised_is_refused_and_a_ridge_fit_war
 
 @pytest.mark.parametrize("entry", ["calibrate", "fit_bridge_in_passes"])
 def test_an_unregularised_fit_from_too_few_tokens_is_refused_before_any_pass(entry, monkeypatch):
-    import hf_kvbridge.calibration as calibration
+    import hf_kvbridge.calibration.budgeted_fit as calibration
+    import hf_kvbridge.calibration.calibrate as calibrate_module
 
     def no_pass(*args, **kwargs):
         raise AssertionError("a pass over the data ran before the token count was checked")
 
     monkeypatch.setattr(calibration, "collect_statistics", no_pass)
+    monkeypatch.setattr(calibrate_module, "collect_statistics", no_pass)
     source, target = qwen3(layers=2), qwen3(layers=2, seed=1)
     message = r"fewer calibration tokens \(48\) than mapper input features \(128\)"
     with pytest.raises(StatisticsError, match=message):

@@ -12,7 +12,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from hf_kvbridge.cli import main
 from hf_kvbridge.solve import LAMBDA_GRID, heldout_r2_chunks
-from hf_kvbridge.statistics import BlockStatistics, SelectionStatistics, map_groups
+from hf_kvbridge.statistics.base import map_groups
+from hf_kvbridge.statistics.blocks import BlockStatistics
+from hf_kvbridge.statistics.selection import SelectionStatistics
 from hf_kvbridge.tools.bench import calibration as bench
 from hf_kvbridge.tools.bench.flop_model import (
     EIGH_FLOPS,

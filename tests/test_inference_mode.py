@@ -4,7 +4,8 @@ tensors, which have no version counter, so the stacked-weight cache must not rea
 import torch
 
 import hf_kvbridge
-from hf_kvbridge import KVBridgeForCausalLM, mapping
+from hf_kvbridge import KVBridgeForCausalLM
+from hf_kvbridge.mappers import engine as mapping
 from tests.conftest import CORPUS, VOCAB
 
 

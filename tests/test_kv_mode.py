@@ -10,7 +10,9 @@ import torch
 
 import hf_kvbridge
 from hf_kvbridge import KVBridgeForCausalLM
-from hf_kvbridge.calibration import collect_statistics, fit_bridge, refit
+from hf_kvbridge.calibration.data_pass import collect_statistics
+from hf_kvbridge.calibration.dense_fit import fit_bridge
+from hf_kvbridge.calibration.refit import refit
 from hf_kvbridge.mappers import MAPPER_REGISTRY, MAPPER_TYPES, KVMapper, get_mapper_type
 from hf_kvbridge.solve import solve_ridge
 from tests.conftest import VOCAB, qwen3

@@ -17,7 +17,10 @@ from transformers import AutoModelForCausalLM
 import hf_kvbridge
 from hf_kvbridge import KVBridgeForCausalLM
 from hf_kvbridge.budget import dense_bytes, fit_bytes, plan_residual, selection_bytes
-from hf_kvbridge.calibration import collect_statistics, fit_bridge, fit_bridge_in_passes, residual_collection
+from hf_kvbridge.calibration.budgeted_fit import fit_bridge_in_passes
+from hf_kvbridge.calibration.data_pass import collect_statistics
+from hf_kvbridge.calibration.dense_fit import fit_bridge
+from hf_kvbridge.calibration.residual import fit_residual_map, residual_collection
 from hf_kvbridge.configuration import KVBridgeConfig
 from hf_kvbridge.errors import (
     ConfigurationError,
@@ -26,11 +29,12 @@ from hf_kvbridge.errors import (
     ServingConfigError,
     StatisticsMemoryError,
 )
-from hf_kvbridge.layer_recompute import fit_residual_map, hidden_size, recompute_top_layers
-from hf_kvbridge.session import HandoffSession
+from hf_kvbridge.layout import hidden_size
 from hf_kvbridge.settings import CalibrationSettings
-from hf_kvbridge.statistics import KVStatistics
-from hf_kvbridge.transfer import positions_from_mask
+from hf_kvbridge.statistics.dense import KVStatistics
+from hf_kvbridge.transfer.layer_recompute import recompute_top_layers
+from hf_kvbridge.transfer.prefill import positions_from_mask
+from hf_kvbridge.transfer.session import HandoffSession
 from tests.conftest import CORPUS, VOCAB, make_tokenizer, qwen3
 from tests.test_architectures import SUPPORTED, tiny, tiny_config
 

@@ -7,9 +7,10 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import hf_kvbridge
 from hf_kvbridge import KVBridgeForCausalLM, KVLayoutError
-from hf_kvbridge.calibration import fit_bridge_in_passes, split_heldout
+from hf_kvbridge.calibration.budgeted_fit import fit_bridge_in_passes
+from hf_kvbridge.calibration.checks import split_heldout
 from hf_kvbridge.layout import same_head_sources
-from hf_kvbridge.session import HandoffSession
+from hf_kvbridge.transfer.session import HandoffSession
 from tests.conftest import CORPUS, VOCAB, make_tokenizer, qwen3
 
 CALIBRATION = {"num_sequences": 8, "seq_len": 32, "top_k": 2}

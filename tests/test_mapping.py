@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from hf_kvbridge.cache import cache_layer_kv, output_cache
-from hf_kvbridge.mapping import Workspace, map_cache
+from hf_kvbridge.mappers.engine import Workspace, map_cache
 from hf_kvbridge.rope import apply_rotary, inverse_cos_sin, rotary_cos_sin
 from hf_kvbridge.tools.bench.mapper import random_bridge
 from tests.conftest import VOCAB, qwen3

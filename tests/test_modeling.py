@@ -9,8 +9,10 @@ from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 import hf_kvbridge
-from hf_kvbridge import KVBridgeConfig, KVBridgeForCausalLM, mapping
-from hf_kvbridge.calibration import collect_statistics, fit_bridge
+from hf_kvbridge import KVBridgeConfig, KVBridgeForCausalLM
+from hf_kvbridge.calibration.data_pass import collect_statistics
+from hf_kvbridge.calibration.dense_fit import fit_bridge
+from hf_kvbridge.mappers import engine as mapping
 from tests.conftest import CORPUS, VOCAB, qwen3
 
 # config, mapper, card and the pair's shared tokenizer (persistence.save_bridge)
@@ -220,7 +222,7 @@ def test_selection_picks_the_layers_an_independent_heldout_r2_ranks_best(saved_p
     """Selection (dense statistics, or the budgeted selection pass) against single-layer R² computed here from the
     models' own caches: every chosen layer scores within 0.01 of the best layer it passed over."""
     from hf_kvbridge.budget import fit_bytes
-    from hf_kvbridge.calibration import split_heldout
+    from hf_kvbridge.calibration.checks import split_heldout
     from hf_kvbridge.data import token_windows
 
     source = AutoModelForCausalLM.from_pretrained(saved_pair["large"])  # 3 layers → 2: a real choice at top_k=1

@@ -7,10 +7,11 @@ import pytest
 import torch
 
 from hf_kvbridge import KVBridgeConfig
-from hf_kvbridge.calibration import collect_statistics, fit_bridge
-from hf_kvbridge.mapping import map_cache
-from hf_kvbridge.plan import plan_from_config, plan_prompt, plan_transfer
-from hf_kvbridge.transfer import TransferDecision, transfer_prefill
+from hf_kvbridge.calibration.data_pass import collect_statistics
+from hf_kvbridge.calibration.dense_fit import fit_bridge
+from hf_kvbridge.mappers.engine import map_cache
+from hf_kvbridge.transfer.plan import plan_from_config, plan_prompt, plan_transfer
+from hf_kvbridge.transfer.prefill import TransferDecision, transfer_prefill
 from tests.conftest import VOCAB, qwen3
 
 

@@ -7,7 +7,8 @@ import torch
 from safetensors.torch import load_file
 
 from hf_kvbridge import precision
-from hf_kvbridge.calibration import collect_statistics, fit_bridge
+from hf_kvbridge.calibration.data_pass import collect_statistics
+from hf_kvbridge.calibration.dense_fit import fit_bridge
 from hf_kvbridge.errors import InvalidInputError
 from hf_kvbridge.modeling import KVBridgeForCausalLM
 from hf_kvbridge.precision import bf16_matmul_allowed, float32_matmul_precision, resolve_mapper_dtype
@@ -170,7 +171,7 @@ def test_statistics_under_medium_precision_match_float64():
     lever for calibration's statistics on such hardware): the moments, the ridge map and its held-out R² stay close
     to float64 statistics of the same rows."""
     from hf_kvbridge.solve import solve_ridge
-    from hf_kvbridge.statistics import BlockStatistics
+    from hf_kvbridge.statistics.blocks import BlockStatistics
 
     gen = torch.Generator().manual_seed(0)
     mix = torch.randn(24, 24, generator=gen, dtype=torch.float64)

@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_kvbridge.calibration import collect_statistics, fit_bridge
-from hf_kvbridge.recompute import choose_tokens, recompute_count, recompute_tokens
-from hf_kvbridge.transfer import positions_from_mask
+from hf_kvbridge.calibration.data_pass import collect_statistics
+from hf_kvbridge.calibration.dense_fit import fit_bridge
+from hf_kvbridge.transfer.prefill import positions_from_mask
+from hf_kvbridge.transfer.token_recompute import choose_tokens, recompute_count, recompute_tokens
 from tests.conftest import VOCAB, qwen3
 
 

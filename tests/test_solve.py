@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from hf_kvbridge import KVBridgeForCausalLM
-from hf_kvbridge.calibration import collect_statistics, fit_bridge
+from hf_kvbridge.calibration.data_pass import collect_statistics
+from hf_kvbridge.calibration.dense_fit import fit_bridge
 from hf_kvbridge.mappers import KVMapper
 from hf_kvbridge.selection import mapped_heldout_r2, mapper_r2, single_layer_r2
 from hf_kvbridge.solve import (
@@ -18,7 +19,7 @@ from hf_kvbridge.solve import (
     heldout_r2_path,
     solve_ridge,
 )
-from hf_kvbridge.statistics import KVStatistics
+from hf_kvbridge.statistics.dense import KVStatistics
 from tests.conftest import VOCAB, qwen3
 
 # 4 source layers × 1 head × 2·4 dims = 32 features → 1 target layer of 8 outputs
@@ -325,7 +326,7 @@ def test_row_solve_measurement_matches_the_library_solve():
 
 def test_a_per_column_lambda_of_the_wrong_length_is_refused_for_sums_and_rows():
     from hf_kvbridge.errors import InvalidInputError
-    from hf_kvbridge.row_statistics import RowStatistics
+    from hf_kvbridge.statistics.rows import RowStatistics
 
     sums = KVStatistics(1, 1, 1, 2)
     rows = RowStatistics(1, 1, 1, 2, sources=[0], targets=[0])

@@ -3,7 +3,7 @@
 import torch
 
 from hf_kvbridge.solve import solve_ridge
-from hf_kvbridge.statistics import KVStatistics
+from hf_kvbridge.statistics.dense import KVStatistics
 
 
 def test_rank_deficient_inputs_with_zero_lambda_give_the_minimum_norm_fit():

@@ -67,7 +67,7 @@ import sys
 import hf_kvbridge
 assert "hf_kvbridge.calibration" not in sys.modules
 from hf_kvbridge import calibrate, KVBridgeForCausalLM
-from hf_kvbridge.calibration import calibrate as direct
+from hf_kvbridge.calibration.calibrate import calibrate as direct
 from hf_kvbridge.modeling import KVBridgeForCausalLM as cls
 assert calibrate is direct and KVBridgeForCausalLM is cls and hf_kvbridge.KVStatistics.__name__ == "KVStatistics"
 assert set(hf_kvbridge.__all__) <= set(dir(hf_kvbridge))

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from hf_kvbridge.solve import solve_ridge
-from hf_kvbridge.statistics import KVStatistics
+from hf_kvbridge.statistics.dense import KVStatistics
 
 
 def _rows(n, seed):
@@ -71,15 +71,17 @@ def test_same_head_index_picks_one_head():
 def test_updates_in_chunks_equal_one_update(kind, monkeypatch):
     """A batch larger than `CHUNK_BYTES` of rows is summed a chunk at a time (less transient memory: the selection
     pass of Qwen3-0.6B → 1.7B copies its 0.9 GB of rows per side several times); the sums are those of one update."""
-    import hf_kvbridge.statistics as statistics
+    from hf_kvbridge.statistics import base as statistics
+    from hf_kvbridge.statistics.blocks import BlockStatistics
+    from hf_kvbridge.statistics.selection import SelectionStatistics
 
     gen = torch.Generator().manual_seed(0)
     x, y = torch.randn(50, 3 * 8, generator=gen) * 3 + 1, torch.randn(50, 2 * 8, generator=gen) - 2
 
     def make():
         if kind == "selection":
-            return statistics.SelectionStatistics(3, 2, 2, 2, torch.float64)
-        return statistics.BlockStatistics(3, 2, 2, 2, sources=[0, 2], targets=[0, 1], dtype=torch.float64)
+            return SelectionStatistics(3, 2, 2, 2, torch.float64)
+        return BlockStatistics(3, 2, 2, 2, sources=[0, 2], targets=[0, 1], dtype=torch.float64)
 
     whole = make()
     whole.update(x, y)

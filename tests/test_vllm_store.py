@@ -390,7 +390,7 @@ class _TokenSession:
     the new user tokens."""
 
     def __new__(cls, bridge):
-        from hf_kvbridge.session import HandoffSession
+        from hf_kvbridge.transfer.session import HandoffSession
 
         class Session(HandoffSession):
             next_prompt: list[int] = []

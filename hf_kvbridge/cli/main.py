@@ -119,7 +119,7 @@ def _cmd_chat(args: argparse.Namespace) -> int:
 
     from hf_kvbridge import KVBridgeForCausalLM
     from hf_kvbridge.loading import resolve_model_reference
-    from hf_kvbridge.session import HandoffSession
+    from hf_kvbridge.transfer.session import HandoffSession
 
     bridge = KVBridgeForCausalLM.from_pretrained(args.bridge)
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_reference(bridge.config.target_name_or_path))

@@ -60,7 +60,7 @@ from ..errors import EvaluationError
 from ..loading import load_model, resolve_model_reference
 from ..modeling import KVBridgeForCausalLM
 from ..persistence import read_config_dict, resolve_checkpoint
-from ..transfer import positions_from_mask
+from ..transfer.prefill import positions_from_mask
 
 logger = logging.getLogger(__name__)
 

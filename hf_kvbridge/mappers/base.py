@@ -1,7 +1,7 @@
 """The runtime every mapper shares: `KVMapper`, a linear map per target layer (and head group) from the selected
 source layers' content-space KV rows to the target layer's, with the row layout and the product of one step over
 one chunk (target layers that read the same source layers are mapped by one wide product of stacked weights). The
-schedule (which steps, which slots, how many tokens per chunk) is the mapping engine's (`hf_kvbridge.mapping`).
+schedule (which steps, which slots, how many tokens per chunk) is the mapping engine's (`hf_kvbridge.mappers.engine`).
 Subclasses change the per-layer map (`make_layer`, `map_layer`, `map_targets`): low rank, residual MLP.
 The ridge fit itself (`from_statistics`) is `hf_kvbridge.solve.solve_ridge` per layer and head group."""
 
@@ -18,7 +18,8 @@ from ..constants import HEAD_MODES, KV_MODES
 from ..errors import MapperError
 from ..layout import HeadLayouts, same_head_sources, target_heads_of
 from ..solve import map_group_lambda, solve_ridge
-from ..statistics import KVStatistics, map_groups
+from ..statistics.base import map_groups
+from ..statistics.dense import KVStatistics
 
 
 @dataclass(frozen=True)
@@ -449,8 +450,9 @@ class KVMapper(nn.Module, HeadLayouts):
     # runs far below a CPU's or GPU's peak; the stacked product runs near it. Exact: same weights, same sums.
     groupable = True  # False where `map_layer` is not one affine map per layer (MLP) or weights load lazily
     max_group_bytes = 2**28  # stacked weights are a copy: don't stack more than this per group
-    # hints to the mapping engine's schedule (`hf_kvbridge.mapping.schedule`): chunks of tokens whose working set is
-    # about `max_chunk_bytes` (None: the whole sequence at once), with products of at least `min_chunk_rows` rows
+    # hints to the mapping engine's schedule (`hf_kvbridge.mappers.engine.schedule`): chunks of tokens whose working
+    # set is about `max_chunk_bytes` (None: the whole sequence at once), with products of at least `min_chunk_rows`
+    # rows
     max_chunk_bytes: int | None = 2**26
     min_chunk_rows = 512
 
@@ -548,7 +550,7 @@ class KVMapper(nn.Module, HeadLayouts):
         slots: dict[int, int] | None = None,
         into: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Maps one step of `hf_kvbridge.mapping.mapping_plan` over one chunk of rows.
+        """Maps one step of `hf_kvbridge.mappers.engine.mapping_plan` over one chunk of rows.
 
         Args:
             sources, targets: the step.
@@ -556,10 +558,10 @@ class KVMapper(nn.Module, HeadLayouts):
                 index `slots[s]` (default: at index `s`).
             out (`torch.Tensor`, *optional*): flat storage for the result (a reused workspace).
             slots (`dict[int, int]`, *optional*): where each source layer sits in `rows`
-                (`hf_kvbridge.mapping.row_slots`).
+                (`hf_kvbridge.mappers.engine.row_slots`).
             into (`torch.Tensor`, *optional*): a view to write the result into, of the result's shape and any row
                 stride (the `"layers"` schedule's buffer of every target layer's rows); only for a `groupable`
-                mapper that keeps this class's product (`hf_kvbridge.mapping` checks).
+                mapper that keeps this class's product (`hf_kvbridge.mappers.engine` checks).
 
         Returns:
             the `len(targets)` target layers side by side in `map_layer`'s layout (`split_rows(..., layers=n)` takes

@@ -22,7 +22,7 @@ from torch import nn
 from ..errors import MapperError
 from ..layout import target_heads_of
 from ..selection import mapped_heldout_r2
-from ..statistics import KVStatistics
+from ..statistics.dense import KVStatistics
 from .base import KVMapper, MapperType
 
 
@@ -217,7 +217,7 @@ def fit_low_rank(
     Example:
 
     ```python
-    >>> from hf_kvbridge.calibration import refit
+    >>> from hf_kvbridge.calibration.refit import refit
     >>> cheap = refit(bridge, "low_rank", rank=32)  # doctest: +SKIP
     >>> cheap.mapper.flops_per_token() < bridge.mapper.flops_per_token()  # doctest: +SKIP
     True

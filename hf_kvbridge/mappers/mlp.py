@@ -257,7 +257,7 @@ def train_mlp_mapper(
     Example:
 
     ```python
-    >>> from hf_kvbridge.calibration import refit
+    >>> from hf_kvbridge.calibration.refit import refit
     >>> mlp_bridge = refit(bridge, "mlp", windows=windows, hidden=128, loss="attention", epochs=2)  # doctest: +SKIP
     >>> mlp_bridge.config.mapper_type  # doctest: +SKIP
     'mlp'

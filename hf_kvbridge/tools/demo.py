@@ -25,7 +25,7 @@ from transformers import AutoTokenizer
 
 from .. import pocket
 from ..attention import attention_output_cosine
-from ..calibration import calibrate
+from ..calibration.calibrate import calibrate
 from ..controls import CONTROL_MARGIN
 from ..errors import ContextLengthError
 from ..selection import mapper_r2, select_layers

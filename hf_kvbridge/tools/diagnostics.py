@@ -199,10 +199,10 @@ def inspect_bridge(
     ```
     """
     from ..cache import cache_rows
-    from ..calibration import split_heldout
+    from ..calibration.checks import split_heldout
     from ..mappers.mlp import rows_from_layout, source_rows_in_layout
     from ..selection import single_layer_r2
-    from ..statistics import KVStatistics
+    from ..statistics.dense import KVStatistics
 
     if getattr(bridge, "source_features", None) is not None:
         raise ConfigurationError(

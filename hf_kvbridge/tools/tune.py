@@ -78,10 +78,12 @@ from typing import Any
 
 import torch
 
-from ..calibration import calibrate, fit_bridge, refit
+from ..calibration.calibrate import calibrate
+from ..calibration.dense_fit import fit_bridge
+from ..calibration.refit import refit
 from ..data import iter_texts, token_windows
 from ..errors import InvalidInputError, TuningError
-from ..statistics import KVStatistics
+from ..statistics.dense import KVStatistics
 from .bench.mapper import prefill_flops
 from .evaluation import GapRecovered, gap_recovered, heldout_windows, retention, window_nll
 

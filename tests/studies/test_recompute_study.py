@@ -7,8 +7,9 @@ import torch
 from transformers import AutoTokenizer
 
 import hf_kvbridge
-from hf_kvbridge import pocket, transfer
+from hf_kvbridge import pocket
 from hf_kvbridge.tools.evaluation import heldout_windows
+from hf_kvbridge.transfer import prefill as transfer
 from studies.recompute_study import compare_policies, paired_t, recompute_variant, window_nll
 
 SEEDS = (0, 1)  # two draws keep the test to five evaluations (measured values below)

@@ -78,7 +78,7 @@ The package:
 | module | holds |
 |---|---|
 | `connector` | `KVBridgeConnector`, the thin `KVConnectorBase_V1` vLLM loads (`# Scheduler-side` / `# Worker-side`) |
-| `scheduler` | `BridgeScheduler`: opt-in, cache salt, the claimed positions (`hf_kvbridge.plan`), the loads sent |
+| `scheduler` | `BridgeScheduler`: opt-in, cache salt, the claimed positions (`transfer.plan`), the loads sent |
 | `worker` | `BridgeWorker`, the bridged-request engine: source prefill, mapping, paged writes, the quality gate |
 | `paged_cache` | vLLM's paged KV layout: slots, writes through the backend, reads (layout detected at run time) |
 | `metadata` | the per-step dataclasses passed scheduler → worker → scheduler |

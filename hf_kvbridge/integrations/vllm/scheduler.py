@@ -1,6 +1,6 @@
 """The connector's scheduler side: which requests are bridged, how many prompt tokens the connector claims (the
-transfer plan's, `hf_kvbridge.plan.plan_prompt`, as `bridge.prefill` plans them; with a KV store, how much of it a
-stored source prefix covers), the loads sent to the worker, and (an exporting engine) the store chunks each step
+transfer plan's, `hf_kvbridge.transfer.plan.plan_prompt`, as `bridge.prefill` plans them; with a KV store, how much of
+it a stored source prefix covers), the loads sent to the worker, and (an exporting engine) the store chunks each step
 completes.
 """
 
@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.logger import init_logger
 
-from ...plan import TransferPlan, plan_prompt
+from ...transfer.plan import TransferPlan, plan_prompt
 from .configuration import PARAM_KEY, parse_request_flag
 from .metadata import BridgeLoad, ExportTask, KVBridgeConnectorMetadata
 
@@ -67,8 +67,8 @@ class BridgeScheduler:
 
     # -- positions: the transfer plan's ------------------------------------------------------------------------------
     def plan(self, num_prompt_tokens: int) -> TransferPlan:
-        """The positions of a prompt, as `bridge.prefill` plans them (`hf_kvbridge.plan.plan_prompt`), with this
-        connector's hold-back (vLLM computes at least the last prompt token)."""
+        """The positions of a prompt, as `bridge.prefill` plans them (`hf_kvbridge.transfer.plan.plan_prompt`), with
+        this connector's hold-back (vLLM computes at least the last prompt token)."""
         return plan_prompt(num_prompt_tokens, self.config, hold_back=self.hold_back)
 
     def map_end(self, num_prompt_tokens: int) -> int:

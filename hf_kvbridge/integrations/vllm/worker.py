@@ -17,7 +17,7 @@ from vllm.logger import init_logger
 
 from ...cache import append_layer, output_cache, slice_cache
 from ...errors import KVLayoutError, ServingConfigError
-from ...transfer import probe_agreement
+from ...transfer.prefill import probe_agreement
 from .metadata import BridgeLoad, GateCheck, KVBridgeConnectorMetadata, KVBridgeWorkerMetadata
 from .paged_cache import read_slots, reads_back, slots_of, write_layer
 from .rotary import RotaryOnlyTarget
@@ -257,9 +257,9 @@ class BridgeWorker:
 
     def check_gates(self) -> None:
         """The quality gate of this step's gated loads, after the forward pass wrote the target's own K/V of the probe
-        tokens into the paged cache: `hf_kvbridge.transfer.probe_agreement` of own vs mapped probe K/V (mean cosine
-        over layers and tokens, as `bridge.generate` scores it). Below `gate_threshold`, or if the cache cannot be
-        read, the load is reported as failed and the target computes the prompt itself."""
+        tokens into the paged cache: `hf_kvbridge.transfer.prefill.probe_agreement` of own vs mapped probe K/V (mean
+        cosine over layers and tokens, as `bridge.generate` scores it). Below `gate_threshold`, or if the cache cannot
+        be read, the load is reported as failed and the target computes the prompt itself."""
         from vllm.model_executor.models.utils import extract_layer_index
 
         checks, self._gate_checks = self._gate_checks, []

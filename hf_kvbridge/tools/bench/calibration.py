@@ -20,11 +20,12 @@ import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from ...budget import check_budget, fit_bytes, format_bytes, parse_bytes, plan_passes, selection_bytes
-from ...calibration import fit_bridge_in_passes, split_heldout
+from ...calibration.budgeted_fit import fit_bridge_in_passes
+from ...calibration.checks import split_heldout
 from ...errors import InvalidInputError
 from ...precision import bf16_matmul_units, float32_matmul_precision
-from ...row_statistics import RowStatistics
-from ...statistics import feature_groups
+from ...statistics.blocks import feature_groups
+from ...statistics.rows import RowStatistics
 from .flop_model import H100_SXM, CalibrationShape, calibration_flops, probe_rates, project_seconds
 from .mapper import QWEN3_SHAPES, prefill_flops, shape_pair
 

@@ -77,8 +77,8 @@ class CalibrationShape:
     Args:
         source_layers (`int`), target_layers (`int`), num_kv_heads (`int`), head_dim (`int`): a matched layout.
         top_k (`int`): source layers per target layer.
-        groups (`int`): feature groups of a source layer (`hf_kvbridge.statistics.feature_groups`: 1 for all heads
-            jointly, 2 for all heads with K and V separate, `2H` for one head, K and V separate).
+        groups (`int`): feature groups of a source layer (`hf_kvbridge.statistics.blocks.feature_groups`: 1 for all
+            heads jointly, 2 for all heads with K and V separate, `2H` for one head, K and V separate).
         sequences (`int`), seq_len (`int`): the calibration text.
         passes (`list[int]`): target layers in each fit pass.
     """

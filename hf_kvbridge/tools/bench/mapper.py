@@ -412,7 +412,7 @@ def old_vs_new(bridge, lengths: list[int], *, batch: int = 1, repeats: int = 20,
     ```
     """
     from ...loading import execution_device
-    from ...mapping import Workspace, map_cache
+    from ...mappers.engine import Workspace, map_cache
 
     generator = torch.Generator().manual_seed(seed)
     vocab, device = bridge.target_layout.vocab_size, bridge.device

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .recompute import recompute_count
+from .token_recompute import recompute_count
 
 SOURCE_PREFILL = "source_prefill"
 
@@ -38,8 +38,9 @@ class TransferPlan:
             transfer applies to these positions.
         kind (`str`, *optional*, defaults to `"source_prefill"`): where the mapped K/V come from.
         recompute_layers (`int`, *optional*, defaults to `0`): the target's top layers that compute the whole mapped
-            span themselves, from a mapped residual stream (`hf_kvbridge.layer_recompute`); the mapped K/V then fill
-            only the layers below them. Equal to the target's layer count, the target prefills the span itself.
+            span themselves, from a mapped residual stream (`hf_kvbridge.transfer.layer_recompute`); the mapped K/V
+            then fill only the layers below them. Equal to the target's layer count, the target prefills the span
+            itself.
 
     Later kinds of transfer extend the plan rather than fork it: a cache fetched from a KV store is
     `kind="kv_store"` with the fetched prefix as its mapped span (`map_start` where the fetch begins); a recompute of

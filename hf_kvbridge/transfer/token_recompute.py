@@ -25,11 +25,11 @@ from torch import nn
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from .attention import decoder_layers
-from .cache import cache_kwargs, output_cache
-from .constants import RECOMPUTE_POLICIES
-from .errors import ConfigurationError, InvalidInputError, KVLayoutError
-from .rope import apply_rotary, rotary_cos_sin
+from ..attention import decoder_layers
+from ..cache import cache_kwargs, output_cache
+from ..constants import RECOMPUTE_POLICIES
+from ..errors import ConfigurationError, InvalidInputError, KVLayoutError
+from ..rope import apply_rotary, rotary_cos_sin
 
 
 def recompute_count(fraction: float, length: int) -> int:

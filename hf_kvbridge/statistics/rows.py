@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from .errors import StatisticsError
-from .layout import HeadLayouts
-from .statistics import GlobalLayerIndex, _head_index
+from ..errors import StatisticsError
+from ..layout import HeadLayouts
+from .base import GlobalLayerIndex, head_index
 
 
 class RowStatistics(GlobalLayerIndex, HeadLayouts):
@@ -59,8 +59,8 @@ class RowStatistics(GlobalLayerIndex, HeadLayouts):
         self._set_head_layouts(num_kv_heads, head_dim, target_kv_heads, target_head_dim)
         self.sources, self.targets = sorted(set(map(int, sources))), sorted(set(map(int, targets)))
         self.dtype, self.device = dtype, torch.device(device or "cpu")
-        self._x_cols = _head_index(self.x_row, self.source_head_dim, self.sources, None, self.device)  # (U·x_row,)
-        self._y_cols = _head_index(self.y_row, self.target_head_dim, self.targets, None, self.device)  # (T·y_row,)
+        self._x_cols = head_index(self.x_row, self.source_head_dim, self.sources, None, self.device)  # (U·x_row,)
+        self._y_cols = head_index(self.y_row, self.target_head_dim, self.targets, None, self.device)  # (T·y_row,)
         # global feature number → position in the kept rows; -1: not kept
         self._x_pos = self._positions(self._x_cols, source_layers * self.x_row)
         self._y_pos = self._positions(self._y_cols, target_layers * self.y_row)

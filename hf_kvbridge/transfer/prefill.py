@@ -1,7 +1,7 @@
-"""Running a transfer: the source prefills, the mapper carries its KV over where the plan says (`hf_kvbridge.plan`
-decides which tokens the target computes itself: attention sinks, the quality gate's probe, recomputed tokens), and
-the gate decides whether a row's transfer is trusted at all. Called with the models, a map function and the plan;
-returns the cache and its decision, and leaves no state anywhere.
+"""Running a transfer: the source prefills, the mapper carries its KV over where the plan says
+(`hf_kvbridge.transfer.plan` decides which tokens the target computes itself: attention sinks, the quality gate's
+probe, recomputed tokens), and the gate decides whether a row's transfer is trusted at all. Called with the models, a
+map function and the plan; returns the cache and its decision, and leaves no state anywhere.
 
 ```
 prompt ──source prefill──▶ source cache ──map (all but sinks and probe)──▶ target cache
@@ -21,13 +21,13 @@ import torch
 from torch import nn
 from transformers import Cache, DynamicCache
 
-from .attention import decoder_layers
-from .cache import cache_kwargs, output_cache, slice_cache
-from .errors import InvalidInputError
+from ..attention import decoder_layers
+from ..cache import cache_kwargs, output_cache, slice_cache
+from ..errors import InvalidInputError
+from ..loading import execution_device
 from .layer_recompute import recompute_top_layers
-from .loading import execution_device
 from .plan import TransferPlan
-from .recompute import choose_tokens, probe_scores, recompute_tokens
+from .token_recompute import choose_tokens, probe_scores, recompute_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -148,10 +148,10 @@ def transfer_prefill(
     computes the probe `[plan.map_end, length)` itself and compares its own K/V there with the mapped ones (cosine,
     mean over layers and tokens), row by row: a row below `plan.gate_threshold` drops its mapped K/V and gets the
     target's own prefill (fallback), the other rows keep theirs. `plan.recompute_tokens` of the mapped tokens are
-    recomputed by the target (`hf_kvbridge.recompute`). With `plan.recompute_layers = n` (layer recompute,
-    `hf_kvbridge.layer_recompute`), the target's top `n` layers then compute the mapped span themselves from the
-    residual `residual_fn` maps from the source's hidden states (the mapped K/V stay in the layers below), before the
-    token recompute; with `n` the target's layer count, the target prefills the span itself.
+    recomputed by the target (`hf_kvbridge.transfer.token_recompute`). With `plan.recompute_layers = n` (layer
+    recompute, `hf_kvbridge.transfer.layer_recompute`), the target's top `n` layers then compute the mapped span
+    themselves from the residual `residual_fn` maps from the source's hidden states (the mapped K/V stay in the layers
+    below), before the token recompute; with `n` the target's layer count, the target prefills the span itself.
 
     Nothing here reads or writes a bridge: the caller records the decision (`KVBridgeForCausalLM.prefill` keeps it in
     `last_transfer` and `transfer_counts`).

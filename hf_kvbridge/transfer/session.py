@@ -14,12 +14,12 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
-from .attention import decoder_layers
-from .cache import cache_kwargs, output_cache, slice_cache
-from .errors import InvalidInputError
+from ..attention import decoder_layers
+from ..cache import cache_kwargs, output_cache, slice_cache
+from ..errors import InvalidInputError
 from .layer_recompute import recompute_top_layers
 from .plan import plan_from_config
-from .transfer import probe_agreement, recompute_mapped
+from .prefill import probe_agreement, recompute_mapped
 
 logger = logging.getLogger(__name__)
 
