@@ -45,14 +45,27 @@ def _rotate_kv_kernel(
     k1 = tl.load(k + j[None, :] * sk_d, mask=mask, other=0.0).to(tl.float32)
     k2 = tl.load(k + (j[None, :] + HALF) * sk_d, mask=mask, other=0.0).to(tl.float32)
     out = ko_ptr + a * sko_a + b * sko_b + h * sko_h + t[:, None] * sko_t
-    tl.store(out + j[None, :] * sko_d, (k1 * c - k2 * s).to(ko_ptr.dtype.element_ty), mask=mask)
-    tl.store(out + (j[None, :] + HALF) * sko_d, (k2 * c + k1 * s).to(ko_ptr.dtype.element_ty), mask=mask)
+    tl.store(out + j[None, :] * sko_d, _cast(k1 * c - k2 * s, ko_ptr.dtype.element_ty), mask=mask)
+    tl.store(out + (j[None, :] + HALF) * sko_d, _cast(k2 * c + k1 * s, ko_ptr.dtype.element_ty), mask=mask)
     if HAS_VALUES:
         v = v_ptr + a * sv_a + b * sv_b + h * sv_h + t[:, None] * sv_t
         v_out = vo_ptr + a * svo_a + b * svo_b + h * svo_h + t[:, None] * svo_t
         for half in tl.static_range(2):
             part = tl.load(v + (j[None, :] + half * HALF) * sv_d, mask=mask)
-            tl.store(v_out + (j[None, :] + half * HALF) * svo_d, part.to(vo_ptr.dtype.element_ty), mask=mask)
+            tl.store(v_out + (j[None, :] + half * HALF) * svo_d, _cast(part, vo_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _cast(x, dtype: tl.constexpr):
+    """`x` in `dtype`; float32 to bfloat16 rounded to nearest even by hand (the bits of `x` plus `0x7fff` plus the
+    last kept bit, then the high half), as PyTorch and a GPU's conversion round, and as Triton's interpreter, whose
+    cast truncates, would not: the CPU test then checks the same numbers a GPU computes. (NaN is not kept NaN: the
+    inputs are finite.)"""
+    if dtype == tl.bfloat16 and x.dtype == tl.float32:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = bits + 0x7FFF + ((bits >> 16) & 1)
+        return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    return x.to(dtype)
 
 
 def rotate_kv(
