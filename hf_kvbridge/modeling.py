@@ -43,6 +43,7 @@ from .transfer.layer_recompute import calibrated_layers, check_layer_recompute
 from .transfer.plan import TransferPlan, plan_from_config
 from .transfer.prefill import left_padding, positions_from_mask, transfer_prefill
 from .transfer.session import HandoffSession
+from .transfer.warm_start import generate_from_source_cache
 
 logger = logging.getLogger(__name__)
 
@@ -571,6 +572,98 @@ class KVBridgeForCausalLM(nn.Module):
             self.check_length(input_ids.shape[1])
             kwargs[CACHE_KWARG], _ = self.prefill(input_ids[:, :split], attention_mask[:, :split], source_logits=False)
         return self.target.generate(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+
+    @torch.no_grad()
+    def generate_from_cache(
+        self,
+        source_cache: Cache,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        *,
+        compile_hold_back: bool | None = None,
+        **kwargs: Any,
+    ):
+        r"""Generates like [`~KVBridgeForCausalLM.generate`], from a source cache the caller already holds (a warm
+        cascade: the source drafted or answered first, a router switches models, a session is handed over).
+
+        The source cache (of the prompt's first `S` tokens) is mapped into the target's cache in place, the target
+        runs the prompt's tokens from `min(S, len - hold_back)` on (the hold-back forward: at least the last
+        `hold_back`, more where the source cache is shorter than the prompt) and the first token comes from its
+        logits, chosen as `generate` chooses it; `generate` then continues from the cache. No source prefill, no copy
+        of the mapped cache, one set of positions (`hf_kvbridge.transfer.warm_start`).
+
+        Args:
+            source_cache (`Cache`): the source's cache of the prompt's first tokens (a forward pass of the source
+                over them with the same left padding).
+            input_ids (`torch.LongTensor` of shape `(batch, seq)`): the whole prompt; attention_mask (*optional*):
+                1 for tokens, 0 for left padding (right padding is refused).
+            compile_hold_back (`bool`, *optional*): run the hold-back forward through the target's compiled call
+                (`get_compiled_call`, the step `generate` compiles for decoding with a static cache); needs
+                `cache_implementation="static"`. By default wherever `generate` would compile its decoding steps
+                (a static cache on a GPU). The first call compiles (seconds); later ones reuse it.
+            kwargs: `generate`'s arguments: `max_new_tokens`, `do_sample`, `generation_config`, `streamer`,
+                `return_dict_in_generate`, `output_logits`, ..., and `cache_implementation="static"` (a `StaticCache`,
+                kept by the bridge and reused between calls) or `cache=` (an empty cache to map into). Greedy or
+                sampled decoding.
+
+        Returns:
+            what `generate` returns: `torch.LongTensor` of shape `(batch, seq + new)`, or a
+            `GenerateDecoderOnlyOutput` with `return_dict_in_generate=True`.
+
+        Example:
+
+        ```python
+        >>> ids = tokenizer("def add(a, b):", return_tensors="pt").input_ids  # doctest: +SKIP
+        >>> source_cache = bridge.source(ids, use_cache=True).past_key_values  # the source's turn  # doctest: +SKIP
+        >>> out = bridge.generate_from_cache(source_cache, ids, max_new_tokens=5, do_sample=False)  # doctest: +SKIP
+        >>> out.shape[1] == ids.shape[1] + 5  # doctest: +SKIP
+        True
+        ```
+        """
+        if input_ids is None:
+            input_ids = kwargs.pop("inputs", None)
+        if input_ids is None:
+            raise InvalidInputError("generate_from_cache needs input_ids (or inputs): pass the whole prompt")
+        self._check_warm_start(input_ids.shape[1])
+        cache = None
+        for spelling in ("cache", "past_key_values"):
+            cache = kwargs.pop(spelling, None) if cache is None else cache
+        return generate_from_source_cache(
+            self.target,
+            self.map_cache,
+            source_cache,
+            input_ids,
+            attention_mask,
+            hold_back=self.config.hold_back,
+            cache=cache,
+            compile_hold_back=compile_hold_back,
+            keep=self.__dict__.setdefault("_warm_start", {}),  # the static cache reused between calls
+            **kwargs,
+        )
+
+    def _check_warm_start(self, length: int) -> None:
+        """Refuses what a warm start from a source cache cannot do: a prompt too long, and transfers that need the
+        source's forward pass or the target's own tokens inside the mapped span (sinks, the gate's probe, recompute,
+        hidden-state features)."""
+        self.check_length(length)
+        plan = self.transfer_plan(max(length - self.config.hold_back, 0))
+        asked = [
+            name
+            for name, on in (
+                ("sink_tokens", plan.map_start > 0),
+                ("gate_threshold", plan.gate is not None),
+                ("recompute_fraction", plan.recompute_tokens > 0),
+                ("recompute_layers", plan.recompute_layers > 0),
+                ("source_features", self.source_features is not None),
+            )
+            if on
+        ]
+        if asked:
+            raise ConfigurationError(
+                f"generate_from_cache maps the source cache as it is, but this bridge's config asks for "
+                f"{', '.join(asked)}, which need the source's own forward pass or the target's tokens inside the "
+                "mapped span; use bridge.generate (or set them off in bridge.config)"
+            )
 
     # -- saving and loading --------------------------------------------------------------------------------------
     def save_pretrained(
