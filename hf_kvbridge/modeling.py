@@ -22,9 +22,10 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from .cache import CACHE_KWARG, cache_kwargs, output_cache
 from .configuration import KVBridgeConfig
 from .constants import CONFIG_NAME, DEFAULT_MAX_SHARD_SIZE, REVERSE_FOLDER
+from .devices import execution_device
 from .errors import ConfigurationError, ContextLengthError, InvalidInputError, KVLayoutError, MapperError
 from .layout import KVLayout, check_fingerprint, check_models, hidden_size
-from .loading import execution_device, load_model
+from .loading import load_model
 from .mappers import KVMapper
 from .mappers.engine import Workspace, map_cache
 from .mappers.lazy import LazyKVMapper

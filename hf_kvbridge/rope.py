@@ -23,8 +23,8 @@ import logging
 import torch
 from torch import nn
 
+from .devices import execution_device
 from .errors import KVLayoutError
-from .loading import execution_device
 
 logger = logging.getLogger(__name__)
 

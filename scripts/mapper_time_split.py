@@ -18,7 +18,7 @@ import torch
 
 from hf_kvbridge.cache import output_cache
 from hf_kvbridge.mappers.engine import Workspace, map_cache
-from hf_kvbridge.tools.bench.mapper import qwen3_shape_config, random_bridge
+from hf_kvbridge.tools.bench.shapes import qwen3_shape_config, random_bridge
 
 
 @torch.no_grad()

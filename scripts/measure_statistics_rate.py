@@ -25,8 +25,8 @@ import time
 import torch
 
 from hf_kvbridge.statistics.blocks import BlockStatistics
-from hf_kvbridge.tools.bench.mapper import _cpu_peak_bytes
 from hf_kvbridge.tools.bench.report import write_measurement
+from hf_kvbridge.tools.bench.timing import cpu_peak_bytes
 
 HEADS, DIM = 8, 128  # Qwen3-0.6B and -1.7B: row = 8 · 2 · 128 = 2,048
 CASES = [(6, 4, 6), (12, 4, 6), (20, 8, 6)]  # (U, T, k)
@@ -73,7 +73,7 @@ def measure(
             continue  # every target reads the whole union: the same as "upper"
         stats = _statistics(variant, union, targets, k, heads, dim)
         step = lambda s=stats: s.update(x, y)  # noqa: E731
-        peak = _cpu_peak_bytes(step)  # also the warm-up: the first touch of the statistics' pages
+        peak = cpu_peak_bytes(step)  # also the warm-up: the first touch of the statistics' pages
         seconds = _time(step, repeats)
         gram = union * union if variant == "full" else union * (union + 1) // 2
         cross = (k if variant == "own" else union) * targets

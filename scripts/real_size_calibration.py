@@ -1,7 +1,7 @@
 """The paper's map at real size with default settings: `calibrate(random Qwen3-0.6B, random Qwen3-1.7B, texts,
 top_k=6)` (all heads, K and V jointly, auto-λ, the default memory budget), 8 × 256 tokens of the pocket texts.
 
-Random weights with the real layer shapes (`hf_kvbridge.tools.bench.calibration.random_model`: hidden 1024 / 2048,
+Random weights with the real layer shapes (`hf_kvbridge.tools.bench.shapes.random_model`: hidden 1024 / 2048,
 28 / 28 layers, 16 query heads, 8 KV heads × 128, MLP 3072 / 6144, vocabulary 151,936, tied embeddings) give
 meaningless maps but the real memory plan and costs. The text is tokenized by the pocket tokenizer (vocabulary 4,096,
 so every id is one of the models'). Prints figures and writes JSON: peak RSS (`getrusage`, models included), the
@@ -37,7 +37,7 @@ if ROOT not in sys.path:  # run as a path from a checkout
 
 from hf_kvbridge import budget as plan  # noqa: E402
 from hf_kvbridge.pocket import load_texts, model_path  # noqa: E402
-from hf_kvbridge.tools.bench.calibration import SHAPES, random_model  # noqa: E402
+from hf_kvbridge.tools.bench.shapes import CHECKPOINT_SHAPES, random_model  # noqa: E402
 
 SOURCE, TARGET = "qwen3-0.6b", "qwen3-1.7b"
 
@@ -48,7 +48,7 @@ def _peak_rss() -> int:
 
 def _model_bytes(name: str, dtype: torch.dtype, layers: int | None = None) -> int:
     """Parameter bytes of a random model of `name`'s shapes (tied embeddings counted once)."""
-    hidden, n, heads, kv_heads, head_dim, mlp, vocab, tied = SHAPES[name]
+    hidden, n, heads, kv_heads, head_dim, mlp, vocab, tied = CHECKPOINT_SHAPES[name]
     n = layers or n
     attention = hidden * (heads + 2 * kv_heads) * head_dim + heads * head_dim * hidden + 2 * head_dim
     layer = attention + 3 * hidden * mlp + 2 * hidden
@@ -185,8 +185,8 @@ def main(argv=None) -> dict:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     dtype = getattr(torch, args.dtype)
-    source_layers = SHAPES[SOURCE][1]
-    target_layers = args.target_layers or SHAPES[TARGET][1]
+    source_layers = CHECKPOINT_SHAPES[SOURCE][1]
+    target_layers = args.target_layers or CHECKPOINT_SHAPES[TARGET][1]
     result: dict = {
         "pair": f"{SOURCE} → {TARGET} (random weights)",
         "target_layers": target_layers,

@@ -2,7 +2,7 @@
 
 For each pocket pair, one calibration; then on held-out windows (context + continuation) the bridge runs with the
 gate switched on but never refusing (`gate_threshold = -1`), so that every window records its gate score (mean cosine
-between the target's own K/V and the mapped K/V on the probe tokens, `hf_kvbridge.transfer.prefill.probe_agreement`)
+between the target's own K/V and the mapped K/V on the probe tokens, `hf_kvbridge.transfer.steps.probe_agreement`)
 next to its continuation NLL in three modes: the target's own prefill, the gated bridge (the probe tokens are the
 target's own, as under a real gate) and no context (`hf_kvbridge.tools.evaluation`). The same windows are also scored
 by a

@@ -24,8 +24,8 @@ from transformers import AutoTokenizer
 from hf_kvbridge import pocket
 from hf_kvbridge.calibration.calibrate import calibrate
 from hf_kvbridge.mappers import MAPPER_TYPES
+from hf_kvbridge.tools.bench.flop_model import cost, target_flops_per_token
 from hf_kvbridge.tools.evaluation import continuation_nll, heldout_windows, retention, score_tokens
-from hf_kvbridge.tools.tune import cost, target_flops_per_token
 
 POLICIES = ("tail", "sinks", "random", "spread", "probe", "tail_probe")
 FRACTIONS = (0.0, 0.02, 0.05, 0.1, 0.2, 0.3)
@@ -135,7 +135,7 @@ def run_frontier(args: argparse.Namespace) -> dict:
     """Calibrates the pair once and measures every (recomputed layers, policy, fraction) point on the same windows.
 
     Each point's `cost` is `kvbridge tune`'s: the FLOPs per context token the target spends (recomputed tokens and
-    layers) plus the mapper's, as a share of the target's own prefill (`hf_kvbridge.tools.tune.cost`)."""
+    layers) plus the mapper's, as a share of the target's own prefill (`hf_kvbridge.tools.bench.flop_model.cost`)."""
     layer_counts = [int(n) for n in str(getattr(args, "recompute_layers", "0")).split(",")]
     tokenizer = AutoTokenizer.from_pretrained(pocket.model_path(args.target))
     source, target = pocket.load_model(args.source), pocket.load_model(args.target)

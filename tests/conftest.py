@@ -134,7 +134,7 @@ SLOW_FILES = (
     "test_readme.py",
     "test_lm_eval.py",
     "test_recompute_study.py",
-    "test_tune.py",
+    "test_tune_search.py",
     "test_calibration_scale.py",
     "test_evaluation.py",
     "test_pocket.py",

@@ -7,7 +7,11 @@ import pytest
 import torch
 
 from hf_kvbridge.cli.main import main
-from hf_kvbridge.tools.bench.mapper import benchmark, mapper_flops, peak_extra_bytes, prefill_flops, random_bridge
+from hf_kvbridge.tools.bench import shapes
+from hf_kvbridge.tools.bench.flop_model import mapper_flops, prefill_flops
+from hf_kvbridge.tools.bench.mapper import benchmark
+from hf_kvbridge.tools.bench.shapes import random_bridge
+from hf_kvbridge.tools.bench.timing import peak_extra_bytes
 from tests.conftest import qwen3
 
 
@@ -56,10 +60,8 @@ def test_peak_memory_sees_a_large_temporary():
 
 
 def test_bench_cli_with_random_shapes(tmp_path, capsys, monkeypatch):
-    from hf_kvbridge.tools.bench import mapper as bench
-
-    monkeypatch.setitem(bench.QWEN3_SHAPES, "tiny-a", (2, 32, 4, 2, 16, 64))
-    monkeypatch.setitem(bench.QWEN3_SHAPES, "tiny-b", (3, 48, 4, 2, 16, 96))
+    monkeypatch.setitem(shapes.QWEN3_SHAPES, "tiny-a", (2, 32, 4, 2, 16, 64))
+    monkeypatch.setitem(shapes.QWEN3_SHAPES, "tiny-b", (3, 48, 4, 2, 16, 96))
     out = tmp_path / "bench.json"
     assert (
         main(
@@ -86,10 +88,8 @@ def test_bench_cli_with_random_shapes(tmp_path, capsys, monkeypatch):
 def test_bench_cli_low_rank_bf16_interleaved(tmp_path, monkeypatch):
     """`--rank`, `--mapper-dtype` and `--interleave` reach the benchmark: a low-rank bfloat16 mapper's row says so
     and counts the low-rank FLOPs."""
-    from hf_kvbridge.tools.bench import mapper as bench
-
-    monkeypatch.setitem(bench.QWEN3_SHAPES, "tiny-a", (2, 32, 4, 2, 16, 64))
-    monkeypatch.setitem(bench.QWEN3_SHAPES, "tiny-b", (3, 48, 4, 2, 16, 96))
+    monkeypatch.setitem(shapes.QWEN3_SHAPES, "tiny-a", (2, 32, 4, 2, 16, 64))
+    monkeypatch.setitem(shapes.QWEN3_SHAPES, "tiny-b", (3, 48, 4, 2, 16, 96))
     out, full = tmp_path / "low.json", tmp_path / "full.json"
     common = ["bench", "mapper", "--shapes", "tiny-a:tiny-b", "--top-k", "2", "--lengths", "16", "--repeats", "1"]
     assert main([*common, "--rank", "4", "--mapper-dtype", "bfloat16", "--interleave", "--json", str(out)]) == 0
@@ -103,9 +103,9 @@ def test_bench_cli_low_rank_bf16_interleaved(tmp_path, monkeypatch):
 
 
 def test_cpu_memory_records_print_no_profiler_noise(capfd):
-    from hf_kvbridge.tools.bench.mapper import _cpu_peak_bytes
+    from hf_kvbridge.tools.bench.timing import cpu_peak_bytes
 
-    assert _cpu_peak_bytes(lambda: torch.ones(1000) * 2) >= 4000
+    assert cpu_peak_bytes(lambda: torch.ones(1000) * 2) >= 4000
     captured = capfd.readouterr()
     assert "USDT" not in captured.out + captured.err and "profiler_start" not in captured.out + captured.err
 
@@ -114,11 +114,10 @@ def test_vllm_bench_random_shapes_bridge_builds(tmp_path, monkeypatch):
     """`kvbridge bench vllm --shapes` builds its bridge from the mapper bench's helpers (it once imported a module
     that did not exist); without vLLM, at a tiny shape: the saved bridge loads back."""
     from hf_kvbridge import KVBridgeForCausalLM
-    from hf_kvbridge.tools.bench import mapper as bench
     from hf_kvbridge.tools.bench.vllm import random_shapes_bridge
 
-    monkeypatch.setitem(bench.QWEN3_SHAPES, "tiny-a", (2, 32, 4, 2, 16, 64))
-    monkeypatch.setitem(bench.QWEN3_SHAPES, "tiny-b", (3, 48, 4, 2, 16, 96))
+    monkeypatch.setitem(shapes.QWEN3_SHAPES, "tiny-a", (2, 32, 4, 2, 16, 64))
+    monkeypatch.setitem(shapes.QWEN3_SHAPES, "tiny-b", (3, 48, 4, 2, 16, 96))
     bridge_dir = random_shapes_bridge(tmp_path, "tiny-a:tiny-b", top_k=2, max_positions=128)
     bridge = KVBridgeForCausalLM.from_pretrained(bridge_dir)
     assert bridge.source.config.num_hidden_layers == 2 and bridge.target.config.num_hidden_layers == 3
@@ -135,8 +134,8 @@ def test_bench_cli_old_vs_new_writes_both_defaults(tmp_path, capsys, monkeypatch
     real_units = precision.bf16_matmul_units("cpu")  # where oneDNN has them, "medium" uses them in float32 products
     monkeypatch.setattr(precision, "bf16_matmul_units", lambda device: units)
 
-    monkeypatch.setitem(bench.QWEN3_SHAPES, "tiny-a", (2, 32, 4, 2, 16, 64))
-    monkeypatch.setitem(bench.QWEN3_SHAPES, "tiny-b", (3, 48, 4, 2, 16, 96))
+    monkeypatch.setitem(shapes.QWEN3_SHAPES, "tiny-a", (2, 32, 4, 2, 16, 64))
+    monkeypatch.setitem(shapes.QWEN3_SHAPES, "tiny-b", (3, 48, 4, 2, 16, 96))
     out = tmp_path / "old_new.json"
     common = ["bench", "mapper", "--shapes", "tiny-a:tiny-b", "--top-k", "2", "--lengths", "16,24", "--repeats", "2"]
     assert main([*common, "--old-vs-new", "--json", str(out)]) == 0
@@ -189,6 +188,12 @@ def test_bench_old_vs_new_refuses_interleave(capsys, monkeypatch):
 TINY_SHAPES = {"tiny-s": (32, 2, 2, 1, 16, 64, 128, True), "tiny-t": (48, 3, 2, 1, 16, 96, 128, False)}
 
 
+def _with_tiny_shapes(monkeypatch):
+    """`TINY_SHAPES` among the checkpoint shapes the calibration bench builds, for this test only."""
+    for name, shape in TINY_SHAPES.items():
+        monkeypatch.setitem(shapes.CHECKPOINT_SHAPES, name, shape)
+
+
 def test_calibration_bench_splits_its_time(tmp_path, capsys, monkeypatch):
     """`kvbridge bench calibration` charges each stage its own time: the λ search and the solves, each slowed by a
     known delay, show it in their own fields; the projection adds the per-token stages scaled and the rest as is."""
@@ -196,7 +201,7 @@ def test_calibration_bench_splits_its_time(tmp_path, capsys, monkeypatch):
     from hf_kvbridge.mappers import KVMapper
     from hf_kvbridge.tools.bench import calibration as bench
 
-    monkeypatch.setattr(bench, "SHAPES", {**bench.SHAPES, **TINY_SHAPES})
+    _with_tiny_shapes(monkeypatch)
     monkeypatch.setattr(calibration, "choose_ridge_lambdas", _slowed(calibration.choose_ridge_lambdas, 0.3))
     monkeypatch.setattr(KVMapper, "fit_targets", _slowed(KVMapper.fit_targets, 0.5))
     out = tmp_path / "cal.json"
@@ -225,9 +230,8 @@ def test_calibration_bench_runs_under_the_precision_asked_for(tmp_path, monkeypa
     """`--float32-matmul-precision medium` runs the calibration under it (seen from inside the fit), records it and
     the mean held-out R² in the JSON, and restores the precision afterwards."""
     import hf_kvbridge.calibration.budgeted_fit as calibration
-    from hf_kvbridge.tools.bench import calibration as bench
 
-    monkeypatch.setattr(bench, "SHAPES", {**bench.SHAPES, **TINY_SHAPES})
+    _with_tiny_shapes(monkeypatch)
     seen = []
     inner = calibration.choose_ridge_lambdas
 
@@ -329,7 +333,7 @@ def test_calibration_bench_on_the_first_layers_scales_each_stage_to_the_whole_pa
     layers, the fit statistics, λ search and solves by the target layers."""
     from hf_kvbridge.tools.bench import calibration as bench
 
-    monkeypatch.setattr(bench, "SHAPES", {**bench.SHAPES, **TINY_SHAPES})
+    _with_tiny_shapes(monkeypatch)
     built = []
     monkeypatch.setattr(bench, "random_model", _recorded(bench.random_model, built))
     out = tmp_path / "cal.json"
@@ -342,7 +346,7 @@ def test_calibration_bench_on_the_first_layers_scales_each_stage_to_the_whole_pa
     assert (result["source_layers"], result["target_layers"]) == (1, 2) and result["row_statistics"] is False
     full = result["full_depth"]
     assert (full["source_layers"], full["target_layers"]) == (2, 3)
-    a, b = (prefill_flops(bench.shape_config(name, layers=1), 16) for name in ("tiny-s", "tiny-t"))  # one layer
+    a, b = (prefill_flops(shapes.shape_config(name, layers=1), 16) for name in ("tiny-s", "tiny-t"))  # one layer
     ratio = (2 * a + 3 * b) / (a + 2 * b)
     assert full["forward_seconds"] == pytest.approx(result["forward_seconds"] * ratio, abs=0.11)
     assert full["lambda_seconds"] == pytest.approx(result["lambda_seconds"] * 1.5, abs=0.11)
@@ -374,7 +378,7 @@ def test_calibration_bench_refuses_bad_layers_before_building(layers, expected, 
     def no_build(*args, **kwargs):
         raise AssertionError("a model was built for bad --layers")
 
-    monkeypatch.setattr(bench, "SHAPES", {**bench.SHAPES, **TINY_SHAPES})
+    _with_tiny_shapes(monkeypatch)
     monkeypatch.setattr(bench, "random_model", no_build)
     assert main(["bench", "calibration", "--pair", "tiny-s:tiny-t", "--layers", layers]) != 0
     err = capsys.readouterr().err
@@ -384,11 +388,9 @@ def test_calibration_bench_refuses_bad_layers_before_building(layers, expected, 
 def test_calibration_bench_does_not_project_the_rows_solves_to_more_tokens(tmp_path):
     """Fewer training tokens than map inputs keep the rows, whose λ search and solves (an `n × n` kernel) say nothing
     of the sums' at the paper's tokens: the projection leaves them out and says so."""
-    from hf_kvbridge.tools.bench import calibration as bench
-
     out = tmp_path / "cal.json"
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(bench, "SHAPES", {**bench.SHAPES, **TINY_SHAPES})
+        _with_tiny_shapes(patch)
         argv = ["bench", "calibration", "--pair", "tiny-s:tiny-t", "--num-sequences", "4", "--seq-len", "16",
                 "--batch-size", "2", "--heldout-fraction", "0.25", "--top-k", "2", "--head-mode", "all_heads",
                 "--dtype", "float32", "--json", str(out)]  # fmt: skip

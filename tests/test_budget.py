@@ -35,7 +35,7 @@ from hf_kvbridge.statistics.base import map_groups
 from hf_kvbridge.statistics.blocks import BlockStatistics
 from hf_kvbridge.statistics.dense import KVStatistics
 from hf_kvbridge.statistics.selection import SelectionStatistics
-from hf_kvbridge.tools.bench.mapper import _cpu_peak_bytes
+from hf_kvbridge.tools.bench.timing import cpu_peak_bytes
 from tests.conftest import CORPUS, make_tokenizer, qwen3
 
 LS, LT, H, D = 3, 4, 2, 3
@@ -311,7 +311,7 @@ def test_fit_statistics_memory_does_not_grow_with_layer_counts():
                     part.update(x, y)
                 del parts
 
-        peaks[layers] = _cpu_peak_bytes(fit)
+        peaks[layers] = cpu_peak_bytes(fit)
     assert 0 < peaks[12] <= 1.05 * peaks[2], peaks
     dense_cross = 12 * 12 * ROW * ROW  # numbers of `KVStatistics.xy` for 12 → 12 layers
     assert SelectionStatistics(12, 12, H, D).xy.numel() * 2 * H == dense_cross

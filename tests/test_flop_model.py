@@ -1,6 +1,7 @@
-"""The calibration FLOP model (`hf_kvbridge.tools.bench.flop_model`) counts what the code computes: its counts are
-checked against the matrix products the statistics and the λ search really dispatch, and `kvbridge bench calibration
---flop-model` prints and writes them with times at probed and datasheet rates."""
+"""The FLOP model (`hf_kvbridge.tools.bench.flop_model`) counts what the code computes: the calibration's counts are
+checked against the matrix products the statistics and the λ search really dispatch, `kvbridge bench calibration
+--flop-model` prints and writes them with times at probed and datasheet rates, and a transfer's cost (`kvbridge
+tune`'s axis) agrees with the mapper bench's FLOP counts."""
 
 from __future__ import annotations
 
@@ -15,15 +16,21 @@ from hf_kvbridge.solve import LAMBDA_GRID, heldout_r2_chunks
 from hf_kvbridge.statistics.base import map_groups
 from hf_kvbridge.statistics.blocks import BlockStatistics
 from hf_kvbridge.statistics.selection import SelectionStatistics
-from hf_kvbridge.tools.bench import calibration as bench
 from hf_kvbridge.tools.bench.flop_model import (
     EIGH_FLOPS,
     H100_SXM,
     CalibrationShape,
     DeviceRates,
     calibration_flops,
+    cost,
+    map_flops_per_token,
+    prefill_flops,
     project_seconds,
+    target_flops_per_token,
 )
+from hf_kvbridge.tools.bench.mapper import benchmark
+from hf_kvbridge.tools.bench.shapes import CHECKPOINT_SHAPES, random_bridge, shape_config
+from tests.conftest import qwen3
 
 TINY_SHAPES = {"tiny-s": (32, 4, 2, 1, 4, 64, 128, True), "tiny-t": (48, 3, 2, 1, 4, 96, 128, False)}
 
@@ -62,7 +69,7 @@ def _shape(sequences: int, seq_len: int, passes=(3,), top_k=2, groups=1) -> Cali
 def test_fit_statistics_count_is_what_an_update_dispatches():
     """Per token, a fit pass's `BlockStatistics.update` with each target's own `k` cross blocks dispatches the
     model's count at both ends of the union: every target reading the same `k` source layers, and none sharing."""
-    config = bench.shape_config("qwen3-0.6b")  # only the forwards read it; they are not compared here
+    config = shape_config("qwen3-0.6b")  # only the forwards read it; they are not compared here
     heads, dim, k, targets = 1, 4, 2, 2
     row = heads * 2 * dim
     for union, reads in ((2, {0: [0, 1], 1: [0, 1]}), (4, {0: [0, 1], 1: [2, 3]})):
@@ -80,7 +87,7 @@ def test_fit_statistics_count_is_what_an_update_dispatches():
 
 
 def test_selection_statistics_count_is_what_an_update_dispatches():
-    config = bench.shape_config("qwen3-0.6b")
+    config = shape_config("qwen3-0.6b")
     stats = SelectionStatistics(4, 3, 2, 4)
 
     def update(tokens):
@@ -94,7 +101,7 @@ def test_selection_statistics_count_is_what_an_update_dispatches():
 def test_lambda_search_count_is_what_the_search_dispatches_besides_its_eigh():
     """`heldout_r2_chunks` of one all-heads joint map: its products are the model's λ-search count without the
     eigendecomposition (to the λ path's `shift @ w` vectors, `2pq` a λ, which the model leaves out)."""
-    config = bench.shape_config("qwen3-0.6b")
+    config = shape_config("qwen3-0.6b")
     heads, dim, k = 1, 4, 2
     train, held = (BlockStatistics(3, 1, heads, dim, sources=[0, 1, 2], targets=[0]) for _ in range(2))
     for stats in (train, held):
@@ -110,7 +117,7 @@ def test_lambda_search_count_is_what_the_search_dispatches_besides_its_eigh():
 
 
 def test_forwards_count_both_models_once_per_pass():
-    source, target = bench.shape_config("qwen3-0.6b"), bench.shape_config("qwen3-1.7b")
+    source, target = shape_config("qwen3-0.6b"), shape_config("qwen3-1.7b")
     one = calibration_flops(_shape(2, 64, passes=(3,)), source, target)
     three = calibration_flops(_shape(2, 64, passes=(1, 1, 1)), source, target)
     assert three["forwards"] == pytest.approx(2 * one["forwards"])  # 1 + 3 passes against 1 + 1
@@ -118,7 +125,7 @@ def test_forwards_count_both_models_once_per_pass():
 
 
 def test_projection_divides_each_stage_by_its_rate():
-    config = bench.shape_config("qwen3-0.6b")
+    config = shape_config("qwen3-0.6b")
     flops = calibration_flops(_shape(4, 32), config, config)
     rates = DeviceRates("unit", forward=1.0, float32=2.0, float64=4.0, eigh=8.0, source="test")
     seconds = project_seconds(flops, rates)
@@ -131,7 +138,8 @@ def test_projection_divides_each_stage_by_its_rate():
 
 
 def test_flop_model_cli_prints_and_writes_both_devices(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(bench, "SHAPES", {**bench.SHAPES, **TINY_SHAPES})
+    for name, shape in TINY_SHAPES.items():
+        monkeypatch.setitem(CHECKPOINT_SHAPES, name, shape)
     out = tmp_path / "flops.json"
     argv = ["bench", "calibration", "--flop-model", "--pair", "tiny-s:tiny-t", "--head-mode", "all_heads",
             "--top-k", "2", "--num-sequences", "10", "--seq-len", "64", "--dtype", "float32",
@@ -161,3 +169,34 @@ def test_flop_model_cli_refuses_a_budget_that_holds_no_target_layer(capsys):
     assert main(argv) != 0
     err = capsys.readouterr().err
     assert "one target layer needs" in err and "--statistics-memory" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("rank", [None, 4])
+def test_tune_cost_and_the_mapper_bench_count_with_one_model(rank):
+    """Tune's cost axis and the mapper bench's FLOP figures come from the one FLOP model and agree: a bridge that maps
+    every layer and recomputes nothing costs the inverse of the bench's FLOP bound (≤ 1e-6); token and layer recompute
+    add `(f + n / L_t)` of the target's prefill; recomputing every target layer maps nothing and costs exactly 1."""
+    bridge = random_bridge(qwen3(layers=2).config, qwen3(layers=3, hidden=48).config, top_k=2, rank=rank)
+    context = 32
+    (row,) = benchmark(bridge, [context], repeats=1, warmup=0)
+    per_token = target_flops_per_token(bridge.target.config, context)
+    assert per_token == pytest.approx(prefill_flops(bridge.target.config, context) / context, rel=1e-12)
+    assert per_token == pytest.approx(row["target_prefill_flops"] / context, rel=1e-6)
+    assert cost(bridge, per_token) == pytest.approx(1 / row["flop_ratio_bound"], rel=1e-6)
+    maps = row["mapper_flops"] / context / per_token
+    for fraction, layers in ((0.1, 0), (0.0, 1), (0.2, 2)):
+        bridge.config.recompute_fraction, bridge.config.recompute_layers = fraction, layers
+        assert cost(bridge, per_token) == pytest.approx(maps + fraction + layers / 3, rel=1e-6)
+    bridge.config.recompute_fraction, bridge.config.recompute_layers = 0.0, 3
+    assert cost(bridge, per_token) == 1.0 and map_flops_per_token(bridge) == (0, 0)
+
+
+def test_calibration_forwards_are_the_prefill_model_once_per_pass():
+    """The calibration's forwards are the same prefill FLOPs the transfer's cost divides by: both models' prefills of
+    every sequence, once for the selection pass and once per fit pass."""
+    source, target = shape_config("qwen3-0.6b"), shape_config("qwen3-1.7b")
+    shape = CalibrationShape(28, 28, 8, 128, top_k=6, groups=1, sequences=5, seq_len=512, passes=(10, 10, 8))
+    flops = calibration_flops(shape, source, target)
+    one = prefill_flops(source, 512) + prefill_flops(target, 512)
+    assert flops["forwards"] == pytest.approx(4 * 5 * one, rel=1e-12)
+    assert target_flops_per_token(target, 512) * 512 == pytest.approx(prefill_flops(target, 512), rel=1e-12)

@@ -11,8 +11,8 @@ from hf_kvbridge.mappers import KVMapper
 from hf_kvbridge.mappers.engine import Workspace, map_cache
 from hf_kvbridge.mappers.low_rank import LowRankKVMapper
 from hf_kvbridge.rope import apply_rotary, inverse_cos_sin, rotary_cos_sin
-from hf_kvbridge.tools.bench.mapper import random_bridge
 from hf_kvbridge.tools.bench.ops import count_ops
+from hf_kvbridge.tools.bench.shapes import random_bridge
 from tests.conftest import VOCAB, qwen3
 
 

@@ -11,7 +11,8 @@ from hf_kvbridge.calibration.data_pass import collect_statistics
 from hf_kvbridge.calibration.dense_fit import fit_bridge
 from hf_kvbridge.mappers.engine import map_cache
 from hf_kvbridge.transfer.plan import plan_from_config, plan_prompt, plan_transfer
-from hf_kvbridge.transfer.prefill import TransferDecision, transfer_prefill
+from hf_kvbridge.transfer.prefill import transfer_prefill
+from hf_kvbridge.transfer.steps import TransferDecision
 from tests.conftest import VOCAB, qwen3
 
 

@@ -214,7 +214,7 @@ def _cmd_tune(args: argparse.Namespace) -> int:
         ContextLengthError.check(
             "--context plus --continuation", args.context + args.continuation, min(limits), "shorten them"
         )
-    from hf_kvbridge.tools.tune import run_tune_cli
+    from hf_kvbridge.tools.tune.search import run_tune_cli
 
     return run_tune_cli(args)
 

@@ -37,9 +37,9 @@ from torch import nn
 from transformers import Cache, DynamicCache
 
 from ..cache import append_layer, cache_layer_kv, check_cache_shape, new_target_cache
+from ..devices import execution_device, layer_devices
 from ..errors import InvalidInputError, KVLayoutError
 from ..layout import KVLayout
-from ..loading import execution_device, layer_devices
 from ..rope import Rotation, inverse_cos_sin, rotary_cos_sin, rotary_module, rotate_kv
 from ..source_features import SourceFeatures
 from .base import KVMapper
@@ -310,7 +310,7 @@ def map_cache(
 
     Returns:
         `target_cache`, or a new `DynamicCache`, with `L_t` layers in the target's dtype, each on the device of its
-        target layer (`loading.layer_devices`: one device, or the layers' devices of a target split by a
+        target layer (`devices.layer_devices`: one device, or the layers' devices of a target split by a
         `device_map`).
     """
     src = source_layout

@@ -23,9 +23,9 @@ from torch import nn
 from ..attention import decoder_layers
 from ..cache import CACHE_KWARG
 from ..configuration import check_recompute_layers
+from ..devices import layer_devices
 from ..errors import ConfigurationError, KVLayoutError
 from ..layout import KVLayout
-from ..loading import layer_devices
 from ..mappers.residual import ResidualMapper
 from ..rope import rotary_module
 

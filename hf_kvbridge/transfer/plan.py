@@ -41,6 +41,7 @@ class TransferPlan:
             span themselves, from a mapped residual stream (`hf_kvbridge.transfer.layer_recompute`); the mapped K/V
             then fill only the layers below them. Equal to the target's layer count, the target prefills the span
             itself.
+        gate_probe_start (`int`, *optional*): where the probe starts when not at `map_end` (see `probe_start`).
 
     Later kinds of transfer extend the plan rather than fork it: a cache fetched from a KV store is
     `kind="kv_store"` with the fetched prefix as its mapped span (`map_start` where the fetch begins); a recompute of
@@ -66,6 +67,7 @@ class TransferPlan:
     recompute_seed: int = 0
     kind: str = SOURCE_PREFILL
     recompute_layers: int = 0
+    gate_probe_start: int | None = None
 
     @property
     def mapped_tokens(self) -> int:
@@ -73,9 +75,15 @@ class TransferPlan:
         return self.map_end - self.map_start
 
     @property
+    def probe_start(self) -> int:
+        """Where the gate's probe starts: `map_end`, unless `gate_probe_start` says later (a prefix-loading engine
+        leaves the recomputed tail `[map_end, probe_start)` to the target, outside the probe)."""
+        return self.map_end if self.gate_probe_start is None else self.gate_probe_start
+
+    @property
     def probe_tokens(self) -> int:
-        """Tokens of the gate's probe, `[map_end, length)`."""
-        return self.length - self.map_end
+        """Tokens of the gate's probe, `[probe_start, length)`."""
+        return self.length - self.probe_start
 
     @property
     def recompute_start(self) -> int:

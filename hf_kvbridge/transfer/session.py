@@ -17,9 +17,8 @@ from transformers import DynamicCache
 from ..attention import decoder_layers
 from ..cache import cache_kwargs, output_cache, slice_cache
 from ..errors import InvalidInputError
-from .layer_recompute import recompute_top_layers
 from .plan import plan_from_config
-from .prefill import probe_agreement, recompute_mapped
+from .steps import SourceKV, TargetSide, TransferSteps
 
 logger = logging.getLogger(__name__)
 
@@ -175,76 +174,54 @@ class HandoffSession:
         if len(mine.tokens) < sink_end:  # attention sinks: this model's own K/V, never mapped ones
             self._run(name, tokens[:sink_end])
         plan = plan_from_config(end, config, start=len(mine.tokens))  # the span this model lacks, as prefill plans it
-        start, map_end, probe = plan.map_start, plan.map_end, plan.probe_tokens
         if plan.mapped_tokens == 0:  # the sinks and the probe cover the span: nothing to map, this model computes it
             return 0
-        top, num_layers = mapper.check_recompute_layers(), len(decoder_layers(mapper.target))
-        positions = torch.arange(start, map_end, device=mapper.device).unsqueeze(0)
-        if top >= num_layers:  # every layer recomputed: this model computes the span itself
-            self._run(name, tokens[:map_end])
-        else:
-            whole = (start, map_end) == (0, len(theirs.tokens))
-            piece = theirs.cache if whole else slice_cache(theirs.cache, start, map_end)
-            features = self._feature_states(mapper, other, start, map_end)  # hidden states, if the mapper reads them
-            mine.cache = _recording(mapper.map_cache(piece, positions, target_cache=mine.cache, **features))
-            mine.tokens = tokens[:map_end]
-        if 0 < top < num_layers:  # the top layers compute the span from the residual mapped at each token
-            stream = mapper.map_residual(self._hidden_states(other, start, map_end), top)  # (1, span, D)
-            ones = torch.ones(1, map_end, dtype=torch.long, device=mapper.device)
-            recompute_top_layers(mapper.target, mine.cache, stream, ones, positions, start, num_layers - top)
-        recomputed = 0
-        if plan.recompute_tokens and top < num_layers:  # this model recomputes a share of the tokens it just mapped
-            ids = torch.tensor([mine.tokens], device=mapper.device)  # (1, map_end)
-            everything = torch.arange(map_end, device=mapper.device).unsqueeze(0)  # (1, map_end) positions
-            recomputed = recompute_mapped(
-                mapper.target,
-                mine.cache,
-                ids,
-                torch.ones_like(ids),
-                everything,
-                start,
-                count=plan.recompute_tokens,
-                policy=plan.recompute_policy,
-                seed=plan.recompute_seed,
-            )
-        if probe:
-            self._run(name, tokens[:end])  # this model's own K/V for the probe tokens
-            probe_positions = torch.arange(map_end, end, device=mapper.device).unsqueeze(0)
-            mapped_probe = mapper.map_cache(
-                slice_cache(theirs.cache, map_end, end),
-                probe_positions,
-                **self._feature_states(mapper, other, map_end, end),
-            )
-            ones = torch.ones(1, probe, dtype=torch.long, device=mapper.device)
-            score = float(probe_agreement(mine.cache, mapped_probe, map_end, ones)[0])
-            self.last_sync["score"] = score
-            if score < config.gate_threshold:
-                logger.info(
-                    "quality gate: probe K/V cosine %.4f < %.4f, the %s computes tokens %d-%d itself",
-                    score,
-                    config.gate_threshold,
-                    name,
-                    start,
-                    end,
-                )
-                _crop(mine.cache, start)
-                if start == 0:
-                    mine.cache = None
-                mine.tokens = tokens[:start]
-                self.last_sync["fell_back"] = True
-                return 0
-        mapped = 0 if top >= num_layers else map_end - start - recomputed
-        self.last_sync["mapped_tokens"] = mapped
-        self.last_sync["recomputed_tokens"] = recomputed
-        self.last_sync["recomputed_layers"] = top
-        return mapped
+        mapper.check_recompute_layers()  # the config may have changed since the bridge was built
+        start, device = plan.map_start, mapper.device
+        steps = TransferSteps(
+            plan,
+            mapper.map_cache,
+            positions=torch.arange(end, device=device).unsqueeze(0),  # (1, end)
+            num_layers=len(decoder_layers(mapper.target)),
+            input_ids=torch.tensor([tokens[:end]], device=device),  # (1, end)
+            residual_fn=mapper.map_residual,
+            hidden_features=getattr(mapper, "source_features", None) is not None,
+        )
 
-    def _feature_states(self, mapper, name: str, start: int, end: int) -> dict:
-        """`{"hidden_states": ...}` of `name`'s tokens `[start, end)` for a `mapper` that reads the source's hidden
-        states (`mapper.source_features`), else `{}`."""
-        if getattr(mapper, "source_features", None) is None:
-            return {}
-        return {"hidden_states": self._hidden_states(name, start, end)}
+        def run(first: int, last: int, cache):  # this model over tokens [first, last) of its cache
+            self._run(name, tokens[:last])
+            return mine.cache
+
+        source = SourceKV(theirs.cache, lambda a, b: self._hidden_states(other, a, b))
+        cache = steps.before_target(
+            source, mine.cache, TargetSide(mapper.target, run), cached=len(mine.tokens), after_map=_recording
+        )
+        mine.cache, mine.tokens = cache, tokens[: plan.map_end]
+        if steps.gated:
+            self._run(name, tokens[:end])  # this model's own K/V for the probe tokens
+            steps.gate(mine.cache, plan.probe_start)
+        decision = steps.decision()
+        self.last_sync = {
+            "mapped_tokens": decision.mapped_tokens,
+            "recomputed_tokens": decision.recomputed_tokens,
+            "recomputed_layers": decision.recomputed_layers,
+            "score": decision.score,
+            "fell_back": not decision.transferred,
+        }
+        if not decision.transferred:
+            logger.info(
+                "quality gate: probe K/V cosine %.4f < %.4f, the %s computes tokens %d-%d itself",
+                decision.score,
+                config.gate_threshold,
+                name,
+                start,
+                end,
+            )
+            _crop(mine.cache, start)
+            if start == 0:
+                mine.cache = None
+            mine.tokens = tokens[:start]
+        return decision.mapped_tokens
 
     @torch.no_grad()
     def _hidden_states(self, name: str, start: int, end: int) -> tuple[torch.Tensor, ...]:

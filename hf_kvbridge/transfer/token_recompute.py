@@ -187,3 +187,30 @@ def recompute_tokens(
                 context[b, :, columns[b, :k]] = fresh[b, :, :k]
             setattr(layer, name, context)
     return output_cache(out)
+
+
+def recompute_mapped(
+    target: nn.Module,
+    cache: DynamicCache,
+    ids: torch.Tensor,
+    mask: torch.Tensor,
+    pos: torch.Tensor,
+    first_mapped: int,
+    *,
+    count: int,
+    policy: str = "tail",
+    seed: int = 0,
+) -> int:
+    """Selective recompute of `count` of the mapped columns `[first_mapped, T)` of `cache` (chosen by `policy`; `seed`
+    for `"random"`) by `target`, in place; returns the most tokens a row recomputed.
+
+    `ids`, `mask`, `pos` (`(batch, T)` each) are the tokens, mask and positions of the cached columns."""
+    if count == 0:
+        return 0
+    mapped = mask.clone()
+    mapped[:, :first_mapped] = 0  # sink tokens are the target's own already
+    score = probe_scores(target, cache, ids, pos) if "probe" in policy else None
+    generator = torch.Generator().manual_seed(seed)
+    chosen = choose_tokens(policy, count, mapped, score=score, generator=generator)
+    recompute_tokens(target, cache, ids, mask, pos, chosen)
+    return int(chosen.sum(-1).max())

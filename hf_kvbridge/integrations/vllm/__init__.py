@@ -54,8 +54,8 @@ the prompt except its last `hold_back + gate_probe_tokens` tokens, so vLLM's tar
 step of the load, on the mapped cache, as `transfer.transfer_prefill` has the HF target do. The worker maps the
 probe positions too (not written) and, after the forward pass (`get_block_ids_with_load_errors`, which vLLM calls
 after it, also when `wait_for_save` is deferred), reads the target's own K/V of the probe back from the paged cache
-(`read_slots`) and scores them with `transfer.probe_agreement`. Below the threshold the load's blocks are reported
-as failed in that same step: vLLM's scheduler (`Scheduler.update_from_output` → `_handle_invalid_blocks` →
+(`read_slots`) and scores them with `transfer.steps.probe_agreement`. Below the threshold the load's blocks are
+reported as failed in that same step: vLLM's scheduler (`Scheduler.update_from_output` → `_handle_invalid_blocks` →
 `_update_requests_with_invalid_blocks`) sets the request's computed tokens back to the first failed block and skips
 the request's output of that step (its sampled token is dropped), so the target recomputes the prompt and samples
 its own first token (status "gated" with `score`, `threshold` and `probe_tokens`; WARNING with the request id and

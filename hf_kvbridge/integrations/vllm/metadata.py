@@ -56,13 +56,14 @@ class BridgeLoad:
 
 @dataclass
 class GateCheck:
-    """A quality-gate check waiting for the forward pass: the mapped K/V of the probe tokens (`mapped`, a cache of
-    `(1, kv_heads, n, head_dim)` layers), the probe's slots in vLLM's paged cache, and the attention layers to read
-    the target's own K/V from (`None` when the written cache could not be read back, see `read_slots`)."""
+    """A quality-gate check waiting for the forward pass: the load's transfer steps (`steps`, a
+    `transfer.steps.TransferSteps` holding the mapped K/V of the probe tokens), the probe's slots in vLLM's paged
+    cache, and the attention layers to read the target's own K/V from (`None` when the written cache could not be
+    read back, see `read_slots`)."""
 
     load: BridgeLoad
     written: int
-    mapped: Any
+    steps: Any
     slots: torch.Tensor
     layers: dict[str, nn.Module] | None
 

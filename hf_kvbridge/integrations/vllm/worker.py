@@ -15,9 +15,10 @@ from torch import nn
 from transformers import DynamicCache
 from vllm.logger import init_logger
 
-from ...cache import append_layer, output_cache, slice_cache
+from ...cache import append_layer, output_cache
 from ...errors import KVLayoutError, ServingConfigError
-from ...transfer.prefill import probe_agreement
+from ...transfer.plan import TransferPlan
+from ...transfer.steps import SourceKV, TransferSteps
 from .metadata import BridgeLoad, GateCheck, KVBridgeConnectorMetadata, KVBridgeWorkerMetadata
 from .paged_cache import read_slots, reads_back, slots_of, write_layer
 from .rotary import RotaryOnlyTarget
@@ -163,9 +164,20 @@ class BridgeWorker:
             )
         device = bridge.device
         source_cache = self.source_kv(load)  # (1, H, probe_end, d) per source layer
+        # the shared transfer steps, as vLLM runs them: no sinks and no recompute before the forward (the target
+        # computes a recomputed tail itself, after the loaded prefix), the probe [probe_start, probe_end) after it
+        plan = TransferPlan(
+            length=load.probe_end,
+            map_start=load.start,
+            map_end=load.end,
+            gate="checked" if load.gated else None,
+            gate_threshold=self.gate_threshold,
+            gate_probe_start=load.probe_start,
+        )
+        positions = torch.arange(load.probe_end, device=device).unsqueeze(0)  # (1, probe_end)
+        steps = TransferSteps(plan, bridge.map_cache, positions=positions, num_layers=bridge.target_layout.num_layers)
         started = time.perf_counter()
-        positions = torch.arange(load.start, load.end, device=device).unsqueeze(0)  # (1, end - start)
-        mapped = bridge.map_cache(slice_cache(source_cache, load.start, load.end), positions)  # target layout
+        mapped = steps.before_target(SourceKV(source_cache), cached=load.start)  # target layout, [start, end)
         self.count(map_seconds=time.perf_counter() - started)
         started = time.perf_counter()
         if len(layers) != len(mapped.layers):
@@ -188,11 +200,8 @@ class BridgeWorker:
         self.count(write_seconds=time.perf_counter() - started)
         written = load.end - load.start
         if load.gated:
-            probe_positions = torch.arange(load.probe_start, load.probe_end, device=device).unsqueeze(0)  # (1, n)
-            piece = slice_cache(source_cache, load.probe_start, load.probe_end)
-            mapped_probe = bridge.map_cache(piece, probe_positions)
             probe_slots = slots_of(load.block_ids, self.block_size, load.probe_start, load.probe_end)
-            self._gate_checks.append(GateCheck(load, written, mapped_probe, probe_slots, layers if readable else None))
+            self._gate_checks.append(GateCheck(load, written, steps, probe_slots, layers if readable else None))
         return written
 
     def source_kv(self, load: BridgeLoad):
@@ -257,9 +266,9 @@ class BridgeWorker:
 
     def check_gates(self) -> None:
         """The quality gate of this step's gated loads, after the forward pass wrote the target's own K/V of the probe
-        tokens into the paged cache: `hf_kvbridge.transfer.prefill.probe_agreement` of own vs mapped probe K/V (mean
-        cosine over layers and tokens, as `bridge.generate` scores it). Below `gate_threshold`, or if the cache cannot
-        be read, the load is reported as failed and the target computes the prompt itself."""
+        tokens into the paged cache: `TransferSteps.gate` (`transfer.steps.probe_agreement`) of own vs mapped probe K/V
+        (mean cosine over layers and tokens, as `bridge.generate` scores it). Below `gate_threshold`, or if the cache
+        cannot be read, the load is reported as failed and the target computes the prompt itself."""
         from vllm.model_executor.models.utils import extract_layer_index
 
         checks, self._gate_checks = self._gate_checks, []
@@ -276,7 +285,8 @@ class BridgeWorker:
                         append_layer(
                             own, extract_layer_index(name), keys.transpose(0, 1)[None], values.transpose(0, 1)[None]
                         )
-                    score = float(probe_agreement(own, check.mapped, 0, torch.ones(1, n))[0])
+                    check.steps.gate(own, 0)  # own: the probe tokens only
+                    score = check.steps.scores[0]
                 except Exception as error:
                     reason = f"quality gate failed: {type(error).__name__}: {error}"
             if score is not None and score >= self.gate_threshold:

@@ -17,7 +17,7 @@ import time
 from dataclasses import asdict
 
 import torch
-from transformers import Qwen3Config, Qwen3ForCausalLM
+from transformers import Qwen3Config
 
 from ...budget import check_budget, fit_bytes, format_bytes, parse_bytes, plan_passes, selection_bytes
 from ...calibration.budgeted_fit import fit_bridge_in_passes
@@ -26,17 +26,9 @@ from ...errors import InvalidInputError
 from ...precision import bf16_matmul_units, float32_matmul_precision
 from ...statistics.blocks import feature_groups
 from ...statistics.rows import RowStatistics
-from .flop_model import H100_SXM, CalibrationShape, calibration_flops, probe_rates, project_seconds
-from .mapper import QWEN3_SHAPES, prefill_flops, shape_pair
+from .flop_model import H100_SXM, CalibrationShape, calibration_flops, prefill_flops, probe_rates, project_seconds
+from .shapes import CHECKPOINT_SHAPES, random_model, shape_config, shape_pair
 
-# layer shapes of real checkpoints (hidden, layers, attention heads, KV heads, head dim, MLP width, vocabulary, tied):
-# `mapper.QWEN3_SHAPES` with the real vocabulary and tying, which the calibration's forwards and memory include
-QWEN3_VOCAB = 151936
-UNTIED = {"qwen3-8b", "qwen3-14b", "qwen3-32b"}
-SHAPES = {
-    name: (hidden, layers, heads, kv_heads, head_dim, mlp, QWEN3_VOCAB, name not in UNTIED)
-    for name, (layers, hidden, heads, kv_heads, head_dim, mlp) in QWEN3_SHAPES.items()
-}
 # (layers, KV heads, head dim) of the pairs in the README's memory model
 LAYOUTS = {
     "Qwen3-0.6B → 1.7B": ((28, 8, 128), (28, 8, 128)),
@@ -85,42 +77,6 @@ def memory_table(budget: int = 16 * 10**9, ranks: int = 8, dtype=torch.float32) 
                     f"| {format_bytes(every)} | {passes} | {params / 1e6:,.0f} M |"
                 )
     return "\n".join(lines)
-
-
-def shape_config(name: str, vocab: int | None = None, layers: int | None = None) -> Qwen3Config:
-    """The `Qwen3Config` of the layer shapes `name` (a key of `SHAPES`), with its first `layers` layers only if
-    given."""
-    if name not in SHAPES:
-        raise InvalidInputError(f"unknown shape {name!r}; known: {', '.join(SHAPES)}")
-    hidden, depth, heads, kv_heads, head_dim, mlp, vocab_size, tied = SHAPES[name]
-    return Qwen3Config(
-        hidden_size=hidden,
-        num_hidden_layers=layers or depth,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        head_dim=head_dim,
-        intermediate_size=mlp,
-        vocab_size=vocab or vocab_size,
-        tie_word_embeddings=tied,
-        max_position_embeddings=4096,
-    )
-
-
-def random_model(
-    name: str, dtype: torch.dtype, device: str = "cpu", vocab: int | None = None, layers: int | None = None
-) -> Qwen3ForCausalLM:
-    """A Qwen3 with the layer shapes of `name` (a key of `SHAPES`) and random weights, built directly in `dtype`
-    (its first `layers` layers only, if given)."""
-    config = shape_config(name, vocab, layers)
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)  # no float32 copy of the weights on the way
-    try:
-        with torch.device(device):
-            model = Qwen3ForCausalLM(config).eval()
-    finally:
-        torch.set_default_dtype(default)
-    model.config.name_or_path = name
-    return model
 
 
 def layer_counts(text: str, source: Qwen3Config, target: Qwen3Config) -> tuple[int, int]:
@@ -184,7 +140,7 @@ def scale_to_depth(timings: dict, measured: tuple, full: tuple, seq_len: int) ->
 
 
 def run(args: argparse.Namespace) -> dict:
-    source_name, target_name = shape_pair(args.pair, "--pair", SHAPES)
+    source_name, target_name = shape_pair(args.pair, "--pair", CHECKPOINT_SHAPES)
     dtype = getattr(torch, args.dtype)
     statistics_dtype = getattr(torch, args.statistics_dtype)
     budget = parse_bytes(args.statistics_memory)
@@ -336,7 +292,7 @@ def flop_model(args: argparse.Namespace) -> dict:
     passes are `--fit-passes` (target layers split evenly), or planned within `--statistics-memory` with the target
     layers of a pass sharing their `k` source layers, as neighbouring layers mostly do (the fewest passes; the
     statistics' FLOPs are counted at both ends of the union all the same)."""
-    source_name, target_name = shape_pair(args.pair, "--pair", SHAPES)
+    source_name, target_name = shape_pair(args.pair, "--pair", CHECKPOINT_SHAPES)
     if getattr(args, "layers", None):
         raise InvalidInputError("--layers is for a measured run; --flop-model counts the whole pair")
     source, target = shape_config(source_name, args.vocab), shape_config(target_name, args.vocab)

@@ -1,4 +1,30 @@
-"""FLOP model of a calibration: what each stage computes, and its time at a device's rates.
+"""The FLOP model, matrix-product FLOPs from the configs and weight shapes alone: a prefill's and a mapping's
+(`prefill_flops`, `mapper_flops`), what a transfer costs beside the target's own prefill (`cost`, the cost axis of
+`kvbridge tune`), what each stage of a calibration computes, and its time at a device's rates.
+
+**A transfer's cost** (`cost`): the FLOPs per context token the transfer spends beyond the source's prefill, as a
+share of the target's own prefill FLOPs per token:
+
+- the target's prefill per token, `T = prefill_flops(target config, context) / context`: per layer
+  2 × its attention and MLP weights, plus the attention products QKᵀ and AV (2 · 2 · q_dim per token and key, half
+  the context on average by causality); no embeddings, no LM head. Every layer has the same shape, so a layer is
+  `T / L_t`;
+- token recompute (`recompute_fraction = f`): the target runs `f` of the context through all its layers, `f · T`
+  (to first order: the recomputed tail attends to more than the average token);
+- layer recompute (`recompute_layers = n`): the target runs its top `n` layers over the whole context, `n / L_t · T`;
+  with token recompute too, the recomputed tokens pass through all layers again afterwards, so the two add:
+  `(f + n / L_t) · T`;
+- the mapper: 2 × the weights each token meets (`mapper.flops_per_token()`: the K/V maps of every target layer, as
+  the bridge maps all of them even where the top layers overwrite them) plus, for `0 < n < L_t`, the residual map of
+  that `n` (2 × its `k·D_s × D_t` weights; both in `map_flops_per_token`);
+- `n = L_t` maps nothing and recomputes everything: cost exactly 1.
+
+    cost = (mapper + residual map + (f + n / L_t) · T) / T
+
+A cost of 0.1 means the transfer spends a tenth of what the target would spend prefilling the context itself; the
+source's prefill is not counted (it has run anyway when its cache is handed over).
+
+**A calibration** (`calibration_flops`):
 
     kvbridge bench calibration --flop-model --head-mode all_heads --num-sequences 500 --seq-len 1024
 
@@ -6,7 +32,7 @@ Stages, in FLOPs (2 per multiply-add, matmul work only; `L_s`, `L_t` layers, `H`
 feature groups of `w` features a source layer, `Λ` = 13 λ of the auto-λ grid, `N` tokens, `P` fit passes):
 
 - **forwards**: both models' prefills once for the selection pass and once per fit pass,
-  `(1 + P) · (prefill(source) + prefill(target))` (`tools.bench.mapper.prefill_flops`: 2 × body weights a token
+  `(1 + P) · (prefill(source) + prefill(target))` (`prefill_flops`: 2 × body weights a token
   plus the causal attention products);
 - **selection statistics**: per token, per KV head and K/V, each source layer's `d × d` Gram block and its `d × d`
   cross blocks with every target layer: `2 · 2H · (L_s·d² + L_s·d·L_t·d)`;
@@ -36,11 +62,80 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from transformers import PretrainedConfig
 
+from ...mappers import KVMapper
 from ...solve import LAMBDA_GRID
-from .mapper import median_seconds, prefill_flops
+from .timing import median_seconds
 
 EIGH_FLOPS = 14 / 3  # × p³: syevd with eigenvectors (see the module docstring)
+
+
+def prefill_flops(config: PretrainedConfig, tokens: int) -> float:
+    """Matmul FLOPs of a causal decoder body over `tokens` tokens (no LM head): 2 × tokens × body weights, plus the
+    attention products (QKᵀ and AV, halved by causality)."""
+    c = config.get_text_config(decoder=True)
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    q, kv = c.num_attention_heads * head_dim, c.num_key_value_heads * head_dim
+    attn_weights = c.hidden_size * (q + 2 * kv) + q * c.hidden_size
+    mlp_weights = 3 * c.hidden_size * c.intermediate_size
+    linear = 2 * tokens * (attn_weights + mlp_weights)
+    attention = 2 * 2 * tokens * tokens * q / 2
+    return float(c.num_hidden_layers * (linear + attention))
+
+
+def mapper_flops(mapper: KVMapper, tokens: int) -> float:
+    """Matmul FLOPs of mapping `tokens` tokens (`KVMapper.flops_per_token`: 2 × the weights each token meets)."""
+    return float(tokens * mapper.flops_per_token())
+
+
+COST_UNIT = (
+    "FLOPs per context token (K/V and residual maps + the target's recomputed tokens and layers) / the target's own "
+    "prefill FLOPs per token"
+)
+
+
+def target_flops_per_token(target_config, context: int) -> float:
+    """The target's prefill FLOPs per token over a `context`-token prefill (`prefill_flops`)."""
+    return prefill_flops(target_config, context) / context
+
+
+def _recomputed_layers(bridge) -> tuple[int, int]:
+    """`(n, L_t)`: the layers `bridge` recomputes (capped at the target's) and the target's layer count, read from the
+    target's layout as the mapper bench reads it (a bridge built in memory may have no config fingerprint)."""
+    target_layers = bridge.target_layout.num_layers
+    return min(int(bridge.config.recompute_layers or 0), target_layers), target_layers
+
+
+def map_flops_per_token(bridge) -> tuple[int, int]:
+    """`(K/V maps, residual map)`: matmul FLOPs per context token of the maps `bridge`'s transfer runs, 2 × the
+    weights a token meets: every target layer's K/V map (`mapper.flops_per_token()`), and the residual map of
+    `config.recompute_layers` when `0 < n < L_t`; `(0, 0)` for `n = L_t` (nothing is mapped)."""
+    n, target_layers = _recomputed_layers(bridge)
+    if n == target_layers:
+        return 0, 0
+    residual = bridge.residual_mapper
+    if n == 0 or residual is None or n not in residual.recompute_layers:
+        return bridge.mapper.flops_per_token(), 0
+    return bridge.mapper.flops_per_token(), 2 * residual.layers[residual.recompute_layers.index(n)].weight.numel()
+
+
+def cost(bridge, target_flops: float) -> float:
+    """FLOPs per context token the transfer of `bridge` spends (maps, recomputed tokens and layers), as a share of
+    the target's own prefill FLOPs per token `target_flops` (the module docstring).
+
+    Example:
+
+    ```python
+    >>> cost(bridge, target_flops_per_token(bridge.target.config, 192))  # doctest: +SKIP
+    0.078
+    ```
+    """
+    layers, target_layers = _recomputed_layers(bridge)
+    if layers == target_layers:  # the target prefills the mapped span itself: nothing is mapped
+        return 1.0
+    recomputed = (float(bridge.config.recompute_fraction) + layers / target_layers) * target_flops
+    return (sum(map_flops_per_token(bridge)) + recomputed) / target_flops
 
 
 @dataclass(frozen=True)
@@ -175,7 +270,7 @@ def probe_rates(
 ) -> DeviceRates:
     """Measures `DeviceRates` on `device`: the median of 3 timed `n × n × n` products in `forward_dtype`, float32 and
     float64, and one float64 `eigh_n × eigh_n` eigendecomposition (counted at `EIGH_FLOPS · eigh_n³`), each after a
-    warm-up (`tools.bench.mapper.median_seconds`). Defaults: `n` = 2,048 and `eigh_n` = 1,536 on a CPU (seconds),
+    warm-up (`tools.bench.timing.median_seconds`). Defaults: `n` = 2,048 and `eigh_n` = 1,536 on a CPU (seconds),
     8,192 and 4,096 on a GPU (which small products leave idle).
 
     Returns:

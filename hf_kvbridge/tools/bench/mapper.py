@@ -4,244 +4,24 @@ Timed as the paper times it: the target's re-prefill is its transformer body wit
 `map_cache` (strip RoPE, map, apply RoPE, build the `DynamicCache`) with the source cache already there (*warm*, the
 cascade case); *cold* adds the source's own prefill (the bridge as one model). Medians of repeated runs after
 warm-up. Weights do not change timings, so real-size shapes can be benchmarked with random weights
-(`random_bridge`).
+(`shapes.random_bridge`).
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import os
-import statistics
 import sys
-import time
-from collections.abc import Callable
 
 import torch
-from transformers import AutoModelForCausalLM, PretrainedConfig
 
 from ... import precision
 from ...cache import output_cache
-from ...configuration import KVBridgeConfig
 from ...errors import ContextLengthError, InvalidInputError
-from ...layout import check_matched
-from ...mappers import KVMapper
 from ...precision import float32_matmul_precision
-
-# Public Qwen3 shapes (layers, hidden, heads, KV heads, head dim, MLP width); vocab is cut to 1024 for random-weight
-# benchmarks: embeddings and the LM head are not part of what is timed.
-QWEN3_SHAPES = {
-    "qwen3-0.6b": (28, 1024, 16, 8, 128, 3072),
-    "qwen3-1.7b": (28, 2048, 16, 8, 128, 6144),
-    "qwen3-4b": (36, 2560, 32, 8, 128, 9728),
-    "qwen3-8b": (36, 4096, 32, 8, 128, 12288),
-    "qwen3-14b": (40, 5120, 40, 8, 128, 17408),
-    "qwen3-32b": (64, 5120, 64, 8, 128, 25600),
-}
-
-
-# Small shapes of the same form: 3 and 8 layers with 2 KV heads × 64, the KV layout of issue 25's held-out mapper
-# pair (the mapper's time depends on the layers and the KV layout only; hidden and MLP sizes are ours).
-SMALL_SHAPES = {
-    "small-3l-2x64": (3, 256, 4, 2, 64, 512),
-    "small-8l-2x64": (8, 256, 4, 2, 64, 512),
-}
-
-
-def shape_pair(text: str, flag: str, known) -> tuple[str, str]:
-    """`SOURCE:TARGET` of `flag` split into two names of `known`, or an `InvalidInputError` that says what is wrong,
-    before any model is built.
-
-    Example:
-
-    ```python
-    >>> shape_pair("qwen3-0.6b:qwen3-1.7b", "--shapes", QWEN3_SHAPES)
-    ('qwen3-0.6b', 'qwen3-1.7b')
-    ```
-    """
-    names = text.split(":")
-    if len(names) != 2:
-        raise InvalidInputError(
-            f"{flag} takes SOURCE:TARGET, two shape names joined by ':'; got {text!r} (known: {', '.join(known)})"
-        )
-    for name in names:
-        if name not in known:
-            raise InvalidInputError(f"unknown shape {name!r} in {flag} {text}; known: {', '.join(known)}")
-    return names[0], names[1]
-
-
-def qwen3_shape_config(name: str, vocab_size: int = 1024, max_positions: int = 40960) -> PretrainedConfig:
-    """A `Qwen3Config` with the shape of a public Qwen3 model, or of `SMALL_SHAPES` (for random-weight timing only)."""
-    from transformers import Qwen3Config
-
-    shapes = {**QWEN3_SHAPES, **SMALL_SHAPES}
-    if name not in shapes:
-        raise InvalidInputError(f"unknown shape {name!r}; known: {', '.join(shapes)}")
-    layers, hidden, heads, kv_heads, head_dim, mlp = shapes[name]
-    return Qwen3Config(
-        num_hidden_layers=layers,
-        hidden_size=hidden,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        head_dim=head_dim,
-        intermediate_size=mlp,
-        vocab_size=vocab_size,
-        max_position_embeddings=max_positions,
-        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
-        tie_word_embeddings=True,
-    )
-
-
-def random_bridge(
-    source_config: PretrainedConfig,
-    target_config: PretrainedConfig,
-    *,
-    top_k: int = 6,
-    head_mode: str = "all_heads",
-    dtype: torch.dtype = torch.float32,
-    mapper_dtype: torch.dtype | None = None,
-    device: str | torch.device = "cpu",
-    rank: int | None = None,
-):
-    """A bridge of randomly initialised models and a random mapper: the timings of a real one of these shapes.
-
-    Each target layer reads the `top_k` source layers closest in relative depth. With `rank`, the mapper is a
-    `LowRankKVMapper` of that rank.
-    """
-    from ...modeling import KVBridgeForCausalLM
-
-    src, tgt = check_matched(source_config, target_config, "source", "target")
-    with torch.device(device):
-        source = AutoModelForCausalLM.from_config(source_config, dtype=dtype).eval()
-        target = AutoModelForCausalLM.from_config(target_config, dtype=dtype).eval()
-    k = min(top_k, src.num_layers)
-    selected = []
-    for t in range(tgt.num_layers):
-        depth = (t + 0.5) / tgt.num_layers * src.num_layers
-        selected.append(sorted(range(src.num_layers), key=lambda s: abs(s + 0.5 - depth))[:k])
-    if rank is None:
-        mapper = KVMapper(selected, src.num_kv_heads, src.head_dim, head_mode)
-    else:
-        from ...mappers.low_rank import LowRankKVMapper
-
-        mapper = LowRankKVMapper(selected, src.num_kv_heads, src.head_dim, head_mode, rank)
-    with torch.no_grad():
-        for name, weight in mapper.named_parameters():
-            if not name.endswith("bias"):
-                weight.normal_(std=weight.shape[1] ** -0.5)
-    config = KVBridgeConfig(
-        top_k=k,
-        head_mode=head_mode,
-        selected_layers=selected,
-        mapper_type="ridge" if rank is None else "low_rank",
-        mapper_kwargs=None if rank is None else {"rank": rank},
-    )
-    bridge = KVBridgeForCausalLM(config, source, target, mapper)  # moves the mapper to the target's device
-    if mapper_dtype is not None:
-        bridge.mapper.to(dtype=mapper_dtype)
-    return bridge
-
-
-# -- FLOP counts --------------------------------------------------------------------------------------------------
-def prefill_flops(config: PretrainedConfig, tokens: int) -> float:
-    """Matmul FLOPs of a causal decoder body over `tokens` tokens (no LM head): 2 × tokens × body weights, plus the
-    attention products (QKᵀ and AV, halved by causality)."""
-    c = config.get_text_config(decoder=True)
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    q, kv = c.num_attention_heads * head_dim, c.num_key_value_heads * head_dim
-    attn_weights = c.hidden_size * (q + 2 * kv) + q * c.hidden_size
-    mlp_weights = 3 * c.hidden_size * c.intermediate_size
-    linear = 2 * tokens * (attn_weights + mlp_weights)
-    attention = 2 * 2 * tokens * tokens * q / 2
-    return float(c.num_hidden_layers * (linear + attention))
-
-
-def mapper_flops(mapper: KVMapper, tokens: int) -> float:
-    """Matmul FLOPs of mapping `tokens` tokens (`KVMapper.flops_per_token`: 2 × the weights each token meets)."""
-    return float(tokens * mapper.flops_per_token())
-
-
-# -- timing and memory --------------------------------------------------------------------------------------------
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def median_seconds(fn: Callable[[], object], device: torch.device, repeats: int = 5, warmup: int = 1) -> float:
-    """Median wall time of `fn()` over `repeats` runs after `warmup` runs."""
-    return interleaved_medians({"fn": fn}, device, repeats, warmup)["fn"]
-
-
-def interleaved_medians(
-    fns: dict[str, Callable[[], object]], device: torch.device, repeats: int = 5, warmup: int = 1
-) -> dict[str, float]:
-    """Median wall time of each of `fns` over `repeats` rounds after `warmup` rounds; each round runs every function
-    once, in turn, so a slow patch of a shared machine slows all of them alike instead of one."""
-    for _ in range(warmup):
-        for fn in fns.values():
-            fn()
-    _sync(device)
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            start = time.perf_counter()
-            fn()
-            _sync(device)
-            times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(values) for name, values in times.items()}
-
-
-@contextlib.contextmanager
-def _native_output_silenced():
-    """Sends what native code writes to stdout/stderr to /dev/null: the profiler's tracing backend prints
-    `USDT ... profiler_start` lines there, which say nothing to a user."""
-    for stream in (sys.stdout, sys.stderr):
-        stream.flush()
-    saved = [os.dup(1), os.dup(2)]
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    try:
-        os.dup2(devnull, 1)
-        os.dup2(devnull, 2)
-        yield
-    finally:
-        os.dup2(saved[0], 1)
-        os.dup2(saved[1], 2)
-        for fd in (*saved, devnull):
-            os.close(fd)
-
-
-def _cpu_peak_bytes(fn: Callable[[], object]) -> int:
-    """Peak of PyTorch's CPU allocations during `fn()` above where they started, from the allocator's own records
-    (every allocation and free, in order, as `torch.profiler` logs them with `profile_memory=True`)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with _native_output_silenced(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        result = fn()
-    events = sorted(
-        (e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"), key=lambda e: e.start_ns()
-    )
-    current = peak = 0
-    for event in events:  # nbytes > 0 for an allocation, < 0 for a free
-        current += event.nbytes()
-        peak = max(peak, current)
-    del result
-    return peak
-
-
-def peak_extra_bytes(fn: Callable[[], object], device: torch.device) -> int | None:
-    """Peak memory `fn()` allocates on top of what is already allocated (what it returns included): CUDA allocator
-    statistics on a GPU; on CPU PyTorch's own allocation records (`torch.profiler` memory events)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        base = torch.cuda.memory_allocated(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        fn()
-        torch.cuda.synchronize(device)
-        return torch.cuda.max_memory_allocated(device) - base
-    if device.type != "cpu":
-        return None
-    return _cpu_peak_bytes(fn)
+from .flop_model import mapper_flops, prefill_flops
+from .shapes import QWEN3_SHAPES, SMALL_SHAPES, qwen3_shape_config, random_bridge, shape_pair
+from .timing import interleaved_medians, median_seconds, peak_extra_bytes
 
 
 @torch.no_grad()
@@ -260,7 +40,7 @@ def mapper_vs_prefill(
     with `interleave=True` the rounds run source, mapper, target, so the mapper runs right after a source prefill,
     as in a cascade, and each one after the others have evicted its data.
     """
-    from ...loading import execution_device
+    from ...devices import execution_device
 
     device = bridge.device
     ids_t, ids_s = input_ids.to(device), input_ids.to(execution_device(bridge.source))
@@ -411,7 +191,7 @@ def old_vs_new(bridge, lengths: list[int], *, batch: int = 1, repeats: int = 20,
     >>> rows[-1]["new_over_old"]  # doctest: +SKIP
     ```
     """
-    from ...loading import execution_device
+    from ...devices import execution_device
     from ...mappers.engine import Workspace, map_cache
 
     generator = torch.Generator().manual_seed(seed)

@@ -68,7 +68,7 @@ def random_shapes_bridge(out: Path, shapes: str, top_k: int, max_positions: int)
 
     from hf_kvbridge import pocket
     from hf_kvbridge.layout import KVLayout
-    from hf_kvbridge.tools.bench.mapper import (
+    from hf_kvbridge.tools.bench.shapes import (
         QWEN3_SHAPES,
         SMALL_SHAPES,
         qwen3_shape_config,

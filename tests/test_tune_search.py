@@ -1,4 +1,4 @@
-"""`kvbridge tune`: the choice on hand-made points, and end to end on a pocket pair: the saved checkpoint holds the
+"""`kvbridge tune` end to end (`hf_kvbridge.tools.tune.search`) on a pocket pair: the saved checkpoint holds the
 chosen settings, and the choice meets its target on windows from documents it was not tuned on."""
 
 import json
@@ -10,141 +10,11 @@ from transformers import AutoTokenizer
 
 from hf_kvbridge import KVBridgeForCausalLM, pocket
 from hf_kvbridge.cli.main import main
-from hf_kvbridge.errors import ConfigurationError, InvalidInputError, TuningError
+from hf_kvbridge.tools.bench.flop_model import target_flops_per_token
 from hf_kvbridge.tools.evaluation import continuation_nll, heldout_windows
-from hf_kvbridge.tools.tune import (
-    Point,
-    TuneGrid,
-    choose,
-    format_table,
-    pareto_front,
-    run_tune,
-    split_windows,
-    target_flops_per_token,
-)
-
-
-def _point(name: str, retention: float, cost: float) -> Point:
-    settings = {"mapper_type": "ridge", "top_k": 2, "ridge_lambda": "auto", "kv_mode": "joint", "name": name}
-    settings["recompute_fraction"] = 0.0
-    return Point(settings, retention, cost, mapper_flops_per_token=0, mapper_parameters=0)
-
-
-POINTS = [
-    _point("cheap-bad", 0.70, 0.01),
-    _point("mid", 0.91, 0.10),
-    _point("mid-dominated", 0.90, 0.12),
-    _point("good", 0.96, 0.20),
-    _point("good-same-cost", 0.97, 0.20),
-    _point("best", 0.99, 0.50),
-    _point("undefined", float("nan"), 0.0),
-]
-
-
-def _names(points):
-    return [p.settings["name"] for p in points]
-
-
-def test_pareto_front_keeps_what_nothing_beats_on_both_cheapest_first():
-    assert _names(pareto_front(POINTS)) == ["cheap-bad", "mid", "good-same-cost", "best"]
-
-
-def test_choose_the_cheapest_meeting_the_target():
-    assert choose(POINTS, min_retention=0.9).settings["name"] == "mid"
-    # at equal cost the better retention wins
-    assert choose(POINTS, min_retention=0.95).settings["name"] == "good-same-cost"
-    assert choose(POINTS, min_retention=0.99).settings["name"] == "best"
-
-
-def test_choose_the_best_within_a_budget():
-    assert choose(POINTS, max_cost=0.15).settings["name"] == "mid"
-    assert choose(POINTS, max_cost=1.0).settings["name"] == "best"
-    # both: the cheapest meeting the target, among those within the budget
-    assert choose(POINTS, min_retention=0.9, max_cost=0.3).settings["name"] == "mid"
-
-
-def test_choose_refuses_when_nothing_qualifies():
-    with pytest.raises(TuningError, match=r"no configuration reaches retention 0\.995 .*best: retention 0\.990"):
-        choose(POINTS, min_retention=0.995)
-    with pytest.raises(TuningError, match=r"within cost 0\.15 .*raise --max-cost"):
-        choose(POINTS, min_retention=0.95, max_cost=0.15)
-    with pytest.raises(TuningError, match=r"no configuration costs at most 0\.001"):
-        choose(POINTS[:-1], max_cost=0.001)
-    with pytest.raises(TuningError, match="no configuration has a defined retention"):
-        choose(POINTS[-1:], min_retention=0.5)
-    with pytest.raises(ValueError, match="min_retention .* or max_cost"):
-        choose(POINTS)
-
-
-def test_the_objective_stays_retention_not_gap_recovered():
-    closes_more = _point("closes-more-gap", 0.80, 0.05)
-    closes_more.gap_recovered = 5.0  # reported beside retention, never what the front or the choice go by
-    points = [*POINTS, closes_more]
-    assert choose(points, min_retention=0.9).settings["name"] == "mid"
-    assert choose(points, max_cost=0.06).settings["name"] == "closes-more-gap"  # the best retention within 0.06
-    assert _names(pareto_front(points)) == ["cheap-bad", "closes-more-gap", "mid", "good-same-cost", "best"]
-
-
-def test_grid_caps_top_k_and_crosses_mappers_with_kv_modes():
-    fits = TuneGrid(top_k=(2, 9), ridge_lambdas=("auto",), ranks=(8,)).fits(source_layers=3)
-    assert sorted({f["top_k"] for f in fits}) == [2, 3]
-    assert {(f["mapper_type"], f["kv_mode"]) for f in fits} == {
-        ("ridge", "joint"),
-        ("ridge", "separate"),
-        ("low_rank", "joint"),
-        ("low_rank", "separate"),
-        ("mlp", "joint"),  # the default grid has the MLP: one per top-k, on the first λ and kv mode
-    }
-    # and maps that also read the source's hidden states: ridge and low rank, joint K/V only (no MLP)
-    assert {(f["mapper_type"], f["kv_mode"]) for f in fits if f["hidden_states"]} == {
-        ("ridge", "joint"),
-        ("low_rank", "joint"),
-    }
-    # their top-k is capped at the blocks they choose from (3 K/V layers + 4 hidden states), not at the K/V layers
-    both = TuneGrid(top_k=(2, 9), ridge_lambdas=("auto",), ranks=(8,)).fits(source_layers=3, feature_blocks=7)
-    assert sorted({f["top_k"] for f in both if f["hidden_states"]}) == [2, 7]
-    assert sorted({f["top_k"] for f in both if not f["hidden_states"]}) == [2, 3]
-    mlp = [f for f in fits if f["mapper_type"] == "mlp"]
-    assert [(f["top_k"], f["hidden"], f["loss"], f["epochs"]) for f in mlp] == [
-        (2, 256, "attention", 2),
-        (3, 256, "attention", 2),
-    ]
-    grid = TuneGrid(top_k=(2,), ridge_lambdas=("auto",), ranks=(8,), recompute_layers=(0,))
-    assert grid.size(3, 6) == (4 + 2 + 1) * 3 and grid.uses_hidden_states
-    kv_only = {"top_k": (2,), "ridge_lambdas": ("auto",), "ranks": (8,), "mlp_hidden": (), "recompute_layers": (0,)}
-    assert TuneGrid(**kv_only, hidden_states=(False,)).size(3, 6) == 4 * 3
-    # no hidden-state maps without hidden states to read, or without a joint kv mode to read them in
-    for grid in (TuneGrid(**kv_only, hidden_state_layers=None), TuneGrid(**kv_only, kv_modes=("separate",))):
-        assert not grid.uses_hidden_states and not any(f["hidden_states"] for f in grid.fits(3))
-
-
-@pytest.mark.parametrize(
-    "bad, needle",
-    [
-        ({"hidden_states": (True,), "kv_modes": ("separate",)}, "'joint' kv mode"),
-        ({"hidden_states": (True,), "hidden_state_layers": None}, "needs hidden_state_layers"),
-        ({"hidden_states": ()}, "non-empty"),
-        ({"hidden_states": ("yes",)}, "True/False"),
-        ({"hidden_state_layers": "last"}, "hidden_state_layers must be"),
-    ],
-)
-def test_grid_refuses_hidden_state_maps_it_cannot_fit(bad, needle):
-    with pytest.raises((InvalidInputError, ConfigurationError), match=needle):
-        TuneGrid(**bad)
-
-
-@pytest.mark.parametrize("bad", [{"mlp_loss": "l1"}, {"mlp_hidden": (0,)}, {"mlp_epochs": 0}])
-def test_grid_refuses_bad_mlp_settings(bad):
-    with pytest.raises(InvalidInputError, match="mlp_"):
-        TuneGrid(**bad)
-
-
-def test_grid_crosses_token_with_layer_recompute_and_caps_the_layers():
-    grid = TuneGrid(recompute_fractions=(0.0, 0.1), recompute_layers=(0, 2, 9))
-    assert grid.layers(target_layers=6) == [0, 2, 6]
-    # n = L_t (the target's own prefill of the span) leaves nothing to recompute token by token: fraction 0 only
-    assert grid.recompute(target_layers=6) == [(0.0, 0), (0.0, 2), (0.1, 0), (0.1, 2), (0.0, 6)]
-    assert grid.size(3, 6) == len(grid.fits(3)) * 5
+from hf_kvbridge.tools.tune.choice import format_table
+from hf_kvbridge.tools.tune.grid import TuneGrid
+from hf_kvbridge.tools.tune.search import run_tune, split_windows
 
 
 def test_check_windows_come_from_other_documents():
@@ -457,7 +327,7 @@ def _one_line_error(capsys, code: int, expected: int, *needles: str) -> None:
 
 
 def _refuse_to_tune(monkeypatch):
-    import hf_kvbridge.tools.tune as tune
+    import hf_kvbridge.tools.tune.search as tune
 
     def refuse(*args, **kwargs):
         raise AssertionError("tuning started before the arguments were checked")
