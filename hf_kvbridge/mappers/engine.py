@@ -37,6 +37,7 @@ from torch import nn
 from transformers import Cache, DynamicCache
 
 from ..cache import append_layer, cache_layer_kv, check_cache_shape, new_target_cache
+from ..constants import SCHEDULES
 from ..devices import execution_device, layer_devices
 from ..errors import InvalidInputError, KVLayoutError
 from ..layout import KVLayout
@@ -44,7 +45,6 @@ from ..rope import Rotation, inverse_cos_sin, rotary_cos_sin, rotary_module, rot
 from ..source_features import SourceFeatures
 from .base import KVMapper
 
-SCHEDULES = ("auto", "chunked", "layers")  # `map_cache(schedule=...)`; "auto" is `default_schedule(device)`
 CPU_LAYER_CHUNK_BYTES = 2**30  # the "layers" schedule's working set on a CPU (a GPU's comes from its free memory)
 
 

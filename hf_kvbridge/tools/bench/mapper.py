@@ -18,15 +18,25 @@ import torch
 from ... import precision
 from ...cache import output_cache
 from ...errors import ContextLengthError, InvalidInputError
+from ...mappers.engine import resolve_schedule
 from ...precision import float32_matmul_precision
+from .floors import measure_ceilings
 from .flop_model import mapper_flops, prefill_flops
+from .ops import format_measures, mapping_measures
 from .shapes import QWEN3_SHAPES, SMALL_SHAPES, qwen3_shape_config, random_bridge, shape_pair
 from .timing import interleaved_medians, median_seconds, peak_extra_bytes
+from .ttft import format_ttft, time_to_first_token
 
 
 @torch.no_grad()
 def mapper_vs_prefill(
-    bridge, input_ids: torch.Tensor, repeats: int = 5, warmup: int = 1, interleave: bool = False
+    bridge,
+    input_ids: torch.Tensor,
+    repeats: int = 5,
+    warmup: int = 1,
+    interleave: bool = False,
+    schedule: str | None = None,
+    ceilings: dict | None = None,
 ) -> dict:
     """Times target re-prefill, mapper and source prefill for one context, with FLOP efficiency and memory.
 
@@ -38,7 +48,9 @@ def mapper_vs_prefill(
 
     Each of the three runs `repeats` times in a row (the usual way: warm caches, memory the allocator just freed);
     with `interleave=True` the rounds run source, mapper, target, so the mapper runs right after a source prefill,
-    as in a cascade, and each one after the others have evicted its data.
+    as in a cascade, and each one after the others have evicted its data. `schedule` is the engine's
+    (`hf_kvbridge.mappers.engine.SCHEDULES`); the row also holds the mapping's ops, device time and floors
+    (`ops.mapping_measures`, with the device's measured `ceilings`).
     """
     from ...devices import execution_device
 
@@ -48,7 +60,7 @@ def mapper_vs_prefill(
     source_cache = output_cache(bridge.source.model(input_ids=ids_s, use_cache=True))
     fns = {  # in cascade order when interleaved: the mapper runs right after a source prefill
         "source": lambda: bridge.source.model(input_ids=ids_s, use_cache=True),
-        "mapper": lambda: bridge.map_cache(source_cache),
+        "mapper": lambda: bridge.map_cache(source_cache, schedule=schedule),
         "target": lambda: bridge.target.model(input_ids=ids_t, use_cache=True),
     }
     if interleave:
@@ -56,7 +68,8 @@ def mapper_vs_prefill(
     else:
         seconds = {name: median_seconds(fn, device, repeats, warmup) for name, fn in fns.items()}
     target_s, map_s, source_s = seconds["target"], seconds["mapper"], seconds["source"]
-    peak = peak_extra_bytes(lambda: bridge.map_cache(source_cache), device)  # workspace already there (warm)
+    peak = peak_extra_bytes(lambda: bridge.map_cache(source_cache, schedule=schedule), device)  # warm workspace
+    measures = mapping_measures(bridge, fns["mapper"], *input_ids.shape, map_s, ceilings)
     target_flops = prefill_flops(bridge.target.config, int(input_ids.shape[1])) * input_ids.shape[0]
     map_flops = mapper_flops(bridge.mapper, tokens)
     return {
@@ -84,6 +97,8 @@ def mapper_vs_prefill(
         "mapper_dtype": str(bridge.mapper.layout_dtype()),
         "threads": torch.get_num_threads(),
         "interleaved": interleave,
+        "schedule": resolve_schedule(schedule, device),
+        **measures,
     }
 
 
@@ -102,6 +117,8 @@ def benchmark(
     warmup: int = 1,
     seed: int = 0,
     interleave: bool = False,
+    schedule: str | None = None,
+    ceilings: dict | None = None,
 ) -> list[dict]:
     """`mapper_vs_prefill` at each context length on random token ids.
 
@@ -117,7 +134,7 @@ def benchmark(
     rows = []
     for length in lengths:
         ids = torch.randint(0, vocab, (batch, length), generator=generator)
-        rows.append(mapper_vs_prefill(bridge, ids, repeats=repeats, warmup=warmup, interleave=interleave))
+        rows.append(mapper_vs_prefill(bridge, ids, repeats, warmup, interleave, schedule, ceilings))
     return rows
 
 
@@ -333,17 +350,34 @@ def run_cli(args: argparse.Namespace) -> int:
                 json.dump(payload, handle, indent=2)
             print(f"wrote {args.json}")
         return 0
-    rows = benchmark(
-        bridge, lengths, batch=args.batch, repeats=args.repeats, warmup=args.warmup, interleave=args.interleave
-    )
+    schedule = getattr(args, "schedule", None)
+    ceilings = measure_ceilings(torch.device(args.device), mapper_dtype)
+    rows = benchmark(bridge, lengths, batch=args.batch, repeats=args.repeats, warmup=args.warmup,
+                     interleave=args.interleave, schedule=schedule, ceilings=ceilings)  # fmt: skip
     order = "interleaved rounds" if args.interleave else "each in a row"
     print(
         f"{what}; {args.dtype} models, {mapper_dtype} mapper on {args.device}, {torch.get_num_threads()} threads, "
-        f"median of {args.repeats} ({order})"
+        f"median of {args.repeats} ({order}), {rows[0]['schedule']} schedule"
     )
     print(format_table(rows))
+    print(format_measures(rows))
+    ttft = end_to_end(bridge, lengths, args) if getattr(args, "end_to_end", False) else None
     if args.json:
         with open(args.json, "w") as handle:
-            json.dump({"bridge": what, "rows": rows}, handle, indent=2)
+            json.dump({"bridge": what, "ceilings": ceilings, "rows": rows, "ttft": ttft}, handle, indent=2)
         print(f"wrote {args.json}")
     return 0
+
+
+def end_to_end(bridge, lengths: list[int], args: argparse.Namespace) -> list[dict]:
+    """`--end-to-end`: time to first token through `generate_from_cache` at each length (`ttft`), eagerly with a
+    dynamic cache, and with `--compile-hold-back` also on a static cache with the hold-back compiled."""
+    generator = torch.Generator().manual_seed(1)
+    variants = [{}] + ([{"static": True, "compile_hold_back": True}] if args.compile_hold_back else [])
+    rows = []
+    for length in lengths:
+        ids = torch.randint(0, bridge.target_layout.vocab_size, (args.batch, length), generator=generator)
+        for variant in variants:
+            rows.append(time_to_first_token(bridge, ids, repeats=args.repeats, warmup=args.warmup, **variant))
+    print(format_ttft(rows))
+    return rows

@@ -102,3 +102,47 @@ def device_busy_seconds(fn: Callable[[], object], device: torch.device) -> dict 
     # kernels and copies are events of device type CUDA; one stream, so their durations do not overlap
     spans = [e.time_range.elapsed_us() for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     return {"device_busy_s": sum(spans) / 1e6, "kernels": len(spans)}
+
+
+def mapping_measures(
+    bridge, map_fn: Callable[[], object], batch: int, tokens: int, seconds: float, ceilings: dict | None
+) -> dict:
+    """What `kvbridge bench mapper` adds to a row about one mapping `map_fn()` (timed at `seconds`): the ops it
+    dispatches (in all and per target layer), the device's busy time and kernels (CUDA), and its FLOP and memory
+    floors and the fraction of the floor reached (`hf_kvbridge.tools.bench.floors`, with the measured `ceilings`)."""
+    from .floors import mapping_floor
+
+    counts = count_ops(map_fn)
+    layers = bridge.target_layout.num_layers
+    row = {
+        "ops_per_mapping": counts.total,
+        "ops_per_target_layer": counts.total / layers,
+        "compute_ops_per_mapping": counts.compute_ops,
+        "compute_ops_per_target_layer": counts.compute_ops / layers,
+        "top_ops": dict(counts.ops.most_common(8)),
+    }
+    busy = device_busy_seconds(map_fn, bridge.device)
+    if busy is not None:
+        row.update(busy)
+    if ceilings is not None:
+        row.update(mapping_floor(bridge, batch, tokens, ceilings, seconds))
+    return row
+
+
+def format_measures(rows: list[dict]) -> str:
+    """The op counts, device time and floors of `kvbridge bench mapper`'s rows as a fixed-width table."""
+    header = ("tokens", "ops", "ops/layer", "kernels", "busy ms", "FLOP fl. ms", "mem fl. ms", "of floor")
+    lines = ["  ".join(f"{h:>11}" for h in header)]
+    for r in rows:
+        cells = (
+            r["context_tokens"],
+            r["ops_per_mapping"],
+            f"{r['ops_per_target_layer']:.1f}",
+            r.get("kernels", "n/a"),
+            f"{r['device_busy_s'] * 1e3:.2f}" if "device_busy_s" in r else "n/a",
+            f"{r['flop_floor_s'] * 1e3:.2f}" if "flop_floor_s" in r else "n/a",
+            f"{r['memory_floor_s'] * 1e3:.2f}" if "memory_floor_s" in r else "n/a",
+            f"{r['fraction_of_floor']:.2f}" if "fraction_of_floor" in r else "n/a",
+        )
+        lines.append("  ".join(f"{c:>11}" for c in cells))
+    return "\n".join(lines)
