@@ -262,10 +262,11 @@ def test_both_schedules_map_hidden_state_blocks_alike(bridges, windows):
     _, bridge = bridges
     ids = windows[:2, :20]
     out = bridge.source(ids, use_cache=True, output_hidden_states=True)
-    chunked, layers = (
-        bridge.map_cache(output_cache(out), hidden_states=out.hidden_states, schedule=schedule)
-        for schedule in ("chunked", "layers")
-    )
+    mapped = {}
+    for schedule in ("layers", "chunked"):
+        bridge.free_workspace()  # fresh buffers: nothing left from the other schedule
+        mapped[schedule] = bridge.map_cache(output_cache(out), hidden_states=out.hidden_states, schedule=schedule)
+    chunked, layers = mapped["chunked"], mapped["layers"]
     for a, b in zip(chunked.layers, layers.layers):
         torch.testing.assert_close(b.keys, a.keys, atol=1e-6, rtol=1e-5)
         torch.testing.assert_close(b.values, a.values, atol=1e-6, rtol=1e-5)
