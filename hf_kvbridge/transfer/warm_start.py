@@ -177,15 +177,17 @@ def generate_from_source_cache(
                 "at every step"
             )
         forward = target.get_compiled_call(generation_config.compile_config)
-    outputs = forward(
-        input_ids=input_ids[:, covered:],
+    # the inputs as `generate` prepares them (a static cache gets its 4-D mask of the cache's full length, built here
+    # once, outside the compiled step): a one-token hold-back is then the very step `generate` decodes with
+    inputs = target.prepare_inputs_for_generation(
+        input_ids,
+        next_sequence_length=length - covered,
         attention_mask=attention_mask,
-        position_ids=positions[:, covered:],
-        **cache_kwargs(cache),
+        position_ids=positions,
         use_cache=True,
-        logits_to_keep=1,
-        return_dict=True,
+        **cache_kwargs(cache),
     )
+    outputs = forward(**inputs, logits_to_keep=1, return_dict=True)
     logits = outputs.logits[:, -1].to(copy=True, dtype=torch.float32)  # (B, V)
     target._prepare_special_tokens(generation_config, True, device=device, batch_size=batch)
     processors = target._get_logits_processor(
