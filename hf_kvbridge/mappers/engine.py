@@ -405,20 +405,7 @@ def _map_span(
     span = seq - first
     plan, last_use, slots, num_slots, widest, _, chunk = schedule(mapper, batch, span, targets)  # steps, slots, chunk
     heads, dim = mapper.target_kv_heads, mapper.target_head_dim  # of the new cache
-    offsets = {}  # source layer → tokens it has dropped (a sliding layer holds only its last ones)
-    for sources, _ in plan:
-        for s in sources:
-            if s >= src.num_layers:  # a hidden-state block: the source's hidden states cover every token
-                offsets[s] = 0
-                continue
-            held = cache_layer_kv(source_cache, s)[0].shape[2]
-            offsets[s] = seq - held
-            if offsets[s] > first:
-                raise KVLayoutError(
-                    f"source layer {s} holds only its last {held} of {seq} tokens, but the mapper reads it for "
-                    f"tokens from {first} on (a sliding-window layer chosen for a layer that needs more tokens); "
-                    "recalibrate so that selection keeps such layers for sliding-window target layers only"
-                )
+    offsets = _held_offsets(source_cache, src, plan, seq, first)  # source layer → tokens it has dropped
     outputs = [  # the new cache's tensors, one (2, n, B, H, T, d) block per step: [0] keys, [1] values
         torch.empty((2, len(step_targets), batch, heads, span, dim), dtype=target.dtype, device=device)
         for _, step_targets in plan
