@@ -145,6 +145,18 @@ for seed in range(3):
     assert error <= limit, (seed, error)
     if dtype == torch.bfloat16:  # each element within one bfloat16 rounding of the float32 result
         assert ((key_out.float() - want).abs() <= want.abs() * 2 ** -8 + 1e-30).all()
+# many layers of one layout in one launch (the engine's strip: bfloat16 cache layers into float32 row slots)
+rotation, keys, values, _, _ = _rotation_case(dtype, 9)
+layers_k = [keys * (i + 1) for i in range(3)]
+layers_v = [values[i] for i in range(3)]
+slots = torch.full((3, 2, 37, 2, 2, 16), float("nan")).permute(0, 1, 3, 2, 4, 5)  # (L, B, H, T, 2, d)
+key_slots, value_slots = list(slots[..., 0, :].unbind(0)), list(slots[..., 1, :].unbind(0))
+rotate_kv(layers_k, layers_v, *rotation.half_tables, key_slots, value_slots)
+assert not slots.isnan().any()
+for i in range(3):
+    want = rotation(layers_k[i].float())
+    assert ((slots[i, ..., 0, :] - want).norm() / want.norm()).item() <= 1e-6
+    assert torch.equal(slots[i, ..., 1, :], layers_v[i].float())
 # head dim 12: halves of 6, masked in a block of 8
 cos, sin = torch.randn(1, 5, 6), torch.randn(1, 5, 6)
 keys = torch.randn(1, 3, 5, 12, dtype=dtype)
