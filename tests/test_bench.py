@@ -280,8 +280,8 @@ def test_gpu_script_runs_every_step_at_tiny_shapes_without_the_optional_packages
     result = json.loads((out / "bench-gpu.json").read_text())
     steps = result["steps"]
     assert result["smoke"] and {name: step["status"] for name, step in steps.items()} == dict.fromkeys(steps, "ok")
-    names = {"device", "lambda_search", "vllm_helpers", "calibration", "build_large", "table_32", "table_64",
-             "ttft_same_head_64", "ttft_all_heads_32", "small_pair"}  # fmt: skip
+    names = {"device", "lambda_search", "vllm_helpers", "exactness", "calibration", "build_large", "table_32",
+             "table_64", "ttft_same_head_64", "ttft_all_heads_32", "small_pair"}  # fmt: skip
     assert names <= set(steps), sorted(steps)
     row = steps["table_64"]["result"]["same_head"]
     assert row["layers_ops_per_target_layer"] <= 12 < row["chunked_ops_per_target_layer"]
@@ -293,6 +293,8 @@ def test_gpu_script_runs_every_step_at_tiny_shapes_without_the_optional_packages
     helpers = steps["vllm_helpers"]["result"]
     assert helpers["read_slots_equal"] and helpers["reads_back"] and helpers["rotary_max_abs_difference"] == 0
     assert steps["calibration"]["result"]["lambda_seconds"] >= 0
+    exact = steps["exactness"]["result"]
+    assert exact["all_heads_float32_default"] < 1e-6 and exact["same_head_bfloat16_default"] < 1e-2
 
 
 @pytest.mark.parametrize(

@@ -9,7 +9,8 @@ the run's total budget (`BUDGET_S`, 290 s); `bench-gpu.json` is rewritten after 
 2. `lambda_search`: one map of the paper's calibration of 0.6B → 1.7B (p = 12,288 inputs) searched by each method
    (`solve.LAMBDA_SEARCHES`): seconds, and whether they choose alike.
 3. `vllm_helpers`: the vLLM connector's paged-cache read and its rotary-only target on CUDA tensors against their CPU
-   results (without vLLM).
+   results (without vLLM); `exactness`: the map on the GPU (whole layers, the Triton rotation; and the chunked
+   schedule) against the CPU's float32 map of the same bridge and cache, in float32 and bfloat16.
 4. `calibration`: the paper's map (all heads, joint, top-6, auto-λ) of 0.6B → 1.7B on 16 × 1,024 tokens, stages timed
    and projected to the paper's 500 × 1,024 tokens.
 5. `build_large`: random-weight Qwen3-14B and Qwen3-32B shapes in bfloat16, built once on the GPU.
@@ -294,6 +295,56 @@ def lambda_search_step(device: torch.device, settings: dict) -> dict:
 
 
 @torch.no_grad()
+def exactness_step(device: torch.device) -> dict:
+    """The map on `device` (its default schedule: whole layers and the Triton rotation on CUDA; and the chunked one)
+    against the CPU's chunked float32 map of the same bridge and cache, in float32 and bfloat16: the largest
+    relative difference over the layers' keys and values."""
+    import copy
+
+    from transformers import DynamicCache
+
+    from ...cache import append_layer, output_cache
+    from ...mappers.engine import default_schedule
+    from ...rope import _triton_rotate
+    from .shapes import qwen3_shape_config, random_bridge
+
+    def moved(cache, dtype):
+        out = DynamicCache()
+        for i, layer in enumerate(cache.layers):
+            append_layer(out, i, layer.keys.to(device, dtype), layer.values.to(device, dtype))
+        return out
+
+    def difference(got, want) -> float:
+        worst = 0.0
+        for a, b in zip(got.layers, want.layers):
+            for x, y in ((a.keys, b.keys), (a.values, b.values)):
+                worst = max(worst, float((x.float().cpu() - y).norm() / y.norm()))
+        return worst
+
+    result = {
+        "device": str(device),
+        "default_schedule": default_schedule(device),
+        "triton": _triton_rotate() is not None,
+    }
+    for head_mode in ("all_heads", "same_head"):
+        bridge = random_bridge(qwen3_shape_config("small-3l-2x64"), qwen3_shape_config("small-8l-2x64"), top_k=3,
+                               head_mode=head_mode)  # fmt: skip
+        ids = torch.randint(0, 1024, (2, 300), generator=torch.Generator().manual_seed(3))
+        cache = output_cache(bridge.source.model(input_ids=ids, use_cache=True))
+        reference = bridge.map_cache(cache, schedule="chunked")
+        for dtype in (torch.float32, torch.bfloat16):
+            there = copy.deepcopy(bridge).to(device=device, dtype=dtype)
+            for model, original in ((there.source, bridge.source), (there.target, bridge.target)):
+                # the rotary frequencies stay float32, as a model loaded in bfloat16 keeps them
+                model.model.rotary_emb.inv_freq = original.model.rotary_emb.inv_freq.to(device)
+            for schedule in (None, "chunked"):
+                got = there.map_cache(moved(cache, dtype), schedule=schedule)
+                name = f"{head_mode}_{str(dtype).removeprefix('torch.')}_{schedule or 'default'}"
+                result[name] = difference(got, reference)
+    return result
+
+
+@torch.no_grad()
 def vllm_helpers_step(device: torch.device) -> dict:
     """The vLLM connector's paged-cache read and its rotary-only target, on `device` against the CPU."""
     from types import SimpleNamespace
@@ -383,6 +434,7 @@ def main(argv: list[str] | None = None) -> int:
     # (whose compilation takes longest) last of it, then the small pair
     run.step("lambda_search", limits["lambda_search"], lambda: lambda_search_step(device, settings))
     run.step("vllm_helpers", 30, lambda: vllm_helpers_step(device))
+    run.step("exactness", 60, lambda: exactness_step(device))
     run.step("calibration", limits["calibration"], lambda: calibration_step(settings))
     state: dict = {"ceilings": ceilings}
     if run.step("build_large", 60, lambda: build_pair(settings["large"], device, settings["dtype"], state)):
