@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import shutil
 import sys
 import tempfile
@@ -106,7 +107,8 @@ def main(argv: list[str] | None = None) -> int:
                 fns = mappings(engine, bridge, baseline, workspace, cache)
                 seconds = interleaved_medians(fns, device, args.repeats, 2)
                 reference = fns["baseline"]()
-                row = {"bridge": name, "tokens": length, "threads": torch.get_num_threads(), "repeats": args.repeats}
+                row = {"bridge": name, "tokens": length, "threads": torch.get_num_threads(), "repeats": args.repeats,
+                       "load_average": os.getloadavg()}  # fmt: skip
                 for key, fn in fns.items():
                     row[f"{key}_s"] = seconds[key]
                     row[f"{key}_over_baseline"] = seconds[key] / seconds["baseline"]
@@ -118,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
                     f"{seconds['chunked'] * 1e3:7.2f} ({row['chunked_over_baseline']:.3f}×)  layers "
                     f"{seconds['layers'] * 1e3:7.2f} ({row['layers_over_baseline']:.3f}×)  ops/layer "
                     f"{row['baseline_ops_per_target_layer']:.1f} / {row['chunked_ops_per_target_layer']:.1f} / "
-                    f"{row['layers_ops_per_target_layer']:.1f}",
+                    f"{row['layers_ops_per_target_layer']:.1f}  load {row['load_average'][0]:.1f}",
                     flush=True,
                 )
     if args.json:
