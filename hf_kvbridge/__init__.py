@@ -17,31 +17,11 @@ import sys
 
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from . import errors
 from .configuration import KVBridgeConfig
-from .errors import (
-    CalibrationDataError,
-    CheckpointExistsError,
-    CheckpointFileError,
-    CheckpointNotFoundError,
-    ConfigurationError,
-    ContextLengthError,
-    EvaluationError,
-    InvalidInputError,
-    KVBridgeError,
-    KVLayoutError,
-    MapperError,
-    MapperFileError,
-    MissingDependencyError,
-    ServingConfigError,
-    StatisticsError,
-    StatisticsMemoryError,
-    StoreFormatError,
-    StoreMissError,
-    StoreUnavailableError,
-    TuningError,
-)
-from .settings import CalibrationSettings
-from .version import __version__
+from .errors import *  # noqa: F403  every public error, named once in `errors.__all__`
+from .settings import CalibrationSettings as CalibrationSettings
+from .version import __version__ as __version__
 
 # Names imported on first use (PEP 562 `__getattr__`), as transformers' own top level does: the bridge class and the
 # calibration code need transformers' modeling stack (`PreTrainedModel`, and with it scipy and accelerate), which
@@ -87,35 +67,4 @@ AutoConfig.register("kvbridge", KVBridgeConfig, exist_ok=True)
 if "hf_kvbridge.modeling" not in sys.modules:
     AutoModelForCausalLM.register(KVBridgeConfig, _BridgeClassOnFirstUse(), exist_ok=True)
 
-__all__ = [
-    "CalibrationDataError",
-    "CalibrationSettings",
-    "CheckpointExistsError",
-    "CheckpointFileError",
-    "CheckpointNotFoundError",
-    "ConfigurationError",
-    "ContextLengthError",
-    "EvaluationError",
-    "InvalidInputError",
-    "KVBridgeConfig",
-    "KVBridgeError",
-    "KVBridgeForCausalLM",
-    "KVLayout",
-    "KVLayoutError",
-    "KVMapper",
-    "KVStatistics",
-    "MapperError",
-    "MapperFileError",
-    "MissingDependencyError",
-    "ServingConfigError",
-    "StatisticsError",
-    "StatisticsMemoryError",
-    "StoreFormatError",
-    "StoreMissError",
-    "StoreUnavailableError",
-    "TuningError",
-    "__version__",
-    "calibrate",
-    "collect_statistics",
-    "fit_bridge",
-]
+__all__ = sorted([*errors.__all__, "CalibrationSettings", "KVBridgeConfig", "__version__", *_LAZY])

@@ -12,13 +12,8 @@ import torch
 from torch import nn
 
 from .cache import output_cache
+from .devices import decoder_layers
 from .rope import apply_rotary
-
-
-def decoder_layers(model: nn.Module) -> nn.ModuleList:
-    """The decoder layers of a causal LM (`model.model.layers`)."""
-    base = getattr(model, "model", model)
-    return base.layers
 
 
 @torch.no_grad()

@@ -25,46 +25,16 @@ from __future__ import annotations
 
 import logging
 import os
-import re
+from dataclasses import dataclass
 
 import torch
 
-from .errors import ConfigurationError, StatisticsMemoryError
+from .errors import StatisticsMemoryError
+from .sizes import format_bytes, parse_bytes
 from .statistics.blocks import BlockStatistics, feature_groups
 from .statistics.selection import SelectionStatistics
 
 logger = logging.getLogger(__name__)
-
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2**10, "mib": 2**20,
-          "gib": 2**30, "tib": 2**40}  # fmt: skip
-
-
-def parse_bytes(value: int | float | str) -> int:
-    """`"16GB"` → 16·10⁹, `"16GiB"` → 16·2³⁰, `1e9` → 10⁹.
-
-    Example:
-
-    ```python
-    >>> parse_bytes("1.5GB")
-    1500000000
-    ```
-    """
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
-        return int(value)
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kmgt]i?b|b)?\s*", str(value).lower())
-    if not match or float(match.group(1)) <= 0:
-        raise ConfigurationError(
-            f"statistics_memory must be a size such as '16GB', '512MiB' or a byte count, got {value!r}"
-        )
-    return int(float(match.group(1)) * _UNITS[match.group(2) or ""])
-
-
-def format_bytes(n: int | float) -> str:
-    """`1.6e10` → `'16.0 GB'`."""
-    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if n >= size:
-            return f"{n / size:.1f} {unit}"
-    return f"{int(n)} B"
 
 
 def free_bytes(device: torch.device | str | None = None) -> int:
@@ -312,3 +282,82 @@ def plan_residual(
             "raise statistics_memory, lower top_k, or calibrate fewer recompute_layers values"
         )
     return "blocks", "blocks", budget - residual_fit
+
+
+@dataclass(frozen=True)
+class CalibrationPlan:
+    """How a calibration keeps its statistics (`plan_calibration`).
+
+    Args:
+        budget (`int`): bytes the statistics may take.
+        mode (`str`): `"dense"` (one pass, dense statistics) or `"blocks"` (a selection pass, then fit passes).
+        residual_mode (`str`, *optional*): how the residual maps of layer recompute ride along (`plan_residual`);
+            `None` without layer recompute.
+        fit_budget (`int`): bytes the K/V fit passes may take (the budget less the residual fit's share).
+    """
+
+    budget: int
+    mode: str
+    residual_mode: str | None
+    fit_budget: int
+
+
+def plan_calibration(
+    *,
+    statistics_memory: int | str | None,
+    statistics_device,
+    batch_tokens: int,
+    blocks: int,
+    source_layers: int,
+    target_layers: int,
+    num_kv_heads: int,
+    head_dim: int,
+    top_k: int,
+    dtype: torch.dtype,
+    groups: int,
+    head_mode: str = "all_heads",
+    kv_mode: str = "joint",
+    bidirectional: bool = False,
+    residual: tuple[int, int, int] | None = None,
+) -> CalibrationPlan:
+    """The memory plan of a calibration, before any text is read or any forward pass runs.
+
+    The budget is `statistics_memory`, or half the free memory of `statistics_device` (the cheapest plan's bytes
+    when that is more and still fits, `default_budget`); the statistics go dense when every direction fits it
+    (`check_budget`), else by blocks; layer recompute's residual statistics ride along (`plan_residual`).
+
+    Args:
+        statistics_memory (`int` or `str`, *optional*): the budget asked for (`"16GB"`).
+        statistics_device: where the statistics live (its free memory sets the default budget).
+        batch_tokens (`int`): tokens of one batch (the rows held while it is summed).
+        blocks (`int`): source blocks (source layers, and hidden-state feature blocks); `source_layers`,
+            `target_layers` (`int`): the two depths (the reverse direction of a `bidirectional` calibration maps
+            target layers to source layers).
+        num_kv_heads (`int`), head_dim (`int`): one head layout for both sides (the larger one's, so the plan never
+            plans too little); groups (`int`): Gram blocks kept per layer (`feature_groups` of the real layouts).
+        top_k (`int`), dtype (`torch.dtype`): the fit's source layers per target layer, the statistics' dtype.
+        head_mode (`str`), kv_mode (`str`): the maps fitted (they name what to change in a refusal).
+        residual (`tuple[int, int, int]`, *optional*): `(source hidden states, recompute_layers values, hidden
+            features)` of layer recompute's residual maps.
+
+    Raises `StatisticsMemoryError` (what is needed, what is allowed, what to change) when no plan fits.
+    """
+    if statistics_memory is not None:
+        budget = parse_bytes(statistics_memory)
+    else:  # half the free memory, or the cheapest plan (more passes) when that is more and still fits
+        directions = [(blocks, target_layers)] + [(target_layers, source_layers)] * bidirectional
+        smallest = max(smallest_plan_bytes(a, b, num_kv_heads, head_dim, top_k, dtype, groups) for a, b in directions)
+        reserve = rows_bytes(batch_tokens, blocks, target_layers, num_kv_heads * 2 * head_dim)
+        budget = default_budget(free_bytes(statistics_device), smallest, reserve)
+    layout = (num_kv_heads, head_dim, top_k, dtype)
+    plan = [check_budget(budget, blocks, target_layers, *layout, head_mode, kv_mode, groups=groups)]
+    if bidirectional:
+        plan.append(check_budget(budget, target_layers, source_layers, *layout, head_mode, kv_mode, groups=groups))
+    mode = "dense" if set(plan) == {"dense"} else "blocks"
+    if residual is None:
+        return CalibrationPlan(budget, mode, None, budget)
+    source_states, values, hidden = residual
+    mode, residual_mode, fit_budget = plan_residual(
+        budget, mode, blocks, target_layers, *layout, groups, source_states, values, hidden
+    )
+    return CalibrationPlan(budget, mode, residual_mode, fit_budget)

@@ -43,9 +43,19 @@ KV_MODES = ("joint", "separate")
 # cache-sized chunks elsewhere
 SCHEDULES = ("auto", "chunked", "layers")
 
-# The mapper types of `hf_kvbridge.mappers.MAPPER_REGISTRY`, named here so that the settings (and the command line
-# built from them) can offer them without importing the mappers; tests/test_cli.py checks the two agree.
-MAPPER_TYPE_NAMES = ("ridge", "ridge_attention_weighted", "mlp", "low_rank")
+# The mapper types of `hf_kvbridge.mappers.MAPPER_REGISTRY` and the `mapper_kwargs` each one's fit accepts, named here
+# so that the settings (and the command line built from them) can offer and check them without importing the mappers;
+# each registry entry reads its keywords from here (`MapperType.kwargs`), and tests/test_cli.py checks the names agree.
+MAPPER_KWARGS = {
+    "ridge": (),
+    "ridge_attention_weighted": ("weighting",),
+    "mlp": ("hidden", "loss", "epochs", "lr", "steps_per_batch", "weight_decay", "seed"),
+    "low_rank": ("rank",),
+}
+MAPPER_TYPE_NAMES = tuple(MAPPER_KWARGS)
+# the choices of two of them: the MLP mapper's training loss, and the token weights of ridge_attention_weighted
+MLP_LOSSES = ("mse", "attention")
+WEIGHTINGS = ("attention", "uniform")
 
 # dtypes of the budgeted calibration statistics' Gram blocks
 STATISTICS_DTYPES = ("float32", "float64")

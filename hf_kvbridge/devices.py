@@ -1,5 +1,5 @@
-"""Where a model computes: its execution device (accelerate's offloading hooks included) and each decoder layer's
-device under a `device_map`."""
+"""Where a model computes: its execution device (accelerate's offloading hooks included), its decoder layers and each
+decoder layer's device under a `device_map`."""
 
 from __future__ import annotations
 
@@ -61,3 +61,9 @@ def layer_devices(model: nn.Module, num_layers: int) -> list[torch.device]:
         owners = [name for name in device_map if layer.search(name)]
         devices.append(resolve(device_map[max(owners, key=len)]) if owners else main)
     return devices
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The decoder layers of a causal LM (`model.model.layers`)."""
+    base = getattr(model, "model", model)
+    return base.layers

@@ -88,6 +88,14 @@ class MissingDependencyError(KVBridgeError, ImportError):
     """An optional dependency (vLLM) is not installed; the message says what to install."""
 
 
+def unknown_mapper_type(name: str, known) -> MapperError:
+    """The error for a `mapper_type` no registry entry names, listing the `known` ones."""
+    return MapperError(
+        f"unknown mapper_type {name!r}; this hf_kvbridge knows {', '.join(known)}: use one of them, or upgrade "
+        "hf_kvbridge for a checkpoint saved by a newer version"
+    )
+
+
 class TuningError(KVBridgeError, ValueError):
     """No configuration of a tuning grid meets the quality target or the cost budget (`kvbridge tune`)."""
 

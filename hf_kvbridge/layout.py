@@ -2,7 +2,7 @@
 
 A pair needs the same vocabulary (one tokenizer) and rotate-half RoPE in every layer of each model. Depth, width, the
 number of KV heads, the head dimension and the rotary base or scaling may all differ: keys are stripped with the
-source's own rotation and rotated with the target's. `same_head_sources` says which source heads each target head
+source's own rotation and rotated with the target's. `heads.same_head_sources` says which source heads each target head
 reads in `head_mode="same_head"` (equal head counts, or one dividing the other).
 """
 
@@ -102,65 +102,6 @@ class KVLayout:
         return _jsonable(facts)
 
 
-class HeadLayouts:
-    """The KV head layouts on the two sides of a map (statistics, mappers): source and target KV heads and head dims.
-
-    `num_kv_heads` and `head_dim` are the shared values of a matched pair and raise on a mismatched one, so code that
-    means one side has to say which (`source_kv_heads`, `target_head_dim`, ...).
-    """
-
-    def _set_head_layouts(
-        self, num_kv_heads: int, head_dim: int, target_kv_heads: int | None, target_head_dim: int | None
-    ) -> None:
-        self.source_kv_heads, self.source_head_dim = int(num_kv_heads), int(head_dim)
-        self.target_kv_heads = self.source_kv_heads if target_kv_heads is None else int(target_kv_heads)
-        self.target_head_dim = self.source_head_dim if target_head_dim is None else int(target_head_dim)
-
-    @property
-    def matched_heads(self) -> bool:
-        """Same KV heads and head dim on both sides."""
-        return (self.source_kv_heads, self.source_head_dim) == (self.target_kv_heads, self.target_head_dim)
-
-    def _shared(self, source: int, target: int, what: str) -> int:
-        if source != target:
-            raise KVLayoutError(
-                f"source and target {what} differ ({source} and {target}); ask for source_{what} or target_{what}"
-            )
-        return source
-
-    @property
-    def num_kv_heads(self) -> int:
-        """The KV heads of both sides (a matched pair only)."""
-        return self._shared(self.source_kv_heads, self.target_kv_heads, "kv_heads")
-
-    @property
-    def head_dim(self) -> int:
-        """The head dim of both sides (a matched pair only)."""
-        return self._shared(self.source_head_dim, self.target_head_dim, "head_dim")
-
-    @property
-    def x_row(self) -> int:
-        """Features of one source layer's row: `H_s · 2 d_s` (per head, key then value)."""
-        return self.source_kv_heads * 2 * self.source_head_dim
-
-    @property
-    def y_row(self) -> int:
-        """Features of one target layer's row: `H_t · 2 d_t`."""
-        return self.target_kv_heads * 2 * self.target_head_dim
-
-    def _head_key(self) -> tuple[int, ...]:
-        """`(H, d)` of a matched pair (the key older files hold), `(H_s, d_s, H_t, d_t)` otherwise."""
-        if self.matched_heads:
-            return (self.source_kv_heads, self.source_head_dim)
-        return (self.source_kv_heads, self.source_head_dim, self.target_kv_heads, self.target_head_dim)
-
-
-def target_heads_of(key) -> dict:
-    """The `target_kv_heads` / `target_head_dim` keywords of a `shape_key` (none for a 4-number, matched key)."""
-    key = list(key)
-    return {} if len(key) <= 4 else {"target_kv_heads": int(key[4]), "target_head_dim": int(key[5])}
-
-
 def attention_windows(config: PretrainedConfig) -> tuple[int | None, ...] | None:
     """Per decoder layer, the sliding window it attends over (`None`: all tokens), as transformers builds its cache
     layers (`config.layer_types`, else `sliding_window` on every layer); `None` when all layers are full attention."""
@@ -226,34 +167,6 @@ def check_supported(config: PretrainedConfig, name: str) -> KVLayout:
                 f"{name}: layers of type {other} found; the bridge maps full-attention and sliding-window layers."
             )
     return layout
-
-
-def same_head_sources(
-    source_heads: int, target_heads: int, source_name: str = "source", target_name: str = "target"
-) -> list[list[int]]:
-    """Which source KV heads each target KV head reads in `head_mode="same_head"`.
-
-    Equal counts: head `h` reads head `h`. More target heads (`target = r·source`): target heads `r·h … r·h+r-1` all
-    read source head `h`. Fewer target heads (`source = r·target`): target head `h` reads source heads
-    `r·h … r·h+r-1`. Other counts are refused (use `head_mode="all_heads"`).
-
-    Example:
-
-    ```python
-    >>> same_head_sources(2, 4), same_head_sources(4, 2)
-    ([[0], [0], [1], [1]], [[0, 1], [2, 3]])
-    ```
-    """
-    if target_heads % source_heads == 0:
-        ratio = target_heads // source_heads
-        return [[h // ratio] for h in range(target_heads)]
-    if source_heads % target_heads == 0:
-        ratio = source_heads // target_heads
-        return [list(range(h * ratio, (h + 1) * ratio)) for h in range(target_heads)]
-    raise KVLayoutError(
-        f"head_mode='same_head' pairs KV heads, but source {source_name!r} has {source_heads} KV heads and target "
-        f"{target_name!r} has {target_heads}: neither count divides the other. Use head_mode='all_heads'."
-    )
 
 
 def check_matched(source: PretrainedConfig, target: PretrainedConfig, source_name: str, target_name: str):

@@ -8,7 +8,6 @@ prompt ──source prefill──▶ source cache ──strip RoPE──▶ cont
 
 from __future__ import annotations
 
-import copy
 import logging
 import os
 import tempfile
@@ -19,94 +18,31 @@ from torch import nn
 from transformers import AutoModelForCausalLM, Cache, DynamicCache, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from .cache import CACHE_KWARG, cache_kwargs, output_cache
+from .bridge_parts import check_bridge_parts, converted_mapper
+from .cache import cache_kwargs
 from .configuration import KVBridgeConfig
-from .constants import CONFIG_NAME, DEFAULT_MAX_SHARD_SIZE, REVERSE_FOLDER
+from .constants import DEFAULT_MAX_SHARD_SIZE
 from .devices import execution_device
-from .errors import ConfigurationError, ContextLengthError, InvalidInputError, KVLayoutError, MapperError
-from .layout import KVLayout, check_fingerprint, check_models, hidden_size
-from .loading import load_model
-from .mappers import KVMapper
+from .errors import ConfigurationError, ContextLengthError
+from .generation import bridged_forward, generation_inputs
+from .mappers.base import KVMapper
 from .mappers.engine import Workspace, map_cache
 from .mappers.lazy import LazyKVMapper
 from .mappers.residual import ResidualMapper
+from .masks import left_padding
 from .persistence import (
-    load_mapper,
-    load_residual_mapper,
+    load_bridge,
     push_folder_to_hub,
-    read_checkpoint_config,
-    resolve_checkpoint,
     save_bridge,
 )
 from .precision import HALF_TYPES, resolve_mapper_dtype
-from .source_features import SourceFeatures, check_source_features, source_blocks
-from .transfer.layer_recompute import calibrated_layers, check_layer_recompute
+from .transfer.layer_recompute import check_layer_recompute
 from .transfer.plan import TransferPlan, plan_from_config
-from .transfer.prefill import left_padding, positions_from_mask, transfer_prefill
+from .transfer.prefill import transfer_prefill
 from .transfer.session import HandoffSession
-from .transfer.warm_start import generate_from_source_cache
+from .transfer.warm_start import check_warm_plan, generate_from_source_cache
 
 logger = logging.getLogger(__name__)
-
-
-def converted_mapper(mapper: KVMapper, device: torch.device, dtype: torch.dtype) -> KVMapper:
-    """`mapper` itself when its weights are already on `device` in `dtype`, else a converted copy.
-
-    The copy is made tensor by tensor (the original's weights are never duplicated in their own dtype); weights on
-    the meta device (a lazily loaded mapper) stay there and the copy records where they will be loaded.
-    """
-    tensors = [*mapper.parameters(), *mapper.buffers()]
-    floating = [t for t in tensors if t.is_floating_point() and t.device.type != "meta"]
-    if all(t.device == device and t.dtype == dtype for t in floating) and not isinstance(mapper, LazyKVMapper):
-        return mapper
-    memo: dict[int, Any] = {}
-    if "_stacked_cache" in mapper.__dict__:  # weights derived from the originals: rebuilt on demand
-        memo[id(mapper.__dict__["_stacked_cache"])] = {}
-    for tensor in tensors:
-        if tensor.device.type == "meta":
-            continue
-        new = tensor.detach().to(device, dtype if tensor.is_floating_point() else tensor.dtype, copy=True)
-        memo[id(tensor)] = (
-            nn.Parameter(new, requires_grad=tensor.requires_grad) if isinstance(tensor, nn.Parameter) else new
-        )
-    return copy.deepcopy(mapper, memo).to(device=device, dtype=dtype)
-
-
-def _check_residual_mapper(residual_mapper, config, source, target, source_name: str, target_name: str) -> None:
-    """Refuses a residual map that does not fit the two models (hidden sizes, source hidden states) or the config."""
-    sizes = (residual_mapper.source_hidden, residual_mapper.target_hidden)
-    if sizes != (hidden_size(source), hidden_size(target)):
-        raise MapperError(
-            f"the residual map maps hidden size {sizes[0]} to {sizes[1]}, but source {source_name!r} has "
-            f"{hidden_size(source)} and target {target_name!r} has {hidden_size(target)}; use the models it was "
-            "calibrated for"
-        )
-    states = {s for layers in residual_mapper.selected_layers for s in layers}
-    layers = source.config.get_text_config(decoder=True).num_hidden_layers
-    if states and max(states) > layers:
-        raise MapperError(
-            f"the residual map reads source hidden state {max(states)} but source {source_name!r} has {layers + 1}; "
-            "use the source it was calibrated for"
-        )
-    if calibrated_layers(config) != residual_mapper.recompute_layers:
-        raise MapperError(
-            f"the residual map holds recompute_layers {residual_mapper.recompute_layers} but config.residual_map "
-            f"records {calibrated_layers(config)}; pass the config it was saved with"
-        )
-
-
-# kwargs that AutoModelForCausalLM.from_pretrained forwards and that have no meaning for the bridge itself
-_AUTO_KWARGS = (
-    "trust_remote_code",
-    "adapter_kwargs",
-    "code_revision",
-    "_from_auto",
-    "_commit_hash",
-    "subfolder",
-    "proxies",
-    "user_agent",
-    "_from_pipeline",
-)
 
 
 class KVBridgeForCausalLM(nn.Module):
@@ -158,41 +94,9 @@ class KVBridgeForCausalLM(nn.Module):
             storage_dtype = target.dtype if target.dtype in HALF_TYPES else torch.float32
         else:  # validated first
             storage_dtype = resolve_mapper_dtype(target.dtype, execution_device(target), mapper_dtype)
-        source_name = config.source_name_or_path or source.config.name_or_path
-        target_name = config.target_name_or_path or target.config.name_or_path
-        self.source_layout, self.target_layout = check_models(source, target, source_name, target_name)
-        if config.source_fingerprint is not None:
-            check_fingerprint(config.source_fingerprint, self.source_layout, "source", source_name)
-        if config.target_fingerprint is not None:
-            check_fingerprint(config.target_fingerprint, self.target_layout, "target", target_name)
-        if len(mapper.selected_layers) != self.target_layout.num_layers:
-            raise MapperError(
-                f"mapper has {len(mapper.selected_layers)} target layers but target {target_name!r} has "
-                f"{self.target_layout.num_layers}; calibrate a bridge for this target"
-            )
-        src, tgt = self.source_layout, self.target_layout
-        shapes = (mapper.source_kv_heads, mapper.source_head_dim, mapper.target_kv_heads, mapper.target_head_dim)
-        if shapes != (src.num_kv_heads, src.head_dim, tgt.num_kv_heads, tgt.head_dim):
-            raise KVLayoutError(
-                f"mapper maps {shapes[0]} KV heads × {shapes[1]} to {shapes[2]} × {shapes[3]}, but source "
-                f"{source_name!r} has {src.num_kv_heads} × {src.head_dim} and target {target_name!r} has "
-                f"{tgt.num_kv_heads} × {tgt.head_dim}; use the models the mapper was calibrated for"
-            )
-        features = SourceFeatures.from_config(config)
-        if features is not None:
-            check_source_features(features, self.source_layout, hidden_size(source), source_name)
-        blocks = source_blocks(features, self.source_layout.num_layers)
-        used = {layer for layers in mapper.selected_layers for layer in layers}
-        if used and max(used) >= blocks:
-            raise MapperError(
-                f"mapper reads source layer {max(used)} but source {source_name!r} has "
-                f"{self.source_layout.num_layers} layers"
-                + (f" and {blocks - self.source_layout.num_layers} hidden-state feature blocks" if features else "")
-                + "; use the source the mapper was calibrated for (and its config's source_features)"
-            )
-        if residual_mapper is not None:
-            _check_residual_mapper(residual_mapper, config, source, target, source_name, target_name)
-        check_layer_recompute(config, self.target_layout, residual_mapper)  # refused here, before any prompt
+        self.source_layout, self.target_layout, features = check_bridge_parts(
+            config, source, target, mapper, residual_mapper
+        )
         self.config = config
         # the mapper lives in the target's dtype when that is a half type (matmuls accumulate in float32 anyway), else
         # in float32, or in the dtype asked for; a mapper in another dtype or on another device is converted into a
@@ -264,13 +168,8 @@ class KVBridgeForCausalLM(nn.Module):
         schedule: str | None = None,
     ) -> Cache:
         """Maps a source cache to the cache the target would have built for the same tokens (the mapping engine,
-        `hf_kvbridge.mappers.engine`).
-
-        The schedule depends on the device: on a CPU the mapping streams over the sequence in cache-sized chunks of
-        tokens; on a GPU it maps whole layers, each source layer stripped of its rotation once, each step (target
-        layers reading the same source layers) one matrix product, then one fused rotation that writes the cache.
-        The buffers are a workspace kept between calls (per thread; see `free_workspace`), so mapping allocates
-        nothing but the cache it returns.
+        `hf_kvbridge.mappers.engine`: cache-sized chunks on a CPU, whole layers and fused kernels on a GPU; its
+        buffers are a workspace kept between calls, see `free_workspace`).
 
         Args:
             source_cache (`Cache`): the source's cache, `L_s` layers of `(batch, kv_heads, seq, head_dim)`.
@@ -488,53 +387,8 @@ class KVBridgeForCausalLM(nn.Module):
                 use_cache=use_cache,
                 **kwargs,
             )
-        seq = input_ids.shape[1]
-        self.check_length(seq)
-        prefill_length = seq if prefill_length is None else int(prefill_length)
-        if not 1 <= prefill_length <= seq:
-            raise InvalidInputError(
-                f"prefill_length must be in [1, {seq}] (the prompt's length inside input_ids), got {prefill_length}"
-            )
-        split = prefill_length - self.config.hold_back
-        if position_ids is None:
-            position_ids = positions_from_mask(attention_mask)
-        position_ids = position_ids.expand(input_ids.shape[0], -1)
-        if split <= 0:  # nothing for the source to prefill: the target computes everything itself
-            logger.info(
-                "prompt too short to bridge (prefill_length=%d, hold_back=%d): target only",
-                prefill_length,
-                self.config.hold_back,
-            )
-            return self.target(
-                input_ids=input_ids,
-                attention_mask=attention_mask,
-                position_ids=position_ids,
-                labels=labels,
-                use_cache=use_cache,
-                **kwargs,
-            )
-        mapped, source_out = self.prefill(
-            input_ids[:, :split], attention_mask[:, :split], position_ids=position_ids[:, :split]
-        )
-        device = self.device
-        target_out = self.target(
-            input_ids=input_ids[:, split:].to(device),
-            attention_mask=attention_mask.to(device),
-            position_ids=position_ids[:, split:].to(device),
-            **cache_kwargs(mapped),
-            use_cache=True,
-            **kwargs,
-        )
-        logits = torch.cat([source_out.logits.to(device, target_out.logits.dtype), target_out.logits], dim=1)
-        loss = None
-        if labels is not None:
-            shift_logits = logits[:, :-1].float()
-            shift_labels = labels[:, 1:].to(device)
-            loss = nn.functional.cross_entropy(
-                shift_logits.reshape(-1, shift_logits.shape[-1]), shift_labels.reshape(-1), ignore_index=-100
-            )
-        return CausalLMOutputWithPast(
-            loss=loss, logits=logits, **cache_kwargs(output_cache(target_out) if use_cache else None)
+        return bridged_forward(
+            self, input_ids, attention_mask, prefill_length, position_ids, labels, use_cache, **kwargs
         )
 
     @torch.no_grad()
@@ -557,114 +411,39 @@ class KVBridgeForCausalLM(nn.Module):
         >>> bridge.generate(**inputs, max_new_tokens=10, do_sample=False)  # doctest: +SKIP
         ```
         """
-        if input_ids is None:
-            input_ids = kwargs.pop("inputs", None)
-        if input_ids is None:
-            raise InvalidInputError("generate needs input_ids (or inputs): pass the tokenized prompt")
-        if attention_mask is None:
-            attention_mask = torch.ones_like(input_ids)
-        device = self.device
-        input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
-        for spelling in ("cache", "past_key_values"):  # either spelling, passed on as this transformers names it
-            if spelling in kwargs and spelling != CACHE_KWARG:
-                kwargs[CACHE_KWARG] = kwargs.pop(spelling)
-        split = input_ids.shape[1] - self.config.hold_back
-        if kwargs.get(CACHE_KWARG) is None and split > 0:
-            self.check_length(input_ids.shape[1])
-            kwargs[CACHE_KWARG], _ = self.prefill(input_ids[:, :split], attention_mask[:, :split], source_logits=False)
+        input_ids, attention_mask = generation_inputs(self, input_ids, attention_mask, kwargs)
         return self.target.generate(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
 
     @torch.no_grad()
-    def generate_from_cache(
-        self,
-        source_cache: Cache,
-        input_ids: torch.LongTensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        *,
-        compile_hold_back: bool | None = None,
-        **kwargs: Any,
-    ):
-        r"""Generates like [`~KVBridgeForCausalLM.generate`], from a source cache the caller already holds (a warm
-        cascade: the source drafted or answered first, a router switches models, a session is handed over).
-
-        The source cache (of the prompt's first `S` tokens) is mapped into the target's cache in place, the target
-        runs the prompt's tokens from `min(S, len - hold_back)` on (the hold-back forward: at least the last
-        `hold_back`, more where the source cache is shorter than the prompt) and the first token comes from its
-        logits, chosen as `generate` chooses it; `generate` then continues from the cache. No source prefill, no copy
-        of the mapped cache, one set of positions (`hf_kvbridge.transfer.warm_start`).
+    def generate_from_cache(self, source_cache: Cache, input_ids: torch.LongTensor | None = None, **kwargs: Any):
+        r"""Generates like [`~KVBridgeForCausalLM.generate`] from a source cache the caller holds (a warm cascade):
+        maps it in place into the target's cache, runs the target over the prompt's tokens it does not cover (at
+        least the last `hold_back`), takes the first token as `generate` would and lets `generate` continue
+        (`hf_kvbridge.transfer.warm_start`). Refuses configs that need the source's forward (sinks, gate, recompute).
 
         Args:
-            source_cache (`Cache`): the source's cache of the prompt's first tokens (a forward pass of the source
-                over them with the same left padding).
-            input_ids (`torch.LongTensor` of shape `(batch, seq)`): the whole prompt; attention_mask (*optional*):
-                1 for tokens, 0 for left padding (right padding is refused).
-            compile_hold_back (`bool`, *optional*): run the hold-back forward through the target's compiled call
-                (`get_compiled_call`, the step `generate` compiles for decoding with a static cache); needs
-                `cache_implementation="static"`. By default wherever `generate` would compile its decoding steps
-                (a static cache on a GPU). The first call compiles (seconds); later ones reuse it.
-            kwargs: `generate`'s arguments: `max_new_tokens`, `do_sample`, `generation_config`, `streamer`,
-                `return_dict_in_generate`, `output_logits`, ..., and `cache_implementation="static"` (a `StaticCache`,
-                kept by the bridge and reused between calls) or `cache=` (an empty cache to map into). Greedy or
-                sampled decoding.
-
-        Returns:
-            what `generate` returns: `torch.LongTensor` of shape `(batch, seq + new)`, or a
-            `GenerateDecoderOnlyOutput` with `return_dict_in_generate=True`.
+            source_cache (`Cache`): the source's cache of the prompt's first tokens (at `generate`'s positions).
+            input_ids (`torch.LongTensor` of shape `(batch, seq)`): the whole prompt (left padding allowed).
+            kwargs: `generate`'s arguments (`attention_mask`, `max_new_tokens`, `do_sample`, `streamer`, ...), and
+                `cache_implementation="static"` (a `StaticCache` the bridge keeps), `cache=` (an empty cache to map
+                into), `compile_hold_back` (the hold-back through the target's compiled step; by default where
+                `generate` compiles its decoding: a static cache on a GPU).
 
         Example:
 
         ```python
-        >>> ids = tokenizer("def add(a, b):", return_tensors="pt").input_ids  # doctest: +SKIP
-        >>> source_cache = bridge.source(ids, use_cache=True).past_key_values  # the source's turn  # doctest: +SKIP
-        >>> out = bridge.generate_from_cache(source_cache, ids, max_new_tokens=5, do_sample=False)  # doctest: +SKIP
-        >>> out.shape[1] == ids.shape[1] + 5  # doctest: +SKIP
-        True
+        >>> source_cache = bridge.source(ids, use_cache=True).past_key_values  # doctest: +SKIP
+        >>> bridge.generate_from_cache(source_cache, ids, max_new_tokens=5, do_sample=False)  # doctest: +SKIP
         ```
         """
         if input_ids is None:
             input_ids = kwargs.pop("inputs", None)
-        if input_ids is None:
-            raise InvalidInputError("generate_from_cache needs input_ids (or inputs): pass the whole prompt")
-        self._check_warm_start(input_ids.shape[1])
-        cache = None
-        for spelling in ("cache", "past_key_values"):
-            cache = kwargs.pop(spelling, None) if cache is None else cache
-        return generate_from_source_cache(
-            self.target,
-            self.map_cache,
-            source_cache,
-            input_ids,
-            attention_mask,
-            hold_back=self.config.hold_back,
-            cache=cache,
-            compile_hold_back=compile_hold_back,
-            keep=self.__dict__.setdefault("_warm_start", {}),  # the static cache reused between calls
-            **kwargs,
-        )
-
-    def _check_warm_start(self, length: int) -> None:
-        """Refuses what a warm start from a source cache cannot do: a prompt too long, and transfers that need the
-        source's forward pass or the target's own tokens inside the mapped span (sinks, the gate's probe, recompute,
-        hidden-state features)."""
+        length = 0 if input_ids is None else input_ids.shape[-1]
         self.check_length(length)
-        plan = self.transfer_plan(max(length - self.config.hold_back, 0))
-        asked = [
-            name
-            for name, on in (
-                ("sink_tokens", plan.map_start > 0),
-                ("gate_threshold", plan.gate is not None),
-                ("recompute_fraction", plan.recompute_tokens > 0),
-                ("recompute_layers", plan.recompute_layers > 0),
-                ("source_features", self.source_features is not None),
-            )
-            if on
-        ]
-        if asked:
-            raise ConfigurationError(
-                f"generate_from_cache maps the source cache as it is, but this bridge's config asks for "
-                f"{', '.join(asked)}, which need the source's own forward pass or the target's tokens inside the "
-                "mapped span; use bridge.generate (or set them off in bridge.config)"
-            )
+        check_warm_plan(self.transfer_plan(max(length - self.config.hold_back, 0)), self.source_features is not None)
+        keep = self.__dict__.setdefault("_warm_start", {})  # the static cache reused between calls
+        return generate_from_source_cache(self.target, self.map_cache, source_cache, input_ids,
+                                          hold_back=self.config.hold_back, keep=keep, **kwargs)  # fmt: skip
 
     # -- saving and loading --------------------------------------------------------------------------------------
     def save_pretrained(
@@ -780,40 +559,21 @@ class KVBridgeForCausalLM(nn.Module):
         >>> bridge = KVBridgeForCausalLM.from_pretrained("my-bridge", torch_dtype=torch.bfloat16)  # doctest: +SKIP
         ```
         """
-        for key in _AUTO_KWARGS:
-            load_kwargs.pop(key, None)
-        resolve_mapper_dtype(torch.float32, "cpu", mapper_dtype)  # a bad mapper_dtype is named before any loading
-        folder = resolve_checkpoint(
+        return load_bridge(
+            cls,
             pretrained_model_name_or_path,
+            source_model,
+            target_model,
+            config=config,
             revision=revision,
             cache_dir=cache_dir,
             local_files_only=local_files_only,
             token=token,
             force_download=force_download,
+            lazy_mapper=lazy_mapper,
+            mapper_dtype=mapper_dtype,
+            **load_kwargs,
         )
-        config, checksums = read_checkpoint_config(folder, config)
-        if source_model is None:
-            source_model = load_model(config.source_name_or_path, config.source_revision, **load_kwargs)
-        if target_model is None:
-            target_model = load_model(config.target_name_or_path, config.target_revision, **load_kwargs)
-        layout = KVLayout.from_config(target_model.config)
-        # the models are checked against the checkpoint before its mapper, shaped by their layouts, is read
-        for role, model, fingerprint in (
-            ("source", source_model, config.source_fingerprint),
-            ("target", target_model, config.target_fingerprint),
-        ):
-            if fingerprint is not None:
-                name = getattr(config, f"{role}_name_or_path") or model.config.name_or_path
-                check_fingerprint(fingerprint, KVLayout.from_config(model.config), role, name)
-        mapper = load_mapper(config, layout, folder, checksums, lazy=lazy_mapper)
-        residual_mapper = load_residual_mapper(config, folder, checksums)  # None without layer recompute
-        bridge = cls(config, source_model, target_model, mapper, residual_mapper, mapper_dtype=mapper_dtype)
-        bridge.config.name_or_path = str(pretrained_model_name_or_path)
-        if (folder / REVERSE_FOLDER / CONFIG_NAME).is_file():
-            bridge.reverse = cls.from_pretrained(
-                folder / REVERSE_FOLDER, source_model=target_model, target_model=source_model
-            )
-        return bridge
 
     def start_session(self, tokenizer=None, **kwargs: Any):
         """A [`HandoffSession`]: one conversation whose turns can be answered by the source or the target.

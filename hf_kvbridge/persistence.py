@@ -54,11 +54,12 @@ from .errors import (
     InvalidInputError,
     MapperFileError,
 )
-from .layout import KVLayout
-from .loading import resolve_model_reference
+from .layout import KVLayout, check_fingerprint
+from .loading import load_model, resolve_model_reference
 from .mappers import KVMapper, build_mapper, get_mapper_type
 from .mappers.lazy import LazyKVMapper
 from .mappers.residual import ResidualMapper
+from .precision import resolve_mapper_dtype
 from .source_features import required_format_version
 
 logger = logging.getLogger(__name__)
@@ -476,3 +477,72 @@ def load_residual_mapper(config: KVBridgeConfig, folder: Path, checksums: dict |
     mapper = ResidualMapper.from_config(config)
     _load_checked(mapper, state, f"residual map {path}")
     return mapper
+
+
+# kwargs that AutoModelForCausalLM.from_pretrained forwards and that have no meaning for the bridge itself
+_AUTO_KWARGS = (
+    "trust_remote_code",
+    "adapter_kwargs",
+    "code_revision",
+    "_from_auto",
+    "_commit_hash",
+    "subfolder",
+    "proxies",
+    "user_agent",
+    "_from_pipeline",
+)
+
+
+def load_bridge(
+    cls,
+    pretrained_model_name_or_path: str | os.PathLike,
+    source_model=None,
+    target_model=None,
+    *,
+    config: KVBridgeConfig | None = None,
+    revision: str | None = None,
+    cache_dir: str | os.PathLike | None = None,
+    local_files_only: bool = False,
+    token: str | bool | None = None,
+    force_download: bool = False,
+    lazy_mapper: bool = False,
+    mapper_dtype=None,
+    **load_kwargs: Any,
+):
+    """`cls.from_pretrained` (`KVBridgeForCausalLM`): the checkpoint found (locally, then on the Hub), its config
+    read, the two models loaded (unless given) and checked against its fingerprints before its mapper, shaped by
+    their layouts, is read; the reverse bridge of a bidirectional checkpoint with them."""
+    for key in _AUTO_KWARGS:
+        load_kwargs.pop(key, None)
+    resolve_mapper_dtype(torch.float32, "cpu", mapper_dtype)  # a bad mapper_dtype is named before any loading
+    folder = resolve_checkpoint(
+        pretrained_model_name_or_path,
+        revision=revision,
+        cache_dir=cache_dir,
+        local_files_only=local_files_only,
+        token=token,
+        force_download=force_download,
+    )
+    config, checksums = read_checkpoint_config(folder, config)
+    if source_model is None:
+        source_model = load_model(config.source_name_or_path, config.source_revision, **load_kwargs)
+    if target_model is None:
+        target_model = load_model(config.target_name_or_path, config.target_revision, **load_kwargs)
+    layout = KVLayout.from_config(target_model.config)
+    # the models are checked against the checkpoint before its mapper, shaped by their layouts, is read
+    for role, model, fingerprint in (
+        ("source", source_model, config.source_fingerprint),
+        ("target", target_model, config.target_fingerprint),
+    ):
+        if fingerprint is not None:
+            name = getattr(config, f"{role}_name_or_path") or model.config.name_or_path
+            check_fingerprint(fingerprint, KVLayout.from_config(model.config), role, name)
+    mapper = load_mapper(config, layout, folder, checksums, lazy=lazy_mapper)
+    residual_mapper = load_residual_mapper(config, folder, checksums)  # None without layer recompute
+    bridge = cls(config, source_model, target_model, mapper, residual_mapper, mapper_dtype=mapper_dtype)
+    bridge.config.name_or_path = str(pretrained_model_name_or_path)
+    if (folder / REVERSE_FOLDER / CONFIG_NAME).is_file():
+        bridge.reverse = load_bridge(
+            cls, folder / REVERSE_FOLDER, source_model=target_model, target_model=source_model
+        )
+    return bridge

@@ -213,18 +213,19 @@ def _rotate_kv_eager(keys, values, cos, sin, key_out, value_out) -> None:
 
 
 @functools.cache
-def _triton_rotate():
-    """`hf_kvbridge.rope_triton.rotate_kv` where Triton can be imported, else `None` (logged once)."""
+def triton_rotate_kv():
+    """`hf_kvbridge.rope_triton.rotate_kv`, the CUDA kernel of `rotate_kv`, where Triton can be imported, else `None`
+    (logged once; CUDA rotations then run eagerly)."""
     try:
-        from .rope_triton import rotate_kv as triton_rotate_kv
+        from .rope_triton import rotate_kv as kernel
     except ImportError as err:
         logger.info("Triton unavailable (%s): CUDA rotations run eagerly", err)
         return None
-    return triton_rotate_kv
+    return kernel
 
 
 def _rotate_kv_cuda(keys, values, cos, sin, key_out, value_out) -> None:
-    kernel = _triton_rotate()
+    kernel = triton_rotate_kv()
     if kernel is None:
         _rotate_kv_eager(keys, values, cos, sin, key_out, value_out)
     else:

@@ -9,9 +9,8 @@ from __future__ import annotations
 import torch
 
 from .errors import InvalidInputError
-from .layout import same_head_sources
+from .heads import map_groups, same_head_sources
 from .solve import LAMBDA_GRID, choose_ridge_lambdas, heldout_r2_path, map_group_lambda, solve_ridge
-from .statistics.base import map_groups
 from .statistics.dense import KVStatistics
 
 

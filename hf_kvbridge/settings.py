@@ -6,18 +6,20 @@ settings. Validation runs before any model is loaded or any text is read, so a b
 The fields are also the options of `kvbridge calibrate`: each field's `metadata` holds its command-line help (and
 choices), and the light command-line entry (`kvbridge_cli`) builds the options from them. That entry reads this file
 without importing torch, so the module imports only the standard library and the stdlib-only `constants` and
-`errors` at load time (the mapper registry and the byte parser are imported when a value is validated).
+`errors` (and `sizes`, `source_features`), and reads the mapper registry only when it is already loaded.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from .constants import HEAD_MODES, KV_MODES, MAPPER_TYPE_NAMES, STATISTICS_DTYPES
-from .errors import ConfigurationError
+from .constants import HEAD_MODES, KV_MODES, MAPPER_KWARGS, MAPPER_TYPE_NAMES, STATISTICS_DTYPES
+from .errors import ConfigurationError, unknown_mapper_type
+from .sizes import parse_bytes
 from .source_features import check_feature_modes, check_hidden_state_layers_value
 
 if TYPE_CHECKING:
@@ -177,23 +179,31 @@ class CalibrationSettings:
         _check_values(settings)
 
     def validate(self) -> None:
-        """Raises `ConfigurationError` naming the first bad setting and what is allowed."""
+        """Raises `ConfigurationError` naming the first bad setting and what is allowed.
+
+        The mapper type's `mapper_kwargs` and `kv_mode` are checked against the mapper registry when it is loaded (it
+        may hold types registered at run time: `hf_kvbridge.mappers.MAPPER_REGISTRY`), else against the built-in
+        types' table (`constants.MAPPER_KWARGS`), so validating imports nothing beyond the standard library.
+        """
         _check_values({f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
         if self.statistics_memory is not None:
-            from .budget import parse_bytes
-
             parse_bytes(self.statistics_memory)
-        from .mappers import get_mapper_type
-
-        entry = get_mapper_type(self.mapper_type)
-        unknown = sorted(set(self.mapper_kwargs or {}) - set(entry.kwargs))
+        registry = sys.modules.get("hf_kvbridge.mappers")
+        if registry is not None:
+            entry = registry.get_mapper_type(self.mapper_type)
+            accepted, kv_modes = entry.kwargs, entry.kv_modes
+        elif self.mapper_type in MAPPER_KWARGS:  # every built-in type fits both kv modes
+            accepted, kv_modes = MAPPER_KWARGS[self.mapper_type], KV_MODES
+        else:
+            raise unknown_mapper_type(self.mapper_type, MAPPER_TYPE_NAMES)
+        unknown = sorted(set(self.mapper_kwargs or {}) - set(accepted))
         if unknown:
             raise ConfigurationError(
-                f"mapper_type {self.mapper_type!r} takes mapper_kwargs {list(entry.kwargs) or 'none'}, not {unknown}"
+                f"mapper_type {self.mapper_type!r} takes mapper_kwargs {list(accepted) or 'none'}, not {unknown}"
             )
-        if self.kv_mode not in entry.kv_modes:
+        if self.kv_mode not in kv_modes:
             raise ConfigurationError(
-                f"mapper_type {self.mapper_type!r} supports kv_mode {list(entry.kv_modes)}, not {self.kv_mode!r}"
+                f"mapper_type {self.mapper_type!r} supports kv_mode {list(kv_modes)}, not {self.kv_mode!r}"
             )
         if self.hidden_state_layers is not None:
             check_feature_modes(self.head_mode, self.kv_mode, self.mapper_type, self.bidirectional)

@@ -21,13 +21,10 @@ the data. Ridge decouples over output columns, so the K columns and the V column
 held-out R² (mean over heads) — exactly what two separate K and V maps would get. The map is then refitted on
 train + held-out statistics with the chosen λ per column (`solve_ridge` with a per-column λ).
 
-**Three ways to search** (`LAMBDA_SEARCHES`, `choose_ridge_lambdas(search=...)`), all giving the held-out R² of every
-λ of the grid: `"eigh"` (the above, float64: one eigendecomposition, `14/3·p³`, and the held-out block's rotation,
-`4p³`; the CPU's default), `"eigh32"` (the same in float32, then each map's chosen λ checked in float64 by Cholesky:
-where float32 is off by more than `EIGH32_TOLERANCE` in R², that map is searched again in float64) and
-`"cholesky"` (float64, one Cholesky factorisation and solve per λ, batched over λ and over maps of one shape:
-`13·(p³/3 + 4p²q)`, as many FLOPs as `"eigh"` for `q = p/6` but all of it matrix-matrix work, which a GPU runs
-near its float64 peak where its eigendecomposition does not; the default on CUDA).
+**Three ways to search** (`LAMBDA_SEARCHES`): `"eigh"` (the above, float64; the CPU's default), `"eigh32"` (the
+same in float32, each map's chosen λ then checked in float64 by Cholesky and the map searched again in float64 where
+its R² was off by more than `EIGH32_TOLERANCE`) and `"cholesky"` (float64, one factorisation and solve per λ, batched:
+`hf_kvbridge.ridge_path`; as many FLOPs as `"eigh"` for `q = p/6`, all of it matrix-matrix work; CUDA's default).
 
 **Memory** (`p` inputs, `w` outputs, float64; `hf_kvbridge.budget.solve_bytes` plans it): the search keeps at most
 three `p × p` matrices, at the eigendecomposition (its eigenvectors written over the standardized Gram block, plus
@@ -43,7 +40,7 @@ import logging
 import torch
 
 from .errors import ConfigurationError, InvalidInputError, StatisticsError
-from .statistics.base import map_groups
+from .ridge_path import heldout_r2_by_cholesky
 
 logger = logging.getLogger(__name__)
 
@@ -56,8 +53,7 @@ CHOLESKY_BATCH_BYTES = 2**33  # float64 systems factorised at once by the "chole
 
 
 def default_lambda_search(device: torch.device | str) -> str:
-    """The λ search for statistics on `device`: `"cholesky"` on CUDA (matrix-matrix work, near the GPU's float64
-    peak), `"eigh"` elsewhere (the fewest passes over memory on a CPU)."""
+    """The λ search for statistics on `device`: `"cholesky"` on CUDA (its float64 matrix work), else `"eigh"`."""
     return "cholesky" if torch.device(device).type == "cuda" else "eigh"
 
 
@@ -71,8 +67,8 @@ def _check_count(stats, p: int) -> None:
 
 
 def _floored(variance: torch.Tensor) -> torch.Tensor:
-    """Each feature's variance `(p,)`, floored so a constant feature still gets a ridge."""
-    return variance.clamp_min(1e-6 * variance.mean().clamp_min(torch.finfo(torch.float64).tiny))
+    """Each feature's variance `(..., p)`, floored (per map) so a constant feature still gets a ridge."""
+    return variance.clamp_min(1e-6 * variance.mean(-1, keepdim=True).clamp_min(torch.finfo(torch.float64).tiny))
 
 
 def _feature_scale(cxx: torch.Tensor) -> torch.Tensor:
@@ -149,10 +145,42 @@ def solve_ridge(
     return weight, bias
 
 
+def ridge_from_moments(
+    cxx: torch.Tensor, cxy: torch.Tensor, mx: torch.Tensor, my: torch.Tensor, ridge_lambda: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The centered ridge map from centred moments (covariances divided by the token count), for a batch of maps:
+    `W = (C_xx + λ·D)⁻¹ C_xy`, `b = ȳ − x̄ W`, with `D` each input's own variance (floored, `_floored`).
+
+    `solve_ridge` builds the same system in place for one map of statistics; this takes the moments themselves, with
+    any leading batch dimensions (the selection statistics' every source layer at once).
+
+    Args:
+        cxx (`torch.Tensor` of shape `(..., p, p)`), cxy (`(..., p, q)`), mx (`(..., p)`), my (`(..., q)`): float64.
+        ridge_lambda (`float`): the relative ridge strength (`0`: least squares).
+
+    Returns:
+        `(weight (..., p, q), bias (..., q))`.
+
+    Example:
+
+    ```python
+    >>> x = torch.randn(100, 3, dtype=torch.float64)
+    >>> y = x @ torch.tensor([[1.0], [2.0], [-1.0]], dtype=torch.float64) + 5
+    >>> xc, yc = x - x.mean(0), y - y.mean(0)
+    >>> w, b = ridge_from_moments(xc.T @ xc / 100, xc.T @ yc / 100, x.mean(0), y.mean(0), 0.0)
+    >>> [round(v, 6) for v in w.flatten().tolist()], round(float(b), 6)
+    ([1.0, 2.0, -1.0], 5.0)
+    ```
+    """
+    system = cxx + torch.diag_embed(ridge_lambda * _floored(torch.diagonal(cxx, dim1=-2, dim2=-1)))
+    weight = _ridge_weight(system, cxy)
+    return weight, my - (mx.unsqueeze(-2) @ weight).squeeze(-2)
+
+
 def _ridge_weight(system: torch.Tensor, cxy: torch.Tensor) -> torch.Tensor:
-    """`system⁻¹ cxy` for the ridge system `C_xx + λ·D` `(p, p)`; `system` is read, never written."""
+    """`system⁻¹ cxy` for the ridge system `C_xx + λ·D` `(..., p, p)`; `system` is read, never written."""
     chol, info = torch.linalg.cholesky_ex(system)
-    if info.item() == 0:  # two triangular solves, as `cholesky_solve` does, without the copy of the factor it makes
+    if not info.any():  # two triangular solves, as `cholesky_solve` does, without the copy of the factor it makes
         half = torch.linalg.solve_triangular(chol, cxy, upper=False)
         return torch.linalg.solve_triangular(chol.mT, half, upper=True)  # (p, q)
     del chol  # λ = 0 on rank-deficient inputs: minimum-norm least squares (`lstsq` copies `system` once)
@@ -170,7 +198,7 @@ def _symmetrize_(z: torch.Tensor, block: int) -> torch.Tensor:
     return z
 
 
-def _rotate_(m: torch.Tensor, evecs: torch.Tensor, block: int) -> torch.Tensor:
+def rotate_(m: torch.Tensor, evecs: torch.Tensor, block: int) -> torch.Tensor:
     """`m ← Vᵀ m V` in place: column strips of `Vᵀ m` (each needs only that strip of `m`), then row strips of
     `(Vᵀ m) V`; only `(p, block)` strips besides `m` and `V`."""
     p = m.shape[0]
@@ -181,7 +209,7 @@ def _rotate_(m: torch.Tensor, evecs: torch.Tensor, block: int) -> torch.Tensor:
     return m
 
 
-def _block(p: int) -> int:
+def strip_rows(p: int) -> int:
     """Rows per strip of the in-place steps: a strip is at most 1/16 of a `p × p` matrix."""
     return max(1, min(p, max(64, p // 16)))
 
@@ -258,7 +286,7 @@ def heldout_r2_chunks(
     # Peak memory: three `p × p` float64 matrices (the eigendecomposition: eigenvectors written over the standardized
     # Gram block, plus LAPACK's `2·p²` workspace), with the held-out moments read only after it, rotated in place
     # (see `hf_kvbridge.budget.solve_bytes`)
-    block = _block(x_idx.numel())
+    block = strip_rows(x_idx.numel())
     mx, my, z, a, _ = _moments(train, x_idx, y_idx)
     root = _feature_scale(z).sqrt()  # (p,) D^½
     z.div_(root[:, None]).div_(root[None, :])  # (p, p) standardized Gram block Z = D^-½ C_xx D^-½, in place
@@ -277,7 +305,7 @@ def heldout_r2_chunks(
     # the held-out moments in the same rotated, standardized coordinates
     hmx, hmy, m, c, hvy = _moments(heldout, x_idx, y_idx)
     m = m.div_(root[:, None]).div_(root[None, :]).to(work)
-    _rotate_(m, evecs, block)  # (p, p) M = Vᵀ D^-½ C_xx' D^-½ V, over the held-out Gram block
+    rotate_(m, evecs, block)  # (p, p) M = Vᵀ D^-½ C_xx' D^-½ V, over the held-out Gram block
     c = evecs.T @ c.div_(root[:, None]).to(work)  # (p, q)
     shift = evecs.T @ ((hmx - mx) / root).to(work)  # (p,): held-out minus train input mean
     del evecs
@@ -341,7 +369,7 @@ def _cholesky_path(train, heldout, maps, head_dim: int, grid: torch.Tensor, lam_
         mx, my, z, a, _ = _moments(train, x_idx, y_idx)
         root = _feature_scale(z).sqrt()  # (p,) D^½
         z.div_(root[:, None]).div_(root[None, :])
-        zs.append(_symmetrize_(z, _block(z.shape[0])))  # (p, p) Z
+        zs.append(_symmetrize_(z, strip_rows(z.shape[0])))  # (p, p) Z
         as_.append(a.div_(root[:, None]))  # (p, q) D^-½ C_xy
         hmx, hmy, m, c, hvy = _moments(heldout, x_idx, y_idx)
         ms.append(m.div_(root[:, None]).div_(root[None, :]))  # (p, p) Z'
@@ -352,28 +380,7 @@ def _cholesky_path(train, heldout, maps, head_dim: int, grid: torch.Tensor, lam_
     z, a, m, c = (torch.stack(x) for x in (zs, as_, ms, cs))  # (n, p, p), (n, p, q)
     shift, offset, hvy = torch.stack(shifts), torch.stack(offsets), torch.stack(hvys)  # (n, p), (n, q), (n, q)
     del zs, as_, ms, cs
-    n, p, q = a.shape
-    chunks = q // head_dim
-    sst = hvy.view(n, chunks, head_dim).sum(-1).clamp_min(torch.finfo(torch.float64).tiny)  # (n, chunks)
-    out = []
-    for lam in grid.to(z.device).split(lam_batch):
-        system = z.unsqueeze(1).repeat(1, lam.numel(), 1, 1)  # (n, λ, p, p)
-        system.diagonal(dim1=-2, dim2=-1).add_(lam[None, :, None])
-        factor, info = torch.linalg.cholesky_ex(system)
-        if bool(info.any()):  # not positive definite (rounding on a singular block): a ridge of p·eps more
-            system.diagonal(dim1=-2, dim2=-1).add_(torch.finfo(torch.float64).eps * p)
-            factor = torch.linalg.cholesky(system)
-        del system
-        w = torch.cholesky_solve(a.unsqueeze(1).expand(n, lam.numel(), p, q), factor)  # (n, λ, p, q) W(λ)
-        del factor
-        # per column, mean squared held-out residual: var_y − 2 wᵀc + wᵀ Z' w + (mean residual)²
-        quadratic = (m.unsqueeze(1) @ w).mul_(w).sum(-2)  # (n, λ, q)
-        linear = (c.unsqueeze(1) * w).sum(-2)  # (n, λ, q)
-        mean = offset.unsqueeze(1) - (shift[:, None, None, :] @ w).squeeze(-2)  # (n, λ, q)
-        mse = hvy.unsqueeze(1) - 2 * linear + quadratic + mean**2
-        sse = mse.clamp_min(0).view(n, lam.numel(), chunks, head_dim).sum(-1)  # (n, λ, chunks)
-        out.append(1 - sse / sst.unsqueeze(1))
-    return torch.cat(out, dim=1).cpu()
+    return heldout_r2_by_cholesky(z, a, m, c, shift, offset, hvy, grid.to(z.device), head_dim, lam_batch).cpu()
 
 
 # -- fewer tokens than inputs: the same maps from the rows (`RowStatistics`) ------------------------------------------
@@ -516,7 +523,7 @@ def choose_ridge_lambdas(
             chosen["k"].append([])
             chosen["v"].append([])
             continue
-        maps = map_groups(train, layers, t, head_mode, kv_mode)
+        maps = train.map_groups(layers, t, head_mode, kv_mode)
         if search is None:
             search = default_lambda_search(train.moments(maps[0][0][:1], maps[0][1][:1])[0].device)
         paths = _group_paths(train, heldout, maps, kv_mode, head_dim, grid, search)  # per group (Λ, 2): K, V
@@ -537,9 +544,8 @@ def choose_ridge_lambdas(
 
 
 def _group_paths(train, heldout, maps, kv_mode: str, head_dim: int, grid, search: str, only: int | None = None):
-    """Held-out R² `(Λ, 2)` (K, V: mean over heads) of each head group of one target layer's `maps`
-    (`statistics.map_groups` order: one joint map per group, or every group's key map, then the value maps), or of
-    group `only`."""
+    """Held-out R² `(Λ, 2)` (K, V: mean over heads) of each head group of one target layer's `maps` (the statistics'
+    `map_groups` order: one joint map per group, or every group's key map, then the value maps), or of group `only`."""
     groups = len(maps) if kv_mode == "joint" else len(maps) // 2
     members = range(groups) if only is None else [only]
     if kv_mode == "joint":
@@ -578,7 +584,7 @@ def effective_ridge_lambda(config) -> float | dict:
 def map_group_lambda(
     ridge_lambda, target_layer: int, group: int, head_mode: str, kv_mode: str, num_kv_heads: int, head_dim: int
 ):
-    """The λ of map `group` of target layer `target_layer` (in `statistics.map_groups` order) for `solve_ridge`;
+    """The λ of map `group` of target layer `target_layer` (in `heads.map_groups` order) for `solve_ridge`;
     `num_kv_heads` and `head_dim` are the target's.
 
     Joint maps take `group_lambda`'s per-column λ (K columns, V columns); a separate map (`kv_mode="separate"`:

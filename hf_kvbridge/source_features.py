@@ -165,7 +165,7 @@ class SourceFeatures:
 
     def rows(self, hidden_states, device=None):
         """Every hidden-state block side by side as float32 statistics rows `(B·T, (num_blocks − L_s)·W)`, to append
-        to the K/V rows of `cache.forward_rows` (which hold the K/V blocks in the same per-block layout)."""
+        to the K/V rows of `content_rows.forward_rows` (which hold the K/V blocks in the same per-block layout)."""
         import torch
 
         first = hidden_states[0]

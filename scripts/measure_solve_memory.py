@@ -51,7 +51,7 @@ def child(p: int, head_dim: int, seed: int, k: int | None = None) -> dict:
     import torch
 
     from hf_kvbridge import solve
-    from hf_kvbridge.statistics.base import map_groups
+    from hf_kvbridge.heads import map_groups
     from hf_kvbridge.statistics.blocks import BlockStatistics
 
     k, heads = shape(p, head_dim, k)

@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from hf_kvbridge.solve import LAMBDA_GRID, _block, _rotate_
+from hf_kvbridge.solve import LAMBDA_GRID, rotate_, strip_rows
 from hf_kvbridge.tools.bench.report import write_measurement
 
 
@@ -48,14 +48,14 @@ def _problem(p: int, q: int, seed: int = 0):
 
 def eigh_path(z, held, a, c, vy, lambdas):
     """`heldout_r2_chunks`' steps on standardized moments: returns `(mse (Λ, q), seconds by step)`."""
-    block = _block(z.shape[0])
+    block = strip_rows(z.shape[0])
     steps = {}
     started = time.perf_counter()
     evals, evecs = torch.linalg.eigh(z)
     evals.clamp_min_(0)
     steps["eigh"] = time.perf_counter() - started
     started = time.perf_counter()
-    m = _rotate_(held.clone(), evecs, block)  # (p, p) Vᵀ Z' V
+    m = rotate_(held.clone(), evecs, block)  # (p, p) Vᵀ Z' V
     ra, rc = evecs.T @ a, evecs.T @ c  # (p, q)
     steps["rotation"] = time.perf_counter() - started
     started = time.perf_counter()

@@ -81,7 +81,7 @@ def measure(source_name: str, target_name: str, tokenizer, eval_windows) -> dict
     for kv_mode in ("joint", "separate"):  # both at the default auto-λ, chosen for the maps as each mode fits them
         lam, r2 = choose_ridge_lambdas(train, held, exact_sel, "all_heads", heads, dim, LAMBDA_GRID, kv_mode=kv_mode)
         mapper = KVMapper.from_statistics(both, exact_sel, "all_heads", lam, kv_mode=kv_mode)
-        bridge = assemble_bridge(source, target, mapper, exact, r2, k, "auto", lam, "all_heads", 1, None)
+        bridge = assemble_bridge(source, target, mapper, exact, r2, (k, "auto", lam, "all_heads", 1))
         retention = continuation_nll(bridge, eval_windows, 192)["context_benefit_retention"]
         out["kv_mode"][kv_mode] = {
             "heldout_r2_k": round(r2[:, 0].mean().item(), 4),

@@ -20,7 +20,7 @@ from hf_kvbridge.calibration.checks import split_heldout
 from hf_kvbridge.calibration.data_pass import collect_statistics
 from hf_kvbridge.calibration.dense_fit import fit_bridge
 from hf_kvbridge.data import token_windows
-from hf_kvbridge.statistics.base import map_groups
+from hf_kvbridge.heads import map_groups
 from hf_kvbridge.tools.evaluation import continuation_nll, heldout_windows
 
 torch.set_num_threads(2)

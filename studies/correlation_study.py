@@ -29,7 +29,7 @@ from hf_kvbridge.calibration.dense_fit import fit_bridge
 from hf_kvbridge.calibration.refit import refit
 from hf_kvbridge.data import token_windows
 from hf_kvbridge.rope import rotary_cos_sin, strip_rotary
-from hf_kvbridge.tools.diagnostics import _pyplot
+from hf_kvbridge.tools.diagnostics import pyplot
 from hf_kvbridge.tools.evaluation import heldout_windows
 from hf_kvbridge.tools.evaluation import mean_nll as _nll
 
@@ -79,7 +79,7 @@ def _reference_nll(bridge, held, context: int) -> dict:
     return {mode: _nll(bridge, held, context, mode) for mode in ("target", "no_context")}
 
 
-def _refit_base(pair: str, tokenizer, models: dict, held, context: int, **calibrate_kwargs):
+def refit_base(pair: str, tokenizer, models: dict, held, context: int, **calibrate_kwargs):
     """What a study that re-fits many settings from one calibration starts from: the calibrated bridge of `pair`
     (`"source:target"`), its `(train, held-out)` statistics, and the target's NLL with and without context on `held`.
 
@@ -112,7 +112,7 @@ def run_study(
     points = []
     for pair in pairs:
         started = time.perf_counter()
-        base, train, heldout, reference, gain = _refit_base(
+        base, train, heldout, reference, gain = refit_base(
             pair, tokenizer, models, held, context, num_sequences=num_sequences, seq_len=seq_len, seed=seed
         )
         progress(
@@ -174,7 +174,7 @@ def run_study(
 
 def plot_study(result: dict, path) -> None:
     """Scatter of retention against R² and against attention cosine, one colour per pair."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(10, 5.2), sharey=True, layout="constrained")
     pairs = sorted({p["pair"] for p in result["points"]})
     for ax, key, label in zip(

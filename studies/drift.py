@@ -111,11 +111,11 @@ def document_segments(texts: list[str], tokenizer, turns: int, segment_len: int,
 
 def plot_drift(results: dict, path, title: str = "multi-turn drift") -> None:
     """Top-1 agreement per turn for each direction and remap mode (on a 0–100 % axis)."""
-    from hf_kvbridge.tools.diagnostics import _pyplot, _title
+    from hf_kvbridge.tools.diagnostics import pyplot, wrapped_title
 
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6.5, 4.0), layout="constrained")
-    _title(ax, title, width=70)
+    wrapped_title(ax, title, width=70)
     ax.set_ylim(0, 100)
     for label, summary in results.items():
         turns = [p["turn"] for p in summary["per_turn"]]

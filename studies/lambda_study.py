@@ -24,8 +24,8 @@ from transformers import AutoTokenizer
 from hf_kvbridge import pocket
 from hf_kvbridge.attention import attention_output_cosine
 from hf_kvbridge.calibration.dense_fit import fit_bridge
-from hf_kvbridge.tools.evaluation import heldout_windows
-from studies.correlation_study import _nll, _refit_base, mapped_r2
+from hf_kvbridge.tools.evaluation import heldout_windows, mean_nll
+from studies.correlation_study import mapped_r2, refit_base
 
 DEFAULT_PAIRS = (
     "pocket-s:pocket-m",
@@ -75,12 +75,12 @@ def run_lambda_study(
     for pair in pairs:
         started = time.perf_counter()
         sizes = {"num_sequences": num_sequences, "seq_len": seq_len, "top_k": top_k, "seed": seed}
-        base, train, heldout, reference, gain = _refit_base(pair, tokenizer, models, held, context, **sizes)
+        base, train, heldout, reference, gain = refit_base(pair, tokenizer, models, held, context, **sizes)
         progress(f"{pair}: calibrated in {time.perf_counter() - started:.0f}s")
 
         def measure(bridge, label, lam, pair=pair, reference=reference, gain=gain):
             r2 = mapped_r2(bridge, held[:4])
-            nll = _nll(bridge, held, context, "bridge")
+            nll = mean_nll(bridge, held, context, "bridge")
             point = {
                 "pair": pair,
                 "setting": label,

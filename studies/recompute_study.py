@@ -247,9 +247,9 @@ def _plotted_seed(result: dict) -> int:
 
 
 def plot_frontier(result: dict, path: Path) -> None:
-    from hf_kvbridge.tools.diagnostics import _pyplot
+    from hf_kvbridge.tools.diagnostics import pyplot
 
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6.4, 4.2), constrained_layout=True)
     for curve in dict.fromkeys(_curve(p) for p in result["points"]):
         pts = [p for p in result["points"] if _curve(p) == curve and p.get("seed", 0) == _plotted_seed(result)]

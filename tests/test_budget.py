@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import hf_kvbridge
-import hf_kvbridge.calibration.calibrate as calibration
+import hf_kvbridge.budget as budget_module
 import hf_kvbridge.calibration.data_pass as data_pass
 from hf_kvbridge import StatisticsMemoryError
 from hf_kvbridge.budget import (
@@ -16,7 +16,6 @@ from hf_kvbridge.budget import (
     default_budget,
     dense_bytes,
     fit_bytes,
-    parse_bytes,
     plan_passes,
     rows_bytes,
     selection_bytes,
@@ -28,10 +27,11 @@ from hf_kvbridge.calibration.checks import split_heldout
 from hf_kvbridge.calibration.data_pass import collect_statistics
 from hf_kvbridge.calibration.dense_fit import fit_bridge
 from hf_kvbridge.data import token_windows
+from hf_kvbridge.heads import map_groups
 from hf_kvbridge.mappers import KVMapper
 from hf_kvbridge.selection import select_layers
+from hf_kvbridge.sizes import parse_bytes
 from hf_kvbridge.solve import solve_ridge
-from hf_kvbridge.statistics.base import map_groups
 from hf_kvbridge.statistics.blocks import BlockStatistics
 from hf_kvbridge.statistics.dense import KVStatistics
 from hf_kvbridge.statistics.selection import SelectionStatistics
@@ -382,7 +382,7 @@ def test_default_budget_takes_more_passes_when_half_the_free_memory_is_too_small
     reserve = rows_bytes(4 * 24, 4, 5, heads * 2 * dim)
     assert reserve < smallest < dense_bytes(4, 5, heads * 2 * dim)  # half of `smallest + reserve` is too small
     free = smallest + reserve
-    monkeypatch.setattr(calibration, "free_bytes", lambda device=None: free)
+    monkeypatch.setattr(budget_module, "free_bytes", lambda device=None: free)
     bridge = _calibrate_small(source, target)
     provenance = bridge.config.calibration
     assert (provenance["statistics"], provenance["statistics_memory"]) == ("blocks", smallest), provenance
@@ -401,7 +401,7 @@ def test_default_budget_takes_more_passes_when_half_the_free_memory_is_too_small
         raise AssertionError("a forward pass ran before the budget was checked")
 
     monkeypatch.setattr(data_pass, "cache_rows", no_forward)
-    monkeypatch.setattr(calibration, "free_bytes", lambda device=None: free - 1)
+    monkeypatch.setattr(budget_module, "free_bytes", lambda device=None: free - 1)
     with pytest.raises(StatisticsMemoryError, match=r"needs .* but statistics_memory allows"):
         _calibrate_small(source, target)
 

@@ -8,11 +8,12 @@ import pytest
 from transformers import AutoTokenizer
 
 from hf_kvbridge import CalibrationSettings, KVBridgeForCausalLM
-from hf_kvbridge.cli.main import main, settings_from_args
+from hf_kvbridge.cli.bridge import settings_from_args
 from hf_kvbridge.constants import MAPPER_TYPE_NAMES
 from hf_kvbridge.mappers import MAPPER_REGISTRY
-from kvbridge_cli import build_parser
-from kvbridge_cli import parser as cli_parser
+from kvbridge_cli import build_parser, main
+from kvbridge_cli import settings_options as cli_options
+from kvbridge_cli import tool_commands as cli_commands
 from tests.conftest import CORPUS
 
 
@@ -55,8 +56,10 @@ def test_calibrate_then_generate(saved_pair, tmp_path, capsys):
     expected = bridge.generate(**inputs, max_new_tokens=5, do_sample=False, pad_token_id=tokenizer.eos_token_id)
     assert expected.shape[1] > inputs["input_ids"].shape[1]
     assert capsys.readouterr().out.strip() == tokenizer.decode(expected[0], skip_special_tokens=True).strip()
-    # a second calibrate into the same folder refuses before doing any work
-    assert main(["calibrate", saved_pair["small"], saved_pair["large"], "--data", str(data), "--out", str(out)]) == 2
+    # a second calibrate into the same folder refuses before doing any work (the parser's check: exit status 2)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["calibrate", saved_pair["small"], saved_pair["large"], "--data", str(data), "--out", str(out)])
+    assert exit_info.value.code == 2
 
 
 def test_help_imports_no_tool():
@@ -102,19 +105,19 @@ def _settings(*options: str) -> CalibrationSettings:
 
 
 def test_every_cli_field_has_an_option_and_a_sample():
-    fields = {f.name for f in cli_parser.cli_fields()}
+    fields = {f.name for f in cli_options.cli_fields()}
     assert fields == set(SAMPLES)
     library_only = {f.name for f in dataclasses.fields(CalibrationSettings)} - fields
     assert library_only == {"mapper_kwargs", "keep_statistics", "progress"}
     help_text = build_parser()._subparsers._group_actions[0].choices["calibrate"].format_help()
-    assert all(cli_parser.option_name(name) in help_text for name in fields)
+    assert all(cli_options.option_name(name) in help_text for name in fields)
     assert all(name in help_text for name in library_only)  # named in the epilog
 
 
 @pytest.mark.parametrize("name", sorted(SAMPLES))
 def test_each_settings_option_reaches_the_settings_unchanged(name):
     text, expected = SAMPLES[name]
-    option = cli_parser.option_name(name)
+    option = cli_options.option_name(name)
     settings = _settings(option) if text is None else _settings(option, text)
     assert getattr(settings, name) == expected
     assert expected != getattr(CalibrationSettings(), name)  # the sample is not the default
@@ -138,13 +141,13 @@ def test_mapper_options_become_mapper_kwargs():
 
 
 def test_a_new_settings_field_becomes_an_option_without_cli_edits(monkeypatch):
-    settings_module = cli_parser._settings
+    settings_module = cli_options._settings
 
     @dataclasses.dataclass
-    class Extended(cli_parser.CalibrationSettings):
+    class Extended(cli_options.CalibrationSettings):
         new_knob: int = settings_module._option(3, help="a knob added to the settings")
 
-    monkeypatch.setattr(cli_parser, "CalibrationSettings", Extended)
+    monkeypatch.setattr(cli_options, "CalibrationSettings", Extended)
     args = build_parser().parse_args([*CALIBRATE, "--new-knob", "9"])
     assert args.new_knob == 9
     assert (
@@ -159,7 +162,50 @@ def test_mapper_type_names_match_the_registry():
 
 def test_demo_and_tune_declare_their_defaults_once():
     demo = build_parser().parse_args(["demo"])
-    assert {name: getattr(demo, name) for name in cli_parser.DEMO_SETTINGS} == cli_parser.DEMO_SETTINGS
+    assert {name: getattr(demo, name) for name in cli_commands.DEMO_SETTINGS} == cli_commands.DEMO_SETTINGS
     tune = build_parser().parse_args(["tune", "s", "t", "--out", "o", "--eval-data", "pocket"])
-    assert {name: getattr(tune, name) for name in cli_parser.TUNE_SETTINGS} == cli_parser.TUNE_SETTINGS
+    assert {name: getattr(tune, name) for name in cli_commands.TUNE_SETTINGS} == cli_commands.TUNE_SETTINGS
     assert isinstance(tune, argparse.Namespace)
+
+
+def test_the_command_line_defaults_are_the_tools_own():
+    """`kvbridge tune` and `demo` read their defaults from the tools' standard-library modules (`tools/tune/grid.py`,
+    `tools/defaults.py`): a command line with no options asks for exactly what the library does by default."""
+    import inspect
+
+    from hf_kvbridge.tools.demo import measure
+    from hf_kvbridge.tools.tune.grid import TuneGrid
+    from hf_kvbridge.tools.tune.search import run_tune
+
+    tune = build_parser().parse_args(["tune", "s", "t", "--out", "o", "--eval-data", "pocket"])
+    grid = {name: getattr(tune, name) for name in dataclasses.asdict(TuneGrid())}
+    grid = {name: tuple(value) if isinstance(value, list) else value for name, value in grid.items()}
+    assert TuneGrid(**grid) == TuneGrid()
+    library = {name: p.default for name, p in inspect.signature(run_tune).parameters.items()}
+    sizes = ("num_sequences", "seq_len", "heldout_fraction", "seed", "text_field", "tune_windows", "check_windows")
+    for name in (*sizes, "context", "continuation"):
+        assert getattr(tune, name) == library[name], name
+    demo = build_parser().parse_args(["demo"])
+    library = {name: p.default for name, p in inspect.signature(measure).parameters.items()}
+    for name in (
+        "source",
+        "target",
+        "quick",
+        "top_k",
+        "ridge_lambda",
+        "head_mode",
+        "num_sequences",
+        "seq_len",
+        "seed",
+    ):
+        assert getattr(demo, name) == library[name], name
+
+
+def test_mapper_options_are_keywords_of_their_mapper_type():
+    """Each mapper option of `kvbridge calibrate` is a `mapper_kwargs` keyword its registry entry accepts, and every
+    registry entry takes the keywords `constants.MAPPER_KWARGS` names (one table, read by the settings and the CLI)."""
+    from hf_kvbridge.constants import MAPPER_KWARGS
+
+    assert {name: entry.kwargs for name, entry in MAPPER_REGISTRY.items()} == MAPPER_KWARGS
+    for keyword in cli_options.MAPPER_OPTIONS:
+        assert keyword in MAPPER_REGISTRY[cli_options.MAPPER_OF_KEYWORD[keyword]].kwargs

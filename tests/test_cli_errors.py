@@ -11,9 +11,9 @@ import pytest
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 import hf_kvbridge
-from hf_kvbridge.cli.main import main
 from hf_kvbridge.errors import CheckpointNotFoundError
 from hf_kvbridge.persistence import resolve_checkpoint
+from kvbridge_cli import main
 from tests.conftest import CORPUS, VOCAB, make_tokenizer, sigint_as_in_a_terminal
 
 
@@ -136,7 +136,7 @@ def test_debug_shows_the_traceback(tmp_path):
 
 def _run_kvbridge(*args: str, **kwargs) -> subprocess.Popen:
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    command = [sys.executable, "-c", "import sys; from hf_kvbridge.cli.main import main; sys.exit(main())", *args]
+    command = [sys.executable, "-c", "import sys; from kvbridge_cli import main; sys.exit(main())", *args]
     return subprocess.Popen(
         command,
         env=env,

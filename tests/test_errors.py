@@ -229,7 +229,7 @@ def test_every_error_class_derives_from_kvbridge_error_and_a_builtin():
 
 
 def test_bad_config_values_raise_configuration_error():
-    from hf_kvbridge.budget import parse_bytes
+    from hf_kvbridge.sizes import parse_bytes
 
     with pytest.raises(ConfigurationError, match=r"head_mode must be one of .*got 'per_token'"):
         KVBridgeConfig(head_mode="per_token")

@@ -6,8 +6,8 @@ import math
 import pytest
 import torch
 
-from hf_kvbridge.tools.eval_cli import format_table, retention_rows
 from hf_kvbridge.tools.evaluation import chance_normalised_retention
+from hf_kvbridge.tools.task_retention import format_table, retention_rows
 
 
 def test_chance_normalised_retention_above_chance():

@@ -11,9 +11,8 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from hf_kvbridge.cli import main
+from hf_kvbridge.heads import map_groups
 from hf_kvbridge.solve import LAMBDA_GRID, heldout_r2_chunks
-from hf_kvbridge.statistics.base import map_groups
 from hf_kvbridge.statistics.blocks import BlockStatistics
 from hf_kvbridge.statistics.selection import SelectionStatistics
 from hf_kvbridge.tools.bench.flop_model import (
@@ -24,12 +23,14 @@ from hf_kvbridge.tools.bench.flop_model import (
     calibration_flops,
     cost,
     map_flops_per_token,
+    mapper_flops,
     prefill_flops,
     project_seconds,
     target_flops_per_token,
 )
 from hf_kvbridge.tools.bench.mapper import benchmark
 from hf_kvbridge.tools.bench.shapes import CHECKPOINT_SHAPES, random_bridge, shape_config
+from kvbridge_cli import main
 from tests.conftest import qwen3
 
 TINY_SHAPES = {"tiny-s": (32, 4, 2, 1, 4, 64, 128, True), "tiny-t": (48, 3, 2, 1, 4, 96, 128, False)}
@@ -200,3 +201,12 @@ def test_calibration_forwards_are_the_prefill_model_once_per_pass():
     one = prefill_flops(source, 512) + prefill_flops(target, 512)
     assert flops["forwards"] == pytest.approx(4 * 5 * one, rel=1e-12)
     assert target_flops_per_token(target, 512) * 512 == pytest.approx(prefill_flops(target, 512), rel=1e-12)
+
+
+def test_flop_counts_match_the_weights():
+    model = qwen3(layers=2, hidden=32)
+    body = sum(p.numel() for n, p in model.model.layers.named_parameters() if p.dim() == 2)
+    tokens, q = 10, 4 * 16
+    assert prefill_flops(model.config, tokens) == 2 * tokens * body + 2 * 2 * 2 * tokens * tokens * q / 2
+    bridge = random_bridge(qwen3(layers=2).config, qwen3(layers=3, hidden=48).config, top_k=2)
+    assert mapper_flops(bridge.mapper, tokens) == 2 * tokens * 3 * (2 * 2 * 2 * 16) * (2 * 2 * 16)

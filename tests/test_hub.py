@@ -12,8 +12,8 @@ from safetensors.torch import load, load_file
 import hf_kvbridge
 from hf_kvbridge import KVBridgeForCausalLM, MapperFileError
 from hf_kvbridge.card import read_eval_table, render_model_card
-from hf_kvbridge.cli.main import main as cli_main
 from hf_kvbridge.persistence import checkpoint_files, sha256_file
+from kvbridge_cli import main as cli_main
 from tests.conftest import CORPUS, VOCAB
 
 # the pair's shared tokenizer travels with the checkpoint (so AutoTokenizer.from_pretrained(bridge_dir) works)

@@ -1,7 +1,8 @@
-"""The package's import graph (module- and function-level imports, read with `ast`): no cycles, the core never
-imports the tooling on top of it (`tools/`, `integrations/`, `cli/`), not even inside a function, and every
-`hf_kvbridge` import anywhere in the repository (package, tests, scripts, studies) names a module and a name that
-exist.
+"""The import graph of the package and of the light CLI entry `kvbridge_cli` (module- and function-level imports,
+read with `ast`): no cycles, the core never imports the tooling on top of it (`tools/`, `integrations/`, `cli/`), not
+even inside a function, the package never imports `kvbridge_cli`, every `hf_kvbridge` import anywhere in the
+repository (package, light entry, tests, scripts, studies) names a module and a name that exist, and no private name
+crosses a package.
 
 An import-linter of our own: what `/tmp/cycles.py` printed during the restructure, as a test that fails.
 """
@@ -18,8 +19,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "hf_kvbridge"
+LIGHT_ENTRY = ROOT / "kvbridge_cli"  # the `kvbridge` console script: imports hf_kvbridge, never the other way
 # folders of the repository whose Python files may import hf_kvbridge
-SCANNED = ("hf_kvbridge", "tests", "scripts", "studies")
+SCANNED = ("hf_kvbridge", "kvbridge_cli", "tests", "scripts", "studies")
 TOOLING = ("hf_kvbridge.tools", "hf_kvbridge.integrations", "hf_kvbridge.cli")
 
 
@@ -31,12 +33,13 @@ def _modules(root: Path = PACKAGE) -> dict[str, Path]:
     return mods
 
 
-def import_graph(root: Path = PACKAGE) -> dict[str, set[str]]:
-    """`{module: modules of the package it imports}`, every `import`/`from ... import` anywhere in its body.
+def import_graph(*roots: Path) -> dict[str, set[str]]:
+    """`{module: modules of the graph it imports}`, every `import`/`from ... import` anywhere in its body; the graph's
+    modules are those of the packages `roots` (default: `hf_kvbridge` and `kvbridge_cli`).
 
     `from pkg import name` counts as an import of `pkg.name` when that is a module, else of `pkg`.
     """
-    mods = _modules(root)
+    mods = {name: path for root in roots or (PACKAGE, LIGHT_ENTRY) for name, path in _modules(root).items()}
     graph: dict[str, set[str]] = {m: set() for m in mods}
     for module, path in mods.items():
         package = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
@@ -100,11 +103,45 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
+def longest_chain(graph: dict[str, set[str]]) -> list[str]:
+    """The longest import chain of an acyclic `graph`, as its modules in order (a module counts once)."""
+    best: dict[str, list[str]] = {}
+    for root in sorted(graph):
+        if root in best:
+            continue
+        work, on_path = [(root, iter(sorted(graph[root])))], {root}
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child in on_path:
+                    raise ValueError(f"import cycle through {child}: no longest chain")
+                if child in graph and child not in best:
+                    work.append((child, iter(sorted(graph[child]))))
+                    on_path.add(child)
+                continue
+            work.pop()
+            on_path.discard(node)
+            below = [best[c] for c in graph[node] if c in best]
+            best[node] = [node, *max(below, key=len, default=[])]
+    return max(best.values(), key=len, default=[])
+
+
+def module_lines(*roots: Path) -> dict[str, int]:
+    """Lines of every `.py` file under `roots`, by module name."""
+    return {
+        name: len(path.read_text(encoding="utf-8").splitlines())
+        for root in roots
+        for name, path in _modules(root).items()
+    }
+
+
 def upward_imports(graph: dict[str, set[str]]) -> dict[str, list[str]]:
-    """Core modules that import tooling. The package `__init__` may register the lm-eval model at import."""
+    """Core modules that import tooling. The package `__init__` may register the lm-eval model at import; the light
+    entry `kvbridge_cli` sits above everything."""
     bad = {}
     for module, deps in graph.items():
-        if module.startswith(TOOLING) or module == "hf_kvbridge":
+        if module.startswith(TOOLING) or module == "hf_kvbridge" or module.split(".")[0] == "kvbridge_cli":
             continue
         up = sorted(d for d in deps if d.startswith(TOOLING))
         if up:
@@ -116,6 +153,15 @@ def test_no_import_cycles():
     assert cycles(import_graph()) == []
 
 
+def test_the_package_never_imports_the_light_entry():
+    """`kvbridge_cli` parses and hands the arguments to `hf_kvbridge.cli`; nothing in `hf_kvbridge` imports it back
+    (it once did, for the settings' option names: the one cycle of the repository)."""
+    graph = import_graph()
+    back = {m: sorted(d for d in deps if d.split(".")[0] == "kvbridge_cli") for m, deps in graph.items()}
+    assert {m: deps for m, deps in back.items() if deps and m.startswith("hf_kvbridge")} == {}
+    assert "hf_kvbridge.cli.main" in graph["kvbridge_cli"]  # the graph sees the light entry's own imports
+
+
 def test_core_never_imports_tooling():
     assert upward_imports(import_graph()) == {}
 
@@ -125,6 +171,45 @@ def test_mappers_never_import_calibration_or_modeling():
     forbidden = {"hf_kvbridge.calibration", "hf_kvbridge.modeling"}
     bad = {m: sorted(deps & forbidden) for m, deps in graph.items() if m.startswith("hf_kvbridge.mappers")}
     assert {m: d for m, d in bad.items() if d} == {}
+
+
+# -- the shape of the house (issue 39): the package and the light command-line entry, read together ----------------
+HOUSE = (PACKAGE, LIGHT_ENTRY)
+MAX_CHAIN = 14  # modules on the longest import chain (21 before the redesign)
+MAX_MODULE_LINES = 600
+
+
+def test_the_house_has_no_cycle_no_long_chain_and_no_long_module():
+    """No import cycle in `hf_kvbridge/` and `kvbridge_cli/` together (function-level imports included), a longest
+    import chain of at most `MAX_CHAIN` modules, and no module over `MAX_MODULE_LINES` lines."""
+    graph = import_graph(*HOUSE)
+    assert cycles(graph) == []
+    chain = longest_chain(graph)
+    assert len(chain) <= MAX_CHAIN, f"{len(chain)} modules: " + " -> ".join(chain)
+    long = {name: lines for name, lines in module_lines(*HOUSE).items() if lines > MAX_MODULE_LINES}
+    assert long == {}
+
+
+def test_the_house_figures_see_a_long_chain_a_cycle_across_packages_and_a_long_module(tmp_path):
+    """The figures above, on a planted tree: a chain of four modules through a function-level import, a cycle between
+    the package and a second one, and a module of 601 lines."""
+    pkg, cli = tmp_path / "hf_kvbridge", tmp_path / "kvbridge_cli"
+    pkg.mkdir()
+    cli.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from . import b\n")
+    (pkg / "b.py").write_text("def f():\n    from .c import x\n")
+    (pkg / "c.py").write_text("x = 1\n" + "# filler\n" * 600)
+    (pkg / "main.py").write_text("def g():\n    import kvbridge_cli\n")
+    (cli / "__init__.py").write_text("from hf_kvbridge import main\n")
+    graph = import_graph(pkg, cli)
+    assert longest_chain({m: d for m, d in graph.items() if m.startswith("hf_kvbridge.")}) == [
+        "hf_kvbridge.a",
+        "hf_kvbridge.b",
+        "hf_kvbridge.c",
+    ]
+    assert cycles(graph) == [["hf_kvbridge.main", "kvbridge_cli"]]
+    assert {n: k for n, k in module_lines(pkg, cli).items() if k > MAX_MODULE_LINES} == {"hf_kvbridge.c": 601}
 
 
 def test_the_checker_sees_function_level_cycles_and_upward_imports(tmp_path):
@@ -148,7 +233,8 @@ def test_every_module_imports_on_its_own():
 
     optional = "hf_kvbridge.integrations.vllm"  # needs the vllm extra
     have_vllm = importlib.util.find_spec("vllm") is not None
-    names = sorted(m for m in _modules() if have_vllm or not (m == optional or m.startswith(optional + ".")))
+    modules = {**_modules(), **{m: p for m, p in _modules(LIGHT_ENTRY).items() if p.name != "__main__.py"}}
+    names = sorted(m for m in modules if have_vllm or not (m == optional or m.startswith(optional + ".")))
     code = "import importlib, sys\nfor n in sys.argv[1:]:\n    importlib.import_module(n)\n"
     result = subprocess.run([sys.executable, "-c", code, *names], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
@@ -312,6 +398,92 @@ def test_every_hf_kvbridge_import_resolves(path):
     assert unresolved_imports(path) == []
 
 
+# -- no private name crosses a package ----------------------------------------------------------------------------
+PRIVATE_CHECKED = ("hf_kvbridge", "kvbridge_cli", "scripts", "studies")
+
+
+# the names another project documents only under a private module: PyTorch's dispatch modes live in
+# `torch.utils._python_dispatch` ("Extending PyTorch": `from torch.utils._python_dispatch import TorchDispatchMode`)
+DOCUMENTED_PRIVATE = {"torch.utils._python_dispatch.TorchDispatchMode"}
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def private_imports(path: Path, root: Path = ROOT) -> list[str]:
+    """Every import in `path` (module level or inside a function) of a private name (`_name`, a function, class or
+    module) from a module of another package, as `line: what`. A module's package is the folder it sits in
+    (`hf_kvbridge.tools.tune` for `hf_kvbridge/tools/tune/search.py`, `scripts` for a script): modules of one package
+    may share private helpers; anything outside it imports public names only."""
+    relative = path.relative_to(root)
+    module = ".".join(relative.with_suffix("").parts)
+    package = module.removesuffix(".__init__") if path.name == "__init__.py" else module.rsplit(".", 1)[0]
+    problems: list[tuple[int, str]] = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.ImportFrom):
+            base = _absolute(node.module or "", node.level, package)
+            written = "." * node.level + (node.module or "")
+            imported = [(f"{base}.{a.name}", a.name) for a in node.names]
+        elif isinstance(node, ast.Import):
+            written, imported = "", [(a.name, a.name) for a in node.names]
+        else:
+            continue
+        for full, name in imported:
+            if full in DOCUMENTED_PRIVATE:
+                continue
+            parts = full.split(".")
+            owner = ".".join(parts[:-1])  # the module (or package) the last name is taken from
+            owner_package = owner if root.joinpath(*parts[:-1]).is_dir() else owner.rpartition(".")[0]
+            if owner_package == package:
+                continue  # within the importer's own package
+            if any(_private(part) for part in parts):
+                what = f"from {written} import {name}" if written else f"import {full}"
+                problems.append((node.lineno, f"{what}: a private name of {owner or full}"))
+    return [f"{line}: {what}" for line, what in sorted(problems)]
+
+
+def _private_params():
+    files = []
+    for folder in PRIVATE_CHECKED:
+        files += sorted(p for p in (ROOT / folder).rglob("*.py") if "__pycache__" not in p.parts)
+    return [pytest.param(path, id=path.relative_to(ROOT).as_posix()) for path in files]
+
+
+@pytest.mark.parametrize("path", _private_params())
+def test_no_private_name_is_imported_from_another_package(path):
+    """The package, the light CLI entry, the scripts and the studies import only public names of other packages (a
+    private helper is free to change; what another package needs is made public where it lives)."""
+    assert private_imports(path) == []
+
+
+def test_the_private_import_checker_sees_a_private_name_of_another_package(tmp_path):
+    """The check above would pass on files it cannot read: here it must flag each planted private import from another
+    package, function-level ones too, and none of the public or same-package ones."""
+    (tmp_path / "hf_kvbridge" / "tools").mkdir(parents=True)
+    (tmp_path / "hf_kvbridge" / "statistics").mkdir()
+    (tmp_path / "scripts").mkdir()
+    (tmp_path / "hf_kvbridge" / "tools" / "bench.py").write_text(
+        "from ._shared import helper\nfrom .timing import _sync\nfrom ..solve import _block, strip_rows\n"
+        "from ..statistics import _head_index\nfrom ..statistics.blocks import _gram\n"
+    )
+    (tmp_path / "scripts" / "measure.py").write_text(
+        "from scripts.common import _load\n"
+        "def main():\n"
+        "    from hf_kvbridge.tools.diagnostics import _pyplot, pyplot\n"
+        "    import hf_kvbridge._light\n"
+    )
+    assert private_imports(tmp_path / "hf_kvbridge" / "tools" / "bench.py", tmp_path) == [
+        "3: from ..solve import _block: a private name of hf_kvbridge.solve",
+        "4: from ..statistics import _head_index: a private name of hf_kvbridge.statistics",
+        "5: from ..statistics.blocks import _gram: a private name of hf_kvbridge.statistics.blocks",
+    ]
+    assert private_imports(tmp_path / "scripts" / "measure.py", tmp_path) == [
+        "3: from hf_kvbridge.tools.diagnostics import _pyplot: a private name of hf_kvbridge.tools.diagnostics",
+        "4: import hf_kvbridge._light: a private name of hf_kvbridge",
+    ]
+
+
 def test_the_import_checker_sees_missing_modules_and_names(tmp_path):
     """The check above would pass on files it cannot read: here it must flag each planted bad import, and none of
     the good ones."""
@@ -339,3 +511,27 @@ def test_the_import_checker_sees_missing_modules_and_names(tmp_path):
     assert unresolved_imports(tmp_path / "tests" / "test_x.py", tmp_path) == [
         "1: from hf_kvbridge import Gone: hf_kvbridge has no Gone"
     ]
+
+
+SERVING = ("hf_kvbridge.modeling", "hf_kvbridge.transfer", "hf_kvbridge.integrations.vllm")
+FITTING = ("hf_kvbridge.calibration", "hf_kvbridge.statistics", "hf_kvbridge.selection", "hf_kvbridge.content_rows")
+
+
+def _reached(graph: dict[str, set[str]], roots) -> set[str]:
+    seen, todo = set(), list(roots)
+    while todo:
+        module = todo.pop()
+        if module not in seen:
+            seen.add(module)
+            todo += sorted(graph.get(module, ()))
+    return seen
+
+
+def test_serving_never_imports_fitting_code():
+    """The bridge class, the transfers and the vLLM integration reach no calibration, statistics, selection or
+    content-row code (the mapper's own ridge solve, `solve.py`, is all of fitting they carry)."""
+    graph = import_graph(*HOUSE)
+    roots = [m for m in graph if m.startswith(SERVING)]
+    assert sorted(m for m in _reached(graph, roots) if m.startswith(FITTING)) == []
+    planted = {"hf_kvbridge.modeling": {"hf_kvbridge.transfer.x"}, "hf_kvbridge.transfer.x": {"hf_kvbridge.selection"}}
+    assert "hf_kvbridge.selection" in _reached(planted, ["hf_kvbridge.modeling"])  # the walk follows chains

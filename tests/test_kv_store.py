@@ -41,19 +41,22 @@ from hf_kvbridge.integrations.kv_store import (
     decode_chunk,
     encode_chunk,
     load_cache,
+    model_digest,
     model_identity,
     open_store,
+    parse_key,
     save_cache,
+    sequence_keys,
     start_local_server,
 )
 from hf_kvbridge.integrations.kv_store.local_server import free_port
-from hf_kvbridge.integrations.kv_store.sizing import HEADER_BYTES_FIXED, HEADER_BYTES_PER_LAYER
+from hf_kvbridge.integrations.kv_store.sizing import HEADER_BYTES_FIXED, HEADER_BYTES_PER_LAYER, TOKEN_ID_BYTES
 from hf_kvbridge.pocket import model_path
 from tests.conftest import VOCAB, qwen3, sigint_as_in_a_terminal
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "org/source@abc123"
-KEY = re.compile(r"^kvbridge:v1:[0-9a-f]{12}:(?:[0-9a-f]{8}|-):[0-9a-f]{32}$")
+KEY = re.compile(r"^kvbridge:v2:[0-9a-f]{12}:(?:[0-9a-f]{8}|-):[0-9a-f]{32}$")
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +71,7 @@ def server() -> LocalServer:
 
 @pytest.fixture
 def store(server) -> RedisKVStore:
-    store = RedisKVStore(server.url, socket_timeout=2.0)
+    store = RedisKVStore(server.url, timeout=2.0)
     yield store
     store.close()
 
@@ -130,6 +133,25 @@ def test_chunk_keys_refuse_bad_arguments():
         chunk_keys([-1], model_id=MODEL, chunk_size=1)
 
 
+def test_sequence_keys_chain_a_partial_chunk_in_sub_chunks_and_a_remainder():
+    ids = _ids(16 * 3 + 37)
+    seq = sequence_keys(ids, model_id=MODEL, chunk_size=16)
+    assert seq.chunks == chunk_keys(ids, model_id=MODEL, chunk_size=16) and len(seq.nodes) == len(ids) // 16 + 1
+    long = sequence_keys(_ids(300), model_id=MODEL, chunk_size=256)
+    tail = long.tail(1, _ids(300)[256:])  # 44 tokens after the whole chunk: 2 sub-chunks of 16, then 12
+    assert len(tail.subs) == 2 and all(parse_key(k)["kind"] == "sub" for k in tail.subs)
+    remainders = tail.remainders(2, _ids(300)[288:])
+    assert len(remainders) == 12 and all(parse_key(k)["kind"] == "partial" for k in remainders)
+    assert len(set(remainders)) == 12  # every length its own key
+    # content-addressed: a sequence sharing the first 20 tokens of the tail shares its first sub-chunk, not the second
+    other = _ids(300)[:276] + [1, 2, 3] + _ids(300)[279:]
+    other_tail = sequence_keys(other, model_id=MODEL, chunk_size=256).tail(1, other[256:])
+    assert other_tail.subs[0] == tail.subs[0] and other_tail.subs[1] != tail.subs[1]
+    assert not set(tail.subs) & set(long.chunks)  # never a whole chunk's key
+    with pytest.raises(InvalidInputError, match="unknown suffix"):
+        parse_key(seq.chunks[0] + ".bogus")
+
+
 def test_model_identity_names_the_model_revision_and_layout():
     layout = KVLayout.from_config(qwen3().config).fingerprint()
     identity = model_identity("org/m", "abc123", layout)
@@ -146,8 +168,8 @@ def test_model_identity_names_the_model_revision_and_layout():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_encode_decode_round_trip_is_exact_with_layers_of_different_shapes(dtype):
     keys, values = _layers([(2, 16), (4, 8), (1, 32)], tokens=8, dtype=dtype)
-    payload = encode_chunk(keys, values, model_id=MODEL, start=256)
-    got_k, got_v = decode_chunk(payload, model_id=MODEL, start=256)
+    payload = encode_chunk(keys, values, model_id=MODEL, start=256, token_ids=range(8))
+    got_k, got_v = decode_chunk(payload, model_id=MODEL, start=256, token_ids=[0, 1, 2])
     for want, got in zip(keys + values, got_k + got_v, strict=True):
         assert got.dtype == dtype and got.device.type == "cpu" and torch.equal(got, want)
     assert decode_chunk(payload, model_id=MODEL)[0][0].equal(keys[0])  # start unchecked when not given
@@ -156,10 +178,13 @@ def test_encode_decode_round_trip_is_exact_with_layers_of_different_shapes(dtype
 def test_encode_takes_views_and_tensors_sharing_memory():
     kv = torch.randn(2, 3, 40, 16)  # (k/v, heads, tokens, dim), as one buffer
     keys, values = [kv[0, :, 8:24]], [kv[1, :, 8:24]]  # non-contiguous slices of one storage
-    got_k, got_v = decode_chunk(encode_chunk(keys, values, model_id=MODEL, start=0), model_id=MODEL, start=0)
+    payload = encode_chunk(keys, values, model_id=MODEL, start=0, token_ids=range(16))
+    got_k, got_v = decode_chunk(payload, model_id=MODEL, start=0)
     assert torch.equal(got_k[0], keys[0]) and torch.equal(got_v[0], values[0])
     same = torch.randn(2, 4, 8)
-    got_k, got_v = decode_chunk(encode_chunk([same], [same], model_id=MODEL, start=0), model_id=MODEL)
+    got_k, got_v = decode_chunk(
+        encode_chunk([same], [same], model_id=MODEL, start=0, token_ids=range(4)), model_id=MODEL
+    )
     assert torch.equal(got_k[0], same) and torch.equal(got_v[0], same)
 
 
@@ -177,7 +202,7 @@ def _resave(payload: bytes, *, metadata_changes: dict | None = None, tensor_chan
 
 def test_decode_refuses_what_is_not_this_chunk():
     keys, values = _layers([(2, 16), (2, 16)], tokens=8)
-    good = encode_chunk(keys, values, model_id=MODEL, start=16)
+    good = encode_chunk(keys, values, model_id=MODEL, start=16, token_ids=range(100, 108))
     flipped = bytearray(good)
     flipped[-3] ^= 0xFF  # one byte of the last tensor
     cases = [
@@ -193,6 +218,8 @@ def test_decode_refuses_what_is_not_this_chunk():
         (_resave(good, tensor_changes={"layers.1.values": torch.zeros(2, 7, 16)}), r"layer 1 has keys"),
         (_resave(good, tensor_changes={"layers.1.values": None}), "do not match its 2 layers"),
         (_resave(good, metadata_changes={"layers": "3"}), "do not match its 3 layers"),
+        (_resave(good, tensor_changes={"token_ids": torch.arange(7)}), r"token ids are \(7,\)"),
+        (_resave(good, tensor_changes={"token_ids": None}), "do not match its 2 layers"),
         (bytes(flipped), "CRC-32"),
     ]
     for payload, message in cases:
@@ -204,14 +231,23 @@ def test_decode_refuses_what_is_not_this_chunk():
         decode_chunk(good, model_id=MODEL, start=32)
     with pytest.raises(StoreFormatError, match="is bytes, got str"):
         decode_chunk("text", model_id=MODEL)
+    # a reader names the tokens it takes: a chunk of other tokens (a branch's, or replaced) is never used
+    assert decode_chunk(good, model_id=MODEL, start=16, token_ids=[100, 101])[0][0].equal(keys[0])
+    for wanted in ([100, 999], list(range(100, 109))):
+        with pytest.raises(StoreFormatError, match="holds other tokens"):
+            decode_chunk(good, model_id=MODEL, start=16, token_ids=wanted)
 
 
 def test_encode_refuses_inconsistent_layers():
     keys, values = _layers([(2, 16), (2, 16)], tokens=8)
     with pytest.raises(InvalidInputError, match="same ≥ 1 layers, got 2 and 1"):
-        encode_chunk(keys, values[:1], model_id=MODEL, start=0)
+        encode_chunk(keys, values[:1], model_id=MODEL, start=0, token_ids=range(8))
     with pytest.raises(InvalidInputError, match=r"layer 1: keys \(2, 4, 16\)"):
-        encode_chunk([keys[0], keys[1][:, :4]], [values[0], values[1][:, :4]], model_id=MODEL, start=0)
+        encode_chunk(
+            [keys[0], keys[1][:, :4]], [values[0], values[1][:, :4]], model_id=MODEL, start=0, token_ids=range(8)
+        )
+    with pytest.raises(InvalidInputError, match="7 token ids for K/V of 8 tokens"):
+        encode_chunk(keys, values, model_id=MODEL, start=0, token_ids=range(7))
 
 
 def test_chunk_bytes_counts_what_a_stored_chunk_holds():
@@ -221,16 +257,19 @@ def test_chunk_bytes_counts_what_a_stored_chunk_holds():
         *_layers([(layout.num_kv_heads, layout.head_dim)] * layout.num_layers, tokens=64, dtype=torch.bfloat16),
         model_id=model_identity("pocket-s", None, layout.fingerprint()),
         start=0,
+        token_ids=range(64),
     )
     raw = chunk_bytes(pocket, 64, torch.bfloat16)
     assert raw == layout.num_layers * 2 * layout.num_kv_heads * layout.head_dim * 64 * 2
-    assert raw < len(payload) <= raw + HEADER_BYTES_FIXED + HEADER_BYTES_PER_LAYER * layout.num_layers
+    ids = TOKEN_ID_BYTES * 64
+    assert raw + ids < len(payload) <= raw + ids + HEADER_BYTES_FIXED + HEADER_BYTES_PER_LAYER * layout.num_layers
     qwen3_14b = Qwen3Config(num_hidden_layers=40, num_key_value_heads=8, head_dim=128)
     assert chunk_bytes(qwen3_14b, 1, "bfloat16") == 40 * 2 * 8 * 128 * 2
     zeros = [torch.zeros(8, 256, 128, dtype=torch.bfloat16)] * 40  # a Qwen3-14B chunk: 40 MiB, offsets of 8 digits
-    payload = encode_chunk(zeros, zeros, model_id="Qwen/Qwen3-14B@" + "f" * 40, start=10**6)
+    payload = encode_chunk(zeros, zeros, model_id="Qwen/Qwen3-14B@" + "f" * 40, start=10**6, token_ids=range(256))
     raw = chunk_bytes(qwen3_14b, 256, torch.bfloat16)
-    assert raw < len(payload) <= raw + HEADER_BYTES_FIXED + HEADER_BYTES_PER_LAYER * 40
+    ids = TOKEN_ID_BYTES * 256
+    assert raw + ids < len(payload) <= raw + ids + HEADER_BYTES_FIXED + HEADER_BYTES_PER_LAYER * 40
     bf16 = chunk_bytes(layout, DEFAULT_CHUNK_SIZE, "bfloat16")
     assert chunk_bytes(layout, DEFAULT_CHUNK_SIZE, torch.float32) == 2 * bf16
     with pytest.raises(InvalidInputError, match="not a torch dtype"):
@@ -268,58 +307,137 @@ def test_valkey_schemes_are_aliases_and_unknown_schemes_are_refused(server):
 
 def test_tls_and_unix_socket_urls_are_passed_to_the_client(tmp_path):
     port = free_port()
-    tls = open_store(f"rediss://:secret@127.0.0.1:{port}/0", ssl_cert_reqs="none", socket_timeout=0.5)
-    with tls, pytest.raises(StoreUnavailableError, match=rf"KV store rediss://127.0.0.1:{port}/0: EXISTS failed"):
-        tls.count_prefix(["kvbridge:v1:x"])
+    tls = open_store(f"rediss://:secret@127.0.0.1:{port}/0", ssl_cert_reqs="none", timeout=0.5)
+    with tls, pytest.raises(StoreUnavailableError, match=rf"KV store rediss://127.0.0.1:{port}/0: lookup .* failed"):
+        tls.count_prefix(["kvbridge:v2:x"])
     sock = tmp_path / "none.sock"
-    with open_store(f"unix://{sock}?db=0", socket_timeout=0.5) as unix, pytest.raises(StoreUnavailableError):
-        unix.get_many(["kvbridge:v1:x"])
+    with open_store(f"unix://{sock}?db=0", timeout=0.5) as unix, pytest.raises(StoreUnavailableError):
+        unix.get_many(["kvbridge:v2:x"])
     with pytest.raises(ServingConfigError, match="the redis client refuses its settings"):
         open_store(f"redis://127.0.0.1:{port}/0", no_such_option=1)
 
 
 def test_ttl_expires_chunks(server):
     with RedisKVStore(server.url, ttl_s=0.3) as store:
-        store.put_many({"kvbridge:v1:ttl-test": b"x"})
-        assert store.count_prefix(["kvbridge:v1:ttl-test"]) == 1
+        store.put_many({"kvbridge:v2:ttl-test": b"x"})
+        assert store.count_prefix(["kvbridge:v2:ttl-test"]) == 1
         deadline = time.monotonic() + 5
-        while store.count_prefix(["kvbridge:v1:ttl-test"]) and time.monotonic() < deadline:
+        while store.count_prefix(["kvbridge:v2:ttl-test"]) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert store.get_many(["kvbridge:v1:ttl-test"]) == [None]
+        assert store.get_many(["kvbridge:v2:ttl-test"]) == [None]
 
 
 def test_password_is_passed_through_and_never_shown():
     password = 'p@ss:w"rd'  # URL-quoted in the URL, quoted in the server's config
     with start_local_server(maxmemory="16mb", password=password) as secured:
         with open_store(secured.url) as store:
-            store.put_many({"kvbridge:v1:auth": b"ok"})
-            assert store.get_many(["kvbridge:v1:auth"]) == [b"ok"]
+            store.put_many({"kvbridge:v2:auth": b"ok"})
+            assert store.get_many(["kvbridge:v2:auth"]) == [b"ok"]
         wrong = secured.url.replace("p%40ss", "nope")
         for url in (wrong, f"redis://127.0.0.1:{secured.port}/0"):
-            with open_store(url, socket_timeout=1.0) as store, pytest.raises(StoreUnavailableError) as info:
-                store.count_prefix(["kvbridge:v1:auth"])
+            with open_store(url, timeout=1.0) as store, pytest.raises(StoreUnavailableError) as info:
+                store.count_prefix(["kvbridge:v2:auth"])
             message = str(info.value)
-            assert "check the user and password" in message and 'w"rd' not in message and "nope" not in message
+            assert "refused the credentials" in message and 'w"rd' not in message and "nope" not in message
             assert f"redis://127.0.0.1:{secured.port}/0" in message  # the URL, without the password
             assert store.metrics.read_errors == 1
         with open_store(f"redis://127.0.0.1:{secured.port}/0", password=password) as store:  # keyword form
-            assert store.get_many(["kvbridge:v1:auth"]) == [b"ok"]
+            assert store.get_many(["kvbridge:v2:auth"]) == [b"ok"]
 
 
 def test_a_stopped_server_fails_fast_with_store_unavailable():
     doomed = start_local_server(maxmemory="16mb")
-    store = open_store(doomed.url, socket_timeout=0.5)
-    store.put_many({"kvbridge:v1:gone": b"x"})
+    store = open_store(doomed.url, timeout=0.5)
+    store.warm_up()  # connects both clients
+    store.put_many({"kvbridge:v2:gone": b"x"})
     doomed.stop()
     assert not doomed.running
     begin = time.monotonic()
-    for call in (lambda: store.count_prefix(["kvbridge:v1:gone"]), lambda: store.get_many(["kvbridge:v1:gone"]),
-                 lambda: store.put_many({"kvbridge:v1:gone": b"y"})):  # fmt: skip
+    for call in (lambda: store.count_prefix(["kvbridge:v2:gone"]), lambda: store.get_many(["kvbridge:v2:gone"]),
+                 lambda: store.put_many({"kvbridge:v2:gone": b"y"})):  # fmt: skip
         with pytest.raises(StoreUnavailableError, match=rf"KV store redis://127.0.0.1:{doomed.port}/0: .* failed"):
             call()
     assert time.monotonic() - begin < 5
     assert store.metrics.read_errors == 2 and store.metrics.write_errors == 1
+    with pytest.raises(StoreUnavailableError):
+        store.warm_up()
     store.close()
+
+
+def test_a_hung_server_costs_one_deadline_then_is_skipped_until_it_answers_again():
+    hung = start_local_server(maxmemory="16mb")
+    store = open_store(hung.url, timeout=0.05, cooldown_s=0.5)
+    prefix = PrefixKVStore(store, model_id=MODEL, chunk_size=4)
+    ids = _ids(10)
+    store.put_many({prefix.keys(ids)[0]: b"x"})
+    os.kill(hung.pid, signal.SIGSTOP)  # the process is there and its socket accepts, but nothing answers
+    try:
+        begin = time.monotonic()
+        with pytest.raises(StoreUnavailableError, match="no answer within 50 ms .*hung"):
+            prefix.lookup(ids)
+        first = time.monotonic() - begin
+        begin = time.monotonic()
+        with pytest.raises(StoreUnavailableError, match="not sent: .* failed less than 0.5 s ago"):
+            prefix.lookup(ids)
+        second = time.monotonic() - begin
+        assert first < 0.5 and second < 0.05, (first, second)  # one deadline, then not asked at all
+        assert store.metrics.timeouts == 1 and store.metrics.skipped_down == 1
+    finally:
+        os.kill(hung.pid, signal.SIGCONT)
+    time.sleep(0.6)
+    assert prefix.lookup(ids).chunks == 1  # after the cool-down it is asked again, and answers
+    store.close()
+    hung.stop()
+
+
+@pytest.fixture(scope="module")
+def certificate(tmp_path_factory) -> tuple[str, str]:
+    """A self-signed certificate whose subjectAltName names 127.0.0.1, and its key (made with openssl)."""
+    folder = tmp_path_factory.mktemp("tls")
+    cert, key = str(folder / "cert.pem"), str(folder / "key.pem")
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", key, "-out", cert, "-days", "1",
+         "-subj", "/CN=kvbridge-test", "-addext", "subjectAltName=IP:127.0.0.1"],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    return cert, key
+
+
+@torch.no_grad()
+def test_a_tls_server_with_a_password_serves_a_cache(certificate, model):
+    cert, key = certificate
+    with start_local_server(maxmemory="16mb", tls=(cert, key), password="tls-secret") as server:
+        assert server.url.startswith("rediss://")
+        ids = torch.randint(0, VOCAB, (1, 40), generator=torch.Generator().manual_seed(13))
+        cache, _ = _prefill(model, ids)
+        # the client checks the server's certificate against it, and that it names 127.0.0.1
+        with open_store(server.url, ssl_ca_certs=cert, timeout=2.0) as store:
+            prefix = PrefixKVStore(store, model_id=_model_id(model), chunk_size=16)
+            save_cache(prefix, ids, cache)
+            loaded = load_cache(prefix, ids, prefix.lookup(ids).tokens)
+            assert torch.equal(loaded.layers[0].keys, cache.layers[0].keys)
+        with open_store(server.url, timeout=2.0) as store:  # the system's CAs do not know this certificate
+            with pytest.raises(StoreUnavailableError, match="(?i)certificate verify failed"):
+                store.ping()
+        with open_store(server.url.replace("rediss://", "redis://"), timeout=1.0) as store:
+            with pytest.raises(StoreUnavailableError, match="TLS matches"):  # plain text to a TLS port
+                store.ping()
+
+
+def test_an_acl_user_is_let_in_and_no_one_else():
+    config = ["user default off", "user kvb on >kvb-secret ~kvbridge:* +@all"]  # only kvb, only the package's keys
+    with start_local_server(maxmemory="16mb", extra_config=config) as server:
+        url = f"redis://kvb:kvb-secret@127.0.0.1:{server.port}/0"
+        with open_store(url, timeout=2.0) as store:
+            (key,) = chunk_keys(_ids(4), model_id=MODEL, chunk_size=4)
+            store.put_many({key: b"ok"})
+            assert store.get_many([key]) == [b"ok"] and store.stats()["keys"] == 1
+            with pytest.raises(StoreUnavailableError, match="refused the credentials.*ACL"):
+                store.put_many({"elsewhere": b"x"})  # a key outside the user's pattern (NOPERM)
+        for bad in (url.replace("kvb-secret", "wrong"), f"redis://127.0.0.1:{server.port}/0"):
+            with open_store(bad, timeout=1.0) as store, pytest.raises(StoreUnavailableError) as info:
+                store.ping()
+            assert "refused the credentials" in str(info.value) and "kvb-secret" not in str(info.value)
 
 
 def test_the_server_evicts_least_recently_used_chunks_when_full():
@@ -333,7 +451,7 @@ def test_the_server_evicts_least_recently_used_chunks_when_full():
         stats = store.stats()
         assert stats["maxmemory_policy"] == "allkeys-lru" and stats["maxmemory"] == 4 << 20
         assert stats["keys"] == sum(present) and stats["bytes"] >= sum(present) * len(chunk)
-        store._client.config_set("maxmemory-policy", "noeviction")  # a server set up without eviction
+        store._bulk.config_set("maxmemory-policy", "noeviction")  # a server set up without eviction
         with pytest.raises(StoreUnavailableError, match="full and does not evict.*allkeys-lru") as info:
             for key in keys:
                 store.put_many({key + "x": chunk})
@@ -386,14 +504,14 @@ def test_async_writer_drops_instead_of_blocking_when_full(store):
 
 
 def test_async_writer_counts_errors_of_a_dead_server_and_never_raises(caplog):
-    dead = open_store(f"redis://127.0.0.1:{free_port()}/0", socket_timeout=0.5)
+    dead = open_store(f"redis://127.0.0.1:{free_port()}/0", timeout=0.5)
     with caplog.at_level(logging.DEBUG, logger="hf_kvbridge.integrations.kv_store.writer"):
         with AsyncWriter(dead) as writer:
             for burst in range(2):
                 for index in range(3):
-                    assert writer.submit(f"kvbridge:v1:dead:{burst}:{index}", b"x")
+                    assert writer.submit(f"kvbridge:v2:dead:{burst}:{index}", b"x")
                 assert writer.flush(timeout=10)
-            assert writer.submit("kvbridge:v1:dead:bad", lambda: 1 / 0, nbytes=1)  # an encoding error
+            assert writer.submit("kvbridge:v2:dead:bad", lambda: 1 / 0, nbytes=1)  # an encoding error
             assert writer.flush(timeout=10)
     assert dead.metrics.write_errors == 7 and dead.metrics.chunks_written == 0
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
@@ -420,21 +538,106 @@ def _model_id(model) -> str:
 
 @torch.no_grad()
 def test_saved_cache_loads_back_exactly_and_the_model_continues_from_it(store, model):
-    ids = torch.randint(0, VOCAB, (1, 100), generator=torch.Generator().manual_seed(6))
-    cache, logits = _prefill(model, ids)
+    ids = torch.randint(0, VOCAB, (1, 120), generator=torch.Generator().manual_seed(6))
+    full, logits = _prefill(model, ids)
+    cache, _ = _prefill(model, ids[:, :100])  # a prompt of 100 tokens: 6 whole chunks of 16 and 4 tokens
     prefix = PrefixKVStore(store, model_id=_model_id(model), chunk_size=16)
-    assert prefix.stored_tokens(ids) == 0
-    assert save_cache(prefix, ids, cache) == 6  # 96 of the 100 tokens: the partial chunk waits
-    assert prefix.stored_tokens(ids) == 96
-    loaded = load_cache(prefix, ids, 96)
+    assert prefix.stored_tokens(ids[:, :100]) == 0
+    assert save_cache(prefix, ids[:, :100], cache) == 6  # and the partial chunk of tokens [96, 100)
+    found = prefix.lookup(ids[:, :100])
+    assert (found.tokens, found.chunks, found.tail_tokens, found.round_trips) == (100, 6, 4, 1)  # the whole prompt
+    loaded = load_cache(prefix, ids[:, :100], 100, stored=found)
     for layer in range(2):
-        assert torch.equal(loaded.layers[layer].keys, cache.layers[layer].keys[:, :, :96])
-        assert torch.equal(loaded.layers[layer].values, cache.layers[layer].values[:, :, :96])
-    _, continued = _prefill(model, ids[:, 96:], loaded)  # the model continues at position 96
-    torch.testing.assert_close(continued, logits[:, 96:])
+        assert torch.equal(loaded.layers[layer].keys, cache.layers[layer].keys)
+        assert torch.equal(loaded.layers[layer].values, cache.layers[layer].values)
+    # a longer prompt (the next turn) finds the same 100 tokens (two round trips: its whole chunks stop at node 6,
+    # before its last node 7) and the model continues from them at position 100
+    found = prefix.lookup(ids)
+    assert (found.tokens, found.chunks, found.round_trips) == (100, 6, 3)  # the tail after chunk 6 in two more
+    _, continued = _prefill(model, ids[:, 100:], load_cache(prefix, ids, 100, stored=found))
+    torch.testing.assert_close(continued, logits[:, 100:])
     assert prefix.stored_tokens(ids, salt="tenant-b") == 0  # another tenant sees nothing
     metrics = prefix.metrics.as_dict()
-    assert metrics["lookups"] >= 3 and metrics["lookup_miss"] >= 2 and metrics["lookup_hit_chunks"] >= 6
+    assert metrics["lookups"] >= 4 and metrics["lookup_miss"] >= 2 and metrics["lookup_tail_tokens"] >= 8
+    del full
+
+
+@torch.no_grad()
+def test_a_partial_chunk_is_taken_only_as_far_as_it_is_the_readers_own_prefix(store, model):
+    ids = torch.randint(0, VOCAB, (1, 140), generator=torch.Generator().manual_seed(11))
+    prefix = PrefixKVStore(store, model_id=_model_id(model), chunk_size=64)  # sub-chunks of 16
+    cache, _ = _prefill(model, ids)
+    save_cache(prefix, ids, cache)  # 2 whole chunks, then 12 tokens: no sub-chunk, a remainder of 12
+    found = prefix.lookup(ids)
+    assert (found.tokens, found.chunks, found.tail_tokens, found.round_trips) == (140, 2, 12, 1)
+    many = torch.randint(0, VOCAB, (1, 100), generator=torch.Generator().manual_seed(14))
+    many_cache, _ = _prefill(model, many)
+    save_cache(prefix, many, many_cache)  # 1 whole chunk, 2 sub-chunks (96), a remainder of 4
+    # a remainder is found by a reader that has all of its tokens; one that ends inside it stops at the sub-chunk
+    assert prefix.lookup(many).tokens == 100 and prefix.lookup(many[:, :98]).tokens == 96
+    branch = many.clone()
+    branch[0, 90] = (branch[0, 90] + 1) % VOCAB  # branches inside the second sub-chunk
+    found = prefix.lookup(branch)
+    assert (found.tokens, found.tail_tokens) == (80, 16)  # the sub-chunk it shares, not the one it does not
+    loaded = load_cache(prefix, branch, 80, stored=found)
+    own, _ = _prefill(model, branch[:, :80])
+    for layer in range(2):  # the stored K/V of the 80 tokens it shares, which are its own
+        assert torch.equal(loaded.layers[layer].keys, many_cache.layers[layer].keys[:, :, :80])
+        torch.testing.assert_close(loaded.layers[layer].keys, own.layers[layer].keys)
+    longer = torch.cat([many, ids[:, :30]], dim=1)  # a longer prompt (the next turn): all that is stored of it
+    found = prefix.lookup(longer)
+    assert (found.tokens, found.round_trips) == (100, 3)  # its whole chunks stop early: then sub-chunks, remainders
+    with pytest.raises(StoreMissError, match="holds 100 tokens of this sequence"):
+        prefix.load(longer, 101)
+    # two short prompts (no whole chunk: they share only the chain's root) are both found whole
+    short_a, short_b = ids[:, :40], many[:, :50]
+    for short in (short_a, short_b):
+        save_cache(prefix, short, _prefill(model, short)[0])
+    assert prefix.lookup(short_a).tokens == 40 and prefix.lookup(short_b).tokens == 50
+
+
+@torch.no_grad()
+def test_every_turn_of_a_growing_conversation_is_found_whole(store, model):
+    ids = torch.randint(0, VOCAB, (1, 150), generator=torch.Generator().manual_seed(12))
+    prefix = PrefixKVStore(store, model_id=_model_id(model), chunk_size=64)
+    full, _ = _prefill(model, ids)
+    kv = [(layer.keys[0], layer.values[0]) for layer in full.layers]  # per layer (H, 150, d)
+    done = 0
+    for end in (40, 58, 71, 150):  # each turn exports what it added, from its first whole chunk not yet stored
+        start = done // 64 * 64
+        keys, values = [k[:, start:end] for k, _ in kv], [v[:, start:end] for _, v in kv]
+        assert prefix.save(ids[:, :end], keys, values, start=start) == end // 64 - start // 64
+        done = end
+    # every turn's prompt is found whole; a prefix no turn ended at finds what earlier turns left before it (71): the
+    # later turn's whole chunk [64, 128) is keyed by tokens a 100-token reader does not have
+    for n in (40, 58, 71, 150, 100):
+        found = prefix.lookup(ids[:, :n])
+        assert found.tokens == (71 if n == 100 else n), n
+        loaded = load_cache(prefix, ids[:, :n], found.tokens, stored=found)
+        assert torch.equal(loaded.layers[1].values, full.layers[1].values[:, :, : found.tokens])
+    by_model = store.stats(_model_id(model))["by_model"][model_digest(_model_id(model))]
+    assert by_model["subs"] >= 2 and by_model["partials"] >= 4  # earlier turns' partial chunks stay findable
+
+
+@torch.no_grad()
+def test_iter_load_yields_runs_that_join_into_the_load_and_stops_at_a_missing_run(store, model):
+    ids = torch.randint(0, VOCAB, (1, 150), generator=torch.Generator().manual_seed(15))
+    prefix = PrefixKVStore(store, model_id=_model_id(model), chunk_size=16)
+    cache, _ = _prefill(model, ids)
+    save_cache(prefix, ids, cache)  # 9 whole chunks and a remainder of 6: 10 entries
+    found = prefix.lookup(ids)
+    runs = list(prefix.iter_load(ids, 150, stored=found, start=20, parts=4))
+    assert [(run.start, run.end) for run in runs] == [(20, 64), (64, 112), (112, 150)]  # 9 entries from token 20
+    assert all(run.seconds > 0 for run in runs)
+    keys, _ = prefix.load(ids, 150, stored=found)
+    for layer in range(2):  # the runs, joined, are the load from token 20 on: the model's own K/V
+        joined = torch.cat([run.keys[layer] for run in runs], dim=1)
+        assert torch.equal(joined, keys[layer][:, 20:]) and torch.equal(keys[layer], cache.layers[layer].keys[0])
+    store.delete_many([found.pieces[5][0]])  # evicted: the run that holds tokens [80, 96) fails, the first not
+    iterator = prefix.iter_load(ids, 150, stored=found, parts=3)  # runs of 4, 4 and 2 entries
+    assert next(iterator).end == 64
+    with pytest.raises(StoreMissError, match=r"tokens \[80, 96\)"):
+        next(iterator)
 
 
 @torch.no_grad()
@@ -471,15 +674,15 @@ def test_an_evicted_or_corrupt_chunk_stops_the_prefix_or_refuses_the_load(store,
     keys = prefix.keys(ids)
     store.delete_many([keys[3]])  # as the server's eviction would
     assert prefix.stored_tokens(ids) == 48
-    with pytest.raises(StoreMissError, match=r"chunk 3 \(tokens \[48, 64\)\).*evicted or expired"):
+    with pytest.raises(StoreMissError, match=r"chunk of tokens \[48, 64\).*evicted or expired"):
         prefix.load(ids, 128)
     assert prefix.load(ids, 48)[0][0].shape == (2, 48, 16)
     chunk_two = store.get_many([keys[2]])[0]
     store.put_many({keys[1]: chunk_two})  # another chunk's bytes under this key
-    with pytest.raises(StoreFormatError, match=r"chunk 1 \(tokens \[16, 32\)\).*starts at token 32, expected 16"):
+    with pytest.raises(StoreFormatError, match=r"chunk of tokens \[16, 32\).*starts at token 32, expected 16"):
         prefix.load(ids, 48)
     store.put_many({keys[1]: os.urandom(2048)})
-    with pytest.raises(StoreFormatError, match=r"chunk 1 \(tokens \[16, 32\)\)"):
+    with pytest.raises(StoreFormatError, match=r"chunk of tokens \[16, 32\)"):
         load_cache(prefix, ids, 48)
     other_model = PrefixKVStore(store, model_id=_model_id(model) + "-other", chunk_size=16)
     assert other_model.stored_tokens(ids) == 0
@@ -503,8 +706,10 @@ def test_a_bfloat16_source_and_a_float32_target_share_chunks_through_the_writer(
         assert torch.equal(loaded.layers[layer].keys, bf16.layers[layer].keys.float())
     with pytest.raises(InvalidInputError, match="cache layer 0 holds 64 tokens but token_ids has 63"):
         save_cache(prefix, ids[:, :63], cache)
-    with pytest.raises(InvalidInputError, match="num_tokens must be a multiple of chunk_size=32"):
-        prefix.load(ids, 40)
+    part = load_cache(prefix, ids, 40, salt="tenant-a")  # inside a whole chunk: its first tokens
+    assert torch.equal(part.layers[0].keys, bf16.layers[0].keys[:, :, :40])
+    with pytest.raises(InvalidInputError, match=r"num_tokens must be a number of tokens in \[1, 64\]"):
+        prefix.load(ids, 65)
 
 
 def test_store_metrics_are_thread_safe():
@@ -573,7 +778,7 @@ def test_store_serve_runs_until_interrupted():
             store.ping()
         proc.send_signal(signal.SIGINT)
         assert proc.wait(30) == 0
-        with open_store(f"redis://127.0.0.1:{port}/0", socket_timeout=0.5) as store:
+        with open_store(f"redis://127.0.0.1:{port}/0", timeout=0.5) as store:
             with pytest.raises(StoreUnavailableError):  # the server went with it
                 store.ping()
     finally:

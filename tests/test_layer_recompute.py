@@ -30,10 +30,10 @@ from hf_kvbridge.errors import (
     StatisticsMemoryError,
 )
 from hf_kvbridge.layout import hidden_size
+from hf_kvbridge.masks import positions_from_mask
 from hf_kvbridge.settings import CalibrationSettings
 from hf_kvbridge.statistics.dense import KVStatistics
 from hf_kvbridge.transfer.layer_recompute import recompute_top_layers
-from hf_kvbridge.transfer.prefill import positions_from_mask
 from hf_kvbridge.transfer.session import HandoffSession
 from tests.conftest import CORPUS, VOCAB, make_tokenizer, qwen3
 from tests.test_architectures import SUPPORTED, tiny, tiny_config

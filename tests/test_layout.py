@@ -9,7 +9,7 @@ import hf_kvbridge
 from hf_kvbridge import KVBridgeForCausalLM, KVLayoutError
 from hf_kvbridge.calibration.budgeted_fit import fit_bridge_in_passes
 from hf_kvbridge.calibration.checks import split_heldout
-from hf_kvbridge.layout import same_head_sources
+from hf_kvbridge.heads import same_head_sources
 from hf_kvbridge.transfer.session import HandoffSession
 from tests.conftest import CORPUS, VOCAB, make_tokenizer, qwen3
 

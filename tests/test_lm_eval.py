@@ -22,10 +22,10 @@ import hf_kvbridge.integrations.lm_eval  # noqa: F401  (registers "kvbridge")
 from hf_kvbridge import pocket
 from hf_kvbridge.cache import output_cache
 from hf_kvbridge.card import read_eval_table
-from hf_kvbridge.cli.main import main as cli_main
 from hf_kvbridge.constants import EVAL_MODES
 from hf_kvbridge.integrations.lm_eval import KVBridgeLM, rolling_chunks
-from hf_kvbridge.tools.eval_cli import format_table, retention_rows
+from hf_kvbridge.tools.task_retention import format_table, retention_rows
+from kvbridge_cli import main as cli_main
 from tests.conftest import CORPUS
 from tests.test_layout import linear_pair  # noqa: F401  (fixture: a pair whose KV layouts differ)
 
@@ -441,7 +441,7 @@ def test_controls_pass_a_real_bridge_and_flag_a_broken_one(pocket_bridge, task_m
     benefit (measured on the retrained family: 0.69 on bits per byte; zero cache −0.22, random cache −0.53) and is not
     flagged; the same bridge with its mapper weights zeroed is flagged in `kvbridge eval`'s table, warning and JSON,
     and its lm-eval `mode=` results are the zero cache's."""
-    from hf_kvbridge.tools.eval_cli import evaluate_modes
+    from hf_kvbridge.tools.task_retention import evaluate_modes
 
     good = evaluate_modes(
         pocket_bridge, ["kvbridge_pocket_ppl"], modes=CONTROL_MODES_RUN, include_path=str(POCKET_TASKS), **CONTROL_EVAL
@@ -511,7 +511,7 @@ def test_eval_indexes_lm_evals_stock_tasks_only_when_the_tasks_need_them(monkeyp
     (indexing the stock tasks costs ~17 s each time), and the full one when a group lists a stock task."""
     import lm_eval.tasks
 
-    from hf_kvbridge.tools.eval_cli import task_manager_for
+    from hf_kvbridge.tools.task_retention import task_manager_for
 
     built = []
 

@@ -195,7 +195,7 @@ def test_non_monotone_layer_order_survives_save_load(windows, tmp_path):
 def _independent_single_layer_r2(source, target, windows, train_ids, heldout_ids, ridge_lambda=1e-3):
     """Dense reference, fitted here with `torch.linalg.solve` on each (target layer, source layer) pair: held-out R²
     of the target layer's [K | V] rows from one source layer's, mean over heads and K/V → `(L_t, L_s)`."""
-    from hf_kvbridge.cache import cache_rows
+    from hf_kvbridge.content_rows import cache_rows
 
     heads, dim = target.config.num_key_value_heads, target.config.head_dim
     width = heads * 2 * dim

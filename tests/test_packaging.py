@@ -84,7 +84,8 @@ def test_wheel_ships_the_light_cli_and_the_benches_but_no_studies(dist):
     (wheel,) = dist.glob("*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
     assert not any(n.startswith("studies/") for n in names)  # the studies run from a checkout
-    assert {"kvbridge_cli/__init__.py", "kvbridge_cli/parser.py", "kvbridge_cli/_light.py"} <= names
+    light = ("__init__", "parser", "_light", "arguments", "settings_options", "bridge_commands", "tool_commands")
+    assert {f"kvbridge_cli/{m}.py" for m in light} <= names
     assert {f"hf_kvbridge/tools/bench/{m}.py" for m in ("__init__", "mapper", "calibration", "vllm")} <= names
     # every package folder of the source tree is in the wheel (an explicit package list forgets new ones)
     packages = [p.parent for p in (ROOT / "hf_kvbridge").rglob("__init__.py") if "__pycache__" not in p.parts]

@@ -124,7 +124,7 @@ def test_bridge_keeps_the_context_and_breakage_would_not():
 
 @pytest.mark.slow
 def test_demo_quick_writes_results_and_plots(tmp_path, capsys):
-    from hf_kvbridge.cli.main import main
+    from kvbridge_cli import main
 
     assert main(["demo", "--quick", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out

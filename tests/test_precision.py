@@ -159,9 +159,9 @@ def test_from_pretrained_takes_mapper_dtype(pair_bridge, tmp_path, monkeypatch):
     def no_loading(*args, **kwargs):
         raise AssertionError("a bad mapper_dtype must be refused before anything is read")
 
-    from hf_kvbridge import modeling
+    from hf_kvbridge import persistence
 
-    monkeypatch.setattr(modeling, "resolve_checkpoint", no_loading)
+    monkeypatch.setattr(persistence, "resolve_checkpoint", no_loading)
     with pytest.raises(InvalidInputError, match="mapper_dtype must be"):
         KVBridgeForCausalLM.from_pretrained(tmp_path / "b", mapper_dtype="int8")
 

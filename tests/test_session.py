@@ -142,7 +142,7 @@ def test_drift_harness_real_pair(windows):
 
 def test_chat_cli(saved_pair, tmp_path, monkeypatch, capsys, chat_tokenizer):
     import hf_kvbridge
-    from hf_kvbridge.cli.main import main
+    from kvbridge_cli import main
 
     large = tmp_path / "large"  # a copy: the session-wide pair stays without a chat template for other tests
     shutil.copytree(saved_pair["large"], large)

@@ -176,8 +176,8 @@ def test_bad_ridge_lambda_is_refused_before_any_work():
 
 
 def test_cli_ridge_lambda_accepts_auto_or_a_number(capsys):
-    from hf_kvbridge.cli.main import main
-    from kvbridge_cli.parser import _ridge_lambda
+    from kvbridge_cli import main
+    from kvbridge_cli.arguments import _ridge_lambda
 
     assert _ridge_lambda("auto") == "auto" and _ridge_lambda("0.5") == 0.5
     with pytest.raises(SystemExit) as exit_info:

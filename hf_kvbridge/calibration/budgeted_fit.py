@@ -12,7 +12,7 @@ from transformers import PreTrainedModel
 from ..budget import (
     plan_passes,
 )
-from ..layout import check_matched, hidden_size
+from ..layout import hidden_size
 from ..mappers import KVMapper
 from ..modeling import KVBridgeForCausalLM
 from ..selection import mapper_r2, select_layers
@@ -22,10 +22,10 @@ from ..statistics.blocks import BlockStatistics, feature_groups
 from ..statistics.dense import KVStatistics
 from ..statistics.rows import RowStatistics
 from ..statistics.selection import SelectionStatistics
-from .checks import allowed_blocks, check_tokens, features_per_layer, pair_heads
+from .checks import allowed_blocks, check_tokens, features_per_layer, pair_heads, pair_layouts
 from .data_pass import clock, collect_statistics, distributed_rank
-from .dense_fit import assemble_bridge
-from .residual import fit_residual_map, residual_collection, with_residual_map
+from .dense_fit import assemble_bridge, with_residual_map
+from .residual import fit_residual_map, residual_collection
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +80,7 @@ def fit_bridge_in_passes(
     kv_mode: str = "joint",
     residual: tuple[list[int], str] | None = None,
     features: SourceFeatures | None = None,
+    layouts: tuple | None = None,
 ) -> tuple[KVBridgeForCausalLM, tuple | None]:
     """Calibration on a memory budget (see `hf_kvbridge.budget`): a selection pass over `windows` picks the top-k
     source layers of each target layer from [`SelectionStatistics`], then fit passes accumulate
@@ -105,11 +106,13 @@ def fit_bridge_in_passes(
             The returned bridge holds them (`residual_mapper`, `config.residual_map`).
         features ([`SourceFeatures`], *optional*): hidden-state feature blocks beside the K/V blocks (see
             `fit_bridge`), accumulated in every pass like any source layer.
+        layouts (`tuple[KVLayout, KVLayout]`, *optional*): the two models' layouts, checked already
+            (`checks.pair_layouts`); checked here otherwise.
 
     Returns:
         `(bridge, statistics)`: `statistics` is `(train, held-out)` [`BlockStatistics`] or `None`.
     """
-    src, tgt = check_matched(source.config, target.config, source.config.name_or_path, target.config.name_or_path)
+    src, tgt = layouts or pair_layouts(source, target)
     heads, dim, target_heads = pair_heads(src, tgt)
     blocks = source_blocks(features, src.num_layers)
     shape = (blocks, tgt.num_layers, heads, dim)
@@ -124,6 +127,7 @@ def fit_bridge_in_passes(
         "checkpoint_dir": checkpoint_dir,
         "timings": timings,
         "features": features,
+        "layouts": (src, tgt),
     }
     # the token count against the widest map, before any forward pass
     widest = min(top_k or blocks, blocks) * features_per_layer(src, tgt, head_mode, kv_mode)
@@ -298,11 +302,8 @@ def fit_bridge_in_passes(
             for t in range(tgt.num_layers):
                 chosen_lambdas[kind][t] = gathered[owner[t]][kind][t]
     ridge_lambdas = chosen_lambdas if ridge_lambda == "auto" else None
-    if features is not None:
-        config_kwargs = {**(config_kwargs or {}), "source_features": features.as_dict()}
-    bridge = assemble_bridge(
-        source, target, mapper, r2, fitted_r2, top_k, ridge_lambda, ridge_lambdas, head_mode, hold_back, config_kwargs
-    )
+    fit = (top_k, ridge_lambda, ridge_lambdas, head_mode, hold_back)
+    bridge = assemble_bridge(source, target, mapper, r2, fitted_r2, fit, config_kwargs, (src, tgt), features)
     if residual_fit is not None:
         bridge = with_residual_map(bridge, residual_fit)
     return bridge, statistics

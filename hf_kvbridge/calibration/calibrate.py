@@ -9,26 +9,19 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, PreTrainedModel
+from transformers import PreTrainedModel
 
-from ..budget import (
-    check_budget,
-    default_budget,
-    format_bytes,
-    free_bytes,
-    parse_bytes,
-    plan_residual,
-    rows_bytes,
-    smallest_plan_bytes,
-)
+from ..budget import plan_calibration
 from ..constants import DEFAULT_CALIBRATION_DATA
 from ..data import describe_data, token_windows
 from ..errors import StatisticsMemoryError
-from ..layout import check_models, hidden_layout, hidden_size, same_head_sources
-from ..loading import model_reference, resolve_model_reference
+from ..heads import same_head_sources
+from ..layout import check_models, hidden_layout, hidden_size
+from ..loading import load_model, model_reference
 from ..mappers import get_mapper_type
 from ..modeling import KVBridgeForCausalLM
 from ..settings import CalibrationSettings
+from ..sizes import format_bytes
 from ..source_features import SourceFeatures, source_blocks
 from ..statistics.blocks import feature_groups
 from ..statistics.dense import KVStatistics
@@ -36,9 +29,9 @@ from ..version import __version__
 from .budgeted_fit import fit_bridge_in_passes
 from .checks import check_tokens, features_per_layer, shared_tokenizer, split_heldout
 from .data_pass import collect_statistics
-from .dense_fit import fit_bridge
+from .dense_fit import fit_bridge, with_residual_map
 from .refit import refit
-from .residual import fit_residual_map, normalize_recompute_layers, residual_collection, with_residual_map
+from .residual import fit_residual_map, normalize_recompute_layers, residual_collection
 
 logger = logging.getLogger(__name__)
 
@@ -46,11 +39,11 @@ logger = logging.getLogger(__name__)
 def _load(
     model: PreTrainedModel | str, revision: str | None, **load_kwargs: Any
 ) -> tuple[PreTrainedModel, str | None]:
-    if isinstance(model, PreTrainedModel):
-        return model.eval(), revision or getattr(model.config, "_commit_hash", None)
-    loaded = AutoModelForCausalLM.from_pretrained(resolve_model_reference(model), revision=revision, **load_kwargs)
-    loaded.config.name_or_path = model
-    return loaded.eval(), revision or getattr(loaded.config, "_commit_hash", None)
+    """`model` itself, or loaded from its reference (`loading.load_model`) and named by it, with its revision."""
+    if not isinstance(model, PreTrainedModel):
+        reference, model = model, load_model(model, revision, **load_kwargs)
+        model.config.name_or_path = reference
+    return model.eval(), revision or getattr(model.config, "_commit_hash", None)
 
 
 def calibrate(
@@ -102,50 +95,41 @@ def calibrate(
         same_head_sources(src.num_kv_heads, tgt.num_kv_heads, *names)
         if settings.bidirectional:
             same_head_sources(tgt.num_kv_heads, src.num_kv_heads, *reversed(names))
-    # the memory plan, before any text is read or any forward pass runs
+    # the memory plan, before any text is read or any forward pass runs (`budget.plan_calibration`)
     dtype = getattr(torch, settings.statistics_dtype)
     # richer source features: hidden-state blocks after the K/V blocks, planned and selected like source layers
     features = SourceFeatures.for_models(src, hidden_size(source), settings.hidden_state_layers)
     blocks = source_blocks(features, src.num_layers)
     top_k = settings.top_k or blocks
-    # the budget counts one head layout for both sides: the larger one's, so it never plans too little; the Gram
-    # blocks kept per layer come from the two real layouts
-    heads, dim = max(src.num_kv_heads, tgt.num_kv_heads), max(src.head_dim, tgt.head_dim)
     modes = (settings.head_mode, settings.kv_mode)
-    groups = len(feature_groups(src.num_kv_heads, src.head_dim, *modes, tgt.num_kv_heads, tgt.head_dim))
-    if settings.statistics_memory is not None:
-        budget = parse_bytes(settings.statistics_memory)
-    else:  # half the free memory, or the cheapest plan (more passes) when that is more and still fits
-        directions = [(blocks, tgt.num_layers)] + [(tgt.num_layers, src.num_layers)] * settings.bidirectional
-        smallest = max(smallest_plan_bytes(a, b, heads, dim, top_k, dtype, groups) for a, b in directions)
-        reserve = rows_bytes(settings.batch_size * settings.seq_len, blocks, tgt.num_layers, heads * 2 * dim)
-        budget = default_budget(free_bytes(settings.statistics_device), smallest, reserve)
-    plan = [check_budget(budget, blocks, tgt.num_layers, heads, dim, top_k, dtype, *modes, groups=groups)]
-    if settings.bidirectional:
-        plan.append(
-            check_budget(budget, tgt.num_layers, src.num_layers, heads, dim, top_k, dtype, *modes, groups=groups)
-        )
-    mode = "dense" if set(plan) == {"dense"} else "blocks"
-    # layer recompute: the residual maps' statistics ride along the same passes (`budget.plan_residual`)
     recompute_layers = normalize_recompute_layers(settings.recompute_layers, tgt.num_layers)
-    residual_mode, fit_budget = None, budget
-    if recompute_layers:
+    if recompute_layers:  # layer recompute lays hidden states out in two halves
         hidden_layout(hidden_size(source), "source")
         hidden_layout(hidden_size(target), "target")
-        mode, residual_mode, fit_budget = plan_residual(
-            budget,
-            mode,
-            blocks,
-            tgt.num_layers,
-            heads,
-            dim,
-            top_k,
-            dtype,
-            groups,
-            src.num_layers + 1,
-            len(recompute_layers),
-            max(hidden_size(source), hidden_size(target)),
-        )
+    plan = plan_calibration(
+        statistics_memory=settings.statistics_memory,
+        statistics_device=settings.statistics_device,
+        batch_tokens=settings.batch_size * settings.seq_len,
+        blocks=blocks,
+        source_layers=src.num_layers,
+        target_layers=tgt.num_layers,
+        # one head layout for both sides, the larger one's (the plan never plans too little); the Gram blocks kept
+        # per layer come from the two real layouts
+        num_kv_heads=max(src.num_kv_heads, tgt.num_kv_heads),
+        head_dim=max(src.head_dim, tgt.head_dim),
+        top_k=top_k,
+        dtype=dtype,
+        groups=len(feature_groups(src.num_kv_heads, src.head_dim, *modes, tgt.num_kv_heads, tgt.head_dim)),
+        head_mode=settings.head_mode,
+        kv_mode=settings.kv_mode,
+        bidirectional=settings.bidirectional,
+        residual=(
+            (src.num_layers + 1, len(recompute_layers), max(hidden_size(source), hidden_size(target)))
+            if recompute_layers
+            else None
+        ),
+    )
+    budget, mode, residual_mode, fit_budget = plan.budget, plan.mode, plan.residual_mode, plan.fit_budget
     turn_on = settings.recompute_layers if isinstance(settings.recompute_layers, int) else 0
     logger.info(
         "calibration statistics: %s%s (budget %s)",
@@ -223,6 +207,7 @@ def calibrate(
             timings=timings,
             residual=residual,
             features=features,
+            layouts=(src, tgt),
         )
         statistics, reverse_statistics = stats[:2], stats[2:] or None
         bridge = fit_bridge(
@@ -232,6 +217,7 @@ def calibrate(
             **fit_kwargs,
             config_kwargs={**references, "calibration": provenance},
             features=features,
+            layouts=(src, tgt),
         )
         if residual is not None:
             fitted = fit_residual_map(
@@ -251,6 +237,7 @@ def calibrate(
                 *reverse_statistics,
                 **fit_kwargs,
                 config_kwargs={**reverse_references, "calibration": dict(provenance)},
+                layouts=(tgt, src),
             )
     else:
         passes = {
@@ -275,6 +262,7 @@ def calibrate(
             config_kwargs={**references, "calibration": provenance},
             residual=(recompute_layers, residual_mode) if recompute_layers else None,
             features=features,
+            layouts=(src, tgt),
         )
         if settings.bidirectional:
             reverse, reverse_statistics = fit_bridge_in_passes(
@@ -284,6 +272,7 @@ def calibrate(
                 checkpoint_dir=None if checkpoint is None else Path(checkpoint) / "reverse",
                 keep_statistics=settings.keep_statistics,
                 config_kwargs={**reverse_references, "calibration": dict(provenance)},
+                layouts=(tgt, src),
             )
         if entry.fit is not None and statistics is None:
             raise StatisticsMemoryError(

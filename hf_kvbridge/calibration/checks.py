@@ -9,7 +9,7 @@ import torch
 from transformers import AutoTokenizer, PreTrainedModel
 
 from ..errors import CalibrationDataError, ConfigurationError, StatisticsError
-from ..layout import allowed_sources
+from ..layout import allowed_sources, check_matched
 from ..loading import resolve_model_reference
 from ..source_features import SourceFeatures
 from ..tokenization import check_same_tokenizer
@@ -93,3 +93,9 @@ def allowed_blocks(src, tgt, features: SourceFeatures | None, held: int | None =
     extra = 0 if features is None else features.num_blocks - src.num_layers
     spare = 0 if held is None else held - src.num_layers - extra
     return [row + [True] * extra + [False] * spare for row in allowed]
+
+
+def pair_layouts(source, target):
+    """The two models' [`KVLayout`]s, after checking that they can be bridged (`layout.check_matched`); the fits take
+    them as `layouts=` from a caller that has checked them already."""
+    return check_matched(source.config, target.config, source.config.name_or_path, target.config.name_or_path)

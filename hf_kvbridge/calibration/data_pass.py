@@ -13,13 +13,12 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
-from ..cache import cache_rows, forward_rows
+from ..content_rows import cache_rows, forward_rows
 from ..errors import ConfigurationError
-from ..layout import check_matched
 from ..source_features import SourceFeatures, source_blocks
 from ..statistics.dense import KVStatistics
 from .checkpoints import load_checkpoint, save_checkpoint, windows_digest
-from .checks import pair_heads
+from .checks import pair_heads, pair_layouts
 from .residual import ResidualCollection
 
 logger = logging.getLogger(__name__)
@@ -58,6 +57,7 @@ def collect_statistics(
     gather_rows: bool = False,
     residual: ResidualCollection | None = None,
     features: SourceFeatures | None = None,
+    layouts: tuple | None = None,
 ) -> tuple[KVStatistics, ...]:
     """One pass of both models over `windows`, accumulating train and held-out statistics.
 
@@ -89,11 +89,13 @@ def collect_statistics(
         features ([`SourceFeatures`], *optional*): the source's hidden-state feature blocks
             (`hf_kvbridge.source_features`): the same forward passes return the source's hidden states, whose blocks
             are appended to its K/V rows (the statistics then hold `features.num_blocks` source "layers").
+        layouts (`tuple[KVLayout, KVLayout]`, *optional*): the two models' layouts, checked already
+            (`checks.pair_layouts`); checked here otherwise.
 
     Returns:
         `(train, heldout)` [`KVStatistics`], followed by `(reverse_train, reverse_heldout)` when `reverse`.
     """
-    src, tgt = check_matched(source.config, target.config, source.config.name_or_path, target.config.name_or_path)
+    src, tgt = layouts or pair_layouts(source, target)
     heldout_list = sorted(set(heldout or []))
     if features is not None and reverse:
         raise ConfigurationError("hidden-state features fit the source → target map only; use reverse=False")
@@ -156,16 +158,7 @@ def collect_statistics(
                 )
             else:
                 group, ids = step
-                batch = windows[ids]
-                hidden = None
-                if residual is None and features is None:
-                    x, y = cache_rows(source, batch, statistics_device), cache_rows(target, batch, statistics_device)
-                else:  # the same forward passes give the hidden states
-                    x, source_hidden = _source_rows(source, batch, statistics_device, features)
-                    y, target_hidden = forward_rows(target, batch, statistics_device, hidden=residual is not None)
-                    if residual is not None:
-                        hidden = (group, *residual.rows(source_hidden, target_hidden))
-                    del source_hidden, target_hidden
+                x, y, hidden = _batch_rows(source, target, windows[ids], group, statistics_device, residual, features)
                 rows = [(group, x, y)]
             forward_s += clock() - started
             started = clock()
@@ -195,8 +188,20 @@ def collect_statistics(
     return tuple(parts)
 
 
+def _batch_rows(source, target, batch, group: int, device, residual=None, features=None):
+    """Both models over one batch of windows: `(x, y, hidden)`, the source's and the target's statistics rows
+    (`(B·T, ·)` each; the source's with its hidden-state feature blocks when `features`) and, for `residual`,
+    `(group, source hidden rows, target hidden rows)` from the same forward passes (`None` without it)."""
+    if residual is None and features is None:
+        return cache_rows(source, batch, device), cache_rows(target, batch, device), None
+    x, source_hidden = _source_rows(source, batch, device, features)  # the same passes give the hidden states
+    y, target_hidden = forward_rows(target, batch, device, hidden=residual is not None)
+    hidden = None if residual is None else (group, *residual.rows(source_hidden, target_hidden))
+    return x, y, hidden
+
+
 def _source_rows(source, batch, device, features: SourceFeatures | None):
-    """The source's statistics rows of `batch` (`cache.forward_rows`, K/V blocks) followed by its hidden-state
+    """The source's statistics rows of `batch` (`content_rows.forward_rows`, K/V blocks) followed by its hidden-state
     feature blocks when `features` (`(B·T, features.num_blocks·W)`), and its `output_hidden_states`."""
     x, hidden = forward_rows(source, batch, device, hidden=True)
     if features is not None:
@@ -211,18 +216,10 @@ def _gathered_rows(source, target, windows, step, rank, device, residual=None, f
     import torch.distributed as dist
 
     world = dist.get_world_size()
-    hidden = None
+    x = y = hidden = None
     if rank < len(step):
-        batch = windows[step[rank][1]]
-        if residual is None and features is None:
-            x, y = cache_rows(source, batch, device), cache_rows(target, batch, device)
-        else:
-            x, source_hidden = _source_rows(source, batch, device, features)
-            y, target_hidden = forward_rows(target, batch, device, hidden=residual is not None)
-            if residual is not None:
-                hidden = (step[rank][0], *residual.rows(source_hidden, target_hidden))
-    else:
-        x = y = None
+        group, ids = step[rank]
+        x, y, hidden = _batch_rows(source, target, windows[ids], group, device, residual, features)
     widths = torch.tensor([-1, -1] if x is None else [x.shape[1], y.shape[1]], dtype=torch.long)
     all_widths = [torch.zeros_like(widths) for _ in range(world)]
     dist.all_gather(all_widths, widths)

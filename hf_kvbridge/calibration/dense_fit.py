@@ -3,6 +3,7 @@ assembled from a fitted mapper."""
 
 from __future__ import annotations
 
+import copy
 import logging
 
 from transformers import PreTrainedModel
@@ -10,14 +11,13 @@ from transformers import PreTrainedModel
 from ..configuration import KVBridgeConfig
 from ..constants import HEAD_MODES
 from ..errors import ConfigurationError
-from ..layout import check_matched
 from ..mappers import KVMapper
 from ..modeling import KVBridgeForCausalLM
 from ..selection import mapper_r2, select_layers, single_layer_r2
 from ..solve import LAMBDA_GRID, choose_ridge_lambdas
 from ..source_features import SourceFeatures, check_feature_modes, source_blocks
 from ..statistics.dense import KVStatistics
-from .checks import allowed_blocks, check_tokens, features_per_layer
+from .checks import allowed_blocks, check_tokens, features_per_layer, pair_layouts
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +36,7 @@ def fit_bridge(
     config_kwargs: dict | None = None,
     kv_mode: str = "joint",
     features: SourceFeatures | None = None,
+    layouts: tuple | None = None,
 ) -> KVBridgeForCausalLM:
     """Selects layers (held-out single-layer R²), fits the ridge mapper on all statistics and builds the bridge.
 
@@ -50,10 +51,12 @@ def fit_bridge(
         features ([`SourceFeatures`], *optional*): the hidden-state feature blocks the statistics hold after the K/V
             blocks (`collect_statistics(features=...)`); selection ranks them with the K/V blocks. Without it, a
             map of statistics that hold such blocks reads the K/V blocks only.
+        layouts (`tuple[KVLayout, KVLayout]`, *optional*): the two models' layouts, checked already
+            (`checks.pair_layouts`); checked here otherwise.
     """
     if head_mode not in HEAD_MODES:
         raise ConfigurationError(f"head_mode must be one of {HEAD_MODES}, got {head_mode!r}")
-    src, tgt = check_matched(source.config, target.config, source.config.name_or_path, target.config.name_or_path)
+    src, tgt = layouts or pair_layouts(source, target)
     if features is not None:
         check_feature_modes(head_mode, kv_mode)
     blocks = source_blocks(features, src.num_layers)
@@ -80,19 +83,26 @@ def fit_bridge(
     mapper = KVMapper.from_statistics(
         train + heldout, selected_layers, head_mode, ridge_lambdas or ridge_lambda, kv_mode=kv_mode
     )
-    if features is not None:
-        config_kwargs = {**(config_kwargs or {}), "source_features": features.as_dict()}
-    return assemble_bridge(
-        source, target, mapper, r2, fitted_r2, top_k, ridge_lambda, ridge_lambdas, head_mode, hold_back, config_kwargs
-    )
+    fit = (top_k, ridge_lambda, ridge_lambdas, head_mode, hold_back)
+    return assemble_bridge(source, target, mapper, r2, fitted_r2, fit, config_kwargs, (src, tgt), features)
 
 
 def assemble_bridge(
-    source, target, mapper, r2, fitted_r2, top_k, ridge_lambda, ridge_lambdas, head_mode, hold_back, config_kwargs
+    source, target, mapper, r2, fitted_r2, fit: tuple, config_kwargs=None, layouts=None, features=None
 ) -> KVBridgeForCausalLM:
     """The bridge of a fitted `mapper`, with its selection R² `r2` `(L_t, L_s, 2)` and held-out R² `fitted_r2`
-    `(L_t, 2)` recorded in the config."""
-    src, tgt = check_matched(source.config, target.config, source.config.name_or_path, target.config.name_or_path)
+    `(L_t, 2)` recorded in the config.
+
+    Args:
+        fit (`tuple`): `(top_k, ridge_lambda, ridge_lambdas, head_mode, hold_back)` of the fit.
+        config_kwargs (`dict`, *optional*): more [`KVBridgeConfig`] fields (references, provenance).
+        layouts (`tuple[KVLayout, KVLayout]`, *optional*): the two models' layouts, checked already.
+        features ([`SourceFeatures`], *optional*): the hidden-state feature blocks the mapper reads (recorded).
+    """
+    top_k, ridge_lambda, ridge_lambdas, head_mode, hold_back = fit
+    if features is not None:
+        config_kwargs = {**(config_kwargs or {}), "source_features": features.as_dict()}
+    src, tgt = layouts or pair_layouts(source, target)
     selected_layers = mapper.selected_layers
     config = KVBridgeConfig(
         source_fingerprint=src.fingerprint(),
@@ -116,3 +126,15 @@ def assemble_bridge(
     bridge = KVBridgeForCausalLM(config, source, target, mapper)
     bridge.layer_r2 = r2  # the full single-layer R² matrix, for diagnostics and plots
     return bridge
+
+
+def with_residual_map(bridge: KVBridgeForCausalLM, fitted: tuple) -> KVBridgeForCausalLM:
+    """`bridge` with the residual map `fitted` (`fit_residual_map`'s `(mapper, summary)`), recorded in its config
+    (`residual_map`)."""
+    mapper, summary = fitted
+    config = copy.deepcopy(bridge.config)
+    config.residual_map = summary
+    logger.info(
+        "residual maps for recompute_layers %s: held-out R² %s", summary["recompute_layers"], summary["heldout_r2"]
+    )
+    return bridge.with_residual_mapper(mapper, config)

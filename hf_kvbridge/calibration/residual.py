@@ -14,7 +14,6 @@ selection scores each half from the same half of each source layer (as the K/V s
 
 from __future__ import annotations
 
-import copy
 import logging
 from dataclasses import dataclass, field
 
@@ -23,7 +22,6 @@ import torch
 from ..errors import ConfigurationError
 from ..layout import hidden_layout, hidden_size
 from ..mappers.residual import ResidualMapper
-from ..modeling import KVBridgeForCausalLM
 from ..selection import mapper_r2, select_layers, single_layer_r2
 from ..solve import LAMBDA_GRID, choose_ridge_lambdas
 from ..statistics.dense import KVStatistics
@@ -172,15 +170,3 @@ def residual_collection(
         [target_layers - n for n in recompute_layers],
         [residual_statistics(kind, *shape, device=device, dtype=dtype, sources=sources) for _ in range(2)],
     )
-
-
-def with_residual_map(bridge: KVBridgeForCausalLM, fitted: tuple) -> KVBridgeForCausalLM:
-    """`bridge` with the residual map `fitted` (`fit_residual_map`'s `(mapper, summary)`), recorded in its config
-    (`residual_map`)."""
-    mapper, summary = fitted
-    config = copy.deepcopy(bridge.config)
-    config.residual_map = summary
-    logger.info(
-        "residual maps for recompute_layers %s: held-out R² %s", summary["recompute_layers"], summary["heldout_r2"]
-    )
-    return bridge.with_residual_mapper(mapper, config)

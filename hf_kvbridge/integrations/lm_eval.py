@@ -58,9 +58,9 @@ from ..constants import MAPPER_CHECKSUMS_KEY
 from ..controls import CONTROL_MODES, control_cache
 from ..errors import EvaluationError
 from ..loading import load_model, resolve_model_reference
+from ..masks import positions_from_mask
 from ..modeling import KVBridgeForCausalLM
 from ..persistence import read_config_dict, resolve_checkpoint
-from ..transfer.prefill import positions_from_mask
 
 logger = logging.getLogger(__name__)
 

@@ -14,12 +14,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..constants import HEAD_MODES, KV_MODES
+from ..constants import HEAD_MODES, KV_MODES, MAPPER_KWARGS
 from ..errors import MapperError
-from ..layout import HeadLayouts, same_head_sources, target_heads_of
+from ..heads import HeadLayouts, same_head_sources, target_heads_of
 from ..solve import map_group_lambda, solve_ridge
-from ..statistics.base import map_groups
-from ..statistics.dense import KVStatistics
 
 
 @dataclass(frozen=True)
@@ -36,19 +34,25 @@ class MapperType:
             calibration or modeling: `calibration.refit` hands them the ridge mapper, the two models, the calibration
             windows and statistics, and builds the bridge from what they return.
         linear (`bool`): its weights are a plain `KVMapper`'s (lazy per-layer loading works).
-        kwargs (`tuple[str, ...]`): the `mapper_kwargs` its `fit` accepts (validated before any work).
         kv_modes (`tuple[str, ...]`): the `kv_mode`s it fits and maps (`CalibrationSettings` refuses the others
             before any work); every type so far supports both.
         description (`str`): one line for `--help` and the docs.
+        kwargs (`tuple[str, ...]`, *optional*): the `mapper_kwargs` its `fit` accepts (validated before any work);
+            defaults to `constants.MAPPER_KWARGS[name]`, where the shipped types name theirs so that the settings and
+            the command line read them without importing the mappers (none for a type of your own not named there).
     """
 
     name: str
     mapper_class: type
     fit: Callable | None
     linear: bool
-    kwargs: tuple[str, ...] = ()
     description: str = ""
     kv_modes: tuple[str, ...] = KV_MODES
+    kwargs: tuple[str, ...] | None = None
+
+    def __post_init__(self):
+        if self.kwargs is None:  # the shipped types' keywords are named once, where the settings read them
+            object.__setattr__(self, "kwargs", MAPPER_KWARGS.get(self.name, ()))
 
 
 class LayerMap(nn.Module):
@@ -171,7 +175,7 @@ class KVMapper(nn.Module, HeadLayouts):
     @classmethod
     def from_statistics(
         cls,
-        stats: KVStatistics,
+        stats,
         selected_layers: list[list[int]],
         head_mode: str,
         ridge_lambda: float | dict,
@@ -205,7 +209,7 @@ class KVMapper(nn.Module, HeadLayouts):
         stats_target: int | None = None,
     ):
         """Yields `(group, x_idx, y_idx, weight (p, q), bias (q,))`, the ridge solution of each map of target layer
-        `target_layer` in this mapper's group order (`statistics.map_groups` for its `head_mode` and `kv_mode`), with
+        `target_layer` in this mapper's group order (`heads.map_groups` for its `head_mode` and `kv_mode`), with
         that map's λ; the mapper types that start from the ridge (low rank, attention-weighted) reshape these.
 
         Args:
@@ -216,7 +220,7 @@ class KVMapper(nn.Module, HeadLayouts):
         """
         layers = self.selected_layers[target_layer] if source_layers is None else list(source_layers)
         row = target_layer if stats_target is None else stats_target
-        for g, (x_idx, y_idx) in enumerate(map_groups(stats, layers, row, self.head_mode, self.kv_mode)):
+        for g, (x_idx, y_idx) in enumerate(stats.map_groups(layers, row, self.head_mode, self.kv_mode)):
             lam = map_group_lambda(
                 ridge_lambda, target_layer, g, self.head_mode, self.kv_mode, self.target_kv_heads, self.target_head_dim
             )

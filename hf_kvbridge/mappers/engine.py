@@ -11,15 +11,16 @@ chunk (`KVMapper.write_rows`, `map_targets`, `split_rows`). Two schedules give t
 - **`"chunked"`** (CPUs): the engine streams over the sequence in chunks of tokens sized for a CPU's caches
   (`chunk_tokens`, `KVMapper.max_chunk_bytes`). For each chunk every source layer is stripped of its rotation once,
   into a slot of one row buffer that it holds from the first step that reads it to the last (`row_slots`); each step
-  of `mapping_plan` (target layers reading the same source layers, mapped by one wide matrix product) reads its
+  of `steps.mapping_plan` (target layers reading the same source layers, mapped by one wide matrix product) reads its
   source layers from there and writes its rotated keys and its values straight into the new cache's tensors.
-- **`"layers"`** (GPUs): whole-layer steps. All tokens at once (in as few chunks as the device's free memory allows:
-  `layer_chunk_tokens`); every source layer the mapper reads is stripped once per mapping into its own slot of one row
-  buffer, in layer order (so the layers a step reads side by side are one strided view and one product), by one fused
-  op for all of them (`rope.rotate_kv`); each step is one product (a batched one, heads in the batch dimension, for
-  the same-head map) and one fused rotation that writes the target layers' keys and values into the cache. The ops
-  dispatched do not grow with the length (`hf_kvbridge.tools.bench.ops` counts them). With a `StaticCache` as
-  `target_cache`, the keys and values are written in place into its tensors.
+- **`"layers"`** (GPUs; `hf_kvbridge.mappers.layer_schedule`): whole-layer steps. All tokens at once (in as few
+  chunks as the device's free memory allows); every source layer the mapper reads is stripped once per mapping into
+  its own slot of one row buffer, in layer order (so the layers a step reads side by side are one strided view and
+  one product), by one fused op for all of them (`rope.rotate_kv`); each step is one product (a batched one, heads in
+  the batch dimension, for the same-head map) into its columns of one buffer, and one fused rotation then writes every
+  target layer's keys and values into the cache. The ops dispatched do not grow with the length
+  (`hf_kvbridge.tools.bench.ops` counts them). With a `StaticCache` as `target_cache`, the keys and values are written
+  in place into its tensors.
 
 The chunk's buffers are a `Workspace` kept between calls (per thread), so mapping allocates nothing but the cache it
 returns; the workspace also keeps the two rotations (the source's inverse, the target's) of the last positions
@@ -39,13 +40,13 @@ from transformers import Cache, DynamicCache
 from ..cache import append_layer, cache_layer_kv, check_cache_shape, new_target_cache
 from ..constants import SCHEDULES
 from ..devices import execution_device, layer_devices
-from ..errors import InvalidInputError, KVLayoutError
+from ..errors import InvalidInputError
 from ..layout import KVLayout
-from ..rope import Rotation, inverse_cos_sin, rotary_cos_sin, rotary_module, rotate_kv
+from ..rope import Rotation, inverse_cos_sin, rotary_cos_sin, rotary_module
 from ..source_features import SourceFeatures
 from .base import KVMapper
-
-CPU_LAYER_CHUNK_BYTES = 2**30  # the "layers" schedule's working set on a CPU (a GPU's comes from its free memory)
+from .layer_schedule import map_span_layers, static_destinations
+from .steps import held_offsets, mapping_plan, row_slots
 
 
 class Workspace:
@@ -150,57 +151,6 @@ class MappingSchedule(NamedTuple):
     chunk: int  # tokens per chunk
 
 
-def mapping_plan(
-    mapper: KVMapper, targets: set[int] | None = None, ascending: bool = False
-) -> list[tuple[list[int], list[int]]]:
-    """`(source layers in input order, target layers)` steps covering every target layer (of `targets`) once.
-
-    Target layers that read the same set of source layers are one step (`mapper.map_targets` maps them with one wide
-    product of their stacked weights) when the mapper is `groupable` and their weights are at most
-    `mapper.max_group_bytes`; otherwise each is a step of its own, in its selected order, or with `ascending=True`
-    (the `"layers"` schedule, whose row slots are in layer order) in ascending order, so that layers side by side in
-    the rows are one product (the mapper keeps a copy of such a layer's weights with their rows reordered)."""
-    chosen = [(t, layers) for t, layers in enumerate(mapper.selected_layers) if targets is None or t in targets]
-    if not mapper.groupable:
-        return [(list(layers), [t]) for t, layers in chosen]
-    groups: dict[tuple[int, ...], list[int]] = {}
-    for t, layers in chosen:
-        groups.setdefault(tuple(sorted(layers)), []).append(t)
-    plan = []
-    for sources, group in groups.items():
-        size = sum(p.numel() * p.element_size() for t in group for p in mapper.layers[t].parameters())
-        if len(group) > 1 and size <= mapper.max_group_bytes:
-            plan.append((list(sources), group))
-        else:
-            plan.extend((list(sources) if ascending else list(mapper.selected_layers[t]), [t]) for t in group)
-    return sorted(plan, key=lambda step: step[1][0])
-
-
-def row_slots(
-    plan: list[tuple[list[int], list[int]]], last_use: dict[int, int] | None = None
-) -> tuple[dict[int, int], int]:
-    """Where `map_cache` keeps each source layer's rows within a chunk: `(slot of each source layer, slots)`.
-
-    A source layer takes the lowest free slot when the first step that reads it comes, and frees it after the
-    last one, so the buffer holds the layers that are live at once (about `top_k + 1` when each target layer
-    reads the source layers of about its own relative depth), not all of them. A step's layers are placed in
-    ascending order, so consecutive layers read together sit side by side (read as a view, not gathered)."""
-    if last_use is None:
-        last_use = {s: step for step, (sources, _) in enumerate(plan) for s in sources}
-    slot_of: dict[int, int] = {}
-    free: list[int] = []
-    slots = 0
-    for step, (sources, _) in enumerate(plan):
-        for s in sorted(sources):
-            if s not in slot_of:
-                if free:
-                    slot_of[s] = free.pop(0)
-                else:
-                    slot_of[s], slots = slots, slots + 1
-        free = sorted(free + [slot_of[s] for s in sources if last_use[s] == step])
-    return slot_of, slots
-
-
 def schedule(mapper: KVMapper, batch: int, seq: int, targets: set[int] | None = None) -> MappingSchedule:
     """How `map_cache` maps `batch` sequences of `seq` tokens with `mapper`: the plan, where each source layer's rows
     live, and the tokens per chunk, worked out once per mapping. `targets` restricts the plan to those target layers
@@ -247,22 +197,6 @@ def resolve_schedule(schedule: str | None, device: torch.device | str) -> str:
     if schedule not in SCHEDULES:
         raise InvalidInputError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
     return schedule
-
-
-def layer_chunk_tokens(
-    mapper: KVMapper, batch: int, seq: int, num_slots: int, widest: int, device: torch.device, held: int = 0
-) -> int:
-    """Tokens per chunk of the `"layers"` schedule: all `seq` of them when the working set (`num_slots` source layers'
-    rows and the widest step's output, per token) fits the budget, else as many as fit. The budget is
-    `mapper.max_layer_chunk_bytes` when set; on CUDA half the device's free memory plus what the workspace holds
-    already (`held` bytes, reused), elsewhere `CPU_LAYER_CHUNK_BYTES`."""
-    per_token = batch * (num_slots * mapper.slot_features + widest) * torch.finfo(mapper.layout_dtype()).bits // 8
-    budget = getattr(mapper, "max_layer_chunk_bytes", None)
-    if budget is None and device.type == "cuda":
-        budget = torch.cuda.mem_get_info(device)[0] // 2 + held
-    elif budget is None:
-        budget = CPU_LAYER_CHUNK_BYTES
-    return max(1, min(seq, budget // max(per_token, 1)))
 
 
 @torch.no_grad()
@@ -333,9 +267,9 @@ def map_cache(
     places = layer_devices(target, tgt.num_layers)
     into = None  # {target layer: (keys, values)} views of a static cache to write into, in place
     if schedule == "layers" and list(by_span) == [seq] and all(p == execution_device(target) for p in places):
-        into = _static_destinations(cache, mapper, first_keys.shape[0], seq, places, target.dtype)
+        into = static_destinations(cache, mapper, first_keys.shape[0], seq, places, target.dtype)
     mapped: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-    map_span = _map_span_layers if schedule == "layers" else _map_span
+    map_span = map_span_layers if schedule == "layers" else _map_span
     for span, targets in sorted(by_span.items(), reverse=True):
         args = (source, target, mapper, src, source_cache, position_ids, seq - span, targets, workspace, features)
         mapped.update(map_span(*args, into=into) if into is not None else map_span(*args))
@@ -354,32 +288,6 @@ def map_cache(
         if keys.shape[2] < seq and hasattr(layer, "cumulative_length"):  # a sliding layer got only its window
             layer.cumulative_length += seq - keys.shape[2]
     return cache
-
-
-def _static_destinations(cache, mapper: KVMapper, batch: int, seq: int, places, dtype) -> dict | None:
-    """`{target layer: (keys, values)}`, the `(B, H, seq, d)` views of a static cache's tensors where the next `seq`
-    tokens go, when `cache` is a static cache of full-attention layers (`StaticLayer`: preallocated tensors and a
-    `cumulative_length` tensor); `None` for any other cache (the mapped tensors are appended instead). Lazily
-    allocated layers are allocated here, as their first `update` would."""
-    layers = getattr(cache, "layers", None)
-    if not layers or any(type(layer).__name__ != "StaticLayer" for layer in layers):
-        return None
-    heads, dim = mapper.target_kv_heads, mapper.target_head_dim
-    for t, layer in enumerate(layers):
-        if not layer.is_initialized:
-            empty = torch.empty((batch, heads, 0, dim), dtype=dtype, device=places[t])
-            layer.lazy_initialization(empty, empty)
-    start = int(layers[0].cumulative_length)  # one read (a device sync on a GPU): the layers advance together
-    into = {}
-    for t, layer in enumerate(layers):
-        if layer.keys.shape[0] != batch or start + seq > layer.keys.shape[2]:
-            raise InvalidInputError(
-                f"the static cache holds {layer.keys.shape[0]} rows of at most {layer.keys.shape[2]} tokens, with "
-                f"{start} used; mapping {batch} rows of {seq} tokens needs room for {start + seq}: make the cache "
-                "with max_cache_len covering the prompt and the new tokens"
-            )
-        into[t] = (layer.keys[:, :, start : start + seq], layer.values[:, :, start : start + seq])
-    return into
 
 
 def _map_span(
@@ -405,7 +313,7 @@ def _map_span(
     span = seq - first
     plan, last_use, slots, num_slots, widest, _, chunk = schedule(mapper, batch, span, targets)  # steps, slots, chunk
     heads, dim = mapper.target_kv_heads, mapper.target_head_dim  # of the new cache
-    offsets = _held_offsets(source_cache, src, plan, seq, first)  # source layer → tokens it has dropped
+    offsets = held_offsets(source_cache, src, plan, seq, first)  # source layer → tokens it has dropped
     outputs = [  # the new cache's tensors, one (2, n, B, H, T, d) block per step: [0] keys, [1] values
         torch.empty((2, len(step_targets), batch, heads, span, dim), dtype=target.dtype, device=device)
         for _, step_targets in plan
@@ -456,177 +364,6 @@ def _map_span(
     return {
         t: (kv[0, i], kv[1, i]) for (_, step_targets), kv in zip(plan, outputs) for i, t in enumerate(step_targets)
     }
-
-
-def _map_span_layers(
-    source: nn.Module,
-    target: nn.Module,
-    mapper: KVMapper,
-    src: KVLayout,
-    source_cache: Cache,
-    position_ids: torch.Tensor,
-    first: int,
-    targets: set[int],
-    workspace: Workspace,
-    features: tuple | None = None,
-    into: dict | None = None,
-) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-    """The `"layers"` schedule of `_map_span` (same arguments and result): whole-layer steps over all tokens at once
-    (or over the fewest chunks the memory budget allows, `layer_chunk_tokens`). `into`: `{target layer: (keys,
-    values)}` `(B, H, seq - first, d)` views to write into (a static cache's tensors) instead of new tensors.
-
-    Per chunk: one fused op strips every source layer the mapper reads into its slot of the row buffer (slots in
-    layer order); per step one product and one fused op that rotates its target layers' keys and writes them and
-    their values into the cache."""
-    seq = position_ids.shape[-1]
-    first_keys, _ = cache_layer_kv(source_cache, 0)
-    batch, device = first_keys.shape[0], execution_device(target)
-    positions = position_ids[:, first:] if first else position_ids
-    strip, rotate = workspace.rotations(source, target, positions.to(device))  # (B, T, d) each
-    span = seq - first
-    fused = _writes_into(mapper)
-    plan = mapping_plan(mapper, targets, ascending=True)
-    used = sorted({s for sources, _ in plan for s in sources})
-    slots = {s: i for i, s in enumerate(used)}  # layer order: the layers a step reads side by side are one view
-    order = [t for _, step_targets in plan for t in step_targets]  # target layers in step order
-    # output features per token held at once: every target layer's rows (one rotation for all), or the widest step's
-    widest = (len(order) if fused else max(len(step_targets) for _, step_targets in plan)) * mapper.y_row
-    dtype = mapper.layout_dtype()
-    chunk = layer_chunk_tokens(mapper, batch, span, len(used), widest, torch.device(device), workspace.nbytes())
-    heads, dim = mapper.target_kv_heads, mapper.target_head_dim
-    offsets = _held_offsets(source_cache, src, plan, seq, first)
-    if into is None:  # the new cache's tensors: one (2, N, B, H, T, d) block, [0] keys, [1] values, in step order
-        block = torch.empty((2, len(order), batch, heads, span, dim), dtype=target.dtype, device=device).unbind(0)
-        result = dict(zip(order, zip(block[0].unbind(0), block[1].unbind(0))))
-    else:
-        block, result = None, {t: into[t] for t in targets}
-    kv_layers = [s for s in used if s < src.num_layers]  # the rest are hidden-state blocks
-    row_space = workspace.buffer("rows", batch * chunk * len(used) * mapper.slot_features, dtype, device)
-    out_space = workspace.buffer("mapped", batch * chunk * widest, dtype, device)
-    whole = chunk == span
-    for start in range(0, span, chunk):
-        end = min(start + chunk, span)
-        strip_c = strip if whole else strip.narrow(start, end)
-        rotate_c = rotate if whole else rotate.narrow(start, end)
-        rows = mapper.new_rows(batch, end - start, len(used), out=row_space)  # (B·c, L·H_s·2d_s) or so
-        keys_in, values_in = [], []
-        for s in kv_layers:  # source layer s's tokens of this chunk, keys post-RoPE (B, H, c, d)
-            keys, values = cache_layer_kv(source_cache, s)
-            lo, hi = first + start - offsets[s], first + end - offsets[s]
-            if (lo, hi) != (0, keys.shape[2]):
-                keys, values = keys[:, :, lo:hi], values[:, :, lo:hi]
-            if keys.device != device:
-                keys, values = keys.to(device), values.to(device)
-            keys_in.append(keys)
-            values_in.append(values)
-        _strip_into_rows(mapper, rows, [slots[s] for s in kv_layers], keys_in, values_in, strip_c, batch, end - start)
-        for s in used[len(kv_layers) :]:  # hidden-state blocks, as they are (no rotation)
-            part = features[0].piece(features[1], s)[:, first + start : first + end]  # (B, c, W)
-            features[0].write_block(mapper, rows, slots[s], part.to(device))
-        if block is not None:  # (N, B, H, c, d) each: the chunk's tokens of every layer
-            outputs = block if whole else tuple(x[..., start:end, :] for x in block)
-        else:
-            outputs = [
-                (k, v) if whole else (k[..., start:end, :], v[..., start:end, :]) for k, v in _outputs(result, order)
-            ]
-        if fused:  # every step's product into its columns of one buffer, then one rotation for all target layers
-            mapped = _mapped_buffer(mapper, out_space, batch * (end - start), len(order))
-            column = 0
-            for sources, step_targets in plan:
-                width = len(step_targets) * mapper.out_width
-                mapper.map_targets(sources, step_targets, rows, slots=slots, into=mapped[..., column : column + width])
-                column += width
-            keys_c, values_c = mapper.split_rows(mapped, batch, end - start, layers=len(order))  # (N, B, H, c, d)
-            _rotate_into(keys_c, values_c, rotate_c, outputs)
-            continue
-        done = 0
-        for sources, step_targets in plan:  # a mapper with its own product: one rotation per step
-            mapped = mapper.map_targets(sources, step_targets, rows, out=out_space, slots=slots)
-            keys_c, values_c = mapper.split_rows(mapped, batch, end - start, layers=len(step_targets))  # (n,B,H,c,d)
-            n = len(step_targets)
-            part = tuple(x[done : done + n] for x in outputs) if block is not None else outputs[done : done + n]
-            _rotate_into(keys_c, values_c, rotate_c, part)
-            done += n
-    return result
-
-
-def _writes_into(mapper: KVMapper) -> bool:
-    """Whether `mapper` keeps `KVMapper`'s own product, which writes a step into a view of a larger buffer
-    (`map_targets(into=...)`); mappers with a product of their own (low rank, MLP) return theirs instead."""
-    return mapper.groupable and type(mapper).map_targets is KVMapper.map_targets
-
-
-def _mapped_buffer(mapper: KVMapper, space: torch.Tensor, rows: int, layers: int) -> torch.Tensor:
-    """`layers` target layers' rows side by side in `space`, in `map_targets`' layout: `(B·T, n·H·2d)`, or
-    `(G, B·T, n·w)` for a mapper with head groups."""
-    width = layers * mapper.out_width
-    shape = (mapper.groups, rows, width) if mapper.grouped else (rows, width)
-    return space[: rows * width * mapper.groups].view(shape)
-
-
-def _outputs(result: dict, order: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """`result`'s `(keys, values)` in `order`."""
-    return [result[t] for t in order]
-
-
-def _held_offsets(source_cache: Cache, src: KVLayout, plan, seq: int, first: int) -> dict[int, int]:
-    """Tokens each source layer the plan reads has dropped (a sliding layer holds only its last ones), checked
-    against the first token mapped."""
-    offsets = {}
-    for sources, _ in plan:
-        for s in sources:
-            if s >= src.num_layers:  # a hidden-state block: the source's hidden states cover every token
-                offsets[s] = 0
-                continue
-            held = cache_layer_kv(source_cache, s)[0].shape[2]
-            offsets[s] = seq - held
-            if offsets[s] > first:
-                raise KVLayoutError(
-                    f"source layer {s} holds only its last {held} of {seq} tokens, but the mapper reads it for "
-                    f"tokens from {first} on (a sliding-window layer chosen for a layer that needs more tokens); "
-                    "recalibrate so that selection keeps such layers for sliding-window target layers only"
-                )
-    return offsets
-
-
-def _strip_into_rows(mapper: KVMapper, rows, slots: list[int], keys, values, rotation: Rotation, batch, seq) -> None:
-    """Strips the rotation of each source layer's `keys` and writes them with its `values` into its slot of `rows`:
-    one fused op for all of them where one view covers the slots (`KVMapper.row_views`), else layer by layer."""
-    views = mapper.row_views(rows, batch, seq)
-    tables = rotation.half_tables
-    if views is not None and tables is not None:
-        key_slots, value_slots = (v.unbind(0) for v in views)  # (B, H, c, d) views, one per slot
-        rotate_kv(keys, values, tables, [key_slots[i] for i in slots], [value_slots[i] for i in slots])
-        return
-
-    def write_keys(k, out):
-        if tables is None:
-            rotation(k, out=out)
-        else:
-            rotate_kv([k], [], tables, [out], [])
-
-    for slot, k, v in zip(slots, keys, values):
-        mapper.write_rows(rows, slot, k, v, write_keys=write_keys)
-
-
-def _rotate_into(keys: torch.Tensor, values: torch.Tensor, rotation: Rotation, outputs) -> None:
-    """Rotates the `n` layers of `keys` `(n, B, H, c, d)` into `outputs`' keys and copies `values` into its values:
-    `outputs` is a `(keys, values)` pair of `(n, B, H, c, d)` blocks (one fused op, `rope.rotate_kv`, for all `n`
-    layers) or a list of `n` pairs of `(B, H, c, d)` tensors (a static cache's layers: one op, one launch per layer).
-    A rotation that is not rotate-half runs eagerly."""
-    tables = rotation.half_tables
-    if isinstance(outputs, tuple):
-        key_out, value_out = [outputs[0]], [outputs[1]]
-        keys, values = [keys], [values]
-    else:
-        key_out, value_out = [k for k, _ in outputs], [v for _, v in outputs]
-        keys, values = keys.unbind(0), values.unbind(0)
-    if tables is not None:
-        rotate_kv(keys, values, tables, key_out, value_out)
-        return
-    for k, v, k_out, v_out in zip(keys, values, key_out, value_out):
-        rotation(k, out=k_out)
-        v_out.copy_(v)
 
 
 def _check_features(mapper: KVMapper, src: KVLayout, source_features, hidden_states, batch: int, seq: int):

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from ..errors import MapperError
-from ..layout import target_heads_of
+from ..heads import target_heads_of
 from ..selection import mapped_heldout_r2
 from ..statistics.dense import KVStatistics
 from .base import KVMapper, MapperType
@@ -245,6 +245,5 @@ MAPPER = MapperType(
     LowRankKVMapper,
     fit=fit_low_rank,
     linear=False,
-    kwargs=("rank",),
     description="each ridge map reduced to rank `rank` (two factors): fewer FLOPs and bytes",
 )

@@ -29,15 +29,17 @@ import time
 import torch
 from torch import nn
 
-from ..attention import attend, decoder_layers, target_queries
-from ..cache import cache_rows
+from ..attention import attend, target_queries
+from ..constants import MLP_LOSSES
+from ..content_rows import cache_rows
+from ..devices import decoder_layers
 from ..errors import MapperError
 from ..rope import rotary_cos_sin, rotate_half
 from .base import KVMapper, MapperType
 
 logger = logging.getLogger(__name__)
 
-LOSSES = ("mse", "attention")
+LOSSES = MLP_LOSSES  # named in `constants`, where the command line reads them
 
 
 class ResidualMLP(nn.Module):
@@ -368,6 +370,5 @@ MAPPER = MapperType(
     MLPKVMapper,
     fit=train_mlp_mapper,
     linear=False,
-    kwargs=("hidden", "loss", "epochs", "lr", "steps_per_batch", "weight_decay", "seed"),
     description="a residual MLP per target layer on top of the ridge map, trained on the calibration windows",
 )

@@ -25,15 +25,15 @@ import time
 import torch
 from torch import nn
 
-from ..attention import decoder_layers, target_queries
-from ..cache import cache_rows
+from ..attention import target_queries
+from ..constants import WEIGHTINGS
+from ..content_rows import cache_rows
+from ..devices import decoder_layers
 from ..errors import MapperError
 from ..statistics.weighted import WeightedKVStatistics
 from .base import KVMapper, MapperType
 
 logger = logging.getLogger(__name__)
-
-WEIGHTINGS = ("attention", "uniform")
 
 
 def attention_mass(queries: torch.Tensor, keys: torch.Tensor, scaling: float) -> torch.Tensor:
@@ -148,6 +148,5 @@ MAPPER = MapperType(
     KVMapper,
     fit=fit_attention_weighted,
     linear=True,
-    kwargs=("weighting",),
     description="ridge refitted with the target's attention mass as token weights",
 )

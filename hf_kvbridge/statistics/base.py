@@ -20,7 +20,7 @@ import logging
 import torch
 
 from ..errors import StatisticsError
-from ..layout import same_head_sources
+from ..heads import map_groups
 
 logger = logging.getLogger(__name__)
 
@@ -33,38 +33,24 @@ def centred_residual_sums(n, mx, my, cxx, cxy, vy, weight, bias) -> tuple[torch.
 
     Args:
         n (`int` or `float`): the token count. mx (`(p,)`), my (`(q,)`), cxx (`(p, p)`), cxy (`(p, q)`), vy (`(q,)`):
-            float64 moments. weight (`(p, q)`), bias (`(q,)`).
+            float64 moments. weight (`(p, q)`), bias (`(q,)`). Any leading batch dimensions broadcast (a batch of
+            maps).
     """
     w, b = weight.to(torch.float64), bias.to(torch.float64)
-    offset = my - mx @ w - b  # (q,)
-    explained = ((cxx @ w) * w).sum(0) - 2 * (cxy * w).sum(0)  # (q,)
+    offset = my - (mx.unsqueeze(-2) @ w).squeeze(-2) - b  # (..., q)
+    explained = ((cxx @ w) * w).sum(-2) - 2 * (cxy * w).sum(-2)  # (..., q)
     sse = n * (vy + explained + offset * offset)
     return sse, n * vy
 
 
-def map_groups(stats, layers: list[int], target: int, head_mode: str, kv_mode: str = "joint"):
-    """Feature indices `[(x_idx, y_idx)]` of each independent map ("group") of target layer `target` fitted from source
-    `layers`, in the mapper's group order: one (`all_heads`, `joint`), one per target head (`same_head`: its source
-    heads, see `layout.same_head_sources`), keys then values (`all_heads`, `separate`: K from K, V from V), or per K/V
-    then per target head (`same_head`, `separate`).
-
-    Args:
-        stats: anything with `source_index`, `target_index` and the two head layouts ([`KVStatistics`],
-            [`BlockStatistics`]).
-    """
-    if head_mode == "all_heads":
-        heads = [(None, None)]
-    else:
-        heads = list(enumerate(same_head_sources(stats.source_kv_heads, stats.target_kv_heads)))
-    ds, dt = stats.source_head_dim, stats.target_head_dim
-    groups = []
-    for kv in [None] if kv_mode == "joint" else [0, 1]:
-        for head, sources in heads:
-            x_idx, y_idx = stats.source_index(layers, sources), stats.target_index(target, head)
-            if kv is not None:  # each (layer, head) chunk of 2d features is the key then the value
-                x_idx, y_idx = x_idx.view(-1, 2, ds)[:, kv].reshape(-1), y_idx.view(-1, 2, dt)[:, kv].reshape(-1)
-            groups.append((x_idx, y_idx))
-    return groups
+def has_rows(x: torch.Tensor, y: torch.Tensor, features: int, targets: int, what: str = "statistics") -> bool:
+    """Whether `x` `(N, F)` and `y` `(N, G)` hold any rows, after checking that they fit statistics of `features`
+    source and `targets` target features (a `StatisticsError` naming both shapes otherwise)."""
+    if x.shape[0] != y.shape[0] or x.shape[1] != features or y.shape[1] != targets:
+        raise StatisticsError(
+            f"rows of shape {tuple(x.shape)} / {tuple(y.shape)} do not fit {what} with F={features}, G={targets}"
+        )
+    return x.shape[0] > 0
 
 
 def head_index(row: int, head_dim: int, layers: list[int], heads, device) -> torch.Tensor:
@@ -95,6 +81,11 @@ class GlobalLayerIndex:
     def residual_sums(self, x_idx, y_idx, weight: torch.Tensor, bias: torch.Tensor):
         """Per output column, `(Σ(y − xW − b)², Σ(y − ȳ)²)` over these tokens (see `centred_residual_sums`)."""
         return centred_residual_sums(self.count, *self.moments(x_idx, y_idx), weight, bias)
+
+    def map_groups(self, layers: list[int], target: int, head_mode: str, kv_mode: str = "joint"):
+        """`heads.map_groups` of these statistics: the feature indices of each independent map of target layer
+        `target` fitted from source `layers`, in the mapper's group order."""
+        return map_groups(self, layers, target, head_mode, kv_mode)
 
 
 CHUNK_BYTES = 2**28  # float64 bytes of the rows one statistics update works on at a time

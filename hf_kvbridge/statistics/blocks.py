@@ -11,8 +11,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ..errors import StatisticsError
-from ..layout import HeadLayouts, target_heads_of
-from .base import CentredSums, GlobalLayerIndex, chan_merge, chunk_rows
+from ..heads import HeadLayouts, target_heads_of
+from .base import CentredSums, GlobalLayerIndex, chan_merge, chunk_rows, has_rows
 
 logger = logging.getLogger(__name__)
 
@@ -263,12 +263,7 @@ class BlockStatistics(GlobalLayerIndex, CentredSums, HeadLayouts):
     def update(self, x: torch.Tensor, y: torch.Tensor) -> None:
         """Adds full rows `x` `(N, F)` and `y` `(N, G)` (only the kept layers' columns are summed), in chunks of
         `_chunk_rows` rows (exact: Chan's merge)."""
-        if x.shape[0] != y.shape[0] or x.shape[1] != self._x_group.numel() or y.shape[1] != self._y_group.numel():
-            raise StatisticsError(
-                f"rows of shape {tuple(x.shape)} / {tuple(y.shape)} do not fit statistics with "
-                f"F={self._x_group.numel()}, G={self._y_group.numel()}"
-            )
-        if x.shape[0] == 0:
+        if not has_rows(x, y, self._x_group.numel(), self._y_group.numel()):
             return
         if x.shape[0] > (chunk := chunk_rows(self._x_cols.numel() + self._y_cols.numel())):
             for start in range(0, x.shape[0], chunk):

@@ -9,8 +9,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ..errors import StatisticsError
-from ..layout import HeadLayouts, target_heads_of
-from .base import GlobalLayerIndex, centred_residual_sums, chan_merge
+from ..heads import HeadLayouts, target_heads_of
+from .base import GlobalLayerIndex, centred_residual_sums, chan_merge, has_rows
 
 logger = logging.getLogger(__name__)
 
@@ -67,12 +67,7 @@ class KVStatistics(GlobalLayerIndex, HeadLayouts):
     @torch.no_grad()
     def update(self, x: torch.Tensor, y: torch.Tensor) -> None:
         """Adds `x` `(N, F)` and `y` `(N, G)` (N tokens) to the sums."""
-        if x.shape[0] != y.shape[0] or x.shape[1] != self.x_sum.numel() or y.shape[1] != self.y_sum.numel():
-            raise StatisticsError(
-                f"rows of shape {tuple(x.shape)} / {tuple(y.shape)} do not fit statistics with F={self.x_sum.numel()}"
-                f", G={self.y_sum.numel()}"
-            )
-        if x.shape[0] == 0:
+        if not has_rows(x, y, self.x_sum.numel(), self.y_sum.numel()):
             return
         x = x.to(self.xx.device, torch.float64)
         y = y.to(self.xx.device, torch.float64)

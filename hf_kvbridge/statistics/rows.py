@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 
 from ..errors import StatisticsError
-from ..layout import HeadLayouts
-from .base import GlobalLayerIndex, head_index
+from ..heads import HeadLayouts
+from .base import GlobalLayerIndex, has_rows, head_index
 
 
 class RowStatistics(GlobalLayerIndex, HeadLayouts):
@@ -81,12 +81,7 @@ class RowStatistics(GlobalLayerIndex, HeadLayouts):
     @torch.no_grad()
     def update(self, x: torch.Tensor, y: torch.Tensor) -> None:
         """Keeps the kept layers' columns of full rows `x` `(N, F)` and `y` `(N, G)`."""
-        if x.shape[0] != y.shape[0] or x.shape[1] != self._x_pos.numel() or y.shape[1] != self._y_pos.numel():
-            raise StatisticsError(
-                f"rows of shape {tuple(x.shape)} / {tuple(y.shape)} do not fit statistics with "
-                f"F={self._x_pos.numel()}, G={self._y_pos.numel()}"
-            )
-        if x.shape[0] == 0:
+        if not has_rows(x, y, self._x_pos.numel(), self._y_pos.numel()):
             return
         self._x.append(x.to(self.device)[:, self._x_cols].to(self.dtype))
         self._y.append(y.to(self.device)[:, self._y_cols].to(self.dtype))

@@ -11,8 +11,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ..errors import StatisticsError
-from ..layout import HeadLayouts, target_heads_of
-from .base import CentredSums, chan_merge, chunk_rows
+from ..heads import HeadLayouts, target_heads_of
+from ..solve import ridge_from_moments
+from .base import CentredSums, centred_residual_sums, chan_merge, chunk_rows, has_rows
 
 logger = logging.getLogger(__name__)
 
@@ -124,12 +125,7 @@ class SelectionStatistics(CentredSums, HeadLayouts):
     @torch.no_grad()
     def update(self, x: torch.Tensor, y: torch.Tensor) -> None:
         """Adds full rows `x` `(N, F)` and `y` `(N, G)`, in chunks of `_chunk_rows` rows (exact: Chan's merge)."""
-        if x.shape[0] != y.shape[0] or x.shape[1] != self.x_mean.numel() or y.shape[1] != self.yy.numel():
-            raise StatisticsError(
-                f"rows of shape {tuple(x.shape)} / {tuple(y.shape)} do not fit selection statistics with "
-                f"F={self.x_mean.numel()}, G={self.yy.numel()}"
-            )
-        if x.shape[0] == 0:
+        if not has_rows(x, y, self.x_mean.numel(), self.yy.numel(), "selection statistics"):
             return
         if x.shape[0] > (chunk := chunk_rows(x.shape[1] + y.shape[1])):
             for start in range(0, x.shape[0], chunk):
@@ -169,23 +165,18 @@ class SelectionStatistics(CentredSums, HeadLayouts):
         sst = torch.zeros(b, 1, lt, dtype=torch.float64)
         for i in range(b):  # one (head, K/V) block at a time: float64 copies of 1/(2H) of the cross sums
             cxx = self.xx[i].to(torch.float64) / n  # (L_s, d, d)
-            var = torch.diagonal(cxx, dim1=-2, dim2=-1)  # (L_s, d)
-            floor = 1e-6 * var.mean(-1, keepdim=True).clamp_min(torch.finfo(torch.float64).tiny)
-            system = cxx + torch.diag_embed(ridge_lambda * torch.maximum(var, floor))
             cxy = (self.xy[i].to(torch.float64) / n).view(ls, d, lt * e)  # (L_s, d, L_t·e)
-            weight = torch.linalg.lstsq(system, cxy).solution if ridge_lambda == 0 else torch.linalg.solve(system, cxy)
-            del cxy
-            mx, my = self.x_mean[i].view(ls, 1, d), self.y_mean[i].view(1, lt * e)
-            bias = my - (mx @ weight).squeeze(-2)  # (L_s, L_t·e)
-            # held-out residuals from held-out centred moments (see `centred_residual_sums`)
+            mx, my = self.x_mean[i].view(ls, d), self.y_mean[i].view(1, lt * e)
+            weight, bias = ridge_from_moments(cxx, cxy, mx, my, ridge_lambda)  # (L_s, d, L_t·e), (L_s, L_t·e)
+            del cxx, cxy
+            # held-out residuals from held-out centred moments
             hxx = heldout.xx[i].to(torch.float64) / m  # (L_s, d, d)
             hxy = (heldout.xy[i].to(torch.float64) / m).view(ls, d, lt * e)
             hvy = (heldout.yy[i] / m).view(1, lt * e)
-            hmx, hmy = heldout.x_mean[i].view(ls, 1, d), heldout.y_mean[i].view(1, lt * e)
-            offset = hmy - (hmx @ weight).squeeze(-2) - bias  # (L_s, L_t·e)
-            explained = ((hxx @ weight) * weight).sum(-2) - 2 * (hxy * weight).sum(-2)  # (L_s, L_t·e)
-            sse[i] = (hvy + explained + offset * offset).view(ls, lt, e).sum(-1)
-            sst[i] = hvy.view(1, lt, e).sum(-1)
+            hmx, hmy = heldout.x_mean[i].view(ls, d), heldout.y_mean[i].view(1, lt * e)
+            block_sse, block_sst = centred_residual_sums(m, hmx, hmy, hxx, hxy, hvy, weight, bias)  # (L_s, L_t·e)
+            sse[i] = block_sse.view(ls, lt, e).sum(-1)
+            sst[i] = block_sst.view(1, lt, e).sum(-1)
         sse, sst = sse.view(self.groups, 2, ls, lt), sst.view(self.groups, 2, 1, lt)
         r2 = (1 - sse / sst.clamp_min(torch.finfo(torch.float64).tiny)).mean(0)  # (2, L_s, L_t): mean over heads
         return r2.permute(2, 1, 0).contiguous()  # (L_t, L_s, 2)

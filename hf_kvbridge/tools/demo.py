@@ -11,7 +11,6 @@ against the target's re-prefill; a greedy generation of target and bridge side b
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import math
@@ -30,24 +29,9 @@ from ..controls import CONTROL_MARGIN
 from ..errors import ContextLengthError
 from ..selection import mapper_r2, select_layers
 from .bench.mapper import mapper_vs_prefill
+from .defaults import DEMO_SETTINGS, DEMO_SIZES, DEMO_SOURCE, DEMO_TARGET
 from .diagnostics import plot_layer_bars, plot_r2_heatmap, plot_r2_vs_k
 from .evaluation import build_cloze, cloze_accuracy, continuation_nll, heldout_windows
-
-# (full, quick) sizes; quick is for tests and smoke runs
-SIZES = {
-    "num_sequences": (128, 24),
-    "seq_len": (512, 256),
-    "nll_windows": (64, 12),
-    "nll_context": (384, 128),
-    "nll_continuation": (128, 32),
-    "cloze_items": (120, 16),
-    "cloze_context": (256, 96),
-    "cloze_continuation": (24, 16),
-    "timing_context": (1024, 256),
-    "timing_repeats": (5, 2),
-    "cosine_windows": (8, 4),
-}
-
 
 # a machine whose other processes keep more than this share of the CPUs busy gives timings that do not compare
 BUSY_WARNING_SHARE = 0.25
@@ -135,7 +119,7 @@ class Stages:
         return result
 
 
-def _threads(count: int) -> str:
+def describe_threads(count: int) -> str:
     return f"{count} torch thread" + ("" if count == 1 else "s")
 
 
@@ -165,38 +149,62 @@ def stage_costs(size: dict, num_sequences: int, seq_len: int) -> dict[str, float
     }
 
 
-def measure(args: argparse.Namespace, stages: Stages | None = None) -> dict:
-    """Runs every measurement of the demo and returns the results (also used by the tests).
+def measure(
+    source: str = DEMO_SOURCE,
+    target: str = DEMO_TARGET,
+    *,
+    quick: bool = False,
+    top_k: int | None = DEMO_SETTINGS["top_k"],
+    ridge_lambda: float | str = DEMO_SETTINGS["ridge_lambda"],
+    head_mode: str = DEMO_SETTINGS["head_mode"],
+    num_sequences: int | None = None,
+    seq_len: int | None = None,
+    seed: int = DEMO_SETTINGS["seed"],
+    stages: Stages | None = None,
+) -> dict:
+    """Calibrates a bridge of two pocket models and runs every measurement of the demo; returns the results.
 
-    `stages` (a [`Stages`]) prints progress with an ETA; by default one is made that prints to stdout.
+    Args:
+        source, target (`str`): pocket model names (`hf_kvbridge.pocket.POCKET_MODELS`).
+        quick (`bool`): the small sizes of `tools.defaults.DEMO_SIZES` (tests and smoke runs).
+        top_k, ridge_lambda, head_mode, seed: calibration settings (`hf_kvbridge.CalibrationSettings`).
+        num_sequences (`int`, *optional*), seq_len (`int`, *optional*): calibration windows (default: the sizes').
+        stages ([`Stages`], *optional*): prints progress with an ETA; by default one that prints to stdout.
+
+    Example:
+
+    ```python
+    >>> results = measure("pocket-s", "pocket-l", quick=True)  # doctest: +SKIP
+    >>> print(report(results))  # doctest: +SKIP
+    ```
     """
-    size = {key: value[1] if args.quick else value[0] for key, value in SIZES.items()}
-    torch.manual_seed(args.seed)
-    tokenizer = AutoTokenizer.from_pretrained(pocket.model_path(args.target))
-    source, target = pocket.load_model(args.source), pocket.load_model(args.target)
-    num_sequences = args.num_sequences or size["num_sequences"]
-    seq_len = args.seq_len or size["seq_len"]
-    limit = min(source.config.max_position_embeddings, target.config.max_position_embeddings)
+    size = {key: value[1] if quick else value[0] for key, value in DEMO_SIZES.items()}
+    torch.manual_seed(seed)
+    tokenizer = AutoTokenizer.from_pretrained(pocket.model_path(target))
+    source_model, target_model = pocket.load_model(source), pocket.load_model(target)
+    num_sequences = num_sequences or size["num_sequences"]
+    seq_len = seq_len or size["seq_len"]
+    limit = min(source_model.config.max_position_embeddings, target_model.config.max_position_embeddings)
     for what, length in (("--seq-len", seq_len), ("the timing context", size["timing_context"])):
-        ContextLengthError.check(what, length, limit, f"pass a smaller --seq-len ({args.source}/{args.target})")
+        ContextLengthError.check(what, length, limit, f"pass a smaller --seq-len ({source}/{target})")
     stages = stages or Stages(stage_costs(size, num_sequences, seq_len))
 
     started = time.perf_counter()
     bridge = stages.run(
         "calibration",
-        f"calibrating {args.source} → {args.target} on {num_sequences} × {seq_len} tokens",
+        f"calibrating {source} → {target} on {num_sequences} × {seq_len} tokens",
         lambda: calibrate(
-            source,
-            target,
+            source_model,
+            target_model,
             pocket.load_texts("calibration"),
             tokenizer=tokenizer,
             num_sequences=num_sequences,
             seq_len=seq_len,
-            top_k=args.top_k,
-            ridge_lambda=args.ridge_lambda,
-            head_mode=args.head_mode,
-            seed=args.seed,
-            progress=not args.quick,
+            top_k=top_k,
+            ridge_lambda=ridge_lambda,
+            head_mode=head_mode,
+            seed=seed,
+            progress=not quick,
             keep_statistics=True,  # the top-k sweep below re-fits from them
         ),
     )
@@ -209,7 +217,7 @@ def measure(args: argparse.Namespace, stages: Stages | None = None) -> dict:
         for k in (1, 2, 4, 6, None):
             if k is not None and k >= num_source:
                 continue
-            fitted = mapper_r2(train, heldout, select_layers(bridge.layer_r2, k), args.head_mode, args.ridge_lambda)
+            fitted = mapper_r2(train, heldout, select_layers(bridge.layer_r2, k), head_mode, ridge_lambda)
             r2_by_k["all" if k is None else str(k)] = {
                 "k": float(fitted[:, 0].mean()),
                 "v": float(fitted[:, 1].mean()),
@@ -239,12 +247,13 @@ def measure(args: argparse.Namespace, stages: Stages | None = None) -> dict:
     cloze = stages.run(
         "cloze",
         f"cloze accuracy on {size['cloze_items']} held-out items × 4 choices",
-        lambda: cloze_accuracy(bridge, build_cloze(cloze_windows, size["cloze_context"], seed=args.seed)),
+        lambda: cloze_accuracy(bridge, build_cloze(cloze_windows, size["cloze_context"], seed=seed)),
     )
     timing_ids = heldout_windows(heldout_texts, tokenizer, size["timing_context"], 1)
     timing = stages.run(
         "timing",
-        f"timing mapper vs target re-prefill at {size['timing_context']} tokens ({_threads(torch.get_num_threads())})",
+        f"timing mapper vs target re-prefill at {size['timing_context']} tokens "
+        f"({describe_threads(torch.get_num_threads())})",
         lambda: mapper_vs_prefill(bridge, timing_ids, repeats=size["timing_repeats"]),
     )
 
@@ -254,7 +263,7 @@ def measure(args: argparse.Namespace, stages: Stages | None = None) -> dict:
         "generation",
         "greedy generation, target and bridge",
         lambda: (
-            target.generate(prompt, attention_mask=torch.ones_like(prompt), **gen_kw)[0, 48:],
+            target_model.generate(prompt, attention_mask=torch.ones_like(prompt), **gen_kw)[0, 48:],
             bridge.generate(prompt, **gen_kw)[0, 48:],
         ),
     )
@@ -266,15 +275,15 @@ def measure(args: argparse.Namespace, stages: Stages | None = None) -> dict:
         "new_tokens": int(target_tokens.numel()),
     }
     return {
-        "pair": {"source": args.source, "target": args.target},
+        "pair": {"source": source, "target": target},
         "settings": {
-            "top_k": args.top_k,
-            "ridge_lambda": args.ridge_lambda,
-            "head_mode": args.head_mode,
+            "top_k": top_k,
+            "ridge_lambda": ridge_lambda,
+            "head_mode": head_mode,
             "num_sequences": num_sequences,
             "seq_len": seq_len,
-            "seed": args.seed,
-            "quick": args.quick,
+            "seed": seed,
+            "quick": quick,
         },
         "calibration_seconds": calibration_s,
         "selected_layers": bridge.config.selected_layers,
@@ -344,7 +353,8 @@ def report(results: dict) -> str:
         f"latency at {timing['context_tokens']} context tokens (median of {timing['repeats']}): target "
         f"re-prefill {timing['target_prefill_s'] * 1e3:.1f} ms, mapper {timing['mapper_s'] * 1e3:.1f} ms, "
         f"source prefill {timing['source_prefill_s'] * 1e3:.1f} ms → warm speedup "
-        f"{timing['warm_speedup']:.2f}×, cold {timing['cold_speedup']:.2f}× ({_threads(results['torch_threads'])}"
+        f"{timing['warm_speedup']:.2f}×, cold {timing['cold_speedup']:.2f}× "
+        f"({describe_threads(results['torch_threads'])}"
         + (", measured on a busy machine" if results.get("machine_busy") else "")
         + ")",
     ]
@@ -446,30 +456,3 @@ def write_outputs(results: dict, out: Path) -> None:
         out / "r2_heatmap.png",
         f"{pair}: R² of each target layer's K/V from one source layer alone (held-out calibration windows)",
     )
-
-
-def run_demo(args: argparse.Namespace) -> int:
-    if args.source == args.target:
-        print("error: --source and --target must differ; pick two pocket models", file=sys.stderr)
-        return 2
-    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    out = Path(args.out) / f"{args.source}-to-{args.target}-{stamp}"  # a new folder: earlier runs are kept
-    busy = busy_share()
-    threads, why = choose_threads(getattr(args, "threads", None), busy)
-    torch.set_num_threads(threads)
-    print(f"using {_threads(threads)} ({why})")
-    machine_busy = busy is not None and busy >= BUSY_WARNING_SHARE
-    if machine_busy:
-        print(
-            f"warning: other processes keep {busy:.0%} of the CPUs busy; timings will be slower and noisier than on "
-            "a quiet machine (quality figures are not affected)",
-            file=sys.stderr,
-        )
-    results = measure(args)
-    results["machine_busy"] = machine_busy
-    results["cpu_busy_share_before"] = busy
-    print()
-    print(report(results))
-    write_outputs(results, out)
-    print(f"\nwrote {out}/results.json, r2_vs_k.png, attention_cosine.png, r2_heatmap.png")
-    return 0

@@ -17,7 +17,7 @@ from ..cache import output_cache
 from ..errors import ConfigurationError
 
 
-def _pyplot():
+def pyplot():
     """matplotlib's pyplot on the non-interactive Agg backend (plots are written to files, never shown)."""
     import matplotlib
 
@@ -27,7 +27,7 @@ def _pyplot():
     return plt
 
 
-def _title(ax, title: str, width: int = 60) -> None:
+def wrapped_title(ax, title: str, width: int = 60) -> None:
     """A title wrapped to the figure, so that nothing is clipped."""
     import textwrap
 
@@ -36,7 +36,7 @@ def _title(ax, title: str, width: int = 60) -> None:
 
 def plot_r2_vs_k(table: dict, path, title: str = "held-out R² of the mapper") -> None:
     """Line plot of held-out R² (K and V) against the number of source layers, on the full 0–1 scale."""
-    plt = _pyplot()
+    plt = pyplot()
     labels = list(table)
     fig, ax = plt.subplots(figsize=(5.5, 3.8), layout="constrained")
     for key, marker, name in (("k", "o", "K"), ("v", "s", "V")):
@@ -57,14 +57,14 @@ def plot_r2_vs_k(table: dict, path, title: str = "held-out R² of the mapper") -
     ax.set_ylim(0.0, 1.05)
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right")
-    _title(ax, title)
+    wrapped_title(ax, title)
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
 
 def plot_layer_bars(values, path, ylabel: str, title: str) -> None:
     """Bar chart of one number per target layer (e.g. attention-output cosine), on a scale from 0 (or below) to 1."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(5.5, 3.8), layout="constrained")
     ax.bar(range(len(values)), values, color="tab:blue")
     for i, value in enumerate(values):
@@ -72,7 +72,7 @@ def plot_layer_bars(values, path, ylabel: str, title: str) -> None:
     ax.set_xlabel("target layer")
     ax.set_ylabel(ylabel)
     ax.set_xticks(range(len(values)))
-    _title(ax, title)
+    wrapped_title(ax, title)
     low = min(values)
     ax.set_ylim(min(0.0, low - 0.05), 1.05)
     ax.grid(alpha=0.3, axis="y")
@@ -87,7 +87,7 @@ def plot_r2_heatmap(
     colorbar_label: str = "held-out R² (mean of K and V)",
 ) -> None:
     """Heatmap of the source→target single-layer R² matrix `(target_layers, source_layers)`."""
-    plt = _pyplot()
+    plt = pyplot()
     matrix = r2.mean(-1).numpy() if r2.dim() == 3 else r2.numpy()
     fig, ax = plt.subplots(
         figsize=(max(5.5, 2.5 + 0.6 * matrix.shape[1]), max(3.8, 1.6 + 0.45 * matrix.shape[0])), layout="constrained"
@@ -99,7 +99,7 @@ def plot_r2_heatmap(
     ax.set_yticks(range(matrix.shape[0]))
     for (i, j), value in np.ndenumerate(matrix):
         ax.text(j, i, f"{value:.2f}", ha="center", va="center", color="white" if value < 0.6 else "black", fontsize=7)
-    _title(ax, title, width=50)
+    wrapped_title(ax, title, width=50)
     fig.colorbar(image, ax=ax, label=colorbar_label)
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -198,8 +198,8 @@ def inspect_bridge(
     >>> report["attention_cosine"]  # one per target layer  # doctest: +SKIP
     ```
     """
-    from ..cache import cache_rows
     from ..calibration.checks import split_heldout
+    from ..content_rows import cache_rows
     from ..mappers.mlp import rows_from_layout, source_rows_in_layout
     from ..selection import single_layer_r2
     from ..statistics.dense import KVStatistics
@@ -314,7 +314,7 @@ def inspect_bridge(
 def plot_layer_series(series: dict, path, ylabel: str, title: str, ylim: tuple[float, float] | None = None) -> None:
     """Grouped bars, one group per target layer and one bar per named series (e.g. `{"K": [...], "V": [...]}`);
     the legend sits below the axes, so it covers no bar."""
-    plt = _pyplot()
+    plt = pyplot()
     names = list(series)
     layers = len(series[names[0]])
     width = 0.8 / len(names)
@@ -323,7 +323,7 @@ def plot_layer_series(series: dict, path, ylabel: str, title: str, ylim: tuple[f
         ax.bar(np.arange(layers) + (i - (len(names) - 1) / 2) * width, series[name], width, label=name)
     ax.set_xlabel("target layer")
     ax.set_ylabel(ylabel)
-    _title(ax, title)
+    wrapped_title(ax, title)
     ax.set_xticks(range(layers))
     if ylim is not None:
         ax.set_ylim(*ylim)

@@ -20,13 +20,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..attention import decoder_layers
 from ..cache import CACHE_KWARG
 from ..configuration import check_recompute_layers
-from ..devices import layer_devices
+from ..devices import decoder_layers, layer_devices
 from ..errors import ConfigurationError, KVLayoutError
-from ..layout import KVLayout
-from ..mappers.residual import ResidualMapper
 from ..rope import rotary_module
 
 
@@ -36,13 +33,15 @@ def calibrated_layers(config) -> list[int]:
     return [int(n) for n in residual.get("recompute_layers", [])]
 
 
-def check_layer_recompute(config, layout: KVLayout, residual_mapper: ResidualMapper | None = None) -> int:
+def check_layer_recompute(config, layout, residual_mapper=None) -> int:
     """The `config.recompute_layers` a bridge with target `layout` and `residual_mapper` can run, or a clear error.
 
     Refuses a value outside `0 … L_t` or one its residual map was not calibrated for (naming those it was:
     `configuration.check_recompute_layers`), a residual map missing from a bridge that needs one, and sliding-window
     layers among the top `n` (their cache keeps only a window, which the top layers' own pass would have to
-    reproduce; recompute them with `hold_back` instead).
+    reproduce; recompute them with `hold_back` instead). `layout` is the target's [`KVLayout`], `residual_mapper` the
+    bridge's
+    [`~mappers.residual.ResidualMapper`], or `None`.
     """
     n = check_recompute_layers(
         getattr(config, "recompute_layers", 0) or 0, layout.num_layers, calibrated_layers(config)

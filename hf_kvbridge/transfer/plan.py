@@ -11,11 +11,19 @@ session's sync (`session.HandoffSession.sync`), so all of them treat the same pr
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
-from .token_recompute import recompute_count
+from ..errors import ConfigurationError
 
 SOURCE_PREFILL = "source_prefill"
+
+
+def recompute_count(fraction: float, length: int) -> int:
+    """How many of `length` context tokens a `fraction` recomputes (rounded up, so any fraction > 0 recomputes one)."""
+    if not 0.0 <= fraction <= 1.0:
+        raise ConfigurationError(f"recompute_fraction must lie in [0, 1], got {fraction}")
+    return min(length, math.ceil(fraction * length))
 
 
 @dataclass(frozen=True)

@@ -20,20 +20,14 @@ import torch
 from torch import nn
 from transformers import Cache, DynamicCache
 
-from ..attention import decoder_layers
 from ..cache import cache_kwargs, output_cache
-from ..devices import execution_device
+from ..devices import decoder_layers, execution_device
 from ..errors import InvalidInputError
+from ..masks import positions_from_mask
 from .plan import TransferPlan
 from .steps import MapFunction, ResidualFunction, SourceKV, TargetSide, TransferDecision, TransferSteps
 
 logger = logging.getLogger(__name__)
-
-
-def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
-    """Per-row positions of a (left-)padded batch, as `generate` computes them: `cumsum(mask) - 1`, pads at 0."""
-    positions = attention_mask.long().cumsum(-1) - 1
-    return positions.masked_fill(attention_mask == 0, 0)
 
 
 def _replace_rows(cache: Cache, own: Cache, rows: torch.Tensor) -> None:
@@ -51,11 +45,6 @@ class TransferResult:
     cache: DynamicCache
     source_outputs: Any
     decision: TransferDecision
-
-
-def left_padding(attention_mask: torch.Tensor) -> torch.Tensor:
-    """Per-row left padding of a `(batch, seq)` mask: `(batch,)`."""
-    return (attention_mask.cumsum(-1) == 0).sum(-1)
 
 
 @torch.no_grad()

@@ -14,8 +14,8 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
-from ..attention import decoder_layers
 from ..cache import cache_kwargs, output_cache, slice_cache
+from ..devices import decoder_layers
 from ..errors import InvalidInputError
 from .plan import plan_from_config
 from .steps import SourceKV, TargetSide, TransferSteps

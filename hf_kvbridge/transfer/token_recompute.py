@@ -18,25 +18,16 @@ the budget on the last tokens, half by the probe score).
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import nn
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from ..attention import decoder_layers
 from ..cache import cache_kwargs, output_cache
 from ..constants import RECOMPUTE_POLICIES
+from ..devices import decoder_layers
 from ..errors import ConfigurationError, InvalidInputError, KVLayoutError
 from ..rope import apply_rotary, rotary_cos_sin
-
-
-def recompute_count(fraction: float, length: int) -> int:
-    """How many of `length` context tokens a `fraction` recomputes (rounded up, so any fraction > 0 recomputes one)."""
-    if not 0.0 <= fraction <= 1.0:
-        raise ConfigurationError(f"recompute_fraction must lie in [0, 1], got {fraction}")
-    return min(length, math.ceil(fraction * length))
 
 
 @torch.no_grad()

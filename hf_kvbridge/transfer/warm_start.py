@@ -26,7 +26,7 @@ from torch import nn
 from transformers import Cache, DynamicCache, StaticCache
 
 from ..cache import CACHE_KWARG, cache_kwargs, cache_layer_kv, slice_cache
-from ..errors import InvalidInputError
+from ..errors import ConfigurationError, InvalidInputError
 from .prefill import positions_from_mask
 
 logger = logging.getLogger(__name__)
@@ -67,6 +67,29 @@ def check_warm_inputs(source_cache: Cache, input_ids: torch.Tensor, attention_ma
     return held
 
 
+def check_warm_plan(plan, hidden_features: bool) -> None:
+    """Refuses a warm start that the bridge's transfer plan (`plan_from_config` of the mapped length) cannot do from a
+    source cache alone: attention sinks, the quality gate's probe, token or layer recompute, and hidden-state features
+    need the source's own forward pass or the target's tokens inside the mapped span."""
+    asked = [
+        name
+        for name, on in (
+            ("sink_tokens", plan.map_start > 0),
+            ("gate_threshold", plan.gate is not None),
+            ("recompute_fraction", plan.recompute_tokens > 0),
+            ("recompute_layers", plan.recompute_layers > 0),
+            ("source_features", hidden_features),
+        )
+        if on
+    ]
+    if asked:
+        raise ConfigurationError(
+            f"generate_from_cache maps the source cache as it is, but this bridge's config asks for "
+            f"{', '.join(asked)}, which need the source's own forward pass or the target's tokens inside the mapped "
+            "span; use bridge.generate (or set them off in bridge.config)"
+        )
+
+
 def new_tokens_wanted(generation_config, prompt_length: int) -> int:
     """`max_new_tokens`, or what `max_length` leaves after the prompt (as `generate` reads them)."""
     if generation_config.max_new_tokens is not None:
@@ -97,7 +120,7 @@ def generate_from_source_cache(
     target: nn.Module,
     map_fn: Callable[..., Cache],
     source_cache: Cache,
-    input_ids: torch.LongTensor,
+    input_ids: torch.LongTensor | None,
     attention_mask: torch.Tensor | None = None,
     *,
     hold_back: int = 1,
@@ -116,7 +139,7 @@ def generate_from_source_cache(
         input_ids (`torch.LongTensor` of shape `(batch, seq)`), attention_mask (*optional*): the whole prompt.
         hold_back (`int`, *optional*, defaults to `1`): prompt tokens the target computes itself at least.
         cache (`Cache`, *optional*): an empty target cache to map into (a `StaticCache` is written in place); a new
-            `DynamicCache` otherwise.
+            `DynamicCache` otherwise (`past_key_values=` is the same).
         cache_implementation (`str`, *optional*): `"static"` maps into a `StaticCache` of the prompt and the new
             tokens (kept in `keep["static_cache"]` and reused while it fits), as `generate(cache_implementation=
             "static")` decodes; `None` or `"dynamic"`: a `DynamicCache`.
@@ -130,6 +153,10 @@ def generate_from_source_cache(
     Returns:
         what `generate` returns: the sequences `(batch, seq + new)`, or a `GenerateDecoderOnlyOutput`.
     """
+    if input_ids is None:
+        raise InvalidInputError("generate_from_cache needs input_ids (or inputs): pass the whole prompt")
+    for spelling in ("cache", "past_key_values"):  # either spelling of generate's cache argument
+        cache = kwargs.pop(spelling) if cache is None and spelling in kwargs else cache
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
     held = check_warm_inputs(source_cache, input_ids, attention_mask)

@@ -5,12 +5,16 @@ stored prefix of its request's tokens, fetches the source K/V and maps it with t
 system, a Redis-protocol server (Redis or Valkey), behind a small interface (`KVStore`) that another backend can
 implement. The pieces, one module each:
 
-- `keys`: chained per-chunk keys over token ids, with the model's identity and the tenant's salt in every key;
+- `keys`: chained per-chunk keys over token ids, with the model's identity and the tenant's salt in every key, and the
+  finer keys of a trailing partial chunk (sub-chunks and a remainder);
 - `format`: the versioned, engine-layout-independent chunk payload (safetensors);
-- `base`, `redis_store`: the store interface, its metrics, and the Redis/Valkey client;
+- `base`, `redis_store`, `redis_cluster`, `backends`: the store interface, its metrics, the clients of one
+  Redis/Valkey server and of a cluster, and `open_store` (the backend a URL names); `deadline`: the deadline of every
+  call and the health of each server;
 - `writer`: asynchronous writes that never block or fail the caller;
 - `prefix`: lookup / save / load of one model's prefixes; `dynamic_cache`: the same for a transformers cache;
-- `local_server`: a local Redis/Valkey server for single-host setups and the tests; `sizing`: bytes per chunk.
+- `local_server`: a local Redis/Valkey server (or cluster) for single-host setups and the tests; `sizing`: bytes per
+  chunk.
 
 Example:
 
@@ -19,11 +23,12 @@ Example:
 >>> server = start_local_server()  # doctest: +SKIP
 >>> store = open_store(server.url)  # doctest: +SKIP
 >>> prefix = PrefixKVStore(store, model_id=model_identity("pocket-s"), chunk_size=64)  # doctest: +SKIP
->>> save_cache(prefix, ids, cache); load_cache(prefix, ids, prefix.stored_tokens(ids))  # doctest: +SKIP
+>>> save_cache(prefix, ids, cache); load_cache(prefix, ids, prefix.lookup(ids).tokens)  # doctest: +SKIP
 ```
 """
 
 from ...errors import StoreFormatError, StoreMissError, StoreUnavailableError
+from .backends import open_store
 from .base import KVStore, StoreMetrics
 from .dynamic_cache import load_cache, save_cache
 from .format import FORMAT_NAME, decode_chunk, encode_chunk, read_metadata
@@ -38,10 +43,12 @@ from .keys import (
     parse_key,
     salt_digest,
     scan_pattern,
+    sequence_keys,
 )
-from .local_server import LocalServer, find_server_binary, start_local_server
-from .prefix import PrefixKVStore
-from .redis_store import STORE_SCHEMES, RedisKVStore, open_store, safe_url
+from .local_server import LocalCluster, LocalServer, find_server_binary, start_local_cluster, start_local_server
+from .prefix import FetchedRun, PrefixKVStore, StoredPrefix
+from .redis_cluster import RedisClusterKVStore
+from .redis_store import CLUSTER_SCHEMES, STORE_SCHEMES, RedisKVStore, safe_url
 from .sizing import chunk_bytes
 from .writer import AsyncWriter
 
@@ -52,10 +59,15 @@ __all__ = [
     "KEY_PREFIX",
     "STORE_SCHEMES",
     "AsyncWriter",
+    "CLUSTER_SCHEMES",
+    "FetchedRun",
     "KVStore",
+    "LocalCluster",
     "LocalServer",
     "PrefixKVStore",
+    "RedisClusterKVStore",
     "RedisKVStore",
+    "StoredPrefix",
     "StoreFormatError",
     "StoreMetrics",
     "StoreMissError",
@@ -63,6 +75,7 @@ __all__ = [
     "as_token_list",
     "chunk_bytes",
     "chunk_keys",
+    "sequence_keys",
     "decode_chunk",
     "encode_chunk",
     "find_server_binary",
@@ -76,5 +89,6 @@ __all__ = [
     "salt_digest",
     "save_cache",
     "scan_pattern",
+    "start_local_cluster",
     "start_local_server",
 ]

@@ -1,8 +1,9 @@
 """The store interface the prefix store and the vLLM connector use, and its metrics.
 
-`KVStore` is what any backend provides: existence of keys (for the longest-prefix lookup), batched writes and
-batched reads of opaque payloads. `RedisKVStore` (a Redis-protocol server: Redis or Valkey) is the one backend
-today; an LMCache backend for GPU deployments can be added beside it by implementing these methods.
+`KVStore` is what any backend provides: the sizes of many keys in one round trip (`probe`, for the longest-prefix
+lookup), batched writes and batched reads of opaque payloads, and deletes. `RedisKVStore` (one Redis-protocol server:
+Redis or Valkey) and `RedisClusterKVStore` (a Redis/Valkey cluster) implement it; an LMCache backend for GPU
+deployments can be added beside them by implementing these methods.
 """
 
 from __future__ import annotations
@@ -20,9 +21,15 @@ class StoreMetrics:
     """Thread-safe counters of one store client (the writer thread and the caller's thread add to them).
 
     Args:
-        lookups (`int`): prefix lookups (`PrefixKVStore.stored_tokens`).
-        lookup_hit_chunks (`int`): chunks those lookups found stored (the leading run).
-        lookup_miss (`int`): lookups that found no chunk.
+        lookups (`int`): prefix lookups (`PrefixKVStore.lookup`).
+        lookup_hit_chunks (`int`): whole chunks those lookups found stored (the leading run).
+        lookup_tail_tokens (`int`): tokens those lookups found after the whole chunks (a partial chunk's entries).
+        lookup_miss (`int`): lookups that found nothing.
+        round_trips (`int`): store calls the caller waited for (a pipeline, or a cluster's requests to its nodes
+            sent together, is one).
+        timeouts (`int`): calls that missed their deadline (a hung server or node).
+        skipped_down (`int`): calls answered at once, without asking, because the server (or the node) failed
+            within the last `cooldown_s` seconds.
         chunks_written (`int`), bytes_written (`int`): payloads the store accepted.
         chunks_read (`int`), bytes_read (`int`): payloads fetched (found ones only).
         write_errors (`int`): chunks lost to a failed write (store down, an encoding error on the writer thread).
@@ -43,7 +50,11 @@ class StoreMetrics:
 
     lookups: int = 0
     lookup_hit_chunks: int = 0
+    lookup_tail_tokens: int = 0
     lookup_miss: int = 0
+    round_trips: int = 0
+    timeouts: int = 0
+    skipped_down: int = 0
     chunks_written: int = 0
     bytes_written: int = 0
     chunks_read: int = 0
@@ -79,11 +90,12 @@ class StoreMetrics:
 class KVStore(ABC):
     """A key → bytes store for K/V chunks, shared by engines (abstract base).
 
-    Implementations: `RedisKVStore` (Redis or Valkey). An LMCache backend (for GPU deployments, where LMCache's
-    vLLM integration runs) can be added as another subclass: the prefix store and the connector only use the
-    methods below. Every implementation raises `StoreUnavailableError` for a failed call (naming the store, without
-    its password, and what to check), counts its own failures and traffic in `metrics`, and is safe to call from
-    several threads.
+    Implementations: `RedisKVStore` (a Redis or Valkey server), `RedisClusterKVStore` (a cluster of them). An LMCache
+    backend (for GPU deployments, where LMCache's vLLM integration runs) can be added as another subclass: the prefix
+    store and the connector only use the methods below. Every implementation raises `StoreUnavailableError` for a
+    failed call (naming the store, without its password, and what to check), counts its own failures and traffic in
+    `metrics`, is safe to call from several threads, and bounds every call by its deadline (`timeout`): a dead or
+    hung server is a `StoreUnavailableError` within it, never a wait.
 
     Example:
 
@@ -95,10 +107,27 @@ class KVStore(ABC):
     """
 
     metrics: StoreMetrics
+    timeout: float
 
     @abstractmethod
     def exists_many(self, keys: list[str]) -> list[bool]:
         """For each key, whether the store holds it (one round trip)."""
+
+    def probe(
+        self, exists: list[str], get: list[str], *, timeout: float | None = None
+    ) -> tuple[list[int], list[bytes | None]]:
+        """For each of `exists` the stored payload's size in bytes (`0`: not stored), and the (small) payloads of
+        `get`, in one round trip, within the deadline (`timeout` seconds; default: the store's lookup deadline, what
+        vLLM's scheduler can wait; the writer thread passes a longer one): what a prefix lookup asks. A backend that
+        keys some of them on a server it cannot reach may answer those as missing instead of failing the whole call.
+        This default asks `exists_many` (a size of 1 stands for "stored, size unknown")."""
+        return [int(present) for present in self.exists_many(exists)], self.get_many(get)
+
+    def warm_up(self) -> None:
+        """Connects now (an engine calls it at start-up, so that its first lookups do not pay for the connections
+        within their deadline); raises `StoreUnavailableError` when the store cannot be reached. This default asks
+        whether one key exists."""
+        self.exists_many(["kvbridge:warm-up"])
 
     def count_prefix(self, keys: list[str]) -> int:
         """How many of the LEADING `keys` the store holds (one round trip): the length of the stored prefix."""
@@ -110,12 +139,16 @@ class KVStore(ABC):
         return count
 
     @abstractmethod
-    def put_many(self, items: dict[str, bytes]) -> None:
-        """Stores every `key → payload` (one round trip; the store's TTL applies)."""
+    def put_many(self, items: dict[str, bytes], *, ttl_s: float | None = None) -> None:
+        """Stores every `key → payload` (one round trip; `ttl_s`, or else the store's TTL, applies)."""
 
     @abstractmethod
     def get_many(self, keys: list[str]) -> list[bytes | None]:
         """The payloads of `keys`, `None` for a key the store does not hold (one round trip)."""
+
+    @abstractmethod
+    def delete_many(self, keys: list[str]) -> int:
+        """Deletes `keys`; returns how many existed."""
 
     @abstractmethod
     def close(self) -> None:

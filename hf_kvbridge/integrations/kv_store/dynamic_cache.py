@@ -14,11 +14,14 @@ from transformers import Cache, DynamicCache
 from ...cache import append_layer, cache_layer_kv, cache_num_layers
 from ...errors import InvalidInputError
 from .keys import as_token_list
-from .prefix import PrefixKVStore
+from .prefix import PrefixKVStore, StoredPrefix
 
 
-def save_cache(prefix_store: PrefixKVStore, token_ids: Any, cache: Cache, *, salt: str | None = None) -> int:
-    """Exports the full chunks of a prefill's cache of `token_ids` (batch 1) to the store.
+def save_cache(
+    prefix_store: PrefixKVStore, token_ids: Any, cache: Cache, *, salt: str | None = None, tail: bool = True
+) -> int:
+    """Exports a prefill's cache of `token_ids` (batch 1) to the store: its whole chunks, and (with `tail`) its
+    trailing partial chunk.
 
     Args:
         prefix_store (`PrefixKVStore`): the model's prefix store.
@@ -26,9 +29,10 @@ def save_cache(prefix_store: PrefixKVStore, token_ids: Any, cache: Cache, *, sal
         cache (`Cache`): the model's cache after its forward pass over `token_ids` (every layer holding every
             token: a plain `DynamicCache()`, not one built from a sliding-window config).
         salt (`str`, *optional*): the tenant's cache salt.
+        tail (`bool`, *optional*, defaults to `True`): store the trailing partial chunk too.
 
     Returns:
-        `int`: chunks queued or written (stored chunks are skipped).
+        `int`: whole chunks queued or written (stored chunks are skipped).
 
     Example:
 
@@ -51,7 +55,7 @@ def save_cache(prefix_store: PrefixKVStore, token_ids: Any, cache: Cache, *, sal
             )
         keys.append(k[0])  # (H, T, d)
         values.append(v[0])
-    return prefix_store.save(tokens, keys, values, start=0, salt=salt)
+    return prefix_store.save(tokens, keys, values, start=0, salt=salt, tail=tail)
 
 
 def load_cache(
@@ -62,28 +66,31 @@ def load_cache(
     salt: str | None = None,
     dtype: torch.dtype | None = None,
     device: torch.device | str | None = None,
+    stored: StoredPrefix | None = None,
 ) -> DynamicCache:
     """A `DynamicCache` (batch 1, layers `(1, H, num_tokens, d)`) of the stored K/V of tokens `[0, num_tokens)`.
 
     Args:
         prefix_store (`PrefixKVStore`): the model's prefix store.
         token_ids (list of `int`, or a tensor): the sequence (at least `num_tokens` tokens).
-        num_tokens (`int`): a multiple of the chunk size, usually `prefix_store.stored_tokens(token_ids)`.
+        num_tokens (`int`): at most what the store holds, usually `prefix_store.lookup(token_ids).tokens`.
         salt (`str`, *optional*): the tenant's cache salt.
         dtype (`torch.dtype`, *optional*): cast to this dtype (default: the stored one).
         device (`torch.device` or `str`, *optional*): move to this device (default: CPU).
+        stored (`StoredPrefix`, *optional*): the lookup of `token_ids` (spares a second one, see
+            `PrefixKVStore.load`).
 
     Raises `StoreMissError` if a chunk vanished since the lookup, `StoreFormatError` for a corrupt one.
 
     Example:
 
     ```python
-    >>> n = prefix.stored_tokens(ids)  # doctest: +SKIP
-    >>> cache = load_cache(prefix, ids, n, dtype=model.dtype)  # doctest: +SKIP
+    >>> found = prefix.lookup(ids)  # doctest: +SKIP
+    >>> n = found.tokens; cache = load_cache(prefix, ids, n, dtype=model.dtype, stored=found)  # doctest: +SKIP
     >>> model(ids[:, n:], past_key_values=cache)  # continues at position n  # doctest: +SKIP
     ```
     """
-    keys, values = prefix_store.load(token_ids, num_tokens, salt=salt)
+    keys, values = prefix_store.load(token_ids, num_tokens, salt=salt, stored=stored)
     cache = DynamicCache()
     for layer, (k, v) in enumerate(zip(keys, values, strict=True)):
         k = k.to(device=device, dtype=dtype).unsqueeze(0)  # (1, H, n, d)

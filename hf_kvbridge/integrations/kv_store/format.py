@@ -1,14 +1,16 @@
-"""The stored chunk: per-token K/V of every layer for `chunk_size` tokens, as one safetensors payload.
+"""The stored chunk: per-token K/V of every layer for `chunk_size` tokens (fewer for a partial chunk's sub-chunks and
+remainder), as one safetensors payload.
 
-A chunk holds, for each layer `l`, tensors `layers.{l}.keys` and `layers.{l}.values` of shape
-`(kv_heads_l, tokens, head_dim_l)`: keys as the model computed them (post-RoPE at the chunk's absolute positions
-`start .. start + tokens - 1`), values as they are. Layers may differ in shape; any dtype (bfloat16 included) is kept
-as it was written. Nothing depends on an engine's paged layout or device: a GPU bfloat16 source and a CPU float32
-target read the same bytes (`decode_chunk` returns CPU tensors in the stored dtype; the caller casts).
+A chunk holds, for each layer `l`, tensors `layers.{l}.keys` and `layers.{l}.values` of shape `(kv_heads_l, tokens,
+head_dim_l)`: keys as the model computed them (post-RoPE at the chunk's absolute positions `start .. start + tokens -
+1`), values as they are; and `token_ids` `(tokens,)` (int64), the tokens they are of, so that a reader checks it takes
+the K/V of its own tokens (`decode_chunk(..., token_ids=...)`). Layers may differ in shape; any dtype (bfloat16
+included) is kept as it was written. Nothing depends on an engine's paged layout or device: a GPU bfloat16 source and a
+CPU float32 target read the same bytes (`decode_chunk` returns CPU tensors in the stored dtype; the caller casts).
 
 The safetensors metadata says what the payload is (`format`, `version`, `model_id`, `start`, `tokens`, `layers`)
-and carries a CRC-32 of the tensor bytes, so `decode_chunk` refuses anything else, or a damaged payload, with a
-`StoreFormatError` instead of handing back wrong K/V.
+and carries a CRC-32 of the tensor bytes (token ids included), so `decode_chunk` refuses anything else, or a damaged
+payload, with a `StoreFormatError` instead of handing back wrong K/V.
 """
 
 from __future__ import annotations
@@ -33,16 +35,27 @@ def _name(layer: int, kind: str) -> str:
     return f"layers.{layer}.{kind}"
 
 
-def _crc32(keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) -> str:
-    """CRC-32 of the tensors' bytes, layer by layer, keys then values (CPU, contiguous tensors)."""
-    crc = 0
+TOKEN_IDS = "token_ids"
+"""The name of a chunk's token-id tensor."""
+
+
+def _crc32(keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor], token_ids: torch.Tensor) -> str:
+    """CRC-32 of the tensors' bytes, layer by layer, keys then values, then the token ids (CPU, contiguous)."""
+    crc = zlib.crc32(token_ids.reshape(-1).view(torch.uint8).numpy())
     for k, v in zip(keys, values, strict=True):
         for tensor in (k, v):
             crc = zlib.crc32(tensor.reshape(-1).view(torch.uint8).numpy(), crc)  # zero-copy view of the bytes
     return f"{crc:08x}"
 
 
-def encode_chunk(keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor], *, model_id: str, start: int) -> bytes:
+def encode_chunk(
+    keys: Sequence[torch.Tensor],
+    values: Sequence[torch.Tensor],
+    *,
+    model_id: str,
+    start: int,
+    token_ids: Sequence[int],
+) -> bytes:
     """Serializes one chunk of K/V (every layer, the same tokens) for the store.
 
     Args:
@@ -51,6 +64,7 @@ def encode_chunk(keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor], *
         values (list of `torch.Tensor`): per layer, the same shape as `keys[l]`.
         model_id (`str`): the identity of the model that computed them (`model_identity`).
         start (`int`): absolute position of the chunk's first token.
+        token_ids (list of `int`): the chunk's tokens (as many as the K/V hold).
 
     Returns:
         `bytes`: a safetensors payload with the chunk's metadata.
@@ -59,8 +73,8 @@ def encode_chunk(keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor], *
 
     ```python
     >>> k = [torch.randn(2, 4, 8)]
-    >>> payload = encode_chunk(k, [torch.randn(2, 4, 8)], model_id="pocket-s", start=0)
-    >>> decode_chunk(payload, model_id="pocket-s", start=0)[0][0].equal(k[0])
+    >>> payload = encode_chunk(k, [torch.randn(2, 4, 8)], model_id="pocket-s", start=0, token_ids=[5, 6, 7, 8])
+    >>> decode_chunk(payload, model_id="pocket-s", start=0, token_ids=[5, 6])[0][0].equal(k[0])
     True
     ```
     """
@@ -70,7 +84,12 @@ def encode_chunk(keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor], *
     if isinstance(start, bool) or not isinstance(start, int) or start < 0:
         raise InvalidInputError(f"start must be the chunk's first absolute position (an int ≥ 0), got {start!r}")
     tokens = keys[0].shape[1] if keys[0].dim() == 3 else -1
-    tensors, seen, cpu_keys, cpu_values = {}, set(), [], []
+    ids = torch.tensor(list(token_ids), dtype=torch.int64)  # (tokens,)
+    if ids.dim() != 1 or len(ids) != tokens:
+        raise InvalidInputError(
+            f"encode_chunk: {len(ids)} token ids for K/V of {tokens} tokens; pass the chunk's tokens"
+        )
+    tensors, seen, cpu_keys, cpu_values = {TOKEN_IDS: ids}, set(), [], []
     for layer, (k, v) in enumerate(zip(keys, values, strict=True)):
         if k.dim() != 3 or k.shape != v.shape or k.shape[1] != tokens:
             raise InvalidInputError(
@@ -94,7 +113,7 @@ def encode_chunk(keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor], *
         "start": str(start),
         "tokens": str(tokens),
         "layers": str(len(keys)),
-        "crc32": _crc32(cpu_keys, cpu_values),
+        "crc32": _crc32(cpu_keys, cpu_values, ids),
     }
     return safetensors_save(tensors, metadata=metadata)
 
@@ -164,7 +183,7 @@ def _check_metadata(metadata: dict[str, str], model_id: str, start: int | None) 
 
 
 def decode_chunk(
-    payload: bytes, *, model_id: str, start: int | None = None
+    payload: bytes, *, model_id: str, start: int | None = None, token_ids: Sequence[int] | None = None
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Reads a chunk written by `encode_chunk`, after checking it is one of `model_id` starting at `start`.
 
@@ -172,13 +191,15 @@ def decode_chunk(
         payload (`bytes`): the stored bytes.
         model_id (`str`): the model identity the caller expects.
         start (`int`, *optional*): the absolute position the caller expects the chunk to start at.
+        token_ids (list of `int`, *optional*): the tokens the caller will take from the chunk: the chunk's first
+            tokens must be these (it may hold more).
 
     Returns:
         `(keys, values)`: per layer, CPU tensors `(kv_heads_l, tokens, head_dim_l)` in the stored dtype.
 
     Raises:
         `StoreFormatError`: not this format, another version, another model or start, truncated or corrupt bytes,
-            shapes that do not agree with the metadata or with each other.
+            shapes that do not agree with the metadata or with each other, tokens other than `token_ids`.
     """
     metadata = read_metadata(payload)
     _, tokens, layers = _check_metadata(metadata, model_id, start)
@@ -186,7 +207,7 @@ def decode_chunk(
         tensors = safetensors_load(bytes(payload))
     except Exception as err:  # safetensors' own error type differs between versions
         raise StoreFormatError(f"the stored chunk's tensors cannot be read ({err}): corrupt bytes") from None
-    expected = {_name(layer, kind) for layer in range(layers) for kind in ("keys", "values")}
+    expected = {TOKEN_IDS} | {_name(layer, kind) for layer in range(layers) for kind in ("keys", "values")}
     if set(tensors) != expected:
         raise StoreFormatError(
             f"the stored chunk's tensors {sorted(tensors)[:4]}... do not match its {layers} layers "
@@ -200,6 +221,18 @@ def decode_chunk(
                 f"the stored chunk's layer {layer} has keys {tuple(k.shape)} and values {tuple(v.shape)}, expected "
                 f"both (kv_heads, {tokens}, head_dim)"
             )
-    if metadata.get("crc32") != _crc32(keys, values):
+    ids = tensors[TOKEN_IDS]
+    if ids.dim() != 1 or len(ids) != tokens or ids.dtype != torch.int64:
+        raise StoreFormatError(
+            f"the stored chunk's token ids are {tuple(ids.shape)} {ids.dtype}, expected ({tokens},)"
+        )
+    if metadata.get("crc32") != _crc32(keys, values, ids):
         raise StoreFormatError("the stored chunk's tensor bytes fail their CRC-32 check: corrupt bytes")
+    if token_ids is not None:
+        wanted = list(token_ids)
+        if len(wanted) > tokens or ids[: len(wanted)].tolist() != wanted:
+            raise StoreFormatError(
+                f"the stored chunk at token {metadata.get('start')} holds other tokens than the {len(wanted)} asked "
+                "for (replaced since the lookup, or another sequence's): not used"
+            )
     return keys, values

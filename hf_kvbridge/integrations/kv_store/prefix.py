@@ -1,22 +1,34 @@
 """`PrefixKVStore`: one model's per-token K/V in a store, by prefix: look up, save, load.
 
-A sequence's K/V is stored as chunks of `chunk_size` tokens under chained keys (`keys.py`), each chunk a
-self-describing payload (`format.py`). A lookup counts the leading chunks stored (one round trip); a save writes the
-chunks it covers that are not stored yet (through an `AsyncWriter`, or at once); a load fetches a prefix's chunks
-in one round trip and checks each before joining them.
+A sequence's K/V is stored as chunks of `chunk_size` tokens under chained keys, and its trailing partial chunk as
+sub-chunks and a remainder chained on from the last whole chunk (`keys.py`); each entry is a self-describing payload
+(`format.py`). A lookup finds the leading whole chunks stored, then the sub-chunks and the longest remainder after
+them (one round trip in the common cases); a save writes the entries it covers that are not stored yet; a load
+fetches a prefix's entries in one round trip and checks each before joining them.
 """
 
 from __future__ import annotations
 
+import logging
+import queue
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from ...errors import InvalidInputError, StoreFormatError, StoreMissError
+from ...errors import InvalidInputError, StoreFormatError, StoreMissError, StoreUnavailableError
 from .base import KVStore
 from .format import decode_chunk, encode_chunk
-from .keys import DEFAULT_CHUNK_SIZE, as_token_list, chunk_keys
+from .keys import DEFAULT_CHUNK_SIZE, SequenceKeys, as_token_list, sequence_keys
 from .writer import AsyncWriter
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_PARTIAL_TTL_S = 3600.0
+"""Seconds a partial chunk's sub-chunks and remainder live in the store by default."""
 
 
 def _check_kv(keys: list[torch.Tensor], values: list[torch.Tensor], what: str) -> int:
@@ -33,6 +45,39 @@ def _check_kv(keys: list[torch.Tensor], values: list[torch.Tensor], what: str) -
     return tokens
 
 
+@dataclass(frozen=True)
+class FetchedRun:
+    """A run of a stored prefix, fetched and checked (`PrefixKVStore.iter_load`): the K/V of tokens `[start, end)`,
+    per layer CPU tensors `(kv_heads, end − start, head_dim)` in the stored dtype, and the seconds its fetch and checks
+    took (on the fetching thread)."""
+
+    start: int
+    end: int
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    seconds: float
+
+
+@dataclass(frozen=True)
+class StoredPrefix:
+    """What the store holds of a sequence (`PrefixKVStore.lookup`): the K/V of its tokens `[0, tokens)`.
+
+    Attributes:
+        tokens (`int`): tokens covered, from token 0.
+        chunks (`int`): leading whole chunks stored.
+        tail_tokens (`int`): tokens covered after them, by sub-chunks and a remainder of a partial chunk.
+        pieces (`tuple`): `(key, first token, end, stored bytes)` of each stored entry of the prefix, in order: the
+            whole chunks, then the partial chunk's sub-chunks and remainder (what a fetch reads).
+        round_trips (`int`): store calls the lookup made.
+    """
+
+    tokens: int = 0
+    chunks: int = 0
+    tail_tokens: int = 0
+    pieces: tuple[tuple[str, int, int, int], ...] = ()
+    round_trips: int = 0
+
+
 class PrefixKVStore:
     """One model's K/V in a `KVStore`, found by the longest stored prefix of a token sequence.
 
@@ -42,6 +87,8 @@ class PrefixKVStore:
         chunk_size (`int`, *optional*, defaults to `DEFAULT_CHUNK_SIZE`): tokens per chunk; writers and readers of
             one model must agree on it (it changes every key).
         writer (`AsyncWriter`, *optional*): writes saves in the background; without one, `save` writes at once.
+        partial_ttl_s (`float`, *optional*, defaults to `3600`): seconds a partial chunk's entries live (`None`: the
+            store's TTL): a conversation that goes on leaves its earlier partial chunks behind, read by nothing else.
 
     Example:
 
@@ -49,41 +96,105 @@ class PrefixKVStore:
     >>> prefix = PrefixKVStore(open_store(url), model_id=model_identity("pocket-s"), chunk_size=64)  # doctest: +SKIP
     >>> prefix.save(ids, keys, values, start=0)  # doctest: +SKIP
     2
-    >>> n = prefix.stored_tokens(ids); k, v = prefix.load(ids, n)  # doctest: +SKIP
+    >>> found = prefix.lookup(ids); k, v = prefix.load(ids, found.tokens, stored=found)  # doctest: +SKIP
     ```
     """
 
     def __init__(
-        self, store: KVStore, *, model_id: str, chunk_size: int = DEFAULT_CHUNK_SIZE, writer: AsyncWriter | None = None
+        self,
+        store: KVStore,
+        *,
+        model_id: str,
+        chunk_size: int = DEFAULT_CHUNK_SIZE,
+        writer: AsyncWriter | None = None,
+        partial_ttl_s: float | None = DEFAULT_PARTIAL_TTL_S,
     ):
-        chunk_keys([], model_id=model_id, chunk_size=chunk_size)  # checks both
+        sequence_keys([], model_id=model_id, chunk_size=chunk_size)  # checks both
         if writer is not None and writer.store is not store:
             raise InvalidInputError("the AsyncWriter given to PrefixKVStore must write to the same store")
+        if partial_ttl_s is not None and not partial_ttl_s > 0:
+            raise InvalidInputError(f"partial_ttl_s must be a number of seconds > 0 or None, got {partial_ttl_s!r}")
         self.store = store
         self.model_id = model_id
         self.chunk_size = chunk_size
         self.writer = writer
+        self.partial_ttl_s = partial_ttl_s
 
     @property
     def metrics(self):
         """The store's `StoreMetrics`."""
         return self.store.metrics
 
+    def sequence(self, token_ids: Any, salt: str | None = None) -> SequenceKeys:
+        """The chain of `token_ids` (see `sequence_keys`)."""
+        return sequence_keys(token_ids, model_id=self.model_id, chunk_size=self.chunk_size, salt=salt)
+
     def keys(self, token_ids: Any, salt: str | None = None) -> list[str]:
         """The keys of the full chunks of `token_ids` (see `chunk_keys`)."""
-        return chunk_keys(token_ids, model_id=self.model_id, chunk_size=self.chunk_size, salt=salt)
+        return self.sequence(token_ids, salt).chunks
+
+    # -- lookup ------------------------------------------------------------------------------------------------------
+    def lookup(self, token_ids: Any, salt: str | None = None) -> StoredPrefix:
+        """The longest stored prefix of `token_ids`: the leading whole chunks the store holds, then the sub-chunks of
+        a partial chunk after them, then the longest remainder (every stored entry is content-addressed: only this
+        sequence's own tokens can match, a branch's never).
+
+        One round trip (`probe`: sizes of the whole chunks' keys, the sub-chunks' and every remainder length's after
+        them), two when the sub-chunks stop early (the remainders after the last one found are probed then), three
+        when the whole chunks stop before the sequence's last one (the sub-chunks after the last found, then the
+        remainders). Counted in `metrics` (`lookups`, `lookup_hit_chunks`, `lookup_tail_tokens`, `lookup_miss`).
+        Raises `StoreUnavailableError` when the store cannot be asked within its deadline (the caller computes the
+        tokens instead).
+        """
+        tokens = as_token_list(token_ids)
+        seq = self.sequence(tokens, salt)
+        size, whole = self.chunk_size, len(seq.chunks)
+        tail = seq.tail(whole, tokens[whole * size :])
+        subs, step = len(tail.subs), tail.sub_size
+        remainders = tail.remainders(subs, tokens[whole * size + subs * step :])
+        sizes, _ = self.store.probe([*seq.chunks, *tail.subs, *remainders], [])
+        trips, chunks = 1, _leading(sizes[:whole])
+        pieces = [(key, i * size, (i + 1) * size, sizes[i]) for i, key in enumerate(seq.chunks[:chunks])]
+        if chunks == whole:
+            found = _leading(sizes[whole : whole + subs])
+            sub_sizes, rem_sizes = sizes[whole : whole + found], sizes[whole + subs :] if found == subs else None
+        else:  # the whole chunks stop early: the tail after the last one found, from this sequence's next tokens
+            tail = seq.tail(chunks, tokens[chunks * size : (chunks + 1) * size])
+            sub_sizes = self._probe_or_nothing(tail.subs)
+            found, rem_sizes, trips = _leading(sub_sizes), None, trips + 1
+            sub_sizes = sub_sizes[:found]
+        start = chunks * size
+        pieces += [(tail.subs[j], start + j * step, start + (j + 1) * step, n) for j, n in enumerate(sub_sizes)]
+        after = start + found * step  # the remainder's first token
+        rest = tokens[after : min(len(tokens), start + size - 1, after + step - 1)]
+        remainders = tail.remainders(found, rest)
+        if rem_sizes is None:
+            rem_sizes, trips = self._probe_or_nothing(remainders), trips + 1
+        longest = max((n for n in range(1, len(rem_sizes) + 1) if rem_sizes[n - 1] > 0), default=0)
+        if longest:
+            pieces.append((remainders[longest - 1], after, after + longest, rem_sizes[longest - 1]))
+        covered = pieces[-1][2] if pieces else 0
+        stored = StoredPrefix(covered, chunks, covered - chunks * size, tuple(pieces), trips)
+        self.metrics.add(lookups=1, lookup_hit_chunks=chunks, lookup_tail_tokens=stored.tail_tokens,
+                         lookup_miss=int(covered == 0))  # fmt: skip
+        return stored
+
+    def _probe_or_nothing(self, keys: list[str]) -> list[int]:
+        """The sizes of `keys` (a lookup's later round trip); all `0` if the store does not answer: what the lookup
+        found so far stands."""
+        if not keys:
+            return []
+        try:
+            return self.store.probe(keys, [])[0]
+        except StoreUnavailableError as err:
+            logger.debug("%s", err)
+            return [0] * len(keys)
 
     def stored_tokens(self, token_ids: Any, salt: str | None = None) -> int:
-        """Tokens covered by the longest stored prefix of whole chunks (`chunk_size × ` leading chunks stored).
+        """Tokens covered by the longest stored prefix (`lookup(...).tokens`)."""
+        return self.lookup(token_ids, salt).tokens
 
-        One round trip; counted in `metrics` (`lookups`, `lookup_hit_chunks`, `lookup_miss`). Raises
-        `StoreUnavailableError` when the store cannot be asked (the caller falls back to computing the tokens).
-        """
-        keys = self.keys(token_ids, salt)
-        chunks = self.store.count_prefix(keys)
-        self.metrics.add(lookups=1, lookup_hit_chunks=chunks, lookup_miss=int(chunks == 0))
-        return chunks * self.chunk_size
-
+    # -- save --------------------------------------------------------------------------------------------------------
     def save(
         self,
         token_ids: Any,
@@ -93,8 +204,10 @@ class PrefixKVStore:
         start: int,
         salt: str | None = None,
         skip_stored: bool = True,
+        tail: bool = True,
     ) -> int:
-        """Writes every full chunk inside tokens `[start, start + T)` of `token_ids`.
+        """Writes every whole chunk inside tokens `[start, start + T)` of `token_ids`, and (with `tail`) the partial
+        chunk after the last of them: its sub-chunks and its remainder, which expire after `partial_ttl_s`.
 
         Args:
             token_ids (list of `int` or a 1-D tensor): the whole sequence from token 0 (the key chain needs it).
@@ -103,111 +216,212 @@ class PrefixKVStore:
             values (list of `torch.Tensor`): per layer, the same shape.
             start (`int`): absolute position of `keys[l][:, 0]`; a multiple of `chunk_size`.
             salt (`str`, *optional*): the tenant's cache salt.
-            skip_stored (`bool`, *optional*, defaults to `True`): leave chunks the store already holds alone (one
+            skip_stored (`bool`, *optional*, defaults to `True`): leave entries the store already holds alone (one
                 round trip to ask); `False` rewrites them (and restarts their TTL).
+            tail (`bool`, *optional*, defaults to `True`): also store the trailing partial chunk (`start + T` not a
+                multiple of `chunk_size`).
 
         Returns:
-            `int`: chunks queued (with a writer; dropped ones not counted) or written. A trailing partial chunk is
-            not written: it has no key until its sequence fills it.
+            `int`: whole chunks written (stored ones skipped), or with a writer queued (all those in the range; the
+            writer skips the stored ones; dropped ones not counted).
 
-        With a writer the chunks are encoded on its thread: the tensors must not change until it has written them.
+        With a writer, everything (the question of what is stored, the encoding, the writes) runs on its thread: the
+        tensors must not change until it has written them.
         """
         tokens = as_token_list(token_ids)
         span = _check_kv(keys, values, "PrefixKVStore.save")
-        if isinstance(start, bool) or not isinstance(start, int) or start < 0 or start % self.chunk_size:
+        size = self.chunk_size
+        if isinstance(start, bool) or not isinstance(start, int) or start < 0 or start % size:
+            raise InvalidInputError(f"start must be a multiple of chunk_size={size} (a chunk boundary), got {start!r}")
+        end = start + span
+        if end > len(tokens):
             raise InvalidInputError(
-                f"start must be a multiple of chunk_size={self.chunk_size} (a chunk boundary), got {start!r}"
-            )
-        if start + span > len(tokens):
-            raise InvalidInputError(
-                f"K/V for tokens [{start}, {start + span}) but token_ids has {len(tokens)} tokens; pass the whole "
+                f"K/V for tokens [{start}, {end}) but token_ids has {len(tokens)} tokens; pass the whole "
                 "sequence from token 0"
             )
-        first, end = start // self.chunk_size, (start + span) // self.chunk_size
-        if end <= first:
-            return 0
-        chunk_keys_ = self.keys(tokens[: end * self.chunk_size], salt)[first:end]
-        stored = self.store.exists_many(chunk_keys_) if skip_stored else [False] * len(chunk_keys_)
-        written, items = 0, {}
-        for index, (key, present) in enumerate(zip(chunk_keys_, stored, strict=True)):
-            if present:
-                continue
-            lo = (first + index) * self.chunk_size - start  # offset of the chunk inside the given K/V
-            chunk_k = [k[:, lo : lo + self.chunk_size] for k in keys]  # per layer (H, C, d), views
-            chunk_v = [v[:, lo : lo + self.chunk_size] for v in values]
-            chunk_start = (first + index) * self.chunk_size
-            if self.writer is None:
-                items[key] = encode_chunk(chunk_k, chunk_v, model_id=self.model_id, start=chunk_start)
-                written += 1
-                continue
+        seq = self.sequence(tokens[:end], salt)
+        first, last = start // size, end // size  # whole chunks [first, last)
+        entries = [(seq.chunks[i], i * size, (i + 1) * size, False) for i in range(first, last)]
+        if tail and end % size:
+            pieces = seq.tail(last, tokens[last * size : end])
+            lo, step = last * size, pieces.sub_size
+            entries += [(key, lo + j * step, lo + (j + 1) * step, True) for j, key in enumerate(pieces.subs)]
+            after = lo + len(pieces.subs) * step
+            if after < end:  # the remainder
+                entries.append((pieces.remainders(len(pieces.subs), tokens[after:end])[-1], after, end, True))
 
-            def encode(chunk_k=chunk_k, chunk_v=chunk_v, chunk_start=chunk_start) -> bytes:
-                return encode_chunk(chunk_k, chunk_v, model_id=self.model_id, start=chunk_start)
+        def job() -> int:
+            wanted = entries
+            if skip_stored and wanted:
+                stored = self.store.probe([e[0] for e in wanted], [], timeout=self._writer_deadline())[0]
+                wanted = [entry for entry, n in zip(wanted, stored, strict=True) if not n]
+            for is_tail in (False, True):
+                items = {
+                    key: encode_chunk([k[:, lo - start : hi - start] for k in keys],
+                                      [v[:, lo - start : hi - start] for v in values],
+                                      model_id=self.model_id, start=lo, token_ids=tokens[lo:hi])
+                    for key, lo, hi, partial in wanted if partial == is_tail
+                }  # fmt: skip
+                if items:
+                    self.store.put_many(items, ttl_s=self.partial_ttl_s if is_tail else None)
+            return sum(not partial for *_, partial in wanted)
 
-            nbytes = sum(t.numel() * t.element_size() for t in (*chunk_k, *chunk_v))
-            written += self.writer.submit(key, encode, nbytes=nbytes)
-        if items:
-            self.store.put_many(items)
-        return written
+        if self.writer is None:
+            return job()
+        nbytes = sum(t.numel() * t.element_size() for t in (*keys, *values))
+        return last - first if self.writer.submit_job(job, nbytes=nbytes) else 0
 
+    def _writer_deadline(self) -> float | None:
+        """The deadline of a save's question of what is stored: the store's bulk one (a save runs on the writer
+        thread, or for a caller that can wait), not the lookup deadline vLLM's scheduler needs."""
+        return getattr(self.store, "bulk_timeout", None)
+
+    # -- load --------------------------------------------------------------------------------------------------------
     def load(
-        self, token_ids: Any, num_tokens: int, salt: str | None = None
+        self, token_ids: Any, num_tokens: int, salt: str | None = None, *, stored: StoredPrefix | None = None
     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """The stored K/V of tokens `[0, num_tokens)` of `token_ids`, fetched in one round trip and checked.
 
         Args:
             token_ids (list of `int` or a 1-D tensor): the sequence (at least `num_tokens` tokens).
-            num_tokens (`int`): a multiple of `chunk_size`, usually `stored_tokens(token_ids)`.
+            num_tokens (`int`): at most what `lookup` found (`stored.tokens`).
             salt (`str`, *optional*): the tenant's cache salt the chunks were saved under.
+            stored (`StoredPrefix`, *optional*): the lookup of `token_ids` (which entries hold the prefix, and their
+                sizes); without one, a `num_tokens` that ends inside a chunk is looked up first (one more round trip).
 
         Returns:
             `(keys, values)`: per layer, CPU tensors `(kv_heads, num_tokens, head_dim)` in the stored dtype.
 
         Raises:
-            `StoreMissError`: a chunk is not in the store (evicted or expired since the lookup).
-            `StoreFormatError`: a chunk is not a valid chunk of this model at its position.
+            `StoreMissError`: an entry is not in the store (evicted or expired since the lookup), or the store holds
+                fewer tokens than `num_tokens`.
+            `StoreFormatError`: an entry is not a valid chunk of this model at its position, or holds other tokens.
         """
         tokens = as_token_list(token_ids)
-        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0 or (
-            num_tokens % self.chunk_size
-        ) or num_tokens > len(tokens):  # fmt: skip
+        stored = self._stored(tokens, num_tokens, salt, stored)
+        _, _, keys, values = self._fetch(tokens, [p for p in stored.pieces if p[1] < num_tokens], 0, num_tokens)
+        return keys, values
+
+    def _stored(
+        self, tokens: list[int], num_tokens: int, salt: str | None, stored: StoredPrefix | None
+    ) -> StoredPrefix:
+        """`stored`, or what the store holds of `tokens` (asked only when `num_tokens` ends inside a chunk)."""
+        size = self.chunk_size
+        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or not 0 < num_tokens <= len(tokens):
             raise InvalidInputError(
-                f"num_tokens must be a multiple of chunk_size={self.chunk_size} within the sequence's "
-                f"{len(tokens)} tokens, got {num_tokens!r}"
+                f"num_tokens must be a number of tokens in [1, {len(tokens)}] (the sequence's length), got "
+                f"{num_tokens!r}"
             )
-        keys = self.keys(tokens[:num_tokens], salt)
-        payloads = self.store.get_many(keys)
+        if stored is None and num_tokens % size == 0:  # whole chunks: their keys say it all
+            chunks = self.sequence(tokens[:num_tokens], salt).chunks
+            stored = StoredPrefix(num_tokens, len(chunks), 0, tuple((k, i * size, (i + 1) * size, 0)
+                                                                    for i, k in enumerate(chunks)))  # fmt: skip
+        elif stored is None:
+            stored = self.lookup(tokens, salt)
+        if num_tokens > stored.tokens:
+            raise StoreMissError(
+                f"the store holds {stored.tokens} tokens of this sequence of model {self.model_id!r}, not the "
+                f"{num_tokens} asked for; compute the rest"
+            )
+        return stored
+
+    def iter_load(
+        self,
+        token_ids: Any,
+        num_tokens: int,
+        salt: str | None = None,
+        *,
+        stored: StoredPrefix | None = None,
+        start: int = 0,
+        parts: int = 4,
+    ) -> Iterator[FetchedRun]:
+        """The stored K/V of tokens `[start, num_tokens)`, in `parts` runs of entries fetched one after another on a
+        thread of their own: each run is yielded (a `FetchedRun`) as soon as it has arrived and been checked, while the
+        next one is being fetched, so the caller maps one run while the next arrives. Raises what `load` raises, at
+        the run it concerns.
+
+        Example:
+
+        ```python
+        >>> for run in prefix.iter_load(ids, n, stored=found, parts=4):  # doctest: +SKIP
+        ...     mapped = map_tokens(run.start, run.end, run.keys, run.values)
+        ```
+        """
+        tokens = as_token_list(token_ids)
+        stored = self._stored(tokens, num_tokens, salt, stored)
+        if not 0 <= start < num_tokens:
+            raise InvalidInputError(f"start must be in [0, {num_tokens}), got {start!r}")
+        pieces = [p for p in stored.pieces if p[1] < num_tokens and p[2] > start]
+        runs, per_run = [], -(-len(pieces) // max(1, min(parts, len(pieces))))
+        for i in range(0, len(pieces), per_run):
+            runs.append(pieces[i : i + per_run])
+        results: queue.Queue = queue.Queue()
+
+        def fetch_runs() -> None:
+            for run in runs:
+                began = time.perf_counter()
+                try:
+                    lo, hi, keys, values = self._fetch(tokens, run, max(start, run[0][1]), min(num_tokens, run[-1][2]))
+                except BaseException as err:  # handed to the caller, at this run
+                    results.put(err)
+                    return
+                results.put(FetchedRun(lo, hi, keys, values, time.perf_counter() - began))
+
+        threading.Thread(target=fetch_runs, name="kvbridge-store-fetch", daemon=True).start()
+        for _ in runs:
+            item = results.get()
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+
+    def _fetch(
+        self, tokens: list[int], pieces: list[tuple[str, int, int, int]], start: int, end: int
+    ) -> tuple[int, int, list[torch.Tensor], list[torch.Tensor]]:
+        """`(start, end, keys, values)`: the stored K/V of tokens `[start, end)`, from `pieces` (which cover them), in
+        one round trip, each entry checked."""
+        sizes = [piece[3] for piece in pieces]
+        payloads = self.store.get_many(
+            [piece[0] for piece in pieces], expected_bytes=sum(sizes) if all(sizes) else None
+        )
         layer_keys: list[list[torch.Tensor]] = []
         layer_values: list[list[torch.Tensor]] = []
-        for index, payload in enumerate(payloads):
-            lo, hi = index * self.chunk_size, (index + 1) * self.chunk_size
+        for (_, lo, hi, _), payload in zip(pieces, payloads, strict=True):
+            hi = min(hi, end)
             if payload is None:
                 raise StoreMissError(
-                    f"chunk {index} (tokens [{lo}, {hi})) of the stored prefix of model {self.model_id!r} is no "
-                    "longer in the store (evicted or expired since the lookup); look up again or compute those tokens"
+                    f"the chunk of tokens [{lo}, {hi}) of the stored prefix of model {self.model_id!r} is no longer "
+                    "in the store (evicted or expired since the lookup); look up again or compute them"
                 )
             try:
-                chunk_k, chunk_v = decode_chunk(payload, model_id=self.model_id, start=lo)
+                chunk_k, chunk_v = decode_chunk(payload, model_id=self.model_id, start=lo, token_ids=tokens[lo:hi])
             except StoreFormatError as err:
-                raise StoreFormatError(f"chunk {index} (tokens [{lo}, {hi})): {err}") from None
-            if chunk_k[0].shape[1] != self.chunk_size:
-                raise StoreFormatError(
-                    f"chunk {index} holds {chunk_k[0].shape[1]} tokens, expected chunk_size={self.chunk_size}"
-                )
-            if index == 0:
+                raise StoreFormatError(f"chunk of tokens [{lo}, {hi}): {err}") from None
+            first = max(start, lo) - lo
+            chunk_k = [k[:, first : hi - lo] for k in chunk_k]  # (H, hi - max(start, lo), d): the part needed
+            chunk_v = [v[:, first : hi - lo] for v in chunk_v]
+            if not layer_keys:
                 layer_keys = [[k] for k in chunk_k]
                 layer_values = [[v] for v in chunk_v]
                 continue
             if len(chunk_k) != len(layer_keys) or any(
-                k.shape != ks[0].shape or k.dtype != ks[0].dtype for k, ks in zip(chunk_k, layer_keys, strict=False)
+                k.shape[::2] != ks[0].shape[::2] or k.dtype != ks[0].dtype
+                for k, ks in zip(chunk_k, layer_keys, strict=False)
             ):
                 raise StoreFormatError(
-                    f"chunk {index} (tokens [{lo}, {hi})) has layers of other shapes or dtypes than chunk 0: the "
+                    f"the chunk of tokens [{lo}, {hi}) has layers of other shapes or dtypes than the first: the "
                     "chunks of one prefix were written by different layouts"
                 )
             for ks, vs, k, v in zip(layer_keys, layer_values, chunk_k, chunk_v, strict=True):
                 ks.append(k)
                 vs.append(v)
-        keys_out = [torch.cat(ks, dim=1) for ks in layer_keys]  # per layer (H, num_tokens, d)
+        keys_out = [torch.cat(ks, dim=1) for ks in layer_keys]  # per layer (H, end - start, d)
         values_out = [torch.cat(vs, dim=1) for vs in layer_values]
-        return keys_out, values_out
+        return start, end, keys_out, values_out
+
+
+def _leading(sizes: list[int]) -> int:
+    """How many of the leading `sizes` are stored (`> 0`)."""
+    count = 0
+    while count < len(sizes) and sizes[count] > 0:
+        count += 1
+    return count

@@ -1,12 +1,17 @@
-"""`RedisKVStore`: the KV store on a Redis-protocol server (Redis or Valkey), through the `redis` client.
+"""`RedisKVStore`: the KV store on a Redis-protocol server (Redis or Valkey), through the `redis` client, and what it
+shares with the cluster's store (`redis_cluster.RedisClusterKVStore`): URL schemes, deadlines, error messages.
 
 One server, on one host or reached across hosts. Eviction is the server's: run it with `maxmemory` and
 `maxmemory-policy allkeys-lru` (what `start_local_server` and `kvbridge store serve` do), and it drops the least
 recently used chunks when full; a chunk whose key is gone reads as a miss. A TTL (`ttl_s`) makes every chunk expire
 that long after it was written (`SET ... PX`). Authentication and TLS are the client's: a user and password in the
 URL (`redis://user:secret@host:6379/0`) or as keywords, `rediss://` for TLS with `ssl_*` keywords (`ssl_ca_certs`,
-`ssl_certfile`, `ssl_keyfile`, `ssl_cert_reqs`) passed through. Redis Cluster is not supported (a prefix is read in
-one `MGET`, which a cluster refuses across slots).
+`ssl_certfile`, `ssl_keyfile`, `ssl_cert_reqs`) passed through.
+
+Every call has a deadline: lookups (`probe`, `exists_many`) `timeout` seconds (50 ms by default) of wall time, fetches
+(`get_many`) `timeout` plus the bytes to read at `min_fetch_bandwidth`; writes (on the writer thread) `bulk_timeout`
+of silence. A server that failed (refused, timed out) is skipped for `cooldown_s` seconds (`deadline.NodeHealth`).
+The client never retries: a failed call is a `StoreUnavailableError`, and the caller falls back.
 """
 
 from __future__ import annotations
@@ -14,11 +19,13 @@ from __future__ import annotations
 import importlib
 import logging
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from ...errors import MissingDependencyError, ServingConfigError, StoreUnavailableError
 from .base import KVStore, StoreMetrics
+from .deadline import DeadlineExceeded, NodeHealth, within
 from .keys import model_digest, parse_key, scan_pattern
 
 logger = logging.getLogger(__name__)
@@ -31,12 +38,29 @@ REDIS_SCHEMES = ("redis", "rediss", "unix")
 SCHEME_ALIASES = {"valkey": "redis", "valkeys": "rediss"}
 """Valkey speaks the same protocol: its URL schemes map to the client's."""
 
-STORE_SCHEMES = (*REDIS_SCHEMES, *SCHEME_ALIASES)
+CLUSTER_SCHEMES = ("redis-cluster", "rediss-cluster", "valkey-cluster", "valkeys-cluster")
+"""URL schemes of a Redis/Valkey cluster (`RedisClusterKVStore`): `redis-cluster://[user:password@]host:port[,host:port
+...]`, the `s` forms for TLS."""
+
+STORE_SCHEMES = (*REDIS_SCHEMES, *SCHEME_ALIASES, *CLUSTER_SCHEMES)
 """Every URL scheme `open_store` takes."""
+
+DEFAULT_TIMEOUT_S = 0.05
+"""The deadline of a lookup (seconds): it runs in vLLM's scheduler, between two engine steps."""
+
+DEFAULT_BULK_TIMEOUT_S = 10.0
+"""The longest silence of a write or a fetch before it fails (seconds; a fetch also has a wall-clock deadline)."""
+
+DEFAULT_MIN_FETCH_BANDWIDTH = 100e6
+"""Bytes a second a fetch must at least get: its deadline is `timeout + bytes / min_fetch_bandwidth`."""
+
+DEFAULT_COOLDOWN_S = 1.0
+"""Seconds a server (a node) that failed is skipped before it is asked again."""
 
 
 def safe_url(url: str) -> str:
-    """`url` without its password (in the user part or the query), for messages and logs.
+    """`url` without its password (in the user part or the query), for messages and logs (a cluster's several hosts
+    included).
 
     Example:
 
@@ -79,6 +103,14 @@ def _reason(err: BaseException) -> str:
     return text if len(text) <= 300 else text[:300] + "..."
 
 
+def no_retry():
+    """A `redis.retry.Retry` that never retries: a failed call fails at once and the caller falls back."""
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+
+    return Retry(NoBackoff(), 0)
+
+
 def _redis_module():
     try:
         return importlib.import_module("redis")
@@ -88,203 +120,326 @@ def _redis_module():
         ) from None
 
 
-class RedisKVStore(KVStore):
-    """The KV store on a Redis or Valkey server.
+class RedisStoreBase(KVStore):
+    """What the single-server and the cluster store share: settings, deadlines, node health, error messages.
+
+    Args:
+        url (`str`): the store's URL (kept without its password, for messages).
+        ttl_s (`float`, *optional*): seconds a chunk lives after it is written (`SET ... PX`); `None`: until the
+            server evicts it.
+        timeout (`float`, *optional*, defaults to `0.05`): the deadline of a lookup, and of connecting.
+        bulk_timeout (`float`, *optional*, defaults to `10.0`): the longest silence of a write or a fetch.
+        min_fetch_bandwidth (`float`, *optional*, defaults to `1e8`): bytes a second below which a fetch fails.
+        cooldown_s (`float`, *optional*, defaults to `1.0`): seconds a failed server is skipped.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        ttl_s: float | None = None,
+        timeout: float = DEFAULT_TIMEOUT_S,
+        bulk_timeout: float = DEFAULT_BULK_TIMEOUT_S,
+        min_fetch_bandwidth: float = DEFAULT_MIN_FETCH_BANDWIDTH,
+        cooldown_s: float = DEFAULT_COOLDOWN_S,
+    ):
+        if ttl_s is not None and not ttl_s > 0:
+            raise ServingConfigError(f"ttl_s must be a number of seconds > 0 (or None for no expiry), got {ttl_s!r}")
+        for name, value in (("timeout", timeout), ("bulk_timeout", bulk_timeout),
+                            ("min_fetch_bandwidth", min_fetch_bandwidth)):  # fmt: skip
+            if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+                raise ServingConfigError(f"{name} must be a number > 0, got {value!r}")
+        if isinstance(cooldown_s, bool) or not isinstance(cooldown_s, int | float) or cooldown_s < 0:
+            raise ServingConfigError(f"cooldown_s must be a number of seconds ≥ 0, got {cooldown_s!r}")
+        self._redis = _redis_module()
+        self.url = safe_url(url)
+        self.ttl_ms = None if ttl_s is None else max(1, round(ttl_s * 1000))
+        self.timeout, self.bulk_timeout = float(timeout), float(bulk_timeout)
+        self.min_fetch_bandwidth = float(min_fetch_bandwidth)
+        self.metrics = StoreMetrics()
+        self.health = NodeHealth(cooldown_s)
+        self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="kvbridge-store")
+
+    def _ttl_ms(self, ttl_s: float | None) -> int | None:
+        """`ttl_s` in milliseconds (`None`: the store's TTL); the shorter of the two when both are set."""
+        if ttl_s is None:
+            return self.ttl_ms
+        ms = max(1, round(ttl_s * 1000))
+        return ms if self.ttl_ms is None else min(ms, self.ttl_ms)
+
+    def fetch_deadline(self, expected_bytes: int | None) -> float | None:
+        """The wall-clock deadline of a fetch of `expected_bytes` (`None` when the size is not known: the fetch is
+        then bounded by `bulk_timeout` of silence only)."""
+        return None if expected_bytes is None else self.timeout + expected_bytes / self.min_fetch_bandwidth
+
+    def _error(self, what: str, err: BaseException, node: str | None = None) -> StoreUnavailableError:
+        """A `StoreUnavailableError` naming the store (and node), what failed and what to check."""
+        errors = self._redis.exceptions
+        where = f"KV store {self.url}" + (f" node {node}" if node and node != self.url else "")
+        if isinstance(err, DeadlineExceeded):
+            return StoreUnavailableError(
+                f"{where}: {what} got {err} (a hung or overloaded server): treated as a miss; the server is skipped "
+                f"for {self.health.cooldown_s:g} s"
+            )
+        reason = _reason(err)
+        if isinstance(err, errors.AuthenticationError | errors.NoPermissionError) or any(
+            word in reason for word in ("NOAUTH", "WRONGPASS", "invalid password", "Authentication", "NOPERM")
+        ):
+            hint = "the server refused the credentials: check the user, the password and the user's ACL"
+        elif "maxmemory" in reason or type(err).__name__ == "OutOfMemoryError":
+            hint = "the server is full and does not evict: run it with maxmemory-policy allkeys-lru"
+        elif "CLUSTERDOWN" in reason:
+            hint = (
+                "the cluster is down for this master (it lost sight of the majority of masters, or a slot has no "
+                "master): check the cluster's masters"
+            )
+        elif "MOVED" in reason or "CROSSSLOT" in reason or "cluster" in reason.lower():
+            hint = "this is a Redis Cluster: use a redis-cluster:// URL"
+        else:
+            hint = (
+                "check that the server is running and reachable from here (host, port, firewall), that TLS "
+                "matches (rediss:// for a TLS port), and the password"
+            )
+        return StoreUnavailableError(f"{where}: {what} failed ({type(err).__name__}: {reason}); {hint}")
+
+    def _down(self, node: str, what: str) -> StoreUnavailableError:
+        self.metrics.add(skipped_down=1)
+        return StoreUnavailableError(
+            f"KV store {self.url}: {what} not sent: {node} failed less than {self.health.cooldown_s:g} s ago "
+            "(asked again after that)"
+        )
+
+    def _run(self, node: str, what: str, fn: Callable[[], T], deadline: float | None) -> T:
+        """`fn()` against `node`, within `deadline` seconds of wall time (`None`: its socket timeouts only); a failure
+        marks the node down (`StoreUnavailableError`), a reply marks it up."""
+        if self.health.is_down(node):
+            raise self._down(node, what)
+        errors = self._redis.exceptions
+        try:
+            result = fn() if deadline is None else within(self._pool, deadline, fn)
+        except DeadlineExceeded as err:
+            self.metrics.add(timeouts=1)
+            self.health.failed(node)
+            raise self._error(what, err, node) from None
+        except errors.ResponseError as err:  # the server answered (an error reply): it is up
+            raise self._error(what, err, node) from err
+        except (errors.RedisError, OSError) as err:
+            self.health.failed(node)
+            if isinstance(err, errors.TimeoutError | TimeoutError):  # the socket's timeout came first: the same miss
+                self.metrics.add(timeouts=1)
+                wait = self.bulk_timeout if deadline is None else deadline  # calls without one use the bulk client
+                raise self._error(what, DeadlineExceeded(f"no answer within {wait * 1000:.0f} ms"), node) from err
+            raise self._error(what, err, node) from err
+        self.health.succeeded(node)
+        return result
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+class RedisKVStore(RedisStoreBase):
+    """The KV store on one Redis or Valkey server.
 
     Args:
         url (`str`): `redis://[user:password@]host:port/db`, `rediss://...` (TLS), `unix:///path/to.sock?db=0`;
             `valkey://` and `valkeys://` are the same as `redis://` and `rediss://`.
         ttl_s (`float`, *optional*): seconds a chunk lives after it is written (`SET ... PX`); `None`: until the
             server evicts it (`maxmemory` with `allkeys-lru`).
-        socket_timeout (`float`, *optional*, defaults to `5.0`): seconds a connect or a reply may take before the
-            call fails with `StoreUnavailableError`.
+        timeout (`float`, *optional*, defaults to `0.05`): the deadline of a lookup (and of connecting), seconds.
+        bulk_timeout, min_fetch_bandwidth, cooldown_s: see `RedisStoreBase`.
         client_kwargs: passed to `redis.Redis.from_url`: `password`, `username`, `ssl_ca_certs`, `ssl_certfile`,
-            `ssl_keyfile`, `ssl_cert_reqs`, `retry`, ...
+            `ssl_keyfile`, `ssl_cert_reqs`, ...
 
     Example:
 
     ```python
     >>> store = RedisKVStore("redis://127.0.0.1:6379/0", ttl_s=3600)  # doctest: +SKIP
-    >>> store.put_many({"kvbridge:v1:x": b"payload"})  # doctest: +SKIP
-    >>> store.get_many(["kvbridge:v1:x", "missing"])  # doctest: +SKIP
+    >>> store.put_many({"kvbridge:v2:x": b"payload"})  # doctest: +SKIP
+    >>> store.get_many(["kvbridge:v2:x", "missing"])  # doctest: +SKIP
     [b'payload', None]
     ```
     """
 
-    def __init__(self, url: str, *, ttl_s: float | None = None, socket_timeout: float = 5.0, **client_kwargs: Any):
+    def __init__(
+        self,
+        url: str,
+        *,
+        ttl_s: float | None = None,
+        timeout: float = DEFAULT_TIMEOUT_S,
+        bulk_timeout: float = DEFAULT_BULK_TIMEOUT_S,
+        min_fetch_bandwidth: float = DEFAULT_MIN_FETCH_BANDWIDTH,
+        cooldown_s: float = DEFAULT_COOLDOWN_S,
+        **client_kwargs: Any,
+    ):
         scheme = url_scheme(url)
-        if scheme not in STORE_SCHEMES:
+        if scheme not in (*REDIS_SCHEMES, *SCHEME_ALIASES):
             raise ServingConfigError(
-                f"RedisKVStore takes a {', '.join(s + '://' for s in STORE_SCHEMES)} URL, got {safe_url(url)!r}"
+                "RedisKVStore takes a redis://, rediss://, unix://, valkey:// or valkeys:// URL, got "
+                f"{safe_url(url)!r}" + ("; open a cluster with open_store" if scheme in CLUSTER_SCHEMES else "")
             )
-        if ttl_s is not None and not ttl_s > 0:
-            raise ServingConfigError(f"ttl_s must be a number of seconds > 0 (or None for no expiry), got {ttl_s!r}")
-        if not socket_timeout > 0:
-            raise ServingConfigError(f"socket_timeout must be a number of seconds > 0, got {socket_timeout!r}")
-        self._redis = _redis_module()
-        self.url = safe_url(url)
-        self.ttl_ms = None if ttl_s is None else max(1, round(ttl_s * 1000))
-        self.metrics = StoreMetrics()
-        client_kwargs.setdefault("socket_connect_timeout", socket_timeout)
+        super().__init__(url, ttl_s=ttl_s, timeout=timeout, bulk_timeout=bulk_timeout,
+                         min_fetch_bandwidth=min_fetch_bandwidth, cooldown_s=cooldown_s)  # fmt: skip
+        self.node = self.url
         try:
-            self._client = self._redis.Redis.from_url(client_url(url), socket_timeout=socket_timeout, **client_kwargs)
-            pool = self._client.connection_pool
-            pool.connection_class(**pool.connection_kwargs)  # checks the keywords now; connects nothing
+            # lookups: replies within the deadline; writes and fetches: large payloads, bounded by silence
+            self._fast = self._client(url, self.timeout, client_kwargs)
+            self._bulk = self._client(url, self.bulk_timeout, client_kwargs)
         except (ValueError, TypeError) as err:  # a URL or keyword the client does not take
             raise ServingConfigError(f"KV store {self.url}: the redis client refuses its settings: {err}") from None
+
+    def _client(self, url: str, socket_timeout: float, client_kwargs: dict[str, Any]):
+        kwargs = {"socket_connect_timeout": self.timeout, "retry": no_retry(), **client_kwargs}
+        client = self._redis.Redis.from_url(client_url(url), socket_timeout=socket_timeout, **kwargs)
+        pool = client.connection_pool
+        pool.connection_class(**pool.connection_kwargs)  # checks the keywords now; connects nothing
+        return client
 
     def __repr__(self) -> str:
         return f"RedisKVStore({self.url!r}, ttl_ms={self.ttl_ms})"
 
-    def _call(self, what: str, fn: Callable[[], T]) -> T:
-        """Runs one client call; any client or connection error becomes a `StoreUnavailableError`."""
-        errors = self._redis.exceptions
-        try:
-            return fn()
-        except (errors.RedisError, OSError) as err:
-            reason = _reason(err)
-            if isinstance(err, errors.AuthenticationError) or any(
-                word in reason for word in ("NOAUTH", "WRONGPASS", "invalid password", "Authentication")
-            ):
-                hint = "the server refused the credentials: check the user and password (in the URL or password=)"
-            elif "maxmemory" in reason or type(err).__name__ == "OutOfMemoryError":
-                hint = "the server is full and does not evict: run it with maxmemory-policy allkeys-lru"
-            elif "MOVED" in reason or "CROSSSLOT" in reason:
-                hint = "this is a Redis Cluster, which the store does not support: use one server"
-            else:
-                hint = (
-                    "check that the server is running and reachable from here (host, port, firewall), that TLS "
-                    "matches (rediss:// for a TLS port), and the password"
-                )
-            text = f"{type(err).__name__}: {reason}"
-            raise StoreUnavailableError(f"KV store {self.url}: {what} failed ({text}); {hint}") from err
-
     def ping(self) -> None:
-        """Raises `StoreUnavailableError` unless the server answers (and accepts the credentials)."""
-        self._call("PING", self._client.ping)
+        """Raises `StoreUnavailableError` unless the server answers (and accepts the credentials) within the
+        deadline."""
+        self._run(self.node, "PING", self._fast.ping, self.timeout)
 
-    def exists_many(self, keys: list[str]) -> list[bool]:
-        if not keys:
-            return []
+    def warm_up(self) -> None:
+        """Connects both clients now (a PING each, within `bulk_timeout`)."""
+        for client in (self._fast, self._bulk):
+            self._run(self.node, "PING", client.ping, self.bulk_timeout)
+
+    def probe(
+        self, exists: list[str], get: list[str], *, timeout: float | None = None
+    ) -> tuple[list[int], list[bytes | None]]:
+        """For each of `exists` the stored payload's size (`0`: not stored), and the payloads of `get`: one pipeline
+        (`STRLEN`, `GET`), within the deadline (`timeout`, default the lookup deadline)."""
+        if not exists and not get:
+            return [], []
+        deadline = self.timeout if timeout is None else timeout
+        client = self._fast if deadline <= self.timeout else self._bulk  # the fast one's sockets time out first
 
         def run():
-            pipe = self._client.pipeline(transaction=False)
-            for key in keys:
-                pipe.exists(key)
+            pipe = client.pipeline(transaction=False)
+            for key in exists:
+                pipe.strlen(key)
+            for key in get:
+                pipe.get(key)
             return pipe.execute()
 
         try:
-            return [bool(n) for n in self._call("EXISTS", run)]
+            replies = self._run(self.node, f"lookup of {len(exists)} + {len(get)} keys", run, deadline)
         except StoreUnavailableError:
             self.metrics.add(read_errors=1)
             raise
+        self.metrics.add(round_trips=1)
+        return [int(n) for n in replies[: len(exists)]], replies[len(exists) :]
 
-    def put_many(self, items: dict[str, bytes]) -> None:
+    def exists_many(self, keys: list[str]) -> list[bool]:
+        return [size > 0 for size in self.probe(keys, [])[0]]
+
+    def put_many(self, items: dict[str, bytes], *, ttl_s: float | None = None) -> None:
         if not items:
             return
 
         def run():
-            pipe = self._client.pipeline(transaction=False)
+            pipe = self._bulk.pipeline(transaction=False)
             for key, payload in items.items():
-                pipe.set(key, payload, px=self.ttl_ms)
+                pipe.set(key, payload, px=self._ttl_ms(ttl_s))
             pipe.execute()
 
         try:
             with self.metrics.timed("put_seconds"):
-                self._call(f"SET of {len(items)} chunks", run)
+                self._run(self.node, f"SET of {len(items)} chunks", run, None)
         except StoreUnavailableError:
             self.metrics.add(write_errors=len(items))
             raise
-        self.metrics.add(chunks_written=len(items), bytes_written=sum(len(p) for p in items.values()))
+        self.metrics.add(round_trips=1, chunks_written=len(items), bytes_written=sum(len(p) for p in items.values()))
 
-    def get_many(self, keys: list[str]) -> list[bytes | None]:
+    def get_many(self, keys: list[str], expected_bytes: int | None = None) -> list[bytes | None]:
+        """The payloads of `keys` (`None` for a key not stored), in one `MGET`; with `expected_bytes`, within
+        `fetch_deadline(expected_bytes)` of wall time."""
         if not keys:
             return []
         try:
             with self.metrics.timed("fetch_seconds"):
-                payloads = self._call(f"MGET of {len(keys)} chunks", lambda: self._client.mget(keys))
+                payloads = self._run(
+                    self.node, f"MGET of {len(keys)} chunks", lambda: self._bulk.mget(keys),
+                    self.fetch_deadline(expected_bytes),
+                )  # fmt: skip
         except StoreUnavailableError:
             self.metrics.add(read_errors=1)
             raise
         found = [p for p in payloads if p is not None]
-        self.metrics.add(chunks_read=len(found), bytes_read=sum(len(p) for p in found))
+        self.metrics.add(round_trips=1, chunks_read=len(found), bytes_read=sum(len(p) for p in found))
         return payloads
 
     def delete_many(self, keys: list[str]) -> int:
-        """Deletes `keys`; returns how many existed (for tests and for dropping one model's entries)."""
-        return int(self._call("DEL", lambda: self._client.delete(*keys))) if keys else 0
+        """Deletes `keys`; returns how many existed."""
+        if not keys:
+            return 0
+        deleted = int(self._run(self.node, "DEL", lambda: self._bulk.delete(*keys), None))
+        self.metrics.add(round_trips=1)
+        return deleted
 
     def stats(self, model_id: str | None = None, scan_count: int = 1000) -> dict[str, Any]:
-        """What the server holds of this package's chunks: key count and memory, per model digest and in all.
+        """What the server holds of this package's entries: key count and memory, per model digest and in all.
 
-        Walks the keyspace with `SCAN` (never blocks the server) and asks `MEMORY USAGE` of each chunk; the server's
+        Walks the keyspace with `SCAN` (never blocks the server) and asks `MEMORY USAGE` of each entry; the server's
         own `used_memory`, `maxmemory` and `maxmemory_policy` come from `INFO memory`.
         """
         pattern = scan_pattern(model_id)
-
-        def run():
-            info = self._client.info("memory")
-            by_model: dict[str, dict[str, int]] = {}
-            batch: list[bytes] = []
-
-            def account(names: list[bytes]) -> None:
-                pipe = self._client.pipeline(transaction=False)
-                for name in names:
-                    pipe.memory_usage(name)
-                for name, used in zip(names, pipe.execute(), strict=True):
-                    model = parse_key(name.decode())["model"]
-                    entry = by_model.setdefault(model, {"keys": 0, "bytes": 0})
-                    entry["keys"] += 1
-                    entry["bytes"] += int(used or 0)
-
-            for name in self._client.scan_iter(match=pattern, count=scan_count):
-                batch.append(name)
-                if len(batch) >= 500:
-                    account(batch)
-                    batch = []
-            if batch:
-                account(batch)
-            return info, by_model
-
-        info, by_model = self._call("SCAN / MEMORY USAGE", run)
+        info, by_model = self._run(
+            self.node, "SCAN / MEMORY USAGE", lambda: scan_usage(self._bulk, pattern, scan_count), None
+        )
         return {
             "url": self.url,
             "pattern": pattern,
             "model": None if model_id is None else {"id": model_id, "digest": model_digest(model_id)},
-            "keys": sum(e["keys"] for e in by_model.values()),
-            "bytes": sum(e["bytes"] for e in by_model.values()),
-            "by_model": dict(sorted(by_model.items())),
+            **summarize(by_model),
             "used_memory": int(info.get("used_memory", 0)),
             "maxmemory": int(info.get("maxmemory", 0)),
             "maxmemory_policy": info.get("maxmemory_policy"),
         }
 
     def close(self) -> None:
-        try:
-            self._client.close()
-            self._client.connection_pool.disconnect()
-        except Exception as err:  # closing a broken connection must not raise
-            logger.debug("closing %s: %s", self.url, err)
+        super().close()
+        for client in (self._fast, self._bulk):
+            try:
+                client.close()
+                client.connection_pool.disconnect()
+            except Exception as err:  # closing a broken connection must not raise
+                logger.debug("closing %s: %s", self.url, err)
 
 
-def open_store(url: str, **kwargs: Any) -> KVStore:
-    """The store a URL names: `redis://`, `rediss://`, `unix://`, `valkey://`, `valkeys://` → `RedisKVStore`.
+def scan_usage(client, pattern: str, scan_count: int = 1000) -> tuple[dict, dict[str, dict[str, int]]]:
+    """`(INFO memory, {model digest: {"keys", "bytes", "chunks", "subs", "partials"}})` of one server's entries that
+    match `pattern`: `SCAN` (never blocks the server), then `MEMORY USAGE` of each, pipelined 500 at a time."""
+    info = client.info("memory")
+    by_model: dict[str, dict[str, int]] = {}
+    batch: list[bytes] = []
 
-    Keywords go to the backend (`ttl_s`, `socket_timeout`, `password`, `ssl_*`, ...). An unknown scheme is a
-    `ServingConfigError` that lists the known ones.
+    def account(names: list[bytes]) -> None:
+        pipe = client.pipeline(transaction=False)
+        for name in names:
+            pipe.memory_usage(name)
+        for name, used in zip(names, pipe.execute(), strict=True):
+            fields = parse_key(name.decode())
+            entry = by_model.setdefault(fields["model"], {"keys": 0, "bytes": 0, "chunks": 0, "subs": 0,
+                                                          "partials": 0})  # fmt: skip
+            entry["keys"] += 1
+            entry["bytes"] += int(used or 0)
+            entry[{"chunk": "chunks", "sub": "subs", "partial": "partials"}[fields["kind"]]] += 1
 
-    Example:
+    for name in client.scan_iter(match=pattern, count=scan_count):
+        batch.append(name)
+        if len(batch) >= 500:
+            account(batch)
+            batch = []
+    if batch:
+        account(batch)
+    return info, by_model
 
-    ```python
-    >>> store = open_store("valkey://127.0.0.1:6379/0", ttl_s=600)  # doctest: +SKIP
-    ```
-    """
-    if not isinstance(url, str):
-        raise ServingConfigError(f"the KV store URL must be a string such as redis://HOST:PORT/DB, got {url!r}")
-    scheme = url_scheme(url)
-    if scheme in STORE_SCHEMES:
-        return RedisKVStore(url, **kwargs)
-    raise ServingConfigError(
-        f"unknown KV store URL {safe_url(url)!r} (scheme {scheme or 'missing'!r}); use redis://HOST:PORT/DB, "
-        "rediss:// (TLS), unix:///path/to.sock, or valkey:// / valkeys://"
-    )
+
+def summarize(by_model: dict[str, dict[str, int]]) -> dict[str, Any]:
+    """Totals of `scan_usage`'s per-model counts, and the counts sorted by model digest."""
+    total = {name: sum(e[name] for e in by_model.values()) for name in ("keys", "bytes", "chunks", "subs", "partials")}
+    return {**total, "by_model": dict(sorted(by_model.items()))}

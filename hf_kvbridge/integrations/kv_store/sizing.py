@@ -14,6 +14,9 @@ HEADER_BYTES_PER_LAYER = 192
 HEADER_BYTES_FIXED = 512
 """Upper bound of the header bytes a stored chunk adds once (metadata), for a model identity of ≤ 128 characters."""
 
+TOKEN_ID_BYTES = 8
+"""Bytes a stored chunk adds per token: its token ids (int64), which a reader checks against its own."""
+
 
 def _itemsize(dtype: torch.dtype | str) -> int:
     if isinstance(dtype, str):
@@ -27,8 +30,9 @@ def _itemsize(dtype: torch.dtype | str) -> int:
 def chunk_bytes(layout_or_config: KVLayout | PretrainedConfig, chunk_size: int, dtype: torch.dtype | str) -> int:
     """Bytes of the K/V tensors of one stored chunk: layers × 2 (K, V) × kv_heads × head_dim × tokens × itemsize.
 
-    The payload adds a header of at most `HEADER_BYTES_FIXED + HEADER_BYTES_PER_LAYER × layers` bytes; the server
-    adds its own per-key overhead (tens of bytes). `chunk_bytes(layout, 1, dtype)` is the cost of one token.
+    The payload adds a header of at most `HEADER_BYTES_FIXED + HEADER_BYTES_PER_LAYER × layers` bytes and the token
+    ids (`TOKEN_ID_BYTES` a token); the server adds its own per-key overhead (tens of bytes). `chunk_bytes(layout,
+    1, dtype)` is the cost of one token.
 
     Args:
         layout_or_config (`KVLayout` or `PretrainedConfig`): the model's KV layout (or its config).

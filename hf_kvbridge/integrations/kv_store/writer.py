@@ -1,7 +1,9 @@
 """`AsyncWriter`: writes chunks to a store on a thread of its own, so the caller (an engine's step) never waits.
 
-The caller hands over `(key, payload)` pairs, where the payload may be a callable that encodes it: the encoding then
-runs on the writer thread too. `submit` never blocks and never raises for the store: past `max_pending_bytes` queued
+The caller hands over `(key, payload)` pairs, where the payload may be a callable that encodes it (the encoding then
+runs on the writer thread too), or a *job*: a callable that makes its own store calls (`PrefixKVStore.save` queues one
+per export: it asks what is stored, encodes and writes the rest, and replaces a slot), run after the chunks queued
+before it. `submit` never blocks and never raises for the store: past `max_pending_bytes` queued
 it drops the chunk (counted in `writes_dropped`), and a failed write is counted (`write_errors`) and logged at
 WARNING once per run of failures, since an export is an optimisation the caller can live without.
 """
@@ -14,12 +16,14 @@ import threading
 import time
 from collections.abc import Callable
 
-from ...errors import InvalidInputError
+from ...errors import InvalidInputError, StoreUnavailableError
 from .base import KVStore
 
 logger = logging.getLogger(__name__)
 
 Payload = bytes | Callable[[], bytes]
+Job = Callable[[], None]
+_JOB = object()  # the queue's key for a job
 
 MAX_BATCH_CHUNKS = 32
 """Chunks sent in one round trip at most."""
@@ -61,6 +65,12 @@ class AsyncWriter:
         self._condition = threading.Condition()
         self._thread = threading.Thread(target=self._run, name="kvbridge-store-writer", daemon=True)
         self._thread.start()
+
+    def submit_job(self, job: Job, nbytes: int = 0) -> bool:
+        """Queues `job` (a callable that makes its own store calls; what it raises is counted in `write_errors` and
+        logged like a failed write) after what is queued; returns `False` when it was dropped. `nbytes` counts
+        against the queue limit."""
+        return self.submit(_JOB, job, nbytes)  # type: ignore[arg-type]
 
     @property
     def pending_bytes(self) -> int:
@@ -114,17 +124,31 @@ class AsyncWriter:
 
     def _write(self, batch: list[tuple[str, Payload, int]]) -> None:
         items, failures, error = {}, 0, None
+
+        def put() -> None:
+            nonlocal failures, error
+            try:
+                self.store.put_many(items)  # counts its own write errors
+            except Exception as err:
+                failures, error = failures + len(items), err
+            items.clear()
+
         for key, payload, _ in batch:
+            if key is _JOB:  # the chunks queued before it first
+                put()
+                try:
+                    payload()
+                except Exception as err:  # a job counts its store errors itself; anything else is counted here
+                    failures, error = failures + 1, err
+                    if not isinstance(err, StoreUnavailableError):
+                        self.metrics.add(write_errors=1)
+                continue
             try:
                 items[key] = payload() if callable(payload) else bytes(payload)
             except Exception as err:  # an encoding error loses that chunk only
                 failures, error = failures + 1, err
-        if failures:
-            self.metrics.add(write_errors=failures)
-        try:
-            self.store.put_many(items)  # counts its own write errors
-        except Exception as err:
-            failures, error = failures + len(items), err
+                self.metrics.add(write_errors=1)
+        put()
         if failures:
             if not self._failing:
                 self._failing = True

@@ -9,6 +9,7 @@ from typing import Any
 from ...errors import ServingConfigError
 
 PARAM_KEY = "kvbridge"  # the key in a request's kv_transfer_params, and in the output's kv_transfer_params
+ROUTER_PARAM_KEY = "kvbridge_router"  # what kvbridge serve records of a router's x-vsr-kv-* headers, in the same dict
 CONNECTOR_NAME = "KVBridgeConnector"
 MODULE_PATH = "hf_kvbridge.integrations.vllm"  # what vLLM imports (not __main__ when run with -m)
 REQUEST_MODES = ("opt_in", "all")
@@ -31,8 +32,13 @@ class ConnectorSettings:
             the other model's with the direction into it).
         serves: with `role="both"`, which of the bridge's two models this engine serves (`"target"` or `"source"`).
         store: the KV store's URL (`redis://HOST:PORT/DB`, `rediss://` for TLS, `valkey://`), or `None`.
-        chunk_size: tokens per store chunk (the store's unit; independent of vLLM's block size).
+        chunk_size: tokens per store chunk (the store's unit; independent of vLLM's block size; `None`: the store's
+            `DEFAULT_CHUNK_SIZE`).
         store_ttl_s: lifetime of exported chunks in the store (`None`: until the server evicts them).
+        store_timeout_ms: the deadline of each store lookup (vLLM's scheduler waits at most this long; a dead or hung
+            store is then a miss), and of connecting.
+        store_fetch_parts: a load whose mapped tokens all come from the store is fetched in this many runs, each
+            mapped and written while the next is fetched (`1`: fetch all, then map).
         on_miss: what a mapping engine does when the store holds too little of a prompt: `"prefill"` (the cold path:
             the worker's source model prefills) or `"target"` (the target computes the prompt itself).
         source_weights: whether a mapping engine's worker loads the source model (`False`: store only, no source
@@ -45,8 +51,10 @@ class ConnectorSettings:
     role: str = "target"
     serves: str = "target"
     store: str | None = None
-    chunk_size: int = 256
+    chunk_size: int | None = None
     store_ttl_s: float | None = None
+    store_timeout_ms: float = 50.0
+    store_fetch_parts: int = 4
     on_miss: str = "prefill"
     source_weights: bool = True
 
@@ -98,12 +106,21 @@ def connector_settings(extra: dict[str, Any]) -> ConnectorSettings:
             "kv_connector_extra_config['store'] (e.g. 'redis://127.0.0.1:6379/0', or start one with "
             "`kvbridge store serve`)"
         )
-    chunk_size = extra.get("chunk_size", 256)
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+    chunk_size = extra.get("chunk_size")
+    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
         raise ServingConfigError(f"kv_connector_extra_config['chunk_size'] must be a positive int, not {chunk_size!r}")
     ttl = extra.get("store_ttl_s")
     if ttl is not None and (isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or ttl <= 0):
         raise ServingConfigError(f"kv_connector_extra_config['store_ttl_s'] must be a positive number, not {ttl!r}")
+    parts = extra.get("store_fetch_parts", 4)
+    if isinstance(parts, bool) or not isinstance(parts, int) or parts < 1:
+        raise ServingConfigError(f"kv_connector_extra_config['store_fetch_parts'] must be an int ≥ 1, not {parts!r}")
+    timeout = extra.get("store_timeout_ms", 50.0)
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout <= 60_000:
+        raise ServingConfigError(
+            f"kv_connector_extra_config['store_timeout_ms'] must be a number of milliseconds in (0, 60000], not "
+            f"{timeout!r}"
+        )
     source_weights = extra.get("source_weights", role == "target")
     if not isinstance(source_weights, bool):
         raise ServingConfigError(
@@ -134,6 +151,8 @@ def connector_settings(extra: dict[str, Any]) -> ConnectorSettings:
         store=store,
         chunk_size=chunk_size,
         store_ttl_s=None if ttl is None else float(ttl),
+        store_timeout_ms=float(timeout),
+        store_fetch_parts=parts,
         on_miss=on_miss,
         source_weights=source_weights,
     )
@@ -150,6 +169,8 @@ def kv_transfer_config(
     source_weights: bool | None = None,
     chunk_size: int | None = None,
     store_ttl_s: float | None = None,
+    store_timeout_ms: float | None = None,
+    store_fetch_parts: int | None = None,
     revision: str | None = None,
 ) -> dict[str, Any]:
     """The `kv_transfer_config` dict for `vllm.LLM(...)` (or, as JSON, `vllm serve --kv-transfer-config`).
@@ -168,8 +189,12 @@ def kv_transfer_config(
         on_miss: `"prefill"` (the cold path, the default with source weights) or `"target"`.
         source_weights: `False` for a store-only target (its worker loads no source weights; the default with
             `role="both"`).
-        chunk_size: tokens per store chunk (default 256); both engines must use the same.
+        chunk_size: tokens per store chunk (default: the store's `DEFAULT_CHUNK_SIZE`); both engines must use the
+            same.
         store_ttl_s: lifetime of exported chunks (default: until the server evicts them).
+        store_timeout_ms: the deadline of each store lookup in vLLM's scheduler (default 50 ms).
+        store_fetch_parts: runs a load from the store is fetched in, each mapped while the next arrives (default 4;
+            1: fetch, then map).
         revision: revision of a Hub bridge.
 
     Example:
@@ -187,6 +212,8 @@ def kv_transfer_config(
         "source_weights": source_weights,
         "chunk_size": chunk_size,
         "store_ttl_s": store_ttl_s,
+        "store_timeout_ms": store_timeout_ms,
+        "store_fetch_parts": store_fetch_parts,
         "revision": revision,
     }
     extra.update({key: value for key, value in optional.items() if value is not None})

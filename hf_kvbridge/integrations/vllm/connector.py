@@ -118,6 +118,7 @@ class KVBridgeConnector(KVConnectorBase_V1):
                 store=import_store,
                 exports=export_store,
                 source_weights=settings.source_weights,
+                fetch_parts=settings.store_fetch_parts,
             )
         logger.info(
             "KVBridgeConnector: role %s (serves the bridge's %s), store %s, requests %s",
@@ -185,7 +186,7 @@ class KVBridgeConnector(KVConnectorBase_V1):
         self.scheduler.update_connector_output(connector_output)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        return self.scheduler.request_finished(request)
+        return self.scheduler.request_finished(request, block_ids)
 
     # ==============================
     # Worker-side methods
@@ -201,6 +202,9 @@ class KVBridgeConnector(KVConnectorBase_V1):
 
     def wait_for_save(self):
         self.worker.export_steps(self._get_connector_metadata())
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        return self.worker.get_finished(finished_req_ids)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.get_block_ids_with_load_errors()

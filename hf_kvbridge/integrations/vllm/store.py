@@ -3,7 +3,9 @@ the connector's settings (`open_prefix_store`; the store itself is `hf_kvbridge.
 
 from __future__ import annotations
 
-from urllib.parse import urlsplit, urlunsplit
+from vllm.logger import init_logger
+
+logger = init_logger("vllm.hf_kvbridge")  # under "vllm", so vLLM's handlers format and show it
 
 
 def store_identity(config, side: str) -> str:
@@ -19,24 +21,30 @@ def store_identity(config, side: str) -> str:
 
 
 def open_prefix_store(settings, model_id: str, *, writer: bool = False):
-    """A `PrefixKVStore` of `model_id`'s KV in the store at `settings.store` (chunk size and TTL from `settings`),
-    with an `AsyncWriter` when `writer` (the exporting worker: its steps never wait for the store)."""
-    from ..kv_store import AsyncWriter, PrefixKVStore, open_store
+    """A `PrefixKVStore` of `model_id`'s KV in the store at `settings.store` (chunk size, TTL and deadline from
+    `settings`), with an `AsyncWriter` when `writer` (the exporting worker: its steps never wait for the store)."""
+    from ..kv_store import DEFAULT_CHUNK_SIZE, AsyncWriter, PrefixKVStore, open_store
 
-    kwargs = {} if settings.store_ttl_s is None else {"ttl_s": settings.store_ttl_s}
+    kwargs = {"timeout": settings.store_timeout_ms / 1000}
+    if settings.store_ttl_s is not None:
+        kwargs["ttl_s"] = settings.store_ttl_s
     store = open_store(settings.store, **kwargs)
+    try:  # connect now, so that the first lookups do not pay for it within their deadline
+        store.warm_up()
+    except Exception as error:  # a store that is down at start-up: lookups are misses until it answers
+        logger.warning(
+            "KVBridgeConnector: KV store %s is not reachable at start-up: %s", redact(settings.store), error
+        )
     return PrefixKVStore(
         store,
         model_id=model_id,
-        chunk_size=settings.chunk_size,
+        chunk_size=settings.chunk_size or DEFAULT_CHUNK_SIZE,
         writer=AsyncWriter(store) if writer else None,
     )
 
 
 def redact(url: str) -> str:
     """`url` without its password (for logs)."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    netloc = parts.netloc.replace(f":{parts.password}@", ":***@")
-    return urlunsplit(parts._replace(netloc=netloc))
+    from ..kv_store import safe_url
+
+    return safe_url(url)

@@ -15,7 +15,7 @@ from torch import nn
 from transformers import DynamicCache
 from vllm.logger import init_logger
 
-from ...cache import append_layer, output_cache
+from ...cache import append_layer, output_cache, slice_cache
 from ...errors import KVLayoutError, ServingConfigError
 from ...transfer.plan import TransferPlan
 from ...transfer.steps import SourceKV, TransferSteps
@@ -87,6 +87,8 @@ class BridgeWorker:
         store (`PrefixKVStore`, *optional*): the other model's KV in the store (fetched for loads with `store_end`).
         exports (`PrefixKVStore`, *optional*): this engine's model's KV in the store, with an `AsyncWriter`.
         source_weights (`bool`): whether `bridge.source` is the source model (else a stand-in: store-only).
+        fetch_parts (`int`): runs a load from the store is fetched in, each mapped and written while the next is
+            fetched (`1`: fetch all, then map).
     """
 
     def __init__(
@@ -99,15 +101,18 @@ class BridgeWorker:
         store=None,
         exports=None,
         source_weights: bool = True,
+        fetch_parts: int = 4,
     ):
         self.bridge, self.block_size, self.gate_threshold, self.count = bridge, block_size, gate_threshold, count
         self.store, self.exports, self.source_weights = store, exports, source_weights
+        self.fetch_parts = fetch_parts
         self._layers: dict[str, nn.Module] = {}
         self._export_layout_ok: bool | None = None
         self.source_forward_calls = 0  # source forward passes run in this worker (0 on a store-only target)
         self._invalid_blocks: set[int] = set()
         self._step_outcomes: dict[str, dict[str, Any]] = {}
         self._gate_checks: list[GateCheck] = []
+        self._finished_sending: set[str] = set()  # ended requests whose blocks an export read in this step
 
     def start_load_kv(self, meta, forward_context) -> None:
         """Maps and writes every load of this step's metadata before the forward pass; a failure falls back."""
@@ -163,6 +168,8 @@ class BridgeWorker:
                 "the bridge is not loaded in this worker; the connector loads it at start-up (kv_role kv_both)"
             )
         device = bridge.device
+        if self.store is not None and load.store_end >= load.end and not load.gated:
+            return self.map_from_store(load, layers)
         source_cache = self.source_kv(load)  # (1, H, probe_end, d) per source layer
         # the shared transfer steps, as vLLM runs them: no sinks and no recompute before the forward (the target
         # computes a recomputed tail itself, after the loaded prefix), the probe [probe_start, probe_end) after it
@@ -204,19 +211,72 @@ class BridgeWorker:
             self._gate_checks.append(GateCheck(load, written, steps, probe_slots, layers if readable else None))
         return written
 
+    def map_from_store(self, load: BridgeLoad, layers: dict[str, nn.Module]) -> int:
+        """A load whose mapped tokens `[start, end)` all come from the store: fetched in `fetch_parts` runs
+        (`PrefixKVStore.iter_load`, on a thread of its own), each run mapped by the shared transfer steps and written
+        into the paged cache as soon as it has arrived, while the next one is being fetched, so that the load costs
+        about the longer of the fetch and the mapping, not their sum. Returns the number of tokens written."""
+        from vllm.model_executor.models.utils import extract_layer_index
+
+        bridge = self.bridge
+        device, dtype = bridge.device, bridge.source.dtype
+        began = time.perf_counter()
+        fetched = waited = mapping = writing = 0.0
+        runs = self.store.iter_load(
+            load.token_ids, load.end, load.store_salt, stored=load.store_prefix, start=load.start,
+            parts=self.fetch_parts,
+        )  # fmt: skip
+        positions = torch.arange(load.end, device=device).unsqueeze(0)  # (1, end)
+        while True:
+            started = time.perf_counter()
+            run = next(runs, None)
+            waited += time.perf_counter() - started
+            if run is None:
+                break
+            fetched += run.seconds
+            source = DynamicCache()
+            for index, (k, v) in enumerate(zip(run.keys, run.values, strict=True)):  # (H, n, d) each
+                append_layer(
+                    source, index, k.to(device=device, dtype=dtype)[None], v.to(device=device, dtype=dtype)[None]
+                )
+            plan = TransferPlan(length=run.end, map_start=run.start, map_end=run.end)
+            steps = TransferSteps(plan, bridge.map_cache, positions=positions[:, : run.end],
+                                  num_layers=bridge.target_layout.num_layers)  # fmt: skip
+            started = time.perf_counter()
+            mapped = steps.before_target(StoredRun(source, offset=run.start), cached=run.start)  # [start, end) of run
+            mapping += time.perf_counter() - started
+            started = time.perf_counter()
+            if len(layers) != len(mapped.layers):
+                raise KVLayoutError(
+                    f"vLLM has {len(layers)} attention layers, the mapped cache {len(mapped.layers)}; serve the "
+                    "bridge's own target model (hf_kvbridge.integrations.vllm.target_model)"
+                )
+            slots = slots_of(load.block_ids, self.block_size, run.start, run.end)  # (n,)
+            for name, layer in layers.items():
+                cache_layer = mapped.layers[extract_layer_index(name)]
+                keys = cache_layer.keys[0].transpose(0, 1).to(layer.kv_cache.device).contiguous()  # (n, H, d)
+                values = cache_layer.values[0].transpose(0, 1).to(layer.kv_cache.device).contiguous()
+                write_layer(layer, keys, values, slots)
+            writing += time.perf_counter() - started
+        self.count(
+            fetch_seconds=fetched, fetch_wait_seconds=waited, map_seconds=mapping, write_seconds=writing,
+            load_seconds=time.perf_counter() - began, tokens_fetched=load.end - load.start, store_loads=1,
+        )  # fmt: skip
+        return load.end - load.start
+
     def source_kv(self, load: BridgeLoad):
-        """The source's cache of the load's tokens (at least `[0, probe_end)`): tokens `[0, store_end)` fetched from
-        the KV store (`hf_kvbridge.integrations.kv_store.load_cache`, cast to the source's dtype), the rest computed
-        by the worker's source model over the fetched cache (the cold path when nothing was fetched)."""
+        """The source's cache of the load's tokens (at least `[0, probe_end)`): the tokens of `[0, store_end)` it needs
+        fetched from the KV store (`hf_kvbridge.integrations.kv_store.load_cache`, cast to the source's dtype), the
+        rest computed by the worker's source model over the fetched cache (the cold path when nothing was fetched)."""
         from ..kv_store import load_cache
 
         bridge, cache = self.bridge, None
-        fetched = load.store_end  # whole store chunks; may reach past probe_end (by less than a chunk)
+        fetched = min(load.store_end, load.probe_end)
         if fetched > 0:
             started = time.perf_counter()
             cache = load_cache(
-                self.store, load.token_ids[:fetched], fetched, salt=load.store_salt, dtype=bridge.source.dtype,
-                device=bridge.device,
+                self.store, load.token_ids, fetched, salt=load.store_salt, dtype=bridge.source.dtype,
+                device=bridge.device, stored=load.store_prefix,
             )  # fmt: skip
             self.count(fetch_seconds=time.perf_counter() - started, tokens_fetched=fetched)
         if load.probe_end > fetched:
@@ -237,22 +297,29 @@ class BridgeWorker:
 
     def export_steps(self, meta) -> None:
         """After the forward pass: reads the K/V of each export task's tokens back from the paged cache (one gather
-        per layer; the store's writer thread encodes and writes them, so the step does not wait for the store)."""
-        if self.exports is None or not isinstance(meta, KVBridgeConnectorMetadata) or not meta.exports:
+        per layer; the store's writer thread encodes and writes them, so the step does not wait for the store). An
+        ended request's task (`finished`) is reported in `finished_sending` afterwards, whatever its outcome, so that
+        vLLM frees its blocks."""
+        if not isinstance(meta, KVBridgeConnectorMetadata) or not meta.exports:
             return
         from vllm.model_executor.models.utils import extract_layer_index
 
         layers = sorted(self._layers.items(), key=lambda item: extract_layer_index(item[0]))
         for task in meta.exports:
             try:
+                if self.exports is None:
+                    continue
                 slots = slots_of(task.block_ids, self.block_size, task.start, task.end)  # (T,)
                 keys, values = [], []
                 for _, layer in layers:
                     k, v = read_slots(layer, slots)  # (T, H, d) each, copies
                     keys.append(k.transpose(0, 1).contiguous())  # (H, T, d)
                     values.append(v.transpose(0, 1).contiguous())
-                chunks = self.exports.save(task.token_ids, keys, values, start=task.start, salt=task.salt)
-                self.count(chunks_exported=chunks, tokens_exported=task.end - task.start)
+                chunks = self.exports.save(
+                    task.token_ids, keys, values, start=task.start, salt=task.salt, tail=task.tail
+                )
+                tokens = task.end - task.start
+                self.count(chunks_exported=chunks, partials_exported=int(task.tail), tokens_exported=tokens)
             except Exception as error:  # an export never fails the request: the store just lacks these chunks
                 self.count(export_errors=1)
                 logger.warning(
@@ -263,6 +330,14 @@ class BridgeWorker:
                     type(error).__name__,
                     error,
                 )
+            finally:
+                if task.finished:
+                    self._finished_sending.add(task.req_id)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """The ended requests whose last export read their blocks in this step: vLLM frees their blocks now."""
+        done, self._finished_sending = self._finished_sending, set()
+        return (done or None), None
 
     def check_gates(self) -> None:
         """The quality gate of this step's gated loads, after the forward pass wrote the target's own K/V of the probe
@@ -316,3 +391,17 @@ class BridgeWorker:
             return None
         outcomes, self._step_outcomes = self._step_outcomes, {}
         return KVBridgeWorkerMetadata(outcomes)
+
+
+class StoredRun(SourceKV):
+    """The source's K/V of a run of tokens `[offset, offset + n)` fetched from the store, as the transfer steps read a
+    source cache (from position 0): `kv(start, end)` slices at absolute positions."""
+
+    def __init__(self, cache, offset: int):
+        super().__init__(cache)
+        self.offset = offset
+
+    def kv(self, start: int, end: int):
+        if start == self.offset and end - start == self.cache.get_seq_length():
+            return self.cache
+        return slice_cache(self.cache, start - self.offset, end - self.offset)

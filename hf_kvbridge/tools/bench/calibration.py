@@ -9,9 +9,7 @@ data are those of the real pair. Timing figures need a quiet machine.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import json
 import resource
 import time
 from dataclasses import asdict
@@ -19,11 +17,12 @@ from dataclasses import asdict
 import torch
 from transformers import Qwen3Config
 
-from ...budget import check_budget, fit_bytes, format_bytes, parse_bytes, plan_passes, selection_bytes
+from ...budget import check_budget, fit_bytes, plan_passes, selection_bytes
 from ...calibration.budgeted_fit import fit_bridge_in_passes
 from ...calibration.checks import split_heldout
 from ...errors import InvalidInputError
 from ...precision import bf16_matmul_units, float32_matmul_precision
+from ...sizes import format_bytes, parse_bytes
 from ...statistics.blocks import feature_groups
 from ...statistics.rows import RowStatistics
 from .flop_model import H100_SXM, CalibrationShape, calibration_flops, prefill_flops, probe_rates, project_seconds
@@ -139,30 +138,66 @@ def scale_to_depth(timings: dict, measured: tuple, full: tuple, seq_len: int) ->
     }
 
 
-def run(args: argparse.Namespace) -> dict:
-    source_name, target_name = shape_pair(args.pair, "--pair", CHECKPOINT_SHAPES)
-    dtype = getattr(torch, args.dtype)
-    statistics_dtype = getattr(torch, args.statistics_dtype)
-    budget = parse_bytes(args.statistics_memory)
-    full = shape_config(source_name, args.vocab), shape_config(target_name, args.vocab)
-    layers = layer_counts(args.layers, *full) if args.layers else (None, None)
-    source_config, target_config = (shape_config(n, args.vocab, k) for n, k in zip((source_name, target_name), layers))
+def run(
+    pair: str,
+    *,
+    num_sequences: int,
+    seq_len: int,
+    batch_size: int,
+    heldout_fraction: float,
+    top_k: int,
+    head_mode: str,
+    kv_mode: str,
+    statistics_memory: str,
+    statistics_dtype: str,
+    dtype: str,
+    device: str,
+    statistics_device: str | None = None,
+    matmul_precision: str | None = None,
+    vocab: int | None = None,
+    layers: str | None = None,
+    progress: bool = False,
+) -> dict:
+    """Calibrates random-weight models of the checkpoint shapes `pair` (`"SOURCE:TARGET"`, `shapes.CHECKPOINT_SHAPES`)
+    on random token windows within `statistics_memory`, and returns what it measured: the time of each stage, tokens
+    per second, statistics bytes, peak RSS, the projection to the paper's calibration set (`project`), and with
+    `layers` (`"S:T"`, the first layers only) each stage scaled to the whole pair (`scale_to_depth`). `dtype` and
+    `statistics_dtype` are torch dtype names; `matmul_precision` (`"highest"`, `"high"`, `"medium"`: the float32
+    matmul precision) is set for the run. `kvbridge bench calibration` passes its options (and their defaults) here.
+
+    Example:
+
+    ```python
+    >>> result = run("qwen3-0.6b:qwen3-1.7b", num_sequences=8, seq_len=256, batch_size=2, heldout_fraction=0.125,
+    ...              top_k=6, head_mode="same_head", kv_mode="joint", statistics_memory="8GB",
+    ...              statistics_dtype="float32", dtype="bfloat16", device="cpu", layers="2:2")  # doctest: +SKIP
+    >>> result["tokens_per_second"]  # doctest: +SKIP
+    ```
+    """
+    statistics_dtype_name, dtype_name = statistics_dtype, dtype
+    source_name, target_name = shape_pair(pair, "--pair", CHECKPOINT_SHAPES)
+    dtype = getattr(torch, dtype_name)
+    statistics_dtype = getattr(torch, statistics_dtype_name)
+    budget = parse_bytes(statistics_memory)
+    full = shape_config(source_name, vocab), shape_config(target_name, vocab)
+    counts = layer_counts(layers, *full) if layers else (None, None)
+    source_config, target_config = (shape_config(n, vocab, k) for n, k in zip((source_name, target_name), counts))
     ls, lt = source_config.num_hidden_layers, target_config.num_hidden_layers
     heads, dim = source_config.num_key_value_heads, source_config.head_dim
     row = heads * 2 * dim
-    modes = (args.head_mode, args.kv_mode)
+    modes = (head_mode, kv_mode)
     # refuses before any work, the models' build included
-    mode = check_budget(budget, ls, lt, heads, dim, args.top_k, statistics_dtype, *modes)
+    mode = check_budget(budget, ls, lt, heads, dim, top_k, statistics_dtype, *modes)
     started = time.perf_counter()
-    source = random_model(source_name, dtype, args.device, args.vocab, layers[0])
-    target = random_model(target_name, dtype, args.device, args.vocab, layers[1])
+    source = random_model(source_name, dtype, device, vocab, counts[0])
+    target = random_model(target_name, dtype, device, vocab, counts[1])
     build_s = time.perf_counter() - started
     groups = len(feature_groups(heads, dim, *modes))  # the shapes here are matched pairs
-    windows = torch.randint(0, source.config.vocab_size, (args.num_sequences, args.seq_len),
+    windows = torch.randint(0, source.config.vocab_size, (num_sequences, seq_len),
                             generator=torch.Generator().manual_seed(0))  # fmt: skip
-    _, heldout = split_heldout(len(windows), args.heldout_fraction, 0)
+    _, heldout = split_heldout(len(windows), heldout_fraction, 0)
     timings: dict = {}
-    precision = getattr(args, "float32_matmul_precision", None)
+    precision = matmul_precision
     started = time.perf_counter()
     with torch.no_grad(), float32_matmul_precision(precision) if precision else contextlib.nullcontext():
         bridge, _ = fit_bridge_in_passes(
@@ -171,13 +206,13 @@ def run(args: argparse.Namespace) -> dict:
             windows,
             heldout,
             statistics_memory=budget,
-            top_k=args.top_k,
-            head_mode=args.head_mode,
-            kv_mode=args.kv_mode,
+            top_k=top_k,
+            head_mode=head_mode,
+            kv_mode=kv_mode,
             statistics_dtype=statistics_dtype,
-            batch_size=args.batch_size,
-            statistics_device=args.statistics_device,
-            progress=args.progress,
+            batch_size=batch_size,
+            statistics_device=statistics_device,
+            progress=progress,
             timings=timings,
         )
     wall = time.perf_counter() - started
@@ -190,21 +225,21 @@ def run(args: argparse.Namespace) -> dict:
         passes = plan_passes(selected, row, budget, statistics_dtype, groups)
         pass_bytes = [
             fit_bytes(len(set().union(*(selected[t] for t in group))), len(group), row, statistics_dtype, groups,
-                      args.top_k, args.top_k)
+                      top_k, top_k)
             for group in passes
         ]  # fmt: skip
     one_pass_forward = timings["forward_seconds"] / (1 + len(passes))
     tokens = int(windows.numel())
-    cores = 1 if args.device == "cuda" else torch.get_num_threads()  # per CPU core on CPU; the whole GPU on CUDA
+    cores = 1 if device == "cuda" else torch.get_num_threads()  # per CPU core on CPU; the whole GPU on CUDA
     result = {
-        "pair": args.pair,
+        "pair": pair,
         "mode_if_calibrate": mode,
         "tokens": tokens,
-        "head_mode": args.head_mode,
-        "kv_mode": args.kv_mode,
-        "top_k": args.top_k,
+        "head_mode": head_mode,
+        "kv_mode": kv_mode,
+        "top_k": top_k,
         "statistics_memory": budget,
-        "statistics_dtype": args.statistics_dtype,
+        "statistics_dtype": statistics_dtype_name,
         "float32_matmul_precision": precision or torch.get_float32_matmul_precision(),
         "cpu_bf16_units": bf16_matmul_units("cpu"),
         "heldout_r2_mean": _mean_r2(bridge.config.heldout_r2),
@@ -229,11 +264,11 @@ def run(args: argparse.Namespace) -> dict:
         "overhead_over_two_forward_passes": round(wall / one_pass_forward, 2),
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
     }
-    if args.device == "cuda":
+    if device == "cuda":
         result["peak_cuda_bytes"] = torch.cuda.max_memory_allocated()
     result["projection"] = project(result, timings, PAPER_TOKENS)
-    if args.layers:  # the whole pair's stages, scaled from this run's first layers
-        scaled = scale_to_depth(timings, (source_config, target_config), full, args.seq_len)
+    if layers:  # the whole pair's stages, scaled from this run's first layers
+        scaled = scale_to_depth(timings, (source_config, target_config), full, seq_len)
         scaled["row_statistics"] = timings["row_statistics"]
         result["full_depth"] = {
             "source_layers": full[0].num_hidden_layers,
@@ -286,48 +321,61 @@ def project(result: dict, timings: dict, tokens: int) -> dict:
     }
 
 
-def flop_model(args: argparse.Namespace) -> dict:
-    """`--flop-model`: the FLOPs of each stage of calibrating `args.pair` (`tools.bench.flop_model`) and their time
-    at the rates probed on `args.device` and at the H100 SXM's (datasheet peaks × assumed efficiencies). The fit
-    passes are `--fit-passes` (target layers split evenly), or planned within `--statistics-memory` with the target
-    layers of a pass sharing their `k` source layers, as neighbouring layers mostly do (the fewest passes; the
-    statistics' FLOPs are counted at both ends of the union all the same)."""
-    source_name, target_name = shape_pair(args.pair, "--pair", CHECKPOINT_SHAPES)
-    if getattr(args, "layers", None):
-        raise InvalidInputError("--layers is for a measured run; --flop-model counts the whole pair")
-    source, target = shape_config(source_name, args.vocab), shape_config(target_name, args.vocab)
+def flop_model_report(
+    pair: str,
+    *,
+    num_sequences: int,
+    seq_len: int,
+    top_k: int,
+    head_mode: str,
+    kv_mode: str,
+    statistics_memory: str,
+    statistics_dtype: str,
+    dtype: str,
+    device: str,
+    vocab: int | None = None,
+    fit_passes: int | None = None,
+) -> dict:
+    """`kvbridge bench calibration --flop-model`: the FLOPs of each stage of calibrating `pair`
+    (`tools.bench.flop_model`) and their time at the rates probed on `device` (products in `dtype`) and at the H100
+    SXM's (datasheet peaks × assumed efficiencies). The fit passes are `fit_passes` (target layers split evenly), or
+    planned within `statistics_memory` with the target layers of a pass sharing their `k` source layers, as
+    neighbouring layers mostly do (the fewest passes; the statistics' FLOPs are counted at both ends of the union all
+    the same)."""
+    source_name, target_name = shape_pair(pair, "--pair", CHECKPOINT_SHAPES)
+    source, target = shape_config(source_name, vocab), shape_config(target_name, vocab)
     heads, dim = source.num_key_value_heads, source.head_dim
     if (target.num_key_value_heads, target.head_dim) != (heads, dim):
-        raise InvalidInputError(f"--flop-model needs a pair with one KV layout; {args.pair} has two")
+        raise InvalidInputError(f"--flop-model needs a pair with one KV layout; {pair} has two")
     ls, lt, row = source.num_hidden_layers, target.num_hidden_layers, heads * 2 * dim
-    groups = len(feature_groups(heads, dim, args.head_mode, args.kv_mode))
-    budget = parse_bytes(args.statistics_memory)
-    statistics_dtype = getattr(torch, args.statistics_dtype)
-    if args.fit_passes:
-        if args.fit_passes > lt:
-            raise InvalidInputError(f"--fit-passes {args.fit_passes} is more than the target's {lt} layers")
-        per_pass = -(-lt // args.fit_passes)
-    elif not (per_pass := targets_per_pass(ls, lt, row, statistics_dtype, groups, args.top_k, budget, shared=True)):
-        need = fit_bytes(args.top_k, 1, row, statistics_dtype, groups, args.top_k, args.top_k)
+    groups = len(feature_groups(heads, dim, head_mode, kv_mode))
+    budget = parse_bytes(statistics_memory)
+    statistics_dtype = getattr(torch, statistics_dtype)
+    if fit_passes:
+        if fit_passes > lt:
+            raise InvalidInputError(f"--fit-passes {fit_passes} is more than the target's {lt} layers")
+        per_pass = -(-lt // fit_passes)
+    elif not (per_pass := targets_per_pass(ls, lt, row, statistics_dtype, groups, top_k, budget, shared=True)):
+        need = fit_bytes(top_k, 1, row, statistics_dtype, groups, top_k, top_k)
         raise InvalidInputError(
             f"one target layer needs {format_bytes(need)} but --statistics-memory is {format_bytes(budget)}"
         )
     sizes = tuple(min(per_pass, lt - start) for start in range(0, lt, per_pass))
-    shape = CalibrationShape(ls, lt, heads, dim, args.top_k, groups, args.num_sequences, args.seq_len, sizes)
+    shape = CalibrationShape(ls, lt, heads, dim, top_k, groups, num_sequences, seq_len, sizes)
     flops = calibration_flops(shape, source, target)
     devices = []
-    for rates in (probe_rates(args.device, getattr(torch, args.dtype)), H100_SXM):
+    for rates in (probe_rates(device, getattr(torch, dtype)), H100_SXM):
         seconds = project_seconds(flops, rates)
         devices.append({"rates": asdict(rates), "seconds": seconds,
                         "tokens_per_second": shape.tokens / seconds["total_high"]})  # fmt: skip
-    cores = torch.get_num_threads() if torch.device(args.device).type == "cpu" else None
+    cores = torch.get_num_threads() if torch.device(device).type == "cpu" else None
     if cores:
         devices[0]["tokens_per_second_per_core"] = devices[0]["tokens_per_second"] / cores
     return {
-        "pair": args.pair,
-        "top_k": args.top_k,
-        "head_mode": args.head_mode,
-        "kv_mode": args.kv_mode,
+        "pair": pair,
+        "top_k": top_k,
+        "head_mode": head_mode,
+        "kv_mode": kv_mode,
         "tokens": shape.tokens,
         "fit_passes": list(sizes),
         "statistics_memory": budget,
@@ -336,7 +384,7 @@ def flop_model(args: argparse.Namespace) -> dict:
     }
 
 
-def _flop_table(result: dict) -> str:
+def format_flop_table(result: dict) -> str:
     names = [d["rates"]["name"] for d in result["devices"]]
     lines = ["| stage | FLOPs | " + " | ".join(f"seconds: {n}" for n in names) + " |",
              "|---|---|" + "---|" * len(names)]  # fmt: skip
@@ -350,55 +398,3 @@ def _flop_table(result: dict) -> str:
                            for d in result["devices"])  # fmt: skip
         lines.append(f"| total, fit statistics {end} | | {cells} |")
     return "\n".join(lines)
-
-
-def run_cli(args: argparse.Namespace) -> int:
-    """`kvbridge bench calibration`: prints the result (and writes it with `--json`)."""
-    if args.memory_model:
-        print(memory_table())
-        return 0
-    if args.flop_model:
-        result = flop_model(args)
-        print(
-            f"{args.pair}, top-k {args.top_k}, {args.head_mode} / {args.kv_mode}, {result['tokens']:,} tokens, "
-            f"fit passes of {result['fit_passes']} target layers, {result['flops']['maps']} maps"
-        )
-        print(_flop_table(result))
-        for device in result["devices"]:
-            per_core = device.get("tokens_per_second_per_core")
-            core = f" ({per_core:,.1f} per core)" if per_core else ""
-            print(f"{device['rates']['name']}: {device['tokens_per_second']:,.1f} tokens/s{core}; "
-                  f"rates from {device['rates']['source']}")  # fmt: skip
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(result, f, indent=2)
-        return 0
-    result = run(args)
-    text = json.dumps(result, indent=2)
-    print(text)
-    seconds = {k: result[f"{k}_seconds"] for k in ("forward", "statistics", "selection", "lambda", "solve")}
-    print("time split (s): " + ", ".join(f"{k} {v}" for k, v in seconds.items()))
-    for label, part in (("", result), (" (the whole pair, scaled from its first layers)", result.get("full_depth"))):
-        if part is None:
-            continue
-        projected = part["projection"]
-        if projected["seconds"] is None:
-            print(f"projected to {projected['tokens']:,} tokens{label}: forwards {projected['forward_seconds']:,} s; "
-                  f"the rest not projected: {projected['not_projected']}")  # fmt: skip
-        else:
-            print(
-                f"projected to {projected['tokens']:,} tokens{label}: {projected['seconds']:,} s, of which forwards "
-                f"{projected['forward_seconds']:,} s (statistics + selection + λ + solves: "
-                f"{projected['overhead_over_forwards']}× the forwards)"
-            )
-    print(
-        f"{result['tokens_per_second']} tokens/s ({result['tokens_per_second_per_core']} per core, "
-        f"{result['threads']} threads); statistics: selection "
-        f"{format_bytes(result['selection_statistics_bytes'])}"
-        f", largest fit pass {format_bytes(result['largest_fit_pass_bytes'])} in {result['fit_passes']} pass(es); "
-        f"peak RSS {format_bytes(result['peak_rss_bytes'])}"
-    )
-    if args.json:
-        with open(args.json, "w") as f:
-            f.write(text)
-    return 0

@@ -305,7 +305,7 @@ def exactness_step(device: torch.device) -> dict:
 
     from ...cache import append_layer, output_cache
     from ...mappers.engine import default_schedule
-    from ...rope import _triton_rotate
+    from ...rope import triton_rotate_kv
     from .shapes import qwen3_shape_config, random_bridge
 
     def moved(cache, dtype):
@@ -324,7 +324,7 @@ def exactness_step(device: torch.device) -> dict:
     result = {
         "device": str(device),
         "default_schedule": default_schedule(device),
-        "triton": _triton_rotate() is not None,
+        "triton": triton_rotate_kv() is not None,
     }
     for head_mode in ("all_heads", "same_head"):
         bridge = random_bridge(qwen3_shape_config("small-3l-2x64"), qwen3_shape_config("small-8l-2x64"), top_k=3,

@@ -9,23 +9,14 @@ warm-up. Weights do not change timings, so real-size shapes can be benchmarked w
 
 from __future__ import annotations
 
-import argparse
-import json
-import sys
-
 import torch
 
-from ... import precision
 from ...cache import output_cache
-from ...errors import ContextLengthError, InvalidInputError
 from ...mappers.engine import resolve_schedule
 from ...precision import float32_matmul_precision
-from .floors import measure_ceilings
 from .flop_model import mapper_flops, prefill_flops
-from .ops import format_measures, mapping_measures
-from .shapes import QWEN3_SHAPES, SMALL_SHAPES, qwen3_shape_config, random_bridge, shape_pair
+from .ops import mapping_measures
 from .timing import interleaved_medians, median_seconds, peak_extra_bytes
-from .ttft import format_ttft, time_to_first_token
 
 
 @torch.no_grad()
@@ -173,8 +164,6 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-DEFAULT_BENCH_LENGTHS = (256, 1024, 4096)
-
 # `--old-vs-new`: the default mapping of a float32 bridge at PyTorch's default matmul precision against the one where
 # `torch.set_float32_matmul_precision("medium")` lets it map with a bfloat16 copy of the mapper
 OLD_DEFAULT = "map_cache with the float32 mapper (float32 matmul precision 'highest', PyTorch's default)"
@@ -282,102 +271,3 @@ def format_old_vs_new(rows: list[dict]) -> str:
         )
         lines.append("  ".join(f"{c:>11}" for c in cells))
     return "\n".join(lines)
-
-
-def run_cli(args: argparse.Namespace) -> int:
-    """`kvbridge bench mapper`: a saved bridge (or random weights of public Qwen3 shapes) timed per context length."""
-    dtype = getattr(torch, args.dtype)
-    mapper_dtype = getattr(torch, args.mapper_dtype or args.dtype)
-    if args.shapes:
-        source_name, target_name = shape_pair(args.shapes, "--shapes", {**QWEN3_SHAPES, **SMALL_SHAPES})
-        bridge = random_bridge(
-            qwen3_shape_config(source_name),
-            qwen3_shape_config(target_name),
-            top_k=args.top_k,
-            head_mode=args.head_mode,
-            dtype=dtype,
-            mapper_dtype=mapper_dtype,
-            device=args.device,
-            rank=args.rank,
-        )
-        rank = "" if args.rank is None else f", rank {args.rank}"
-        what = f"random-weight {source_name} → {target_name}, top_k={args.top_k}, {args.head_mode}{rank}"
-    elif args.bridge:
-        from ...modeling import KVBridgeForCausalLM
-
-        bridge = KVBridgeForCausalLM.from_pretrained(args.bridge, dtype=dtype, device_map=args.device)
-        bridge.mapper.to(dtype=mapper_dtype)
-        what = f"{bridge.config.source_name_or_path} → {bridge.config.target_name_or_path} ({args.bridge})"
-    else:
-        raise InvalidInputError("pass a bridge folder or --shapes SOURCE:TARGET")
-    old_new = getattr(args, "old_vs_new", False)  # with --interleave refused by the parser's checks
-    if (
-        mapper_dtype == torch.bfloat16
-        and torch.device(args.device).type == "cpu"
-        and not precision.bf16_matmul_units("cpu")
-    ):
-        print(
-            f"note: this CPU ({torch.backends.cpu.get_cpu_capability()}) has no bfloat16 matrix units; bfloat16 "
-            "products are emulated and far slower than float32 here",
-            file=sys.stderr,
-        )
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    limit = bridge.max_positions
-    if args.lengths is None:  # the defaults, cut to what the models take
-        lengths = [n for n in DEFAULT_BENCH_LENGTHS if n <= limit] or [limit]
-    else:
-        lengths = args.lengths
-        ContextLengthError.check("a --lengths entry", max(lengths), limit, f"pass lengths up to {limit:,}")
-    if old_new:
-        rows = old_vs_new(bridge, lengths, batch=args.batch, repeats=args.repeats, warmup=args.warmup)
-        print(
-            f"{what}; {args.dtype} models, {mapper_dtype} mapper on {args.device}, {torch.get_num_threads()} threads, "
-            f"old and new default mapping in alternating rounds, median of {args.repeats}\n"
-            f"old: {OLD_DEFAULT}\nnew: {NEW_DEFAULT}"
-        )
-        print(format_old_vs_new(rows))
-        if args.json:
-            with open(args.json, "w") as handle:
-                payload = {
-                    "bridge": what,
-                    "old_default": OLD_DEFAULT,
-                    "new_default": NEW_DEFAULT,
-                    "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-                    "cpu_bf16_units": precision.bf16_matmul_units("cpu"),
-                    "old_vs_new": rows,
-                }
-                json.dump(payload, handle, indent=2)
-            print(f"wrote {args.json}")
-        return 0
-    schedule = getattr(args, "schedule", None)
-    ceilings = measure_ceilings(torch.device(args.device), mapper_dtype)
-    rows = benchmark(bridge, lengths, batch=args.batch, repeats=args.repeats, warmup=args.warmup,
-                     interleave=args.interleave, schedule=schedule, ceilings=ceilings)  # fmt: skip
-    order = "interleaved rounds" if args.interleave else "each in a row"
-    print(
-        f"{what}; {args.dtype} models, {mapper_dtype} mapper on {args.device}, {torch.get_num_threads()} threads, "
-        f"median of {args.repeats} ({order}), {rows[0]['schedule']} schedule"
-    )
-    print(format_table(rows))
-    print(format_measures(rows))
-    ttft = end_to_end(bridge, lengths, args) if getattr(args, "end_to_end", False) else None
-    if args.json:
-        with open(args.json, "w") as handle:
-            json.dump({"bridge": what, "ceilings": ceilings, "rows": rows, "ttft": ttft}, handle, indent=2)
-        print(f"wrote {args.json}")
-    return 0
-
-
-def end_to_end(bridge, lengths: list[int], args: argparse.Namespace) -> list[dict]:
-    """`--end-to-end`: time to first token through `generate_from_cache` at each length (`ttft`), eagerly with a
-    dynamic cache, and with `--compile-hold-back` also on a static cache with the hold-back compiled."""
-    generator = torch.Generator().manual_seed(1)
-    variants = [{}] + ([{"static": True, "compile_hold_back": True}] if args.compile_hold_back else [])
-    rows = []
-    for length in lengths:
-        ids = torch.randint(0, bridge.target_layout.vocab_size, (args.batch, length), generator=generator)
-        for variant in variants:
-            rows.append(time_to_first_token(bridge, ids, repeats=args.repeats, warmup=args.warmup, **variant))
-    print(format_ttft(rows))
-    return rows

@@ -105,6 +105,21 @@ def time_to_first_token(
     }
 
 
+def end_to_end(
+    bridge, lengths: list[int], *, batch: int = 1, repeats: int = 5, warmup: int = 1, compile_hold_back: bool = False
+) -> list[dict]:
+    """`kvbridge bench mapper --end-to-end`: `time_to_first_token` at each length on random token ids, eager on a
+    dynamic cache and, with `compile_hold_back`, also on a static cache with the hold-back compiled."""
+    generator = torch.Generator().manual_seed(1)
+    variants = [{}] + ([{"static": True, "compile_hold_back": True}] if compile_hold_back else [])
+    rows = []
+    for length in lengths:
+        ids = torch.randint(0, bridge.target_layout.vocab_size, (batch, length), generator=generator)
+        for variant in variants:
+            rows.append(time_to_first_token(bridge, ids, repeats=repeats, warmup=warmup, **variant))
+    return rows
+
+
 def format_ttft(rows: list[dict]) -> str:
     """`time_to_first_token` rows as a fixed-width table."""
     header = ("tokens", "cache", "target ms", "warm ms", "warm ×", "cold ms", "cold ×", "generate ms", "first s")

@@ -57,6 +57,27 @@ def _describe(point: Point) -> str:
     return f"retention {point.retention:.3f} at cost {point.cost:.3f} ({format_settings(point.settings)})"
 
 
+def check_objective(
+    min_retention: float | None, max_cost: float | None, names: tuple[str, str] = ("min_retention", "max_cost")
+) -> None:
+    """Refuses a search with neither a quality target nor a cost budget (`names`: how the caller spells the two, the
+    command line's `--min-retention` and `--max-cost`). Standard library only: the command line runs it on the parsed
+    arguments before anything loads.
+
+    Example:
+
+    ```python
+    >>> check_objective(None, 0.2)  # a budget alone is enough
+    >>> check_objective(None, None)
+    Traceback (most recent call last):
+    ...
+    hf_kvbridge.errors.InvalidInputError: pass min_retention (a quality target) or max_cost (a cost budget), or both
+    ```
+    """
+    if min_retention is None and max_cost is None:
+        raise InvalidInputError(f"pass {names[0]} (a quality target) or {names[1]} (a cost budget), or both")
+
+
 def choose(points: Sequence[Point], *, min_retention: float | None = None, max_cost: float | None = None) -> Point:
     """The configuration to keep.
 
@@ -67,8 +88,7 @@ def choose(points: Sequence[Point], *, min_retention: float | None = None, max_c
     Raises:
         `TuningError`: no point qualifies (the message names the best one there is), or neither bound is given.
     """
-    if min_retention is None and max_cost is None:
-        raise InvalidInputError("pass min_retention (a quality target) or max_cost (a cost budget), or both")
+    check_objective(min_retention, max_cost)
     valid = [p for p in points if _valid(p)]
     if not valid:
         raise TuningError(

@@ -8,6 +8,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
+from ...constants import MLP_LOSSES
 from ...errors import InvalidInputError
 
 DEFAULT_TOP_K = (2, 4)
@@ -21,6 +22,17 @@ DEFAULT_MLP_LOSS = "attention"  # the mapper comparison's best form (docs/mapper
 DEFAULT_MLP_EPOCHS = 2
 DEFAULT_HIDDEN_STATES = (False, True)  # K/V-only maps, and maps that also read the source's hidden states
 DEFAULT_HIDDEN_STATE_LAYERS = "all"  # which hidden states the calibration pass collects for them
+
+# the calibration pass and the windows of a search (`run_tune`'s defaults and `kvbridge tune`'s)
+DEFAULT_NUM_SEQUENCES = 64
+DEFAULT_SEQ_LEN = 256
+DEFAULT_HELDOUT_FRACTION = 0.1
+DEFAULT_SEED = 0
+DEFAULT_TEXT_FIELD = "text"
+DEFAULT_TUNE_WINDOWS = 16
+DEFAULT_CHECK_WINDOWS = 16
+DEFAULT_CONTEXT = 192
+DEFAULT_CONTINUATION = 32
 
 
 @dataclass
@@ -72,7 +84,6 @@ class TuneGrid:
     hidden_state_layers: str | int | list[int] | None = DEFAULT_HIDDEN_STATE_LAYERS
 
     def __post_init__(self):
-        from ...mappers.mlp import LOSSES
         from ...source_features import check_hidden_state_layers_value
 
         check_hidden_state_layers_value(self.hidden_state_layers)
@@ -87,8 +98,8 @@ class TuneGrid:
                 f"{self.hidden_state_layers!r}, kv_modes={list(self.kv_modes)}"
             )
 
-        if self.mlp_loss not in LOSSES:
-            raise InvalidInputError(f"mlp_loss must be one of {LOSSES}, got {self.mlp_loss!r}")
+        if self.mlp_loss not in MLP_LOSSES:
+            raise InvalidInputError(f"mlp_loss must be one of {MLP_LOSSES}, got {self.mlp_loss!r}")
         if any(int(h) < 1 for h in self.mlp_hidden) or int(self.mlp_epochs) < 1:
             raise InvalidInputError(
                 f"mlp_hidden widths and mlp_epochs must be ≥ 1, got {list(self.mlp_hidden)} and {self.mlp_epochs}"

@@ -3,7 +3,6 @@ the choice measured again on check windows and saved."""
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import json
 import time
@@ -20,8 +19,19 @@ from ...errors import InvalidInputError, TuningError
 from ...statistics.dense import KVStatistics
 from ..bench.flop_model import COST_UNIT
 from ..evaluation import heldout_windows
-from .choice import Point, choose, format_gap, format_settings, format_table, pareto_front
-from .grid import TuneGrid
+from .choice import Point, check_objective, choose, format_table, pareto_front
+from .grid import (
+    DEFAULT_CHECK_WINDOWS,
+    DEFAULT_CONTEXT,
+    DEFAULT_CONTINUATION,
+    DEFAULT_HELDOUT_FRACTION,
+    DEFAULT_NUM_SEQUENCES,
+    DEFAULT_SEED,
+    DEFAULT_SEQ_LEN,
+    DEFAULT_TEXT_FIELD,
+    DEFAULT_TUNE_WINDOWS,
+    TuneGrid,
+)
 from .measure import (
     feature_blocks,
     fit_candidate,
@@ -64,16 +74,16 @@ def run_tune(
     min_retention: float | None = None,
     max_cost: float | None = None,
     grid: TuneGrid | None = None,
-    num_sequences: int = 64,
-    seq_len: int = 256,
-    heldout_fraction: float = 0.1,
+    num_sequences: int = DEFAULT_NUM_SEQUENCES,
+    seq_len: int = DEFAULT_SEQ_LEN,
+    heldout_fraction: float = DEFAULT_HELDOUT_FRACTION,
     batch_size: int = 8,
-    seed: int = 0,
-    tune_windows: int = 16,
-    check_windows: int = 16,
-    context: int = 192,
-    continuation: int = 32,
-    text_field: str = "text",
+    seed: int = DEFAULT_SEED,
+    tune_windows: int = DEFAULT_TUNE_WINDOWS,
+    check_windows: int = DEFAULT_CHECK_WINDOWS,
+    context: int = DEFAULT_CONTEXT,
+    continuation: int = DEFAULT_CONTINUATION,
+    text_field: str = DEFAULT_TEXT_FIELD,
     tokenizer=None,
     out: str | Path | None = None,
     overwrite: bool = False,
@@ -119,8 +129,7 @@ def run_tune(
     >>> result["choice"]["settings"]  # doctest: +SKIP
     ```
     """
-    if min_retention is None and max_cost is None:
-        raise InvalidInputError("pass min_retention (a quality target) or max_cost (a cost budget), or both")
+    check_objective(min_retention, max_cost)  # before any work
     grid = grid or TuneGrid()
     started = time.perf_counter()
     # the residual maps of the grid's layer-recompute values, fitted in the same calibration pass (`n = 0` and
@@ -279,51 +288,3 @@ def _round(value: float | None) -> float | None:
 def _write_json(result: dict, path: str | Path | None) -> None:
     if path is not None:
         Path(path).write_text(json.dumps(result, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-
-
-def run_tune_cli(args: argparse.Namespace) -> int:
-    """`kvbridge tune`: the arguments are parsed and checked by the CLI (`kvbridge_cli/parser.py`)."""
-    grid = TuneGrid(
-        top_k=tuple(args.top_k),
-        ridge_lambdas=tuple(args.ridge_lambdas),
-        kv_modes=tuple(args.kv_modes),
-        ranks=tuple(args.ranks),
-        recompute_fractions=tuple(args.recompute_fractions),
-        recompute_layers=tuple(args.recompute_layers),
-        mlp_hidden=tuple(args.mlp_hidden),
-        mlp_loss=args.mlp_loss,
-        mlp_epochs=args.mlp_epochs,
-        hidden_states=tuple(args.hidden_states),
-        hidden_state_layers=args.hidden_state_layers,
-    )
-    load_kwargs = {"dtype": args.dtype} if args.dtype else {}
-    result = run_tune(
-        args.source,
-        args.target,
-        args.data,
-        args.eval_data,
-        min_retention=args.min_retention,
-        max_cost=args.max_cost,
-        grid=grid,
-        num_sequences=args.num_sequences,
-        seq_len=args.seq_len,
-        heldout_fraction=args.heldout_fraction,
-        seed=args.seed,
-        tune_windows=args.tune_windows,
-        check_windows=args.check_windows,
-        context=args.context,
-        continuation=args.continuation,
-        text_field=args.text_field,
-        out=args.out,
-        overwrite=args.overwrite,
-        json_path=args.json,
-        **load_kwargs,
-    )
-    choice = result["choice"]
-    print(
-        f"chose {format_settings(choice['settings'])}: retention {choice['retention']:.3f} on the tuning windows, "
-        f"{choice['check_retention']:.3f} on {result['settings']['check_windows']} check windows (gap recovered "
-        f"{format_gap(choice['check_gap_recovered'], choice['check_gap_recovered_ci'])}), cost "
-        f"{choice['cost']:.3f}; saved to {args.out}" + (f", all points in {args.json}" if args.json else "")
-    )
-    return 0

@@ -27,15 +27,12 @@ Per task and metric the table gives each mode's value ± lm-eval's standard erro
 
 from __future__ import annotations
 
-import argparse
-import json
 import logging
 import math
 import os
 import subprocess
 import sys
 import time
-from pathlib import Path
 from typing import Any
 from unittest import mock
 
@@ -310,7 +307,7 @@ def task_manager_for(tasks: list[str], include_path: str | None = None):
     tasks too.
 
     Example:
-        >>> from hf_kvbridge.tools.eval_cli import task_manager_for
+        >>> from hf_kvbridge.tools.task_retention import task_manager_for
         >>> task_manager_for(["kvbridge_pocket_cloze"], "eval_tasks/pocket").all_tasks
         ['kvbridge_pocket', 'kvbridge_pocket_cloze', 'kvbridge_pocket_ppl']
     """
@@ -384,83 +381,3 @@ def evaluate_modes(
         "chance": chance,
         "results": by_mode,
     }
-
-
-def run_eval(args: argparse.Namespace) -> int:
-    """`kvbridge eval`: prints the table, optionally writes JSON and the model card."""
-    import torch
-
-    from ..integrations.hub import read_eval_table, render_model_card
-    from ..modeling import KVBridgeForCausalLM
-
-    modes = tuple(m.strip() for m in args.modes.split(",") if m.strip())
-    unknown = sorted(set(modes) - set(EVAL_MODES))
-    if unknown:
-        print(f"error: unknown modes {unknown}; choose from {', '.join(EVAL_MODES)}", file=sys.stderr)
-        return 2
-    limit = None if args.limit is None else (int(args.limit) if args.limit >= 1 else args.limit)
-    load_kwargs = {} if args.dtype in (None, "auto") else {"dtype": getattr(torch, args.dtype)}
-    bridge = KVBridgeForCausalLM.from_pretrained(args.bridge, revision=args.revision, **load_kwargs)
-    bridge.to(args.device or ("cuda" if torch.cuda.is_available() else "cpu")).eval()
-    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
-    out = evaluate_modes(
-        bridge,
-        tasks,
-        modes=modes,
-        include_path=args.include_path,
-        limit=limit,
-        num_fewshot=args.num_fewshot,
-        batch_size=args.batch_size,
-        bootstrap_iters=args.bootstrap_iters,
-        rolling_stride=args.rolling_stride,
-    )
-    print(out["table"])
-    for line in out["warnings"]:
-        print(line, file=sys.stderr)
-    if args.output:
-        import lm_eval
-
-        from ..version import __version__
-
-        payload = {
-            "bridge": str(args.bridge),
-            "source": bridge.config.source_name_or_path,
-            "target": bridge.config.target_name_or_path,
-            "tasks": tasks,
-            "limit": limit,
-            "num_fewshot": args.num_fewshot,
-            "modes": list(modes),
-            "rows": out["rows"],
-            "table": out["table"],
-            "controls_flagged": [f"{r['task']} {r['metric']}" for r in out["rows"] if r.get("controls_flag")],
-            "control_margin": CONTROL_MARGIN,
-            "lm_eval_version": lm_eval.__version__,
-            "hf_kvbridge_version": __version__,
-            "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            # lm-eval's own results per mode (configs, sample counts, versions), JSON-safe
-            "lm_eval_results": json.loads(json.dumps(out["results"], default=str)),
-        }
-        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.output).write_text(json.dumps(payload, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-        print(f"wrote {args.output}")
-    if args.write_card:
-        card_path = Path(args.bridge) / "README.md"
-        if not Path(args.bridge).is_dir():
-            print("error: --write-card needs a local checkpoint folder", file=sys.stderr)
-            return 2
-        previous = card_path.read_text(encoding="utf-8") if card_path.is_file() else ""
-        if read_eval_table(previous):
-            logger.info("replacing the retention table in %s", card_path)
-        table = out["table"]
-        if limit is not None:  # a subset is not the task: say so next to the numbers
-            docs = f"the first {limit}" if isinstance(limit, int) else f"the first {limit:.0%} of the"
-            table += f"\n\nEvaluated on {docs} documents of each task (`--limit {args.limit:g}`), not the full tasks."
-        flagged = [f"{row['task']} {row['metric']}" for row in out["rows"] if row.get("controls_flag")]
-        if flagged:
-            table += (
-                f"\n\nFlagged by the controls (a zero or random cache comes within {CONTROL_MARGIN} of the bridge's "
-                f"retention): {', '.join(flagged)}."
-            )
-        render_model_card(bridge.config, eval_table=table).save(card_path)
-        print(f"wrote the table into {card_path}")
-    return 0
