@@ -175,6 +175,8 @@ def generate_from_source_cache(
     streamer = model_kwargs.pop("streamer", None)
     logits_processor = model_kwargs.pop("logits_processor", None)
     wanted = new_tokens_wanted(generation_config, length)
+    if wanted == 0:  # nothing to generate: nothing to map either
+        return input_ids
     covered = min(held, length - hold_back)
     if cache_implementation not in (None, "dynamic", "static"):
         raise InvalidInputError(
@@ -192,8 +194,6 @@ def generate_from_source_cache(
     if covered > 0:
         piece = source_cache if covered == held else slice_cache(source_cache, 0, covered)
         cache = map_fn(piece, positions[:, :covered], target_cache=cache)
-    if wanted == 0:
-        return input_ids
     forward = target.__call__
     if compile_hold_back is None:
         compile_hold_back = _compiles_decoding(target, cache, generation_config)
