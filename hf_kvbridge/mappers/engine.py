@@ -185,8 +185,9 @@ def chunk_bytes_per_token(mapper: KVMapper) -> int:
 
 def default_schedule(device: torch.device | str) -> str:
     """The schedule `map_cache` uses on `device` when none is asked for: `"layers"` on CUDA (few, large kernels: a
-    GPU is bound by launches and memory traffic, not by a cache's size), `"chunked"` elsewhere (on CPUs the chunked
-    schedule was as fast or faster at every length measured, see docs/benchmarks.md)."""
+    GPU is bound by launches and memory traffic, not by a cache's size), `"chunked"` elsewhere (on a CPU it keeps a
+    64 MB workspace and was as fast from 1K tokens on; the whole-layer one won 5-10 % at 256-512 tokens and lost 5-7 %
+    at 1-2K, docs/benchmarks.md)."""
     return "layers" if torch.device(device).type == "cuda" else "chunked"
 
 
