@@ -39,6 +39,9 @@ DEFAULT_CALIBRATION_DATA = "HuggingFaceFW/fineweb-edu"
 HEAD_MODES = ("all_heads", "same_head")
 # "joint": keys and values of the selected layers → keys and values; "separate": keys from keys, values from values
 KV_MODES = ("joint", "separate")
+# the mapping engine's schedules (`hf_kvbridge.mappers.engine`): "auto" picks by device, whole layers on CUDA,
+# cache-sized chunks elsewhere
+SCHEDULES = ("auto", "chunked", "layers")
 
 # The mapper types of `hf_kvbridge.mappers.MAPPER_REGISTRY` and the `mapper_kwargs` each one's fit accepts, named here
 # so that the settings (and the command line built from them) can offer and check them without importing the mappers;

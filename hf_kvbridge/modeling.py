@@ -40,6 +40,7 @@ from .transfer.layer_recompute import check_layer_recompute
 from .transfer.plan import TransferPlan, plan_from_config
 from .transfer.prefill import transfer_prefill
 from .transfer.session import HandoffSession
+from .transfer.warm_start import check_warm_plan, generate_from_source_cache
 
 logger = logging.getLogger(__name__)
 
@@ -162,29 +163,25 @@ class KVBridgeForCausalLM(nn.Module):
         self,
         source_cache: Cache,
         position_ids: torch.Tensor | None = None,
-        target_cache: DynamicCache | None = None,
+        target_cache: Cache | None = None,
         hidden_states=None,
-    ) -> DynamicCache:
+        schedule: str | None = None,
+    ) -> Cache:
         """Maps a source cache to the cache the target would have built for the same tokens (the mapping engine,
-        `hf_kvbridge.mappers.engine`).
-
-        The mapping streams over the sequence in chunks of tokens (`mapping.chunk_tokens`). For each chunk every
-        source layer is stripped of its rotation once, into a slot of one row buffer that it holds from the first
-        step that reads it to the last (`mapping.row_slots`); each step of `mapping.mapping_plan` (target layers
-        reading the same source layers, mapped by one wide matrix product) reads its source layers from there and
-        writes its rotated keys and its values straight into the new cache's tensors. The chunk's
-        buffers are a workspace kept between calls (per thread, at most `KVMapper.max_chunk_bytes`; see
-        `free_workspace`), so mapping allocates nothing but the cache it returns.
+        `hf_kvbridge.mappers.engine`: cache-sized chunks on a CPU, whole layers and fused kernels on a GPU; its
+        buffers are a workspace kept between calls, see `free_workspace`).
 
         Args:
             source_cache (`Cache`): the source's cache, `L_s` layers of `(batch, kv_heads, seq, head_dim)`.
             position_ids (`torch.LongTensor` of shape `(batch, seq)`, *optional*): positions of the cached tokens
                 (per row for left-padded batches); defaults to `0 … seq-1`.
-            target_cache (`DynamicCache`, *optional*): a cache to append to (positions must continue it);
-                a new one is made otherwise.
+            target_cache (`Cache`, *optional*): a cache to append to (positions must continue it); a new one is
+                made otherwise. A `StaticCache` is written in place by the `"layers"` schedule.
             hidden_states (`tuple[torch.Tensor]`, *optional*): the source's `output_hidden_states` over the cached
                 tokens (`L_s + 1` tensors of `(batch, seq, D_s)`); needed when the mapper reads them
                 (`self.source_features`, `hf_kvbridge.source_features`), ignored otherwise.
+            schedule (`str`, *optional*): `"chunked"` or `"layers"` (`mappers.engine.SCHEDULES`); by default the
+                one for the target's device (`engine.default_schedule`: whole layers on CUDA, chunks on CPU).
 
         Returns:
             `DynamicCache` with `L_t` layers in the target's dtype and device.
@@ -201,6 +198,7 @@ class KVBridgeForCausalLM(nn.Module):
             target_layout=self.target_layout,
             source_features=self.source_features,
             hidden_states=hidden_states if self.source_features is not None else None,
+            schedule=schedule,
         )
 
     def mapping_mapper(self) -> KVMapper:
@@ -415,6 +413,37 @@ class KVBridgeForCausalLM(nn.Module):
         """
         input_ids, attention_mask = generation_inputs(self, input_ids, attention_mask, kwargs)
         return self.target.generate(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+
+    @torch.no_grad()
+    def generate_from_cache(self, source_cache: Cache, input_ids: torch.LongTensor | None = None, **kwargs: Any):
+        r"""Generates like [`~KVBridgeForCausalLM.generate`] from a source cache the caller holds (a warm cascade):
+        maps it in place into the target's cache, runs the target over the prompt's tokens it does not cover (at
+        least the last `hold_back`), takes the first token as `generate` would and lets `generate` continue
+        (`hf_kvbridge.transfer.warm_start`). Refuses configs that need the source's forward (sinks, gate, recompute).
+
+        Args:
+            source_cache (`Cache`): the source's cache of the prompt's first tokens (at `generate`'s positions).
+            input_ids (`torch.LongTensor` of shape `(batch, seq)`): the whole prompt (left padding allowed).
+            kwargs: `generate`'s arguments (`attention_mask`, `max_new_tokens`, `do_sample`, `streamer`, ...), and
+                `cache_implementation="static"` (a `StaticCache` the bridge keeps), `cache=` (an empty cache to map
+                into), `compile_hold_back` (the hold-back through the target's compiled step; by default where
+                `generate` compiles its decoding: a static cache on a GPU).
+
+        Example:
+
+        ```python
+        >>> source_cache = bridge.source(ids, use_cache=True).past_key_values  # doctest: +SKIP
+        >>> bridge.generate_from_cache(source_cache, ids, max_new_tokens=5, do_sample=False)  # doctest: +SKIP
+        ```
+        """
+        if input_ids is None:
+            input_ids = kwargs.pop("inputs", None)
+        length = 0 if input_ids is None else input_ids.shape[-1]
+        self.check_length(length)
+        check_warm_plan(self.transfer_plan(max(length - self.config.hold_back, 0)), self.source_features is not None)
+        keep = self.__dict__.setdefault("_warm_start", {})  # the static cache reused between calls
+        return generate_from_source_cache(self.target, self.map_cache, source_cache, input_ids,
+                                          hold_back=self.config.hold_back, keep=keep, **kwargs)  # fmt: skip
 
     # -- saving and loading --------------------------------------------------------------------------------------
     def save_pretrained(

@@ -5,17 +5,28 @@ Frequencies and `attention_scaling` (YaRN multiplies cos/sin by it) come from th
 from `config.rope_theta`, so every rotary type transformers ships for these families is handled by the model itself.
 
 The rotation is the rotate-half convention of Llama/Qwen/Mistral: `k * cos + rotate_half(k) * sin`.
+
+**Fused rotation** (`rotate_kv`, the operator `torch.ops.kvbridge.rotate_kv`): rotates a list of layers' keys and
+copies their values in one dispatched op, the mapping engine's whole-layer schedule's one pass per layer over the
+keys and values. Its CPU kernel is the eager rotation below (two multiplies and two fused multiply-adds over the key
+halves, then a copy of the values); on CUDA it is one Triton kernel per layer (`hf_kvbridge.rope_triton`: keys and
+values read once, rotated in float32, written once, in any strides and dtypes), or the eager rotation where Triton is
+not installed.
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
+import logging
 
 import torch
 from torch import nn
 
 from .devices import execution_device
 from .errors import KVLayoutError
+
+logger = logging.getLogger(__name__)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -126,6 +137,15 @@ class Rotation:
     def __init__(self, cos: torch.Tensor, sin: torch.Tensor, halves=False):
         self.halves = _halves(cos, sin) if halves is False else halves
         self.cos, self.sin = cos, sin
+        self._tables = None
+
+    @property
+    def half_tables(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """cos/sin of the first half of the dims, `(B, T, d/2)` views made once, for `rotate_kv`; `None` when the
+        rotation is not rotate-half (then only `__call__` applies it)."""
+        if self._tables is None and self.halves is not None:
+            self._tables = (self.halves[0][:, 0], self.halves[1][:, 0])
+        return self._tables
 
     def narrow(self, start: int, end: int) -> Rotation:
         """The same rotation at tokens `[start, end)` only (views, no copy)."""
@@ -174,3 +194,85 @@ def strip_rotary(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> to
         cos, sin (`torch.Tensor` of shape `(batch, seq, head_dim)`): the cos/sin the keys were rotated with.
     """
     return apply_rotary(keys, *inverse_cos_sin(cos, sin))
+
+
+# -- the fused rotation: one dispatched op for many layers ------------------------------------------------------------
+_ROTATE_KV_SCHEMA = (
+    "rotate_kv(Tensor[] keys, Tensor[] values, Tensor cos, Tensor sin, Tensor(a!)[] key_out, Tensor(b!)[] value_out)"
+    " -> ()"
+)
+
+
+def _rotate_kv_eager(keys, values, cos, sin, key_out, value_out) -> None:
+    """`rotate_kv`'s CPU kernel (and CUDA's without Triton): the eager rotation per layer, then the values' copy."""
+    cos_h, sin_h = cos.unsqueeze(1), sin.unsqueeze(1)  # (B, 1, T, d/2): broadcast over heads
+    for k, out in zip(keys, key_out):
+        _rotate(k, cos_h, sin_h, out)
+    for v, out in zip(values, value_out):
+        out.copy_(v)
+
+
+@functools.cache
+def triton_rotate_kv():
+    """`hf_kvbridge.rope_triton.rotate_kv`, the CUDA kernel of `rotate_kv`, where Triton can be imported, else `None`
+    (logged once; CUDA rotations then run eagerly)."""
+    try:
+        from .rope_triton import rotate_kv as kernel
+    except ImportError as err:
+        logger.info("Triton unavailable (%s): CUDA rotations run eagerly", err)
+        return None
+    return kernel
+
+
+def _rotate_kv_cuda(keys, values, cos, sin, key_out, value_out) -> None:
+    kernel = triton_rotate_kv()
+    if kernel is None:
+        _rotate_kv_eager(keys, values, cos, sin, key_out, value_out)
+    else:
+        kernel(keys, values, cos, sin, key_out, value_out)
+
+
+@functools.cache
+def _rotate_kv_op():
+    """`torch.ops.kvbridge.rotate_kv`, defined on first use (an operator of the dispatcher, not a `custom_op`: its
+    call costs what an ATen op's does, a few µs, where `torch.library.custom_op`'s Python wrapper costs ~40 µs)."""
+    namespace = getattr(torch.ops, "kvbridge", None)
+    if namespace is None or not hasattr(namespace, "rotate_kv"):
+        library = torch.library.Library("kvbridge", "FRAGMENT")
+        library.define(_ROTATE_KV_SCHEMA)
+        library.impl("rotate_kv", _rotate_kv_eager, "CompositeExplicitAutograd")
+        library.impl("rotate_kv", _rotate_kv_cuda, "CUDA")
+        _rotate_kv_op.library = library  # the registrations live as long as this object
+    return torch.ops.kvbridge.rotate_kv.default
+
+
+def rotate_kv(
+    keys: list[torch.Tensor],
+    values: list[torch.Tensor],
+    rotation: tuple[torch.Tensor, torch.Tensor],
+    key_out: list[torch.Tensor],
+    value_out: list[torch.Tensor],
+) -> None:
+    """Rotates each of `keys` into `key_out` and copies each of `values` into `value_out`, in one dispatched op.
+
+    Exact to the eager rotation (`Rotation.__call__`) within the output dtype's rounding: float32 to a few ulp (the
+    Triton kernel fuses the multiply-adds), bfloat16 to one rounding (it rounds once, the eager path twice).
+
+    Args:
+        keys, values (`list[torch.Tensor]`): tensors of shape `(batch, heads, seq, head_dim)`, or `(n, batch,
+            heads, seq, head_dim)` for `n` layers at once, any strides and dtypes (`values` may be empty).
+        rotation (`tuple[torch.Tensor, torch.Tensor]`): `Rotation.half_tables`, the half-size cos/sin, float32
+            `(batch, seq, head_dim / 2)` each.
+        key_out, value_out (`list[torch.Tensor]`): where to write, one per input, of the inputs' shapes (views into
+            a larger buffer are fine), in any dtype.
+
+    Example:
+
+    ```python
+    >>> rotation = Rotation(*rotary_cos_sin(model, torch.arange(5)[None]))  # doctest: +SKIP
+    >>> keys = values = torch.randn(1, 2, 5, 16)
+    >>> out = [torch.empty(1, 2, 5, 16) for _ in range(2)]
+    >>> rotate_kv([keys], [values], rotation.half_tables, [out[0]], [out[1]])  # doctest: +SKIP
+    ```
+    """
+    _rotate_kv_op()(keys, values, rotation[0], rotation[1], key_out, value_out)

@@ -21,6 +21,11 @@ the data. Ridge decouples over output columns, so the K columns and the V column
 held-out R² (mean over heads) — exactly what two separate K and V maps would get. The map is then refitted on
 train + held-out statistics with the chosen λ per column (`solve_ridge` with a per-column λ).
 
+**Three ways to search** (`LAMBDA_SEARCHES`): `"eigh"` (the above, float64; the CPU's default), `"eigh32"` (the
+same in float32, each map's chosen λ then checked in float64 by Cholesky and the map searched again in float64 where
+its R² was off by more than `EIGH32_TOLERANCE`) and `"cholesky"` (float64, one factorisation and solve per λ, batched:
+`hf_kvbridge.ridge_path`; as many FLOPs as `"eigh"` for `q = p/6`, all of it matrix-matrix work; CUDA's default).
+
 **Memory** (`p` inputs, `w` outputs, float64; `hf_kvbridge.budget.solve_bytes` plans it): the search keeps at most
 three `p × p` matrices, at the eigendecomposition (its eigenvectors written over the standardized Gram block, plus
 LAPACK's `2p²` workspace); the held-out Gram block is read only after it and rotated in place, `M = Vᵀ Z' V`, so each
@@ -30,12 +35,26 @@ diagonal) and one Cholesky factor. The moments `stats.moments` returns are worke
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from .errors import ConfigurationError, InvalidInputError, StatisticsError
+from .ridge_path import heldout_r2_by_cholesky
+
+logger = logging.getLogger(__name__)
 
 # 1e-6 … 1 in half decades: the search grid of `ridge_lambda="auto"` (relative λ, see the module docstring)
 LAMBDA_GRID: tuple[float, ...] = tuple(float(f"{10 ** (e / 2):.3g}") for e in range(-12, 1))
+
+LAMBDA_SEARCHES = ("eigh", "eigh32", "cholesky")  # `choose_ridge_lambdas(search=...)`, see the module docstring
+EIGH32_TOLERANCE = 1e-4  # R² a float32 search may be off by at its chosen λ before the map is redone in float64
+CHOLESKY_BATCH_BYTES = 2**33  # float64 systems factorised at once by the "cholesky" search (8 GiB)
+
+
+def default_lambda_search(device: torch.device | str) -> str:
+    """The λ search for statistics on `device`: `"cholesky"` on CUDA (its float64 matrix work), else `"eigh"`."""
+    return "cholesky" if torch.device(device).type == "cuda" else "eigh"
 
 
 def _check_count(stats, p: int) -> None:
@@ -247,16 +266,23 @@ def heldout_r2_chunks(
     y_idx: torch.Tensor,
     head_dim: int,
     lambdas: tuple[float, ...] | list[float] = LAMBDA_GRID,
+    search: str = "eigh",
 ) -> torch.Tensor:
     """`heldout_r2_path` for any output columns that are whole `head_dim` chunks (keys only, values only, or both):
-    held-out R² per λ and chunk, `torch.Tensor` of shape `(len(lambdas), q // d)`."""
+    held-out R² per λ and chunk, `torch.Tensor` of shape `(len(lambdas), q // d)`, float64. `search`: `"eigh"`
+    (float64), `"eigh32"` (float32 eigendecomposition and path; `choose_ridge_lambdas` checks its choice) or
+    `"cholesky"` (float64, one factorisation per λ), see the module docstring."""
     if not lambdas or min(lambdas) <= 0:
         raise InvalidInputError(f"the λ grid must be non-empty and every λ > 0, got {list(lambdas)}")
     q = y_idx.numel()
     if q % head_dim:
         raise InvalidInputError(f"{q} output columns are not whole chunks of {head_dim}; pass whole head_dim chunks")
+    if search not in LAMBDA_SEARCHES:
+        raise InvalidInputError(f"the λ search must be one of {LAMBDA_SEARCHES}, got {search!r}")
     if hasattr(train, "rows"):  # `RowStatistics`: the same path from the n × n kernel
         return _heldout_r2_rows(train, heldout, x_idx, y_idx, head_dim, lambdas)
+    if search == "cholesky":
+        return heldout_r2_cholesky(train, heldout, [(x_idx, y_idx)], head_dim, lambdas)[0]
     # Peak memory: three `p × p` float64 matrices (the eigendecomposition: eigenvectors written over the standardized
     # Gram block, plus LAPACK's `2·p²` workspace), with the held-out moments read only after it, rotated in place
     # (see `hf_kvbridge.budget.solve_bytes`)
@@ -265,22 +291,26 @@ def heldout_r2_chunks(
     root = _feature_scale(z).sqrt()  # (p,) D^½
     z.div_(root[:, None]).div_(root[None, :])  # (p, p) standardized Gram block Z = D^-½ C_xx D^-½, in place
     _symmetrize_(z, block)
-    evals = torch.empty(z.shape[0], dtype=torch.float64, device=z.device)
+    work = torch.float32 if search == "eigh32" else torch.float64  # the eigendecomposition's and the path's dtype
+    if work != z.dtype:
+        z = z.to(work)
+    evals = torch.empty(z.shape[0], dtype=work, device=z.device)
     # Z = V Λ Vᵀ; the eigenvectors overwrite Z (`z.mT` is Z itself, Z being symmetric, and column-major as LAPACK
     # wants its output), so no copy of Z is made
     torch.linalg.eigh(z.mT, out=(evals, z.mT))
     evecs = z.mT  # (p, p) V
     del z
     evals.clamp_min_(0)
-    a = evecs.T @ a.div_(root[:, None])  # (p, q): Vᵀ D^-½ C_xy, so W(λ) = D^-½ V diag(1/(Λ+λ)) a
+    a = evecs.T @ a.div_(root[:, None]).to(work)  # (p, q): Vᵀ D^-½ C_xy, so W(λ) = D^-½ V diag(1/(Λ+λ)) a
     # the held-out moments in the same rotated, standardized coordinates
     hmx, hmy, m, c, hvy = _moments(heldout, x_idx, y_idx)
-    m.div_(root[:, None]).div_(root[None, :])
+    m = m.div_(root[:, None]).div_(root[None, :]).to(work)
     rotate_(m, evecs, block)  # (p, p) M = Vᵀ D^-½ C_xx' D^-½ V, over the held-out Gram block
-    c = evecs.T @ c.div_(root[:, None])  # (p, q)
-    shift = evecs.T @ ((hmx - mx) / root)  # (p,): held-out minus train input mean
+    c = evecs.T @ c.div_(root[:, None]).to(work)  # (p, q)
+    shift = evecs.T @ ((hmx - mx) / root).to(work)  # (p,): held-out minus train input mean
     del evecs
-    offset = hmy - my  # (q,)
+    offset = (hmy - my).to(work)  # (q,)
+    hvy = hvy.to(work)
     chunks = q // head_dim
     sst = hvy.view(chunks, head_dim).sum(-1).clamp_min(torch.finfo(torch.float64).tiny)  # (chunks,)
     out = torch.empty(len(lambdas), chunks, dtype=torch.float64)
@@ -292,8 +322,65 @@ def heldout_r2_chunks(
         linear = torch.mul(c, w, out=scratch).sum(0)  # (q,) wᵀ c
         mse = hvy - 2 * linear + quadratic + (offset - shift @ w) ** 2  # (q,)
         sse = mse.clamp_min(0).view(chunks, head_dim).sum(-1)  # (chunks,)
-        out[i] = 1 - sse / sst
+        out[i] = 1 - sse.double().cpu() / sst.cpu()
     return out
+
+
+def heldout_r2_cholesky(
+    train,
+    heldout,
+    maps: list[tuple[torch.Tensor, torch.Tensor]],
+    head_dim: int,
+    lambdas: tuple[float, ...] | list[float] = LAMBDA_GRID,
+) -> list[torch.Tensor]:
+    """`heldout_r2_chunks` of several maps by the `"cholesky"` search: for each λ, `W(λ) = (Z + λI)⁻¹ a` by one
+    Cholesky factorisation and two triangular solves, float64, and its held-out residual from the held-out moments
+    (`wᵀ Z' w − 2 wᵀ c' + …`, as the eigendecomposition's path computes it). Maps of one shape (`p`, `q`) are
+    factorised together, `(maps × λ, p, p)` at a time within `CHOLESKY_BATCH_BYTES`.
+
+    Args:
+        maps (`list[tuple[torch.Tensor, torch.Tensor]]`): `(x_idx, y_idx)` of each map, as `heldout_r2_chunks` takes
+            one.
+
+    Returns:
+        `list[torch.Tensor]`, one `(len(lambdas), q // d)` float64 tensor per map, on the CPU.
+    """
+    results: list[torch.Tensor | None] = [None] * len(maps)
+    shapes: dict[tuple[int, int], list[int]] = {}
+    for i, (x_idx, y_idx) in enumerate(maps):
+        shapes.setdefault((x_idx.numel(), y_idx.numel()), []).append(i)
+    grid = torch.tensor([float(v) for v in lambdas], dtype=torch.float64)
+    for (p, _), members in shapes.items():
+        systems = max(1, CHOLESKY_BATCH_BYTES // (2 * p * p * 8))  # (map, λ) systems at once: each and its factor
+        per_batch = max(1, systems // len(lambdas))  # maps at once, all λ...
+        lam_batch = min(len(lambdas), systems)  # ...or one map's λ in parts where one map's do not fit
+        for start in range(0, len(members), per_batch):
+            group = members[start : start + per_batch]
+            paths = _cholesky_path(train, heldout, [maps[j] for j in group], head_dim, grid, lam_batch)
+            for i, r2 in zip(group, paths):
+                results[i] = r2
+    return results
+
+
+def _cholesky_path(train, heldout, maps, head_dim: int, grid: torch.Tensor, lam_batch: int) -> torch.Tensor:
+    """Held-out R² `(maps, Λ, q // d)` of maps of one shape, `lam_batch` λ of `grid` factorised in one batch."""
+    zs, as_, ms, cs, shifts, offsets, hvys = [], [], [], [], [], [], []
+    for x_idx, y_idx in maps:
+        mx, my, z, a, _ = _moments(train, x_idx, y_idx)
+        root = _feature_scale(z).sqrt()  # (p,) D^½
+        z.div_(root[:, None]).div_(root[None, :])
+        zs.append(_symmetrize_(z, strip_rows(z.shape[0])))  # (p, p) Z
+        as_.append(a.div_(root[:, None]))  # (p, q) D^-½ C_xy
+        hmx, hmy, m, c, hvy = _moments(heldout, x_idx, y_idx)
+        ms.append(m.div_(root[:, None]).div_(root[None, :]))  # (p, p) Z'
+        cs.append(c.div_(root[:, None]))  # (p, q)
+        shifts.append((hmx - mx) / root)  # (p,)
+        offsets.append(hmy - my)  # (q,)
+        hvys.append(hvy)  # (q,)
+    z, a, m, c = (torch.stack(x) for x in (zs, as_, ms, cs))  # (n, p, p), (n, p, q)
+    shift, offset, hvy = torch.stack(shifts), torch.stack(offsets), torch.stack(hvys)  # (n, p), (n, q), (n, q)
+    del zs, as_, ms, cs
+    return heldout_r2_by_cholesky(z, a, m, c, shift, offset, hvy, grid.to(z.device), head_dim, lam_batch).cpu()
 
 
 # -- fewer tokens than inputs: the same maps from the rows (`RowStatistics`) ------------------------------------------
@@ -394,6 +481,7 @@ def choose_ridge_lambdas(
     lambdas: tuple[float, ...] | list[float] = LAMBDA_GRID,
     targets: list[int] | None = None,
     kv_mode: str = "joint",
+    search: str | None = None,
 ) -> tuple[dict[str, list[list[float]]], torch.Tensor]:
     r"""Chooses λ per target layer, head group and K/V by held-out R² (fit on `train`, scored on `heldout`).
 
@@ -435,29 +523,49 @@ def choose_ridge_lambdas(
             chosen["k"].append([])
             chosen["v"].append([])
             continue
+        maps = train.map_groups(layers, t, head_mode, kv_mode)
+        if search is None:
+            search = default_lambda_search(train.moments(maps[0][0][:1], maps[0][1][:1])[0].device)
+        paths = _group_paths(train, heldout, maps, kv_mode, head_dim, grid, search)  # per group (Λ, 2): K, V
         per_group = []
-        if kv_mode == "joint":
-            paths = [
-                heldout_r2_path(train, heldout, x_idx, y_idx, head_dim, grid).mean(1)  # (Λ, 2)
-                for x_idx, y_idx in train.map_groups(layers, t, head_mode)
-            ]
-        else:  # keys from keys, values from values: the key maps of every head group, then the value maps
-            maps = train.map_groups(layers, t, head_mode, "separate")
-            half = len(maps) // 2
-            paths = [
-                torch.stack(
-                    [heldout_r2_chunks(train, heldout, *maps[i + kv * half], head_dim, grid).mean(1) for kv in (0, 1)],
-                    dim=1,
-                )  # (Λ, 2)
-                for i in range(half)
-            ]
-        for path in paths:
+        for g, path in enumerate(paths):
             best = path.argmax(0)  # (2,) first maximum: the smaller λ on ties
+            if search == "eigh32":  # the float64 R² at the chosen λ; off by more than the tolerance: float64 again
+                exact = _group_r2_at(train, heldout, maps, kv_mode, head_dim, g, [grid[int(i)] for i in best])
+                if (exact - path[best, torch.arange(2)]).abs().max() > EIGH32_TOLERANCE:
+                    logger.info("target layer %d, group %d: float32 λ search off in float64; searched again", t, g)
+                    path = _group_paths(train, heldout, maps, kv_mode, head_dim, grid, "eigh", only=g)[0]
+                    best = path.argmax(0)
             per_group.append((best, path[best, torch.arange(2)]))
         chosen["k"].append([grid[int(best[0])] for best, _ in per_group])
         chosen["v"].append([grid[int(best[1])] for best, _ in per_group])
         r2[t] = torch.stack([score for _, score in per_group]).mean(0)
     return chosen, r2
+
+
+def _group_paths(train, heldout, maps, kv_mode: str, head_dim: int, grid, search: str, only: int | None = None):
+    """Held-out R² `(Λ, 2)` (K, V: mean over heads) of each head group of one target layer's `maps` (the statistics'
+    `map_groups` order: one joint map per group, or every group's key map, then the value maps), or of group `only`."""
+    groups = len(maps) if kv_mode == "joint" else len(maps) // 2
+    members = range(groups) if only is None else [only]
+    if kv_mode == "joint":
+        wanted = [maps[g] for g in members]
+    else:
+        wanted = [maps[g + kv * groups] for g in members for kv in (0, 1)]
+    if search == "cholesky":
+        chunk_paths = heldout_r2_cholesky(train, heldout, wanted, head_dim, grid)
+    else:
+        chunk_paths = [heldout_r2_chunks(train, heldout, x, y, head_dim, grid, search=search) for x, y in wanted]
+    if kv_mode == "joint":  # (Λ, heads·2) chunks: per head K then V
+        return [path.view(len(grid), -1, 2).mean(1) for path in chunk_paths]
+    return [torch.stack([k.mean(1), v.mean(1)], dim=1) for k, v in zip(chunk_paths[::2], chunk_paths[1::2])]
+
+
+def _group_r2_at(train, heldout, maps, kv_mode: str, head_dim: int, group: int, lambdas: list[float]):
+    """The float64 held-out R² `(2,)` (K, V) of head group `group` at its K and V λ, by Cholesky."""
+    paths = _group_paths(train, heldout, maps, kv_mode, head_dim, sorted(set(lambdas)), "cholesky", only=group)[0]
+    order = sorted(set(lambdas))
+    return torch.stack([paths[order.index(lambdas[0]), 0], paths[order.index(lambdas[1]), 1]])
 
 
 def effective_ridge_lambda(config) -> float | dict:

@@ -119,6 +119,22 @@ def add_bench(sub) -> None:
         + ",".join(map(str, _defaults.BENCH_LENGTHS))
         + ", cut to the models' maximum positions)",
     )
+    mapper.add_argument(
+        "--schedule",
+        choices=_constants.SCHEDULES,
+        default=None,
+        help="the mapping engine's schedule (default: by device, whole layers on CUDA, chunks on CPU)",
+    )
+    mapper.add_argument(
+        "--end-to-end",
+        action="store_true",
+        help="also time to first token through bridge.generate_from_cache, warm and cold (JSON key ttft)",
+    )
+    mapper.add_argument(
+        "--compile-hold-back",
+        action="store_true",
+        help="with --end-to-end: also a static cache with the hold-back through the target's compiled call",
+    )
     mapper.add_argument("--batch", type=_positive_int, default=1)
     mapper.add_argument("--repeats", type=_positive_int, default=5)
     mapper.add_argument("--warmup", type=int, default=1)

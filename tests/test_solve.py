@@ -9,6 +9,7 @@ import torch
 from hf_kvbridge import KVBridgeForCausalLM
 from hf_kvbridge.calibration.data_pass import collect_statistics
 from hf_kvbridge.calibration.dense_fit import fit_bridge
+from hf_kvbridge.errors import InvalidInputError
 from hf_kvbridge.mappers import KVMapper
 from hf_kvbridge.selection import mapped_heldout_r2, mapper_r2, single_layer_r2
 from hf_kvbridge.solve import (
@@ -335,3 +336,64 @@ def test_a_per_column_lambda_of_the_wrong_length_is_refused_for_sums_and_rows():
         stats.update(x, x + 0.1)
         with pytest.raises(InvalidInputError, match=r"got 3 ridge λ for 4 output columns"):
             solve_ridge(stats, torch.arange(4), torch.arange(4), torch.full((3,), 0.01))
+
+
+# -- the three λ searches -----------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def pocket_statistics():
+    """pocket-s → pocket-l statistics of 24 calibration windows of 96 tokens (4 held out): a real pair."""
+    from transformers import AutoTokenizer
+
+    from hf_kvbridge import pocket
+    from hf_kvbridge.data import token_windows
+
+    tokenizer = AutoTokenizer.from_pretrained(pocket.model_path("pocket-s"))
+    windows = token_windows(pocket.load_texts("calibration"), tokenizer, 24, 96)
+    source, target = pocket.load_model("pocket-s"), pocket.load_model("pocket-l")
+    return collect_statistics(source, target, windows, heldout=[0, 1, 2, 3])
+
+
+MODES = [("all_heads", "joint"), ("same_head", "joint"), ("all_heads", "separate"), ("same_head", "separate")]
+
+
+@pytest.mark.parametrize("head_mode, kv_mode", MODES)
+def test_lambda_searches_choose_the_same_lambda(pocket_statistics, pair_statistics, head_mode, kv_mode):
+    """On a real pair (pocket-s → pocket-l) and a random one: the float32 search (checked in float64) and the
+    batched float64 Cholesky search choose the float64 eigendecomposition's λ at every target layer, head group and
+    K/V, with held-out R² within 1e-4 (float32) and 1e-9 (Cholesky)."""
+    for train, heldout in (pocket_statistics, pair_statistics[-2:]):
+        layers = train.source_layers
+        selected = [[(t + i) % layers for i in range(2)] for t in range(train.target_layers)]
+        args = (train, heldout, selected, head_mode, train.target_kv_heads, train.target_head_dim)
+        reference, r2 = choose_ridge_lambdas(*args, kv_mode=kv_mode, search="eigh")
+        for search, tolerance in (("eigh32", 1e-4), ("cholesky", 1e-9)):
+            chosen, got = choose_ridge_lambdas(*args, kv_mode=kv_mode, search=search)
+            assert chosen == reference, search
+            assert (got - r2).abs().max() <= tolerance, (search, (got - r2).abs().max())
+
+
+def test_float32_search_falls_back_to_float64_where_it_is_off(pocket_statistics, monkeypatch, caplog):
+    """Where the float32 R² at the chosen λ is off by more than the tolerance (here: any difference at all), the map
+    is searched again in float64: the result is the float64 search's, bit for bit, and the fallback is logged."""
+    import logging
+
+    import hf_kvbridge.solve as solve
+
+    train, heldout = pocket_statistics
+    selected = [[t % train.source_layers, (t + 1) % train.source_layers] for t in range(train.target_layers)]
+    args = (train, heldout, selected, "same_head", train.target_kv_heads, train.target_head_dim)
+    reference = choose_ridge_lambdas(*args, search="eigh")
+    monkeypatch.setattr(solve, "EIGH32_TOLERANCE", -1.0)
+    with caplog.at_level(logging.INFO, logger="hf_kvbridge.solve"):
+        chosen, r2 = choose_ridge_lambdas(*args, search="eigh32")
+    assert chosen == reference[0] and torch.equal(r2, reference[1])
+    assert "searched again" in caplog.text
+
+
+def test_lambda_search_default_follows_the_device():
+    from hf_kvbridge.solve import default_lambda_search
+
+    assert default_lambda_search("cpu") == "eigh" and default_lambda_search("cuda:0") == "cholesky"
+    train, held = _stats(64, 0), _stats(64, 1)
+    with pytest.raises(InvalidInputError, match="λ search must be one of"):
+        heldout_r2_chunks(train, held, torch.arange(4), torch.arange(4), 2, search="eigh16")

@@ -251,3 +251,22 @@ def test_calibrate_with_hidden_state_layers(models, tokenizer):
     assert bridge.config.heldout_r2["v"][2] > 0.99, (bridge.config.selected_layers, bridge.config.heldout_r2)
     with pytest.raises(ConfigurationError, match="outside the source's 3 hidden states"):
         hf_kvbridge.calibrate(source, target, CORPUS, tokenizer=tokenizer, hidden_state_layers=[5])
+
+
+@torch.no_grad()
+def test_both_schedules_map_hidden_state_blocks_alike(bridges, windows):
+    """The engine's whole-layer schedule (the GPU's) writes the hidden-state blocks into its rows as the chunked one
+    does: the same cache."""
+    from hf_kvbridge.cache import output_cache
+
+    _, bridge = bridges
+    ids = windows[:2, :20]
+    out = bridge.source(ids, use_cache=True, output_hidden_states=True)
+    mapped = {}
+    for schedule in ("layers", "chunked"):
+        bridge.free_workspace()  # fresh buffers: nothing left from the other schedule
+        mapped[schedule] = bridge.map_cache(output_cache(out), hidden_states=out.hidden_states, schedule=schedule)
+    chunked, layers = mapped["chunked"], mapped["layers"]
+    for a, b in zip(chunked.layers, layers.layers):
+        torch.testing.assert_close(b.keys, a.keys, atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(b.values, a.values, atol=1e-6, rtol=1e-5)

@@ -19,6 +19,7 @@ def bench_mapper(args: argparse.Namespace) -> int:
 
     from .. import precision
     from ..errors import ContextLengthError, InvalidInputError
+    from ..tools.bench.floors import measure_ceilings
     from ..tools.bench.mapper import (
         NEW_DEFAULT,
         OLD_DEFAULT,
@@ -27,7 +28,9 @@ def bench_mapper(args: argparse.Namespace) -> int:
         format_table,
         old_vs_new,
     )
+    from ..tools.bench.ops import format_measures
     from ..tools.bench.shapes import QWEN3_SHAPES, SMALL_SHAPES, qwen3_shape_config, random_bridge, shape_pair
+    from ..tools.bench.ttft import end_to_end, format_ttft
     from ..tools.defaults import BENCH_LENGTHS
 
     dtype = getattr(torch, args.dtype)
@@ -94,18 +97,24 @@ def bench_mapper(args: argparse.Namespace) -> int:
                 json.dump(payload, handle, indent=2)
             print(f"wrote {args.json}")
         return 0
-    rows = benchmark(
-        bridge, lengths, batch=args.batch, repeats=args.repeats, warmup=args.warmup, interleave=args.interleave
-    )
+    ceilings = measure_ceilings(torch.device(args.device), mapper_dtype)  # the FLOP and memory floors' rates
+    rows = benchmark(bridge, lengths, batch=args.batch, repeats=args.repeats, warmup=args.warmup,
+                     interleave=args.interleave, schedule=args.schedule, ceilings=ceilings)  # fmt: skip
     order = "interleaved rounds" if args.interleave else "each in a row"
     print(
         f"{what}; {args.dtype} models, {mapper_dtype} mapper on {args.device}, {torch.get_num_threads()} threads, "
-        f"median of {args.repeats} ({order})"
+        f"median of {args.repeats} ({order}), {rows[0]['schedule']} schedule"
     )
     print(format_table(rows))
+    print(format_measures(rows))
+    ttft = None
+    if args.end_to_end:
+        ttft = end_to_end(bridge, lengths, batch=args.batch, repeats=args.repeats, warmup=args.warmup,
+                          compile_hold_back=args.compile_hold_back)  # fmt: skip
+        print(format_ttft(ttft))
     if args.json:
         with open(args.json, "w") as handle:
-            json.dump({"bridge": what, "rows": rows}, handle, indent=2)
+            json.dump({"bridge": what, "ceilings": ceilings, "rows": rows, "ttft": ttft}, handle, indent=2)
         print(f"wrote {args.json}")
     return 0
 

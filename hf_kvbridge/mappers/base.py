@@ -329,6 +329,36 @@ class KVMapper(nn.Module, HeadLayouts):
             write_keys(keys[:, j::per], key_slot[:, :, :, j].transpose(0, 1))  # (B, G, T, d) view
             value_slot[:, :, :, j].transpose(0, 1).copy_(values[:, j::per])
 
+    def row_views(self, rows: torch.Tensor, batch: int, seq: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Where every slot's keys and values go in a `new_rows` buffer, as two `(L, B, H_s, T, d_s)` views (slot,
+        batch, source head, token, dim), so that one op can write all the slots; `None` where the layout has no such
+        view (`same_head` with a source head read by several groups, or several heads per group: `write_rows`
+        writes those).
+
+        Example:
+
+        ```python
+        >>> mapper = KVMapper([[0], [1, 0]], num_kv_heads=2, head_dim=4, head_mode="all_heads")
+        >>> keys, values = mapper.row_views(mapper.new_rows(1, 5, 2), batch=1, seq=5)
+        >>> keys.shape
+        torch.Size([2, 1, 2, 5, 4])
+        ```
+        """
+        layers = rows.shape[-1] // self.row_width
+        heads, dim = self.source_kv_heads, self.source_head_dim
+        if self.head_mode == "all_heads" and self.kv_mode == "separate":
+            kv = rows.view(2, batch, seq, layers, heads, dim).permute(0, 3, 1, 4, 2, 5)
+        elif self.head_mode == "all_heads":
+            kv = rows.view(batch, seq, layers, heads, 2, dim).permute(4, 2, 0, 3, 1, 5)
+        elif self.target_kv_heads != heads:  # replicated or several source heads per group: no single view
+            return None
+        elif self.kv_mode == "separate":
+            kv = rows.view(2, heads, batch, seq, layers, dim).permute(0, 4, 2, 1, 3, 5)
+        else:
+            kv = rows.view(heads, batch, seq, layers, 2, dim).permute(4, 3, 1, 0, 2, 5)
+        keys, values = kv.unbind(0)  # (L, B, H, T, d) each
+        return keys, values
+
     def layout_rows(self, keys: torch.Tensor, values: torch.Tensor, write_keys=None) -> torch.Tensor:
         """One source layer's keys and values, `(B, H_s, T, d_s)` each, in the mapper's input layout: `(B·T, H_s·2d_s)`
         for `all_heads`, `(H_t, B·T, r·2d_s)` for `same_head` (`new_rows` + `write_rows` for a single layer)."""
@@ -401,7 +431,8 @@ class KVMapper(nn.Module, HeadLayouts):
             result = out[: math.prod(shape)].view(shape)
         start = 0
         for i, x in enumerate(parts):
-            block = weight[:, start : start + x.shape[-1]]  # (G, ·, N)
+            whole = len(parts) == 1 and x.shape[-1] == weight.shape[1]
+            block = weight if whole else weight[:, start : start + x.shape[-1]]  # (G, ·, N)
             start += x.shape[-1]
             if all_heads:
                 block = block[0]
@@ -447,7 +478,10 @@ class KVMapper(nn.Module, HeadLayouts):
         return cache[key][1]
 
     def _stack(self, sources: list[int], targets: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Weights `(G, k·span, n·out)` and bias `(G, n·out)` of `targets`, inputs in `sources` order."""
+        """Weights `(G, k·span, n·out)` and bias `(G, n·out)` of `targets`, inputs in `sources` order (the layer's
+        own tensors, no copy, for one target whose selected order is `sources`)."""
+        if len(targets) == 1 and list(sources) == self.selected_layers[targets[0]]:
+            return self.layers[targets[0]].weight, self.layers[targets[0]].bias
         weight = torch.cat([self._in_source_order(self.layers[t].weight, t, sources) for t in targets], dim=2)
         return weight, torch.cat([self.layers[t].bias for t in targets], dim=1)
 
@@ -478,6 +512,39 @@ class KVMapper(nn.Module, HeadLayouts):
             parts = [self.layer_rows(rows, i) for i in index]
         return self.accumulated_product(parts, weight, bias, out)
 
+    def _product_operands(self, sources: list[int], targets: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """`_stacked(sources, targets)` in the form the product takes them, made once per stack: `(weight (p, N),
+        bias (N,))` for one group (`all_heads` + `joint`), else `(weight (G, p, N), bias (G, 1, N))`."""
+        weight, bias = self._stacked(sources, targets)
+        cache = self.__dict__.setdefault("_stacked_cache", {})
+        key = ("operands", tuple(sources), tuple(targets))
+        kept = cache.get(key)
+        if kept is None or kept[0] is not weight or kept[1] is not bias:  # the stack was rebuilt
+            operands = (weight, bias.unsqueeze(1)) if self.grouped else (weight[0], bias[0])
+            kept = cache[key] = (weight, bias, operands)
+        return kept[2]
+
+    def _product_into(self, index: list[int], rows: torch.Tensor, weight, bias, into: torch.Tensor) -> torch.Tensor:
+        """`[rows of slots index] @ weight + bias` written into `into` (a view, any row stride), with the operands of
+        `_product_operands`: one product when the slots are side by side, else one per slot accumulated in place."""
+        if index == list(range(index[0], index[0] + len(index))):
+            parts = [self.layer_rows(rows, index[0], len(index))]
+        else:
+            parts = [self.layer_rows(rows, i) for i in index]
+        start = 0
+        for i, x in enumerate(parts):  # x (B·T, w) or (G, B·T, w)
+            block = weight if len(parts) == 1 else weight[..., start : start + x.shape[-1], :]
+            start += x.shape[-1]
+            if i == 0 and self.grouped:
+                torch.baddbmm(bias, x, block, out=into)
+            elif i == 0:
+                torch.addmm(bias, x, block, out=into)
+            elif self.grouped:
+                into.baddbmm_(x, block)
+            else:
+                into.addmm_(x, block)
+        return into
+
     def map_targets(
         self,
         sources: list[int],
@@ -485,6 +552,7 @@ class KVMapper(nn.Module, HeadLayouts):
         rows: torch.Tensor,
         out: torch.Tensor | None = None,
         slots: dict[int, int] | None = None,
+        into: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Maps one step of `hf_kvbridge.mappers.engine.mapping_plan` over one chunk of rows.
 
@@ -495,15 +563,26 @@ class KVMapper(nn.Module, HeadLayouts):
             out (`torch.Tensor`, *optional*): flat storage for the result (a reused workspace).
             slots (`dict[int, int]`, *optional*): where each source layer sits in `rows`
                 (`hf_kvbridge.mappers.engine.row_slots`).
+            into (`torch.Tensor`, *optional*): a view to write the result into, of the result's shape and any row
+                stride (the `"layers"` schedule's buffer of every target layer's rows); only for a `groupable`
+                mapper that keeps this class's product (`hf_kvbridge.mappers.engine` checks).
 
         Returns:
             the `len(targets)` target layers side by side in `map_layer`'s layout (`split_rows(..., layers=n)` takes
             them apart).
         """
+        if into is not None:
+            weight, bias = self._product_operands(sources, targets)  # (p, n·out), (n·out,) or with groups
+            index = [s if slots is None else slots[s] for s in sources]
+            return self._product_into(index, rows, weight, bias, into)
         if len(targets) == 1 and sources == self.selected_layers[targets[0]]:
             self.materialize(targets[0])
             index = [s if slots is None else slots[s] for s in sources]
-            mapped = self.map_layer(targets[0], [self.layer_rows(rows, i) for i in index])
+            if self.groupable and index == list(range(index[0], index[0] + len(index))):
+                parts = [self.layer_rows(rows, index[0], len(index))]  # side by side: one wide view, one product
+            else:
+                parts = [self.layer_rows(rows, i) for i in index]
+            mapped = self.map_layer(targets[0], parts)
             self.release(targets[0])
             return mapped
         weight, bias = self._stacked(sources, targets)  # (G, k·span, n·out), (G, n·out)

@@ -5,12 +5,24 @@ source cache ──strip source RoPE──▶ content rows ──mapper──▶
 ```
 
 The engine owns the schedule; a `KVMapper` owns the weights, the row layout and the product of one step over one
-chunk (`KVMapper.write_rows`, `map_targets`, `split_rows`). The engine streams over the sequence in chunks of tokens
-(`chunk_tokens`). For each chunk every source layer is stripped of its rotation once, into a slot of one row buffer
-that it holds from the first step that reads it to the last (`row_slots`); each step of `mapping_plan` (target
-layers reading the same source layers, mapped by one wide matrix product) reads its source layers from there and
-writes its rotated keys and its values straight into the new cache's tensors. The chunk's buffers are a `Workspace`
-kept between calls (per thread, at most `KVMapper.max_chunk_bytes`), so mapping allocates nothing but the cache it
+chunk (`KVMapper.write_rows`, `map_targets`, `split_rows`). Two schedules give the same numbers (`SCHEDULES`; the
+`schedule` argument of `map_cache`, by default chosen by the device: `default_schedule`):
+
+- **`"chunked"`** (CPUs): the engine streams over the sequence in chunks of tokens sized for a CPU's caches
+  (`chunk_tokens`, `KVMapper.max_chunk_bytes`). For each chunk every source layer is stripped of its rotation once,
+  into a slot of one row buffer that it holds from the first step that reads it to the last (`row_slots`); each step
+  of `steps.mapping_plan` (target layers reading the same source layers, mapped by one wide matrix product) reads its
+  source layers from there and writes its rotated keys and its values straight into the new cache's tensors.
+- **`"layers"`** (GPUs; `hf_kvbridge.mappers.layer_schedule`): whole-layer steps. All tokens at once (in as few
+  chunks as the device's free memory allows); every source layer the mapper reads is stripped once per mapping into
+  its own slot of one row buffer, in layer order (so the layers a step reads side by side are one strided view and
+  one product), by one fused op for all of them (`rope.rotate_kv`); each step is one product (a batched one, heads in
+  the batch dimension, for the same-head map) into its columns of one buffer, and one fused rotation then writes every
+  target layer's keys and values into the cache. The ops dispatched do not grow with the length
+  (`hf_kvbridge.tools.bench.ops` counts them). With a `StaticCache` as `target_cache`, the keys and values are written
+  in place into its tensors.
+
+The chunk's buffers are a `Workspace` kept between calls (per thread), so mapping allocates nothing but the cache it
 returns; the workspace also keeps the two rotations (the source's inverse, the target's) of the last positions
 mapped, so mapping again at the same positions runs neither model's rotary embedding (`Workspace.rotations`).
 """
@@ -26,12 +38,15 @@ from torch import nn
 from transformers import Cache, DynamicCache
 
 from ..cache import append_layer, cache_layer_kv, check_cache_shape, new_target_cache
+from ..constants import SCHEDULES
 from ..devices import execution_device, layer_devices
-from ..errors import InvalidInputError, KVLayoutError
+from ..errors import InvalidInputError
 from ..layout import KVLayout
 from ..rope import Rotation, inverse_cos_sin, rotary_cos_sin, rotary_module
 from ..source_features import SourceFeatures
 from .base import KVMapper
+from .layer_schedule import map_span_layers, static_destinations
+from .steps import held_offsets, mapping_plan, row_slots
 
 
 class Workspace:
@@ -136,53 +151,6 @@ class MappingSchedule(NamedTuple):
     chunk: int  # tokens per chunk
 
 
-def mapping_plan(mapper: KVMapper, targets: set[int] | None = None) -> list[tuple[list[int], list[int]]]:
-    """`(source layers in input order, target layers)` steps covering every target layer (of `targets`) once.
-
-    Target layers that read the same set of source layers are one step (`mapper.map_targets` maps them with one wide
-    product of their stacked weights) when the mapper is `groupable` and their weights are at most
-    `mapper.max_group_bytes`; otherwise each is a step of its own, in its selected order."""
-    chosen = [(t, layers) for t, layers in enumerate(mapper.selected_layers) if targets is None or t in targets]
-    if not mapper.groupable:
-        return [(list(layers), [t]) for t, layers in chosen]
-    groups: dict[tuple[int, ...], list[int]] = {}
-    for t, layers in chosen:
-        groups.setdefault(tuple(sorted(layers)), []).append(t)
-    plan = []
-    for sources, group in groups.items():
-        size = sum(p.numel() * p.element_size() for t in group for p in mapper.layers[t].parameters())
-        if len(group) > 1 and size <= mapper.max_group_bytes:
-            plan.append((list(sources), group))
-        else:
-            plan.extend((list(mapper.selected_layers[t]), [t]) for t in group)
-    return sorted(plan, key=lambda step: step[1][0])
-
-
-def row_slots(
-    plan: list[tuple[list[int], list[int]]], last_use: dict[int, int] | None = None
-) -> tuple[dict[int, int], int]:
-    """Where `map_cache` keeps each source layer's rows within a chunk: `(slot of each source layer, slots)`.
-
-    A source layer takes the lowest free slot when the first step that reads it comes, and frees it after the
-    last one, so the buffer holds the layers that are live at once (about `top_k + 1` when each target layer
-    reads the source layers of about its own relative depth), not all of them. A step's layers are placed in
-    ascending order, so consecutive layers read together sit side by side (read as a view, not gathered)."""
-    if last_use is None:
-        last_use = {s: step for step, (sources, _) in enumerate(plan) for s in sources}
-    slot_of: dict[int, int] = {}
-    free: list[int] = []
-    slots = 0
-    for step, (sources, _) in enumerate(plan):
-        for s in sorted(sources):
-            if s not in slot_of:
-                if free:
-                    slot_of[s] = free.pop(0)
-                else:
-                    slot_of[s], slots = slots, slots + 1
-        free = sorted(free + [slot_of[s] for s in sources if last_use[s] == step])
-    return slot_of, slots
-
-
 def schedule(mapper: KVMapper, batch: int, seq: int, targets: set[int] | None = None) -> MappingSchedule:
     """How `map_cache` maps `batch` sequences of `seq` tokens with `mapper`: the plan, where each source layer's rows
     live, and the tokens per chunk, worked out once per mapping. `targets` restricts the plan to those target layers
@@ -215,6 +183,23 @@ def chunk_bytes_per_token(mapper: KVMapper) -> int:
     return schedule(mapper, 1, 1).bytes_per_token
 
 
+def default_schedule(device: torch.device | str) -> str:
+    """The schedule `map_cache` uses on `device` when none is asked for: `"layers"` on CUDA (few, large kernels: a
+    GPU is bound by launches and memory traffic, not by a cache's size), `"chunked"` elsewhere (on a CPU it keeps a
+    64 MB workspace and was as fast from 1K tokens on; the whole-layer one won 5-10 % at 256-512 tokens and lost 5-7 %
+    at 1-2K, docs/benchmarks.md)."""
+    return "layers" if torch.device(device).type == "cuda" else "chunked"
+
+
+def resolve_schedule(schedule: str | None, device: torch.device | str) -> str:
+    """`schedule` checked against `SCHEDULES`, with `None`/`"auto"` resolved by `default_schedule(device)`."""
+    if schedule in (None, "auto"):
+        return default_schedule(device)
+    if schedule not in SCHEDULES:
+        raise InvalidInputError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+    return schedule
+
+
 @torch.no_grad()
 def map_cache(
     source: nn.Module,
@@ -229,7 +214,8 @@ def map_cache(
     *,
     source_features: SourceFeatures | None = None,
     hidden_states=None,
-) -> DynamicCache:
+    schedule: str | None = None,
+) -> Cache:
     """Maps `source_cache` (of `source`) to the cache `target` would have built for the same tokens.
 
     Target layers that attend to all tokens are mapped over every token; a sliding-window target layer only over the
@@ -246,17 +232,21 @@ def map_cache(
             their last tokens), keys post-RoPE.
         position_ids (`torch.LongTensor` of shape `(batch, seq)`, *optional*): positions of the cached tokens (per
             row for left-padded batches); defaults to `0 … seq-1`.
-        target_cache (`DynamicCache`, *optional*): a cache to append to (positions must continue it).
+        target_cache (`Cache`, *optional*): a cache to append to (positions must continue it): a `DynamicCache`, or
+            a `StaticCache` (of full-attention layers) that the `"layers"` schedule writes into in place.
         workspace ([`Workspace`], *optional*): buffers to reuse; fresh ones otherwise.
         target_layout ([`KVLayout`], *optional*): the target's layout (read from its config otherwise).
         source_features ([`SourceFeatures`], *optional*), hidden_states (*optional*): when the mapper reads the
             source's hidden states beside its K/V (`hf_kvbridge.source_features`: selected blocks `≥ L_s`), the
             feature layout and the source's `output_hidden_states` of the cached tokens (`L_s + 1` tensors of
             `(batch, seq, D_s)`); their blocks are written into the row slots as they are (no rotation).
+        schedule (`str`, *optional*): `"chunked"` or `"layers"` (see the module docstring); `None`/`"auto"` picks by
+            the target's device (`default_schedule`). Both compute the same map.
 
     Returns:
-        `DynamicCache` with `L_t` layers in the target's dtype, each on the device of its target layer
-        (`devices.layer_devices`: one device, or the layers' devices of a target split by a `device_map`).
+        `target_cache`, or a new `DynamicCache`, with `L_t` layers in the target's dtype, each on the device of its
+        target layer (`devices.layer_devices`: one device, or the layers' devices of a target split by a
+        `device_map`).
     """
     src = source_layout
     tgt = target_layout if target_layout is not None else KVLayout.from_config(target.config)
@@ -269,24 +259,32 @@ def map_cache(
         position_ids = torch.arange(seq, device=first_keys.device).unsqueeze(0).expand(first_keys.shape[0], -1)
     features = _check_features(mapper, src, source_features, hidden_states, first_keys.shape[0], seq)
     workspace = workspace if workspace is not None else Workspace()
+    schedule = resolve_schedule(schedule, execution_device(target))
     # target layers by the tokens they keep: all of them (full attention) or the last `window - 1` (sliding)
     by_span: dict[int, set[int]] = {}
     for t in range(tgt.num_layers):
         by_span.setdefault(tgt.kept_tokens(t, seq), set()).add(t)
-    mapped: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-    for span, targets in sorted(by_span.items(), reverse=True):
-        mapped.update(
-            _map_span(
-                source, target, mapper, src, source_cache, position_ids, seq - span, targets, workspace, features
-            )
-        )
     cache = target_cache if target_cache is not None else new_target_cache(target.config)
+    places = layer_devices(target, tgt.num_layers)
+    into = None  # {target layer: (keys, values)} views of a static cache to write into, in place
+    if schedule == "layers" and list(by_span) == [seq] and all(p == execution_device(target) for p in places):
+        into = static_destinations(cache, mapper, first_keys.shape[0], seq, places, target.dtype)
+    mapped: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    map_span = map_span_layers if schedule == "layers" else _map_span
+    for span, targets in sorted(by_span.items(), reverse=True):
+        args = (source, target, mapper, src, source_cache, position_ids, seq - span, targets, workspace, features)
+        mapped.update(map_span(*args, into=into) if into is not None else map_span(*args))
+    if into is not None:  # written in place: the layers now hold `seq` more tokens
+        for layer in cache.layers:
+            layer.cumulative_length.add_(seq)
+        return cache
     # a target split over devices reads each layer's cache on that layer's device (peft's
     # `map_cache_to_layer_device_map`); `.to` is free where it is the device the mapping ran on
-    places = layer_devices(target, tgt.num_layers)
     for t in range(tgt.num_layers):
         keys, values = mapped[t]
-        append_layer(cache, t, keys.to(places[t]), values.to(places[t]))
+        if keys.device != places[t]:
+            keys, values = keys.to(places[t]), values.to(places[t])
+        append_layer(cache, t, keys, values)
         layer = cache.layers[t]
         if keys.shape[2] < seq and hasattr(layer, "cumulative_length"):  # a sliding layer got only its window
             layer.cumulative_length += seq - keys.shape[2]
@@ -316,20 +314,7 @@ def _map_span(
     span = seq - first
     plan, last_use, slots, num_slots, widest, _, chunk = schedule(mapper, batch, span, targets)  # steps, slots, chunk
     heads, dim = mapper.target_kv_heads, mapper.target_head_dim  # of the new cache
-    offsets = {}  # source layer → tokens it has dropped (a sliding layer holds only its last ones)
-    for sources, _ in plan:
-        for s in sources:
-            if s >= src.num_layers:  # a hidden-state block: the source's hidden states cover every token
-                offsets[s] = 0
-                continue
-            held = cache_layer_kv(source_cache, s)[0].shape[2]
-            offsets[s] = seq - held
-            if offsets[s] > first:
-                raise KVLayoutError(
-                    f"source layer {s} holds only its last {held} of {seq} tokens, but the mapper reads it for "
-                    f"tokens from {first} on (a sliding-window layer chosen for a layer that needs more tokens); "
-                    "recalibrate so that selection keeps such layers for sliding-window target layers only"
-                )
+    offsets = held_offsets(source_cache, src, plan, seq, first)  # source layer → tokens it has dropped
     outputs = [  # the new cache's tensors, one (2, n, B, H, T, d) block per step: [0] keys, [1] values
         torch.empty((2, len(step_targets), batch, heads, span, dim), dtype=target.dtype, device=device)
         for _, step_targets in plan

@@ -12,14 +12,22 @@ from __future__ import annotations
 import torch
 
 from ...cache import output_cache
+from ...mappers.engine import resolve_schedule
 from ...precision import float32_matmul_precision
 from .flop_model import mapper_flops, prefill_flops
+from .ops import mapping_measures
 from .timing import interleaved_medians, median_seconds, peak_extra_bytes
 
 
 @torch.no_grad()
 def mapper_vs_prefill(
-    bridge, input_ids: torch.Tensor, repeats: int = 5, warmup: int = 1, interleave: bool = False
+    bridge,
+    input_ids: torch.Tensor,
+    repeats: int = 5,
+    warmup: int = 1,
+    interleave: bool = False,
+    schedule: str | None = None,
+    ceilings: dict | None = None,
 ) -> dict:
     """Times target re-prefill, mapper and source prefill for one context, with FLOP efficiency and memory.
 
@@ -31,7 +39,9 @@ def mapper_vs_prefill(
 
     Each of the three runs `repeats` times in a row (the usual way: warm caches, memory the allocator just freed);
     with `interleave=True` the rounds run source, mapper, target, so the mapper runs right after a source prefill,
-    as in a cascade, and each one after the others have evicted its data.
+    as in a cascade, and each one after the others have evicted its data. `schedule` is the engine's
+    (`hf_kvbridge.mappers.engine.SCHEDULES`); the row also holds the mapping's ops, device time and floors
+    (`ops.mapping_measures`, with the device's measured `ceilings`).
     """
     from ...devices import execution_device
 
@@ -41,7 +51,7 @@ def mapper_vs_prefill(
     source_cache = output_cache(bridge.source.model(input_ids=ids_s, use_cache=True))
     fns = {  # in cascade order when interleaved: the mapper runs right after a source prefill
         "source": lambda: bridge.source.model(input_ids=ids_s, use_cache=True),
-        "mapper": lambda: bridge.map_cache(source_cache),
+        "mapper": lambda: bridge.map_cache(source_cache, schedule=schedule),
         "target": lambda: bridge.target.model(input_ids=ids_t, use_cache=True),
     }
     if interleave:
@@ -49,7 +59,8 @@ def mapper_vs_prefill(
     else:
         seconds = {name: median_seconds(fn, device, repeats, warmup) for name, fn in fns.items()}
     target_s, map_s, source_s = seconds["target"], seconds["mapper"], seconds["source"]
-    peak = peak_extra_bytes(lambda: bridge.map_cache(source_cache), device)  # workspace already there (warm)
+    peak = peak_extra_bytes(lambda: bridge.map_cache(source_cache, schedule=schedule), device)  # warm workspace
+    measures = mapping_measures(bridge, fns["mapper"], *input_ids.shape, map_s, ceilings)
     target_flops = prefill_flops(bridge.target.config, int(input_ids.shape[1])) * input_ids.shape[0]
     map_flops = mapper_flops(bridge.mapper, tokens)
     return {
@@ -77,6 +88,8 @@ def mapper_vs_prefill(
         "mapper_dtype": str(bridge.mapper.layout_dtype()),
         "threads": torch.get_num_threads(),
         "interleaved": interleave,
+        "schedule": resolve_schedule(schedule, device),
+        **measures,
     }
 
 
@@ -95,6 +108,8 @@ def benchmark(
     warmup: int = 1,
     seed: int = 0,
     interleave: bool = False,
+    schedule: str | None = None,
+    ceilings: dict | None = None,
 ) -> list[dict]:
     """`mapper_vs_prefill` at each context length on random token ids.
 
@@ -110,7 +125,7 @@ def benchmark(
     rows = []
     for length in lengths:
         ids = torch.randint(0, vocab, (batch, length), generator=generator)
-        rows.append(mapper_vs_prefill(bridge, ids, repeats=repeats, warmup=warmup, interleave=interleave))
+        rows.append(mapper_vs_prefill(bridge, ids, repeats, warmup, interleave, schedule, ceilings))
     return rows
 
 

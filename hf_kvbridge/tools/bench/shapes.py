@@ -22,6 +22,7 @@ import torch
 from transformers import AutoModelForCausalLM, PretrainedConfig, Qwen3Config, Qwen3ForCausalLM
 
 from ...configuration import KVBridgeConfig
+from ...devices import execution_device
 from ...errors import InvalidInputError
 from ...layout import check_matched
 from ...mappers import KVMapper
@@ -113,23 +114,33 @@ def random_bridge(
     Each target layer reads the `top_k` source layers closest in relative depth. With `rank`, the mapper is a
     `LowRankKVMapper` of that rank.
     """
-    from ...modeling import KVBridgeForCausalLM
-
-    src, tgt = check_matched(source_config, target_config, "source", "target")
+    check_matched(source_config, target_config, "source", "target")
     with torch.device(device):
         source = AutoModelForCausalLM.from_config(source_config, dtype=dtype).eval()
         target = AutoModelForCausalLM.from_config(target_config, dtype=dtype).eval()
+    return random_mapper_bridge(source, target, top_k=top_k, head_mode=head_mode, mapper_dtype=mapper_dtype, rank=rank)
+
+
+def random_mapper_bridge(
+    source, target, *, top_k: int = 6, head_mode: str = "all_heads", mapper_dtype=None, rank: int | None = None
+):
+    """A bridge of `source` and `target` (models already built: several mappers over one pair) with a random mapper,
+    as `random_bridge` makes it."""
+    from ...modeling import KVBridgeForCausalLM
+
+    src, tgt = check_matched(source.config, target.config, "source", "target")
     k = min(top_k, src.num_layers)
     selected = []
     for t in range(tgt.num_layers):
         depth = (t + 0.5) / tgt.num_layers * src.num_layers
         selected.append(sorted(range(src.num_layers), key=lambda s: abs(s + 0.5 - depth))[:k])
-    if rank is None:
-        mapper = KVMapper(selected, src.num_kv_heads, src.head_dim, head_mode)
-    else:
-        from ...mappers.low_rank import LowRankKVMapper
+    with torch.device(execution_device(target)):  # the weights made where they map
+        if rank is None:
+            mapper = KVMapper(selected, src.num_kv_heads, src.head_dim, head_mode)
+        else:
+            from ...mappers.low_rank import LowRankKVMapper
 
-        mapper = LowRankKVMapper(selected, src.num_kv_heads, src.head_dim, head_mode, rank)
+            mapper = LowRankKVMapper(selected, src.num_kv_heads, src.head_dim, head_mode, rank)
     with torch.no_grad():
         for name, weight in mapper.named_parameters():
             if not name.endswith("bias"):
