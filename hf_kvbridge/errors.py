@@ -96,6 +96,10 @@ def unknown_mapper_type(name: str, known) -> MapperError:
     )
 
 
+class BenchmarkError(KVBridgeError, ChildProcessError):
+    """A process a benchmark started (one engine of `kvbridge bench vllm`) exited non-zero; its output says why."""
+
+
 class TuningError(KVBridgeError, ValueError):
     """No configuration of a tuning grid meets the quality target or the cost budget (`kvbridge tune`)."""
 
@@ -116,6 +120,7 @@ class StoreMissError(KVBridgeError, OSError):
 
 
 __all__ = [
+    "BenchmarkError",
     "CalibrationDataError",
     "CheckpointExistsError",
     "CheckpointFileError",

@@ -51,6 +51,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from hf_kvbridge.errors import BenchmarkError
+
 
 def calibrated_pocket_bridge(
     out: Path, source: str, target: str, num_sequences: int, seq_len: int, top_k: int
@@ -409,7 +411,7 @@ def _spawn(spec: dict[str, Any], folder: Path, name: str) -> dict[str, Any]:
     spec_path.write_text(json.dumps(spec))
     proc = subprocess.run([sys.executable, "-m", "hf_kvbridge.tools.bench.vllm", str(spec_path), str(out_path)])
     if proc.returncode != 0:
-        raise RuntimeError(
+        raise BenchmarkError(
             f"the benchmark's {name} engine failed (exit status {proc.returncode}); see its output above"
         )
     return json.loads(out_path.read_text())
