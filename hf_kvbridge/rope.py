@@ -226,7 +226,7 @@ def triton_rotate_kv():
 
 def _rotate_kv_cuda(keys, values, cos, sin, key_out, value_out) -> None:
     kernel = triton_rotate_kv()
-    if kernel is None:
+    if kernel is None or (values and len(values) != len(keys)):  # the kernel pairs each key with its value
         _rotate_kv_eager(keys, values, cos, sin, key_out, value_out)
     else:
         kernel(keys, values, cos, sin, key_out, value_out)

@@ -19,8 +19,6 @@ import torch
 import triton
 import triton.language as tl
 
-from .errors import InvalidInputError
-
 BLOCK_TOKENS = 32  # tokens per program: a (32, d/2) tile of each key half, two of the value
 
 
@@ -136,14 +134,10 @@ def rotate_kv(
 
     Args:
         keys, values (`list[torch.Tensor]`): `(B, H, T, d)` or `(n, B, H, T, d)` (n layers) each, any strides;
-            `values` empty or one per key.
+            `values` empty or one per key (`hf_kvbridge.rope.rotate_kv` runs other pairings eagerly).
         cos, sin (`torch.Tensor` of shape `(B, T, d/2)`): the half-size tables, float32.
         key_out, value_out (`list[torch.Tensor]`): outputs of the inputs' shapes.
     """
-    if values and len(values) != len(keys):
-        raise InvalidInputError(
-            f"rotate_kv got {len(keys)} keys and {len(values)} values; pass one value per key or none"
-        )
     lists = [keys, values, key_out, value_out] if values else [keys, keys, key_out, key_out]
     if len(keys) > 1 and all(_uniform(x) for x in lists) and all(x[0].dtype in _TRITON_TYPES for x in lists):
         _rotate_layers(lists, cos, sin, bool(values))  # many layers of one layout (the engine's): one launch

@@ -525,7 +525,7 @@ def choose_ridge_lambdas(
             continue
         maps = train.map_groups(layers, t, head_mode, kv_mode)
         if search is None:
-            search = default_lambda_search(train.moments(maps[0][0][:1], maps[0][1][:1])[0].device)
+            search = default_lambda_search(maps[0][0].device)  # the index tensors live with the statistics
         paths = _group_paths(train, heldout, maps, kv_mode, head_dim, grid, search)  # per group (Λ, 2): K, V
         per_group = []
         for g, path in enumerate(paths):

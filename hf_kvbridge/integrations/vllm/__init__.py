@@ -108,7 +108,6 @@ from .configuration import (
 from .paged_cache import read_slots, reads_back, slots_of, write_layer
 from .rotary import RotaryOnlyTarget, rotary_embedding_class
 from .serve import serve_command, serve_main
-from .store import open_prefix_store, store_identity
 
 # the modules that import vLLM load on first use of one of their names (PEP 562), so that the paged-cache and rotary
 # helpers above import without vLLM (the GPU benchmark checks them on a machine that has none)
@@ -119,6 +118,8 @@ _LAZY = {
         "metadata",
     ),
     "BridgeScheduler": "scheduler",
+    "open_prefix_store": "store",
+    "store_identity": "store",
     "BridgeWorker": "worker",
     "load_bridge": "worker",
 }

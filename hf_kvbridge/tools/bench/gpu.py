@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import gc
 import json
 import os
@@ -251,10 +252,14 @@ def ttft_step(state: dict, kind: str, length: int, settings: dict) -> dict:
 def calibration_step(settings: dict) -> dict:
     """The paper's calibration of the small pair (`kvbridge bench calibration`), its stages and projection."""
     from ...solve import default_lambda_search
-    from .calibration import run
+    from .calibration import CalibrationWorkload, run
 
-    args = argparse.Namespace(**settings["calibration"])
-    return {**run(args), "lambda_search": default_lambda_search(args.statistics_device)}
+    c = settings["calibration"]
+    workload = CalibrationWorkload(**{f.name: c[f.name] for f in dataclasses.fields(CalibrationWorkload)})
+    result = run(workload, batch_size=c["batch_size"], heldout_fraction=c["heldout_fraction"],
+                 statistics_device=c["statistics_device"], matmul_precision=c["float32_matmul_precision"],
+                 layers=c["layers"], progress=c["progress"])  # fmt: skip
+    return {**result, "lambda_search": default_lambda_search(c["statistics_device"])}
 
 
 @torch.no_grad()
