@@ -50,6 +50,7 @@ from hf_kvbridge.integrations.kv_store import (
     start_local_server,
 )
 from hf_kvbridge.integrations.kv_store.local_server import free_port
+from hf_kvbridge.integrations.kv_store.prefix import fetch_runs
 from hf_kvbridge.integrations.kv_store.sizing import HEADER_BYTES_FIXED, HEADER_BYTES_PER_LAYER, TOKEN_ID_BYTES
 from hf_kvbridge.pocket import model_path
 from tests.conftest import VOCAB, qwen3, sigint_as_in_a_terminal
@@ -627,17 +628,29 @@ def test_iter_load_yields_runs_that_join_into_the_load_and_stops_at_a_missing_ru
     save_cache(prefix, ids, cache)  # 9 whole chunks and a remainder of 6: 10 entries
     found = prefix.lookup(ids)
     runs = list(prefix.iter_load(ids, 150, stored=found, start=20, parts=4))
-    assert [(run.start, run.end) for run in runs] == [(20, 64), (64, 112), (112, 150)]  # 9 entries from token 20
+    # 9 entries from token 20, in runs of about equal bytes: 2, 2, 2 whole chunks and 2 with the remainder
+    assert [(run.start, run.end) for run in runs] == [(20, 48), (48, 80), (80, 112), (112, 150)]
     assert all(run.seconds > 0 for run in runs)
     keys, _ = prefix.load(ids, 150, stored=found)
     for layer in range(2):  # the runs, joined, are the load from token 20 on: the model's own K/V
         joined = torch.cat([run.keys[layer] for run in runs], dim=1)
         assert torch.equal(joined, keys[layer][:, 20:]) and torch.equal(keys[layer], cache.layers[layer].keys[0])
     store.delete_many([found.pieces[5][0]])  # evicted: the run that holds tokens [80, 96) fails, the first not
-    iterator = prefix.iter_load(ids, 150, stored=found, parts=3)  # runs of 4, 4 and 2 entries
-    assert next(iterator).end == 64
+    iterator = prefix.iter_load(ids, 150, stored=found, parts=3)  # runs of 3, 3 and 4 entries (3 whole chunks each)
+    assert next(iterator).end == 48
     with pytest.raises(StoreMissError, match=r"tokens \[80, 96\)"):
         next(iterator)
+
+
+@torch.no_grad()
+def test_fetch_runs_balance_bytes_not_entries():
+    """A whole chunk outweighs a partial chunk's sub-chunks: runs of equal counts would fetch most bytes first."""
+    whole = [(f"w{i}", 256 * i, 256 * (i + 1), 256) for i in range(3)]  # 3 whole chunks of 256 tokens
+    subs = [(f"s{j}", 768 + 16 * j, 784 + 16 * j, 16) for j in range(14)]  # 14 sub-chunks of a partial chunk
+    runs = fetch_runs([*whole, *subs, ("r", 992, 1000, 8)], 4)
+    assert [len(run) for run in runs] == [1, 1, 1, 15]
+    assert [p for run in runs for p in run] == [*whole, *subs, ("r", 992, 1000, 8)]  # in order, each piece once
+    assert fetch_runs(whole, 8) == [[p] for p in whole] and fetch_runs([], 4) == []
 
 
 @torch.no_grad()

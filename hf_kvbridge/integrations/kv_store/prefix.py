@@ -78,6 +78,32 @@ class StoredPrefix:
     round_trips: int = 0
 
 
+def fetch_runs(pieces: list[tuple[str, int, int, int]], parts: int) -> list[list[tuple[str, int, int, int]]]:
+    """`pieces` (key, start, end, bytes; in token order) cut into at most `parts` runs of about equal bytes, each run
+    of consecutive pieces: a whole chunk weighs 16 of a partial chunk's sub-chunks, so runs of equal counts would put
+    most of the bytes in the first run and leave nothing to overlap.
+
+    Example:
+
+    ```python
+    >>> pieces = [("a", 0, 256, 100), ("b", 256, 512, 100), ("c", 512, 528, 6), ("d", 528, 544, 6)]
+    >>> [[key for key, *_ in run] for run in fetch_runs(pieces, 2)]
+    [['a'], ['b', 'c', 'd']]
+    ```
+    """
+    parts = max(1, min(parts, len(pieces)))
+    total = sum(max(size, 1) for *_, size in pieces)
+    runs: list[list[tuple[str, int, int, int]]] = [[]]
+    done = 0
+    for piece in pieces:
+        size = max(piece[3], 1)
+        if runs[-1] and len(runs) < parts and done + size / 2 >= total * len(runs) / parts:  # past the cut: a new run
+            runs.append([])
+        runs[-1].append(piece)
+        done += size
+    return runs if runs[0] else []
+
+
 class PrefixKVStore:
     """One model's K/V in a `KVStore`, found by the longest stored prefix of a token sequence.
 
@@ -352,12 +378,10 @@ class PrefixKVStore:
         if not 0 <= start < num_tokens:
             raise InvalidInputError(f"start must be in [0, {num_tokens}), got {start!r}")
         pieces = [p for p in stored.pieces if p[1] < num_tokens and p[2] > start]
-        runs, per_run = [], -(-len(pieces) // max(1, min(parts, len(pieces))))
-        for i in range(0, len(pieces), per_run):
-            runs.append(pieces[i : i + per_run])
+        runs = fetch_runs(pieces, parts)
         results: queue.Queue = queue.Queue()
 
-        def fetch_runs() -> None:
+        def fetch_all() -> None:
             for run in runs:
                 began = time.perf_counter()
                 try:
@@ -367,7 +391,7 @@ class PrefixKVStore:
                     return
                 results.put(FetchedRun(lo, hi, keys, values, time.perf_counter() - began))
 
-        threading.Thread(target=fetch_runs, name="kvbridge-store-fetch", daemon=True).start()
+        threading.Thread(target=fetch_all, name="kvbridge-store-fetch", daemon=True).start()
         for _ in runs:
             item = results.get()
             if isinstance(item, BaseException):
