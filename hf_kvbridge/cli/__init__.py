@@ -8,3 +8,17 @@ arguments to the tools and the core; `main.run(args)` dispatches them.
 | `evaluate` | `eval`, `inspect` |
 | `bench`, `tune`, `demo` | `bench mapper / calibration / vllm`, `tune`, `demo` |
 """
+
+
+def keywords(args, *names: str) -> dict:
+    """The options `names` of a parsed command line as keyword arguments (`revision=args.revision, ...`).
+
+    Example:
+
+    ```python
+    >>> import argparse
+    >>> keywords(argparse.Namespace(seed=0, top_k=2, out="x"), "seed", "top_k")
+    {'seed': 0, 'top_k': 2}
+    ```
+    """
+    return {name: getattr(args, name) for name in names}

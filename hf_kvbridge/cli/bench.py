@@ -4,8 +4,11 @@ figures printed and written."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
+
+from . import keywords
 
 
 def bench(args: argparse.Namespace) -> int:
@@ -128,17 +131,7 @@ def bench_calibration(args: argparse.Namespace) -> int:
         print(memory_table())
         return 0
     workload = CalibrationWorkload(
-        args.pair,
-        num_sequences=args.num_sequences,
-        seq_len=args.seq_len,
-        top_k=args.top_k,
-        head_mode=args.head_mode,
-        kv_mode=args.kv_mode,
-        statistics_memory=args.statistics_memory,
-        statistics_dtype=args.statistics_dtype,
-        dtype=args.dtype,
-        device=args.device,
-        vocab=args.vocab,
+        **keywords(args, *(field.name for field in dataclasses.fields(CalibrationWorkload)))
     )
     if args.flop_model:
         result = flop_model_report(workload, fit_passes=args.fit_passes)
@@ -158,9 +151,7 @@ def bench_calibration(args: argparse.Namespace) -> int:
         return 0
     result = run(
         workload,
-        batch_size=args.batch_size,
-        heldout_fraction=args.heldout_fraction,
-        statistics_device=args.statistics_device,
+        **keywords(args, "batch_size", "heldout_fraction", "statistics_device"),
         matmul_precision=args.float32_matmul_precision,
         layers=args.layers,
         progress=args.progress,

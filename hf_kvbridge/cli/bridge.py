@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from ..errors import ContextLengthError
+from . import keywords
 
 
 def max_positions(reference: str) -> int | None:
@@ -186,11 +187,7 @@ def push(args: argparse.Namespace) -> int:
     commit = push_checkpoint(
         args.bridge,
         args.repo_id,
-        revision=args.revision,
-        private=args.private,
-        token=args.token,
-        commit_message=args.commit_message,
-        create_pr=args.create_pr,
+        **keywords(args, "revision", "private", "token", "commit_message", "create_pr"),
     )
     print(f"pushed {args.bridge} to {args.repo_id}: {getattr(commit, 'commit_url', commit)}")
     return 0

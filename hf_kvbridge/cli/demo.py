@@ -7,6 +7,8 @@ import datetime
 import sys
 from pathlib import Path
 
+from . import keywords
+
 
 def demo(args: argparse.Namespace) -> int:
     """`kvbridge demo`: calibrates and measures a pocket bridge, prints the report and writes it into a new folder
@@ -39,13 +41,7 @@ def demo(args: argparse.Namespace) -> int:
     results = measure(
         args.source,
         args.target,
-        quick=args.quick,
-        top_k=args.top_k,
-        ridge_lambda=args.ridge_lambda,
-        head_mode=args.head_mode,
-        num_sequences=args.num_sequences,
-        seq_len=args.seq_len,
-        seed=args.seed,
+        **keywords(args, "quick", "top_k", "ridge_lambda", "head_mode", "num_sequences", "seq_len", "seed"),
     )
     results["machine_busy"] = machine_busy
     results["cpu_busy_share_before"] = busy

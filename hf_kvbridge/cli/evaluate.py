@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 from ..errors import ContextLengthError
+from . import keywords
 
 logger = logging.getLogger(__name__)
 
@@ -37,10 +38,7 @@ def evaluate(args: argparse.Namespace) -> int:
         modes=modes,
         include_path=args.include_path,
         limit=limit,
-        num_fewshot=args.num_fewshot,
-        batch_size=args.batch_size,
-        bootstrap_iters=args.bootstrap_iters,
-        rolling_stride=args.rolling_stride,
+        **keywords(args, "num_fewshot", "batch_size", "bootstrap_iters", "rolling_stride"),
     )
     print(out["table"])
     for line in out["warnings"]:

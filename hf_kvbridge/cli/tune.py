@@ -8,7 +8,23 @@ from __future__ import annotations
 
 import argparse
 
+from . import keywords
 from .bridge import check_fits_the_models
+
+TUNE_OPTIONS = (
+    "num_sequences",
+    "seq_len",
+    "heldout_fraction",
+    "seed",
+    "tune_windows",
+    "check_windows",
+    "context",
+    "continuation",
+    "text_field",
+    "out",
+    "overwrite",
+)
+"""Options `kvbridge tune` hands to `hf_kvbridge.tools.tune.tune` under their own names."""
 
 
 def tune(args: argparse.Namespace) -> int:
@@ -46,17 +62,7 @@ def tune(args: argparse.Namespace) -> int:
         min_retention=args.min_retention,
         max_cost=args.max_cost,
         grid=grid,
-        num_sequences=args.num_sequences,
-        seq_len=args.seq_len,
-        heldout_fraction=args.heldout_fraction,
-        seed=args.seed,
-        tune_windows=args.tune_windows,
-        check_windows=args.check_windows,
-        context=args.context,
-        continuation=args.continuation,
-        text_field=args.text_field,
-        out=args.out,
-        overwrite=args.overwrite,
+        **keywords(args, *TUNE_OPTIONS),
         json_path=args.json,
         **load_kwargs,
     )
