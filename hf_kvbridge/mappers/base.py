@@ -367,6 +367,17 @@ class KVMapper(nn.Module, HeadLayouts):
         self.write_rows(rows, 0, keys, values, write_keys)
         return rows
 
+    # how `map_layer`'s output lays out its dimensions, per (kv_mode, head_mode), read by `split_rows`: `k` K/V,
+    # `n` target layers (1 here), `b` batch, `t` tokens, `h` KV heads, `d` head dim; `targets_orders`: the same for
+    # `map_targets`' `n` layers side by side (a subclass with another layout overrides it)
+    row_orders = {
+        ("separate", "all_heads"): "kbtnhd",
+        ("separate", "same_head"): "khbtnd",
+        ("joint", "all_heads"): "btnhkd",
+        ("joint", "same_head"): "hbtnkd",
+    }
+    targets_orders = row_orders
+
     def split_rows(
         self, mapped: torch.Tensor, batch: int, seq: int, layers: int | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -375,16 +386,10 @@ class KVMapper(nn.Module, HeadLayouts):
         With `layers=n`, `mapped` holds `n` target layers side by side (a `map_targets` output) and the keys and
         values are `(n, B, H, T, d)` views, so one elementwise op can cover all `n` layers.
         """
-        heads, dim = self.target_kv_heads, self.target_head_dim
-        n = 1 if layers is None else layers
-        if self.kv_mode == "separate" and self.head_mode == "all_heads":
-            kv = mapped.view(2, batch, seq, n, heads, dim).permute(0, 3, 1, 4, 2, 5)  # (2, n, B, H, T, d)
-        elif self.kv_mode == "separate":
-            kv = mapped.view(2, heads, batch, seq, n, dim).permute(0, 4, 2, 1, 3, 5)  # (2, n, B, H, T, d)
-        elif self.head_mode == "all_heads":
-            kv = mapped.view(batch, seq, n, heads, 2, dim).permute(4, 2, 0, 3, 1, 5)  # (2, n, B, H, T, d)
-        else:
-            kv = mapped.view(heads, batch, seq, n, 2, dim).permute(4, 3, 1, 0, 2, 5)  # (2, n, B, H, T, d)
+        order = (self.row_orders if layers is None else self.targets_orders)[self.kv_mode, self.head_mode]
+        n, heads, dim = 1 if layers is None else layers, self.target_kv_heads, self.target_head_dim
+        sizes = {"k": 2, "n": n, "b": batch, "t": seq, "h": heads, "d": dim}
+        kv = mapped.view(*(sizes[c] for c in order)).permute(*(order.index(c) for c in "knbhtd"))  # (2, n, B, H, T, d)
         if layers is None:
             kv = kv[:, 0]
         return kv[0], kv[1]

@@ -152,6 +152,14 @@ class LowRankKVMapper(KVMapper):
             return torch.addmm(layer.bias[0], hidden, layer.up[0])  # (B·T, H·2d)
         return torch.baddbmm(layer.bias.unsqueeze(1), hidden, layer.up)  # (G, B·T, q)
 
+    # `map_targets` writes layers first (one batched product per layer): `split_rows(..., layers=n)` reads this
+    targets_orders = {
+        ("separate", "all_heads"): "knbthd",
+        ("separate", "same_head"): "khnbtd",
+        ("joint", "all_heads"): "nbthkd",
+        ("joint", "same_head"): "hnbtkd",
+    }
+
     def map_targets(
         self,
         sources: list[int],
@@ -174,22 +182,6 @@ class LowRankKVMapper(KVMapper):
         shape = (up.shape[0], tokens, up.shape[2])  # (G·n, B·T, q)
         result = None if out is None else out[: math.prod(shape)].view(shape)
         return torch.baddbmm(bias, hidden, up, out=result)
-
-    def split_rows(self, mapped: torch.Tensor, batch: int, seq: int, layers: int | None = None):
-        """As [`KVMapper.split_rows`]; with `layers=n`, reads `map_targets`' layers-first layout."""
-        if layers is None:
-            return super().split_rows(mapped, batch, seq)
-        heads, dim, n = self.target_kv_heads, self.target_head_dim, layers
-        if self.kv_mode == "separate" and self.head_mode == "all_heads":
-            kv = mapped.view(2, n, batch, seq, heads, dim).permute(0, 1, 2, 4, 3, 5)  # (2, n, B, H, T, d)
-        elif self.kv_mode == "separate":
-            kv = mapped.view(2, heads, n, batch, seq, dim).permute(0, 2, 3, 1, 4, 5)  # (2, n, B, H, T, d)
-        elif self.head_mode == "all_heads":
-            kv = mapped.view(n, batch, seq, heads, 2, dim).permute(4, 0, 1, 3, 2, 5)  # (2, n, B, H, T, d)
-        else:
-            kv = mapped.view(heads, n, batch, seq, 2, dim).permute(4, 1, 2, 0, 3, 5)  # (2, n, B, H, T, d)
-        return kv[0], kv[1]
-
 
 def fit_low_rank(
     base: KVMapper,
