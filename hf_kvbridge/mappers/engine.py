@@ -46,7 +46,7 @@ from ..rope import Rotation, inverse_cos_sin, rotary_cos_sin, rotary_module
 from ..source_features import SourceFeatures
 from .base import KVMapper
 from .layer_schedule import map_span_layers, static_destinations
-from .steps import held_offsets, mapping_plan, row_slots
+from .steps import SpanJob, held_offsets, mapping_plan, row_slots
 
 
 class Workspace:
@@ -271,9 +271,9 @@ def map_cache(
         into = static_destinations(cache, mapper, first_keys.shape[0], seq, places, target.dtype)
     mapped: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     map_span = map_span_layers if schedule == "layers" else _map_span
-    for span, targets in sorted(by_span.items(), reverse=True):
-        args = (source, target, mapper, src, source_cache, position_ids, seq - span, targets, workspace, features)
-        mapped.update(map_span(*args, into=into) if into is not None else map_span(*args))
+    for span, layers in sorted(by_span.items(), reverse=True):
+        job = SpanJob(source, target, mapper, src, source_cache, position_ids, seq - span, layers, workspace, features)
+        mapped.update(map_span(job, into=into) if into is not None else map_span(job))
     if into is not None:  # written in place: the layers now hold `seq` more tokens
         for layer in cache.layers:
             layer.cumulative_length.add_(seq)
@@ -291,21 +291,11 @@ def map_cache(
     return cache
 
 
-def _map_span(
-    source: nn.Module,
-    target: nn.Module,
-    mapper: KVMapper,
-    src: KVLayout,
-    source_cache: Cache,
-    position_ids: torch.Tensor,
-    first: int,
-    targets: set[int],
-    workspace: Workspace,
-    features: tuple | None = None,
-) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+def _map_span(job: SpanJob) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
     """Maps tokens `[first, seq)` of the target layers `targets`: `{target layer: (keys, values)}`, each
     `(B, H, seq - first, d)` views into one block per step. `features`: `(SourceFeatures, hidden states)` when the
     mapper reads hidden-state blocks (`_check_features`)."""
+    source, target, mapper, src, source_cache, position_ids, first, targets, workspace, features = job
     seq = position_ids.shape[-1]
     first_keys, _ = cache_layer_kv(source_cache, 0)
     batch, device = first_keys.shape[0], execution_device(target)

@@ -13,16 +13,13 @@ are Triton kernels (`hf_kvbridge.rope.rotate_kv`).
 from __future__ import annotations
 
 import torch
-from torch import nn
-from transformers import Cache
 
 from ..cache import cache_layer_kv
 from ..devices import execution_device
 from ..errors import InvalidInputError
-from ..layout import KVLayout
 from ..rope import Rotation, rotate_kv
 from .base import KVMapper
-from .steps import held_offsets, mapping_plan
+from .steps import SpanJob, held_offsets, mapping_plan
 
 CPU_LAYER_CHUNK_BYTES = 2**30  # the working set on a CPU (a GPU's comes from its free memory)
 
@@ -69,19 +66,7 @@ def static_destinations(cache, mapper: KVMapper, batch: int, seq: int, places, d
     return into
 
 
-def map_span_layers(
-    source: nn.Module,
-    target: nn.Module,
-    mapper: KVMapper,
-    src: KVLayout,
-    source_cache: Cache,
-    position_ids: torch.Tensor,
-    first: int,
-    targets: set[int],
-    workspace,
-    features: tuple | None = None,
-    into: dict | None = None,
-) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+def map_span_layers(job: SpanJob, into: dict | None = None) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
     """The `"layers"` schedule of the engine's chunked `_map_span` (same arguments and result; `workspace` is the
     engine's `Workspace`): whole-layer steps over all tokens at once
     (or over the fewest chunks the memory budget allows, `layer_chunk_tokens`). `into`: `{target layer: (keys,
@@ -90,6 +75,7 @@ def map_span_layers(
     Per chunk: one fused op strips every source layer the mapper reads into its slot of the row buffer (slots in
     layer order); per step one product and one fused op that rotates its target layers' keys and writes them and
     their values into the cache."""
+    source, target, mapper, src, source_cache, position_ids, first, targets, workspace, features = job
     seq = position_ids.shape[-1]
     first_keys, _ = cache_layer_kv(source_cache, 0)
     batch, device = first_keys.shape[0], execution_device(target)

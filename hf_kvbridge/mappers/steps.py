@@ -1,15 +1,35 @@
 """The steps of a mapping, shared by the engine's schedules (`hf_kvbridge.mappers.engine`): which target layers map
 together (`mapping_plan`), where the chunked schedule keeps each source layer's rows (`row_slots`), and how many
-tokens each source layer the plan reads has dropped (`held_offsets`)."""
+tokens each source layer the plan reads has dropped (`held_offsets`), and what a schedule maps (`SpanJob`)."""
 
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
+import torch
+from torch import nn
 from transformers import Cache
 
 from ..cache import cache_layer_kv
 from ..errors import KVLayoutError
 from ..layout import KVLayout
 from .base import KVMapper
+
+
+class SpanJob(NamedTuple):
+    """What a schedule maps (`map_cache` makes one per span of kept tokens): tokens `[first, seq)` of the target
+    layers `targets` (full-attention layers keep every token, sliding ones their window)."""
+
+    source: nn.Module
+    target: nn.Module
+    mapper: KVMapper
+    src: KVLayout  # the source cache's layout
+    source_cache: Cache
+    position_ids: torch.Tensor  # (B, seq)
+    first: int
+    targets: set[int]
+    workspace: Any  # the engine's `Workspace`: rotation tables and reused buffers
+    features: tuple | None = None  # (SourceFeatures, hidden states) when the mapper reads hidden-state blocks
 
 
 def mapping_plan(
