@@ -10,7 +10,7 @@ import torch
 
 from .errors import InvalidInputError
 from .heads import map_groups, same_head_sources
-from .solve import LAMBDA_GRID, choose_ridge_lambdas, heldout_r2_path, map_group_lambda, solve_ridge
+from .solve import LAMBDA_GRID, choose_ridge_lambdas, heldout_r2_chunks, map_group_lambda, solve_ridge
 from .statistics.dense import KVStatistics
 
 
@@ -46,7 +46,7 @@ def single_layer_r2(
             # every target layer at once: same inputs, more output columns
             y_idx = torch.cat([train.target_index(int(t), head) for t in all_targets])
             if ridge_lambda == "auto":
-                path = heldout_r2_path(train, heldout, x_idx, y_idx, dim, LAMBDA_GRID)  # (Λ, L_t·heads, 2)
+                path = heldout_r2_chunks(train, heldout, x_idx, y_idx, dim, LAMBDA_GRID)  # (Λ, L_t·heads·2)
                 blocks = train.target_layers if head is not None else train.target_layers * heads
                 path = path.view(len(LAMBDA_GRID), train.target_layers, blocks // train.target_layers, 2)
                 best = path.mean(2).argmax(0)  # (L_t, 2): best λ per target layer and K/V

@@ -214,51 +214,6 @@ def strip_rows(p: int) -> int:
     return max(1, min(p, max(64, p // 16)))
 
 
-def heldout_r2_path(
-    train,
-    heldout,
-    x_idx: torch.Tensor,
-    y_idx: torch.Tensor,
-    head_dim: int,
-    lambdas: tuple[float, ...] | list[float] = LAMBDA_GRID,
-) -> torch.Tensor:
-    """Held-out R² of the ridge map fitted on `train` for every λ of `lambdas`, from one eigendecomposition.
-
-    The output columns `y_idx` must be whole heads laid out as the statistics lay them out (per head: key `d`
-    columns, then value `d` columns).
-
-    Args:
-        train, heldout ([`KVStatistics`]): statistics with `count` and `moments`; the fit uses `train`, the R² is
-            measured on `heldout`.
-        head_dim (`int`): `d`.
-        lambdas (`tuple[float]`, *optional*, defaults to `LAMBDA_GRID`): relative ridge strengths (> 0).
-
-    Returns:
-        `torch.Tensor` of shape `(len(lambdas), q // (2d), 2)`: held-out R² per λ, head and K/V (pooled over the
-        head's `d` columns).
-
-    Example:
-
-    ```python
-    >>> from hf_kvbridge.statistics.dense import KVStatistics
-    >>> train, held = (KVStatistics(1, 1, num_kv_heads=1, head_dim=2) for _ in range(2))
-    >>> for stats in (train, held):
-    ...     x = torch.randn(200, 4)
-    ...     stats.update(x, x + 0.1 * torch.randn(200, 4))
-    >>> heldout_r2_path(train, held, torch.arange(4), torch.arange(4), head_dim=2, lambdas=[1e-4, 1.0]).shape
-    torch.Size([2, 1, 2])
-    ```
-    """
-    q = y_idx.numel()
-    if q % (2 * head_dim):
-        raise InvalidInputError(
-            f"{q} output columns are not whole heads of 2·{head_dim}; pass the columns of whole KV heads"
-        )
-    return heldout_r2_chunks(train, heldout, x_idx, y_idx, head_dim, lambdas).view(
-        len(lambdas), q // (2 * head_dim), 2
-    )
-
-
 def heldout_r2_chunks(
     train,
     heldout,
@@ -268,10 +223,38 @@ def heldout_r2_chunks(
     lambdas: tuple[float, ...] | list[float] = LAMBDA_GRID,
     search: str = "eigh",
 ) -> torch.Tensor:
-    """`heldout_r2_path` for any output columns that are whole `head_dim` chunks (keys only, values only, or both):
-    held-out R² per λ and chunk, `torch.Tensor` of shape `(len(lambdas), q // d)`, float64. `search`: `"eigh"`
-    (float64), `"eigh32"` (float32 eigendecomposition and path; `choose_ridge_lambdas` checks its choice) or
-    `"cholesky"` (float64, one factorisation per λ), see the module docstring."""
+    """Held-out R² of the ridge map fitted on `train` for every λ of `lambdas`, from one eigendecomposition.
+
+    The output columns `y_idx` are whole `head_dim` chunks (keys only, values only, or both); laid out as the
+    statistics lay out a head (key `d` columns, then value `d` columns), the result viewed as
+    `(len(lambdas), q // (2d), 2)` is the R² per λ, head and K/V.
+
+    Args:
+        train, heldout ([`KVStatistics`]): statistics with `count` and `moments` (or `RowStatistics`); the fit uses
+            `train`, the R² is measured on `heldout`.
+        x_idx, y_idx (`torch.Tensor`): the input and output columns (`source_index`, `target_index`).
+        head_dim (`int`): `d`.
+        lambdas (`tuple[float]`, *optional*, defaults to `LAMBDA_GRID`): relative ridge strengths (> 0).
+        search (`str`, *optional*, defaults to `"eigh"`): `"eigh"` (float64), `"eigh32"` (float32
+            eigendecomposition and path; `choose_ridge_lambdas` checks its choice) or `"cholesky"` (float64, one
+            factorisation per λ), see the module docstring.
+
+    Returns:
+        `torch.Tensor` of shape `(len(lambdas), q // d)`, float64: held-out R² per λ and chunk (pooled over its `d`
+        columns).
+
+    Example:
+
+    ```python
+    >>> from hf_kvbridge.statistics.dense import KVStatistics
+    >>> train, held = (KVStatistics(1, 1, num_kv_heads=1, head_dim=2) for _ in range(2))
+    >>> for stats in (train, held):
+    ...     x = torch.randn(200, 4)
+    ...     stats.update(x, x + 0.1 * torch.randn(200, 4))
+    >>> heldout_r2_chunks(train, held, torch.arange(4), torch.arange(4), head_dim=2, lambdas=[1e-4, 1.0]).shape
+    torch.Size([2, 2])
+    ```
+    """
     if not lambdas or min(lambdas) <= 0:
         raise InvalidInputError(f"the λ grid must be non-empty and every λ > 0, got {list(lambdas)}")
     q = y_idx.numel()

@@ -17,7 +17,6 @@ from hf_kvbridge.solve import (
     choose_ridge_lambdas,
     group_lambda,
     heldout_r2_chunks,
-    heldout_r2_path,
     solve_ridge,
 )
 from hf_kvbridge.statistics.dense import KVStatistics
@@ -58,7 +57,7 @@ def test_lambda_path_equals_one_ridge_solve_per_lambda():
     train, held = _stats(200, 0), _stats(150, 1)
     x_idx, y_idx = train.source_index([2, 0, 3]), train.target_index(0)
     lambdas = [1e-5, 1e-2, 0.5]
-    path = heldout_r2_path(train, held, x_idx, y_idx, DIM, lambdas)  # (3, 1, 2)
+    path = heldout_r2_chunks(train, held, x_idx, y_idx, DIM, lambdas).view(3, 1, 2)  # λ, head, K/V
     for i, lam in enumerate(lambdas):
         weight, bias = solve_ridge(train, x_idx, y_idx, lam)
         sse, sst = held.residual_sums(x_idx, y_idx, weight, bias)
