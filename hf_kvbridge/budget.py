@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -63,20 +64,57 @@ def rows_bytes(tokens: int, source_layers: int, target_layers: int, row: int) ->
     return 2 * tokens * (source_layers + target_layers) * row * 4
 
 
-def smallest_plan_bytes(
-    source_layers: int,
-    target_layers: int,
-    num_kv_heads: int,
-    head_dim: int,
-    top_k: int,
-    dtype,
-    groups: int,
-) -> int:
+class FitShape(NamedTuple):
+    """The sizes a calibration's memory plan reads (`check_budget`, `plan_residual`, `plan_calibration`).
+
+    Args:
+        source_layers (`int`), target_layers (`int`): the layers (source: and hidden-state blocks) mapped from and to.
+        num_kv_heads (`int`), head_dim (`int`): one head layout for both sides (the larger one's, so the plan never
+            plans too little).
+        top_k (`int`): the fit's source layers per target layer.
+        dtype (`torch.dtype`): the statistics' dtype.
+        groups (`int`, *optional*): Gram blocks kept per layer (`feature_groups` of the real layouts); `None`: those
+            of the head and kv modes `check_budget` is given (1 for all heads, joint).
+
+    Example:
+
+    ```python
+    >>> shape = FitShape(28, 28, num_kv_heads=8, head_dim=128, top_k=6, dtype=torch.float32)
+    >>> check_budget(16 * 10**9, shape)
+    'blocks'
+    ```
+    """
+
+    source_layers: int
+    target_layers: int
+    num_kv_heads: int
+    head_dim: int
+    top_k: int
+    dtype: torch.dtype
+    groups: int | None = None
+
+    @property
+    def row(self) -> int:
+        """Features of one layer's K/V row, `H·2d`."""
+        return self.num_kv_heads * 2 * self.head_dim
+
+    def reversed(self) -> FitShape:
+        """The same shape mapping target layers to source layers (a bidirectional calibration's reverse map)."""
+        return self._replace(source_layers=self.target_layers, target_layers=self.source_layers)
+
+    def selection_bytes(self) -> int:
+        """`selection_bytes` of this shape."""
+        return selection_bytes(self.source_layers, self.target_layers, self.num_kv_heads, self.head_dim, self.dtype)
+
+    def smallest_fit_bytes(self) -> int:
+        """`fit_bytes` of one pass holding a single target layer and its `top_k` source layers."""
+        return fit_bytes(min(self.top_k, self.source_layers), 1, self.row, self.dtype, self.groups or 1)
+
+
+def smallest_plan_bytes(shape: FitShape) -> int:
     """Bytes the cheapest plan needs at its peak: the selection pass's statistics, or one fit pass holding a single
     target layer's statistics and the solve of one map, whichever is larger (more passes cannot lower it)."""
-    row = num_kv_heads * 2 * head_dim
-    selection = selection_bytes(source_layers, target_layers, num_kv_heads, head_dim, dtype)
-    return max(selection, fit_bytes(min(top_k, source_layers), 1, row, dtype, groups))
+    return max(shape.selection_bytes(), shape.smallest_fit_bytes())
 
 
 def default_budget(free: int, smallest: int, reserve: int) -> int:
@@ -150,28 +188,21 @@ def fit_bytes(
     return 2 * statistics + solve_bytes(top_k or sources, width)
 
 
-def check_budget(
-    budget: int,
-    source_layers: int,
-    target_layers: int,
-    num_kv_heads: int,
-    head_dim: int,
-    top_k: int,
-    dtype,
-    head_mode: str = "all_heads",
-    kv_mode: str = "joint",
-    groups: int | None = None,
-) -> str:
-    """Which calibration fits `budget` bytes: `"dense"` or `"blocks"`; raises `StatisticsMemoryError` (naming bytes
-    needed, bytes available and what to change) when not even the smallest block plan fits. Runs before any work."""
-    row = num_kv_heads * 2 * head_dim
-    if groups is None:  # Gram blocks kept per layer (see `hf_kvbridge.statistics.blocks.feature_groups`)
-        groups = len(feature_groups(num_kv_heads, head_dim, head_mode, kv_mode))
+def check_budget(budget: int, shape: FitShape, head_mode: str = "all_heads", kv_mode: str = "joint") -> str:
+    """Which calibration of `shape` fits `budget` bytes: `"dense"` or `"blocks"`; raises `StatisticsMemoryError`
+    (naming bytes needed, bytes available and what to change) when not even the smallest block plan fits. Runs
+    before any work. `head_mode`, `kv_mode`: the maps fitted (the Gram blocks kept per layer when `shape.groups` is
+    `None`, see `hf_kvbridge.statistics.blocks.feature_groups`; they name what to change in a refusal)."""
+    source_layers, target_layers, num_kv_heads, head_dim, top_k, dtype, groups = shape
+    row = shape.row
+    if groups is None:
+        shape = shape._replace(groups=len(feature_groups(num_kv_heads, head_dim, head_mode, kv_mode)))
+        groups = shape.groups
     if dense_bytes(source_layers, target_layers, row) <= budget:
         return "dense"
-    selection = selection_bytes(source_layers, target_layers, num_kv_heads, head_dim, dtype)
+    selection = shape.selection_bytes()
     k = min(top_k, source_layers)
-    smallest = fit_bytes(k, 1, row, dtype, groups)
+    smallest = shape.smallest_fit_bytes()
     dtype_name = str(dtype).replace("torch.", "")
     if selection > budget:
         raise StatisticsMemoryError(
@@ -236,21 +267,10 @@ def plan_passes(
 
 
 def plan_residual(
-    budget: int,
-    kv_plan: str,
-    source_layers: int,
-    target_layers: int,
-    num_kv_heads: int,
-    head_dim: int,
-    top_k: int,
-    dtype,
-    groups: int,
-    source_states: int,
-    residual_targets: int,
-    hidden: int,
+    budget: int, kv_plan: str, shape: FitShape, source_states: int, residual_targets: int, hidden: int
 ) -> tuple[str, str, int]:
-    """The memory plan with the residual statistics of layer recompute (`hf_kvbridge.transfer.layer_recompute`) beside
-    the K/V statistics: `(kv_mode, residual_mode, kv_fit_budget)`.
+    """The memory plan of K/V statistics of `shape` with the residual statistics of layer recompute
+    (`hf_kvbridge.transfer.layer_recompute`) beside them: `(kv_mode, residual_mode, kv_fit_budget)`.
 
     The residual block is `source_states` source hidden states against `residual_targets` target hidden states of
     `hidden` features (the larger hidden size), planned like a K/V block of one head of `hidden / 2`:
@@ -263,12 +283,13 @@ def plan_residual(
 
     Raises `StatisticsMemoryError` (bytes needed, bytes allowed, what to change) when no plan fits.
     """
-    row = num_kv_heads * 2 * head_dim
+    top_k, dtype = shape.top_k, shape.dtype
     residual_dense = dense_bytes(source_states, residual_targets, hidden)
-    if kv_plan == "dense" and dense_bytes(source_layers, target_layers, row) + residual_dense <= budget:
+    kv_dense = dense_bytes(shape.source_layers, shape.target_layers, shape.row)
+    if kv_plan == "dense" and kv_dense + residual_dense <= budget:
         return "dense", "dense", budget
-    kv_selection = selection_bytes(source_layers, target_layers, num_kv_heads, head_dim, dtype)
-    kv_smallest = fit_bytes(min(top_k, source_layers), 1, row, dtype, groups)
+    kv_selection = shape.selection_bytes()
+    kv_smallest = shape.smallest_fit_bytes()
     if kv_selection + residual_dense <= budget and kv_smallest <= budget:
         return "blocks", "dense", budget
     residual_selection = selection_bytes(source_states, residual_targets, 1, hidden // 2, dtype)
@@ -303,18 +324,12 @@ class CalibrationPlan:
 
 
 def plan_calibration(
+    shape: FitShape,
     *,
     statistics_memory: int | str | None,
     statistics_device,
     batch_tokens: int,
     blocks: int,
-    source_layers: int,
-    target_layers: int,
-    num_kv_heads: int,
-    head_dim: int,
-    top_k: int,
-    dtype: torch.dtype,
-    groups: int,
     head_mode: str = "all_heads",
     kv_mode: str = "joint",
     bidirectional: bool = False,
@@ -327,37 +342,30 @@ def plan_calibration(
     (`check_budget`), else by blocks; layer recompute's residual statistics ride along (`plan_residual`).
 
     Args:
+        shape ([`FitShape`]): the two depths (`source_layers` of the models, without hidden-state blocks: the
+            reverse direction of a `bidirectional` calibration maps target layers to source layers), the head
+            layout, `top_k`, the statistics' dtype and `groups` (set: the Gram blocks of the real layouts).
         statistics_memory (`int` or `str`, *optional*): the budget asked for (`"16GB"`).
         statistics_device: where the statistics live (its free memory sets the default budget).
         batch_tokens (`int`): tokens of one batch (the rows held while it is summed).
-        blocks (`int`): source blocks (source layers, and hidden-state feature blocks); `source_layers`,
-            `target_layers` (`int`): the two depths (the reverse direction of a `bidirectional` calibration maps
-            target layers to source layers).
-        num_kv_heads (`int`), head_dim (`int`): one head layout for both sides (the larger one's, so the plan never
-            plans too little); groups (`int`): Gram blocks kept per layer (`feature_groups` of the real layouts).
-        top_k (`int`), dtype (`torch.dtype`): the fit's source layers per target layer, the statistics' dtype.
+        blocks (`int`): source blocks (source layers, and hidden-state feature blocks) of the forward map.
         head_mode (`str`), kv_mode (`str`): the maps fitted (they name what to change in a refusal).
         residual (`tuple[int, int, int]`, *optional*): `(source hidden states, recompute_layers values, hidden
             features)` of layer recompute's residual maps.
 
     Raises `StatisticsMemoryError` (what is needed, what is allowed, what to change) when no plan fits.
     """
+    forward = shape._replace(source_layers=blocks)
+    directions = [forward] + [shape.reversed()] * bidirectional
     if statistics_memory is not None:
         budget = parse_bytes(statistics_memory)
     else:  # half the free memory, or the cheapest plan (more passes) when that is more and still fits
-        directions = [(blocks, target_layers)] + [(target_layers, source_layers)] * bidirectional
-        smallest = max(smallest_plan_bytes(a, b, num_kv_heads, head_dim, top_k, dtype, groups) for a, b in directions)
-        reserve = rows_bytes(batch_tokens, blocks, target_layers, num_kv_heads * 2 * head_dim)
+        smallest = max(smallest_plan_bytes(direction) for direction in directions)
+        reserve = rows_bytes(batch_tokens, blocks, shape.target_layers, shape.row)
         budget = default_budget(free_bytes(statistics_device), smallest, reserve)
-    layout = (num_kv_heads, head_dim, top_k, dtype)
-    plan = [check_budget(budget, blocks, target_layers, *layout, head_mode, kv_mode, groups=groups)]
-    if bidirectional:
-        plan.append(check_budget(budget, target_layers, source_layers, *layout, head_mode, kv_mode, groups=groups))
+    plan = [check_budget(budget, direction, head_mode, kv_mode) for direction in directions]
     mode = "dense" if set(plan) == {"dense"} else "blocks"
     if residual is None:
         return CalibrationPlan(budget, mode, None, budget)
-    source_states, values, hidden = residual
-    mode, residual_mode, fit_budget = plan_residual(
-        budget, mode, blocks, target_layers, *layout, groups, source_states, values, hidden
-    )
+    mode, residual_mode, fit_budget = plan_residual(budget, mode, forward, *residual)
     return CalibrationPlan(budget, mode, residual_mode, fit_budget)

@@ -70,10 +70,11 @@ def plan_figures(args, free: int, selected: list[list[int]], source_layers: int,
     """The default budget `calibrate` computes for `free` bytes, and the passes it plans for `selected`."""
     heads, dim, dtype = 8, 128, torch.float32
     row = heads * 2 * dim
-    smallest = plan.smallest_plan_bytes(source_layers, target_layers, heads, dim, args.top_k, dtype, 1)
+    shape = plan.FitShape(source_layers, target_layers, heads, dim, args.top_k, dtype, groups=1)
+    smallest = plan.smallest_plan_bytes(shape)
     reserve = plan.rows_bytes(args.batch_size * args.seq_len, source_layers, target_layers, row)
     budget = plan.default_budget(free, smallest, reserve)
-    mode = plan.check_budget(budget, source_layers, target_layers, heads, dim, args.top_k, dtype)
+    mode = plan.check_budget(budget, shape)
     passes = plan.plan_passes(selected, row, budget, dtype) if mode == "blocks" else []
     return {
         "free_bytes": free,

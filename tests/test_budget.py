@@ -12,6 +12,7 @@ import hf_kvbridge.budget as budget_module
 import hf_kvbridge.calibration.data_pass as data_pass
 from hf_kvbridge import StatisticsMemoryError
 from hf_kvbridge.budget import (
+    FitShape,
     check_budget,
     default_budget,
     dense_bytes,
@@ -230,15 +231,16 @@ def test_parse_bytes_and_bad_sizes():
 
 def test_planner_names_the_numbers():
     # Qwen3-0.6B → 1.7B shapes: 28 → 28 layers, 8 KV heads × 128
-    assert check_budget(parse_bytes("16GB"), 28, 28, 8, 128, 6, torch.float32) == "blocks"
+    assert check_budget(parse_bytes("16GB"), FitShape(28, 28, 8, 128, 6, torch.float32)) == "blocks"
     # all heads, joint: a 32,768-feature Gram block per map, and its float64 eigendecomposition
     message = r"top_k=16 .* needs 35\.6 GB: statistics 9\.1 GB .* 26\.4 GB to solve .*allows 8\.0 GB.*top_k ≤ 7"
     with pytest.raises(StatisticsMemoryError, match=message):
-        check_budget(parse_bytes("8GB"), 28, 28, 8, 128, 16, torch.float32)
+        check_budget(parse_bytes("8GB"), FitShape(28, 28, 8, 128, 16, torch.float32))
     # per head and K/V (16 groups of 128 features per layer): the same k fits beside the 2.2 GB selection pass
-    assert check_budget(parse_bytes("3GB"), 28, 28, 8, 128, 16, torch.float32, "same_head", "separate") == "blocks"
+    per_head = check_budget(parse_bytes("3GB"), FitShape(28, 28, 8, 128, 16, torch.float32), "same_head", "separate")
+    assert per_head == "blocks"
     with pytest.raises(StatisticsMemoryError, match=r"selection statistics need 2\.2 GB .*allows 1\.0 GB"):
-        check_budget(parse_bytes("1GB"), 28, 28, 8, 128, 6, torch.float32)
+        check_budget(parse_bytes("1GB"), FitShape(28, 28, 8, 128, 6, torch.float32))
     assert selection_bytes(28, 28, 8, 128, torch.float32) < parse_bytes("2.5GB")
     # consecutive target layers share a pass while the union of their source layers fits
     selected = [[0, 1], [1, 2], [5, 6], [6, 7]]
@@ -321,12 +323,12 @@ def test_default_paper_map_fits_a_24gb_machine_and_too_small_a_budget_is_refused
     """Qwen3-0.6B → 1.7B shapes, the paper's map (all heads, K and V jointly, top-k 6, float32 statistics): one target
     layer needs 1.4 GB of statistics and 3.9 GB to solve its 12,288-feature map, so half of a 24 GB machine's memory
     holds it (the plan of eight p × p matrices asked 12.7 GB); less than one layer's need is refused, naming bytes."""
-    shapes = (28, 28, 8, 128, 6, torch.float32)
-    assert check_budget(parse_bytes("12GB"), *shapes) == "blocks"
+    shape = FitShape(28, 28, 8, 128, 6, torch.float32)
+    assert check_budget(parse_bytes("12GB"), shape) == "blocks"
     assert solve_bytes(6, 2048) < 4e9 and fit_bytes(6, 1, 2048, torch.float32) < 5.4e9
     message = r"top_k=6 .* needs 5\.3 GB: statistics 1\.4 GB .*float32.* 3\.9 GB to solve .* 6·2048 .*allows 5\.0 GB"
     with pytest.raises(StatisticsMemoryError, match=message):
-        check_budget(parse_bytes("5GB"), *shapes)
+        check_budget(parse_bytes("5GB"), shape)
     # between one layer's need and the dense plan: more passes, never a refusal
     selected = [sorted({max(0, min(27, t + d)) for d in (-3, -2, -1, 0, 1, 2)} | {0}) for t in range(28)]
     selected = [layers[-6:] for layers in selected]
@@ -378,7 +380,7 @@ def test_default_budget_takes_more_passes_when_half_the_free_memory_is_too_small
     less free memory than that it is refused before any forward pass."""
     source, target = _pair()
     heads, dim = source.config.num_key_value_heads, source.config.head_dim
-    smallest = smallest_plan_bytes(4, 5, heads, dim, 2, torch.float64, 1)
+    smallest = smallest_plan_bytes(FitShape(4, 5, heads, dim, 2, torch.float64, 1))
     reserve = rows_bytes(4 * 24, 4, 5, heads * 2 * dim)
     assert reserve < smallest < dense_bytes(4, 5, heads * 2 * dim)  # half of `smallest + reserve` is too small
     free = smallest + reserve

@@ -13,7 +13,7 @@ import hf_kvbridge
 import hf_kvbridge.calibration.calibrate as calibrate_module
 import hf_kvbridge.calibration.checks as checks
 import hf_kvbridge.layout as layout
-from hf_kvbridge.budget import CalibrationPlan, dense_bytes, fit_bytes, plan_calibration, selection_bytes
+from hf_kvbridge.budget import CalibrationPlan, FitShape, dense_bytes, fit_bytes, plan_calibration, selection_bytes
 from hf_kvbridge.calibration.data_pass import collect_statistics
 from hf_kvbridge.errors import StatisticsMemoryError
 from tests.conftest import CORPUS, VOCAB, make_tokenizer, qwen3
@@ -68,8 +68,8 @@ def test_models_given_by_reference_load_through_load_model(monkeypatch, saved_pa
 def test_the_memory_plan_is_dense_when_it_fits_and_blocks_when_not():
     """`plan_calibration` keeps every layer pair's dense statistics when they fit the budget, goes by blocks (a
     selection pass, then fit passes) when they do not, and refuses what no plan fits, naming the bytes."""
-    shape = {"blocks": 4, "source_layers": 4, "target_layers": 6, "num_kv_heads": 2, "head_dim": 8, "top_k": 2,
-             "dtype": torch.float32, "groups": 1, "statistics_device": "cpu", "batch_tokens": 64}  # fmt: skip
+    shape = {"shape": FitShape(4, 6, num_kv_heads=2, head_dim=8, top_k=2, dtype=torch.float32, groups=1), "blocks": 4,
+             "statistics_device": "cpu", "batch_tokens": 64}  # fmt: skip
     dense = dense_bytes(4, 6, 2 * 2 * 8)
     assert plan_calibration(statistics_memory=dense, **shape) == CalibrationPlan(dense, "dense", None, dense)
     small = fit_bytes(2, 1, 2 * 2 * 8, torch.float32, 1)  # one target layer a pass fits, every layer at once not
@@ -87,8 +87,8 @@ def test_the_default_budget_is_half_the_free_memory(monkeypatch):
     import hf_kvbridge.budget as budget
 
     monkeypatch.setattr(budget, "free_bytes", lambda device=None: 8 * 10**9)
-    shape = {"blocks": 4, "source_layers": 4, "target_layers": 6, "num_kv_heads": 2, "head_dim": 8, "top_k": 2,
-             "dtype": torch.float32, "groups": 1, "statistics_device": "cpu", "batch_tokens": 64}  # fmt: skip
+    shape = {"shape": FitShape(4, 6, num_kv_heads=2, head_dim=8, top_k=2, dtype=torch.float32, groups=1), "blocks": 4,
+             "statistics_device": "cpu", "batch_tokens": 64}  # fmt: skip
     assert plan_calibration(statistics_memory=None, **shape) == CalibrationPlan(4 * 10**9, "dense", None, 4 * 10**9)
 
 

@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM
 
 import hf_kvbridge
 from hf_kvbridge import KVBridgeForCausalLM
-from hf_kvbridge.budget import dense_bytes, fit_bytes, plan_residual, selection_bytes
+from hf_kvbridge.budget import FitShape, dense_bytes, fit_bytes, plan_residual, selection_bytes
 from hf_kvbridge.calibration.budgeted_fit import fit_bridge_in_passes
 from hf_kvbridge.calibration.data_pass import collect_statistics
 from hf_kvbridge.calibration.dense_fit import fit_bridge
@@ -316,17 +316,17 @@ def test_checkpoint_round_trip_keeps_the_residual_map(pair, tmp_path):
 
 
 def test_the_memory_plan_puts_the_residual_statistics_beside_the_kv_ones():
-    kv = (3, 3, 2, 16, 3, torch.float64, 1)  # layers, heads, head dim, top_k, dtype, groups of the K/V statistics
+    kv = FitShape(3, 3, 2, 16, 3, torch.float64, 1)  # layers, heads, head dim, top_k, dtype, groups of the K/V
     residual = (4, 2, 512)  # source hidden states, target ones, hidden size
     kv_fit, res_fit = fit_bytes(3, 1, 64, torch.float64, 1), fit_bytes(3, 2, 512, torch.float64, 1)
     res_dense = dense_bytes(4, 2, 512)
-    assert plan_residual(dense_bytes(3, 3, 64) + res_dense, "dense", *kv, *residual) == ("dense", "dense", ANY)
-    assert plan_residual(dense_bytes(3, 3, 64) + res_dense - 1, "dense", *kv, *residual)[:2] == ("blocks", "dense")
+    assert plan_residual(dense_bytes(3, 3, 64) + res_dense, "dense", kv, *residual) == ("dense", "dense", ANY)
+    assert plan_residual(dense_bytes(3, 3, 64) + res_dense - 1, "dense", kv, *residual)[:2] == ("blocks", "dense")
     budget = kv_fit + res_fit
     assert budget < res_dense + selection_bytes(3, 3, 2, 16, torch.float64)
-    assert plan_residual(budget, "blocks", *kv, *residual) == ("blocks", "blocks", kv_fit)
+    assert plan_residual(budget, "blocks", kv, *residual) == ("blocks", "blocks", kv_fit)
     with pytest.raises(StatisticsMemoryError, match=r"residual statistics \(4 source hidden states"):
-        plan_residual(budget - 1, "blocks", *kv, *residual)
+        plan_residual(budget - 1, "blocks", kv, *residual)
 
 
 @pytest.mark.parametrize("mode", ["dense", "blocks"])

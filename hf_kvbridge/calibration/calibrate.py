@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
-from ..budget import plan_calibration
+from ..budget import FitShape, plan_calibration
 from ..constants import DEFAULT_CALIBRATION_DATA
 from ..data import describe_data, token_windows
 from ..errors import StatisticsMemoryError
@@ -106,13 +106,9 @@ def calibrate(
     if recompute_layers:  # layer recompute lays hidden states out in two halves
         hidden_layout(hidden_size(source), "source")
         hidden_layout(hidden_size(target), "target")
-    plan = plan_calibration(
-        statistics_memory=settings.statistics_memory,
-        statistics_device=settings.statistics_device,
-        batch_tokens=settings.batch_size * settings.seq_len,
-        blocks=blocks,
-        source_layers=src.num_layers,
-        target_layers=tgt.num_layers,
+    shape = FitShape(
+        src.num_layers,
+        tgt.num_layers,
         # one head layout for both sides, the larger one's (the plan never plans too little); the Gram blocks kept
         # per layer come from the two real layouts
         num_kv_heads=max(src.num_kv_heads, tgt.num_kv_heads),
@@ -120,6 +116,13 @@ def calibrate(
         top_k=top_k,
         dtype=dtype,
         groups=len(feature_groups(src.num_kv_heads, src.head_dim, *modes, tgt.num_kv_heads, tgt.head_dim)),
+    )
+    plan = plan_calibration(
+        shape,
+        statistics_memory=settings.statistics_memory,
+        statistics_device=settings.statistics_device,
+        batch_tokens=settings.batch_size * settings.seq_len,
+        blocks=blocks,
         head_mode=settings.head_mode,
         kv_mode=settings.kv_mode,
         bidirectional=settings.bidirectional,

@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass
 import torch
 from transformers import Qwen3Config
 
-from ...budget import check_budget, fit_bytes, plan_passes, selection_bytes
+from ...budget import FitShape, check_budget, fit_bytes, plan_passes, selection_bytes
 from ...calibration.budgeted_fit import fit_bridge_in_passes
 from ...calibration.checks import split_heldout
 from ...errors import InvalidInputError
@@ -202,7 +202,7 @@ def run(
     row = heads * 2 * dim
     modes = (w.head_mode, w.kv_mode)
     # refuses before any work, the models' build included
-    mode = check_budget(budget, ls, lt, heads, dim, w.top_k, statistics_dtype, *modes)
+    mode = check_budget(budget, FitShape(ls, lt, heads, dim, w.top_k, statistics_dtype), *modes)
     started = time.perf_counter()
     source = random_model(source_name, dtype, w.device, w.vocab, counts[0])
     target = random_model(target_name, dtype, w.device, w.vocab, counts[1])
