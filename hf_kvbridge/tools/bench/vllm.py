@@ -48,6 +48,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -147,26 +148,41 @@ STAGES = (
 )
 
 
-def _engine(model: str, kv_transfer_config, *, dtype, block_size, kv_cache_gb, max_model_len, max_num_seqs):
-    """A vLLM `LLM` in this process (engine core included), prefix caching off."""
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the connector's counters and stores live in this process
-    from vllm import LLM
+@dataclass(frozen=True)
+class BenchEngines:
+    """What every engine of the benchmark shares (`run_benchmark` makes one; each engine's process gets it as JSON):
+    the bridge, the prompt lengths, the throughput batch and the engine settings."""
 
-    engine_args: dict[str, Any] = {
-        "model": model,
-        "dtype": dtype,
-        "max_model_len": max_model_len,
-        "enable_prefix_caching": False,
-        "kv_cache_memory_bytes": int(kv_cache_gb * (1 << 30)),
-        "max_num_seqs": max(max_num_seqs, 1),
-        "seed": 0,
-    }
-    if kv_transfer_config is not None:
-        engine_args["kv_transfer_config"] = kv_transfer_config
-    if block_size is not None:
-        engine_args["block_size"] = block_size
-    llm = LLM(**engine_args)
-    return llm, {k: v for k, v in engine_args.items() if k != "kv_transfer_config"}
+    bridge_dir: str
+    lengths: list[int]
+    requests: int  # per throughput batch (and the engine's max_num_seqs)
+    max_tokens: int  # per request of a throughput batch
+    dtype: str
+    block_size: int | None
+    kv_cache_gb: float
+    max_model_len: int
+    store: str | None = None  # the KV store's URL
+
+    def engine(self, model: str, kv_transfer_config):
+        """A vLLM `LLM` of `model` in this process (engine core included), prefix caching off, and its settings."""
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the connector's counters and stores live in this process
+        from vllm import LLM
+
+        engine_args: dict[str, Any] = {
+            "model": model,
+            "dtype": self.dtype,
+            "max_model_len": self.max_model_len,
+            "enable_prefix_caching": False,
+            "kv_cache_memory_bytes": int(self.kv_cache_gb * (1 << 30)),
+            "max_num_seqs": max(self.requests, 1),
+            "seed": 0,
+        }
+        if kv_transfer_config is not None:
+            engine_args["kv_transfer_config"] = kv_transfer_config
+        if self.block_size is not None:
+            engine_args["block_size"] = self.block_size
+        llm = LLM(**engine_args)
+        return llm, {k: v for k, v in engine_args.items() if k != "kv_transfer_config"}
 
 
 def _generate(llm, prompts, bridged: bool | None, tokens: int):
@@ -195,17 +211,9 @@ def _throughput(seconds: float, outputs, requests: int, length: int) -> dict[str
 
 
 def run(
-    bridge_dir: str,
-    lengths: list[int],
+    bench: BenchEngines,
     *,
     repeats: int,
-    requests: int,
-    max_tokens: int,
-    dtype: str,
-    block_size: int | None,
-    kv_cache_gb: float,
-    max_model_len: int,
-    store: str | None = None,
     chunk_size: int | None = None,
     fetch_parts: int | None = None,
     log=print,
@@ -217,14 +225,14 @@ def run(
     from hf_kvbridge.integrations import vllm as kvb
     from hf_kvbridge.integrations.kv_store import DEFAULT_CHUNK_SIZE
 
+    bridge_dir, lengths, requests, max_tokens, store = (
+        bench.bridge_dir, bench.lengths, bench.requests, bench.max_tokens, bench.store
+    )
     target = kvb.target_model(bridge_dir)
     chunk_size = chunk_size or DEFAULT_CHUNK_SIZE
     store_options = {} if store is None else {"store": store, "chunk_size": chunk_size, "store_timeout_ms": 1000,
                                               "store_fetch_parts": fetch_parts}  # fmt: skip
-    llm, engine = _engine(
-        target, kvb.kv_transfer_config(bridge_dir, **store_options), dtype=dtype, block_size=block_size,
-        kv_cache_gb=kv_cache_gb, max_model_len=max_model_len, max_num_seqs=requests,
-    )  # fmt: skip
+    llm, engine = bench.engine(target, kvb.kv_transfer_config(bridge_dir, **store_options))
     tokenizer = AutoTokenizer.from_pretrained(target)
     count = repeats + requests + 2
     pools = {"target": prompt_pool(tokenizer, len(tokenizer), lengths, count)}
@@ -233,7 +241,7 @@ def run(
     if store is not None:  # other prompts of each length, their source KV in the store (as a source engine writes)
         for mode, seed, tail in (("warm", 1, True), ("warm_whole", 2, False)):
             pools[mode] = prompt_pool(tokenizer, len(tokenizer), lengths, count, seed=seed)
-            keys_per_prompt[mode] = export_to_store(bridge_dir, store, chunk_size, pools[mode], dtype, tail=tail)
+            keys_per_prompt[mode] = export_to_store(bridge_dir, store, chunk_size, pools[mode], bench.dtype, tail=tail)
     counters = kvb.KVBridgeConnector.counters  # filled in this process (the engine core runs in it)
     worker_store = get_kv_transfer_group().worker.store  # the worker's fetches (None without a store)
 
@@ -305,21 +313,8 @@ def run(
     return {"rows": rows, "engine": engine, "chunk_size": chunk_size if store else None}
 
 
-def run_source(
-    bridge_dir: str,
-    lengths: list[int],
-    *,
-    requests: int,
-    max_tokens: int,
-    dtype: str,
-    block_size: int | None,
-    kv_cache_gb: float,
-    max_model_len: int,
-    store: str | None,
-    chunk_size: int | None = None,
-    log=print,
-) -> dict[str, Any]:
-    """The source engine's throughput: without a connector (`store=None`: mode `no_connector`), or as a cascade's
+def run_source(bench: BenchEngines, *, chunk_size: int | None = None, log=print) -> dict[str, Any]:
+    """The source engine's throughput: without a connector (`bench.store=None`: mode `no_connector`), or as a cascade's
     source on `store` with requests that do not opt in (`not_opted_in`) and that do (`opted_in`: exported). An opted-in
     row carries what its export wrote (chunks, bytes, the store's time in writes: the write bandwidth) and how long
     the writer took to drain after the batch."""
@@ -328,13 +323,15 @@ def run_source(
 
     from hf_kvbridge.integrations import vllm as kvb
 
+    bridge_dir, lengths, requests, max_tokens, store = (
+        bench.bridge_dir, bench.lengths, bench.requests, bench.max_tokens, bench.store
+    )
     model = kvb.served_model(bridge_dir, "source")
     config = None
     if store is not None:
         config = kvb.kv_transfer_config(bridge_dir, role="source", store=store, chunk_size=chunk_size,
                                         store_timeout_ms=1000)  # fmt: skip
-    llm, engine = _engine(model, config, dtype=dtype, block_size=block_size, kv_cache_gb=kv_cache_gb,
-                          max_model_len=max_model_len, max_num_seqs=requests)  # fmt: skip
+    llm, engine = bench.engine(model, config)
     tokenizer = AutoTokenizer.from_pretrained(model)
     modes = {"no_connector": None} if store is None else {"not_opted_in": False, "opted_in": True}
     exports = None if store is None else get_kv_transfer_group().worker.exports
@@ -398,10 +395,10 @@ def export_to_store(
 
 def _child(spec_path: str, out_path: str) -> None:
     """One engine of the benchmark, in this process: `spec["kind"]` is `"target"` (`run`) or `"source"`
-    (`run_source`), the rest its keywords."""
+    (`run_source`), `spec["engines"]` the `BenchEngines` fields, the rest its keywords."""
     spec = json.loads(Path(spec_path).read_text())
-    kind = spec.pop("kind")
-    result = (run if kind == "target" else run_source)(**spec, log=lambda line: print(line, flush=True))
+    kind, bench = spec.pop("kind"), BenchEngines(**spec.pop("engines"))
+    result = (run if kind == "target" else run_source)(bench, **spec, log=lambda line: print(line, flush=True))
     Path(out_path).write_text(json.dumps(result))
 
 
@@ -472,14 +469,13 @@ def run_benchmark(
                 start_local_server(maxmemory="8gb") if store == "local" else start_local_cluster(3, maxmemory="3gb")
             )
             store = server.url
-        common = {"bridge_dir": bridge_dir, "lengths": lengths, "requests": requests, "max_tokens": max_tokens,
-                  "dtype": dtype, "block_size": block_size, "kv_cache_gb": kv_cache_gb,
-                  "max_model_len": max_model_len, "store": store}  # fmt: skip
+        common = BenchEngines(bridge_dir, lengths, requests, max_tokens, dtype, block_size, kv_cache_gb, max_model_len,
+                              store)  # fmt: skip
         try:
             runs = []
             for chunk_size in chunk_sizes if store else [None]:
                 for parts in fetch_parts or [None]:
-                    spec = {"kind": "target", **common, "repeats": repeats, "chunk_size": chunk_size,
+                    spec = {"kind": "target", "engines": asdict(common), "repeats": repeats, "chunk_size": chunk_size,
                             "fetch_parts": parts}  # fmt: skip
                     runs.append(_spawn(spec, Path(tmp), f"target-chunk-{chunk_size or 'default'}-parts-{parts}"))
             result: dict[str, Any] = {"rows": [row for r in runs for row in r["rows"]], "engine": runs[0]["engine"]}
@@ -488,7 +484,8 @@ def run_benchmark(
             if source_throughput:
                 result["source_rows"] = []
                 for name, url in (("source-alone", None), ("source-exporting", store)):
-                    spec = {"kind": "source", **common, "store": url, "chunk_size": None}  # the default chunk size
+                    engines = asdict(replace(common, store=url))
+                    spec = {"kind": "source", "engines": engines, "chunk_size": None}  # the default chunk size
                     result["source_rows"] += _spawn(spec, Path(tmp), name)["rows"]
         finally:
             if server is not None:
