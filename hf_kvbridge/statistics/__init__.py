@@ -2,7 +2,7 @@
 
 | module | holds |
 |---|---|
-| `base` | centred sums and their residual sums, the global feature (head) index, map groups, Chan's merge |
+| `base` | the layout base classes, centred and residual sums, the global feature index, map groups, Chan's merge |
 | `dense` | `KVStatistics`: every source layer against every target layer |
 | `selection` | `SelectionStatistics`: per head and K/V, enough for the single-layer held-out R² of every layer pair |
 | `blocks` | `BlockStatistics`, `feature_groups`: the selected source layers of a group of target layers, on a budget |

@@ -20,7 +20,7 @@ import logging
 import torch
 
 from ..errors import StatisticsError
-from ..heads import map_groups
+from ..heads import HeadLayouts, map_groups
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +63,61 @@ def head_index(row: int, head_dim: int, layers: list[int], heads, device) -> tor
         heads = [heads] if isinstance(heads, int) else list(heads)
         parts = [torch.arange(layer * row + h * span, layer * row + (h + 1) * span) for layer in layers for h in heads]
     return torch.cat(parts).to(device)
+
+
+class LayerPairStatistics(HeadLayouts):
+    """The layout every statistics class is built on: `source_layers` source and `target_layers` target cache
+    layers, the KV head layouts of the two sides ([`HeadLayouts`]), and the `dtype` and `device` of what it keeps.
+    Subclasses take their own arguments and hand these on (`*args, **kwargs`), so the layout is declared here only.
+
+    Args:
+        source_layers (`int`), target_layers (`int`): number of cache layers of each model.
+        num_kv_heads (`int`), head_dim (`int`): the source's KV layout (and the target's, unless given).
+        dtype (`torch.dtype`, *optional*, defaults to `torch.float32`): of the sums or rows a subclass keeps.
+        device (`torch.device` or `str`, *optional*): where they live (defaults to CPU).
+        target_kv_heads (`int`, *optional*), target_head_dim (`int`, *optional*): the target's KV layout when it
+            differs from the source's.
+    """
+
+    def __init__(
+        self,
+        source_layers: int,
+        target_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+        *,
+        target_kv_heads: int | None = None,
+        target_head_dim: int | None = None,
+    ):
+        self.source_layers, self.target_layers = source_layers, target_layers
+        self._set_head_layouts(num_kv_heads, head_dim, target_kv_heads, target_head_dim)
+        self.dtype, self.device = dtype, torch.device(device or "cpu")
+
+
+def kept_layers(sources: list[int], targets: list[int]) -> tuple[list[int], list[int]]:
+    """`sources` and `targets` sorted, each layer once; called with what a [`KeptLayerStatistics`] was given, so
+    Python itself raises on one given twice or not at all."""
+    return sorted(set(map(int, sources))), sorted(set(map(int, targets)))
+
+
+class KeptLayerStatistics(LayerPairStatistics):
+    """[`LayerPairStatistics`] that keep some layers only: source layers `sources` and target layers `targets`
+    (sorted, each once), as [`BlockStatistics`] and [`RowStatistics`] do.
+
+    Args:
+        sources (`list[int]`), targets (`list[int]`): the layers kept. By keyword, or positionally after the four
+            layout numbers: these classes have always been called as `(L_s, L_t, H, d, sources, targets, dtype,
+            device)`.
+        the layout arguments: as [`LayerPairStatistics`].
+    """
+
+    def __init__(self, *args, **kwargs):
+        given = {name: kwargs.pop(name) for name in ("sources", "targets") if name in kwargs}
+        kept = kept_layers(*args[4:6], **given)  # args[4:6]: sources, then targets, when they come positionally
+        super().__init__(*args[:4], *args[6:], **kwargs)
+        self.sources, self.targets = kept
 
 
 class GlobalLayerIndex:

@@ -11,8 +11,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ..errors import StatisticsError
-from ..heads import HeadLayouts, target_heads_of
-from .base import CentredSums, GlobalLayerIndex, chan_merge, chunk_rows, has_rows
+from ..heads import target_heads_of
+from .base import CentredSums, GlobalLayerIndex, KeptLayerStatistics, chan_merge, chunk_rows, has_rows
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +59,7 @@ def feature_groups(
     ]
 
 
-class BlockStatistics(GlobalLayerIndex, CentredSums, HeadLayouts):
+class BlockStatistics(GlobalLayerIndex, CentredSums, KeptLayerStatistics):
     """Centred sums for `targets` (target layers) over the union `sources` of their selected source layers, kept per
     feature group (see `feature_groups`): the Gram and cross blocks that the maps of one head mode and kv mode read.
 
@@ -76,18 +76,13 @@ class BlockStatistics(GlobalLayerIndex, CentredSums, HeadLayouts):
     blocks instead of `U·T`): a fit pass's union is often much wider than what one of its target layers reads.
 
     Args:
-        source_layers (`int`), target_layers (`int`), num_kv_heads (`int`), head_dim (`int`): the full layout (heads
-            and head dim of the source, and of the target unless given).
-        sources (`list[int]`): the source layers kept. targets (`list[int]`): the target layers kept.
-        dtype (`torch.dtype`, *optional*, defaults to `torch.float32`): of the Gram and cross blocks (means are
-            float64).
-        device (*optional*): where the sums live.
         head_mode (`str`), kv_mode (`str`), *optional*, default to `"all_heads"`, `"joint"`: which blocks to keep.
-        target_kv_heads (`int`, *optional*), target_head_dim (`int`, *optional*): the target's KV layout when it
-            differs.
         target_sources (`dict[int, list[int]]`, *optional*): per target layer, the source layers its maps read (all
             in `sources`): only those cross blocks are kept. Default: every target layer with every source layer,
             which a re-fit with another selection needs.
+        the kept layers and the layout arguments: as [`KeptLayerStatistics`] (`sources`: the source layers kept,
+            `targets`: the target layers kept, `dtype`: of the Gram and cross blocks (means are float64), `device`:
+            where the sums live).
 
     Example:
 
@@ -104,28 +99,16 @@ class BlockStatistics(GlobalLayerIndex, CentredSums, HeadLayouts):
 
     def __init__(
         self,
-        source_layers: int,
-        target_layers: int,
-        num_kv_heads: int,
-        head_dim: int,
-        sources: list[int],
-        targets: list[int],
-        dtype: torch.dtype = torch.float32,
-        device: torch.device | str | None = None,
-        *,
+        *args,
         head_mode: str = "all_heads",
         kv_mode: str = "joint",
-        target_kv_heads: int | None = None,
-        target_head_dim: int | None = None,
         target_sources: dict[int, list[int]] | None = None,
+        **kwargs,
     ):
-        self.source_layers, self.target_layers = source_layers, target_layers
-        self._set_head_layouts(num_kv_heads, head_dim, target_kv_heads, target_head_dim)
+        super().__init__(*args, **kwargs)
         self.head_mode, self.kv_mode = head_mode, kv_mode
-        self.sources, self.targets = sorted(set(map(int, sources))), sorted(set(map(int, targets)))
         self.target_sources = self._check_target_sources(target_sources)
-        self.dtype = dtype
-        device = torch.device(device or "cpu")
+        dtype, device = self.dtype, self.device
         groups = feature_groups(
             self.source_kv_heads, self.source_head_dim, head_mode, kv_mode, self.target_kv_heads, self.target_head_dim
         )
@@ -158,8 +141,8 @@ class BlockStatistics(GlobalLayerIndex, CentredSums, HeadLayouts):
         self._x_cols = columns(self.sources, self.x_row, 0).to(device)
         self._y_cols = columns(self.targets, self.y_row, 1).to(device)
         # global feature number → (group, position in the group); -1: not held
-        self._x_group, self._x_pos = self._locate(self._x_cols, source_layers * self.x_row, device)
-        self._y_group, self._y_pos = self._locate(self._y_cols, target_layers * self.y_row, device)
+        self._x_group, self._x_pos = self._locate(self._x_cols, self.source_layers * self.x_row, device)
+        self._y_group, self._y_pos = self._locate(self._y_cols, self.target_layers * self.y_row, device)
 
     def _check_target_sources(self, target_sources) -> dict[int, list[int]]:
         if target_sources is None:

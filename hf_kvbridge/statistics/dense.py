@@ -9,23 +9,21 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ..errors import StatisticsError
-from ..heads import HeadLayouts, target_heads_of
-from .base import GlobalLayerIndex, centred_residual_sums, chan_merge, has_rows
+from ..heads import target_heads_of
+from .base import GlobalLayerIndex, LayerPairStatistics, centred_residual_sums, chan_merge, has_rows
 
 logger = logging.getLogger(__name__)
 
 _FIELDS = ("x_sum", "y_sum", "xx", "xy", "yy")
 
 
-class KVStatistics(GlobalLayerIndex, HeadLayouts):
+class KVStatistics(GlobalLayerIndex, LayerPairStatistics):
     """Sums over calibration tokens of source rows `x` and target rows `y` (see the module docstring).
 
     Args:
-        source_layers (`int`), target_layers (`int`): number of cache layers of each model.
-        num_kv_heads (`int`), head_dim (`int`): the source's KV layout (and the target's, unless given).
-        device (`torch.device`, *optional*): where the sums live (defaults to CPU).
-        target_kv_heads (`int`, *optional*), target_head_dim (`int`, *optional*): the target's KV layout when it
-            differs from the source's.
+        source_layers (`int`), target_layers (`int`), num_kv_heads (`int`), head_dim (`int`), device (*optional*),
+            target_kv_heads (`int`, *optional*), target_head_dim (`int`, *optional*): the layout arguments, as
+            [`LayerPairStatistics`] takes them, without `dtype`: the sums are float64 (so `device` comes fifth).
 
     Example:
 
@@ -48,10 +46,10 @@ class KVStatistics(GlobalLayerIndex, HeadLayouts):
         target_kv_heads: int | None = None,
         target_head_dim: int | None = None,
     ):
-        self.source_layers, self.target_layers = source_layers, target_layers
-        self._set_head_layouts(num_kv_heads, head_dim, target_kv_heads, target_head_dim)
+        heads = {"target_kv_heads": target_kv_heads, "target_head_dim": target_head_dim}
+        super().__init__(source_layers, target_layers, num_kv_heads, head_dim, torch.float64, device, **heads)
         f, g = source_layers * self.x_row, target_layers * self.y_row  # x_row, y_row: features of one layer
-        kw = {"dtype": torch.float64, "device": device or "cpu"}
+        kw = {"dtype": self.dtype, "device": self.device}
         self.count = 0
         self.x_sum = torch.zeros(f, **kw)
         self.y_sum = torch.zeros(g, **kw)

@@ -12,21 +12,15 @@ from __future__ import annotations
 import torch
 
 from ..errors import StatisticsError
-from ..heads import HeadLayouts
-from .base import GlobalLayerIndex, has_rows, head_index
+from .base import GlobalLayerIndex, KeptLayerStatistics, has_rows, head_index
 
 
-class RowStatistics(GlobalLayerIndex, HeadLayouts):
+class RowStatistics(GlobalLayerIndex, KeptLayerStatistics):
     """The rows of source layers `sources` and target layers `targets` over calibration tokens.
 
     Args:
-        source_layers (`int`), target_layers (`int`), num_kv_heads (`int`), head_dim (`int`): the full layout (heads
-            and head dim of the source, and of the target unless given).
-        sources (`list[int]`), targets (`list[int]`): the layers kept.
-        dtype (`torch.dtype`, *optional*, defaults to `torch.float32`): of the kept rows.
-        device (*optional*): where they live.
-        target_kv_heads (`int`, *optional*), target_head_dim (`int`, *optional*): the target's KV layout when it
-            differs.
+        the kept layers and the layout arguments: as [`KeptLayerStatistics`] (`dtype`: of the kept rows, `device`:
+            where they live).
 
     Memory: `n · (U·x_row + T·y_row)` numbers for `n` tokens, `U` source and `T` target layers (`nbytes`).
 
@@ -41,29 +35,13 @@ class RowStatistics(GlobalLayerIndex, HeadLayouts):
     ```
     """
 
-    def __init__(
-        self,
-        source_layers: int,
-        target_layers: int,
-        num_kv_heads: int,
-        head_dim: int,
-        sources: list[int],
-        targets: list[int],
-        dtype: torch.dtype = torch.float32,
-        device: torch.device | str | None = None,
-        *,
-        target_kv_heads: int | None = None,
-        target_head_dim: int | None = None,
-    ):
-        self.source_layers, self.target_layers = source_layers, target_layers
-        self._set_head_layouts(num_kv_heads, head_dim, target_kv_heads, target_head_dim)
-        self.sources, self.targets = sorted(set(map(int, sources))), sorted(set(map(int, targets)))
-        self.dtype, self.device = dtype, torch.device(device or "cpu")
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
         self._x_cols = head_index(self.x_row, self.source_head_dim, self.sources, None, self.device)  # (U·x_row,)
         self._y_cols = head_index(self.y_row, self.target_head_dim, self.targets, None, self.device)  # (T·y_row,)
         # global feature number → position in the kept rows; -1: not kept
-        self._x_pos = self._positions(self._x_cols, source_layers * self.x_row)
-        self._y_pos = self._positions(self._y_cols, target_layers * self.y_row)
+        self._x_pos = self._positions(self._x_cols, self.source_layers * self.x_row)
+        self._y_pos = self._positions(self._y_cols, self.target_layers * self.y_row)
         self._x: list[torch.Tensor] = []  # (n_b, U·x_row) per batch
         self._y: list[torch.Tensor] = []  # (n_b, T·y_row)
         self.count = 0

@@ -11,14 +11,14 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ..errors import StatisticsError
-from ..heads import HeadLayouts, target_heads_of
+from ..heads import target_heads_of
 from ..solve import ridge_from_moments
-from .base import CentredSums, centred_residual_sums, chan_merge, chunk_rows, has_rows
+from .base import CentredSums, LayerPairStatistics, centred_residual_sums, chan_merge, chunk_rows, has_rows
 
 logger = logging.getLogger(__name__)
 
 
-class SelectionStatistics(CentredSums, HeadLayouts):
+class SelectionStatistics(CentredSums, LayerPairStatistics):
     """Small statistics for choosing layers: per KV head `h` and per K/V, source layer `s`'s `d × d` Gram block and
     its `d × d` cross blocks with every target layer's same head and same K/V (centred sums).
 
@@ -31,10 +31,7 @@ class SelectionStatistics(CentredSums, HeadLayouts):
     factor), so a block is `d_x = (H_s/g)·d_s` source by `d_y = (H_t/g)·d_t` target features.
 
     Args:
-        source_layers (`int`), target_layers (`int`), num_kv_heads (`int`), head_dim (`int`): the layout (the
-            source's, and the target's unless given).
-        dtype (`torch.dtype`, *optional*, defaults to `torch.float32`), device (*optional*).
-        target_kv_heads (`int`, *optional*), target_head_dim (`int`, *optional*): the target's layout when it differs.
+        the layout arguments: as [`LayerPairStatistics`] (`dtype`: of the Gram and cross blocks, means are float64).
 
     Example:
 
@@ -46,30 +43,17 @@ class SelectionStatistics(CentredSums, HeadLayouts):
     ```
     """
 
-    def __init__(
-        self,
-        source_layers: int,
-        target_layers: int,
-        num_kv_heads: int,
-        head_dim: int,
-        dtype: torch.dtype = torch.float32,
-        device: torch.device | str | None = None,
-        *,
-        target_kv_heads: int | None = None,
-        target_head_dim: int | None = None,
-    ):
-        self.source_layers, self.target_layers = source_layers, target_layers
-        self._set_head_layouts(num_kv_heads, head_dim, target_kv_heads, target_head_dim)
-        self.dtype = dtype
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
         self.groups = math.gcd(self.source_kv_heads, self.target_kv_heads)
         b, dx, dy = self.groups * 2, self.x_width, self.y_width
-        kw = {"device": device or "cpu"}
+        ls, lt, kw = self.source_layers, self.target_layers, {"device": self.device}
         self.count = 0
-        self.x_mean = torch.zeros(b, source_layers * dx, dtype=torch.float64, **kw)
-        self.y_mean = torch.zeros(b, target_layers * dy, dtype=torch.float64, **kw)
-        self.xx = torch.zeros(b, source_layers, dx, dx, dtype=dtype, **kw)  # diagonal Gram blocks only
-        self.xy = torch.zeros(b, source_layers * dx, target_layers * dy, dtype=dtype, **kw)
-        self.yy = torch.zeros(b, target_layers * dy, dtype=torch.float64, **kw)
+        self.x_mean = torch.zeros(b, ls * dx, dtype=torch.float64, **kw)
+        self.y_mean = torch.zeros(b, lt * dy, dtype=torch.float64, **kw)
+        self.xx = torch.zeros(b, ls, dx, dx, dtype=self.dtype, **kw)  # diagonal Gram blocks only
+        self.xy = torch.zeros(b, ls * dx, lt * dy, dtype=self.dtype, **kw)
+        self.yy = torch.zeros(b, lt * dy, dtype=torch.float64, **kw)
 
     @property
     def x_width(self) -> int:
