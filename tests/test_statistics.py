@@ -91,3 +91,29 @@ def test_updates_in_chunks_equal_one_update(kind, monkeypatch):
     assert chunked.count == whole.count == 50
     for name in ("x_mean", "y_mean", "xx", "xy", "yy"):
         torch.testing.assert_close(getattr(chunked, name), getattr(whole, name), atol=1e-10, rtol=1e-12)
+
+
+@pytest.mark.parametrize("kind", ["dense", "selection", "blocks"])
+def test_a_saved_file_loads_back_with_the_target_head_layout(kind, tmp_path):
+    """`save` then `load` gives the same statistics for each class that writes a file (what resumable calibration
+    keeps), also when the target's KV heads and head dim differ from the source's (2 × 4 against 3 × 2 here)."""
+    from hf_kvbridge.statistics.blocks import BlockStatistics
+    from hf_kvbridge.statistics.selection import SelectionStatistics
+
+    heads = {"target_kv_heads": 3, "target_head_dim": 2}
+    make = {
+        "dense": lambda: KVStatistics(2, 3, 2, 4, **heads),
+        "selection": lambda: SelectionStatistics(2, 3, 2, 4, torch.float64, **heads),
+        "blocks": lambda: BlockStatistics(2, 3, 2, 4, sources=[0, 1], targets=[1, 2], dtype=torch.float64,
+                                          target_sources={1: [1], 2: [0, 1]}, **heads),  # fmt: skip
+    }[kind]
+    stats = make()
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(40, 2 * 2 * 2 * 4, generator=generator, dtype=torch.float64)  # (N, L_s·H·2d)
+    y = x @ torch.randn(32, 36, generator=generator, dtype=torch.float64)  # (N, L_t·H_t·2d_t)
+    stats.update(x, y + torch.randn(40, 36, generator=generator, dtype=torch.float64))
+    stats.save(tmp_path / "s.safetensors")
+    loaded = type(stats).load(tmp_path / "s.safetensors")
+    assert loaded.shape_key == stats.shape_key and loaded.count == stats.count == 40
+    for name, tensor in stats.state_dict().items():
+        torch.testing.assert_close(loaded.state_dict()[name], tensor, rtol=0, atol=0)

@@ -16,11 +16,13 @@ number of tokens, but grows as `L_s·L_t·(H·2d)²`: see `BlockStatistics` belo
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
 
 from ..errors import StatisticsError
-from ..heads import HeadLayouts, map_groups
+from ..heads import HeadLayouts, map_groups, target_heads_of
 
 logger = logging.getLogger(__name__)
 
@@ -94,6 +96,38 @@ class LayerPairStatistics(HeadLayouts):
         self.source_layers, self.target_layers = source_layers, target_layers
         self._set_head_layouts(num_kv_heads, head_dim, target_kv_heads, target_head_dim)
         self.dtype, self.device = dtype, torch.device(device or "cpu")
+
+
+class StatisticsFile:
+    """`state_dict`, `save` and `load` (one safetensors file, what resumable calibration checkpoints hold) of
+    statistics whose sums are the tensors `_fields`, with `count` and `shape_key` beside them. A subclass adds its own
+    entries (`state_dict`) and builds itself from a file's (`_from_state`)."""
+
+    _fields: tuple[str, ...] = ("x_mean", "y_mean", "xx", "xy", "yy")
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        state = {name: getattr(self, name).contiguous() for name in self._fields}
+        state["count"] = torch.tensor([self.count], dtype=torch.int64)
+        state["shape_key"] = torch.tensor(self.shape_key, dtype=torch.int64)
+        return state
+
+    def save(self, path: str | Path) -> None:
+        save_file({k: v.cpu() for k, v in self.state_dict().items()}, str(path))
+
+    @classmethod
+    def load(cls, path: str | Path, device: torch.device | str | None = None):
+        state = load_file(str(path))
+        stats = cls._from_state(state, path, device)
+        stats.count = int(state["count"].item())
+        for name in cls._fields:
+            getattr(stats, name).copy_(state[name])
+        return stats
+
+    @classmethod
+    def _from_state(cls, state: dict[str, torch.Tensor], path: str | Path, device):
+        """Empty statistics of the layout (and dtype) a file's `state` was saved with."""
+        key = state["shape_key"].tolist()
+        return cls(*key[:4], dtype=state["xx"].dtype, device=device, **target_heads_of(key))
 
 
 def kept_layers(sources: list[int], targets: list[int]) -> tuple[list[int], list[int]]:

@@ -8,11 +8,10 @@ import math
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
 
 from ..errors import StatisticsError
 from ..heads import target_heads_of
-from .base import CentredSums, GlobalLayerIndex, KeptLayerStatistics, chan_merge, chunk_rows, has_rows
+from .base import CentredSums, GlobalLayerIndex, KeptLayerStatistics, StatisticsFile, chan_merge, chunk_rows, has_rows
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +58,7 @@ def feature_groups(
     ]
 
 
-class BlockStatistics(GlobalLayerIndex, CentredSums, KeptLayerStatistics):
+class BlockStatistics(GlobalLayerIndex, CentredSums, StatisticsFile, KeptLayerStatistics):
     """Centred sums for `targets` (target layers) over the union `sources` of their selected source layers, kept per
     feature group (see `feature_groups`): the Gram and cross blocks that the maps of one head mode and kv mode read.
 
@@ -354,9 +353,7 @@ class BlockStatistics(GlobalLayerIndex, CentredSums, KeptLayerStatistics):
     _MODES = ({"all_heads": 0, "same_head": 1}, {"joint": 0, "separate": 1})
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        state = {name: getattr(self, name).contiguous() for name in ("x_mean", "y_mean", "xx", "xy", "yy")}
-        state["count"] = torch.tensor([self.count], dtype=torch.int64)
-        state["shape_key"] = torch.tensor(self.shape_key, dtype=torch.int64)
+        state = super().state_dict()
         state["sources"] = torch.tensor(self.sources, dtype=torch.int64)
         state["targets"] = torch.tensor(self.targets, dtype=torch.int64)
         state["modes"] = torch.tensor([self._MODES[0][self.head_mode], self._MODES[1][self.kv_mode]])
@@ -367,19 +364,23 @@ class BlockStatistics(GlobalLayerIndex, CentredSums, KeptLayerStatistics):
         ).reshape(len(self.targets), reads)  # (T, K), -1: padding
         return state
 
-    def save(self, path: str | Path) -> None:
-        save_file({k: v.cpu() for k, v in self.state_dict().items()}, str(path))
-
     @classmethod
     def load(cls, path: str | Path, device: torch.device | str | None = None) -> BlockStatistics:
-        state = load_file(str(path))
+        stats = super().load(path, device)
+        stats._mirrored = False  # mirrored again before it is read: only the upper block triangle is kept up to date
+        return stats
+
+    @classmethod
+    def _from_state(cls, state: dict[str, torch.Tensor], path: str | Path, device) -> BlockStatistics:
         head_mode, kv_mode = (list(names)[int(i)] for names, i in zip(cls._MODES, state["modes"].tolist()))
         targets = state["targets"].tolist()
         reads = None
         if "target_sources" in state:  # absent in files written before cross blocks were kept per target layer
             reads = {t: [s for s in row if s >= 0] for t, row in zip(targets, state["target_sources"].tolist())}
-        stats = cls(
-            *state["shape_key"].tolist(),
+        key = state["shape_key"].tolist()
+        return cls(
+            *key[:4],
+            **target_heads_of(key),
             sources=state["sources"].tolist(),
             targets=targets,
             dtype=state["xx"].dtype,
@@ -388,8 +389,3 @@ class BlockStatistics(GlobalLayerIndex, CentredSums, KeptLayerStatistics):
             kv_mode=kv_mode,
             target_sources=reads,
         )
-        stats.count = int(state["count"].item())
-        for name in ("x_mean", "y_mean", "xx", "xy", "yy"):
-            getattr(stats, name).copy_(state[name])
-        stats._mirrored = False
-        return stats

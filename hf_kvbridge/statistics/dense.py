@@ -6,18 +6,17 @@ import logging
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
 
 from ..errors import StatisticsError
 from ..heads import target_heads_of
-from .base import GlobalLayerIndex, LayerPairStatistics, centred_residual_sums, chan_merge, has_rows
+from .base import GlobalLayerIndex, LayerPairStatistics, StatisticsFile, centred_residual_sums, chan_merge, has_rows
 
 logger = logging.getLogger(__name__)
 
 _FIELDS = ("x_sum", "y_sum", "xx", "xy", "yy")
 
 
-class KVStatistics(GlobalLayerIndex, LayerPairStatistics):
+class KVStatistics(GlobalLayerIndex, StatisticsFile, LayerPairStatistics):
     """Sums over calibration tokens of source rows `x` and target rows `y` (see the module docstring).
 
     Args:
@@ -182,27 +181,17 @@ class KVStatistics(GlobalLayerIndex, LayerPairStatistics):
         return centred_residual_sums(self.count, mx, my, cxx, cxy, vy, weight, bias)
 
     # -- persistence ---------------------------------------------------------------------------------------------
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        state = {name: getattr(self, name).contiguous() for name in _FIELDS}
-        state["count"] = torch.tensor([self.count], dtype=torch.int64)
-        state["shape_key"] = torch.tensor(self.shape_key, dtype=torch.int64)
-        state["centred"] = torch.tensor([1], dtype=torch.int64)
-        return state
+    _fields = _FIELDS
 
-    def save(self, path: str | Path) -> None:
-        save_file({k: v.cpu() for k, v in self.state_dict().items()}, str(path))
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {**super().state_dict(), "centred": torch.tensor([1], dtype=torch.int64)}
 
     @classmethod
-    def load(cls, path: str | Path, device: torch.device | str | None = None) -> KVStatistics:
-        state = load_file(str(path))
+    def _from_state(cls, state: dict[str, torch.Tensor], path: str | Path, device) -> KVStatistics:
         if "centred" not in state:
             raise StatisticsError(
                 f"{path} holds raw (uncentred) statistics of an older hf_kvbridge; delete the checkpoint and "
                 "calibrate again"
             )
         key = state["shape_key"].tolist()
-        stats = cls(*key[:4], device=device, **target_heads_of(key))
-        stats.count = state["count"].item()
-        for name in _FIELDS:
-            getattr(stats, name).copy_(state[name])
-        return stats
+        return cls(*key[:4], device=device, **target_heads_of(key))

@@ -5,20 +5,25 @@ from __future__ import annotations
 
 import logging
 import math
-from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
 
 from ..errors import StatisticsError
-from ..heads import target_heads_of
 from ..solve import ridge_from_moments
-from .base import CentredSums, LayerPairStatistics, centred_residual_sums, chan_merge, chunk_rows, has_rows
+from .base import (
+    CentredSums,
+    LayerPairStatistics,
+    StatisticsFile,
+    centred_residual_sums,
+    chan_merge,
+    chunk_rows,
+    has_rows,
+)
 
 logger = logging.getLogger(__name__)
 
 
-class SelectionStatistics(CentredSums, LayerPairStatistics):
+class SelectionStatistics(CentredSums, StatisticsFile, LayerPairStatistics):
     """Small statistics for choosing layers: per KV head `h` and per K/V, source layer `s`'s `d × d` Gram block and
     its `d × d` cross blocks with every target layer's same head and same K/V (centred sums).
 
@@ -165,21 +170,3 @@ class SelectionStatistics(CentredSums, LayerPairStatistics):
         r2 = (1 - sse / sst.clamp_min(torch.finfo(torch.float64).tiny)).mean(0)  # (2, L_s, L_t): mean over heads
         return r2.permute(2, 1, 0).contiguous()  # (L_t, L_s, 2)
 
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        state = {name: getattr(self, name).contiguous() for name in ("x_mean", "y_mean", "xx", "xy", "yy")}
-        state["count"] = torch.tensor([self.count], dtype=torch.int64)
-        state["shape_key"] = torch.tensor(self.shape_key, dtype=torch.int64)
-        return state
-
-    def save(self, path: str | Path) -> None:
-        save_file({k: v.cpu() for k, v in self.state_dict().items()}, str(path))
-
-    @classmethod
-    def load(cls, path: str | Path, device: torch.device | str | None = None) -> SelectionStatistics:
-        state = load_file(str(path))
-        key = state["shape_key"].tolist()
-        stats = cls(*key[:4], dtype=state["xx"].dtype, device=device, **target_heads_of(key))
-        stats.count = int(state["count"].item())
-        for name in ("x_mean", "y_mean", "xx", "xy", "yy"):
-            getattr(stats, name).copy_(state[name])
-        return stats
