@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import os
-import tempfile
 from typing import Any
 
 import torch
@@ -21,7 +20,6 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from .bridge_parts import check_bridge_parts, converted_mapper
 from .cache import cache_kwargs
 from .configuration import KVBridgeConfig
-from .constants import DEFAULT_MAX_SHARD_SIZE
 from .devices import execution_device
 from .errors import ConfigurationError, ContextLengthError
 from .generation import bridged_forward, generation_inputs
@@ -30,11 +28,7 @@ from .mappers.engine import Workspace, map_cache
 from .mappers.lazy import LazyKVMapper
 from .mappers.residual import ResidualMapper
 from .masks import left_padding
-from .persistence import (
-    load_bridge,
-    push_folder_to_hub,
-    save_bridge,
-)
+from .persistence import BridgeHubMixin, load_bridge
 from .precision import HALF_TYPES, resolve_mapper_dtype
 from .transfer.layer_recompute import check_layer_recompute
 from .transfer.plan import TransferPlan, plan_from_config
@@ -45,7 +39,7 @@ from .transfer.warm_start import check_warm_plan, generate_from_source_cache
 logger = logging.getLogger(__name__)
 
 
-class KVBridgeForCausalLM(nn.Module):
+class KVBridgeForCausalLM(BridgeHubMixin, nn.Module):
     r"""A source/target pair that behaves like the target, with the prompt prefilled by the source.
 
     With no cache, `forward` runs the source over the prompt except its last `hold_back` tokens, maps the
@@ -445,84 +439,7 @@ class KVBridgeForCausalLM(nn.Module):
         return generate_from_source_cache(self.target, self.map_cache, source_cache, input_ids,
                                           hold_back=self.config.hold_back, keep=keep, **kwargs)  # fmt: skip
 
-    # -- saving and loading --------------------------------------------------------------------------------------
-    def save_pretrained(
-        self,
-        save_directory: str | os.PathLike,
-        *,
-        overwrite: bool = False,
-        max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
-        model_card_kwargs: dict[str, Any] | None = None,
-        **kwargs: Any,
-    ) -> None:
-        """Writes `config.json`, the mapper weights and a `README.md` model card; never the models' weights.
-
-        The mapper goes to `mapper.safetensors`, or, when larger than `max_shard_size` (e.g. `"2GB"`), to
-        `mapper-0000i-of-0000N.safetensors` shards listed in `mapper.safetensors.index.json`. The sha256 of every
-        weight file is recorded in `config.json` (`mapper_sha256`) and verified on load. `model_card_kwargs` go to
-        `card.render_model_card` (`repo_id`, `eval_table`, `attention_cosine`).
-
-        Refuses a non-empty directory unless `overwrite=True` (then only the bridge's own files are replaced, and
-        weight files of an earlier save that this one does not write are removed).
-        """
-        save_bridge(
-            self,
-            save_directory,
-            overwrite=overwrite,
-            max_shard_size=max_shard_size,
-            model_card_kwargs=model_card_kwargs,
-        )
-
-    def push_to_hub(
-        self,
-        repo_id: str,
-        *,
-        revision: str | None = None,
-        private: bool | None = None,
-        token: str | bool | None = None,
-        commit_message: str | None = None,
-        create_pr: bool = False,
-        max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
-        model_card_kwargs: dict[str, Any] | None = None,
-    ):
-        r"""Uploads exactly what `save_pretrained` writes (config, mapper weights, card) to `repo_id`, in one commit.
-
-        Creates the repo if needed (`exist_ok=True`), saves into a temporary folder and uploads it with one
-        `upload_folder` call; mapper weight files of an earlier push that are no longer part of the checkpoint
-        (e.g. old shards) are deleted in the same commit. The source and target weights are never uploaded.
-
-        Args:
-            repo_id (`str`): `"org/name"` on the Hub.
-            revision (`str`, *optional*): branch to commit to.
-            private (`bool`, *optional*): visibility of a newly created repo.
-            token (`str` or `bool`, *optional*): Hub token (defaults to the logged-in one).
-            commit_message (`str`, *optional*), create_pr (`bool`, *optional*, defaults to `False`): as in
-                `HfApi.upload_folder`.
-            max_shard_size (`int` or `str`, *optional*, defaults to `"2GB"`): shard the mapper above this size.
-
-        Returns:
-            `CommitInfo` of the commit.
-
-        Example:
-
-        ```python
-        >>> bridge.push_to_hub("me/qwen3-14b-to-32b")  # doctest: +SKIP
-        >>> bridge = KVBridgeForCausalLM.from_pretrained("me/qwen3-14b-to-32b")  # doctest: +SKIP
-        ```
-        """
-        card_kwargs = {"repo_id": repo_id, **(model_card_kwargs or {})}
-        with tempfile.TemporaryDirectory(prefix="kvbridge-push-") as tmp:
-            self.save_pretrained(tmp, max_shard_size=max_shard_size, model_card_kwargs=card_kwargs)
-            return push_folder_to_hub(
-                tmp,
-                repo_id,
-                revision=revision,
-                private=private,
-                token=token,
-                commit_message=commit_message,
-                create_pr=create_pr,
-            )
-
+    # -- loading (saving and pushing: `BridgeHubMixin`) ----------------------------------------------------------
     @classmethod
     def from_pretrained(
         cls,

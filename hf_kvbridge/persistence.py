@@ -252,113 +252,149 @@ def checkpoint_files(folder: str | os.PathLike) -> list[str]:
     return sorted(names)
 
 
-# -- the Hub ---------------------------------------------------------------------------------------------------------
-def push_folder_to_hub(
-    folder: str | os.PathLike,
-    repo_id: str,
-    *,
-    revision: str | None = None,
-    private: bool | None = None,
-    token: str | bool | None = None,
-    commit_message: str | None = None,
-    create_pr: bool = False,
-):
-    """Uploads a checkpoint folder's own files to `repo_id` in one commit (as `ModelHubMixin.push_to_hub` does).
-
-    The repo is created if needed (`exist_ok=True`). Mapper weight files of an earlier push that this checkpoint does
-    not hold (e.g. old shards, or the `reverse/` mapper of an earlier bidirectional push) are deleted in the same
-    commit. The folder's checksums are verified first.
-
-    Returns:
-        `CommitInfo` of the commit (or of the pull request with `create_pr=True`).
+# -- a bridge: save and push ------------------------------------------------------------------------------------------
+class BridgeHubMixin:
+    """`save_pretrained` and `push_to_hub` of a bridge, as transformers' `PushToHubMixin` and huggingface_hub's
+    `ModelHubMixin` give them to a model: `KVBridgeForCausalLM` inherits them. `push_to_hub` stages what
+    `save_pretrained` writes in a temporary folder and uploads it, so a class that stages a checkpoint otherwise
+    (`hf_kvbridge.integrations.hub.SavedCheckpoint`, a saved one pushed without its models) overrides
+    `save_pretrained` only. `save_pretrained` reads `config`, `mapper`, `reverse`, and `residual_mapper` and
+    `tokenizer` where set.
     """
-    folder = Path(folder)
-    verify_mapper_checksums(folder, read_config_dict(folder).get(MAPPER_CHECKSUMS_KEY))
-    api = HfApi(token=token)
-    repo_id = api.create_repo(repo_id, private=private, exist_ok=True, token=token).repo_id
-    return api.upload_folder(
-        repo_id=repo_id,
-        folder_path=folder,
-        commit_message=commit_message or "Upload kvbridge mapper",
-        revision=revision,
-        create_pr=create_pr,
-        token=token,
-        allow_patterns=HUB_FILE_PATTERNS,
-        # old weight files, and a `reverse/` of an earlier bidirectional push that this checkpoint does not replace
-        # (`from_pretrained` would attach it): files uploaded in this commit are kept
-        delete_patterns=[*WEIGHT_FILE_PATTERNS, f"{REVERSE_FOLDER}/*"],
-    )
 
+    def save_pretrained(
+        self,
+        save_directory: str | os.PathLike,
+        *,
+        overwrite: bool = False,
+        max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
+        model_card_kwargs: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        """Writes `config.json`, the mapper weights and a `README.md` model card; never the models' weights.
 
-# -- a bridge: save and load -----------------------------------------------------------------------------------------
-def save_bridge(
-    bridge,
-    save_directory: str | os.PathLike,
-    *,
-    overwrite: bool = False,
-    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
-    model_card_kwargs: dict[str, Any] | None = None,
-) -> None:
-    """`KVBridgeForCausalLM.save_pretrained`: config, mapper weights, card (and `reverse/`), never the models.
+        The mapper goes to `mapper.safetensors`, or, when larger than `max_shard_size` (e.g. `"2GB"`), to
+        `mapper-0000i-of-0000N.safetensors` shards listed in `mapper.safetensors.index.json`. The sha256 of every
+        weight file is recorded in `config.json` (`mapper_sha256`) and verified on load. `model_card_kwargs` go to
+        `card.render_model_card` (`repo_id`, `eval_table`, `attention_cosine`).
 
-    Writes into a temporary folder inside `save_directory` first, so a failure leaves the old files intact.
-    """
-    save_directory = Path(save_directory)
-    if save_directory.is_file():
-        raise CheckpointExistsError(f"{save_directory} is a file; save the bridge into a folder (new or empty)")
-    if save_directory.exists() and any(save_directory.iterdir()) and not overwrite:
-        raise CheckpointExistsError(
-            f"{save_directory} is not empty; pass overwrite=True to replace the bridge files in it "
-            f"({CONFIG_NAME}, {MAPPER_WEIGHTS_NAME}, {MODEL_CARD_NAME})"
-        )
-    save_directory.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=save_directory, prefix=".tmp-kvbridge-") as tmp:
-        tmp = Path(tmp)
-        mapper = bridge.mapper  # a lazily loaded mapper holds meta tensors: its weights come from its files
-        # the oldest format that reads this checkpoint: K/V-only bridges stay readable by every reader, one that
-        # reads hidden states needs a reader that knows them (older ones refuse it: `configuration`)
-        version = required_format_version(bridge.config)
-        state = mapper.stored_state_dict() if isinstance(mapper, LazyKVMapper) else mapper.state_dict()
-        checksums = save_mapper_weights(
-            state,
-            tmp,
-            max_shard_size=max_shard_size,
-            metadata={
-                "format": "pt",
-                "format_version": str(version),
-                "mapper_type": bridge.config.mapper_type,
-            },
-        )
-        residual = getattr(bridge, "residual_mapper", None)
-        if residual is not None:  # the residual map of layer recompute, one small file beside the mapper
-            save_file(
-                {k: v.detach().to("cpu").contiguous() for k, v in sorted(residual.state_dict().items())},
-                tmp / RESIDUAL_WEIGHTS_NAME,
-                metadata={"format": "pt", "format_version": str(version)},
+        Refuses a non-empty directory unless `overwrite=True` (then only the bridge's own files are replaced, and
+        weight files of an earlier save that this one does not write are removed).
+        """
+        save_directory = Path(save_directory)
+        if save_directory.is_file():
+            raise CheckpointExistsError(f"{save_directory} is a file; save the bridge into a folder (new or empty)")
+        if save_directory.exists() and any(save_directory.iterdir()) and not overwrite:
+            raise CheckpointExistsError(
+                f"{save_directory} is not empty; pass overwrite=True to replace the bridge files in it "
+                f"({CONFIG_NAME}, {MAPPER_WEIGHTS_NAME}, {MODEL_CARD_NAME})"
             )
-            checksums[RESIDUAL_WEIGHTS_NAME] = sha256_file(tmp / RESIDUAL_WEIGHTS_NAME)
-        bridge.config.save_pretrained(tmp)
-        config_dict = json.loads((tmp / CONFIG_NAME).read_text(encoding="utf-8"))
-        config_dict[MAPPER_CHECKSUMS_KEY] = checksums
-        config_dict["format_version"] = version
-        (tmp / CONFIG_NAME).write_text(json.dumps(config_dict, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-        render_model_card(bridge.config, **(model_card_kwargs or {})).save(tmp / MODEL_CARD_NAME)
-        # safetensors writes its files 0600; give them the mode the umask gives every other file here (0644)
-        for name in checksums:
-            (tmp / name).chmod((tmp / CONFIG_NAME).stat().st_mode & 0o777)
-        tokenizer = bridge_tokenizer(bridge)
-        if tokenizer is not None:
-            for name in tokenizer.save_pretrained(tmp):
-                if Path(name).name not in TOKENIZER_FILE_NAMES:  # only the tokenizer's own files travel
-                    Path(name).unlink(missing_ok=True)
-        if bridge.reverse is not None:  # the target→source mapper, in a folder of its own
-            save_bridge(bridge.reverse, tmp / REVERSE_FOLDER, max_shard_size=max_shard_size)
-        written = {p.name for p in tmp.iterdir()}
-        remove_stale_weight_files(save_directory, keep=written)
-        if (save_directory / REVERSE_FOLDER).is_dir():  # a reverse mapper of an earlier save (overwrite=True)
-            shutil.rmtree(save_directory / REVERSE_FOLDER)
-        for name in sorted(written):
-            os.replace(tmp / name, save_directory / name)
+        save_directory.mkdir(parents=True, exist_ok=True)
+        # written into a temporary folder inside `save_directory` first, so a failure leaves the old files intact
+        with tempfile.TemporaryDirectory(dir=save_directory, prefix=".tmp-kvbridge-") as tmp:
+            tmp = Path(tmp)
+            mapper = self.mapper  # a lazily loaded mapper holds meta tensors: its weights come from its files
+            # the oldest format that reads this checkpoint: K/V-only bridges stay readable by every reader, one that
+            # reads hidden states needs a reader that knows them (older ones refuse it: `configuration`)
+            version = required_format_version(self.config)
+            state = mapper.stored_state_dict() if isinstance(mapper, LazyKVMapper) else mapper.state_dict()
+            checksums = save_mapper_weights(
+                state,
+                tmp,
+                max_shard_size=max_shard_size,
+                metadata={
+                    "format": "pt",
+                    "format_version": str(version),
+                    "mapper_type": self.config.mapper_type,
+                },
+            )
+            residual = getattr(self, "residual_mapper", None)
+            if residual is not None:  # the residual map of layer recompute, one small file beside the mapper
+                save_file(
+                    {k: v.detach().to("cpu").contiguous() for k, v in sorted(residual.state_dict().items())},
+                    tmp / RESIDUAL_WEIGHTS_NAME,
+                    metadata={"format": "pt", "format_version": str(version)},
+                )
+                checksums[RESIDUAL_WEIGHTS_NAME] = sha256_file(tmp / RESIDUAL_WEIGHTS_NAME)
+            self.config.save_pretrained(tmp)
+            config_dict = json.loads((tmp / CONFIG_NAME).read_text(encoding="utf-8"))
+            config_dict[MAPPER_CHECKSUMS_KEY] = checksums
+            config_dict["format_version"] = version
+            (tmp / CONFIG_NAME).write_text(json.dumps(config_dict, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+            render_model_card(self.config, **(model_card_kwargs or {})).save(tmp / MODEL_CARD_NAME)
+            # safetensors writes its files 0600; give them the mode the umask gives every other file here (0644)
+            for name in checksums:
+                (tmp / name).chmod((tmp / CONFIG_NAME).stat().st_mode & 0o777)
+            tokenizer = bridge_tokenizer(self)
+            if tokenizer is not None:
+                for name in tokenizer.save_pretrained(tmp):
+                    if Path(name).name not in TOKENIZER_FILE_NAMES:  # only the tokenizer's own files travel
+                        Path(name).unlink(missing_ok=True)
+            if self.reverse is not None:  # the target→source mapper, in a folder of its own
+                self.reverse.save_pretrained(tmp / REVERSE_FOLDER, max_shard_size=max_shard_size)
+            written = {p.name for p in tmp.iterdir()}
+            remove_stale_weight_files(save_directory, keep=written)
+            if (save_directory / REVERSE_FOLDER).is_dir():  # a reverse mapper of an earlier save (overwrite=True)
+                shutil.rmtree(save_directory / REVERSE_FOLDER)
+            for name in sorted(written):
+                os.replace(tmp / name, save_directory / name)
+
+    def push_to_hub(
+        self,
+        repo_id: str,
+        *,
+        revision: str | None = None,
+        private: bool | None = None,
+        token: str | bool | None = None,
+        commit_message: str | None = None,
+        create_pr: bool = False,
+        max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
+        model_card_kwargs: dict[str, Any] | None = None,
+    ):
+        r"""Uploads exactly what `save_pretrained` writes (config, mapper weights, card) to `repo_id`, in one commit.
+
+        Creates the repo if needed (`exist_ok=True`), saves into a temporary folder and uploads it with one
+        `upload_folder` call; mapper weight files of an earlier push that are no longer part of the checkpoint
+        (e.g. old shards) are deleted in the same commit. The source and target weights are never uploaded.
+
+        Args:
+            repo_id (`str`): `"org/name"` on the Hub.
+            revision (`str`, *optional*): branch to commit to.
+            private (`bool`, *optional*): visibility of a newly created repo.
+            token (`str` or `bool`, *optional*): Hub token (defaults to the logged-in one).
+            commit_message (`str`, *optional*), create_pr (`bool`, *optional*, defaults to `False`): as in
+                `HfApi.upload_folder`.
+            max_shard_size (`int` or `str`, *optional*, defaults to `"2GB"`): shard the mapper above this size.
+
+        Returns:
+            `CommitInfo` of the commit.
+
+        Example:
+
+        ```python
+        >>> bridge.push_to_hub("me/qwen3-14b-to-32b")  # doctest: +SKIP
+        >>> bridge = KVBridgeForCausalLM.from_pretrained("me/qwen3-14b-to-32b")  # doctest: +SKIP
+        ```
+        """
+        card_kwargs = {"repo_id": repo_id, **(model_card_kwargs or {})}
+        with tempfile.TemporaryDirectory(prefix="kvbridge-push-") as tmp:
+            self.save_pretrained(tmp, max_shard_size=max_shard_size, model_card_kwargs=card_kwargs)
+            folder = Path(tmp)  # its checksums are verified before anything reaches the Hub
+            verify_mapper_checksums(folder, read_config_dict(folder).get(MAPPER_CHECKSUMS_KEY))
+            api = HfApi(token=token)
+            repo_id = api.create_repo(repo_id, private=private, exist_ok=True, token=token).repo_id
+            return api.upload_folder(
+                repo_id=repo_id,
+                folder_path=folder,
+                commit_message=commit_message or "Upload kvbridge mapper",
+                revision=revision,
+                create_pr=create_pr,
+                token=token,
+                allow_patterns=HUB_FILE_PATTERNS,
+                # old weight files, and a `reverse/` of an earlier bidirectional push that this checkpoint does not
+                # replace (`from_pretrained` would attach it): files uploaded in this commit are kept
+                delete_patterns=[*WEIGHT_FILE_PATTERNS, f"{REVERSE_FOLDER}/*"],
+            )
 
 
 def bridge_tokenizer(bridge):
@@ -379,6 +415,9 @@ def bridge_tokenizer(bridge):
     except Exception as err:  # a target without tokenizer files, or not cached: the checkpoint is still valid
         logger.info("no tokenizer saved with the bridge (target %r: %s)", reference, err)
         return None
+
+
+# -- a bridge: load ---------------------------------------------------------------------------------------------------
 
 
 def read_checkpoint_config(folder: Path, config: KVBridgeConfig | None = None) -> tuple[KVBridgeConfig, dict | None]:

@@ -15,7 +15,7 @@ from hf_kvbridge.calibration.dense_fit import fit_bridge
 from hf_kvbridge.mappers import engine as mapping
 from tests.conftest import CORPUS, VOCAB, qwen3
 
-# config, mapper, card and the pair's shared tokenizer (persistence.save_bridge)
+# config, mapper, card and the pair's shared tokenizer (persistence.BridgeHubMixin.save_pretrained)
 BRIDGE_FILES = {"config.json", "mapper.safetensors", "README.md", "tokenizer.json", "tokenizer_config.json"}
 
 
