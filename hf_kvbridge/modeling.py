@@ -9,7 +9,6 @@ prompt ──source prefill──▶ source cache ──strip RoPE──▶ cont
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any
 
 import torch
@@ -28,7 +27,7 @@ from .mappers.engine import Workspace, map_cache
 from .mappers.lazy import LazyKVMapper
 from .mappers.residual import ResidualMapper
 from .masks import left_padding
-from .persistence import BridgeHubMixin, load_bridge
+from .persistence import BridgeHubMixin
 from .precision import HALF_TYPES, resolve_mapper_dtype
 from .transfer.layer_recompute import check_layer_recompute
 from .transfer.plan import TransferPlan, plan_from_config
@@ -439,59 +438,7 @@ class KVBridgeForCausalLM(BridgeHubMixin, nn.Module):
         return generate_from_source_cache(self.target, self.map_cache, source_cache, input_ids,
                                           hold_back=self.config.hold_back, keep=keep, **kwargs)  # fmt: skip
 
-    # -- loading (saving and pushing: `BridgeHubMixin`) ----------------------------------------------------------
-    @classmethod
-    def from_pretrained(
-        cls,
-        pretrained_model_name_or_path: str | os.PathLike,
-        source_model: PreTrainedModel | None = None,
-        target_model: PreTrainedModel | None = None,
-        *,
-        config: KVBridgeConfig | None = None,
-        revision: str | None = None,
-        cache_dir: str | os.PathLike | None = None,
-        local_files_only: bool = False,
-        token: str | bool | None = None,
-        force_download: bool = False,
-        lazy_mapper: bool = False,
-        mapper_dtype: torch.dtype | str | None = None,
-        **load_kwargs: Any,
-    ) -> KVBridgeForCausalLM:
-        r"""Loads a bridge checkpoint and its two models.
-
-        Args:
-            pretrained_model_name_or_path (`str` or `os.PathLike`): a local folder or a Hub repo id.
-            source_model, target_model ([`PreTrainedModel`], *optional*): already loaded models; otherwise they are
-                loaded from the ids and revisions recorded in the config.
-            revision (`str`, *optional*): revision of the bridge repo on the Hub.
-            lazy_mapper (`bool`, *optional*, defaults to `False`): keep the mapper's weights on disk and load one
-                target layer's weights at a time while mapping (for mappers too large to hold in memory).
-            mapper_dtype (`torch.dtype` or `str`, *optional*): as in the constructor; `"auto"` by default.
-            load_kwargs: passed to `AutoModelForCausalLM.from_pretrained` for the two models (`torch_dtype`,
-                `dtype`, `device_map`, ...).
-
-        Example:
-
-        ```python
-        >>> bridge = KVBridgeForCausalLM.from_pretrained("my-bridge", torch_dtype=torch.bfloat16)  # doctest: +SKIP
-        ```
-        """
-        return load_bridge(
-            cls,
-            pretrained_model_name_or_path,
-            source_model,
-            target_model,
-            config=config,
-            revision=revision,
-            cache_dir=cache_dir,
-            local_files_only=local_files_only,
-            token=token,
-            force_download=force_download,
-            lazy_mapper=lazy_mapper,
-            mapper_dtype=mapper_dtype,
-            **load_kwargs,
-        )
-
+    # -- a conversation (saving, loading, pushing: `BridgeHubMixin`) ---------------------------------------------
     def start_session(self, tokenizer=None, **kwargs: Any):
         """A [`HandoffSession`]: one conversation whose turns can be answered by the source or the target.
 

@@ -1,7 +1,7 @@
 """A bridge checkpoint on disk and on the Hub: saving and loading it, its (sharded, checksummed) mapper files.
 
-Kept apart from the model class, as peft keeps `utils/save_and_load.py` apart from `PeftModel`. A checkpoint folder
-holds exactly:
+Kept apart from the model class, as peft keeps `utils/save_and_load.py` apart from `PeftModel`; the class inherits
+`save_pretrained`, `from_pretrained` and `push_to_hub` from `BridgeHubMixin` here. A checkpoint folder holds exactly:
 
 - `config.json`: the [`KVBridgeConfig`], plus `mapper_sha256`: `{weight file name: sha256 hex digest}` for every
   mapper weight file, verified before the weights are read;
@@ -25,16 +25,18 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from huggingface_hub import HfApi, snapshot_download, split_torch_state_dict_into_shards
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
+from transformers import PreTrainedModel
 
 from .card import render_model_card
 from .configuration import KVBridgeConfig
 from .constants import (
+    AUTO_LOAD_KWARGS,
     CONFIG_NAME,
     DEFAULT_MAX_SHARD_SIZE,
     MAPPER_CHECKSUMS_KEY,
@@ -63,6 +65,8 @@ from .precision import resolve_mapper_dtype
 from .source_features import required_format_version
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T", bound="BridgeHubMixin")
 
 SHARD_GLOB = "mapper-*-of-*.safetensors"
 # every file a checkpoint may hold; pushes upload these and nothing else
@@ -252,14 +256,133 @@ def checkpoint_files(folder: str | os.PathLike) -> list[str]:
     return sorted(names)
 
 
-# -- a bridge: save and push ------------------------------------------------------------------------------------------
+# -- a bridge's parts: tokenizer, config, mapper files ----------------------------------------------------------------
+def bridge_tokenizer(bridge):
+    """The tokenizer a checkpoint carries: `bridge.tokenizer` when set, else the target's own when it loads from
+    local files (a local folder, a `pocket/` model, or the Hub cache); `None` when there is none at hand."""
+    tokenizer = getattr(bridge, "tokenizer", None)
+    if tokenizer is not None:
+        return tokenizer
+    reference = bridge.config.target_name_or_path
+    if not reference:
+        return None
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(
+            resolve_model_reference(reference), revision=bridge.config.target_revision, local_files_only=True
+        )
+    except Exception as err:  # a target without tokenizer files, or not cached: the checkpoint is still valid
+        logger.info("no tokenizer saved with the bridge (target %r: %s)", reference, err)
+        return None
+
+
+def read_checkpoint_config(folder: Path, config: KVBridgeConfig | None = None) -> tuple[KVBridgeConfig, dict | None]:
+    """The checkpoint's config (or `config`, when given) and the mapper checksums its `config.json` records."""
+    config_dict = read_config_dict(folder)
+    checksums = config_dict.pop(MAPPER_CHECKSUMS_KEY, None)  # not a config field: verified on load, then dropped
+    if config is None:
+        config = KVBridgeConfig.from_dict(config_dict)
+    if config.model_type != "kvbridge" or not config.selected_layers:
+        raise ConfigurationError(
+            f"{folder} is not a kvbridge checkpoint (its {CONFIG_NAME} has no kvbridge mapper); pass the folder "
+            "`save_pretrained` or `kvbridge calibrate --out` wrote"
+        )
+    return config, checksums
+
+
+def load_mapper(
+    config: KVBridgeConfig, layout: KVLayout, folder: Path, checksums: dict | None, lazy: bool = False
+) -> KVMapper:
+    """The mapper a checkpoint folder holds, shaped by `config` and the target's `layout`.
+
+    With `lazy=True` the weights stay on disk and one target layer's weights are read at a time while mapping
+    (linear mappers only).
+    """
+    if lazy:
+        if not get_mapper_type(config.mapper_type).linear:
+            raise InvalidInputError(
+                f"lazy_mapper=True reads linear mappers only, and this checkpoint holds a {config.mapper_type!r} "
+                "mapper; load it with lazy_mapper=False"
+            )
+        files = [folder / name for name in verify_mapper_checksums(folder, checksums)]
+        return LazyKVMapper(
+            config.selected_layers,
+            head_mode=config.head_mode,
+            files=files,
+            kv_mode=config.kv_mode,
+            **KVMapper.layout_kwargs(config, layout),
+        )
+    mapper = build_mapper(config, layout)  # the class config.mapper_type names (ridge, mlp, ...)
+    load_mapper_weights(mapper, folder, checksums)
+    return mapper
+
+
+def load_mapper_weights(mapper: KVMapper, path: Path, checksums: dict[str, str] | None = None) -> None:
+    """Loads a checkpoint folder's mapper weights (one file or shards) into `mapper`.
+
+    `path` is the checkpoint folder (or its single weights file). Every weight file is checked against `checksums`
+    (`{file name: sha256}`, from `config.json`) before it is read. Errors name the file for missing, corrupt,
+    tampered or mismatched weights.
+    """
+    path = Path(path)
+    folder = path if path.is_dir() else path.parent
+    _load_checked(mapper, read_mapper_state(folder, checksums), f"mapper weights in {folder}")
+
+
+def _load_checked(mapper: torch.nn.Module, state: dict[str, torch.Tensor], what: str) -> None:
+    """Loads `state` into `mapper` after checking names, shapes and finiteness (errors name `what`)."""
+    expected = mapper.state_dict()
+    missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
+    if missing or unexpected:
+        raise MapperFileError(f"{what} do not fit the config: missing {missing[:4]}, unexpected {unexpected[:4]}")
+    for key, tensor in state.items():
+        if tensor.shape != expected[key].shape:
+            raise MapperFileError(
+                f"{what}: {key} has shape {tuple(tensor.shape)}, the config implies {tuple(expected[key].shape)}"
+            )
+        if not torch.isfinite(tensor).all():
+            raise MapperFileError(f"{what}: {key} holds NaN/Inf")
+    mapper.load_state_dict(state)
+
+
+def load_residual_mapper(config: KVBridgeConfig, folder: Path, checksums: dict | None) -> ResidualMapper | None:
+    """The residual map of layer recompute a checkpoint folder holds (`residual.safetensors`, shaped by
+    `config.residual_map`), after verifying its sha256; `None` when the checkpoint was calibrated without one."""
+    if not getattr(config, "residual_map", None):
+        return None
+    path = Path(folder) / RESIDUAL_WEIGHTS_NAME
+    if not path.is_file():
+        raise MapperFileError(
+            f"{path} not found, but {CONFIG_NAME} records a residual map (residual_map); download or save the "
+            "checkpoint again"
+        )
+    if checksums:
+        if RESIDUAL_WEIGHTS_NAME not in checksums:
+            raise MapperFileError(f"residual map {path} has no sha256 in {CONFIG_NAME}")
+        actual = sha256_file(path)
+        if actual != checksums[RESIDUAL_WEIGHTS_NAME]:
+            raise MapperFileError(
+                f"residual map {path} fails its checksum: sha256 {actual}, {CONFIG_NAME} records "
+                f"{checksums[RESIDUAL_WEIGHTS_NAME]} (a damaged or partial download, or a file replaced after saving)"
+            )
+    try:
+        state = load_file(str(path))
+    except (SafetensorError, OSError, ValueError) as err:
+        raise MapperFileError(f"residual map {path} is corrupt or truncated: {err}") from err
+    mapper = ResidualMapper.from_config(config)
+    _load_checked(mapper, state, f"residual map {path}")
+    return mapper
+
+
+# -- a bridge: save, load, push ---------------------------------------------------------------------------------------
 class BridgeHubMixin:
-    """`save_pretrained` and `push_to_hub` of a bridge, as transformers' `PushToHubMixin` and huggingface_hub's
-    `ModelHubMixin` give them to a model: `KVBridgeForCausalLM` inherits them. `push_to_hub` stages what
-    `save_pretrained` writes in a temporary folder and uploads it, so a class that stages a checkpoint otherwise
+    """`save_pretrained`, `push_to_hub` and `from_pretrained` of a bridge, as transformers' `PushToHubMixin` and
+    huggingface_hub's `ModelHubMixin` give them to a model: `KVBridgeForCausalLM` inherits them. `push_to_hub` stages
+    what `save_pretrained` writes in a temporary folder and uploads it, so a class that stages a checkpoint otherwise
     (`hf_kvbridge.integrations.hub.SavedCheckpoint`, a saved one pushed without its models) overrides
     `save_pretrained` only. `save_pretrained` reads `config`, `mapper`, `reverse`, and `residual_mapper` and
-    `tokenizer` where set.
+    `tokenizer` where set; `from_pretrained` builds `cls(config, source, target, mapper, residual_mapper, ...)`.
     """
 
     def save_pretrained(
@@ -396,192 +519,73 @@ class BridgeHubMixin:
                 delete_patterns=[*WEIGHT_FILE_PATTERNS, f"{REVERSE_FOLDER}/*"],
             )
 
+    @classmethod
+    def from_pretrained(
+        cls: type[T],
+        pretrained_model_name_or_path: str | os.PathLike,
+        source_model: PreTrainedModel | None = None,
+        target_model: PreTrainedModel | None = None,
+        *,
+        config: KVBridgeConfig | None = None,
+        revision: str | None = None,
+        cache_dir: str | os.PathLike | None = None,
+        local_files_only: bool = False,
+        token: str | bool | None = None,
+        force_download: bool = False,
+        lazy_mapper: bool = False,
+        mapper_dtype: torch.dtype | str | None = None,
+        **load_kwargs: Any,
+    ) -> T:
+        r"""Loads a bridge checkpoint and its two models.
 
-def bridge_tokenizer(bridge):
-    """The tokenizer a checkpoint carries: `bridge.tokenizer` when set, else the target's own when it loads from
-    local files (a local folder, a `pocket/` model, or the Hub cache); `None` when there is none at hand."""
-    tokenizer = getattr(bridge, "tokenizer", None)
-    if tokenizer is not None:
-        return tokenizer
-    reference = bridge.config.target_name_or_path
-    if not reference:
-        return None
-    from transformers import AutoTokenizer
+        Args:
+            pretrained_model_name_or_path (`str` or `os.PathLike`): a local folder or a Hub repo id.
+            source_model, target_model ([`PreTrainedModel`], *optional*): already loaded models; otherwise they are
+                loaded from the ids and revisions recorded in the config.
+            revision (`str`, *optional*): revision of the bridge repo on the Hub.
+            lazy_mapper (`bool`, *optional*, defaults to `False`): keep the mapper's weights on disk and load one
+                target layer's weights at a time while mapping (for mappers too large to hold in memory).
+            mapper_dtype (`torch.dtype` or `str`, *optional*): as in the constructor; `"auto"` by default.
+            load_kwargs: passed to `AutoModelForCausalLM.from_pretrained` for the two models (`torch_dtype`,
+                `dtype`, `device_map`, ...).
 
-    try:
-        return AutoTokenizer.from_pretrained(
-            resolve_model_reference(reference), revision=bridge.config.target_revision, local_files_only=True
+        Example:
+
+        ```python
+        >>> bridge = KVBridgeForCausalLM.from_pretrained("my-bridge", torch_dtype=torch.bfloat16)  # doctest: +SKIP
+        ```
+        """
+        for key in AUTO_LOAD_KWARGS:
+            load_kwargs.pop(key, None)
+        resolve_mapper_dtype(torch.float32, "cpu", mapper_dtype)  # a bad mapper_dtype is named before any loading
+        folder = resolve_checkpoint(
+            pretrained_model_name_or_path,
+            revision=revision,
+            cache_dir=cache_dir,
+            local_files_only=local_files_only,
+            token=token,
+            force_download=force_download,
         )
-    except Exception as err:  # a target without tokenizer files, or not cached: the checkpoint is still valid
-        logger.info("no tokenizer saved with the bridge (target %r: %s)", reference, err)
-        return None
-
-
-# -- a bridge: load ---------------------------------------------------------------------------------------------------
-
-
-def read_checkpoint_config(folder: Path, config: KVBridgeConfig | None = None) -> tuple[KVBridgeConfig, dict | None]:
-    """The checkpoint's config (or `config`, when given) and the mapper checksums its `config.json` records."""
-    config_dict = read_config_dict(folder)
-    checksums = config_dict.pop(MAPPER_CHECKSUMS_KEY, None)  # not a config field: verified on load, then dropped
-    if config is None:
-        config = KVBridgeConfig.from_dict(config_dict)
-    if config.model_type != "kvbridge" or not config.selected_layers:
-        raise ConfigurationError(
-            f"{folder} is not a kvbridge checkpoint (its {CONFIG_NAME} has no kvbridge mapper); pass the folder "
-            "`save_pretrained` or `kvbridge calibrate --out` wrote"
-        )
-    return config, checksums
-
-
-def load_mapper(
-    config: KVBridgeConfig, layout: KVLayout, folder: Path, checksums: dict | None, lazy: bool = False
-) -> KVMapper:
-    """The mapper a checkpoint folder holds, shaped by `config` and the target's `layout`.
-
-    With `lazy=True` the weights stay on disk and one target layer's weights are read at a time while mapping
-    (linear mappers only).
-    """
-    if lazy:
-        if not get_mapper_type(config.mapper_type).linear:
-            raise InvalidInputError(
-                f"lazy_mapper=True reads linear mappers only, and this checkpoint holds a {config.mapper_type!r} "
-                "mapper; load it with lazy_mapper=False"
+        config, checksums = read_checkpoint_config(folder, config)
+        if source_model is None:
+            source_model = load_model(config.source_name_or_path, config.source_revision, **load_kwargs)
+        if target_model is None:
+            target_model = load_model(config.target_name_or_path, config.target_revision, **load_kwargs)
+        layout = KVLayout.from_config(target_model.config)
+        # the models are checked against the checkpoint before its mapper, shaped by their layouts, is read
+        for role, model, fingerprint in (
+            ("source", source_model, config.source_fingerprint),
+            ("target", target_model, config.target_fingerprint),
+        ):
+            if fingerprint is not None:
+                name = getattr(config, f"{role}_name_or_path") or model.config.name_or_path
+                check_fingerprint(fingerprint, KVLayout.from_config(model.config), role, name)
+        mapper = load_mapper(config, layout, folder, checksums, lazy=lazy_mapper)
+        residual_mapper = load_residual_mapper(config, folder, checksums)  # None without layer recompute
+        bridge = cls(config, source_model, target_model, mapper, residual_mapper, mapper_dtype=mapper_dtype)
+        bridge.config.name_or_path = str(pretrained_model_name_or_path)
+        if (folder / REVERSE_FOLDER / CONFIG_NAME).is_file():
+            bridge.reverse = cls.from_pretrained(
+                folder / REVERSE_FOLDER, source_model=target_model, target_model=source_model
             )
-        files = [folder / name for name in verify_mapper_checksums(folder, checksums)]
-        return LazyKVMapper(
-            config.selected_layers,
-            head_mode=config.head_mode,
-            files=files,
-            kv_mode=config.kv_mode,
-            **KVMapper.layout_kwargs(config, layout),
-        )
-    mapper = build_mapper(config, layout)  # the class config.mapper_type names (ridge, mlp, ...)
-    load_mapper_weights(mapper, folder, checksums)
-    return mapper
-
-
-def load_mapper_weights(mapper: KVMapper, path: Path, checksums: dict[str, str] | None = None) -> None:
-    """Loads a checkpoint folder's mapper weights (one file or shards) into `mapper`.
-
-    `path` is the checkpoint folder (or its single weights file). Every weight file is checked against `checksums`
-    (`{file name: sha256}`, from `config.json`) before it is read. Errors name the file for missing, corrupt,
-    tampered or mismatched weights.
-    """
-    path = Path(path)
-    folder = path if path.is_dir() else path.parent
-    _load_checked(mapper, read_mapper_state(folder, checksums), f"mapper weights in {folder}")
-
-
-def _load_checked(mapper: torch.nn.Module, state: dict[str, torch.Tensor], what: str) -> None:
-    """Loads `state` into `mapper` after checking names, shapes and finiteness (errors name `what`)."""
-    expected = mapper.state_dict()
-    missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
-    if missing or unexpected:
-        raise MapperFileError(f"{what} do not fit the config: missing {missing[:4]}, unexpected {unexpected[:4]}")
-    for key, tensor in state.items():
-        if tensor.shape != expected[key].shape:
-            raise MapperFileError(
-                f"{what}: {key} has shape {tuple(tensor.shape)}, the config implies {tuple(expected[key].shape)}"
-            )
-        if not torch.isfinite(tensor).all():
-            raise MapperFileError(f"{what}: {key} holds NaN/Inf")
-    mapper.load_state_dict(state)
-
-
-def load_residual_mapper(config: KVBridgeConfig, folder: Path, checksums: dict | None) -> ResidualMapper | None:
-    """The residual map of layer recompute a checkpoint folder holds (`residual.safetensors`, shaped by
-    `config.residual_map`), after verifying its sha256; `None` when the checkpoint was calibrated without one."""
-    if not getattr(config, "residual_map", None):
-        return None
-    path = Path(folder) / RESIDUAL_WEIGHTS_NAME
-    if not path.is_file():
-        raise MapperFileError(
-            f"{path} not found, but {CONFIG_NAME} records a residual map (residual_map); download or save the "
-            "checkpoint again"
-        )
-    if checksums:
-        if RESIDUAL_WEIGHTS_NAME not in checksums:
-            raise MapperFileError(f"residual map {path} has no sha256 in {CONFIG_NAME}")
-        actual = sha256_file(path)
-        if actual != checksums[RESIDUAL_WEIGHTS_NAME]:
-            raise MapperFileError(
-                f"residual map {path} fails its checksum: sha256 {actual}, {CONFIG_NAME} records "
-                f"{checksums[RESIDUAL_WEIGHTS_NAME]} (a damaged or partial download, or a file replaced after saving)"
-            )
-    try:
-        state = load_file(str(path))
-    except (SafetensorError, OSError, ValueError) as err:
-        raise MapperFileError(f"residual map {path} is corrupt or truncated: {err}") from err
-    mapper = ResidualMapper.from_config(config)
-    _load_checked(mapper, state, f"residual map {path}")
-    return mapper
-
-
-# kwargs that AutoModelForCausalLM.from_pretrained forwards and that have no meaning for the bridge itself
-_AUTO_KWARGS = (
-    "trust_remote_code",
-    "adapter_kwargs",
-    "code_revision",
-    "_from_auto",
-    "_commit_hash",
-    "subfolder",
-    "proxies",
-    "user_agent",
-    "_from_pipeline",
-)
-
-
-def load_bridge(
-    cls,
-    pretrained_model_name_or_path: str | os.PathLike,
-    source_model=None,
-    target_model=None,
-    *,
-    config: KVBridgeConfig | None = None,
-    revision: str | None = None,
-    cache_dir: str | os.PathLike | None = None,
-    local_files_only: bool = False,
-    token: str | bool | None = None,
-    force_download: bool = False,
-    lazy_mapper: bool = False,
-    mapper_dtype=None,
-    **load_kwargs: Any,
-):
-    """`cls.from_pretrained` (`KVBridgeForCausalLM`): the checkpoint found (locally, then on the Hub), its config
-    read, the two models loaded (unless given) and checked against its fingerprints before its mapper, shaped by
-    their layouts, is read; the reverse bridge of a bidirectional checkpoint with them."""
-    for key in _AUTO_KWARGS:
-        load_kwargs.pop(key, None)
-    resolve_mapper_dtype(torch.float32, "cpu", mapper_dtype)  # a bad mapper_dtype is named before any loading
-    folder = resolve_checkpoint(
-        pretrained_model_name_or_path,
-        revision=revision,
-        cache_dir=cache_dir,
-        local_files_only=local_files_only,
-        token=token,
-        force_download=force_download,
-    )
-    config, checksums = read_checkpoint_config(folder, config)
-    if source_model is None:
-        source_model = load_model(config.source_name_or_path, config.source_revision, **load_kwargs)
-    if target_model is None:
-        target_model = load_model(config.target_name_or_path, config.target_revision, **load_kwargs)
-    layout = KVLayout.from_config(target_model.config)
-    # the models are checked against the checkpoint before its mapper, shaped by their layouts, is read
-    for role, model, fingerprint in (
-        ("source", source_model, config.source_fingerprint),
-        ("target", target_model, config.target_fingerprint),
-    ):
-        if fingerprint is not None:
-            name = getattr(config, f"{role}_name_or_path") or model.config.name_or_path
-            check_fingerprint(fingerprint, KVLayout.from_config(model.config), role, name)
-    mapper = load_mapper(config, layout, folder, checksums, lazy=lazy_mapper)
-    residual_mapper = load_residual_mapper(config, folder, checksums)  # None without layer recompute
-    bridge = cls(config, source_model, target_model, mapper, residual_mapper, mapper_dtype=mapper_dtype)
-    bridge.config.name_or_path = str(pretrained_model_name_or_path)
-    if (folder / REVERSE_FOLDER / CONFIG_NAME).is_file():
-        bridge.reverse = load_bridge(
-            cls, folder / REVERSE_FOLDER, source_model=target_model, target_model=source_model
-        )
-    return bridge
+        return bridge
