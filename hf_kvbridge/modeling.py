@@ -21,7 +21,7 @@ from .cache import cache_kwargs
 from .configuration import KVBridgeConfig
 from .devices import execution_device
 from .errors import ConfigurationError, ContextLengthError
-from .generation import bridged_forward, generation_inputs
+from .generation import bridged_forward, generation_inputs, target_forward
 from .mappers.base import KVMapper
 from .mappers.engine import Workspace, map_cache
 from .mappers.lazy import LazyKVMapper
@@ -371,14 +371,8 @@ class KVBridgeForCausalLM(BridgeHubMixin, nn.Module):
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
         if cache is not None and cache.get_seq_length() > 0:
-            return self.target(
-                input_ids=input_ids,
-                attention_mask=attention_mask,
-                **cache_kwargs(cache),
-                position_ids=position_ids,
-                labels=labels,
-                use_cache=use_cache,
-                **kwargs,
+            return target_forward(
+                self, input_ids, attention_mask, position_ids, labels, use_cache, **cache_kwargs(cache), **kwargs
             )
         return bridged_forward(
             self, input_ids, attention_mask, prefill_length, position_ids, labels, use_cache, **kwargs
