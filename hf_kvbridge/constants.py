@@ -24,6 +24,18 @@ DEFAULT_MAX_SHARD_SIZE = "2GB"
 # config.json key holding {weight file name: sha256 hex digest}, verified on load
 MAPPER_CHECKSUMS_KEY = "mapper_sha256"
 LIBRARY_NAME = "hf-kvbridge"
+# kwargs that AutoModelForCausalLM.from_pretrained forwards and that have no meaning for the bridge itself
+AUTO_LOAD_KWARGS = (
+    "trust_remote_code",
+    "adapter_kwargs",
+    "code_revision",
+    "_from_auto",
+    "_commit_hash",
+    "subfolder",
+    "proxies",
+    "user_agent",
+    "_from_pipeline",
+)
 
 # Bumped whenever the meaning of a saved file changes; loading refuses newer formats. A checkpoint records the
 # oldest version that can read it: K/V-only bridges stay at `KV_FORMAT_VERSION` (every reader loads them), a bridge

@@ -17,6 +17,19 @@ from .masks import positions_from_mask
 logger = logging.getLogger(__name__)
 
 
+def target_forward(bridge, input_ids, attention_mask, position_ids, labels, use_cache, /, **kwargs: Any):
+    """The target alone over `input_ids`: `bridge.forward` decoding on a cache (its cache keyword in `kwargs`), or a
+    prompt too short to bridge."""
+    return bridge.target(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        labels=labels,
+        use_cache=use_cache,
+        **kwargs,
+    )
+
+
 def bridged_forward(
     bridge, input_ids, attention_mask, prefill_length, position_ids, labels, use_cache, **kwargs: Any
 ) -> CausalLMOutputWithPast:
@@ -40,14 +53,7 @@ def bridged_forward(
             prefill_length,
             bridge.config.hold_back,
         )
-        return bridge.target(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            labels=labels,
-            use_cache=use_cache,
-            **kwargs,
-        )
+        return target_forward(bridge, input_ids, attention_mask, position_ids, labels, use_cache, **kwargs)
     mapped, source_out = bridge.prefill(
         input_ids[:, :split], attention_mask[:, :split], position_ids=position_ids[:, :split]
     )

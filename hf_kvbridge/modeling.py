@@ -9,8 +9,6 @@ prompt ──source prefill──▶ source cache ──strip RoPE──▶ cont
 from __future__ import annotations
 
 import logging
-import os
-import tempfile
 from typing import Any
 
 import torch
@@ -21,20 +19,15 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from .bridge_parts import check_bridge_parts, converted_mapper
 from .cache import cache_kwargs
 from .configuration import KVBridgeConfig
-from .constants import DEFAULT_MAX_SHARD_SIZE
 from .devices import execution_device
 from .errors import ConfigurationError, ContextLengthError
-from .generation import bridged_forward, generation_inputs
+from .generation import bridged_forward, generation_inputs, target_forward
 from .mappers.base import KVMapper
 from .mappers.engine import Workspace, map_cache
 from .mappers.lazy import LazyKVMapper
 from .mappers.residual import ResidualMapper
 from .masks import left_padding
-from .persistence import (
-    load_bridge,
-    push_folder_to_hub,
-    save_bridge,
-)
+from .persistence import BridgeHubMixin
 from .precision import HALF_TYPES, resolve_mapper_dtype
 from .transfer.layer_recompute import check_layer_recompute
 from .transfer.plan import TransferPlan, plan_from_config
@@ -45,7 +38,7 @@ from .transfer.warm_start import check_warm_plan, generate_from_source_cache
 logger = logging.getLogger(__name__)
 
 
-class KVBridgeForCausalLM(nn.Module):
+class KVBridgeForCausalLM(BridgeHubMixin, nn.Module):
     r"""A source/target pair that behaves like the target, with the prompt prefilled by the source.
 
     With no cache, `forward` runs the source over the prompt except its last `hold_back` tokens, maps the
@@ -378,14 +371,8 @@ class KVBridgeForCausalLM(nn.Module):
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
         if cache is not None and cache.get_seq_length() > 0:
-            return self.target(
-                input_ids=input_ids,
-                attention_mask=attention_mask,
-                **cache_kwargs(cache),
-                position_ids=position_ids,
-                labels=labels,
-                use_cache=use_cache,
-                **kwargs,
+            return target_forward(
+                self, input_ids, attention_mask, position_ids, labels, use_cache, **cache_kwargs(cache), **kwargs
             )
         return bridged_forward(
             self, input_ids, attention_mask, prefill_length, position_ids, labels, use_cache, **kwargs
@@ -445,136 +432,7 @@ class KVBridgeForCausalLM(nn.Module):
         return generate_from_source_cache(self.target, self.map_cache, source_cache, input_ids,
                                           hold_back=self.config.hold_back, keep=keep, **kwargs)  # fmt: skip
 
-    # -- saving and loading --------------------------------------------------------------------------------------
-    def save_pretrained(
-        self,
-        save_directory: str | os.PathLike,
-        *,
-        overwrite: bool = False,
-        max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
-        model_card_kwargs: dict[str, Any] | None = None,
-        **kwargs: Any,
-    ) -> None:
-        """Writes `config.json`, the mapper weights and a `README.md` model card; never the models' weights.
-
-        The mapper goes to `mapper.safetensors`, or, when larger than `max_shard_size` (e.g. `"2GB"`), to
-        `mapper-0000i-of-0000N.safetensors` shards listed in `mapper.safetensors.index.json`. The sha256 of every
-        weight file is recorded in `config.json` (`mapper_sha256`) and verified on load. `model_card_kwargs` go to
-        `card.render_model_card` (`repo_id`, `eval_table`, `attention_cosine`).
-
-        Refuses a non-empty directory unless `overwrite=True` (then only the bridge's own files are replaced, and
-        weight files of an earlier save that this one does not write are removed).
-        """
-        save_bridge(
-            self,
-            save_directory,
-            overwrite=overwrite,
-            max_shard_size=max_shard_size,
-            model_card_kwargs=model_card_kwargs,
-        )
-
-    def push_to_hub(
-        self,
-        repo_id: str,
-        *,
-        revision: str | None = None,
-        private: bool | None = None,
-        token: str | bool | None = None,
-        commit_message: str | None = None,
-        create_pr: bool = False,
-        max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
-        model_card_kwargs: dict[str, Any] | None = None,
-    ):
-        r"""Uploads exactly what `save_pretrained` writes (config, mapper weights, card) to `repo_id`, in one commit.
-
-        Creates the repo if needed (`exist_ok=True`), saves into a temporary folder and uploads it with one
-        `upload_folder` call; mapper weight files of an earlier push that are no longer part of the checkpoint
-        (e.g. old shards) are deleted in the same commit. The source and target weights are never uploaded.
-
-        Args:
-            repo_id (`str`): `"org/name"` on the Hub.
-            revision (`str`, *optional*): branch to commit to.
-            private (`bool`, *optional*): visibility of a newly created repo.
-            token (`str` or `bool`, *optional*): Hub token (defaults to the logged-in one).
-            commit_message (`str`, *optional*), create_pr (`bool`, *optional*, defaults to `False`): as in
-                `HfApi.upload_folder`.
-            max_shard_size (`int` or `str`, *optional*, defaults to `"2GB"`): shard the mapper above this size.
-
-        Returns:
-            `CommitInfo` of the commit.
-
-        Example:
-
-        ```python
-        >>> bridge.push_to_hub("me/qwen3-14b-to-32b")  # doctest: +SKIP
-        >>> bridge = KVBridgeForCausalLM.from_pretrained("me/qwen3-14b-to-32b")  # doctest: +SKIP
-        ```
-        """
-        card_kwargs = {"repo_id": repo_id, **(model_card_kwargs or {})}
-        with tempfile.TemporaryDirectory(prefix="kvbridge-push-") as tmp:
-            self.save_pretrained(tmp, max_shard_size=max_shard_size, model_card_kwargs=card_kwargs)
-            return push_folder_to_hub(
-                tmp,
-                repo_id,
-                revision=revision,
-                private=private,
-                token=token,
-                commit_message=commit_message,
-                create_pr=create_pr,
-            )
-
-    @classmethod
-    def from_pretrained(
-        cls,
-        pretrained_model_name_or_path: str | os.PathLike,
-        source_model: PreTrainedModel | None = None,
-        target_model: PreTrainedModel | None = None,
-        *,
-        config: KVBridgeConfig | None = None,
-        revision: str | None = None,
-        cache_dir: str | os.PathLike | None = None,
-        local_files_only: bool = False,
-        token: str | bool | None = None,
-        force_download: bool = False,
-        lazy_mapper: bool = False,
-        mapper_dtype: torch.dtype | str | None = None,
-        **load_kwargs: Any,
-    ) -> KVBridgeForCausalLM:
-        r"""Loads a bridge checkpoint and its two models.
-
-        Args:
-            pretrained_model_name_or_path (`str` or `os.PathLike`): a local folder or a Hub repo id.
-            source_model, target_model ([`PreTrainedModel`], *optional*): already loaded models; otherwise they are
-                loaded from the ids and revisions recorded in the config.
-            revision (`str`, *optional*): revision of the bridge repo on the Hub.
-            lazy_mapper (`bool`, *optional*, defaults to `False`): keep the mapper's weights on disk and load one
-                target layer's weights at a time while mapping (for mappers too large to hold in memory).
-            mapper_dtype (`torch.dtype` or `str`, *optional*): as in the constructor; `"auto"` by default.
-            load_kwargs: passed to `AutoModelForCausalLM.from_pretrained` for the two models (`torch_dtype`,
-                `dtype`, `device_map`, ...).
-
-        Example:
-
-        ```python
-        >>> bridge = KVBridgeForCausalLM.from_pretrained("my-bridge", torch_dtype=torch.bfloat16)  # doctest: +SKIP
-        ```
-        """
-        return load_bridge(
-            cls,
-            pretrained_model_name_or_path,
-            source_model,
-            target_model,
-            config=config,
-            revision=revision,
-            cache_dir=cache_dir,
-            local_files_only=local_files_only,
-            token=token,
-            force_download=force_download,
-            lazy_mapper=lazy_mapper,
-            mapper_dtype=mapper_dtype,
-            **load_kwargs,
-        )
-
+    # -- a conversation (saving, loading, pushing: `BridgeHubMixin`) ---------------------------------------------
     def start_session(self, tokenizer=None, **kwargs: Any):
         """A [`HandoffSession`]: one conversation whose turns can be answered by the source or the target.
 

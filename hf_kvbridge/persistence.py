@@ -1,7 +1,7 @@
 """A bridge checkpoint on disk and on the Hub: saving and loading it, its (sharded, checksummed) mapper files.
 
-Kept apart from the model class, as peft keeps `utils/save_and_load.py` apart from `PeftModel`. A checkpoint folder
-holds exactly:
+Kept apart from the model class, as peft keeps `utils/save_and_load.py` apart from `PeftModel`; the class inherits
+`save_pretrained`, `from_pretrained` and `push_to_hub` from `BridgeHubMixin` here. A checkpoint folder holds exactly:
 
 - `config.json`: the [`KVBridgeConfig`], plus `mapper_sha256`: `{weight file name: sha256 hex digest}` for every
   mapper weight file, verified before the weights are read;
@@ -25,16 +25,18 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from huggingface_hub import HfApi, snapshot_download, split_torch_state_dict_into_shards
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
+from transformers import PreTrainedModel
 
 from .card import render_model_card
 from .configuration import KVBridgeConfig
 from .constants import (
+    AUTO_LOAD_KWARGS,
     CONFIG_NAME,
     DEFAULT_MAX_SHARD_SIZE,
     MAPPER_CHECKSUMS_KEY,
@@ -63,6 +65,8 @@ from .precision import resolve_mapper_dtype
 from .source_features import required_format_version
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T", bound="BridgeHubMixin")
 
 SHARD_GLOB = "mapper-*-of-*.safetensors"
 # every file a checkpoint may hold; pushes upload these and nothing else
@@ -252,115 +256,7 @@ def checkpoint_files(folder: str | os.PathLike) -> list[str]:
     return sorted(names)
 
 
-# -- the Hub ---------------------------------------------------------------------------------------------------------
-def push_folder_to_hub(
-    folder: str | os.PathLike,
-    repo_id: str,
-    *,
-    revision: str | None = None,
-    private: bool | None = None,
-    token: str | bool | None = None,
-    commit_message: str | None = None,
-    create_pr: bool = False,
-):
-    """Uploads a checkpoint folder's own files to `repo_id` in one commit (as `ModelHubMixin.push_to_hub` does).
-
-    The repo is created if needed (`exist_ok=True`). Mapper weight files of an earlier push that this checkpoint does
-    not hold (e.g. old shards, or the `reverse/` mapper of an earlier bidirectional push) are deleted in the same
-    commit. The folder's checksums are verified first.
-
-    Returns:
-        `CommitInfo` of the commit (or of the pull request with `create_pr=True`).
-    """
-    folder = Path(folder)
-    verify_mapper_checksums(folder, read_config_dict(folder).get(MAPPER_CHECKSUMS_KEY))
-    api = HfApi(token=token)
-    repo_id = api.create_repo(repo_id, private=private, exist_ok=True, token=token).repo_id
-    return api.upload_folder(
-        repo_id=repo_id,
-        folder_path=folder,
-        commit_message=commit_message or "Upload kvbridge mapper",
-        revision=revision,
-        create_pr=create_pr,
-        token=token,
-        allow_patterns=HUB_FILE_PATTERNS,
-        # old weight files, and a `reverse/` of an earlier bidirectional push that this checkpoint does not replace
-        # (`from_pretrained` would attach it): files uploaded in this commit are kept
-        delete_patterns=[*WEIGHT_FILE_PATTERNS, f"{REVERSE_FOLDER}/*"],
-    )
-
-
-# -- a bridge: save and load -----------------------------------------------------------------------------------------
-def save_bridge(
-    bridge,
-    save_directory: str | os.PathLike,
-    *,
-    overwrite: bool = False,
-    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
-    model_card_kwargs: dict[str, Any] | None = None,
-) -> None:
-    """`KVBridgeForCausalLM.save_pretrained`: config, mapper weights, card (and `reverse/`), never the models.
-
-    Writes into a temporary folder inside `save_directory` first, so a failure leaves the old files intact.
-    """
-    save_directory = Path(save_directory)
-    if save_directory.is_file():
-        raise CheckpointExistsError(f"{save_directory} is a file; save the bridge into a folder (new or empty)")
-    if save_directory.exists() and any(save_directory.iterdir()) and not overwrite:
-        raise CheckpointExistsError(
-            f"{save_directory} is not empty; pass overwrite=True to replace the bridge files in it "
-            f"({CONFIG_NAME}, {MAPPER_WEIGHTS_NAME}, {MODEL_CARD_NAME})"
-        )
-    save_directory.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=save_directory, prefix=".tmp-kvbridge-") as tmp:
-        tmp = Path(tmp)
-        mapper = bridge.mapper  # a lazily loaded mapper holds meta tensors: its weights come from its files
-        # the oldest format that reads this checkpoint: K/V-only bridges stay readable by every reader, one that
-        # reads hidden states needs a reader that knows them (older ones refuse it: `configuration`)
-        version = required_format_version(bridge.config)
-        state = mapper.stored_state_dict() if isinstance(mapper, LazyKVMapper) else mapper.state_dict()
-        checksums = save_mapper_weights(
-            state,
-            tmp,
-            max_shard_size=max_shard_size,
-            metadata={
-                "format": "pt",
-                "format_version": str(version),
-                "mapper_type": bridge.config.mapper_type,
-            },
-        )
-        residual = getattr(bridge, "residual_mapper", None)
-        if residual is not None:  # the residual map of layer recompute, one small file beside the mapper
-            save_file(
-                {k: v.detach().to("cpu").contiguous() for k, v in sorted(residual.state_dict().items())},
-                tmp / RESIDUAL_WEIGHTS_NAME,
-                metadata={"format": "pt", "format_version": str(version)},
-            )
-            checksums[RESIDUAL_WEIGHTS_NAME] = sha256_file(tmp / RESIDUAL_WEIGHTS_NAME)
-        bridge.config.save_pretrained(tmp)
-        config_dict = json.loads((tmp / CONFIG_NAME).read_text(encoding="utf-8"))
-        config_dict[MAPPER_CHECKSUMS_KEY] = checksums
-        config_dict["format_version"] = version
-        (tmp / CONFIG_NAME).write_text(json.dumps(config_dict, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-        render_model_card(bridge.config, **(model_card_kwargs or {})).save(tmp / MODEL_CARD_NAME)
-        # safetensors writes its files 0600; give them the mode the umask gives every other file here (0644)
-        for name in checksums:
-            (tmp / name).chmod((tmp / CONFIG_NAME).stat().st_mode & 0o777)
-        tokenizer = bridge_tokenizer(bridge)
-        if tokenizer is not None:
-            for name in tokenizer.save_pretrained(tmp):
-                if Path(name).name not in TOKENIZER_FILE_NAMES:  # only the tokenizer's own files travel
-                    Path(name).unlink(missing_ok=True)
-        if bridge.reverse is not None:  # the target→source mapper, in a folder of its own
-            save_bridge(bridge.reverse, tmp / REVERSE_FOLDER, max_shard_size=max_shard_size)
-        written = {p.name for p in tmp.iterdir()}
-        remove_stale_weight_files(save_directory, keep=written)
-        if (save_directory / REVERSE_FOLDER).is_dir():  # a reverse mapper of an earlier save (overwrite=True)
-            shutil.rmtree(save_directory / REVERSE_FOLDER)
-        for name in sorted(written):
-            os.replace(tmp / name, save_directory / name)
-
-
+# -- a bridge's parts: tokenizer, config, mapper files ----------------------------------------------------------------
 def bridge_tokenizer(bridge):
     """The tokenizer a checkpoint carries: `bridge.tokenizer` when set, else the target's own when it loads from
     local files (a local folder, a `pocket/` model, or the Hub cache); `None` when there is none at hand."""
@@ -479,70 +375,217 @@ def load_residual_mapper(config: KVBridgeConfig, folder: Path, checksums: dict |
     return mapper
 
 
-# kwargs that AutoModelForCausalLM.from_pretrained forwards and that have no meaning for the bridge itself
-_AUTO_KWARGS = (
-    "trust_remote_code",
-    "adapter_kwargs",
-    "code_revision",
-    "_from_auto",
-    "_commit_hash",
-    "subfolder",
-    "proxies",
-    "user_agent",
-    "_from_pipeline",
-)
+# -- a bridge: save, load, push ---------------------------------------------------------------------------------------
+class BridgeHubMixin:
+    """`save_pretrained`, `push_to_hub` and `from_pretrained` of a bridge, as transformers' `PushToHubMixin` and
+    huggingface_hub's `ModelHubMixin` give them to a model: `KVBridgeForCausalLM` inherits them. `push_to_hub` stages
+    what `save_pretrained` writes in a temporary folder and uploads it, so a class that stages a checkpoint otherwise
+    (`hf_kvbridge.integrations.hub.SavedCheckpoint`, a saved one pushed without its models) overrides
+    `save_pretrained` only. `save_pretrained` reads `config`, `mapper`, `reverse`, and `residual_mapper` and
+    `tokenizer` where set; `from_pretrained` builds `cls(config, source, target, mapper, residual_mapper, ...)`.
+    """
 
+    def save_pretrained(
+        self,
+        save_directory: str | os.PathLike,
+        *,
+        overwrite: bool = False,
+        max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
+        model_card_kwargs: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        """Writes `config.json`, the mapper weights and a `README.md` model card; never the models' weights.
 
-def load_bridge(
-    cls,
-    pretrained_model_name_or_path: str | os.PathLike,
-    source_model=None,
-    target_model=None,
-    *,
-    config: KVBridgeConfig | None = None,
-    revision: str | None = None,
-    cache_dir: str | os.PathLike | None = None,
-    local_files_only: bool = False,
-    token: str | bool | None = None,
-    force_download: bool = False,
-    lazy_mapper: bool = False,
-    mapper_dtype=None,
-    **load_kwargs: Any,
-):
-    """`cls.from_pretrained` (`KVBridgeForCausalLM`): the checkpoint found (locally, then on the Hub), its config
-    read, the two models loaded (unless given) and checked against its fingerprints before its mapper, shaped by
-    their layouts, is read; the reverse bridge of a bidirectional checkpoint with them."""
-    for key in _AUTO_KWARGS:
-        load_kwargs.pop(key, None)
-    resolve_mapper_dtype(torch.float32, "cpu", mapper_dtype)  # a bad mapper_dtype is named before any loading
-    folder = resolve_checkpoint(
-        pretrained_model_name_or_path,
-        revision=revision,
-        cache_dir=cache_dir,
-        local_files_only=local_files_only,
-        token=token,
-        force_download=force_download,
-    )
-    config, checksums = read_checkpoint_config(folder, config)
-    if source_model is None:
-        source_model = load_model(config.source_name_or_path, config.source_revision, **load_kwargs)
-    if target_model is None:
-        target_model = load_model(config.target_name_or_path, config.target_revision, **load_kwargs)
-    layout = KVLayout.from_config(target_model.config)
-    # the models are checked against the checkpoint before its mapper, shaped by their layouts, is read
-    for role, model, fingerprint in (
-        ("source", source_model, config.source_fingerprint),
-        ("target", target_model, config.target_fingerprint),
+        The mapper goes to `mapper.safetensors`, or, when larger than `max_shard_size` (e.g. `"2GB"`), to
+        `mapper-0000i-of-0000N.safetensors` shards listed in `mapper.safetensors.index.json`. The sha256 of every
+        weight file is recorded in `config.json` (`mapper_sha256`) and verified on load. `model_card_kwargs` go to
+        `card.render_model_card` (`repo_id`, `eval_table`, `attention_cosine`).
+
+        Refuses a non-empty directory unless `overwrite=True` (then only the bridge's own files are replaced, and
+        weight files of an earlier save that this one does not write are removed).
+        """
+        save_directory = Path(save_directory)
+        if save_directory.is_file():
+            raise CheckpointExistsError(f"{save_directory} is a file; save the bridge into a folder (new or empty)")
+        if save_directory.exists() and any(save_directory.iterdir()) and not overwrite:
+            raise CheckpointExistsError(
+                f"{save_directory} is not empty; pass overwrite=True to replace the bridge files in it "
+                f"({CONFIG_NAME}, {MAPPER_WEIGHTS_NAME}, {MODEL_CARD_NAME})"
+            )
+        save_directory.mkdir(parents=True, exist_ok=True)
+        # written into a temporary folder inside `save_directory` first, so a failure leaves the old files intact
+        with tempfile.TemporaryDirectory(dir=save_directory, prefix=".tmp-kvbridge-") as tmp:
+            tmp = Path(tmp)
+            mapper = self.mapper  # a lazily loaded mapper holds meta tensors: its weights come from its files
+            # the oldest format that reads this checkpoint: K/V-only bridges stay readable by every reader, one that
+            # reads hidden states needs a reader that knows them (older ones refuse it: `configuration`)
+            version = required_format_version(self.config)
+            state = mapper.stored_state_dict() if isinstance(mapper, LazyKVMapper) else mapper.state_dict()
+            checksums = save_mapper_weights(
+                state,
+                tmp,
+                max_shard_size=max_shard_size,
+                metadata={
+                    "format": "pt",
+                    "format_version": str(version),
+                    "mapper_type": self.config.mapper_type,
+                },
+            )
+            residual = getattr(self, "residual_mapper", None)
+            if residual is not None:  # the residual map of layer recompute, one small file beside the mapper
+                save_file(
+                    {k: v.detach().to("cpu").contiguous() for k, v in sorted(residual.state_dict().items())},
+                    tmp / RESIDUAL_WEIGHTS_NAME,
+                    metadata={"format": "pt", "format_version": str(version)},
+                )
+                checksums[RESIDUAL_WEIGHTS_NAME] = sha256_file(tmp / RESIDUAL_WEIGHTS_NAME)
+            self.config.save_pretrained(tmp)
+            config_dict = json.loads((tmp / CONFIG_NAME).read_text(encoding="utf-8"))
+            config_dict[MAPPER_CHECKSUMS_KEY] = checksums
+            config_dict["format_version"] = version
+            (tmp / CONFIG_NAME).write_text(json.dumps(config_dict, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+            render_model_card(self.config, **(model_card_kwargs or {})).save(tmp / MODEL_CARD_NAME)
+            # safetensors writes its files 0600; give them the mode the umask gives every other file here (0644)
+            for name in checksums:
+                (tmp / name).chmod((tmp / CONFIG_NAME).stat().st_mode & 0o777)
+            tokenizer = bridge_tokenizer(self)
+            if tokenizer is not None:
+                for name in tokenizer.save_pretrained(tmp):
+                    if Path(name).name not in TOKENIZER_FILE_NAMES:  # only the tokenizer's own files travel
+                        Path(name).unlink(missing_ok=True)
+            if self.reverse is not None:  # the target→source mapper, in a folder of its own
+                self.reverse.save_pretrained(tmp / REVERSE_FOLDER, max_shard_size=max_shard_size)
+            written = {p.name for p in tmp.iterdir()}
+            remove_stale_weight_files(save_directory, keep=written)
+            if (save_directory / REVERSE_FOLDER).is_dir():  # a reverse mapper of an earlier save (overwrite=True)
+                shutil.rmtree(save_directory / REVERSE_FOLDER)
+            for name in sorted(written):
+                os.replace(tmp / name, save_directory / name)
+
+    def push_to_hub(
+        self,
+        repo_id: str,
+        *,
+        revision: str | None = None,
+        private: bool | None = None,
+        token: str | bool | None = None,
+        commit_message: str | None = None,
+        create_pr: bool = False,
+        max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
+        model_card_kwargs: dict[str, Any] | None = None,
     ):
-        if fingerprint is not None:
-            name = getattr(config, f"{role}_name_or_path") or model.config.name_or_path
-            check_fingerprint(fingerprint, KVLayout.from_config(model.config), role, name)
-    mapper = load_mapper(config, layout, folder, checksums, lazy=lazy_mapper)
-    residual_mapper = load_residual_mapper(config, folder, checksums)  # None without layer recompute
-    bridge = cls(config, source_model, target_model, mapper, residual_mapper, mapper_dtype=mapper_dtype)
-    bridge.config.name_or_path = str(pretrained_model_name_or_path)
-    if (folder / REVERSE_FOLDER / CONFIG_NAME).is_file():
-        bridge.reverse = load_bridge(
-            cls, folder / REVERSE_FOLDER, source_model=target_model, target_model=source_model
+        r"""Uploads exactly what `save_pretrained` writes (config, mapper weights, card) to `repo_id`, in one commit.
+
+        Creates the repo if needed (`exist_ok=True`), saves into a temporary folder and uploads it with one
+        `upload_folder` call; mapper weight files of an earlier push that are no longer part of the checkpoint
+        (e.g. old shards) are deleted in the same commit. The source and target weights are never uploaded.
+
+        Args:
+            repo_id (`str`): `"org/name"` on the Hub.
+            revision (`str`, *optional*): branch to commit to.
+            private (`bool`, *optional*): visibility of a newly created repo.
+            token (`str` or `bool`, *optional*): Hub token (defaults to the logged-in one).
+            commit_message (`str`, *optional*), create_pr (`bool`, *optional*, defaults to `False`): as in
+                `HfApi.upload_folder`.
+            max_shard_size (`int` or `str`, *optional*, defaults to `"2GB"`): shard the mapper above this size.
+
+        Returns:
+            `CommitInfo` of the commit.
+
+        Example:
+
+        ```python
+        >>> bridge.push_to_hub("me/qwen3-14b-to-32b")  # doctest: +SKIP
+        >>> bridge = KVBridgeForCausalLM.from_pretrained("me/qwen3-14b-to-32b")  # doctest: +SKIP
+        ```
+        """
+        card_kwargs = {"repo_id": repo_id, **(model_card_kwargs or {})}
+        with tempfile.TemporaryDirectory(prefix="kvbridge-push-") as tmp:
+            self.save_pretrained(tmp, max_shard_size=max_shard_size, model_card_kwargs=card_kwargs)
+            folder = Path(tmp)  # its checksums are verified before anything reaches the Hub
+            verify_mapper_checksums(folder, read_config_dict(folder).get(MAPPER_CHECKSUMS_KEY))
+            api = HfApi(token=token)
+            repo_id = api.create_repo(repo_id, private=private, exist_ok=True, token=token).repo_id
+            return api.upload_folder(
+                repo_id=repo_id,
+                folder_path=folder,
+                commit_message=commit_message or "Upload kvbridge mapper",
+                revision=revision,
+                create_pr=create_pr,
+                token=token,
+                allow_patterns=HUB_FILE_PATTERNS,
+                # old weight files, and a `reverse/` of an earlier bidirectional push that this checkpoint does not
+                # replace (`from_pretrained` would attach it): files uploaded in this commit are kept
+                delete_patterns=[*WEIGHT_FILE_PATTERNS, f"{REVERSE_FOLDER}/*"],
+            )
+
+    @classmethod
+    def from_pretrained(
+        cls: type[T],
+        pretrained_model_name_or_path: str | os.PathLike,
+        source_model: PreTrainedModel | None = None,
+        target_model: PreTrainedModel | None = None,
+        *,
+        config: KVBridgeConfig | None = None,
+        revision: str | None = None,
+        cache_dir: str | os.PathLike | None = None,
+        local_files_only: bool = False,
+        token: str | bool | None = None,
+        force_download: bool = False,
+        lazy_mapper: bool = False,
+        mapper_dtype: torch.dtype | str | None = None,
+        **load_kwargs: Any,
+    ) -> T:
+        r"""Loads a bridge checkpoint and its two models.
+
+        Args:
+            pretrained_model_name_or_path (`str` or `os.PathLike`): a local folder or a Hub repo id.
+            source_model, target_model ([`PreTrainedModel`], *optional*): already loaded models; otherwise they are
+                loaded from the ids and revisions recorded in the config.
+            revision (`str`, *optional*): revision of the bridge repo on the Hub.
+            lazy_mapper (`bool`, *optional*, defaults to `False`): keep the mapper's weights on disk and load one
+                target layer's weights at a time while mapping (for mappers too large to hold in memory).
+            mapper_dtype (`torch.dtype` or `str`, *optional*): as in the constructor; `"auto"` by default.
+            load_kwargs: passed to `AutoModelForCausalLM.from_pretrained` for the two models (`torch_dtype`,
+                `dtype`, `device_map`, ...).
+
+        Example:
+
+        ```python
+        >>> bridge = KVBridgeForCausalLM.from_pretrained("my-bridge", torch_dtype=torch.bfloat16)  # doctest: +SKIP
+        ```
+        """
+        for key in AUTO_LOAD_KWARGS:
+            load_kwargs.pop(key, None)
+        resolve_mapper_dtype(torch.float32, "cpu", mapper_dtype)  # a bad mapper_dtype is named before any loading
+        folder = resolve_checkpoint(
+            pretrained_model_name_or_path,
+            revision=revision,
+            cache_dir=cache_dir,
+            local_files_only=local_files_only,
+            token=token,
+            force_download=force_download,
         )
-    return bridge
+        config, checksums = read_checkpoint_config(folder, config)
+        if source_model is None:
+            source_model = load_model(config.source_name_or_path, config.source_revision, **load_kwargs)
+        if target_model is None:
+            target_model = load_model(config.target_name_or_path, config.target_revision, **load_kwargs)
+        layout = KVLayout.from_config(target_model.config)
+        # the models are checked against the checkpoint before its mapper, shaped by their layouts, is read
+        for role, model, fingerprint in (
+            ("source", source_model, config.source_fingerprint),
+            ("target", target_model, config.target_fingerprint),
+        ):
+            if fingerprint is not None:
+                name = getattr(config, f"{role}_name_or_path") or model.config.name_or_path
+                check_fingerprint(fingerprint, KVLayout.from_config(model.config), role, name)
+        mapper = load_mapper(config, layout, folder, checksums, lazy=lazy_mapper)
+        residual_mapper = load_residual_mapper(config, folder, checksums)  # None without layer recompute
+        bridge = cls(config, source_model, target_model, mapper, residual_mapper, mapper_dtype=mapper_dtype)
+        bridge.config.name_or_path = str(pretrained_model_name_or_path)
+        if (folder / REVERSE_FOLDER / CONFIG_NAME).is_file():
+            bridge.reverse = cls.from_pretrained(
+                folder / REVERSE_FOLDER, source_model=target_model, target_model=source_model
+            )
+        return bridge

@@ -172,6 +172,19 @@ def test_cli_push_keeps_the_eval_table(bridge, tmp_path, hub_calls, capsys):
     assert "pushed" in capsys.readouterr().out
 
 
+def test_cli_push_passes_the_hub_options(bridge, tmp_path, hub_calls):
+    """`kvbridge push`'s Hub options reach the Hub, through the bridge's own push path (`SavedCheckpoint`)."""
+    bridge.save_pretrained(tmp_path / "b")
+    options = ["--revision", "dev", "--private", "--token", "hf_test", "--commit-message", "second", "--create-pr"]
+    assert cli_main(["push", str(tmp_path / "b"), "me/tiny-bridge", *options]) == 0
+    assert hub_calls["create_repo"] == [
+        {"repo_id": "me/tiny-bridge", "private": True, "exist_ok": True, "token": "hf_test"}
+    ]
+    (call,) = hub_calls["upload_folder"]
+    assert call["revision"] == "dev" and call["create_pr"] is True and call["commit_message"] == "second"
+    assert call["token"] == "hf_test" and _uploaded_names(call) == BRIDGE_FILES
+
+
 def test_cli_push_refuses_a_damaged_checkpoint(bridge, tmp_path, hub_calls, capsys):
     bridge.save_pretrained(tmp_path / "b")
     weights = tmp_path / "b" / "mapper.safetensors"

@@ -101,6 +101,16 @@ def test_store_stats_on_the_command_line_reports_each_master(cluster, saved, cap
     assert all(node["maxmemory_policy"] == "allkeys-lru" for node in stats["nodes"])
 
 
+def test_options_set_the_store_and_other_keywords_go_to_each_client(cluster, store):
+    """`RedisClusterKVStore(url, **kwargs)`: `RedisStoreBase`'s options set the store (and are checked there), the
+    other keywords go to the masters' clients, which check them at once."""
+    assert (store.timeout, store.health.cooldown_s) == (DEADLINE_S, 0.5)  # as the `store` fixture opened it
+    with pytest.raises(ServingConfigError, match="fetch_timeout must be a number > 0"):
+        open_store(cluster.url, fetch_timeout=0)
+    with pytest.raises(ServingConfigError, match="the redis client refuses its settings"):
+        open_store(cluster.url, no_such_option=1)
+
+
 # -- the last tests of the module: masters go away --------------------------------------------------------------
 def _first_chunk_on(store, prefix, ids, node: str) -> int:
     keys = prefix.keys(ids)

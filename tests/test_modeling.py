@@ -10,12 +10,13 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 import hf_kvbridge
 from hf_kvbridge import KVBridgeConfig, KVBridgeForCausalLM
+from hf_kvbridge.cache import cache_kwargs, output_cache
 from hf_kvbridge.calibration.data_pass import collect_statistics
 from hf_kvbridge.calibration.dense_fit import fit_bridge
 from hf_kvbridge.mappers import engine as mapping
 from tests.conftest import CORPUS, VOCAB, qwen3
 
-# config, mapper, card and the pair's shared tokenizer (persistence.save_bridge)
+# config, mapper, card and the pair's shared tokenizer (persistence.BridgeHubMixin.save_pretrained)
 BRIDGE_FILES = {"config.json", "mapper.safetensors", "README.md", "tokenizer.json", "tokenizer_config.json"}
 
 
@@ -412,6 +413,27 @@ def test_labels_loss_is_the_targets_own_loss(identity):
     want = identity.target(ids, labels=labels).loss  # transformers' own causal LM loss
     torch.testing.assert_close(out.loss, want, atol=1e-4, rtol=1e-4)
     assert out.loss.ndim == 0 and torch.isfinite(out.loss)
+
+
+def test_target_only_forwards_pass_every_argument_to_the_target(identity):
+    """A prompt too short to bridge, and a step on a cache, are the target's own forward pass: the caller's labels,
+    positions (with a gap, so they change the logits) and use_cache reach it."""
+    ids = torch.randint(0, VOCAB, (1, 6), generator=torch.Generator().manual_seed(9))
+    positions = torch.tensor([[0, 1, 2, 7, 8, 9]])
+    mask = torch.ones_like(ids)  # explicit: without one, transformers reads a gap in positions as packed sequences
+    short = identity(ids, mask, prefill_length=1, labels=ids, position_ids=positions, use_cache=False)  # no bridging
+    want = identity.target(ids, attention_mask=mask, labels=ids, position_ids=positions, use_cache=False)
+    torch.testing.assert_close(short.logits, want.logits)
+    torch.testing.assert_close(short.loss, want.loss)
+    assert output_cache(short) is None and output_cache(want) is None
+    with torch.no_grad():  # a cache to copy for both runs
+        cache = output_cache(identity.target(ids[:, :4], position_ids=positions[:, :4], use_cache=True))
+    step_kwargs = {"attention_mask": mask, "labels": ids[:, 4:], "position_ids": positions[:, 4:]}
+    step = identity(ids[:, 4:], cache=copy.deepcopy(cache), **step_kwargs)
+    want = identity.target(ids[:, 4:], **cache_kwargs(copy.deepcopy(cache)), **step_kwargs)
+    torch.testing.assert_close(step.logits, want.logits)
+    torch.testing.assert_close(step.loss, want.loss)
+    assert output_cache(step).get_seq_length() == 6
 
 
 def test_caller_position_ids_reach_the_prefill(identity):

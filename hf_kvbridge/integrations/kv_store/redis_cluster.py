@@ -34,11 +34,6 @@ from ...errors import ServingConfigError, StoreUnavailableError
 from .keys import model_digest, scan_pattern
 from .redis_store import (
     CLUSTER_SCHEMES,
-    DEFAULT_BULK_TIMEOUT_S,
-    DEFAULT_COOLDOWN_S,
-    DEFAULT_FETCH_TIMEOUT_S,
-    DEFAULT_MIN_FETCH_BANDWIDTH,
-    DEFAULT_TIMEOUT_S,
     RedisStoreBase,
     no_retry,
     safe_url,
@@ -111,24 +106,11 @@ class RedisClusterKVStore(RedisStoreBase):
     ```
     """
 
-    def __init__(
-        self,
-        url: str,
-        *,
-        ttl_s: float | None = None,
-        timeout: float = DEFAULT_TIMEOUT_S,
-        bulk_timeout: float = DEFAULT_BULK_TIMEOUT_S,
-        min_fetch_bandwidth: float = DEFAULT_MIN_FETCH_BANDWIDTH,
-        cooldown_s: float = DEFAULT_COOLDOWN_S,
-        fetch_timeout: float = DEFAULT_FETCH_TIMEOUT_S,
-        **client_kwargs: Any,
-    ):
+    def __init__(self, url: str, **kwargs: Any):
         startup, url_kwargs = parse_cluster_url(url)
-        super().__init__(url, ttl_s=ttl_s, timeout=timeout, bulk_timeout=bulk_timeout,
-                         min_fetch_bandwidth=min_fetch_bandwidth, cooldown_s=cooldown_s,
-                         fetch_timeout=fetch_timeout)  # fmt: skip
+        super().__init__(url, **kwargs)
         self._startup = startup
-        self._node_kwargs = {**url_kwargs, **client_kwargs}
+        self._node_kwargs = {**url_kwargs, **self._client_kwargs}
         try:  # checks the keywords now; connects nothing
             pool = self._redis.Redis(host=startup[0][0], port=startup[0][1], **self._node_kwargs).connection_pool
             pool.connection_class(**pool.connection_kwargs)

@@ -137,6 +137,9 @@ class RedisStoreBase(KVStore):
         min_fetch_bandwidth (`float`, *optional*, defaults to `1e8`): bytes a second below which a fetch fails.
         fetch_timeout (`float`, *optional*, defaults to `1.0`): the fixed part of a fetch's deadline.
         cooldown_s (`float`, *optional*, defaults to `1.0`): seconds a failed server is skipped.
+        client_kwargs: the redis client's keywords (`password`, `ssl_*`, ...), kept for the subclass's clients. A
+            subclass takes `url, **kwargs` and passes them all here (as transformers' configs pass theirs to
+            `PretrainedConfig.__init__`), so the options above are declared once.
     """
 
     def __init__(
@@ -149,6 +152,7 @@ class RedisStoreBase(KVStore):
         min_fetch_bandwidth: float = DEFAULT_MIN_FETCH_BANDWIDTH,
         cooldown_s: float = DEFAULT_COOLDOWN_S,
         fetch_timeout: float = DEFAULT_FETCH_TIMEOUT_S,
+        **client_kwargs: Any,
     ):
         if ttl_s is not None and not ttl_s > 0:
             raise ServingConfigError(f"ttl_s must be a number of seconds > 0 (or None for no expiry), got {ttl_s!r}")
@@ -165,6 +169,7 @@ class RedisStoreBase(KVStore):
         self.min_fetch_bandwidth, self.fetch_timeout = float(min_fetch_bandwidth), float(fetch_timeout)
         self.metrics = StoreMetrics()
         self.health = NodeHealth(cooldown_s)
+        self._client_kwargs = client_kwargs
         self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="kvbridge-store")
 
     def _ttl_ms(self, ttl_s: float | None) -> int | None:
@@ -267,37 +272,24 @@ class RedisKVStore(RedisStoreBase):
     ```
     """
 
-    def __init__(
-        self,
-        url: str,
-        *,
-        ttl_s: float | None = None,
-        timeout: float = DEFAULT_TIMEOUT_S,
-        bulk_timeout: float = DEFAULT_BULK_TIMEOUT_S,
-        min_fetch_bandwidth: float = DEFAULT_MIN_FETCH_BANDWIDTH,
-        cooldown_s: float = DEFAULT_COOLDOWN_S,
-        fetch_timeout: float = DEFAULT_FETCH_TIMEOUT_S,
-        **client_kwargs: Any,
-    ):
+    def __init__(self, url: str, **kwargs: Any):
         scheme = url_scheme(url)
         if scheme not in (*REDIS_SCHEMES, *SCHEME_ALIASES):
             raise ServingConfigError(
                 "RedisKVStore takes a redis://, rediss://, unix://, valkey:// or valkeys:// URL, got "
                 f"{safe_url(url)!r}" + ("; open a cluster with open_store" if scheme in CLUSTER_SCHEMES else "")
             )
-        super().__init__(url, ttl_s=ttl_s, timeout=timeout, bulk_timeout=bulk_timeout,
-                         min_fetch_bandwidth=min_fetch_bandwidth, cooldown_s=cooldown_s,
-                         fetch_timeout=fetch_timeout)  # fmt: skip
+        super().__init__(url, **kwargs)
         self.node = self.url
         try:
             # lookups: replies within the deadline; writes and fetches: large payloads, bounded by silence
-            self._fast = self._client(url, self.timeout, client_kwargs)
-            self._bulk = self._client(url, self.bulk_timeout, client_kwargs)
+            self._fast = self._client(url, self.timeout)
+            self._bulk = self._client(url, self.bulk_timeout)
         except (ValueError, TypeError) as err:  # a URL or keyword the client does not take
             raise ServingConfigError(f"KV store {self.url}: the redis client refuses its settings: {err}") from None
 
-    def _client(self, url: str, socket_timeout: float, client_kwargs: dict[str, Any]):
-        kwargs = {"socket_connect_timeout": self.timeout, "retry": no_retry(), **client_kwargs}
+    def _client(self, url: str, socket_timeout: float):
+        kwargs = {"socket_connect_timeout": self.timeout, "retry": no_retry(), **self._client_kwargs}
         client = self._redis.Redis.from_url(client_url(url), socket_timeout=socket_timeout, **kwargs)
         pool = client.connection_pool
         pool.connection_class(**pool.connection_kwargs)  # checks the keywords now; connects nothing
