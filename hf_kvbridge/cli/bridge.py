@@ -182,13 +182,10 @@ def chat(args: argparse.Namespace) -> int:
 
 
 def push(args: argparse.Namespace) -> int:
-    from hf_kvbridge.integrations.hub import push_checkpoint
+    from hf_kvbridge.integrations.hub import SavedCheckpoint
 
-    commit = push_checkpoint(
-        args.bridge,
-        args.repo_id,
-        **keywords(args, "revision", "private", "token", "commit_message", "create_pr"),
-    )
+    options = keywords(args, "revision", "private", "token", "commit_message", "create_pr")
+    commit = SavedCheckpoint(args.bridge).push_to_hub(args.repo_id, **options)
     print(f"pushed {args.bridge} to {args.repo_id}: {getattr(commit, 'commit_url', commit)}")
     return 0
 

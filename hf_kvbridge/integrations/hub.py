@@ -18,11 +18,19 @@ from ..persistence import BridgeHubMixin, checkpoint_files, read_config_dict
 
 
 class SavedCheckpoint(BridgeHubMixin):
-    """A bridge checkpoint on disk, pushed without loading its two models: the bridge's own `push_to_hub`, with
-    `save_pretrained` staging the checkpoint's files as saved and its card re-rendered for the new repo.
+    """A bridge checkpoint on disk, pushed without loading its two models (`kvbridge push DIR REPO_ID`): the bridge's
+    own `push_to_hub`, with `save_pretrained` staging the checkpoint's files as saved and its card re-rendered for the
+    new repo (keeping a retention table that `kvbridge eval --write-card` put in it); config and weights are
+    uploaded as saved, in one commit, after their checksums are verified.
 
     Args:
         folder (`str` or `os.PathLike`): the checkpoint (as `save_pretrained` wrote it).
+
+    Example:
+
+    ```python
+    >>> SavedCheckpoint("my-bridge").push_to_hub("me/qwen3-14b-to-32b", private=True)  # doctest: +SKIP
+    ```
     """
 
     def __init__(self, folder: str | os.PathLike):
@@ -52,28 +60,3 @@ class SavedCheckpoint(BridgeHubMixin):
                 shutil.copytree(folder / REVERSE_FOLDER, tmp / REVERSE_FOLDER, dirs_exist_ok=True)
         card_kwargs = {"eval_table": self.eval_table, **(model_card_kwargs or {})}
         render_model_card(self.config, **card_kwargs).save(tmp / MODEL_CARD_NAME)
-
-
-def push_checkpoint(
-    folder: str | os.PathLike,
-    repo_id: str,
-    *,
-    revision: str | None = None,
-    private: bool | None = None,
-    token: str | bool | None = None,
-    commit_message: str | None = None,
-    create_pr: bool = False,
-):
-    """`kvbridge push DIR REPO_ID`: pushes a saved checkpoint without loading the two models.
-
-    The card is re-rendered for `repo_id` (keeping a retention table that `kvbridge eval --write-card` put in it);
-    config and weights are uploaded as saved, in one commit, after their checksums are verified.
-    """
-    return SavedCheckpoint(folder).push_to_hub(
-        repo_id,
-        revision=revision,
-        private=private,
-        token=token,
-        commit_message=commit_message,
-        create_pr=create_pr,
-    )
