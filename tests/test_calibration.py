@@ -13,7 +13,15 @@ import hf_kvbridge
 import hf_kvbridge.calibration.calibrate as calibrate_module
 import hf_kvbridge.calibration.checks as checks
 import hf_kvbridge.layout as layout
-from hf_kvbridge.budget import CalibrationPlan, FitShape, dense_bytes, fit_bytes, plan_calibration, selection_bytes
+from hf_kvbridge.budget import (
+    CalibrationPlan,
+    FitShape,
+    dense_bytes,
+    fit_bytes,
+    plan_calibration,
+    plan_residual,
+    selection_bytes,
+)
 from hf_kvbridge.calibration.data_pass import collect_statistics
 from hf_kvbridge.errors import StatisticsMemoryError
 from tests.conftest import CORPUS, VOCAB, make_tokenizer, qwen3
@@ -126,3 +134,16 @@ def test_a_calibrated_bridge_records_its_provenance():
     assert record["hf_kvbridge_version"] == hf_kvbridge.__version__ and record["torch_version"] == torch.__version__
     assert {"forward_seconds", "statistics_seconds", "seconds", "transformers_version"} <= set(record)
     assert record["bidirectional"] is False
+
+
+def test_the_residual_plan_counts_the_hidden_state_blocks():
+    """With hidden-state blocks beside the K/V layers (`blocks` > source layers), layer recompute's residual
+    statistics are planned beside K/V statistics of every block: a budget that fits them beside the source layers'
+    statistics alone is refused."""
+    shape = FitShape(4, 6, num_kv_heads=2, head_dim=8, top_k=2, dtype=torch.float32, groups=1)
+    residual, budget = (5, 1, 32), 874_000
+    assert plan_residual(budget, "blocks", shape, *residual) == ("blocks", "dense", budget)  # K/V layers only: fits
+    options = {"statistics_memory": budget, "statistics_device": "cpu", "batch_tokens": 64, "residual": residual}
+    with pytest.raises(StatisticsMemoryError, match="residual statistics"):
+        plan_calibration(shape, blocks=8, **options)
+    assert plan_calibration(shape, blocks=4, **options) == CalibrationPlan(budget, "blocks", "dense", budget)
