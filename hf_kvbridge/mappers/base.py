@@ -20,6 +20,12 @@ from ..heads import HeadLayouts, same_head_sources, target_heads_of
 from ..solve import map_group_lambda, solve_ridge
 
 
+def kv_view(buffer: torch.Tensor, order: str, sizes: dict[str, int]) -> torch.Tensor:
+    """`buffer`, whose dimensions are laid out in `order` (letters of `sizes`: `k` K/V, `n` layers, `b` batch, `t`
+    tokens, `h` KV heads, `d` head dim), as a `(2, n, B, H, T, d)` view: keys, then values."""
+    return buffer.view(*(sizes[c] for c in order)).permute(*(order.index(c) for c in "knbhtd"))
+
+
 @dataclass(frozen=True)
 class MapperType:
     """One entry of the mapper registry (`hf_kvbridge.mappers.MAPPER_REGISTRY`).
@@ -344,19 +350,12 @@ class KVMapper(nn.Module, HeadLayouts):
         torch.Size([2, 1, 2, 5, 4])
         ```
         """
+        heads = self.source_kv_heads
+        if self.head_mode == "same_head" and self.target_kv_heads != heads:  # replicated or several source heads per
+            return None  # group: no single view
         layers = rows.shape[-1] // self.row_width
-        heads, dim = self.source_kv_heads, self.source_head_dim
-        if self.head_mode == "all_heads" and self.kv_mode == "separate":
-            kv = rows.view(2, batch, seq, layers, heads, dim).permute(0, 3, 1, 4, 2, 5)
-        elif self.head_mode == "all_heads":
-            kv = rows.view(batch, seq, layers, heads, 2, dim).permute(4, 2, 0, 3, 1, 5)
-        elif self.target_kv_heads != heads:  # replicated or several source heads per group: no single view
-            return None
-        elif self.kv_mode == "separate":
-            kv = rows.view(2, heads, batch, seq, layers, dim).permute(0, 4, 2, 1, 3, 5)
-        else:
-            kv = rows.view(heads, batch, seq, layers, 2, dim).permute(4, 3, 1, 0, 2, 5)
-        keys, values = kv.unbind(0)  # (L, B, H, T, d) each
+        sizes = {"k": 2, "n": layers, "b": batch, "t": seq, "h": heads, "d": self.source_head_dim}
+        keys, values = kv_view(rows, self.row_orders[self.kv_mode, self.head_mode], sizes).unbind(0)  # (L, B, H, T, d)
         return keys, values
 
     def layout_rows(self, keys: torch.Tensor, values: torch.Tensor, write_keys=None) -> torch.Tensor:
@@ -367,9 +366,10 @@ class KVMapper(nn.Module, HeadLayouts):
         self.write_rows(rows, 0, keys, values, write_keys)
         return rows
 
-    # how `map_layer`'s output lays out its dimensions, per (kv_mode, head_mode), read by `split_rows`: `k` K/V,
-    # `n` target layers (1 here), `b` batch, `t` tokens, `h` KV heads, `d` head dim; `targets_orders`: the same for
-    # `map_targets`' `n` layers side by side (a subclass with another layout overrides it)
+    # how `new_rows` and `map_layer`'s output lay out their dimensions, per (kv_mode, head_mode), read by `row_views`
+    # and `split_rows` (`kv_view`): `k` K/V, `n` layers (source slots; target layers, 1 here), `b` batch, `t` tokens,
+    # `h` KV heads, `d` head dim; `targets_orders`: the same for `map_targets`' `n` layers side by side (a subclass
+    # with another layout overrides it)
     row_orders = {
         ("separate", "all_heads"): "kbtnhd",
         ("separate", "same_head"): "khbtnd",
@@ -388,8 +388,7 @@ class KVMapper(nn.Module, HeadLayouts):
         """
         order = (self.row_orders if layers is None else self.targets_orders)[self.kv_mode, self.head_mode]
         n, heads, dim = 1 if layers is None else layers, self.target_kv_heads, self.target_head_dim
-        sizes = {"k": 2, "n": n, "b": batch, "t": seq, "h": heads, "d": dim}
-        kv = mapped.view(*(sizes[c] for c in order)).permute(*(order.index(c) for c in "knbhtd"))  # (2, n, B, H, T, d)
+        kv = kv_view(mapped, order, {"k": 2, "n": n, "b": batch, "t": seq, "h": heads, "d": dim})  # (2, n, B, H, T, d)
         if layers is None:
             kv = kv[:, 0]
         return kv[0], kv[1]
@@ -428,30 +427,34 @@ class KVMapper(nn.Module, HeadLayouts):
         Returns:
             `(B·T, N)` for `all_heads` (G = 1), `(G, B·T, N)` for `same_head`.
         """
-        all_heads = not self.grouped  # one plain matrix (G = 1, no group dimension in the layout)
         shape = (*parts[0].shape[:-1], weight.shape[-1])
         if out is None:
             result = torch.empty(shape, dtype=parts[0].dtype, device=parts[0].device)
         else:
             result = out[: math.prod(shape)].view(shape)
+        if self.grouped:
+            return self._accumulate(parts, weight, None if bias is None else bias.unsqueeze(1), result)
+        return self._accumulate(parts, weight[0], None if bias is None else bias[0], result)  # one plain matrix
+
+    def _accumulate(self, parts: list[torch.Tensor], weight, bias, into: torch.Tensor) -> torch.Tensor:
+        """`cat(parts, -1) @ weight + bias` written into `into` (any row stride), the products accumulated in place;
+        `weight (p, N)` and `bias (N,)` for one group, else `(G, p, N)` and `(G, 1, N)`; `bias` may be `None`."""
         start = 0
-        for i, x in enumerate(parts):
-            whole = len(parts) == 1 and x.shape[-1] == weight.shape[1]
-            block = weight if whole else weight[:, start : start + x.shape[-1]]  # (G, ·, N)
+        for i, x in enumerate(parts):  # x (B·T, w) or (G, B·T, w)
+            whole = len(parts) == 1 and x.shape[-1] == weight.shape[-2]
+            block = weight if whole else weight[..., start : start + x.shape[-1], :]
             start += x.shape[-1]
-            if all_heads:
-                block = block[0]
-            if i > 0 and all_heads:
-                result.addmm_(x, block)
+            if i > 0 and self.grouped:
+                into.baddbmm_(x, block)
             elif i > 0:
-                result.baddbmm_(x, block)
+                into.addmm_(x, block)
             elif bias is None:
-                torch.matmul(x, block, out=result)
-            elif all_heads:
-                torch.addmm(bias[0], x, block, out=result)
+                torch.matmul(x, block, out=into)
+            elif self.grouped:
+                torch.baddbmm(bias, x, block, out=into)
             else:
-                torch.baddbmm(bias.unsqueeze(1), x, block, out=result)
-        return result
+                torch.addmm(bias, x, block, out=into)
+        return into
 
     # -- mapping several target layers at once -------------------------------------------------------------------
     # Target layers that read the same set of source layers are mapped with one wide matrix product (their weights'
@@ -511,14 +514,17 @@ class KVMapper(nn.Module, HeadLayouts):
         product per source layer accumulated in place (as fast, and no gathered copy of the inputs); see
         `accumulated_product` for the shapes."""
         index = [s if slots is None else slots[s] for s in sources]
+        return self.accumulated_product(self.slot_parts(rows, index), weight, bias, out)
+
+    def slot_parts(self, rows: torch.Tensor, index: list[int]) -> list[torch.Tensor]:
+        """The rows of slots `index` of a `new_rows` buffer, as one product reads them: one wide view when the slots
+        sit side by side in that order, else one view per slot."""
         if index == list(range(index[0], index[0] + len(index))):
-            parts = [self.layer_rows(rows, index[0], len(index))]
-        else:
-            parts = [self.layer_rows(rows, i) for i in index]
-        return self.accumulated_product(parts, weight, bias, out)
+            return [self.layer_rows(rows, index[0], len(index))]
+        return [self.layer_rows(rows, i) for i in index]
 
     def _product_operands(self, sources: list[int], targets: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """`_stacked(sources, targets)` in the form the product takes them, made once per stack: `(weight (p, N),
+        """`_stacked(sources, targets)` in the form `_accumulate` takes them, made once per stack: `(weight (p, N),
         bias (N,))` for one group (`all_heads` + `joint`), else `(weight (G, p, N), bias (G, 1, N))`."""
         weight, bias = self._stacked(sources, targets)
         cache = self.__dict__.setdefault("_stacked_cache", {})
@@ -528,27 +534,6 @@ class KVMapper(nn.Module, HeadLayouts):
             operands = (weight, bias.unsqueeze(1)) if self.grouped else (weight[0], bias[0])
             kept = cache[key] = (weight, bias, operands)
         return kept[2]
-
-    def _product_into(self, index: list[int], rows: torch.Tensor, weight, bias, into: torch.Tensor) -> torch.Tensor:
-        """`[rows of slots index] @ weight + bias` written into `into` (a view, any row stride), with the operands of
-        `_product_operands`: one product when the slots are side by side, else one per slot accumulated in place."""
-        if index == list(range(index[0], index[0] + len(index))):
-            parts = [self.layer_rows(rows, index[0], len(index))]
-        else:
-            parts = [self.layer_rows(rows, i) for i in index]
-        start = 0
-        for i, x in enumerate(parts):  # x (B·T, w) or (G, B·T, w)
-            block = weight if len(parts) == 1 else weight[..., start : start + x.shape[-1], :]
-            start += x.shape[-1]
-            if i == 0 and self.grouped:
-                torch.baddbmm(bias, x, block, out=into)
-            elif i == 0:
-                torch.addmm(bias, x, block, out=into)
-            elif self.grouped:
-                into.baddbmm_(x, block)
-            else:
-                into.addmm_(x, block)
-        return into
 
     def map_targets(
         self,
@@ -579,14 +564,13 @@ class KVMapper(nn.Module, HeadLayouts):
         if into is not None:
             weight, bias = self._product_operands(sources, targets)  # (p, n·out), (n·out,) or with groups
             index = [s if slots is None else slots[s] for s in sources]
-            return self._product_into(index, rows, weight, bias, into)
+            return self._accumulate(self.slot_parts(rows, index), weight, bias, into)
         if len(targets) == 1 and sources == self.selected_layers[targets[0]]:
             self.materialize(targets[0])
             index = [s if slots is None else slots[s] for s in sources]
-            if self.groupable and index == list(range(index[0], index[0] + len(index))):
-                parts = [self.layer_rows(rows, index[0], len(index))]  # side by side: one wide view, one product
-            else:
-                parts = [self.layer_rows(rows, i) for i in index]
+            # a groupable map takes side-by-side slots as one wide view, one product (`map_layer` of the others
+            # reads one part per source layer)
+            parts = self.slot_parts(rows, index) if self.groupable else [self.layer_rows(rows, i) for i in index]
             mapped = self.map_layer(targets[0], parts)
             self.release(targets[0])
             return mapped
