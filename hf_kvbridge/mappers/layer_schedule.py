@@ -67,10 +67,10 @@ def static_destinations(cache, mapper: KVMapper, batch: int, seq: int, places, d
 
 
 def map_span_layers(job: SpanJob, into: dict | None = None) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-    """The `"layers"` schedule of the engine's chunked `_map_span` (same arguments and result; `workspace` is the
-    engine's `Workspace`): whole-layer steps over all tokens at once
-    (or over the fewest chunks the memory budget allows, `layer_chunk_tokens`). `into`: `{target layer: (keys,
-    values)}` `(B, H, seq - first, d)` views to write into (a static cache's tensors) instead of new tensors.
+    """The `"layers"` schedule of the engine's chunked `_map_span` (the same `SpanJob` and result): whole-layer steps
+    over all tokens at once (or over the fewest chunks the memory budget allows, `layer_chunk_tokens`). `into`:
+    `{target layer: (keys, values)}` `(B, H, seq - first, d)` views to write into (a static cache's tensors)
+    instead of new tensors.
 
     Per chunk: one fused op strips every source layer the mapper reads into its slot of the row buffer (slots in
     layer order); per step one product and one fused op that rotates its target layers' keys and writes them and
@@ -124,9 +124,8 @@ def map_span_layers(job: SpanJob, into: dict | None = None) -> dict[int, tuple[t
         if block is not None:  # (N, B, H, c, d) each: the chunk's tokens of every layer
             outputs = block if whole else tuple(x[..., start:end, :] for x in block)
         else:
-            outputs = [
-                (k, v) if whole else (k[..., start:end, :], v[..., start:end, :]) for k, v in _outputs(result, order)
-            ]
+            kept = [result[t] for t in order]  # (B, H, T, d) pairs in step order
+            outputs = kept if whole else [(k[..., start:end, :], v[..., start:end, :]) for k, v in kept]
         if fused:  # every step's product into its columns of one buffer, then one rotation for all target layers
             mapped = _mapped_buffer(mapper, out_space, batch * (end - start), len(order))
             column = 0
@@ -160,11 +159,6 @@ def _mapped_buffer(mapper: KVMapper, space: torch.Tensor, rows: int, layers: int
     width = layers * mapper.out_width
     shape = (mapper.groups, rows, width) if mapper.grouped else (rows, width)
     return space[: rows * width * mapper.groups].view(shape)
-
-
-def _outputs(result: dict, order: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """`result`'s `(keys, values)` in `order`."""
-    return [result[t] for t in order]
 
 
 def _strip_into_rows(mapper: KVMapper, rows, slots: list[int], keys, values, rotation: Rotation, batch, seq) -> None:

@@ -1,6 +1,6 @@
 """The steps of a mapping, shared by the engine's schedules (`hf_kvbridge.mappers.engine`): which target layers map
 together (`mapping_plan`), where the chunked schedule keeps each source layer's rows (`row_slots`), and how many
-tokens each source layer the plan reads has dropped (`held_offsets`), and what a schedule maps (`SpanJob`)."""
+tokens each source layer the plan reads has dropped (`held_offsets`); and what a schedule maps (`SpanJob`)."""
 
 from __future__ import annotations
 

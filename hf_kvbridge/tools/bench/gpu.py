@@ -42,6 +42,8 @@ from pathlib import Path
 
 import torch
 
+from .timing import synchronize
+
 LARGE = ("qwen3-14b", "qwen3-32b")
 SMALL = ("qwen3-0.6b", "qwen3-1.7b")
 SMOKE_LARGE = ("small-3l-2x64", "small-8l-2x64")
@@ -119,11 +121,6 @@ def _release() -> None:
         torch.cuda.empty_cache()
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 # -- steps ----------------------------------------------------------------------------------------------------------
 def device_step(device: torch.device, dtype: torch.dtype) -> dict:
     import transformers
@@ -160,7 +157,7 @@ def build_pair(names, device, dtype, state: dict) -> dict:
                 models.append(AutoModelForCausalLM.from_config(qwen3_shape_config(name), dtype=dtype).eval())
     finally:
         torch.set_default_dtype(default)
-    _sync(device)
+    synchronize(device)
     state["models"] = models
     return {
         "pair": list(names),
@@ -286,10 +283,10 @@ def lambda_search_step(device: torch.device, settings: dict) -> dict:
     choices = {}
     for search in LAMBDA_SEARCHES:
         heldout_r2_chunks(*stats, x_idx[:64], y_idx[: 2 * dim], dim, (1e-2,), search=search)  # warm-up: handles
-        _sync(device)
+        synchronize(device)
         started = time.perf_counter()
         path = heldout_r2_chunks(*stats, x_idx, y_idx, dim, LAMBDA_GRID, search=search)
-        _sync(device)
+        synchronize(device)
         result[f"{search}_s"] = time.perf_counter() - started
         choices[search] = path.view(len(LAMBDA_GRID), -1, 2).mean(1)
         result[f"{search}_best_lambda"] = [LAMBDA_GRID[int(i)] for i in choices[search].argmax(0)]
