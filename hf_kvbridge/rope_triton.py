@@ -38,23 +38,37 @@ def _rotate_kv_kernel(
     b = (abh // heads % batch).to(tl.int64)
     h = (abh % heads).to(tl.int64)
     t = (tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)  # (BLOCK_T,)
+    _rotate_tile(
+        k_ptr + a * sk_a + b * sk_b + h * sk_h + t[:, None] * sk_t,
+        v_ptr + a * sv_a + b * sv_b + h * sv_h + t[:, None] * sv_t,
+        ko_ptr + a * sko_a + b * sko_b + h * sko_h + t[:, None] * sko_t,
+        vo_ptr + a * svo_a + b * svo_b + h * svo_h + t[:, None] * svo_t,
+        cos_ptr, sin_ptr, b * sc_b + t[:, None] * sc_t, sc_d, t, tokens, sk_d, sv_d, sko_d, svo_d,
+        ko_ptr.dtype.element_ty, vo_ptr.dtype.element_ty, HALF, BLOCK_HALF, HAS_VALUES,
+    )  # fmt: skip
+
+
+@triton.jit
+def _rotate_tile(
+    k, v, ko, vo, cos_ptr, sin_ptr, table, sc_d, t, tokens, sk_d, sv_d, sko_d, svo_d,
+    KO_TYPE: tl.constexpr, VO_TYPE: tl.constexpr,
+    HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, HAS_VALUES: tl.constexpr,
+):  # fmt: skip
+    """One program's tile: tokens `t` `(BLOCK_T,)` of one layer, batch row and head, whose rows start at `k`, `v`,
+    `ko`, `vo` `(BLOCK_T, 1)` and whose cos/sin rows start at `table` (offsets); the keys rotated in float32 into
+    `ko`, the values copied into `vo` (with `HAS_VALUES`)."""
     j = tl.arange(0, BLOCK_HALF).to(tl.int64)  # (BLOCK_HALF,) dims of the first half
     mask = (t[:, None] < tokens) & (j[None, :] < HALF)  # (BLOCK_T, BLOCK_HALF)
-    table = b * sc_b + t[:, None] * sc_t + j[None, :] * sc_d
-    c = tl.load(cos_ptr + table, mask=mask, other=0.0).to(tl.float32)
-    s = tl.load(sin_ptr + table, mask=mask, other=0.0).to(tl.float32)
-    k = k_ptr + a * sk_a + b * sk_b + h * sk_h + t[:, None] * sk_t
+    c = tl.load(cos_ptr + table + j[None, :] * sc_d, mask=mask, other=0.0).to(tl.float32)
+    s = tl.load(sin_ptr + table + j[None, :] * sc_d, mask=mask, other=0.0).to(tl.float32)
     k1 = tl.load(k + j[None, :] * sk_d, mask=mask, other=0.0).to(tl.float32)
     k2 = tl.load(k + (j[None, :] + HALF) * sk_d, mask=mask, other=0.0).to(tl.float32)
-    out = ko_ptr + a * sko_a + b * sko_b + h * sko_h + t[:, None] * sko_t
-    tl.store(out + j[None, :] * sko_d, _cast(k1 * c - k2 * s, ko_ptr.dtype.element_ty), mask=mask)
-    tl.store(out + (j[None, :] + HALF) * sko_d, _cast(k2 * c + k1 * s, ko_ptr.dtype.element_ty), mask=mask)
+    tl.store(ko + j[None, :] * sko_d, _cast(k1 * c - k2 * s, KO_TYPE), mask=mask)
+    tl.store(ko + (j[None, :] + HALF) * sko_d, _cast(k2 * c + k1 * s, KO_TYPE), mask=mask)
     if HAS_VALUES:
-        v = v_ptr + a * sv_a + b * sv_b + h * sv_h + t[:, None] * sv_t
-        v_out = vo_ptr + a * svo_a + b * svo_b + h * svo_h + t[:, None] * svo_t
         for half in tl.static_range(2):
             part = tl.load(v + (j[None, :] + half * HALF) * sv_d, mask=mask)
-            tl.store(v_out + (j[None, :] + half * HALF) * svo_d, _cast(part, vo_ptr.dtype.element_ty), mask=mask)
+            tl.store(vo + (j[None, :] + half * HALF) * svo_d, _cast(part, VO_TYPE), mask=mask)
 
 
 @triton.jit
@@ -91,23 +105,14 @@ def _rotate_kv_layers_kernel(
     b = (abh // heads % batch).to(tl.int64)
     h = (abh % heads).to(tl.int64)
     t = (tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)  # (BLOCK_T,)
-    j = tl.arange(0, BLOCK_HALF).to(tl.int64)  # (BLOCK_HALF,)
-    mask = (t[:, None] < tokens) & (j[None, :] < HALF)
-    table = b * sc_b + t[:, None] * sc_t + j[None, :] * sc_d
-    c = tl.load(cos_ptr + table, mask=mask, other=0.0).to(tl.float32)
-    s = tl.load(sin_ptr + table, mask=mask, other=0.0).to(tl.float32)
-    k = k_ptr + b * sk_b + h * sk_h + t[:, None] * sk_t
-    k1 = tl.load(k + j[None, :] * sk_d, mask=mask, other=0.0).to(tl.float32)
-    k2 = tl.load(k + (j[None, :] + HALF) * sk_d, mask=mask, other=0.0).to(tl.float32)
-    out = ko_ptr + b * sko_b + h * sko_h + t[:, None] * sko_t
-    tl.store(out + j[None, :] * sko_d, _cast(k1 * c - k2 * s, KO_TYPE), mask=mask)
-    tl.store(out + (j[None, :] + HALF) * sko_d, _cast(k2 * c + k1 * s, KO_TYPE), mask=mask)
-    if HAS_VALUES:
-        v = v_ptr + b * sv_b + h * sv_h + t[:, None] * sv_t
-        v_out = vo_ptr + b * svo_b + h * svo_h + t[:, None] * svo_t
-        for half in tl.static_range(2):
-            part = tl.load(v + (j[None, :] + half * HALF) * sv_d, mask=mask)
-            tl.store(v_out + (j[None, :] + half * HALF) * svo_d, _cast(part, VO_TYPE), mask=mask)
+    _rotate_tile(
+        k_ptr + b * sk_b + h * sk_h + t[:, None] * sk_t,
+        v_ptr + b * sv_b + h * sv_h + t[:, None] * sv_t,
+        ko_ptr + b * sko_b + h * sko_h + t[:, None] * sko_t,
+        vo_ptr + b * svo_b + h * svo_h + t[:, None] * svo_t,
+        cos_ptr, sin_ptr, b * sc_b + t[:, None] * sc_t, sc_d, t, tokens, sk_d, sv_d, sko_d, svo_d,
+        KO_TYPE, VO_TYPE, HALF, BLOCK_HALF, HAS_VALUES,
+    )  # fmt: skip
 
 
 _TRITON_TYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
