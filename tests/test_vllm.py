@@ -51,9 +51,7 @@ def run_engine(spec: dict) -> dict:
         return original(self, load, layers)
 
     kvb.BridgeWorker.map_and_write = map_and_write
-    llm = LLM(
-        model=kvb.target_model(spec["bridge"]),
-        kv_transfer_config=kvb.kv_transfer_config(spec["bridge"], requests=spec.get("requests", "opt_in")),
+    options = dict(
         dtype="float32",
         max_model_len=1024,
         block_size=BLOCK,
@@ -63,6 +61,17 @@ def run_engine(spec: dict) -> dict:
         max_num_seqs=8,
         seed=0,
     )
+    options.update(spec.get("engine", {}))  # engine options of a refusal test (tensor_parallel_size, ...)
+    try:
+        llm = LLM(
+            model=kvb.target_model(spec["bridge"]),
+            kv_transfer_config=kvb.kv_transfer_config(spec["bridge"], requests=spec.get("requests", "opt_in")),
+            **options,
+        )
+    except Exception as error:
+        if "engine" not in spec:
+            raise
+        return {"error": f"{type(error).__name__}: {error}"}
     connector = get_kv_transfer_group()
     rounds = []
     for round_ in spec["rounds"]:  # [ids, opted in (a bool; None: no flag; else the raw flag), (max_tokens)]
@@ -128,17 +137,20 @@ def _prompts(tokenizer, lengths, skip=0):
     return out
 
 
-def _engine(tmp_path, name, bridge_dir, rounds, requests="opt_in"):
+def _engine(tmp_path, name, bridge_dir, rounds, requests="opt_in", engine=None, env=None):
     spec, out = tmp_path / f"{name}.json", tmp_path / f"{name}-out.json"
-    spec.write_text(json.dumps({"bridge": str(bridge_dir), "rounds": rounds, "requests": requests}))
+    options = {} if engine is None else {"engine": engine}
+    spec.write_text(json.dumps({"bridge": str(bridge_dir), "rounds": rounds, "requests": requests, **options}))
     import hf_kvbridge
 
     package_root = str(Path(hf_kvbridge.__file__).resolve().parents[1])  # the script imports the same package
-    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=package_root)
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=package_root, **(env or {}))
     proc = subprocess.run(
         [sys.executable, __file__, str(spec), str(out)], env=env, capture_output=True, text=True, timeout=900
     )
     log = proc.stdout + proc.stderr
+    if engine is not None and not out.exists():  # a refused engine may take its process down with it
+        return {"error": None, "log": log, "returncode": proc.returncode}
     assert proc.returncode == 0, log[-6000:]
     result = json.loads(out.read_text())
     result["log"] = log
@@ -355,6 +367,19 @@ def test_tail_recompute_in_vllm_equals_bridge_generate(recompute_run, pair_bridg
         assert outcome["status"] == "mapped" and outcome["mapped_tokens"] == mapped - math.ceil(RECOMPUTE * mapped)
         assert bridge.last_transfer["recomputed_tokens"] == math.ceil(RECOMPUTE * mapped)
         assert outcome["score"] == pytest.approx(bridge.last_transfer["score"], abs=1e-4)
+
+
+def test_tensor_parallel_engine_is_refused_at_start_with_one_line(pair_bridges):
+    """A TP 2 target engine (two ranks on this machine's 2 cores) does not start: the connector refuses it, before any
+    request can be served with all KV heads written into a rank that holds half of them (support.engine_refusal)."""
+    result = _engine(
+        pair_bridges, "tp2", pair_bridges / "bridge", [], engine={"tensor_parallel_size": 2},
+        env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"},
+    )  # fmt: skip
+    line = "does not serve tensor_parallel_size=2: each rank holds 1/2 of the KV heads"
+    assert "rounds" not in result, "a TP 2 engine started and served"
+    assert line in result["log"], result["log"][-4000:]
+    assert "ServingConfigError" in result["log"]
 
 
 def test_recompute_policies_vllm_cannot_apply_are_refused_at_start_up():

@@ -72,8 +72,11 @@ claims `ceil(fraction · n)` fewer of the `n` tokens `bridge.generate` maps, so 
 itself in the load step, before the probe, as `bridge.generate` recomputes it. The other policies pick tokens
 inside the prompt and are refused at start-up (`check_recompute`).
 
-Not supported here: `config.sink_tokens` (vLLM can only load a prefix; refused at start-up). Single-GPU/CPU only
-(no tensor parallelism).
+Not supported here: `config.sink_tokens` (vLLM can only load a prefix; refused at start-up). One rank only: tensor,
+pipeline, context and data parallelism, fp8 (and other quantized) KV caches, speculative decoding, multi-modal,
+MLA, hybrid and sliding-window models are refused at start-up with one line naming the option
+(`support.engine_refusal`); a request with a LoRA adapter, prompt embeddings or multi-modal inputs is served
+unbridged and not exported, status `"unsupported"` with its reason (`support.request_refusal`).
 
 The package:
 
@@ -85,6 +88,7 @@ The package:
 | `paged_cache` | vLLM's paged KV layout: slots, writes through the backend, reads (layout detected at run time) |
 | `metadata` | the per-step dataclasses passed scheduler → worker → scheduler |
 | `rotary` | `RotaryOnlyTarget`: the target's rotary embedding without its weights |
+| `support` | what is served right: `engine_refusal` (options refused at start-up), `request_refusal` (`unsupported`) |
 | `configuration` | `kv_transfer_config`, `bridged`, `parse_request_flag`, `target_model`, `check_recompute` |
 | `middleware` | `KVBridgeParamsMiddleware` (`kvbridge serve`): after authentication, bad flags (400), router headers |
 | `serve` | `kvbridge serve` (`serve_main`) |
@@ -108,6 +112,7 @@ from .configuration import (
 from .paged_cache import read_slots, reads_back, slots_of, write_layer
 from .rotary import RotaryOnlyTarget, rotary_embedding_class
 from .serve import serve_command, serve_main
+from .support import EngineShape, check_engine, engine_refusal, request_refusal
 
 # the modules that import vLLM load on first use of one of their names (PEP 562), so that the paged-cache and rotary
 # helpers above import without vLLM (the GPU benchmark checks them on a machine that has none)
@@ -143,6 +148,7 @@ __all__ = [
     "BridgeScheduler",
     "BridgeWorker",
     "ConnectorSettings",
+    "EngineShape",
     "ExportTask",
     "GateCheck",
     "KVBridgeConnector",
@@ -150,8 +156,10 @@ __all__ = [
     "KVBridgeWorkerMetadata",
     "RotaryOnlyTarget",
     "bridged",
+    "check_engine",
     "check_recompute",
     "connector_settings",
+    "engine_refusal",
     "kv_transfer_config",
     "load_bridge",
     "open_prefix_store",
@@ -159,6 +167,7 @@ __all__ = [
     "read_bridge_config",
     "read_slots",
     "reads_back",
+    "request_refusal",
     "rotary_embedding_class",
     "serve_command",
     "serve_main",

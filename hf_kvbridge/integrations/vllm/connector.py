@@ -27,6 +27,7 @@ from ...source_features import check_servable
 from .configuration import check_recompute, connector_settings, read_bridge_config
 from .scheduler import BridgeScheduler
 from .store import open_prefix_store, redact, store_identity
+from .support import EngineShape, check_engine
 from .worker import BridgeWorker, load_bridge
 
 if TYPE_CHECKING:
@@ -57,6 +58,8 @@ class KVBridgeConnector(KVConnectorBase_V1):
         self.settings = connector_settings(self._kv_transfer_config.kv_connector_extra_config or {})
         settings = self.settings
         self.bridge_ref, self.revision, self.requests_mode = settings.bridge, settings.revision, settings.requests
+        # before anything is loaded: an engine option the connector cannot serve right stops the engine, one line
+        check_engine(EngineShape.from_vllm_config(vllm_config, kv_cache_config), self.bridge_ref)
         self.folder, self.config, checksums = read_bridge_config(self.bridge_ref, self.revision)
         layout = KVLayout.from_config(vllm_config.model_config.hf_config)
         # the mapping into the served model: the bridge's (served model = its target) or its reverse (role "both"

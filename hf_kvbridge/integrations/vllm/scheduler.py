@@ -17,6 +17,7 @@ from vllm.logger import init_logger
 from ...transfer.plan import TransferPlan, plan_prompt
 from .configuration import PARAM_KEY, ROUTER_PARAM_KEY, parse_request_flag
 from .metadata import BridgeLoad, ExportTask, KVBridgeConnectorMetadata
+from .support import request_refusal
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -65,6 +66,7 @@ class BridgeScheduler:
         self._outcomes: dict[str, dict[str, Any]] = {}  # req_id → what the worker did
         self._sent: dict[str, dict[str, Any]] = {}  # req_id → the load sent to the worker (its outcome until known)
         self._refused: dict[str, str] = {}  # req_id → why its flag was refused (served unbridged)
+        self._unsupported: dict[str, str] = {}  # req_id → why it cannot be bridged nor exported (LoRA, embeds)
         self._lookups: dict[str, Any] = {}  # req_id → what the store holds of its prompt (one lookup per request)
         self._routed: dict[str, dict[str, str]] = {}  # req_id → the router's headers (kvbridge serve records them)
         self._final_exports: list[ExportTask] = []  # ended requests' last partial chunks, for the next step
@@ -104,6 +106,17 @@ class BridgeScheduler:
             self._routed[request.request_id] = routed
         wanted = self.wants_bridge(request)
         self._salts[request.request_id] = request.cache_salt
+        unsupported = request_refusal(request) if wanted and (self.imports or self.exports is not None) else None
+        if unsupported is not None:  # served unbridged and not exported, never mapped with the base model's map
+            self._unsupported[request.request_id] = unsupported
+            self._bridged[request.request_id] = False
+            self.count(requests_unsupported=1)
+            logger.warning(
+                "KVBridgeConnector: request %s is served unbridged and not exported: %s",
+                request.request_id,
+                unsupported,
+            )
+            return
         if wanted and self.exports is not None and not self._maps_from_store(request):
             # Exported, not bridged: its blocks are its own model's K/V (a request whose cache is mapped, or that
             # could hit mapped blocks in the prefix cache, never exports: approximations must not compound).
@@ -348,9 +361,12 @@ class BridgeScheduler:
         sent = self._sent.pop(req_id, None)
         outcome = self._outcomes.pop(req_id, None) or sent
         refused = self._refused.pop(req_id, None)
+        unsupported = self._unsupported.pop(req_id, None)
         delay = False
         if refused is not None:
             status = {"status": "refused", "mapped_tokens": 0, "reason": refused}
+        elif unsupported is not None:
+            status = {"status": "unsupported", "mapped_tokens": 0, "reason": unsupported}
         elif export is not None:
             delay = self._final_export(request, export, block_ids)
             status = {"status": "exported", "exported_tokens": max(export.next_token or 0, export.tail_end)}

@@ -1,0 +1,182 @@
+"""What the connector serves right, decided before any request: the engine options it refuses at start-up
+(`engine_refusal`, a pure function of vLLM's config values, `EngineShape`) and the requests it serves unbridged with
+status `"unsupported"` (`request_refusal`: a LoRA adapter, prompt embeddings, multi-modal inputs). Needs no vLLM
+import of its own: `EngineShape.from_vllm_config` reads the attributes of a `VllmConfig`.
+
+The rule: nothing may report `"mapped"` with a cache the target could not use. An option the worker does not handle
+(a rank of a tensor-parallel engine holds only its share of the KV heads; an fp8 cache holds codes scaled by the
+engine; a pipeline stage holds only its layers; a draft model adds attention layers of its own) is refused with one
+line naming it, and the engine does not start.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ...errors import ServingConfigError
+
+SERVED_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16", "half", "float")
+"""`cache_dtype` values whose cache holds the model's numbers (written through the backend's own op, read back as
+they are). fp8 and the other quantized caches hold codes with the engine's scales: refused."""
+
+
+@dataclass(frozen=True)
+class EngineShape:
+    """The vLLM engine options that decide whether the connector can serve right: read from a `VllmConfig`
+    (`from_vllm_config`) or given directly (tests, `kvbridge serve` before it starts vLLM).
+
+    Example:
+
+    ```python
+    >>> engine_refusal(EngineShape(tensor_parallel_size=2)).split(":")[0]
+    'tensor_parallel_size=2'
+    >>> engine_refusal(EngineShape()) is None
+    True
+    ```
+    """
+
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1
+    prefill_context_parallel_size: int = 1
+    decode_context_parallel_size: int = 1
+    cache_dtype: str = "auto"
+    speculative: str | None = None  # the speculative method ("ngram", "eagle", "draft_model", ...), None: off
+    multimodal: bool = False
+    sliding_window: int | None = None
+    use_mla: bool = False
+    hybrid: bool = False  # attention-free or hybrid (Mamba) layers, or an encoder-decoder model
+    kv_cache_groups: int = 1  # vLLM's KV cache groups (more than one: layers with different block tables)
+
+    @classmethod
+    def from_vllm_config(cls, vllm_config: Any, kv_cache_config: Any = None) -> EngineShape:
+        """The shape of the engine `vllm_config` (a `vllm.config.VllmConfig`) describes; `kv_cache_config` (the
+        connector's, when vLLM gives one) adds its number of KV cache groups."""
+        parallel, cache, model = vllm_config.parallel_config, vllm_config.cache_config, vllm_config.model_config
+        speculative = vllm_config.speculative_config
+        kinds = ("is_hybrid", "is_attention_free", "is_encoder_decoder")
+        hybrid = any(bool(_attribute(model, name)) for name in kinds)
+        groups = getattr(kv_cache_config, "kv_cache_groups", None)
+        return cls(
+            tensor_parallel_size=int(parallel.tensor_parallel_size),
+            pipeline_parallel_size=int(parallel.pipeline_parallel_size),
+            data_parallel_size=int(parallel.data_parallel_size),
+            prefill_context_parallel_size=int(getattr(parallel, "prefill_context_parallel_size", 1) or 1),
+            decode_context_parallel_size=int(getattr(parallel, "decode_context_parallel_size", 1) or 1),
+            cache_dtype=str(cache.cache_dtype),
+            speculative=None if speculative is None else str(getattr(speculative, "method", None) or "on"),
+            multimodal=bool(_attribute(model, "is_multimodal_model")),
+            sliding_window=_attribute(model, "get_sliding_window"),
+            use_mla=bool(_attribute(model, "use_mla")),
+            hybrid=hybrid,
+            kv_cache_groups=len(groups) if groups else 1,
+        )
+
+
+def _attribute(model_config: Any, name: str) -> Any:
+    """A property or no-argument method of vLLM's `ModelConfig`; `None` when it has none (or it cannot answer)."""
+    try:
+        value = getattr(model_config, name, None)
+        return value() if callable(value) else value
+    except Exception:  # a property that needs what this config lacks: treated as absent
+        return None
+
+
+def engine_refusal(shape: EngineShape) -> str | None:
+    """Why the connector refuses to serve an engine of `shape` (one line naming the first option it cannot serve
+    right), or `None` when it serves it. Pure: no vLLM, no engine.
+
+    Served: one rank (no tensor, pipeline, context or data parallelism), a cache of the model's numbers
+    (`cache_dtype` auto, float32, float16 or bfloat16), chunked prefill, prefix caching, any block size, LoRA-enabled
+    engines (a request with an adapter is served unbridged: `request_refusal`).
+
+    Example:
+
+    ```python
+    >>> engine_refusal(EngineShape(cache_dtype="fp8_e4m3"))[:22]
+    'cache_dtype=fp8_e4m3: '
+    ```
+    """
+    if shape.tensor_parallel_size > 1:
+        size = shape.tensor_parallel_size
+        return (
+            f"tensor_parallel_size={size}: each rank holds 1/{size} of the KV heads and the connector writes all of "
+            "them (it would overwrite other requests' blocks); serve with tensor_parallel_size=1"
+        )
+    if shape.pipeline_parallel_size > 1:
+        return (
+            f"pipeline_parallel_size={shape.pipeline_parallel_size}: each stage holds only its own layers and the "
+            "connector maps all of them; serve with pipeline_parallel_size=1"
+        )
+    for name in ("prefill_context_parallel_size", "decode_context_parallel_size"):
+        size = getattr(shape, name)
+        if size > 1:
+            return f"{name}={size}: the KV cache is split by token across ranks, which the connector does not do"
+    if shape.data_parallel_size > 1:
+        return (
+            f"data_parallel_size={shape.data_parallel_size}: not verified with the connector; run one engine per "
+            "replica (each with its own connector) behind a router"
+        )
+    if shape.cache_dtype not in SERVED_CACHE_DTYPES:
+        return (
+            f"cache_dtype={shape.cache_dtype}: the cache holds quantized codes with the engine's scales, which the "
+            "quality gate and the exports cannot read back; serve with kv_cache_dtype auto, bfloat16 or float16"
+        )
+    if shape.speculative is not None:
+        return (
+            f"speculative decoding ({shape.speculative}): a draft model's layers and rejected drafts are not handled "
+            "by the connector; serve without speculative_config"
+        )
+    if shape.multimodal:
+        return "a multi-modal model: the source sees no image, audio or video inputs; serve a text-only target"
+    if shape.use_mla:
+        return "multi-head latent attention (MLA): the cache holds a latent, not the per-head keys and values mapped"
+    if shape.hybrid:
+        return "an attention-free, hybrid (Mamba) or encoder-decoder model: the connector maps attention K/V only"
+    if shape.sliding_window is not None:
+        return (
+            f"sliding-window attention (sliding_window={shape.sliding_window}): vLLM keeps only the window's blocks "
+            "and the connector writes the whole prompt"
+        )
+    if shape.kv_cache_groups > 1:
+        return (
+            f"{shape.kv_cache_groups} KV cache groups (layers with different block tables): the connector writes "
+            "every layer through the first group's blocks"
+        )
+    return None
+
+
+def check_engine(shape: EngineShape, bridge: str) -> None:
+    """Raises `ServingConfigError` (one line: the bridge and the option) when `engine_refusal(shape)` refuses it."""
+    reason = engine_refusal(shape)
+    if reason is not None:
+        raise ServingConfigError(f"KVBridgeConnector (bridge {bridge}) does not serve {reason}")
+
+
+def request_refusal(request: Any) -> str | None:
+    """Why a vLLM `Request` cannot be bridged (mapped into) nor exported, or `None`: a LoRA adapter (the bridge maps
+    the base model's K/V; an adapter's differ), prompt embeddings (no token ids for the source) and multi-modal inputs
+    (the source sees the placeholders only). Such a request is served unbridged with status `"unsupported"`.
+
+    Example:
+
+    ```python
+    >>> from types import SimpleNamespace
+    >>> request_refusal(SimpleNamespace(lora_request=None, prompt_token_ids=[1, 2], prompt_embeds=None)) is None
+    True
+    ```
+    """
+    lora = getattr(request, "lora_request", None)
+    if lora is not None:
+        name = getattr(lora, "lora_name", None) or getattr(lora, "name", None) or "?"
+        return f"LoRA adapter {name!r}: the bridge maps the base model's K/V, not the adapter's"
+    if (
+        getattr(request, "prompt_token_ids", None) is None
+        or getattr(request, "prompt_embeds", None) is not None
+        or getattr(request, "prompt_is_token_ids", None) is not None
+    ):
+        return "prompt embeddings: the source needs the prompt's token ids"
+    if getattr(request, "mm_features", None):
+        return "multi-modal inputs: the source sees only their placeholder tokens"
+    return None
