@@ -65,14 +65,15 @@ def run_engine(spec: dict) -> dict:
     try:
         llm = LLM(
             model=kvb.target_model(spec["bridge"]),
-            kv_transfer_config=kvb.kv_transfer_config(spec["bridge"], requests=spec.get("requests", "opt_in")),
+            kv_transfer_config=kvb.kv_transfer_config(
+                spec["bridge"], requests=spec.get("requests", "opt_in"), **spec.get("kv", {})
+            ),
             **options,
         )
     except Exception as error:
         if "engine" not in spec:
             raise
         return {"error": f"{type(error).__name__}: {error}"}
-    connector = get_kv_transfer_group()
     rounds = []
     for round_ in spec["rounds"]:  # [ids, opted in (a bool; None: no flag; else the raw flag), (max_tokens)]
         prompts = [{"prompt_token_ids": r[0]} for r in round_]
@@ -91,7 +92,9 @@ def run_engine(spec: dict) -> dict:
                 for o in outputs
             ]
         )
-    bridge = connector.bridge
+    if options.get("tensor_parallel_size", 1) > 1:  # the workers run in processes of their own
+        return {"rounds": rounds, "counters": dict(kvb.KVBridgeConnector.counters)}
+    bridge = get_kv_transfer_group().bridge
     return {
         "rounds": rounds,
         "counters": dict(kvb.KVBridgeConnector.counters),
@@ -137,9 +140,9 @@ def _prompts(tokenizer, lengths, skip=0):
     return out
 
 
-def _engine(tmp_path, name, bridge_dir, rounds, requests="opt_in", engine=None, env=None):
+def _engine(tmp_path, name, bridge_dir, rounds, requests="opt_in", engine=None, env=None, kv=None):
     spec, out = tmp_path / f"{name}.json", tmp_path / f"{name}-out.json"
-    options = {} if engine is None else {"engine": engine}
+    options = ({} if engine is None else {"engine": engine}) | ({} if kv is None else {"kv": kv})
     spec.write_text(json.dumps({"bridge": str(bridge_dir), "rounds": rounds, "requests": requests, **options}))
     import hf_kvbridge
 
@@ -369,17 +372,94 @@ def test_tail_recompute_in_vllm_equals_bridge_generate(recompute_run, pair_bridg
         assert outcome["score"] == pytest.approx(bridge.last_transfer["score"], abs=1e-4)
 
 
-def test_tensor_parallel_engine_is_refused_at_start_with_one_line(pair_bridges):
-    """A TP 2 target engine (two ranks on this machine's 2 cores) does not start: the connector refuses it, before any
-    request can be served with all KV heads written into a rank that holds half of them (support.engine_refusal)."""
-    result = _engine(
-        pair_bridges, "tp2", pair_bridges / "bridge", [], engine={"tensor_parallel_size": 2},
-        env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"},
+TP2 = {"engine": {"tensor_parallel_size": 2}, "env": {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}}  # two ranks, two cores
+
+
+@pytest.fixture(scope="module")
+def tp2_run(pair_bridges, tokenizer):
+    """pair_run's bridged batch on a target engine of two tensor-parallel ranks (pocket-l's 2 KV heads: one a rank),
+    with the quality gate (averaged over the ranks)."""
+    prompts = _prompts(tokenizer, LENGTHS, skip=5)  # pair_run's prompts
+    return _engine(pair_bridges, "tp2", pair_bridges / "bridge", [[(p, True) for p in prompts]], **TP2)
+
+
+@pytest.fixture(scope="module")
+def one_head_bridge(tmp_path_factory, tokenizer):
+    """pocket-s → pocket-l with its two KV heads merged into one (k/v projections averaged per head: a model of one
+    KV head that still predicts text, so its greedy tokens have real margins), saved with the pocket tokenizer."""
+    from transformers import AutoModelForCausalLM
+
+    tmp = tmp_path_factory.mktemp("one-head")
+    model = AutoModelForCausalLM.from_pretrained(pocket.model_path("pocket-l"), dtype=torch.float32)
+    config = model.config
+    heads, dim = config.num_key_value_heads, config.head_dim
+    merged = type(model)(type(config).from_dict({**config.to_dict(), "num_key_value_heads": 1}))
+    state = model.state_dict()
+    for name, tensor in state.items():
+        if name.endswith(("k_proj.weight", "v_proj.weight", "k_proj.bias", "v_proj.bias")):
+            state[name] = tensor.unflatten(0, (heads, dim)).mean(0)  # (heads · d, ...) → (d, ...)
+    merged.load_state_dict(state)
+    merged.save_pretrained(tmp / "pocket-l-1kv")
+    tokenizer.save_pretrained(tmp / "pocket-l-1kv")
+    bridge = calibrate(
+        "pocket/pocket-s", str(tmp / "pocket-l-1kv"), pocket.load_texts("calibration"), num_sequences=32, seq_len=256,
+        top_k=2, tokenizer=tokenizer,
     )  # fmt: skip
-    line = "does not serve tensor_parallel_size=2: each rank holds 1/2 of the KV heads"
-    assert "rounds" not in result, "a TP 2 engine started and served"
+    bridge.save_pretrained(tmp / "bridge")
+    return tmp / "bridge"
+
+
+@pytest.fixture(scope="module")
+def one_head_tp2_run(one_head_bridge, tokenizer):
+    prompts = _prompts(tokenizer, LENGTHS, skip=5)
+    rounds = [[(p, True) for p in prompts]]
+    result = _engine(one_head_bridge.parent, "one-head-tp2", one_head_bridge, rounds, **TP2)
+    result["prompts"] = prompts
+    return result
+
+
+def _library_tokens(bridge_dir, prompts, max_new_tokens=MAX_TOKENS):
+    bridge = KVBridgeForCausalLM.from_pretrained(bridge_dir, dtype=torch.float32)
+    out = []
+    for ids in prompts:
+        tokens = bridge.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False)[0, len(ids) :]
+        out.append((tokens.tolist(), bridge.last_transfer.get("score")))
+    return out
+
+
+def test_tensor_parallel_target_serves_bridge_generate(tp2_run, pair_run, pair_bridges, tokenizer):
+    """TP 2: each rank writes its own KV head; the tokens are `bridge.generate`'s and the gate's score (averaged over
+    the ranks) is the TP 1 engine's, all heads' (so the ranks neither wrote all heads nor scored only theirs)."""
+    prompts = _prompts(tokenizer, LENGTHS, skip=5)
+    want = _library_tokens(pair_bridges / "bridge", prompts)
+    for i, (got, (tokens, score)) in enumerate(zip(tp2_run["rounds"][0], want)):
+        assert got["tokens"] == tokens, (LENGTHS[i], got)
+        outcome = got["kvbridge"]
+        assert outcome["status"] == "mapped" and outcome["mapped_tokens"] == LENGTHS[i] - 1 - 8, outcome
+        assert outcome["score"] == pytest.approx(score, abs=1e-4)
+        assert outcome["score"] == pytest.approx(pair_run["rounds"][0][i]["kvbridge"]["score"], abs=1e-4)
+    assert tp2_run["counters"]["requests_claimed"] == len(LENGTHS)
+
+
+def test_tensor_parallel_target_with_one_kv_head_replicates_it(one_head_tp2_run, one_head_bridge):
+    """One KV head at TP 2: vLLM replicates it on both ranks, and each rank writes that one head."""
+    want = _library_tokens(one_head_bridge, one_head_tp2_run["prompts"])
+    for i, (got, (tokens, _)) in enumerate(zip(one_head_tp2_run["rounds"][0], want)):
+        assert got["kvbridge"]["status"] == "mapped", got
+        assert got["tokens"] == tokens, (LENGTHS[i], got)
+    assert "writes KV heads 0..0 of 1" in one_head_tp2_run["log"]
+
+
+def test_tensor_parallel_source_is_refused_at_start_with_one_line(pair_bridges):
+    """A TP 2 exporting engine (role source) does not start: its ranks hold half the KV heads each and the export
+    does not gather them (support.engine_refusal); nothing is exported that a target would read as whole."""
+    result = _engine(
+        pair_bridges, "tp2-source", pair_bridges / "bridge", [], kv={"role": "source", "store": "redis://127.0.0.1:9/0"},
+        **TP2,
+    )  # fmt: skip
+    line = "does not serve tensor_parallel_size=2 on an exporting engine (role source or both)"
+    assert "rounds" not in result, "a TP 2 source engine started"
     assert line in result["log"], result["log"][-4000:]
-    assert "ServingConfigError" in result["log"]
 
 
 def test_recompute_policies_vllm_cannot_apply_are_refused_at_start_up():

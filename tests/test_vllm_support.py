@@ -11,10 +11,9 @@ import pytest
 
 from hf_kvbridge.errors import ServingConfigError
 from hf_kvbridge.integrations.vllm.support import EngineShape, check_engine, engine_refusal, request_refusal
+from hf_kvbridge.integrations.vllm.tensor_parallel import HeadShard
 
 REFUSED = [
-    ({"tensor_parallel_size": 2}, "tensor_parallel_size=2"),
-    ({"tensor_parallel_size": 8}, "tensor_parallel_size=8"),
     ({"pipeline_parallel_size": 2}, "pipeline_parallel_size=2"),
     ({"data_parallel_size": 2}, "data_parallel_size=2"),
     ({"prefill_context_parallel_size": 2}, "prefill_context_parallel_size=2"),
@@ -48,10 +47,41 @@ def test_served_shapes(cache_dtype):
     check_engine(EngineShape(cache_dtype=cache_dtype), "my-bridge")
 
 
-def test_tensor_parallel_refused_before_the_other_options():
-    """Several refused options: the line names the first (the most harmful one: TP overwrites other requests)."""
+@pytest.mark.parametrize("size", [2, 4, 8])
+def test_tensor_parallel_served_on_a_target_refused_on_an_exporting_engine(size):
+    assert engine_refusal(EngineShape(tensor_parallel_size=size)) is None  # each rank writes its heads (HeadShard)
+    reason = engine_refusal(EngineShape(tensor_parallel_size=size), exports=True)
+    assert reason.startswith(f"tensor_parallel_size={size} on an exporting engine") and "\n" not in reason
+    with pytest.raises(ServingConfigError, match=f"does not serve tensor_parallel_size={size} on an exporting"):
+        check_engine(EngineShape(tensor_parallel_size=size), "b", exports=True)
+
+
+def test_several_refused_options_name_the_first():
     reason = engine_refusal(EngineShape(tensor_parallel_size=2, cache_dtype="fp8", pipeline_parallel_size=2))
-    assert reason.startswith("tensor_parallel_size=2")
+    assert reason.startswith("pipeline_parallel_size=2")
+
+
+@pytest.mark.parametrize(
+    ("total", "size", "per_rank"),
+    [
+        (8, 1, [(0, 8)]),
+        (8, 2, [(0, 4), (4, 8)]),
+        (8, 4, [(0, 2), (2, 4), (4, 6), (6, 8)]),
+        (2, 2, [(0, 1), (1, 2)]),
+        (1, 2, [(0, 1), (0, 1)]),  # fewer heads than ranks: replicated
+        (2, 4, [(0, 1), (0, 1), (1, 2), (1, 2)]),  # each head on two consecutive ranks, as QKVParallelLinear
+    ],
+)
+def test_head_shard_is_vllms(total, size, per_rank):
+    got = [HeadShard.of(total, rank, size).heads for rank in range(size)]
+    assert [(s.start, s.stop) for s in got] == per_rank
+
+
+def test_head_shard_refuses_uneven_heads():
+    with pytest.raises(ServingConfigError, match="3 KV heads and tensor_parallel_size is 2"):
+        HeadShard.of(3, 0, 2)
+    with pytest.raises(ServingConfigError, match="rank 2 of 2"):
+        HeadShard.of(2, 2, 2)
 
 
 def request(**fields):
@@ -133,3 +163,44 @@ def test_vllm_requests_with_lora_or_embeds_are_unsupported_not_mapped():
         exporter.on_new_request(req)
     assert set(exporter._exporting) == {"plain"}
     assert exporter.request_finished(kinds["lora"], [])[1]["kvbridge"]["status"] == "unsupported"
+
+
+# -- identity: the served model is the bridge's ---------------------------------------------------------------------
+def _copy_model(source, folder):
+    import shutil
+
+    folder.mkdir()
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(source / name, folder / name)
+    return folder
+
+
+def test_identity_accepts_a_copy_and_refuses_another_config_or_tokenizer(tmp_path):
+    import json
+
+    from hf_kvbridge import KVBridgeConfig, pocket
+    from hf_kvbridge.integrations.vllm.identity import check_identity
+
+    config = KVBridgeConfig(source_name_or_path="pocket/pocket-s", target_name_or_path="pocket/pocket-l")
+    original = pocket.model_path("pocket-l")
+
+    def served(folder):
+        return SimpleNamespace(model=str(folder), revision=None, tokenizer=str(folder), tokenizer_revision=None)
+
+    check_identity(served(original), config, "target", "b")  # the bridge's own target
+    copy = _copy_model(original, tmp_path / "copy")  # re-saved by another transformers: still the same model
+    fields = json.loads((copy / "config.json").read_text())
+    (copy / "config.json").write_text(json.dumps({**fields, "transformers_version": "9.9.9"}, indent=1))
+    check_identity(served(copy), config, "target", "b")
+
+    other = _copy_model(original, tmp_path / "other-tokenizer")  # the same shape, another tokenizer
+    tokenizer = json.loads((other / "tokenizer.json").read_text())
+    tokenizer["added_tokens"] = [*tokenizer.get("added_tokens", []), {**tokenizer["added_tokens"][0], "id": 4095}]
+    (other / "tokenizer.json").write_text(json.dumps(tokenizer))
+    refused = r"not the bridge b's target pocket/pocket-l \(they differ in {}\)"
+    with pytest.raises(ServingConfigError, match=refused.format("tokenizer.json")) as e:
+        check_identity(served(other), config, "target", "b")
+    assert "\n" not in str(e.value)
+    with pytest.raises(ServingConfigError, match="pocket-m, " + refused.format("config.json")):
+        check_identity(served(pocket.model_path("pocket-m")), config, "target", "b")  # another model
+    check_identity(served(pocket.model_path("pocket-s")), config, "source", "b")  # a source engine: the source

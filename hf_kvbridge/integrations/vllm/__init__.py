@@ -63,20 +63,24 @@ the request's output of that step (its sampled token is dropped), so the target 
 its own first token (status "gated" with `score`, `threshold` and `probe_tokens`; WARNING with the request id and
 score; `requests_gated` counted). That is exact when a step's output is processed before the next step is scheduled
 (no async scheduling: vLLM's CPU platform turns it off); with async scheduling it is not verified, and a start-up
-warning says so. `read_slots` knows the CPU backend's portable layout and FlashAttention's; the worker checks it
-reads back what it just wrote, and where it cannot the gate rejects (fails safe, with the reason). If chunked
-prefill gives the request fewer tokens than the probe in the load step, the gate scores the probe tokens computed.
+warning says so. `read_slots` probes the CPU backend's block layout through its own write op (any kernel it picks)
+and reads FlashAttention's; the worker checks it reads back what it just wrote, and where it cannot the gate rejects
+(fails safe, with the reason). If chunked prefill gives the request fewer tokens than the probe in the load step, the
+gate scores the probe tokens computed.
 
 **Selective recompute** (`config.recompute_fraction`) with the `"tail"` policy (the default): the scheduler side
 claims `ceil(fraction · n)` fewer of the `n` tokens `bridge.generate` maps, so vLLM's target computes that tail
 itself in the load step, before the probe, as `bridge.generate` recomputes it. The other policies pick tokens
 inside the prompt and are refused at start-up (`check_recompute`).
 
-Not supported here: `config.sink_tokens` (vLLM can only load a prefix; refused at start-up). One rank only: tensor,
-pipeline, context and data parallelism, fp8 (and other quantized) KV caches, speculative decoding, multi-modal,
-MLA, hybrid and sliding-window models are refused at start-up with one line naming the option
-(`support.engine_refusal`); a request with a LoRA adapter, prompt embeddings or multi-modal inputs is served
-unbridged and not exported, status `"unsupported"` with its reason (`support.request_refusal`).
+Not supported here: `config.sink_tokens` (vLLM can only load a prefix; refused at start-up). A tensor-parallel
+target engine is served: each rank writes only its own KV heads (`tensor_parallel.HeadShard`) and the gate's score
+is averaged over the ranks; tensor parallelism on an exporting engine, pipeline, context and data parallelism, fp8
+(and other quantized) KV caches, speculative decoding, multi-modal, MLA, hybrid and sliding-window models are refused
+at start-up with one line naming the option (`support.engine_refusal`); a request with a LoRA adapter, prompt
+embeddings or multi-modal inputs is served unbridged and not exported, status `"unsupported"` with its reason
+(`support.request_refusal`). An engine whose model's config or tokenizer files differ from the bridge's model's is
+refused at start-up (`identity.check_identity`: digests of those files, not of the weights).
 
 The package:
 
@@ -88,6 +92,8 @@ The package:
 | `paged_cache` | vLLM's paged KV layout: slots, writes through the backend, reads (layout detected at run time) |
 | `metadata` | the per-step dataclasses passed scheduler → worker → scheduler |
 | `rotary` | `RotaryOnlyTarget`: the target's rotary embedding without its weights |
+| `identity` | `check_identity`: the served model's config and tokenizer files against the bridge's model's |
+| `tensor_parallel` | `HeadShard`: a tensor-parallel rank's KV heads; the gate's score averaged over the ranks |
 | `support` | what is served right: `engine_refusal` (options refused at start-up), `request_refusal` (`unsupported`) |
 | `configuration` | `kv_transfer_config`, `bridged`, `parse_request_flag`, `target_model`, `check_recompute` |
 | `middleware` | `KVBridgeParamsMiddleware` (`kvbridge serve`): after authentication, bad flags (400), router headers |

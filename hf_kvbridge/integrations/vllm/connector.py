@@ -25,9 +25,11 @@ from ...errors import ServingConfigError
 from ...layout import KVLayout, check_fingerprint
 from ...source_features import check_servable
 from .configuration import check_recompute, connector_settings, read_bridge_config
+from .identity import check_identity
 from .scheduler import BridgeScheduler
 from .store import open_prefix_store, redact, store_identity
 from .support import EngineShape, check_engine
+from .tensor_parallel import HeadShard
 from .worker import BridgeWorker, load_bridge
 
 if TYPE_CHECKING:
@@ -59,7 +61,8 @@ class KVBridgeConnector(KVConnectorBase_V1):
         settings = self.settings
         self.bridge_ref, self.revision, self.requests_mode = settings.bridge, settings.revision, settings.requests
         # before anything is loaded: an engine option the connector cannot serve right stops the engine, one line
-        check_engine(EngineShape.from_vllm_config(vllm_config, kv_cache_config), self.bridge_ref)
+        shape = EngineShape.from_vllm_config(vllm_config, kv_cache_config)
+        check_engine(shape, self.bridge_ref, exports=settings.exports)
         self.folder, self.config, checksums = read_bridge_config(self.bridge_ref, self.revision)
         layout = KVLayout.from_config(vllm_config.model_config.hf_config)
         # the mapping into the served model: the bridge's (served model = its target) or its reverse (role "both"
@@ -77,6 +80,7 @@ class KVBridgeConnector(KVConnectorBase_V1):
         fingerprint = getattr(self.config, f"{served}_fingerprint", None)
         if fingerprint is not None:
             check_fingerprint(fingerprint, layout, served, vllm_config.model_config.model)
+        check_identity(vllm_config.model_config, self.config, served, self.bridge_ref)  # config and tokenizer files
         if settings.imports:
             self._check_mapping_config(vllm_config)
         digest = hashlib.sha256(json.dumps(checksums, sort_keys=True).encode() + self.bridge_ref.encode())
@@ -113,6 +117,17 @@ class KVBridgeConnector(KVConnectorBase_V1):
                     self.import_config, self.import_folder, self.revision, dtype, device, self.bridge_ref,
                     source_weights=settings.source_weights,
                 )  # fmt: skip
+            shard = None
+            if shape.tensor_parallel_size > 1:  # this rank's share of the served model's KV heads
+                from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+
+                rank, size = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
+                shard = HeadShard.of(layout.num_kv_heads, rank, size)
+                heads = shard.heads
+                logger.info(
+                    "KVBridgeConnector: tensor-parallel rank %d of %d writes KV heads %d..%d of %d",
+                    rank, size, heads.start, heads.stop - 1, shard.total,
+                )  # fmt: skip
             self.worker = BridgeWorker(
                 bridge,
                 block_size=vllm_config.cache_config.block_size,
@@ -122,6 +137,7 @@ class KVBridgeConnector(KVConnectorBase_V1):
                 exports=export_store,
                 source_weights=settings.source_weights,
                 fetch_parts=settings.store_fetch_parts,
+                shard=shard,
             )
         logger.info(
             "KVBridgeConnector: role %s (serves the bridge's %s), store %s, requests %s",

@@ -67,6 +67,7 @@ class GateCheck:
     steps: Any
     slots: torch.Tensor
     layers: dict[str, nn.Module] | None
+    failed: bool = False  # this rank's mapping failed (a tensor-parallel rank still takes part in the gate's mean)
 
 
 @dataclass

@@ -29,9 +29,9 @@ class EngineShape:
     Example:
 
     ```python
-    >>> engine_refusal(EngineShape(tensor_parallel_size=2)).split(":")[0]
-    'tensor_parallel_size=2'
-    >>> engine_refusal(EngineShape()) is None
+    >>> engine_refusal(EngineShape(tensor_parallel_size=2), exports=True).split(":")[0]
+    'tensor_parallel_size=2 on an exporting engine (role source or both)'
+    >>> engine_refusal(EngineShape(tensor_parallel_size=2)) is None
     True
     ```
     """
@@ -83,13 +83,15 @@ def _attribute(model_config: Any, name: str) -> Any:
         return None
 
 
-def engine_refusal(shape: EngineShape) -> str | None:
+def engine_refusal(shape: EngineShape, *, exports: bool = False) -> str | None:
     """Why the connector refuses to serve an engine of `shape` (one line naming the first option it cannot serve
     right), or `None` when it serves it. Pure: no vLLM, no engine.
 
-    Served: one rank (no tensor, pipeline, context or data parallelism), a cache of the model's numbers
-    (`cache_dtype` auto, float32, float16 or bfloat16), chunked prefill, prefix caching, any block size, LoRA-enabled
-    engines (a request with an adapter is served unbridged: `request_refusal`).
+    Served: tensor parallelism on a mapping engine (role target: each rank writes its own KV heads,
+    `tensor_parallel.HeadShard`); a cache of the model's numbers (`cache_dtype` auto, float32, float16 or bfloat16),
+    chunked prefill, prefix caching, any block size, LoRA-enabled engines (a request with an adapter is served
+    unbridged: `request_refusal`). `exports`: whether this engine exports its KV to a store (roles source and both),
+    which it does from one rank only: tensor parallelism is refused there.
 
     Example:
 
@@ -98,11 +100,11 @@ def engine_refusal(shape: EngineShape) -> str | None:
     'cache_dtype=fp8_e4m3: '
     ```
     """
-    if shape.tensor_parallel_size > 1:
+    if shape.tensor_parallel_size > 1 and exports:
         size = shape.tensor_parallel_size
         return (
-            f"tensor_parallel_size={size}: each rank holds 1/{size} of the KV heads and the connector writes all of "
-            "them (it would overwrite other requests' blocks); serve with tensor_parallel_size=1"
+            f"tensor_parallel_size={size} on an exporting engine (role source or both): each rank holds 1/{size} of "
+            "the KV heads and the export does not gather them; serve the exporting engine with tensor_parallel_size=1"
         )
     if shape.pipeline_parallel_size > 1:
         return (
@@ -147,9 +149,9 @@ def engine_refusal(shape: EngineShape) -> str | None:
     return None
 
 
-def check_engine(shape: EngineShape, bridge: str) -> None:
-    """Raises `ServingConfigError` (one line: the bridge and the option) when `engine_refusal(shape)` refuses it."""
-    reason = engine_refusal(shape)
+def check_engine(shape: EngineShape, bridge: str, *, exports: bool = False) -> None:
+    """Raises `ServingConfigError` (one line: the bridge and the option) when `engine_refusal` refuses `shape`."""
+    reason = engine_refusal(shape, exports=exports)
     if reason is not None:
         raise ServingConfigError(f"KVBridgeConnector (bridge {bridge}) does not serve {reason}")
 

@@ -22,6 +22,7 @@ from ...transfer.steps import SourceKV, TransferSteps
 from .metadata import BridgeLoad, GateCheck, KVBridgeConnectorMetadata, KVBridgeWorkerMetadata
 from .paged_cache import read_slots, reads_back, slots_of, write_layer
 from .rotary import RotaryOnlyTarget
+from .tensor_parallel import HeadShard, mean_over_ranks, slice_heads
 
 logger = init_logger("vllm.hf_kvbridge")  # under "vllm", so vLLM's handlers format and show it
 
@@ -89,6 +90,7 @@ class BridgeWorker:
         source_weights (`bool`): whether `bridge.source` is the source model (else a stand-in: store-only).
         fetch_parts (`int`): runs a load from the store is fetched in, each mapped and written while the next is
             fetched (`1`: fetch all, then map).
+        shard (`HeadShard`, *optional*): the target KV heads this tensor-parallel rank holds (`None`: all of them).
     """
 
     def __init__(
@@ -102,8 +104,11 @@ class BridgeWorker:
         exports=None,
         source_weights: bool = True,
         fetch_parts: int = 4,
+        shard: HeadShard | None = None,
     ):
         self.bridge, self.block_size, self.gate_threshold, self.count = bridge, block_size, gate_threshold, count
+        self.shard = shard or HeadShard(total=0)
+        self.heads = self.shard.heads if self.shard.sharded else slice(None)  # this rank's target KV heads
         self.store, self.exports, self.source_weights = store, exports, source_weights
         self.fetch_parts = fetch_parts
         self._layers: dict[str, nn.Module] = {}
@@ -125,6 +130,8 @@ class BridgeWorker:
                 written = self.map_and_write(load, layers)
             except Exception as error:  # fall back: the target recomputes the claimed tokens
                 self.fall_back(load, "fallback", reason=f"{type(error).__name__}: {error}")
+                if load.gated and self.shard.sharded:  # the other ranks average the gate over this one: take part
+                    self._gate_checks.append(GateCheck(load, 0, None, None, None, failed=True))
                 logger.warning(
                     "KVBridgeConnector: mapping failed for request %s (%d tokens): %s: %s; the target computes "
                     "the prompt itself",
@@ -196,8 +203,9 @@ class BridgeWorker:
         readable = True
         for name, layer in layers.items():
             cache_layer = mapped.layers[extract_layer_index(name)]
-            keys = cache_layer.keys[0].transpose(0, 1)  # (T, H, d), post-RoPE
-            values = cache_layer.values[0].transpose(0, 1)  # (T, H, d)
+            keys = cache_layer.keys[0, self.heads].transpose(0, 1)  # (T, h, d), post-RoPE, this rank's heads
+            values = cache_layer.values[0, self.heads].transpose(0, 1)  # (T, h, d)
+            check_heads(layer, keys)
             kv_cache = layer.kv_cache
             keys, values = keys.to(kv_cache.device).contiguous(), values.to(kv_cache.device).contiguous()
             write_layer(layer, keys, values, slots)
@@ -254,8 +262,9 @@ class BridgeWorker:
             slots = slots_of(load.block_ids, self.block_size, run.start, run.end)  # (n,)
             for name, layer in layers.items():
                 cache_layer = mapped.layers[extract_layer_index(name)]
-                keys = cache_layer.keys[0].transpose(0, 1).to(layer.kv_cache.device).contiguous()  # (n, H, d)
-                values = cache_layer.values[0].transpose(0, 1).to(layer.kv_cache.device).contiguous()
+                keys = cache_layer.keys[0, self.heads].transpose(0, 1).to(layer.kv_cache.device).contiguous()
+                values = cache_layer.values[0, self.heads].transpose(0, 1).to(layer.kv_cache.device).contiguous()
+                check_heads(layer, keys)  # (n, h, d): this rank's heads
                 write_layer(layer, keys, values, slots)
             writing += time.perf_counter() - started
         self.count(
@@ -341,29 +350,27 @@ class BridgeWorker:
 
     def check_gates(self) -> None:
         """The quality gate of this step's gated loads, after the forward pass wrote the target's own K/V of the probe
-        tokens into the paged cache: `TransferSteps.gate` (`transfer.steps.probe_agreement`) of own vs mapped probe K/V
-        (mean cosine over layers and tokens, as `bridge.generate` scores it). Below `gate_threshold`, or if the cache
-        cannot be read, the load is reported as failed and the target computes the prompt itself."""
-        from vllm.model_executor.models.utils import extract_layer_index
-
+        tokens into the paged cache: `transfer.steps.probe_agreement` of own vs mapped probe K/V (mean cosine over
+        layers, heads and tokens, as `bridge.generate` scores it). Below `gate_threshold`, or if the cache cannot be
+        read, the load is reported as failed and the target computes the prompt itself. On a tensor-parallel rank
+        each rank scores its own heads and the scores are averaged over the ranks (`mean_over_ranks`), so that every
+        rank decides alike on the score over all heads."""
         checks, self._gate_checks = self._gate_checks, []
+        if not checks:
+            return
+        local, reasons = [], []
         for check in checks:
+            score, reason = self._own_score(check)
+            local.append(float("nan") if score is None else score)
+            reasons.append(reason)
+        scores = mean_over_ranks(torch.tensor(local, dtype=torch.float32), self.shard).tolist()
+        for check, score, reason in zip(checks, scores, reasons, strict=True):
+            if check.failed:  # this rank's mapping failed: it has reported its fallback already
+                continue
             load, n = check.load, check.load.probe_end - check.load.probe_start
-            score, reason = None, None
-            if check.layers is None:
-                reason = "the quality gate cannot read this attention backend's KV cache layout"
-            else:
-                try:
-                    own = DynamicCache()
-                    for name, layer in check.layers.items():
-                        keys, values = read_slots(layer, check.slots)  # (n, H, d) each
-                        append_layer(
-                            own, extract_layer_index(name), keys.transpose(0, 1)[None], values.transpose(0, 1)[None]
-                        )
-                    check.steps.gate(own, 0)  # own: the probe tokens only
-                    score = check.steps.scores[0]
-                except Exception as error:
-                    reason = f"quality gate failed: {type(error).__name__}: {error}"
+            if score != score:  # NaN: this rank, or another one, could not score
+                score = None
+                reason = reason or "another tensor-parallel rank could not map or score the probe"
             if score is not None and score >= self.gate_threshold:
                 self.mapped(load, check.written, score=score, probe_tokens=n)
                 continue
@@ -379,6 +386,27 @@ class BridgeWorker:
                 f" ({reason})" if reason else "",
             )
 
+    def _own_score(self, check: GateCheck) -> tuple[float | None, str | None]:
+        """This rank's gate score of `check` (its heads' own probe K/V read back against their mapped ones), or
+        `None` and the reason."""
+        from vllm.model_executor.models.utils import extract_layer_index
+
+        if check.failed:
+            return None, "mapping failed"
+        if check.layers is None:
+            return None, "the quality gate cannot read this attention backend's KV cache layout"
+        try:
+            own = DynamicCache()
+            for name, layer in check.layers.items():
+                keys, values = read_slots(layer, check.slots)  # (n, h, d) each
+                append_layer(own, extract_layer_index(name), keys.transpose(0, 1)[None], values.transpose(0, 1)[None])
+            if self.shard.sharded:  # the mapped probe holds every head: score this rank's
+                check.steps.mapped_probe = slice_heads(check.steps.mapped_probe, self.heads)
+            check.steps.gate(own, 0)  # own: the probe tokens only
+            return check.steps.scores[0], None
+        except Exception as error:
+            return None, f"quality gate failed: {type(error).__name__}: {error}"
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         # Called after the forward pass (also when wait_for_save is deferred past a draft model), so the probe
         # tokens' own K/V are in the cache: the gate decides here, and its failures reach the scheduler in this step.
@@ -391,6 +419,17 @@ class BridgeWorker:
             return None
         outcomes, self._step_outcomes = self._step_outcomes, {}
         return KVBridgeWorkerMetadata(outcomes)
+
+
+def check_heads(layer: nn.Module, keys: torch.Tensor) -> None:
+    """Refuses to write `keys` (`(T, h, d)`) into a layer whose cache holds another number of KV heads (a
+    tensor-parallel rank holds its share): a write past them would land in other blocks."""
+    expected = getattr(getattr(layer, "impl", None), "num_kv_heads", None)
+    if expected is not None and keys.shape[1] != expected:
+        raise KVLayoutError(
+            f"the mapped cache has {keys.shape[1]} KV heads for this rank and vLLM's layer holds {expected}; serve "
+            "the bridge's own target model (hf_kvbridge.integrations.vllm.target_model)"
+        )
 
 
 class StoredRun(SourceKV):
