@@ -16,7 +16,10 @@ mapping failure; the tests compare what it reports with oracles:
   target's alone (so vLLM discarded that step's sampled token), reported as "gated" and counted;
 - the worker holds no target weights (its stand-in target has no parameters);
 - a `kv_transfer_params.kvbridge` that is not a boolean (`"yes"`, `"false"`, `1`, `0`) is refused in both request
-  modes: served unbridged (the target's own tokens), status "refused", a WARNING, counted.
+  modes: served unbridged (the target's own tokens), status "refused", a WARNING, counted;
+- tensor parallel (2 ranks, `VLLM_CPU_OMP_THREADS_BIND="0|1"`): each rank writes its own KV heads, tokens =
+  `bridge.generate`'s and the gate score = the TP 1 engine's; a one-KV-head target (replicated on both ranks) too; a
+  TP 2 source engine is refused at start with one line (`support.engine_refusal`).
 """
 
 from __future__ import annotations
