@@ -204,3 +204,13 @@ def test_identity_accepts_a_copy_and_refuses_another_config_or_tokenizer(tmp_pat
     with pytest.raises(ServingConfigError, match="pocket-m, " + refused.format("config.json")):
         check_identity(served(pocket.model_path("pocket-m")), config, "target", "b")  # another model
     check_identity(served(pocket.model_path("pocket-s")), config, "source", "b")  # a source engine: the source
+
+
+def test_unsupported_status_reaches_the_router_header():
+    """`kvbridge serve` answers a request the connector served unbridged (LoRA, prompt embeds) with
+    `x-vsr-kv-transfer-status: unsupported`, never `applied`."""
+    pytest.importorskip("vllm")
+    from hf_kvbridge.integrations.vllm.middleware import transfer_status_header
+
+    assert transfer_status_header("unsupported") == "unsupported"
+    assert transfer_status_header("mapped") == "applied"
