@@ -212,9 +212,19 @@ def bench_store(args: argparse.Namespace) -> int:
 
     from ..tools.bench.store import format_store_table, run_store_benchmark
 
+    if args.retention:
+        from ..tools.bench.store_retention import format_retention, pocket_encoding_retention
+
+        result = pocket_encoding_retention(args.retention, windows=args.windows)
+        print(format_retention(result))
+        if args.json:
+            Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+            print(f"wrote {args.json}")
+        return 0
     result = run_store_benchmark(
-        args.store, args.shapes, args.tokens, chunk_size=args.chunk_size, repeats=args.repeats, dtype=args.dtype
-    )
+        args.store, args.shapes, args.tokens, chunk_size=args.chunk_size, repeats=args.repeats, dtype=args.dtype,
+        encoding=args.encoding, connections=args.connections,
+    )  # fmt: skip
     print(
         f"{result['shapes']} source K/V ({result['dtype']}, encoding {result['encoding']}), store {result['store']}, "
         f"{result['connections']} connection(s), chunks of {result['chunk_size']} tokens, median of "

@@ -21,6 +21,7 @@ import torch
 
 from ...errors import InvalidInputError, StoreFormatError, StoreMissError, StoreUnavailableError
 from .base import KVStore
+from .encodings import DEFAULT_ENCODING, check_encoding
 from .format import decode_chunk, encode_chunk
 from .keys import DEFAULT_CHUNK_SIZE, SequenceKeys, as_token_list, sequence_keys
 from .writer import AsyncWriter
@@ -115,6 +116,9 @@ class PrefixKVStore:
         writer (`AsyncWriter`, *optional*): writes saves in the background; without one, `save` writes at once.
         partial_ttl_s (`float`, *optional*, defaults to `3600`): seconds a partial chunk's entries live (`None`: the
             store's TTL): a conversation that goes on leaves its earlier partial chunks behind, read by nothing else.
+        encoding (`str`, *optional*): how saved chunks hold their K/V (`"source"`, `"bfloat16"`, `"fp8_e4m3"`;
+            `encodings.py`); default: the store's `encoding` (a store option, or the URL's `?encoding=`), else
+            `"source"`. Reads take every encoding, whatever this one is.
 
     Example:
 
@@ -134,8 +138,10 @@ class PrefixKVStore:
         chunk_size: int = DEFAULT_CHUNK_SIZE,
         writer: AsyncWriter | None = None,
         partial_ttl_s: float | None = DEFAULT_PARTIAL_TTL_S,
+        encoding: str | None = None,
     ):
         sequence_keys([], model_id=model_id, chunk_size=chunk_size)  # checks both
+        self.encoding = check_encoding(encoding or getattr(store, "encoding", DEFAULT_ENCODING))
         if writer is not None and writer.store is not store:
             raise InvalidInputError("the AsyncWriter given to PrefixKVStore must write to the same store")
         if partial_ttl_s is not None and not partial_ttl_s > 0:
@@ -285,7 +291,8 @@ class PrefixKVStore:
                 items = {
                     key: encode_chunk([k[:, lo - start : hi - start] for k in keys],
                                       [v[:, lo - start : hi - start] for v in values],
-                                      model_id=self.model_id, start=lo, token_ids=tokens[lo:hi])
+                                      model_id=self.model_id, start=lo, token_ids=tokens[lo:hi],
+                                      encoding=self.encoding)
                     for key, lo, hi, partial in wanted if partial == is_tail
                 }  # fmt: skip
                 if items:
@@ -306,7 +313,8 @@ class PrefixKVStore:
     def load(
         self, token_ids: Any, num_tokens: int, salt: str | None = None, *, stored: StoredPrefix | None = None
     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """The stored K/V of tokens `[0, num_tokens)` of `token_ids`, fetched in one round trip and checked.
+        """The stored K/V of tokens `[0, num_tokens)` of `token_ids`, fetched (in runs spread over the store's
+        connections) and checked.
 
         Args:
             token_ids (list of `int` or a 1-D tensor): the sequence (at least `num_tokens` tokens).
@@ -323,10 +331,16 @@ class PrefixKVStore:
                 fewer tokens than `num_tokens`.
             `StoreFormatError`: an entry is not a valid chunk of this model at its position, or holds other tokens.
         """
-        tokens = as_token_list(token_ids)
-        stored = self._stored(tokens, num_tokens, salt, stored)
-        _, _, keys, values = self._fetch(tokens, [p for p in stored.pieces if p[1] < num_tokens], 0, num_tokens)
-        return keys, values
+        runs = list(self.iter_load(token_ids, num_tokens, salt, stored=stored, parts=self._connections()))
+        if len(runs) == 1:
+            return runs[0].keys, runs[0].values
+        keys = [torch.cat([run.keys[layer] for run in runs], dim=1) for layer in range(len(runs[0].keys))]
+        values = [torch.cat([run.values[layer] for run in runs], dim=1) for layer in range(len(runs[0].values))]
+        return keys, values  # per layer (H, num_tokens, d)
+
+    def _connections(self) -> int:
+        """The store's connections a fetch is spread over (1 for a store that has no such setting)."""
+        return max(1, int(getattr(self.store, "connections", 1)))
 
     def _stored(
         self, tokens: list[int], num_tokens: int, salt: str | None, stored: StoredPrefix | None
@@ -361,10 +375,10 @@ class PrefixKVStore:
         start: int = 0,
         parts: int = 4,
     ) -> Iterator[FetchedRun]:
-        """The stored K/V of tokens `[start, num_tokens)`, in `parts` runs of entries fetched one after another on a
-        thread of their own: each run is yielded (a `FetchedRun`) as soon as it has arrived and been checked, while the
-        next one is being fetched, so the caller maps one run while the next arrives. Raises what `load` raises, at
-        the run it concerns.
+        """The stored K/V of tokens `[start, num_tokens)`, in `parts` runs of entries fetched on threads of their own,
+        as many at once as the store has `connections`: each run is yielded in token order (a `FetchedRun`) as soon as
+        it has arrived and been checked, while the next ones are being fetched, so the caller maps one run while the
+        next arrive. Raises what `load` raises, at the run it concerns.
 
         Example:
 
@@ -379,21 +393,29 @@ class PrefixKVStore:
             raise InvalidInputError(f"start must be in [0, {num_tokens}), got {start!r}")
         pieces = [p for p in stored.pieces if p[1] < num_tokens and p[2] > start]
         runs = fetch_runs(pieces, parts)
-        results: queue.Queue = queue.Queue()
+        results: list[queue.Queue] = [queue.Queue(maxsize=1) for _ in runs]
+        todo: queue.Queue = queue.Queue()
+        for index, run in enumerate(runs):
+            todo.put((index, run))
 
-        def fetch_all() -> None:
-            for run in runs:
+        def fetch() -> None:  # one fetching thread: takes the next run in token order, fetches and checks it
+            while True:
+                try:
+                    index, run = todo.get_nowait()
+                except queue.Empty:
+                    return
                 began = time.perf_counter()
                 try:
                     lo, hi, keys, values = self._fetch(tokens, run, max(start, run[0][1]), min(num_tokens, run[-1][2]))
                 except BaseException as err:  # handed to the caller, at this run
-                    results.put(err)
-                    return
-                results.put(FetchedRun(lo, hi, keys, values, time.perf_counter() - began))
+                    results[index].put(err)
+                    continue
+                results[index].put(FetchedRun(lo, hi, keys, values, time.perf_counter() - began))
 
-        threading.Thread(target=fetch_all, name="kvbridge-store-fetch", daemon=True).start()
-        for _ in runs:
-            item = results.get()
+        for _ in range(min(len(runs), self._connections())):  # several runs in flight at once, on their connections
+            threading.Thread(target=fetch, name="kvbridge-store-fetch", daemon=True).start()
+        for result in results:  # in token order, each as soon as it has arrived
+            item = result.get()
             if isinstance(item, BaseException):
                 raise item
             yield item
@@ -428,15 +450,14 @@ class PrefixKVStore:
                 layer_values = [[v] for v in chunk_v]
                 continue
             if len(chunk_k) != len(layer_keys) or any(
-                k.shape[::2] != ks[0].shape[::2] or k.dtype != ks[0].dtype
-                for k, ks in zip(chunk_k, layer_keys, strict=False)
+                k.shape[::2] != ks[0].shape[::2] for k, ks in zip(chunk_k, layer_keys, strict=False)
             ):
                 raise StoreFormatError(
-                    f"the chunk of tokens [{lo}, {hi}) has layers of other shapes or dtypes than the first: the "
-                    "chunks of one prefix were written by different layouts"
+                    f"the chunk of tokens [{lo}, {hi}) has layers of other shapes than the first: the chunks of one "
+                    "prefix were written by different layouts"
                 )
             for ks, vs, k, v in zip(layer_keys, layer_values, chunk_k, chunk_v, strict=True):
-                ks.append(k)
+                ks.append(k)  # chunks written in other encodings (dtypes) join in the wider dtype (torch.cat)
                 vs.append(v)
         keys_out = [torch.cat(ks, dim=1) for ks in layer_keys]  # per layer (H, end - start, d)
         values_out = [torch.cat(vs, dim=1) for vs in layer_values]
