@@ -17,6 +17,7 @@ from safetensors.torch import save as safetensors_save
 from hf_kvbridge import MissingDependencyError, ServingConfigError
 from hf_kvbridge.errors import InvalidInputError, StoreFormatError
 from hf_kvbridge.integrations.kv_store import (
+    AsyncWriter,
     PrefixKVStore,
     RedisKVStore,
     decode_chunk,
@@ -26,6 +27,7 @@ from hf_kvbridge.integrations.kv_store import (
     start_local_server,
 )
 from hf_kvbridge.integrations.kv_store.encodings import ENCODINGS
+from hf_kvbridge.integrations.kv_store.staging import stage_export
 
 DATA = Path(__file__).resolve().parent / "data"
 MODEL = "org/source@abc123"
@@ -220,4 +222,39 @@ def test_the_runs_of_a_load_are_fetched_at_once_and_handed_over_in_token_order(s
         assert torch.equal(got, keys[1])
         store.delete_many(prefix.keys(ids))
     finally:
+        store.close()
+
+
+def test_an_export_is_read_on_the_writer_thread_after_its_staging_and_its_cpu_time_is_counted(server):
+    """The step hands strided views over (`stage_export`) and returns at once; the writer thread waits for the staging
+    (`ready`), gathers the views into the chunks, and counts its own CPU time."""
+    store = RedisKVStore(server.url, timeout=2.0)
+    writer = AsyncWriter(store)
+    try:
+        prefix = PrefixKVStore(store, model_id=MODEL, chunk_size=8, writer=writer)
+        ids = list(range(3000, 3016))
+        keys, values = _kv(2, 2, 16, 8)
+        pages = [k.transpose(0, 1).contiguous() for k in keys]  # (T, H, d): as gathered from a paged cache
+        staged = stage_export([p.transpose(0, 1) for p in pages], [p.transpose(0, 1) for p in pages])
+        assert not staged.keys[0].is_contiguous() and staged.event is None  # CPU: views, the writer gathers them
+        staging_done, readers = threading.Event(), []
+
+        def ready() -> None:
+            readers.append(threading.current_thread().name)
+            staging_done.wait(5)
+
+        began = time.perf_counter()
+        assert prefix.save(ids, staged.keys, staged.values, start=0, ready=ready) == 2
+        assert time.perf_counter() - began < 0.5  # the step did not wait for the staging or the store
+        time.sleep(0.2)
+        assert store.probe(prefix.keys(ids), [])[0] == [0, 0]  # nothing read or written before the staging ends
+        staging_done.set()
+        assert writer.flush(timeout=10)
+        assert readers == ["kvbridge-store-writer"]
+        got_keys, got_values = prefix.load(ids, 16)
+        assert torch.equal(got_keys[1], keys[1]) and torch.equal(got_values[0], keys[0])
+        assert store.metrics.as_dict()["writer_cpu_seconds"] > 0
+        store.delete_many(prefix.keys(ids))
+    finally:
+        writer.close()
         store.close()

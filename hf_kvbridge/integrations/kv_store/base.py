@@ -37,6 +37,8 @@ class StoreMetrics:
         writes_dropped (`int`): chunks the asynchronous writer dropped because its queue was full.
         fetch_seconds (`float`): time spent in fetches (`get_many`), summed.
         put_seconds (`float`): time spent in writes (`put_many`), summed.
+        writer_cpu_seconds (`float`): CPU time of the asynchronous writer's thread (encoding, checksums, the client's
+            sends; its I/O threads' not included): what an export costs its engine's host past the step's gather.
 
     Example:
 
@@ -64,6 +66,7 @@ class StoreMetrics:
     writes_dropped: int = 0
     fetch_seconds: float = 0.0
     put_seconds: float = 0.0
+    writer_cpu_seconds: float = 0.0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def add(self, **increments: float) -> None:

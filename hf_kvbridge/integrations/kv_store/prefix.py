@@ -13,7 +13,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -237,6 +237,7 @@ class PrefixKVStore:
         salt: str | None = None,
         skip_stored: bool = True,
         tail: bool = True,
+        ready: Callable[[], None] | None = None,
     ) -> int:
         """Writes every whole chunk inside tokens `[start, start + T)` of `token_ids`, and (with `tail`) the partial
         chunk after the last of them: its sub-chunks and its remainder, which expire after `partial_ttl_s`.
@@ -252,6 +253,8 @@ class PrefixKVStore:
                 round trip to ask); `False` rewrites them (and restarts their TTL).
             tail (`bool`, *optional*, defaults to `True`): also store the trailing partial chunk (`start + T` not a
                 multiple of `chunk_size`).
+            ready (callable, *optional*): called (on the writer thread, with a writer) before the tensors are read:
+                the wait of a staged device-to-host copy (`staging.StagedExport.wait`).
 
         Returns:
             `int`: whole chunks written (stored ones skipped), or with a writer queued (all those in the range; the
@@ -283,6 +286,8 @@ class PrefixKVStore:
                 entries.append((pieces.remainders(len(pieces.subs), tokens[after:end])[-1], after, end, True))
 
         def job() -> int:
+            if ready is not None:
+                ready()
             wanted = entries
             if skip_stored and wanted:
                 stored = self.store.probe([e[0] for e in wanted], [], timeout=self._writer_deadline())[0]

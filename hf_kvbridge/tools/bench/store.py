@@ -18,8 +18,8 @@ from __future__ import annotations
 import statistics
 import threading
 import time
-from collections.abc import Callable
-from contextlib import ExitStack
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
 from typing import Any
 
 import torch
@@ -29,6 +29,15 @@ from .shapes import QWEN3_SHAPES, SMALL_SHAPES, shape_pair
 
 RAW_PREFIX = "kvbridge-bench:raw:"
 """Keys of the raw SET/GET runs (deleted after each token count)."""
+
+
+@contextmanager
+def _timed(wall: list[float], cpu: list[float]) -> Iterator[None]:
+    """Appends the block's wall time to `wall` and the process's CPU time over it (every thread) to `cpu`."""
+    began, began_cpu = time.perf_counter(), time.process_time()
+    yield
+    wall.append(time.perf_counter() - began)
+    cpu.append(time.process_time() - began_cpu)
 
 
 def _gbps(nbytes: int, seconds: float) -> float:
@@ -143,6 +152,7 @@ def measure_tokens(
     metrics = store.metrics
     raw = RawRedis(url, connections)
     timings: dict[str, list[float]] = {"put": [], "fetch": [], "raw_set": [], "raw_get": []}
+    cpu: dict[str, list[float]] = {name: [] for name in timings}  # the process's CPU time (every thread) per run
     moved: dict[str, int] = {}
     try:
         prefix.save(ids, keys, values, start=0, skip_stored=False)  # warm-up, and the entries the fetch reads
@@ -154,28 +164,23 @@ def measure_tokens(
         raw.set(items)
         for _ in range(repeats):
             written = metrics.as_dict()["bytes_written"]
-            began = time.perf_counter()
-            prefix.save(ids, keys, values, start=0, skip_stored=False)
-            timings["put"].append(time.perf_counter() - began)
+            with _timed(timings["put"], cpu["put"]):
+                prefix.save(ids, keys, values, start=0, skip_stored=False)
             moved["put"] = metrics.as_dict()["bytes_written"] - written
 
-            began = time.perf_counter()
-            moved["raw_set"] = raw.set(items)
-            timings["raw_set"].append(time.perf_counter() - began)
+            with _timed(timings["raw_set"], cpu["raw_set"]):
+                moved["raw_set"] = raw.set(items)
 
-            read = metrics.as_dict()["bytes_read"]
-            began = time.perf_counter()
-            fetched = 0
-            for run in prefix.iter_load(ids, found.tokens, stored=found, parts=connections):
-                fetched += run.end - run.start
-            timings["fetch"].append(time.perf_counter() - began)
+            read, fetched = metrics.as_dict()["bytes_read"], 0
+            with _timed(timings["fetch"], cpu["fetch"]):
+                for run in prefix.iter_load(ids, found.tokens, stored=found, parts=connections):
+                    fetched += run.end - run.start
             moved["fetch"] = metrics.as_dict()["bytes_read"] - read
             if fetched != tokens:
                 raise InvalidInputError(f"bench store: fetched {fetched} tokens of {tokens}: the store lost entries")
 
-            began = time.perf_counter()
-            moved["raw_get"] = raw.get(raw_keys)
-            timings["raw_get"].append(time.perf_counter() - began)
+            with _timed(timings["raw_get"], cpu["raw_get"]):
+                moved["raw_get"] = raw.get(raw_keys)
         raw.delete(raw_keys)
         store.delete_many(entry_keys)
     finally:
@@ -196,6 +201,8 @@ def measure_tokens(
         "fetch_gbps": gbps["fetch"],
         "raw_get_gbps": gbps["raw_get"],
         "fetch_over_raw": round(gbps["fetch"] / gbps["raw_get"], 3),
+        # CPU seconds (all threads of this process) per 1,000 tokens: an export's and a warm load's host cost
+        "cpu_seconds_per_1k_tokens": {name: round(statistics.median(v) / tokens * 1000, 5) for name, v in cpu.items()},
     }
 
 
