@@ -173,12 +173,15 @@ def test_a_store_url_chooses_the_encoding_and_connections_and_a_load_joins_mixed
             open_store(f"{server.url}?{bad}")
 
 
-def _slowed_calls(target, name: str, seconds: float) -> list:
-    """Wraps `target.name` to sleep `seconds` first and record each call's thread and start time."""
+def _slowed_calls(target, name: str, seconds: float, keywords: list | None = None) -> list:
+    """Wraps `target.name` to sleep `seconds` first and record each call's thread and start time (and its keywords in
+    `keywords`)."""
     calls, original = [], getattr(target, name)
 
     def call(*args, **kwargs):
         calls.append((threading.get_ident(), time.perf_counter()))
+        if keywords is not None:
+            keywords.append(kwargs)
         time.sleep(seconds)
         return original(*args, **kwargs)
 
@@ -212,9 +215,13 @@ def test_the_runs_of_a_load_are_fetched_at_once_and_handed_over_in_token_order(s
         ids = list(range(2000, 2032))
         keys, values = _kv(2, 2, 32, 8)
         prefix.save(ids, keys, values, start=0)
-        fetches = _slowed_calls(store, "get_many", 0.3)
+        asked: list[dict] = []
+        fetches = _slowed_calls(store, "get_many", 0.3, asked)
         began = time.perf_counter()
-        runs = list(prefix.iter_load(ids, 32, parts=4))
+        found = prefix.lookup(ids)
+        runs = list(prefix.iter_load(ids, 32, parts=4, stored=found))
+        # four runs share the bandwidth: each one's deadline allows for the bytes of all four in flight
+        assert [call["expected_bytes"] for call in asked] == [4 * piece[3] for piece in found.pieces]
         assert [(run.start, run.end) for run in runs] == [(0, 8), (8, 16), (16, 24), (24, 32)]
         assert len(fetches) == 4 and max(t for _, t in fetches) - min(t for _, t in fetches) < 0.25  # all at once
         assert time.perf_counter() - began < 0.9

@@ -411,13 +411,15 @@ class PrefixKVStore:
                     return
                 began = time.perf_counter()
                 try:
-                    lo, hi, keys, values = self._fetch(tokens, run, max(start, run[0][1]), min(num_tokens, run[-1][2]))
+                    lo, hi, keys, values = self._fetch(tokens, run, max(start, run[0][1]), min(num_tokens, run[-1][2]),
+                                                       share=fetchers)  # fmt: skip
                 except BaseException as err:  # handed to the caller, at this run
                     results[index].put(err)
                     continue
                 results[index].put(FetchedRun(lo, hi, keys, values, time.perf_counter() - began))
 
-        for _ in range(min(len(runs), self._connections())):  # several runs in flight at once, on their connections
+        fetchers = min(len(runs), self._connections())
+        for _ in range(fetchers):  # several runs in flight at once, on their connections
             threading.Thread(target=fetch, name="kvbridge-store-fetch", daemon=True).start()
         for result in results:  # in token order, each as soon as it has arrived
             item = result.get()
@@ -426,13 +428,14 @@ class PrefixKVStore:
             yield item
 
     def _fetch(
-        self, tokens: list[int], pieces: list[tuple[str, int, int, int]], start: int, end: int
+        self, tokens: list[int], pieces: list[tuple[str, int, int, int]], start: int, end: int, share: int = 1
     ) -> tuple[int, int, list[torch.Tensor], list[torch.Tensor]]:
         """`(start, end, keys, values)`: the stored K/V of tokens `[start, end)`, from `pieces` (which cover them), in
-        one round trip, each entry checked."""
+        one round trip, each entry checked. `share`: fetches in flight at once, which share the bandwidth (the
+        deadline allows for their bytes too)."""
         sizes = [piece[3] for piece in pieces]
         payloads = self.store.get_many(
-            [piece[0] for piece in pieces], expected_bytes=sum(sizes) if all(sizes) else None
+            [piece[0] for piece in pieces], expected_bytes=sum(sizes) * share if all(sizes) else None
         )
         layer_keys: list[list[torch.Tensor]] = []
         layer_values: list[list[torch.Tensor]] = []

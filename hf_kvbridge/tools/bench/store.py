@@ -263,7 +263,8 @@ def run_store_benchmark(
             url = server.url
         else:
             url = store
-        opened = open_store(url, **store_kwargs)
+        # a loaded machine measures slowly rather than fails: the serving deadlines widened unless given
+        opened = open_store(url, **{"fetch_timeout": 60.0, "bulk_timeout": 60.0, **store_kwargs})
         stack.callback(opened.close)
         connections = int(getattr(opened, "connections", 1))
         rows = [
