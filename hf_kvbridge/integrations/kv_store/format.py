@@ -26,6 +26,7 @@ import warnings
 import zlib
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from ...errors import InvalidInputError, MissingDependencyError, StoreFormatError
@@ -94,6 +95,16 @@ def _crc32(keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor], token_i
 def _bytes_of(tensor: torch.Tensor) -> memoryview:
     """The bytes of a contiguous CPU tensor, without a copy."""
     return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+
+
+def copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """`dst.copy_(src)` for a CPU `dst` of `src`'s shape and dtype; a CPU `src` (any strides with the last
+    dimension's 1) is copied by numpy, one thread: torch's copy spreads a few hundred KB over its intra-op threads,
+    and on a busy host (an engine's) the writer then waits for threads the engine holds."""
+    if src.device.type != "cpu" or src.dim() == 0 or src.stride(-1) != 1 or src.dtype == torch.bool:
+        dst.copy_(src)
+        return
+    np.copyto(dst.view(torch.uint8).numpy(), src.view(torch.uint8).numpy())  # the bytes, strided as src
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -187,7 +198,7 @@ def encode_chunk(
     for (_, tensor), entry in zip(tensors, header.values(), strict=False):
         lo, hi = entry["data_offsets"]
         if hi > lo:
-            out[base + lo : base + hi].view(tensor.dtype).view(tensor.shape).copy_(tensor)
+            copy_into(out[base + lo : base + hi].view(tensor.dtype).view(tensor.shape), tensor)
     digest = _xxh3()(memoryview(payload)[base:]).encode()
     at = 8 + text.index(_PLACEHOLDER.encode())
     out[at : at + len(digest)] = torch.frombuffer(bytearray(digest), dtype=torch.uint8)

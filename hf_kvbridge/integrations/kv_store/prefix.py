@@ -22,7 +22,7 @@ import torch
 from ...errors import InvalidInputError, StoreFormatError, StoreMissError, StoreUnavailableError
 from .base import KVStore
 from .encodings import DEFAULT_ENCODING, check_encoding
-from .format import decode_chunk, encode_chunk
+from .format import copy_into, decode_chunk, encode_chunk
 from .keys import DEFAULT_CHUNK_SIZE, SequenceKeys, as_token_list, sequence_keys
 from .writer import AsyncWriter
 
@@ -467,9 +467,21 @@ class PrefixKVStore:
             for ks, vs, k, v in zip(layer_keys, layer_values, chunk_k, chunk_v, strict=True):
                 ks.append(k)  # chunks written in other encodings (dtypes) join in the wider dtype (torch.cat)
                 vs.append(v)
-        keys_out = [torch.cat(ks, dim=1) for ks in layer_keys]  # per layer (H, end - start, d)
-        values_out = [torch.cat(vs, dim=1) for vs in layer_values]
-        return start, end, keys_out, values_out
+        return start, end, [_join(ks) for ks in layer_keys], [_join(vs) for vs in layer_values]
+
+
+def _join(parts: list[torch.Tensor]) -> torch.Tensor:
+    """One layer's chunks `(H, t_i, d)` joined along the tokens: `(H, Σ t_i, d)`, one copy (by numpy, see
+    `copy_into`), in the widest dtype among them."""
+    dtype = parts[0].dtype
+    for part in parts[1:]:
+        dtype = torch.promote_types(dtype, part.dtype)
+    out = torch.empty(parts[0].shape[0], sum(p.shape[1] for p in parts), parts[0].shape[2], dtype=dtype)
+    at = 0
+    for part in parts:
+        copy_into(out[:, at : at + part.shape[1]], part.to(dtype))
+        at += part.shape[1]
+    return out
 
 
 def _leading(sizes: list[int]) -> int:
