@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from ...errors import InvalidInputError, StoreFormatError, StoreMissError, StoreUnavailableError
-from .base import KVStore
+from .base import KVStore, at_once, spread
 from .encodings import DEFAULT_ENCODING, check_encoding
 from .format import copy_into, decode_chunk, encode_chunk
 from .keys import DEFAULT_CHUNK_SIZE, SequenceKeys, as_token_list, sequence_keys
@@ -292,16 +292,26 @@ class PrefixKVStore:
             if skip_stored and wanted:
                 stored = self.store.probe([e[0] for e in wanted], [], timeout=self._writer_deadline())[0]
                 wanted = [entry for entry, n in zip(wanted, stored, strict=True) if not n]
-            for is_tail in (False, True):
+            def write(group: list, ttl_s: float | None) -> None:  # one of the writers: encodes its entries, writes
+                began = time.thread_time()
                 items = {
                     key: encode_chunk([k[:, lo - start : hi - start] for k in keys],
                                       [v[:, lo - start : hi - start] for v in values],
                                       model_id=self.model_id, start=lo, token_ids=tokens[lo:hi],
                                       encoding=self.encoding)
-                    for key, lo, hi, partial in wanted if partial == is_tail
+                    for key, lo, hi, _ in group
                 }  # fmt: skip
-                if items:
-                    self.store.put_many(items, ttl_s=self.partial_ttl_s if is_tail else None)
+                try:
+                    self.store.put_many(items, ttl_s=ttl_s)
+                finally:
+                    self.metrics.add(writer_cpu_seconds=time.thread_time() - began)
+
+            calls = []  # the entries spread over the store's connections: one encodes while another sends
+            for is_tail in (False, True):
+                group, ttl_s = [e for e in wanted if e[3] == is_tail], self.partial_ttl_s if is_tail else None
+                calls += [lambda part=part, ttl_s=ttl_s: write(part, ttl_s)
+                          for part in spread(group, self._connections()) if part]  # fmt: skip
+            at_once(calls)
             return sum(not partial for *_, partial in wanted)
 
         if self.writer is None:

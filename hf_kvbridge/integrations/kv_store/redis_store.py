@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from ...errors import MissingDependencyError, ServingConfigError, StoreUnavailableError
-from .base import KVStore, StoreMetrics
+from .base import KVStore, StoreMetrics, spread
 from .deadline import DeadlineExceeded, NodeHealth, within
 from .encodings import DEFAULT_ENCODING, ENCODINGS
 from .keys import model_digest, parse_key, scan_pattern
@@ -92,25 +92,6 @@ def split_store_options(url: str) -> tuple[str, dict[str, Any]]:
         return url, {}
     query = urlencode([(k, v) for k, v in pairs if k not in STORE_OPTIONS])
     return urlunsplit((parts.scheme, parts.netloc, parts.path, query, parts.fragment)), options
-
-
-def spread(items: list[T], parts: int) -> list[list[T]]:
-    """`items` in at most `parts` runs of consecutive items, as even as counts allow (none empty).
-
-    Example:
-
-    ```python
-    >>> spread([1, 2, 3, 4, 5], 2)
-    [[1, 2, 3], [4, 5]]
-    ```
-    """
-    parts = max(1, min(parts, len(items)))
-    size, extra = divmod(len(items), parts)
-    runs, at = [], 0
-    for i in range(parts):
-        runs.append(items[at : at + size + (i < extra)])
-        at += size + (i < extra)
-    return runs
 
 
 def safe_url(url: str) -> str:
