@@ -78,7 +78,9 @@ def encoding_retention(
         chunk_size (`int`, *optional*, defaults to 256): tokens per stored chunk (fp8's scales are per chunk).
 
     Returns:
-        `dict`: `retention` (exact), `windows`, and per encoding `retention`, `cost`, `cost_low`, `cost_high`.
+        `dict`: `retention` (exact), `windows`, and per encoding `retention`, `cost`, `cost_low`, `cost_high` (`None`
+        with `cost_reason` where the target's gain from the context is not resolved by the windows), and the paired
+        mean NLL change `nll_change` (nats/token, always defined) with its 95 % interval.
 
     Example:
 
@@ -89,7 +91,7 @@ def encoding_retention(
     ```
     """
     from ...integrations.kv_store.encodings import check_encoding
-    from ..evaluation import gap_recovered, window_nll
+    from ..evaluation import gap_recovered, student_t_quantile, window_nll
 
     for encoding in encodings:
         check_encoding(encoding)
@@ -105,8 +107,14 @@ def encoding_retention(
             encoded = window_nll(bridge, windows, context_len, "bridge", batch_size)  # (N,)
         # the cost as a retention of its own: a_i = NLL_encoded − NLL_exact over d_i = NLL_nc − NLL_target
         cost = gap_recovered(nll["no_context"], nll["no_context"] - (encoded - nll["bridge"]), nll["target"])
+        change = encoded - nll["bridge"]  # (N,) nats/token the encoding adds to each window's NLL
+        half = student_t_quantile(0.975, len(change) - 1) * float(change.std()) / len(change) ** 0.5
         result["encodings"][encoding] = {
+            "nll_change": float(change.mean()),
+            "nll_change_low": float(change.mean()) - half,
+            "nll_change_high": float(change.mean()) + half,
             "retention": gap_recovered(nll["no_context"], encoded, nll["target"]).value,
+            "cost_reason": cost.reason,
             "cost": cost.value,
             "cost_low": cost.low,
             "cost_high": cost.high,
@@ -149,6 +157,12 @@ def format_retention(result: dict[str, Any]) -> str:
         f"{'encoding':<10} {'retention':>9} {'cost':>8} {'95% CI':>20}",
     ]
     for name, row in result["encodings"].items():
-        ci = "n/a" if row["cost_low"] is None else f"[{row['cost_low']:+.4f}, {row['cost_high']:+.4f}]"
-        lines.append(f"{name:<10} {row['retention']:>9.4f} {row['cost']:>+8.4f} {ci:>20}")
+        if row["cost"] is None:
+            lines.append(f"{name:<10} {'n/a':>9} {'n/a':>8} {'':>20}  NLL change {row['nll_change']:+.5f} nats/token "
+                         f"({row['cost_reason']})")  # fmt: skip
+            continue
+        ci = f"[{row['cost_low']:+.4f}, {row['cost_high']:+.4f}]"
+        change = f"[{row['nll_change_low']:+.5f}, {row['nll_change_high']:+.5f}]"
+        lines.append(f"{name:<10} {row['retention']:>9.4f} {row['cost']:>+8.4f} {ci:>20}  NLL change "
+                     f"{row['nll_change']:+.5f} {change}")  # fmt: skip
     return "\n".join(lines)
