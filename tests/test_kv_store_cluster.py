@@ -179,3 +179,26 @@ def test_a_killed_master_and_a_hung_one_leave_the_third_serving_reads(cluster, s
         assert not any(store.exists_many([key for key in keys if store.node_of(key) == live]))
     finally:
         os.kill(hung.pid, signal.SIGCONT)
+
+
+def test_a_bulk_fetch_reads_each_master_over_several_connections(store, saved):
+    """Each master's share of a fetch is cut into `connections` pipelines sent at once (lookups stay one per master)."""
+    prefix, ids, _ = saved
+    calls, original = [], store._client
+
+    def client(node, bulk):
+        calls.append((node, bulk))
+        return original(node, bulk)
+
+    store._client = client
+    try:
+        keys = prefix.keys(ids)
+        payloads = store.get_many(keys)
+        store.probe(keys, [])
+    finally:
+        del store._client
+    assert all(payload is not None for payload in payloads)
+    bulk = [node for node, is_bulk in calls if is_bulk]
+    assert store.connections == 4 and len(set(bulk)) == 3
+    assert all(bulk.count(node) == 4 for node in set(bulk))  # 37 keys over 3 masters: 4 pipelines each
+    assert sorted(node for node, is_bulk in calls if not is_bulk) == sorted(set(bulk))  # the lookup: one each
