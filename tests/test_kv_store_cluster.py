@@ -182,7 +182,7 @@ def test_a_killed_master_and_a_hung_one_leave_the_third_serving_reads(cluster, s
 
 
 def test_a_bulk_fetch_reads_each_master_over_several_connections(store, saved):
-    """Each master's share of a fetch is cut into `connections` pipelines sent at once (lookups stay one per master)."""
+    """Each master's share of a fetch is cut into `connections` pipelines sent at once; lookups: one per master."""
     prefix, ids, _ = saved
     calls, original = [], store._client
 
