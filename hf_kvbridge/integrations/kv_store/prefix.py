@@ -292,6 +292,7 @@ class PrefixKVStore:
             if skip_stored and wanted:
                 stored = self.store.probe([e[0] for e in wanted], [], timeout=self._writer_deadline())[0]
                 wanted = [entry for entry, n in zip(wanted, stored, strict=True) if not n]
+
             def write(group: list, ttl_s: float | None) -> None:  # one of the writers: encodes its entries, writes
                 began = time.thread_time()
                 items = {

@@ -157,7 +157,6 @@ def _redis_module():
 
 
 class RedisStoreBase(KVStore):
-
     """What the single-server and the cluster store share: settings, deadlines, node health, error messages.
 
     Args:
