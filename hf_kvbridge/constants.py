@@ -89,3 +89,6 @@ CONTROL_MODES = ("zero_cache", "random_cache")
 
 # Defaults of the tool commands, here so that the CLI's parser can name them without importing the tools.
 EVAL_MODES = ("source", "target", "bridge", "no_context", *CONTROL_MODES)
+
+STORE_ENCODINGS = ("source", "bfloat16", "fp8_e4m3")
+"""How a KV store's chunks hold their K/V (`hf_kvbridge.integrations.kv_store.encodings`)."""

@@ -191,6 +191,37 @@ def add_bench(sub) -> None:
         help="with --flop-model: this many fit passes instead of the plan within --statistics-memory",
     )
 
+    store = kinds.add_parser(
+        "store",
+        help="the KV store's put and fetch (encoding and checks included) against raw pipelined SET/GET of the same "
+        "bytes over the same connections, GB/s and ratios",
+    )
+    store.add_argument(
+        "--store", default="local", help="a store URL of one server, or 'local': start a redis-server here (default)"
+    )
+    store.add_argument(
+        "--shapes", default="qwen3-0.6b:qwen3-1.7b", help="SOURCE:TARGET shapes; the store holds the source K/V"
+    )
+    store.add_argument("--tokens", type=_lengths, default=[1000, 8000], help="prompt lengths, e.g. 1000,8000")
+    store.add_argument("--chunk-size", type=_positive_int, help="tokens per stored chunk (default: the store's)")
+    store.add_argument("--repeats", type=_positive_int, default=3, help="alternating rounds (medians reported)")
+    store.add_argument("--dtype", default="bfloat16", choices=BENCH_DTYPES, help="the source K/V's dtype")
+    store.add_argument(
+        "--encoding", choices=_constants.STORE_ENCODINGS, default="source", help="how the store's chunks hold the K/V"
+    )
+    store.add_argument(
+        "--connections", type=_positive_int, default=4, help="connections a fetch or write is spread over (and raw's)"
+    )
+    store.add_argument(
+        "--retention",
+        metavar="SOURCE:TARGET",
+        help="instead: what each store encoding costs a bridge of this pocket pair (e.g. pocket-m:pocket-l, "
+        "calibrated here): context-benefit retention with the source K/V encoded and decoded before the map, paired "
+        "95%% CI",
+    )
+    store.add_argument("--windows", type=_positive_int, default=32, help="with --retention: held-out windows")
+    store.add_argument("--json", help="write the result here")
+
     vllm = kinds.add_parser(
         "vllm", help="time to first token and throughput in vLLM, with and without the bridge (needs vLLM)"
     )

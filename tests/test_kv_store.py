@@ -26,7 +26,6 @@ from hf_kvbridge.cache import append_layer, cache_kwargs, output_cache
 from hf_kvbridge.errors import InvalidInputError
 from hf_kvbridge.integrations.kv_store import (
     DEFAULT_CHUNK_SIZE,
-    FORMAT_VERSION,
     AsyncWriter,
     KVStore,
     LocalServer,
@@ -49,6 +48,7 @@ from hf_kvbridge.integrations.kv_store import (
     sequence_keys,
     start_local_server,
 )
+from hf_kvbridge.integrations.kv_store.format import CHUNK_VERSION
 from hf_kvbridge.integrations.kv_store.local_server import free_port
 from hf_kvbridge.integrations.kv_store.prefix import fetch_runs
 from hf_kvbridge.integrations.kv_store.sizing import HEADER_BYTES_FIXED, HEADER_BYTES_PER_LAYER, TOKEN_ID_BYTES
@@ -213,7 +213,8 @@ def test_decode_refuses_what_is_not_this_chunk():
         (b"\x10\x00\x00\x00\x00\x00\x00\x00not json at all!", "header is not JSON"),
         (safetensors_save({"x": torch.zeros(2)}), "not an hf_kvbridge K/V chunk"),
         (_resave(good, metadata_changes={"format": "lmcache"}), r"format 'lmcache'"),
-        (_resave(good, metadata_changes={"version": str(FORMAT_VERSION + 1)}), "upgrade hf_kvbridge"),
+        (_resave(good, metadata_changes={"version": str(CHUNK_VERSION + 1)}), "upgrade hf_kvbridge"),
+        (_resave(good, metadata_changes={"encoding": "cachegen"}), "encoding 'cachegen'.*a miss"),
         (_resave(good, metadata_changes={"version": "0"}), "re-export the prompt"),
         (_resave(good, metadata_changes={"start": None}), "lacks start/tokens/layers"),
         (_resave(good, tensor_changes={"layers.1.values": torch.zeros(2, 7, 16)}), r"layer 1 has keys"),
@@ -221,7 +222,7 @@ def test_decode_refuses_what_is_not_this_chunk():
         (_resave(good, metadata_changes={"layers": "3"}), "do not match its 3 layers"),
         (_resave(good, tensor_changes={"token_ids": torch.arange(7)}), r"token ids are \(7,\)"),
         (_resave(good, tensor_changes={"token_ids": None}), "do not match its 2 layers"),
-        (bytes(flipped), "CRC-32"),
+        (bytes(flipped), "checksum"),
     ]
     for payload, message in cases:
         with pytest.raises(StoreFormatError, match=message):

@@ -92,6 +92,29 @@ def test_a_cache_goes_in_spread_over_every_master_and_comes_back(store, saved):
     assert per_master[0] >= 5 and sum(per_master) == 38, stats["nodes"]  # no hash tags: spread, not piled
 
 
+def test_a_bulk_fetch_reads_each_master_over_several_connections(store, saved):
+    """Each master's share of a fetch is cut into `connections` pipelines sent at once; lookups: one per master."""
+    prefix, ids, _ = saved
+    calls, original = [], store._client
+
+    def client(node, bulk):
+        calls.append((node, bulk))
+        return original(node, bulk)
+
+    store._client = client
+    try:
+        keys = prefix.keys(ids)
+        payloads = store.get_many(keys)
+        store.probe(keys, [])
+    finally:
+        del store._client
+    assert all(payload is not None for payload in payloads)
+    bulk = [node for node, is_bulk in calls if is_bulk]
+    assert store.connections == 4 and len(set(bulk)) == 3
+    assert all(bulk.count(node) == 4 for node in set(bulk))  # 37 keys over 3 masters: 4 pipelines each
+    assert sorted(node for node, is_bulk in calls if not is_bulk) == sorted(set(bulk))  # the lookup: one each
+
+
 def test_store_stats_on_the_command_line_reports_each_master(cluster, saved, capsys):
     from kvbridge_cli import main
 

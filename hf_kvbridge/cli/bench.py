@@ -1,4 +1,4 @@
-"""`kvbridge bench mapper`, `calibration` and `vllm`: their arguments handed to `hf_kvbridge.tools.bench`, the
+"""`kvbridge bench mapper`, `calibration`, `vllm` and `store`: their arguments handed to `hf_kvbridge.tools.bench`, the
 figures printed and written."""
 
 from __future__ import annotations
@@ -12,8 +12,9 @@ from . import keywords
 
 
 def bench(args: argparse.Namespace) -> int:
-    """`kvbridge bench mapper|calibration|vllm`."""
-    return {"mapper": bench_mapper, "calibration": bench_calibration, "vllm": bench_vllm}[args.bench](args)
+    """`kvbridge bench mapper|calibration|vllm|store`."""
+    commands = {"mapper": bench_mapper, "calibration": bench_calibration, "vllm": bench_vllm, "store": bench_store}
+    return commands[args.bench](args)
 
 
 def bench_mapper(args: argparse.Namespace) -> int:
@@ -202,4 +203,35 @@ def bench_vllm(args: argparse.Namespace) -> int:
         Path(args.json).write_text(text + "\n")
     else:
         print(text)
+    return 0
+
+
+def bench_store(args: argparse.Namespace) -> int:
+    """`kvbridge bench store`: the store's put and fetch beside raw SET/GET; prints the table (and writes the JSON)."""
+    from pathlib import Path
+
+    from ..tools.bench.store import format_store_table, run_store_benchmark
+
+    if args.retention:
+        from ..tools.bench.store_retention import format_retention, pocket_encoding_retention
+
+        result = pocket_encoding_retention(args.retention, windows=args.windows)
+        print(format_retention(result))
+        if args.json:
+            Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+            print(f"wrote {args.json}")
+        return 0
+    result = run_store_benchmark(
+        args.store, args.shapes, args.tokens, chunk_size=args.chunk_size, repeats=args.repeats, dtype=args.dtype,
+        encoding=args.encoding, connections=args.connections,
+    )  # fmt: skip
+    print(
+        f"{result['shapes']} source K/V ({result['dtype']}, encoding {result['encoding']}), store {result['store']}, "
+        f"{result['connections']} connection(s), chunks of {result['chunk_size']} tokens, median of "
+        f"{result['repeats']} alternating rounds; GB/s"
+    )
+    print(format_store_table(result))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+        print(f"wrote {args.json}")
     return 0

@@ -31,7 +31,8 @@ from ...errors import StoreFormatError, StoreMissError, StoreUnavailableError
 from .backends import open_store
 from .base import KVStore, StoreMetrics
 from .dynamic_cache import load_cache, save_cache
-from .format import FORMAT_NAME, decode_chunk, encode_chunk, read_metadata
+from .encodings import ENCODINGS
+from .format import CHUNK_VERSION, FORMAT_NAME, decode_chunk, encode_chunk, read_metadata
 from .keys import (
     DEFAULT_CHUNK_SIZE,
     FORMAT_VERSION,
@@ -53,7 +54,9 @@ from .sizing import chunk_bytes
 from .writer import AsyncWriter
 
 __all__ = [
+    "CHUNK_VERSION",
     "DEFAULT_CHUNK_SIZE",
+    "ENCODINGS",
     "FORMAT_NAME",
     "FORMAT_VERSION",
     "KEY_PREFIX",

@@ -7,7 +7,7 @@ from typing import Any
 from ...errors import ServingConfigError
 from .base import KVStore
 from .redis_cluster import RedisClusterKVStore
-from .redis_store import CLUSTER_SCHEMES, STORE_SCHEMES, RedisKVStore, safe_url, url_scheme
+from .redis_store import CLUSTER_SCHEMES, STORE_SCHEMES, RedisKVStore, safe_url, split_store_options, url_scheme
 
 
 def open_store(url: str, **kwargs: Any) -> KVStore:
@@ -15,8 +15,9 @@ def open_store(url: str, **kwargs: Any) -> KVStore:
     server); `redis-cluster://host:port[,host:port...]` (and `rediss-cluster://`, `valkey-cluster://`,
     `valkeys-cluster://`) → `RedisClusterKVStore` (a cluster; the hosts are where it starts to discover the others).
 
-    Keywords go to the backend (`ttl_s`, `timeout`, `bulk_timeout`, `cooldown_s`, `password`, `ssl_*`, ...). An
-    unknown scheme is a `ServingConfigError` that lists the known ones.
+    Keywords go to the backend (`ttl_s`, `timeout`, `bulk_timeout`, `cooldown_s`, `encoding`, `connections`,
+    `password`, `ssl_*`, ...); the store's own options may also be the URL's query parameters (`?encoding=fp8_e4m3
+    &connections=8`; a keyword wins). An unknown scheme is a `ServingConfigError` that lists the known ones.
 
     Example:
 
@@ -26,6 +27,8 @@ def open_store(url: str, **kwargs: Any) -> KVStore:
     """
     if not isinstance(url, str):
         raise ServingConfigError(f"the KV store URL must be a string such as redis://HOST:PORT/DB, got {url!r}")
+    url, options = split_store_options(url)
+    kwargs = {**options, **kwargs}
     scheme = url_scheme(url)
     if scheme in CLUSTER_SCHEMES:
         return RedisClusterKVStore(url, **kwargs)

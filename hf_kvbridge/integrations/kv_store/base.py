@@ -11,9 +11,50 @@ from __future__ import annotations
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
+from typing import TypeVar
+
+T = TypeVar("T")
+
+
+def spread(items: list[T], parts: int) -> list[list[T]]:
+    """`items` in at most `parts` runs of consecutive items, as even as counts allow (none empty).
+
+    Example:
+
+    ```python
+    >>> spread([1, 2, 3, 4, 5], 2)
+    [[1, 2, 3], [4, 5]]
+    ```
+    """
+    parts = max(1, min(parts, len(items)))
+    size, extra = divmod(len(items), parts)
+    runs, at = [], 0
+    for i in range(parts):
+        runs.append(items[at : at + size + (i < extra)])
+        at += size + (i < extra)
+    return runs
+
+
+def at_once(calls: list[Callable[[], None]]) -> None:
+    """Runs `calls` on threads of their own and waits for all; raises the first error."""
+    errors: list[BaseException] = []
+
+    def run(call: Callable[[], None]) -> None:
+        try:
+            call()
+        except BaseException as err:  # raised to the caller below
+            errors.append(err)
+
+    threads = [threading.Thread(target=run, args=(call,), daemon=True) for call in calls]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
 
 
 @dataclass
@@ -37,6 +78,9 @@ class StoreMetrics:
         writes_dropped (`int`): chunks the asynchronous writer dropped because its queue was full.
         fetch_seconds (`float`): time spent in fetches (`get_many`), summed.
         put_seconds (`float`): time spent in writes (`put_many`), summed.
+        writer_cpu_seconds (`float`): CPU time of the asynchronous writer's thread and of the threads a save encodes
+            on (gathers, checksums, the client's sends of one chunk; the store's I/O threads' not included): what an
+            export costs its engine's host past the step's gather.
 
     Example:
 
@@ -64,6 +108,7 @@ class StoreMetrics:
     writes_dropped: int = 0
     fetch_seconds: float = 0.0
     put_seconds: float = 0.0
+    writer_cpu_seconds: float = 0.0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def add(self, **increments: float) -> None:

@@ -13,15 +13,16 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from ...errors import InvalidInputError, StoreFormatError, StoreMissError, StoreUnavailableError
-from .base import KVStore
-from .format import decode_chunk, encode_chunk
+from .base import KVStore, at_once, spread
+from .encodings import DEFAULT_ENCODING, check_encoding
+from .format import copy_into, decode_chunk, encode_chunk
 from .keys import DEFAULT_CHUNK_SIZE, SequenceKeys, as_token_list, sequence_keys
 from .writer import AsyncWriter
 
@@ -115,6 +116,9 @@ class PrefixKVStore:
         writer (`AsyncWriter`, *optional*): writes saves in the background; without one, `save` writes at once.
         partial_ttl_s (`float`, *optional*, defaults to `3600`): seconds a partial chunk's entries live (`None`: the
             store's TTL): a conversation that goes on leaves its earlier partial chunks behind, read by nothing else.
+        encoding (`str`, *optional*): how saved chunks hold their K/V (`"source"`, `"bfloat16"`, `"fp8_e4m3"`;
+            `encodings.py`); default: the store's `encoding` (a store option, or the URL's `?encoding=`), else
+            `"source"`. Reads take every encoding, whatever this one is.
 
     Example:
 
@@ -134,8 +138,10 @@ class PrefixKVStore:
         chunk_size: int = DEFAULT_CHUNK_SIZE,
         writer: AsyncWriter | None = None,
         partial_ttl_s: float | None = DEFAULT_PARTIAL_TTL_S,
+        encoding: str | None = None,
     ):
         sequence_keys([], model_id=model_id, chunk_size=chunk_size)  # checks both
+        self.encoding = check_encoding(encoding or getattr(store, "encoding", DEFAULT_ENCODING))
         if writer is not None and writer.store is not store:
             raise InvalidInputError("the AsyncWriter given to PrefixKVStore must write to the same store")
         if partial_ttl_s is not None and not partial_ttl_s > 0:
@@ -231,6 +237,7 @@ class PrefixKVStore:
         salt: str | None = None,
         skip_stored: bool = True,
         tail: bool = True,
+        ready: Callable[[], None] | None = None,
     ) -> int:
         """Writes every whole chunk inside tokens `[start, start + T)` of `token_ids`, and (with `tail`) the partial
         chunk after the last of them: its sub-chunks and its remainder, which expire after `partial_ttl_s`.
@@ -246,6 +253,8 @@ class PrefixKVStore:
                 round trip to ask); `False` rewrites them (and restarts their TTL).
             tail (`bool`, *optional*, defaults to `True`): also store the trailing partial chunk (`start + T` not a
                 multiple of `chunk_size`).
+            ready (callable, *optional*): called (on the writer thread, with a writer) before the tensors are read:
+                the wait of a staged device-to-host copy (`staging.StagedExport.wait`).
 
         Returns:
             `int`: whole chunks written (stored ones skipped), or with a writer queued (all those in the range; the
@@ -277,19 +286,33 @@ class PrefixKVStore:
                 entries.append((pieces.remainders(len(pieces.subs), tokens[after:end])[-1], after, end, True))
 
         def job() -> int:
+            if ready is not None:
+                ready()
             wanted = entries
             if skip_stored and wanted:
                 stored = self.store.probe([e[0] for e in wanted], [], timeout=self._writer_deadline())[0]
                 wanted = [entry for entry, n in zip(wanted, stored, strict=True) if not n]
-            for is_tail in (False, True):
+
+            def write(group: list, ttl_s: float | None) -> None:  # one of the writers: encodes its entries, writes
+                began = time.thread_time()
                 items = {
                     key: encode_chunk([k[:, lo - start : hi - start] for k in keys],
                                       [v[:, lo - start : hi - start] for v in values],
-                                      model_id=self.model_id, start=lo, token_ids=tokens[lo:hi])
-                    for key, lo, hi, partial in wanted if partial == is_tail
+                                      model_id=self.model_id, start=lo, token_ids=tokens[lo:hi],
+                                      encoding=self.encoding)
+                    for key, lo, hi, _ in group
                 }  # fmt: skip
-                if items:
-                    self.store.put_many(items, ttl_s=self.partial_ttl_s if is_tail else None)
+                try:
+                    self.store.put_many(items, ttl_s=ttl_s)
+                finally:
+                    self.metrics.add(writer_cpu_seconds=time.thread_time() - began)
+
+            calls = []  # the entries spread over the store's connections: one encodes while another sends
+            for is_tail in (False, True):
+                group, ttl_s = [e for e in wanted if e[3] == is_tail], self.partial_ttl_s if is_tail else None
+                calls += [lambda part=part, ttl_s=ttl_s: write(part, ttl_s)
+                          for part in spread(group, self._connections()) if part]  # fmt: skip
+            at_once(calls)
             return sum(not partial for *_, partial in wanted)
 
         if self.writer is None:
@@ -306,7 +329,8 @@ class PrefixKVStore:
     def load(
         self, token_ids: Any, num_tokens: int, salt: str | None = None, *, stored: StoredPrefix | None = None
     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """The stored K/V of tokens `[0, num_tokens)` of `token_ids`, fetched in one round trip and checked.
+        """The stored K/V of tokens `[0, num_tokens)` of `token_ids`, fetched (in runs spread over the store's
+        connections) and checked.
 
         Args:
             token_ids (list of `int` or a 1-D tensor): the sequence (at least `num_tokens` tokens).
@@ -323,10 +347,16 @@ class PrefixKVStore:
                 fewer tokens than `num_tokens`.
             `StoreFormatError`: an entry is not a valid chunk of this model at its position, or holds other tokens.
         """
-        tokens = as_token_list(token_ids)
-        stored = self._stored(tokens, num_tokens, salt, stored)
-        _, _, keys, values = self._fetch(tokens, [p for p in stored.pieces if p[1] < num_tokens], 0, num_tokens)
-        return keys, values
+        runs = list(self.iter_load(token_ids, num_tokens, salt, stored=stored, parts=self._connections()))
+        if len(runs) == 1:
+            return runs[0].keys, runs[0].values
+        keys = [torch.cat([run.keys[layer] for run in runs], dim=1) for layer in range(len(runs[0].keys))]
+        values = [torch.cat([run.values[layer] for run in runs], dim=1) for layer in range(len(runs[0].values))]
+        return keys, values  # per layer (H, num_tokens, d)
+
+    def _connections(self) -> int:
+        """The store's connections a fetch is spread over (1 for a store that has no such setting)."""
+        return max(1, int(getattr(self.store, "connections", 1)))
 
     def _stored(
         self, tokens: list[int], num_tokens: int, salt: str | None, stored: StoredPrefix | None
@@ -361,10 +391,10 @@ class PrefixKVStore:
         start: int = 0,
         parts: int = 4,
     ) -> Iterator[FetchedRun]:
-        """The stored K/V of tokens `[start, num_tokens)`, in `parts` runs of entries fetched one after another on a
-        thread of their own: each run is yielded (a `FetchedRun`) as soon as it has arrived and been checked, while the
-        next one is being fetched, so the caller maps one run while the next arrives. Raises what `load` raises, at
-        the run it concerns.
+        """The stored K/V of tokens `[start, num_tokens)`, in `parts` runs of entries fetched on threads of their own,
+        as many at once as the store has `connections`: each run is yielded in token order (a `FetchedRun`) as soon as
+        it has arrived and been checked, while the next ones are being fetched, so the caller maps one run while the
+        next arrive. Raises what `load` raises, at the run it concerns.
 
         Example:
 
@@ -379,33 +409,44 @@ class PrefixKVStore:
             raise InvalidInputError(f"start must be in [0, {num_tokens}), got {start!r}")
         pieces = [p for p in stored.pieces if p[1] < num_tokens and p[2] > start]
         runs = fetch_runs(pieces, parts)
-        results: queue.Queue = queue.Queue()
+        results: list[queue.Queue] = [queue.Queue(maxsize=1) for _ in runs]
+        todo: queue.Queue = queue.Queue()
+        for index, run in enumerate(runs):
+            todo.put((index, run))
 
-        def fetch_all() -> None:
-            for run in runs:
+        def fetch() -> None:  # one fetching thread: takes the next run in token order, fetches and checks it
+            while True:
+                try:
+                    index, run = todo.get_nowait()
+                except queue.Empty:
+                    return
                 began = time.perf_counter()
                 try:
-                    lo, hi, keys, values = self._fetch(tokens, run, max(start, run[0][1]), min(num_tokens, run[-1][2]))
+                    lo, hi, keys, values = self._fetch(tokens, run, max(start, run[0][1]), min(num_tokens, run[-1][2]),
+                                                       share=fetchers)  # fmt: skip
                 except BaseException as err:  # handed to the caller, at this run
-                    results.put(err)
-                    return
-                results.put(FetchedRun(lo, hi, keys, values, time.perf_counter() - began))
+                    results[index].put(err)
+                    continue
+                results[index].put(FetchedRun(lo, hi, keys, values, time.perf_counter() - began))
 
-        threading.Thread(target=fetch_all, name="kvbridge-store-fetch", daemon=True).start()
-        for _ in runs:
-            item = results.get()
+        fetchers = min(len(runs), self._connections())
+        for _ in range(fetchers):  # several runs in flight at once, on their connections
+            threading.Thread(target=fetch, name="kvbridge-store-fetch", daemon=True).start()
+        for result in results:  # in token order, each as soon as it has arrived
+            item = result.get()
             if isinstance(item, BaseException):
                 raise item
             yield item
 
     def _fetch(
-        self, tokens: list[int], pieces: list[tuple[str, int, int, int]], start: int, end: int
+        self, tokens: list[int], pieces: list[tuple[str, int, int, int]], start: int, end: int, share: int = 1
     ) -> tuple[int, int, list[torch.Tensor], list[torch.Tensor]]:
         """`(start, end, keys, values)`: the stored K/V of tokens `[start, end)`, from `pieces` (which cover them), in
-        one round trip, each entry checked."""
+        one round trip, each entry checked. `share`: fetches in flight at once, which share the bandwidth (the
+        deadline allows for their bytes too)."""
         sizes = [piece[3] for piece in pieces]
         payloads = self.store.get_many(
-            [piece[0] for piece in pieces], expected_bytes=sum(sizes) if all(sizes) else None
+            [piece[0] for piece in pieces], expected_bytes=sum(sizes) * share if all(sizes) else None
         )
         layer_keys: list[list[torch.Tensor]] = []
         layer_values: list[list[torch.Tensor]] = []
@@ -428,19 +469,30 @@ class PrefixKVStore:
                 layer_values = [[v] for v in chunk_v]
                 continue
             if len(chunk_k) != len(layer_keys) or any(
-                k.shape[::2] != ks[0].shape[::2] or k.dtype != ks[0].dtype
-                for k, ks in zip(chunk_k, layer_keys, strict=False)
+                k.shape[::2] != ks[0].shape[::2] for k, ks in zip(chunk_k, layer_keys, strict=False)
             ):
                 raise StoreFormatError(
-                    f"the chunk of tokens [{lo}, {hi}) has layers of other shapes or dtypes than the first: the "
-                    "chunks of one prefix were written by different layouts"
+                    f"the chunk of tokens [{lo}, {hi}) has layers of other shapes than the first: the chunks of one "
+                    "prefix were written by different layouts"
                 )
             for ks, vs, k, v in zip(layer_keys, layer_values, chunk_k, chunk_v, strict=True):
-                ks.append(k)
+                ks.append(k)  # chunks written in other encodings (dtypes) join in the wider dtype (torch.cat)
                 vs.append(v)
-        keys_out = [torch.cat(ks, dim=1) for ks in layer_keys]  # per layer (H, end - start, d)
-        values_out = [torch.cat(vs, dim=1) for vs in layer_values]
-        return start, end, keys_out, values_out
+        return start, end, [_join(ks) for ks in layer_keys], [_join(vs) for vs in layer_values]
+
+
+def _join(parts: list[torch.Tensor]) -> torch.Tensor:
+    """One layer's chunks `(H, t_i, d)` joined along the tokens: `(H, Σ t_i, d)`, one copy (by numpy, see
+    `copy_into`), in the widest dtype among them."""
+    dtype = parts[0].dtype
+    for part in parts[1:]:
+        dtype = torch.promote_types(dtype, part.dtype)
+    out = torch.empty(parts[0].shape[0], sum(p.shape[1] for p in parts), parts[0].shape[2], dtype=dtype)
+    at = 0
+    for part in parts:
+        copy_into(out[:, at : at + part.shape[1]], part.to(dtype))
+        at += part.shape[1]
+    return out
 
 
 def _leading(sizes: list[int]) -> int:

@@ -38,6 +38,7 @@ from .redis_store import (
     no_retry,
     safe_url,
     scan_usage,
+    spread,
     summarize,
     url_scheme,
 )
@@ -105,6 +106,8 @@ class RedisClusterKVStore(RedisStoreBase):
     ([0, 0], [])
     ```
     """
+
+    io_servers = 16  # masters a fetch reads from at once, `connections` each
 
     def __init__(self, url: str, **kwargs: Any):
         startup, url_kwargs = parse_cluster_url(url)
@@ -206,16 +209,33 @@ class RedisClusterKVStore(RedisStoreBase):
         return groups, cluster
 
     def _each_node(self, what: str, groups: dict[str, list[int]], build, deadline: float | None, bulk: bool):
-        """Runs `build(pipeline, indices)` as one pipeline per node, all nodes at once, waiting at most `deadline`
-        seconds in all (`None`: their socket timeouts). Returns `{node: replies or the StoreUnavailableError}`."""
-        results: dict[str, Any] = {}
-        futures: dict[str, Future] = {}
-        for node, indices in groups.items():
+        """Runs `build(pipeline, indices)` as one pipeline per node (bulk calls: per node, one per connection of
+        `connections`, each with its share of the keys), all at once, waiting at most `deadline` seconds in all
+        (`None`: their socket timeouts). Returns `{node: replies or the StoreUnavailableError}`."""
+        if bulk and self.connections > 1:
+            parts = {(node, j): part for node, indices in groups.items()
+                     for j, part in enumerate(spread(indices, self.connections))}  # fmt: skip
+            by_part = self._each_part(what, parts, build, deadline, bulk)
+            results: dict[str, Any] = {}
+            for (node, _), result in by_part.items():
+                if isinstance(result, Exception) or isinstance(results.get(node), Exception):
+                    results[node] = results.get(node) if isinstance(results.get(node), Exception) else result
+                else:
+                    results[node] = [*results.get(node, []), *result]
+            return results
+        return self._each_part(what, groups, build, deadline, bulk)
+
+    def _each_part(self, what: str, groups: dict, build, deadline: float | None, bulk: bool):
+        """`_each_node` of `groups` keyed by node, or by `(node, part)`: one pipeline each, all at once."""
+        results: dict[Any, Any] = {}
+        futures: dict[Any, Future] = {}
+        for group, indices in groups.items():
+            node = group[0] if isinstance(group, tuple) else group
             if node is None:
-                results[node] = StoreUnavailableError(f"KV store {self.url}: {what}: no live master holds the slot")
+                results[group] = StoreUnavailableError(f"KV store {self.url}: {what}: no live master holds the slot")
                 continue
             if self.health.is_down(node):
-                results[node] = self._down(node, what)
+                results[group] = self._down(node, what)
                 continue
 
             def run(node=node, indices=indices):
@@ -223,22 +243,23 @@ class RedisClusterKVStore(RedisStoreBase):
                 build(pipe, indices)
                 return pipe.execute()
 
-            futures[node] = self._pool.submit(self._run, node, what, run, None)
+            futures[group] = (self._io if bulk else self._pool).submit(self._run, node, what, run, None)
         if futures:
             wait(list(futures.values()), timeout=deadline)
             self.metrics.add(round_trips=1)
-        for node, future in futures.items():
+        for group, future in futures.items():
+            node = group[0] if isinstance(group, tuple) else group
             if not future.done():
                 future.cancel()
                 self.metrics.add(timeouts=1)
                 self.health.failed(node)
-                results[node] = StoreUnavailableError(
+                results[group] = StoreUnavailableError(
                     f"KV store {self.url} node {node}: {what} got no answer within {deadline * 1000:.0f} ms (a hung "
                     f"or overloaded master): skipped for {self.health.cooldown_s:g} s"
                 )
                 continue
             error = future.exception()
-            results[node] = error if error is not None else future.result()
+            results[group] = error if error is not None else future.result()
         if any(isinstance(r, StoreUnavailableError) for r in results.values()):
             self.refresh()
         if any(isinstance(r, list) and any("MOVED" in str(x) for x in r if isinstance(x, Exception))

@@ -25,8 +25,9 @@ from typing import Any, TypeVar
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from ...errors import MissingDependencyError, ServingConfigError, StoreUnavailableError
-from .base import KVStore, StoreMetrics
+from .base import KVStore, StoreMetrics, spread
 from .deadline import DeadlineExceeded, NodeHealth, within
+from .encodings import DEFAULT_ENCODING, ENCODINGS
 from .keys import model_digest, parse_key, scan_pattern
 
 logger = logging.getLogger(__name__)
@@ -61,6 +62,36 @@ may take longer than the scheduler's lookup deadline allows, and a failed fetch 
 
 DEFAULT_COOLDOWN_S = 1.0
 """Seconds a server (a node) that failed is skipped before it is asked again."""
+
+DEFAULT_CONNECTIONS = 4
+"""Connections a fetch or a write of many chunks is spread over (per server): one client thread's reads of one
+connection leave the wire idle while it parses and checks; several keep it busy."""
+
+STORE_OPTIONS = ("encoding", "connections")
+"""Store options a URL may carry as query parameters (`redis://host:6379/0?encoding=fp8_e4m3&connections=8`): they
+are the store's, not the redis client's (`split_store_options`)."""
+
+
+def split_store_options(url: str) -> tuple[str, dict[str, Any]]:
+    """`url` without the store's own query parameters (`STORE_OPTIONS`), and those as keywords.
+
+    Example:
+
+    ```python
+    >>> split_store_options("redis://127.0.0.1:6379/0?encoding=fp8_e4m3&connections=8&ssl_cert_reqs=none")
+    ('redis://127.0.0.1:6379/0?ssl_cert_reqs=none', {'encoding': 'fp8_e4m3', 'connections': '8'})
+    ```
+    """
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return url, {}
+    pairs = parse_qsl(parts.query, keep_blank_values=True)
+    options = {k: v for k, v in pairs if k in STORE_OPTIONS}
+    if not options:
+        return url, {}
+    query = urlencode([(k, v) for k, v in pairs if k not in STORE_OPTIONS])
+    return urlunsplit((parts.scheme, parts.netloc, parts.path, query, parts.fragment)), options
 
 
 def safe_url(url: str) -> str:
@@ -136,11 +167,18 @@ class RedisStoreBase(KVStore):
         bulk_timeout (`float`, *optional*, defaults to `10.0`): the longest silence of a write or a fetch.
         min_fetch_bandwidth (`float`, *optional*, defaults to `1e8`): bytes a second below which a fetch fails.
         fetch_timeout (`float`, *optional*, defaults to `1.0`): the fixed part of a fetch's deadline.
+        encoding (`str`, *optional*, defaults to `"source"`): how the chunks written through this store hold their
+            K/V (`encodings.ENCODINGS`: `"source"`, `"bfloat16"`, `"fp8_e4m3"`); `PrefixKVStore` writes it.
+        connections (`int`, *optional*, defaults to `4`): connections (per server) a fetch or a write of several
+            chunks is spread over, in parallel.
         cooldown_s (`float`, *optional*, defaults to `1.0`): seconds a failed server is skipped.
         client_kwargs: the redis client's keywords (`password`, `ssl_*`, ...), kept for the subclass's clients. A
             subclass takes `url, **kwargs` and passes them all here (as transformers' configs pass theirs to
             `PretrainedConfig.__init__`), so the options above are declared once.
     """
+
+    io_servers = 1
+    """Servers a bulk call's connections may be spread over at once (the cluster's: its masters)."""
 
     def __init__(
         self,
@@ -152,6 +190,8 @@ class RedisStoreBase(KVStore):
         min_fetch_bandwidth: float = DEFAULT_MIN_FETCH_BANDWIDTH,
         cooldown_s: float = DEFAULT_COOLDOWN_S,
         fetch_timeout: float = DEFAULT_FETCH_TIMEOUT_S,
+        encoding: str = DEFAULT_ENCODING,
+        connections: int | str = DEFAULT_CONNECTIONS,
         **client_kwargs: Any,
     ):
         if ttl_s is not None and not ttl_s > 0:
@@ -162,8 +202,15 @@ class RedisStoreBase(KVStore):
                 raise ServingConfigError(f"{name} must be a number > 0, got {value!r}")
         if isinstance(cooldown_s, bool) or not isinstance(cooldown_s, int | float) or cooldown_s < 0:
             raise ServingConfigError(f"cooldown_s must be a number of seconds ≥ 0, got {cooldown_s!r}")
+        if encoding not in ENCODINGS:
+            raise ServingConfigError(f"unknown store encoding {encoding!r}; choose one of {', '.join(ENCODINGS)}")
+        if isinstance(connections, str) and connections.isdigit():  # from a URL's query
+            connections = int(connections)
+        if isinstance(connections, bool) or not isinstance(connections, int) or not 1 <= connections <= 64:
+            raise ServingConfigError(f"connections must be a whole number in [1, 64], got {connections!r}")
         self._redis = _redis_module()
         self.url = safe_url(url)
+        self.encoding, self.connections = encoding, connections
         self.ttl_ms = None if ttl_s is None else max(1, round(ttl_s * 1000))
         self.timeout, self.bulk_timeout = float(timeout), float(bulk_timeout)
         self.min_fetch_bandwidth, self.fetch_timeout = float(min_fetch_bandwidth), float(fetch_timeout)
@@ -171,6 +218,16 @@ class RedisStoreBase(KVStore):
         self.health = NodeHealth(cooldown_s)
         self._client_kwargs = client_kwargs
         self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="kvbridge-store")
+        workers = connections * self.io_servers
+        self._io = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvbridge-store-io")
+
+    def _spread(self, calls: list[Callable[[], T]]) -> list[T]:
+        """`calls` run at once, each on a connection of its own (the store's I/O threads); their results in order,
+        the first error raised. One call runs here."""
+        if len(calls) == 1:
+            return [calls[0]()]
+        futures = [self._io.submit(call) for call in calls]
+        return [future.result() for future in futures]
 
     def _ttl_ms(self, ttl_s: float | None) -> int | None:
         """`ttl_s` in milliseconds (`None`: the store's TTL); the shorter of the two when both are set."""
@@ -247,6 +304,7 @@ class RedisStoreBase(KVStore):
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._io.shutdown(wait=False, cancel_futures=True)
 
 
 class RedisKVStore(RedisStoreBase):
@@ -341,11 +399,14 @@ class RedisKVStore(RedisStoreBase):
         if not items:
             return
 
-        def run():
+        def send(part: list[tuple[str, bytes]]) -> None:
             pipe = self._bulk.pipeline(transaction=False)
-            for key, payload in items.items():
+            for key, payload in part:
                 pipe.set(key, payload, px=self._ttl_ms(ttl_s))
             pipe.execute()
+
+        def run():
+            self._spread([lambda part=part: send(part) for part in spread(list(items.items()), self.connections)])
 
         try:
             with self.metrics.timed("put_seconds"):
@@ -356,16 +417,20 @@ class RedisKVStore(RedisStoreBase):
         self.metrics.add(round_trips=1, chunks_written=len(items), bytes_written=sum(len(p) for p in items.values()))
 
     def get_many(self, keys: list[str], expected_bytes: int | None = None) -> list[bytes | None]:
-        """The payloads of `keys` (`None` for a key not stored), in one `MGET`; with `expected_bytes`, within
-        `fetch_deadline(expected_bytes)` of wall time."""
+        """The payloads of `keys` (`None` for a key not stored), in `MGET`s spread over up to `connections`
+        connections at once; with `expected_bytes`, within `fetch_deadline(expected_bytes)` of wall time."""
         if not keys:
             return []
+
+        def run() -> list[bytes | None]:
+            parts = self._spread([lambda part=part: self._bulk.mget(part) for part in spread(keys, self.connections)])
+            return [payload for part in parts for payload in part]
+
         try:
             with self.metrics.timed("fetch_seconds"):
                 payloads = self._run(
-                    self.node, f"MGET of {len(keys)} chunks", lambda: self._bulk.mget(keys),
-                    self.fetch_deadline(expected_bytes),
-                )  # fmt: skip
+                    self.node, f"MGET of {len(keys)} chunks", run, self.fetch_deadline(expected_bytes)
+                )
         except StoreUnavailableError:
             self.metrics.add(read_errors=1)
             raise

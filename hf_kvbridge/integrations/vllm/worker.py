@@ -313,6 +313,8 @@ class BridgeWorker:
             return
         from vllm.model_executor.models.utils import extract_layer_index
 
+        from ..kv_store.staging import stage_export
+
         layers = sorted(self._layers.items(), key=lambda item: extract_layer_index(item[0]))
         for task in meta.exports:
             try:
@@ -321,12 +323,12 @@ class BridgeWorker:
                 slots = slots_of(task.block_ids, self.block_size, task.start, task.end)  # (T,)
                 keys, values = [], []
                 for _, layer in layers:
-                    k, v = read_slots(layer, slots)  # (T, H, d) each, copies
-                    keys.append(k.transpose(0, 1).contiguous())  # (H, T, d)
-                    values.append(v.transpose(0, 1).contiguous())
-                chunks = self.exports.save(
-                    task.token_ids, keys, values, start=task.start, salt=task.salt, tail=task.tail
-                )
+                    k, v = read_slots(layer, slots)  # (T, H, d) each, copies: the step's one copy
+                    keys.append(k.transpose(0, 1))  # (H, T, d) views, gathered into chunks on the writer thread
+                    values.append(v.transpose(0, 1))
+                staged = stage_export(keys, values)  # a GPU's: to pinned host buffers, not waited for here
+                chunks = self.exports.save(task.token_ids, staged.keys, staged.values, start=task.start,
+                                           salt=task.salt, tail=task.tail, ready=staged.wait)  # fmt: skip
                 tokens = task.end - task.start
                 self.count(chunks_exported=chunks, partials_exported=int(task.tail), tokens_exported=tokens)
             except Exception as error:  # an export never fails the request: the store just lacks these chunks

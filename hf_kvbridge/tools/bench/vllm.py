@@ -316,8 +316,8 @@ def run(
 def run_source(bench: BenchEngines, *, chunk_size: int | None = None, log=print) -> dict[str, Any]:
     """The source engine's throughput: without a connector (`bench.store=None`: mode `no_connector`), or as a cascade's
     source on `store` with requests that do not opt in (`not_opted_in`) and that do (`opted_in`: exported). An opted-in
-    row carries what its export wrote (chunks, bytes, the store's time in writes: the write bandwidth) and how long
-    the writer took to drain after the batch."""
+    row carries what its export wrote (chunks, bytes, the store's time in writes: the write bandwidth), how long
+    the writer took to drain after the batch, and the writer thread's CPU time against the batch's time."""
     from transformers import AutoTokenizer
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
@@ -358,6 +358,9 @@ def run_source(bench: BenchEngines, *, chunk_size: int | None = None, log=print)
                     write_errors=now["write_errors"] - before["write_errors"],
                     write_gbps=written / put / 1e9 if put > 0 else None,
                     writer_drain_s=time.perf_counter() - drain,
+                    # the export's own CPU time (the writer thread's) beside the engine's time for the same batch
+                    writer_cpu_s=now["writer_cpu_seconds"] - before["writer_cpu_seconds"],
+                    writer_cpu_share=(now["writer_cpu_seconds"] - before["writer_cpu_seconds"]) / seconds,
                 )
             rows.append(row)
             extra = f"   wrote {row['bytes_written'] / 1e6:8.1f} MB" if row.get("bytes_written") else ""
