@@ -159,12 +159,8 @@ def test_bad_input_is_refused_before_any_work(bridge, pocket_parts, monkeypatch)
 
 
 def test_a_bridge_without_its_models_is_refused(bridge):
-    config = bridge.config
-    with torch.device("meta"):
-        from transformers import AutoModelForCausalLM
-
-        empty = AutoModelForCausalLM.from_config(bridge.target.config)
-    hollow = hf_kvbridge.KVBridgeForCausalLM(config, bridge.source, empty, bridge.mapper)
+    hollow = copy.copy(bridge)  # the same bridge whose target holds no weights
+    hollow._modules = {**bridge._modules, "target": copy.deepcopy(bridge.target).to("meta")}
     with pytest.raises(InvalidInputError, match="target model is not loaded"):
         hf_kvbridge.distill(hollow, ["text " * 500], **TINY)
 

@@ -55,14 +55,15 @@ def check_models_loaded(bridge) -> None:
 def window_bytes(bridge, seq_len: int, continuation_len: int) -> int:
     """An estimate of the bytes one window takes through a training step (float32): the source's rows, the mapped
     cache with its gradient, the target's activations over the continuation and the two vocabularies of logits."""
-    src, tgt, config = bridge.source_layout, bridge.target_layout, bridge.target.config
+    mapper, config = bridge.mapper, bridge.target.config
     context = seq_len - continuation_len
-    groups = bridge.mapper.groups if bridge.mapper.grouped else 1
-    rows = context * len({s for layers in bridge.mapper.selected_layers for s in layers}) * src.x_row * groups
-    cache = 4 * context * tgt.num_layers * tgt.y_row  # mapped rows, rotated keys, cast copy, gradient
+    groups = mapper.groups if mapper.grouped else 1
+    rows = context * len({s for layers in mapper.selected_layers for s in layers}) * mapper.x_row * groups
+    layers = len(mapper.selected_layers)
+    cache = 4 * context * layers * mapper.y_row  # mapped rows, rotated keys, cast copy, gradient
     hidden = getattr(config, "hidden_size", 0) + getattr(config, "intermediate_size", 0)
     heads = getattr(config, "num_attention_heads", 1)
-    activations = tgt.num_layers * continuation_len * (6 * hidden + 2 * heads * seq_len)
+    activations = layers * continuation_len * (6 * hidden + 2 * heads * seq_len)
     logits = 6 * continuation_len * config.vocab_size  # teacher and student logits, log-probs, gradient
     return 4 * (2 * rows + cache + activations + logits)
 
