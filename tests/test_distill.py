@@ -113,7 +113,8 @@ def test_identity_pair_stays_the_identity(pocket_parts):
 
 def test_a_stopped_run_resumes_to_the_same_result(bridge, pocket_parts, tmp_path, monkeypatch):
     tokenizer, *_, texts = pocket_parts
-    settings = {**TINY, "epochs": 1, "pull": [0.0, 1.0], "lr": 1e-4}
+    settings = {"num_sequences": 12, "seq_len": 64, "continuation_len": 16, "batch_size": 4, "evals_per_epoch": 2,
+                "epochs": 1, "pull": [0.0, 1.0], "lr": 1e-4}  # fmt: skip
     whole = hf_kvbridge.distill(bridge, texts, tokenizer=tokenizer, **settings)
     evaluations = []
     real = distill_module.mean_kl
