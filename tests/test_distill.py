@@ -185,3 +185,16 @@ def test_cli_help_needs_no_torch():
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert run.returncode == 0, run.stderr
     assert "--continuation-len" in run.stdout and "--pull" in run.stdout
+
+
+def test_kvbridge_distill_saves_a_bridge(bridge, tmp_path, capsys):
+    from kvbridge_cli import main
+
+    bridge.save_pretrained(tmp_path / "closed")
+    options = ["--num-sequences", "12", "--seq-len", "64", "--continuation-len", "16", "--batch-size", "4",
+               "--epochs", "1", "--pull", "0", "--out", str(tmp_path / "distilled")]  # fmt: skip
+    assert main(["distill", str(tmp_path / "closed"), "--data", "pocket", *options]) == 0
+    assert "held-out KL per token" in capsys.readouterr().out
+    loaded = hf_kvbridge.KVBridgeForCausalLM.from_pretrained(tmp_path / "distilled")
+    assert loaded.config.distillation["pull_candidates"] == [0.0]
+    assert not (tmp_path / "distilled" / "distill-checkpoint").exists()  # removed once the bridge is saved

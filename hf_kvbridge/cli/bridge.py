@@ -62,7 +62,6 @@ def distill(args: argparse.Namespace) -> int:
     if default_checkpoint:
         values["checkpoint_dir"] = str(out / "distill-checkpoint")
     settings = DistillationSettings(**{**values, "progress": True})
-    check_fits_the_models((args.bridge,), [])
     bridge = hf_kvbridge.KVBridgeForCausalLM.from_pretrained(args.bridge)
     distilled = hf_kvbridge.distill(bridge, args.data, settings)
     distilled.save_pretrained(out, overwrite=True if default_checkpoint else args.overwrite)
