@@ -21,6 +21,7 @@ from . import errors
 from .configuration import KVBridgeConfig
 from .errors import *  # noqa: F403  every public error, named once in `errors.__all__`
 from .settings import CalibrationSettings as CalibrationSettings
+from .settings import DistillationSettings as DistillationSettings
 from .version import __version__ as __version__
 
 # Names imported on first use (PEP 562 `__getattr__`), as transformers' own top level does: the bridge class and the
@@ -29,6 +30,7 @@ from .version import __version__ as __version__
 # lm-eval finds the model "kvbridge" after `import hf_kvbridge.integrations.lm_eval`.
 _LAZY = {
     "calibrate": "calibration.calibrate",
+    "distill": "calibration.distill",
     "collect_statistics": "calibration.data_pass",
     "fit_bridge": "calibration.dense_fit",
     "KVBridgeForCausalLM": "modeling",
@@ -67,4 +69,6 @@ AutoConfig.register("kvbridge", KVBridgeConfig, exist_ok=True)
 if "hf_kvbridge.modeling" not in sys.modules:
     AutoModelForCausalLM.register(KVBridgeConfig, _BridgeClassOnFirstUse(), exist_ok=True)
 
-__all__ = sorted([*errors.__all__, "CalibrationSettings", "KVBridgeConfig", "__version__", *_LAZY])
+__all__ = sorted(
+    [*errors.__all__, "CalibrationSettings", "DistillationSettings", "KVBridgeConfig", "__version__", *_LAZY]
+)

@@ -83,6 +83,8 @@ class KVBridgeConfig(PretrainedConfig):
             `format_version` 2, which readers of the K/V-only format 1 refuse.
         calibration (`dict`, *optional*): provenance: data, number of sequences, sequence length, held-out
             sequences, seed, library versions, time.
+        distillation (`dict`, *optional*): how `hf_kvbridge.distill` trained the map after calibration (objective,
+            windows, settings, the pull chosen, held-out KL before and after, time); `None` for a closed-form map.
         format_version (`int`): version of the checkpoint format: the oldest that reads this checkpoint (`1` for a
             K/V-only bridge, `2` with `source_features`); loading refuses a version newer than this library's.
         mapper_sha256 (`dict`, *optional*): sha256 of every mapper weight file (`{file name: hex digest}`), written
@@ -126,6 +128,7 @@ class KVBridgeConfig(PretrainedConfig):
     residual_map: dict | None = None
     source_features: dict | None = None
     calibration: dict | None = None
+    distillation: dict | None = None
     format_version: int = KV_FORMAT_VERSION
     mapper_sha256: dict | None = None
 

@@ -242,3 +242,131 @@ def _check_values(s: dict[str, Any]) -> None:
         raise ConfigurationError(
             f"hold_back must be an integer ≥ 1 (the target runs the last prompt token), got {hold_back!r}"
         )
+
+
+AUTOCAST_CHOICES = ("auto", "bfloat16", "off")
+
+
+@dataclass
+class DistillationSettings:
+    r"""How `distill` trains a calibrated bridge's map on the target's own next-token distribution.
+
+    Each calibration window of `seq_len` tokens is split into a context (its first `seq_len - continuation_len`
+    tokens, prefilled by the source and mapped) and a continuation the target scores on the mapped cache (student)
+    and on its own cache (teacher); the loss is KL(teacher ‖ student) over the continuation's tokens, plus a pull
+    towards the closed-form weights. Validated before any model runs or any text is read.
+
+    Args:
+        num_sequences (`int`, *optional*, defaults to `256`), seq_len (`int`, *optional*, defaults to `512`):
+            windows of the calibration text.
+        continuation_len (`int`, *optional*, defaults to `128`): tokens of each window the target scores (the rest
+            is the context the source prefills); `< seq_len`.
+        heldout_fraction (`float`, *optional*, defaults to `0.1`): share of the windows held out for early stopping
+            and for choosing the pull's strength (never trained on).
+        epochs (`int`, *optional*, defaults to `2`): passes over the training windows at most.
+        batch_size (`int`, *optional*, defaults to `8`): windows per optimiser step.
+        lr (`float`, *optional*, defaults to `1e-4`): AdamW learning rate of the weight changes in standardised
+            units (`calibration.differentiable.PreconditionedMap`), cosine-annealed to 0.
+        pull (`float` or `list[float]`, *optional*, defaults to `[0.0, 1.0]`): strength of the L2 pull towards the
+            closed-form weights, relative to their squared norm (`pull · ‖θ − θ₀‖² / ‖θ₀‖²` is added to the loss);
+            several values are each trained and the one with the lowest held-out KL is kept.
+        evals_per_epoch (`int`, *optional*, defaults to `4`): held-out evaluations (and checkpoints) per epoch.
+        patience (`int`, *optional*, defaults to `2`): evaluations without a better held-out KL before a run stops.
+        memory (`str` or `int`, *optional*): bytes one forward/backward pass may take (`"2GB"`); a batch that does
+            not fit is split into micro-batches (gradients accumulated); a budget that cannot hold one window is
+            refused before any work. `None`: the whole batch at once.
+        autocast (`str`, *optional*, defaults to `"auto"`): `"bfloat16"` runs the models' forwards under
+            `torch.autocast(bfloat16)` (the mapper's weights stay float32), `"off"` never; `"auto"`: on CUDA only.
+        seed (`int`, *optional*, defaults to `0`): the held-out split and the window order.
+        text_field (`str`, *optional*, defaults to `"text"`): the text column of JSON Lines files and datasets.
+        checkpoint_dir (`str`, *optional*): checkpoint the optimiser and mapper state there at every evaluation and
+            resume from it; a stopped run keeps its last checkpoint.
+        progress (`bool`, *optional*, defaults to `False`): a progress bar.
+
+    Example:
+
+    ```python
+    >>> from hf_kvbridge.settings import DistillationSettings
+    >>> DistillationSettings(num_sequences=64, seq_len=256, continuation_len=64).pull
+    [0.0, 1.0]
+    ```
+    """
+
+    num_sequences: int = _option(256, help="calibration windows (training and held-out)")
+    seq_len: int = _option(512, help="window length in tokens (context + continuation)")
+    continuation_len: int = _option(128, help="tokens of each window the target scores (the rest is the context)")
+    heldout_fraction: float = _option(0.1, help="share of windows held out for early stopping and the pull's strength")
+    epochs: int = _option(2, help="passes over the training windows at most")
+    batch_size: int = _option(8, help="windows per optimiser step")
+    lr: float = _option(1e-4, help="AdamW learning rate of the standardised weight changes (cosine-annealed)")
+    pull: float | list[float] = _option(
+        help="strength of the L2 pull towards the closed-form weights (comma-separated: each is trained and the best "
+        "on held-out windows kept)",
+        default_factory=lambda: [0.0, 1.0],
+    )
+    evals_per_epoch: int = _option(4, help="held-out evaluations (and checkpoints) per epoch")
+    patience: int = _option(2, help="evaluations without a better held-out KL before a run stops")
+    memory: int | str | None = _option(
+        None, help="memory one forward/backward may take, e.g. 2GB (batches are split to fit); default: no limit"
+    )
+    autocast: str = _option("auto", choices=AUTOCAST_CHOICES, help="bfloat16 autocast of the forwards (auto: CUDA)")
+    seed: int = _option(0, help="seed of the held-out split and the window order")
+    text_field: str = _option("text", help="JSON/dataset field holding the text")
+    checkpoint_dir: str | os.PathLike | None = _option(
+        None, help="checkpoint the training state here and resume from it (kvbridge distill: OUT/distill-checkpoint)"
+    )
+    progress: bool = _option(False, help="a progress bar (the command line always shows it)", cli=False)
+
+    def __post_init__(self):
+        if isinstance(self.pull, (int, float)) and not isinstance(self.pull, bool):
+            self.pull = [float(self.pull)]
+        self.validate()
+
+    @classmethod
+    def field_names(cls) -> set[str]:
+        return {f.name for f in dataclasses.fields(cls)}
+
+    def replace(self, **changes: Any) -> DistillationSettings:
+        """A copy with `changes` applied (validated)."""
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def check_values(cls, values: dict[str, Any]) -> None:
+        """Raises `ConfigurationError` for the first bad value among `values` (standard library only)."""
+        settings = {f.name: f.default for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING}
+        settings["pull"] = [0.0, 1.0]
+        settings.update(values)
+        _check_distillation_values(settings)
+
+    def validate(self) -> None:
+        """Raises `ConfigurationError` naming the first bad setting and what is allowed."""
+        _check_distillation_values({f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
+
+
+def _check_distillation_values(s: dict[str, Any]) -> None:
+    """The per-value checks of `DistillationSettings` (standard library only)."""
+    for name in ("num_sequences", "seq_len", "continuation_len", "epochs", "batch_size", "evals_per_epoch"):
+        value = s[name]
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ConfigurationError(f"{name} must be a positive integer, got {value!r}")
+    if s["continuation_len"] >= s["seq_len"]:
+        raise ConfigurationError(
+            f"continuation_len ({s['continuation_len']}) must be shorter than seq_len ({s['seq_len']}): the rest of "
+            "each window is the context the source prefills"
+        )
+    patience = s["patience"]
+    if not isinstance(patience, int) or isinstance(patience, bool) or patience < 0:
+        raise ConfigurationError(f"patience must be an integer ≥ 0, got {patience!r}")
+    fraction = s["heldout_fraction"]
+    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction < 1:
+        raise ConfigurationError(f"heldout_fraction must lie strictly between 0 and 1, got {fraction!r}")
+    lr = s["lr"]
+    if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not lr > 0:
+        raise ConfigurationError(f"lr must be a number > 0, got {lr!r}")
+    pulls = s["pull"] if isinstance(s["pull"], (list, tuple)) else [s["pull"]]
+    if not pulls or any(isinstance(p, bool) or not isinstance(p, (int, float)) or not p >= 0 for p in pulls):
+        raise ConfigurationError(f"pull must be a number ≥ 0 or a non-empty list of them, got {s['pull']!r}")
+    if s["autocast"] not in AUTOCAST_CHOICES:
+        raise ConfigurationError(f"autocast must be one of {AUTOCAST_CHOICES}, got {s['autocast']!r}")
+    if s["memory"] is not None:
+        parse_bytes(s["memory"])

@@ -29,6 +29,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 # command → (the module of `hf_kvbridge.cli` that runs it, its function there)
 COMMANDS = {
     "calibrate": ("bridge", "calibrate"),
+    "distill": ("bridge", "distill"),
     "generate": ("bridge", "generate"),
     "chat": ("bridge", "chat"),
     "push": ("bridge", "push"),

@@ -17,6 +17,7 @@ from .arguments import (
 from .settings_options import add_mapper_options, add_settings_options, library_only_fields
 
 _constants = core("constants")
+_settings = core("settings")
 
 
 def add_calibrate(sub) -> None:
@@ -46,6 +47,29 @@ def add_calibrate(sub) -> None:
     models.add_argument("--target-revision")
     models.add_argument("--dtype", help="model dtype, e.g. bfloat16")
     models.add_argument("--device-map", help="e.g. auto")
+
+
+def add_distill(sub) -> None:
+    distill = sub.add_parser(
+        "distill",
+        help="train a calibrated bridge's map on the target's next-token KL and save it",
+        description="Starts from the bridge's closed-form map and trains it on KL(target on its own cache || target "
+        "on the mapped cache) over continuation windows of --data (calibration text, never evaluation text); "
+        "held-out windows of it choose the stopping point and the pull towards the closed form. Resumable: the "
+        "training state is checkpointed in OUT/distill-checkpoint (or --checkpoint-dir) and a rerun resumes it.",
+    )
+    distill.add_argument("bridge", help="calibrated bridge checkpoint folder or Hub id")
+    distill.add_argument(
+        "--data",
+        type=_calibration_data,
+        default=_constants.DEFAULT_CALIBRATION_DATA,
+        help=f"calibration text: a .txt/.jsonl file or folder, '{POCKET_DATA}', or a dataset name (default "
+        f"{_constants.DEFAULT_CALIBRATION_DATA})",
+    )
+    distill.add_argument("--out", required=True, help="output folder for the distilled bridge checkpoint")
+    distill.add_argument("--overwrite", action="store_true", help="replace bridge files in a non-empty --out")
+    settings = distill.add_argument_group("distillation settings (hf_kvbridge.settings.DistillationSettings)")
+    add_settings_options(settings, settings_class=_settings.DistillationSettings)
 
 
 def add_generate_and_chat(sub) -> None:

@@ -14,7 +14,7 @@ from pathlib import Path
 from . import settings_options
 from ._light import core
 from .arguments import _Parser
-from .bridge_commands import add_calibrate, add_generate_and_chat, add_push, add_serve, add_store
+from .bridge_commands import add_calibrate, add_distill, add_generate_and_chat, add_push, add_serve, add_store
 from .settings_options import cli_fields
 from .tool_commands import DEMO_SETTINGS, TUNE_SETTINGS, add_bench, add_demo, add_eval, add_inspect, add_tune
 
@@ -40,6 +40,29 @@ def _settings_values(args: argparse.Namespace) -> str | None:
         settings_options.CalibrationSettings.check_values(values)
     except ValueError as err:  # the settings' ConfigurationError (loaded from the same file, under another name)
         return str(err)
+    return None
+
+
+def _distill_values(args: argparse.Namespace) -> str | None:
+    """`DistillationSettings`' own value checks on `kvbridge distill`'s options."""
+    settings = settings_options.DistillationSettings
+    names = [f.name for f in cli_fields(settings)]
+    try:
+        settings.check_values({name: getattr(args, name) for name in names})
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+def _distill_out(args: argparse.Namespace) -> str | None:
+    """`--out` of `kvbridge distill` may hold the checkpoint of a stopped run (it resumes) and nothing else unless
+    `--overwrite` is given."""
+    out = Path(args.out)
+    if out.is_file():
+        return f"--out {out} is a file; pass a folder (new or empty)"
+    others = [p.name for p in out.iterdir() if p.name != "distill-checkpoint"] if out.is_dir() else []
+    if others and not args.overwrite:
+        return f"--out {out} is not empty; pass --overwrite to replace the bridge files in it"
     return None
 
 
@@ -91,6 +114,7 @@ def _flop_model_alone(args: argparse.Namespace) -> str | None:
 # the checks of each command (and bench kind), in order: the first problem is the one reported
 CHECKS = {
     "calibrate": (_settings_values, settings_options.check_mapper_kwargs, _out_folder),
+    "distill": (_distill_values, _distill_out),
     "tune": (_objective, _settings_values, _out_folder),
     "demo": (_two_models, _settings_values),
     "eval": (_card_folder,),
@@ -120,6 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--debug", action="store_true", help=DEBUG_HELP)
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     add_calibrate(sub)
+    add_distill(sub)
     add_generate_and_chat(sub)
     add_eval(sub)
     add_push(sub)

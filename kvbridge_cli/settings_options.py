@@ -13,6 +13,7 @@ from .arguments import _comma_list, _number, _positive_int, _ridge_lambda, _top_
 
 _settings = core("settings")
 CalibrationSettings = _settings.CalibrationSettings
+DistillationSettings = _settings.DistillationSettings
 
 _constants = core("constants")
 
@@ -37,9 +38,11 @@ MAPPER_OPTIONS = {
 MAPPER_OF_KEYWORD = {key: name for name, keys in _constants.MAPPER_KWARGS.items() for key in keys}
 
 
-def cli_fields() -> list[dataclasses.Field]:
-    """The settings fields the command line offers (the others are library-only, listed in `--help`)."""
-    return [f for f in dataclasses.fields(CalibrationSettings) if f.metadata.get(_settings.CLI_ONLY_IN_LIBRARY, True)]
+def cli_fields(settings_class=None) -> list[dataclasses.Field]:
+    """The fields of `settings_class` (default `CalibrationSettings`; `kvbridge distill` offers
+    `DistillationSettings`') the command line offers (the others are library-only, listed in `--help`)."""
+    fields = dataclasses.fields(settings_class or CalibrationSettings)
+    return [f for f in fields if f.metadata.get(_settings.CLI_ONLY_IN_LIBRARY, True)]
 
 
 def library_only_fields() -> list[str]:
@@ -72,6 +75,8 @@ def _field_type(f: dataclasses.Field):
             return None
         if "list[int]" in types and "," in value:  # a comma-separated list where the annotation takes one
             return _comma_list(int, "integers")(value)
+        if "list[float]" in types and "," in value:
+            return _comma_list(_number, "numbers")(value)
         for name, convert in (("int", int), ("float", float)):
             if name in types:
                 try:
@@ -86,14 +91,18 @@ def _field_type(f: dataclasses.Field):
     return parse
 
 
-def add_settings_options(parser: argparse.ArgumentParser, defaults: dict | None = None, help_overrides=None) -> None:
-    """One option per command-line settings field (all of them, or those named in `defaults`, with those
-    defaults); name, choices and help come from the field."""
+def add_settings_options(
+    parser: argparse.ArgumentParser, defaults: dict | None = None, help_overrides=None, settings_class=None
+) -> None:
+    """One option per command-line settings field of `settings_class` (default `CalibrationSettings`; all of them, or
+    those named in `defaults`, with those defaults); name, choices and help come from the field."""
     help_overrides = help_overrides or {}
-    for f in cli_fields():
+    for f in cli_fields(settings_class):
         if defaults is not None and f.name not in defaults:
             continue
         default = f.default if defaults is None else defaults[f.name]
+        if default is dataclasses.MISSING:  # a default_factory field (a list)
+            default = f.default_factory()
         help_text = f.metadata.get("help", "")
         shown = help_overrides.get(f.name) or ("default: off" if default is False else f"default: {default}")
         if default is None and f.name not in help_overrides:  # the field's help says what None means

@@ -45,6 +45,36 @@ def settings_from_args(args: argparse.Namespace):
     return CalibrationSettings(**{**values, "progress": True})
 
 
+def distill(args: argparse.Namespace) -> int:
+    """`kvbridge distill`: the training state is checkpointed in `OUT/distill-checkpoint` (unless `--checkpoint-dir`
+    names another folder), so a stopped run resumes when the same command is run again; it is removed once the
+    distilled bridge is saved."""
+    import dataclasses
+    import shutil
+
+    import hf_kvbridge
+
+    from ..settings import DistillationSettings
+
+    out = Path(args.out)
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(DistillationSettings) if hasattr(args, f.name)}
+    default_checkpoint = values.get("checkpoint_dir") is None
+    if default_checkpoint:
+        values["checkpoint_dir"] = str(out / "distill-checkpoint")
+    settings = DistillationSettings(**{**values, "progress": True})
+    bridge = hf_kvbridge.KVBridgeForCausalLM.from_pretrained(args.bridge)
+    distilled = hf_kvbridge.distill(bridge, args.data, settings)
+    distilled.save_pretrained(out, overwrite=True if default_checkpoint else args.overwrite)
+    if default_checkpoint:
+        shutil.rmtree(out / "distill-checkpoint", ignore_errors=True)
+    report = distilled.config.distillation
+    print(
+        f"saved distilled bridge to {out} ({report['seconds']:.1f}s): held-out KL per token "
+        f"{report['heldout_kl_closed_form']:.4f} (closed form) → {report['heldout_kl']:.4f} (pull {report['pull']})"
+    )
+    return 0
+
+
 def calibrate(args: argparse.Namespace) -> int:
     """`kvbridge calibrate` (`--out` is checked by the parser: a non-empty folder needs `--overwrite`)."""
     import hf_kvbridge

@@ -1,0 +1,100 @@
+"""Retention of distilled bridges on the pocket family, in `kvbridge demo`'s own measurement (its 64 held-out windows
+of 384 + 128 tokens, `tools.defaults.DEMO_SIZES`), with paired bootstrap 95% intervals; the closed-form calibration
+and the distillation timed side by side on the same machine.
+
+    python -m studies.distill_study --pairs pocket-s:pocket-l,pocket-l:pocket-s --out distill_results.json
+
+Calibration: the demo's settings (128 windows × 512 tokens of the calibration split, top-k 6, λ auto, seed 0; add
+`--head-mode same_head`). Distillation: `hf_kvbridge.distill` on the whole calibration split (never the held-out
+split the windows below come from). Evaluation: `tools.evaluation.window_nll` per window for target, no context,
+closed form and distilled; retention and its interval by `tools.fidelity.paired_bootstrap`; next-token KL.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+from transformers import AutoTokenizer
+
+import hf_kvbridge
+from hf_kvbridge import pocket
+from hf_kvbridge.tools.defaults import DEMO_SETTINGS, DEMO_SIZES
+from hf_kvbridge.tools.evaluation import heldout_windows, window_nll
+from hf_kvbridge.tools.fidelity import next_token_kl, paired_bootstrap, retention_of
+
+
+def measure_pair(source: str, target: str, head_mode: str, distill_kwargs: dict) -> dict:
+    tokenizer = AutoTokenizer.from_pretrained(pocket.model_path(target))
+    small, large = pocket.load_model(source), pocket.load_model(target)
+    texts = pocket.load_texts("calibration")
+    started = time.perf_counter()
+    bridge = hf_kvbridge.calibrate(
+        small, large, texts, tokenizer=tokenizer, num_sequences=DEMO_SIZES["num_sequences"][0],
+        seq_len=DEMO_SIZES["seq_len"][0], top_k=DEMO_SETTINGS["top_k"], ridge_lambda=DEMO_SETTINGS["ridge_lambda"],
+        head_mode=head_mode, seed=DEMO_SETTINGS["seed"],
+    )  # fmt: skip
+    calibration_s = time.perf_counter() - started
+    started = time.perf_counter()
+    distilled = hf_kvbridge.distill(bridge, texts, tokenizer=tokenizer, progress=True, **distill_kwargs)
+    distill_s = time.perf_counter() - started
+    context, continuation = DEMO_SIZES["nll_context"][0], DEMO_SIZES["nll_continuation"][0]
+    windows = heldout_windows(
+        pocket.load_texts("heldout"), tokenizer, context + continuation, DEMO_SIZES["nll_windows"][0]
+    )
+    nll = {mode: window_nll(bridge, windows, context, mode) for mode in ("target", "no_context", "bridge")}
+    nll["distilled"] = window_nll(distilled, windows, context, "bridge")
+    kl = {
+        "closed_form": next_token_kl(bridge, windows, context),
+        "distilled": next_token_kl(distilled, windows, context),
+    }
+    return {
+        "pair": f"{source} → {target}",
+        "head_mode": head_mode,
+        "retention_closed_form": paired_bootstrap(nll, retention_of("bridge")),
+        "retention_distilled": paired_bootstrap(nll, retention_of("distilled")),
+        "retention_gain": paired_bootstrap(nll, lambda s: retention_of("distilled")(s) - retention_of("bridge")(s)),
+        "kl_closed_form": paired_bootstrap(kl, lambda s: float(s["closed_form"].mean())),
+        "kl_distilled": paired_bootstrap(kl, lambda s: float(s["distilled"].mean())),
+        "calibration_seconds": round(calibration_s, 1),
+        "distillation_seconds": round(distill_s, 1),
+        "time_ratio": round(distill_s / calibration_s, 2),
+        "distillation": distilled.config.distillation,
+        "per_window_nll": {mode: values.tolist() for mode, values in nll.items()},
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--pairs", default="pocket-s:pocket-l,pocket-l:pocket-s")
+    parser.add_argument("--head-mode", default="all_heads")
+    parser.add_argument("--out", default="distill_results.json")
+    parser.add_argument("--num-sequences", type=int, default=304)
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--pull", default="0,1")
+    parser.add_argument("--lr", type=float, default=1e-4)
+    parser.add_argument("--threads", type=int, default=None)
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    kwargs = {"num_sequences": args.num_sequences, "epochs": args.epochs, "lr": args.lr,
+              "pull": [float(p) for p in args.pull.split(",")]}  # fmt: skip
+    results = []
+    for pair in args.pairs.split(","):
+        source, target = pair.split(":")
+        results.append(measure_pair(source, target, args.head_mode, kwargs))
+        r = results[-1]
+        print(
+            f"{r['pair']} ({args.head_mode}): retention {r['retention_closed_form']['value']:.3f} → "
+            f"{r['retention_distilled']['value']:.3f} [{r['retention_distilled']['low']:.3f}, "
+            f"{r['retention_distilled']['high']:.3f}], time ratio {r['time_ratio']}",
+            flush=True,
+        )
+        Path(args.out).write_text(json.dumps({"settings": kwargs, "results": results}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
