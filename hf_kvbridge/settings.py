@@ -48,8 +48,8 @@ class CalibrationSettings:
             calibration windows of `seq_len` tokens.
         top_k (`int`, *optional*, defaults to `6`): source layers per target layer (`None`: all).
         ridge_lambda (`float` or `"auto"`, *optional*, defaults to `"auto"`): relative to each input feature's
-            variance (ridge on standardised inputs; see `hf_kvbridge.solve`). `"auto"` chooses it per target layer
-            (and head, in `same_head` mode, and K/V) by held-out R² over `hf_kvbridge.solve.LAMBDA_GRID`.
+            variance (ridge on standardised inputs; see `hf_kvbridge.fitting.solve`). `"auto"` chooses it per target
+            layer (and head, in `same_head` mode, and K/V) by held-out R² over `hf_kvbridge.fitting.solve.LAMBDA_GRID`.
         head_mode (`str`, *optional*, defaults to `"all_heads"`): or `"same_head"` (head h from head h only).
         kv_mode (`str`, *optional*, defaults to `"joint"`): `"separate"` maps keys from keys and values from values
             (half the mapper's weights and FLOPs; every mapper type).
@@ -72,7 +72,7 @@ class CalibrationSettings:
             (one target layer per fit pass) when that is more and still fits the free memory beside a batch's rows
             (`budget.default_budget`). Dense statistics (exact, one
             pass) are used when they fit, otherwise a selection pass and as many fit passes as the budget needs (see
-            `hf_kvbridge.budget`); a budget too small for one target layer is refused before any work.
+            `hf_kvbridge.fitting.budget`); a budget too small for one target layer is refused before any work.
         statistics_dtype (`str`, *optional*, defaults to `"float32"`): of the budgeted statistics' Gram blocks
             (`"float32"` or `"float64"`; sums are centred, so float32 stays accurate).
         keep_statistics (`bool`, *optional*, defaults to `False`): leave the statistics on the returned bridge as

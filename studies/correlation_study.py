@@ -22,12 +22,12 @@ from scipy import stats as scipy_stats
 from transformers import AutoTokenizer
 
 from hf_kvbridge import pocket
-from hf_kvbridge.attention import attention_output_cosine
 from hf_kvbridge.cache import output_cache
-from hf_kvbridge.calibration.calibrate import calibrate
-from hf_kvbridge.calibration.dense_fit import fit_bridge
-from hf_kvbridge.calibration.refit import refit
-from hf_kvbridge.data import token_windows
+from hf_kvbridge.fitting.attention import attention_output_cosine
+from hf_kvbridge.fitting.calibration.calibrate import calibrate
+from hf_kvbridge.fitting.calibration.dense_fit import fit_bridge
+from hf_kvbridge.fitting.calibration.refit import refit
+from hf_kvbridge.fitting.data import token_windows
 from hf_kvbridge.rope import rotary_cos_sin, strip_rotary
 from hf_kvbridge.tools.diagnostics import pyplot
 from hf_kvbridge.tools.evaluation import heldout_windows

@@ -22,7 +22,7 @@ import torch
 from transformers import AutoTokenizer
 
 from hf_kvbridge import pocket
-from hf_kvbridge.calibration.calibrate import calibrate
+from hf_kvbridge.fitting.calibration.calibrate import calibrate
 from hf_kvbridge.mappers import MAPPER_TYPES
 from hf_kvbridge.tools.bench.flop_model import cost, target_flops_per_token
 from hf_kvbridge.tools.evaluation import continuation_nll, heldout_windows, retention, score_tokens

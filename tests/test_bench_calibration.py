@@ -24,7 +24,7 @@ def _with_tiny_shapes(monkeypatch):
 def test_calibration_bench_splits_its_time(tmp_path, capsys, monkeypatch):
     """`kvbridge bench calibration` charges each stage its own time: the λ search and the solves, each slowed by a
     known delay, show it in their own fields; the projection adds the per-token stages scaled and the rest as is."""
-    import hf_kvbridge.calibration.budgeted_fit as calibration
+    import hf_kvbridge.fitting.calibration.budgeted_fit as calibration
     from hf_kvbridge.mappers import KVMapper
     from hf_kvbridge.tools.bench import calibration as bench
 
@@ -56,7 +56,7 @@ def test_calibration_bench_splits_its_time(tmp_path, capsys, monkeypatch):
 def test_calibration_bench_runs_under_the_precision_asked_for(tmp_path, monkeypatch):
     """`--float32-matmul-precision medium` runs the calibration under it (seen from inside the fit), records it and
     the mean held-out R² in the JSON, and restores the precision afterwards."""
-    import hf_kvbridge.calibration.budgeted_fit as calibration
+    import hf_kvbridge.fitting.calibration.budgeted_fit as calibration
 
     _with_tiny_shapes(monkeypatch)
     seen = []

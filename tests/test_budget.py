@@ -8,10 +8,10 @@ import pytest
 import torch
 
 import hf_kvbridge
-import hf_kvbridge.budget as budget_module
-import hf_kvbridge.calibration.data_pass as data_pass
+import hf_kvbridge.fitting.budget as budget_module
+import hf_kvbridge.fitting.calibration.data_pass as data_pass
 from hf_kvbridge import StatisticsMemoryError
-from hf_kvbridge.budget import (
+from hf_kvbridge.fitting.budget import (
     FitShape,
     check_budget,
     default_budget,
@@ -23,19 +23,19 @@ from hf_kvbridge.budget import (
     smallest_plan_bytes,
     solve_bytes,
 )
-from hf_kvbridge.calibration.budgeted_fit import fit_bridge_in_passes
-from hf_kvbridge.calibration.checks import split_heldout
-from hf_kvbridge.calibration.data_pass import collect_statistics
-from hf_kvbridge.calibration.dense_fit import fit_bridge
-from hf_kvbridge.data import token_windows
+from hf_kvbridge.fitting.calibration.budgeted_fit import fit_bridge_in_passes
+from hf_kvbridge.fitting.calibration.checks import split_heldout
+from hf_kvbridge.fitting.calibration.data_pass import collect_statistics
+from hf_kvbridge.fitting.calibration.dense_fit import fit_bridge
+from hf_kvbridge.fitting.data import token_windows
+from hf_kvbridge.fitting.layer_selection import select_layers
+from hf_kvbridge.fitting.solve import solve_ridge
+from hf_kvbridge.fitting.statistics.blocks import BlockStatistics
+from hf_kvbridge.fitting.statistics.dense import KVStatistics
+from hf_kvbridge.fitting.statistics.selection import SelectionStatistics
 from hf_kvbridge.heads import map_groups
 from hf_kvbridge.mappers import KVMapper
-from hf_kvbridge.selection import select_layers
 from hf_kvbridge.sizes import parse_bytes
-from hf_kvbridge.solve import solve_ridge
-from hf_kvbridge.statistics.blocks import BlockStatistics
-from hf_kvbridge.statistics.dense import KVStatistics
-from hf_kvbridge.statistics.selection import SelectionStatistics
 from hf_kvbridge.tools.bench.timing import cpu_peak_bytes
 from tests.conftest import CORPUS, make_tokenizer, qwen3
 

@@ -1,4 +1,4 @@
-"""`calibrate`, the orchestration (`hf_kvbridge.calibration.calibrate`): models loaded by reference through
+"""`calibrate`, the orchestration (`hf_kvbridge.fitting.calibration.calibrate`): models loaded by reference through
 `loading.load_model`, the pair checked once, the memory plan (`budget.plan_calibration`) before any text is read,
 one data pass's rows however the batches are split, and the provenance a calibrated bridge records."""
 
@@ -10,10 +10,11 @@ import pytest
 import torch
 
 import hf_kvbridge
-import hf_kvbridge.calibration.calibrate as calibrate_module
-import hf_kvbridge.calibration.checks as checks
+import hf_kvbridge.fitting.calibration.calibrate as calibrate_module
+import hf_kvbridge.fitting.calibration.checks as checks
 import hf_kvbridge.layout as layout
-from hf_kvbridge.budget import (
+from hf_kvbridge.errors import StatisticsMemoryError
+from hf_kvbridge.fitting.budget import (
     CalibrationPlan,
     FitShape,
     dense_bytes,
@@ -22,8 +23,7 @@ from hf_kvbridge.budget import (
     plan_residual,
     selection_bytes,
 )
-from hf_kvbridge.calibration.data_pass import collect_statistics
-from hf_kvbridge.errors import StatisticsMemoryError
+from hf_kvbridge.fitting.calibration.data_pass import collect_statistics
 from tests.conftest import CORPUS, VOCAB, make_tokenizer, qwen3
 
 SMALL = {"num_sequences": 8, "seq_len": 16, "top_k": 2, "batch_size": 4, "statistics_dtype": "float64"}
@@ -92,7 +92,7 @@ def test_the_memory_plan_is_dense_when_it_fits_and_blocks_when_not():
 
 
 def test_the_default_budget_is_half_the_free_memory(monkeypatch):
-    import hf_kvbridge.budget as budget
+    import hf_kvbridge.fitting.budget as budget
 
     monkeypatch.setattr(budget, "free_bytes", lambda device=None: 8 * 10**9)
     shape = {"shape": FitShape(4, 6, num_kv_heads=2, head_dim=8, top_k=2, dtype=torch.float32, groups=1), "blocks": 4,
@@ -103,9 +103,9 @@ def test_the_default_budget_is_half_the_free_memory(monkeypatch):
 def test_a_batch_gives_the_same_rows_in_any_batching():
     """The data pass sums the rows of one helper per batch: batches of 1, 3 and 8 windows give the same statistics
     (with hidden-state feature rows and the residual rows of layer recompute riding along)."""
-    from hf_kvbridge.calibration.residual import residual_collection
+    from hf_kvbridge.fitting.calibration.residual import residual_collection
+    from hf_kvbridge.fitting.statistics.dense import KVStatistics
     from hf_kvbridge.source_features import SourceFeatures
-    from hf_kvbridge.statistics.dense import KVStatistics
 
     source, target = _pair()
     windows = torch.randint(0, VOCAB, (8, 12), generator=torch.Generator().manual_seed(3))

@@ -8,8 +8,8 @@ import textwrap
 
 import torch
 
-from hf_kvbridge.calibration.data_pass import collect_statistics
-from hf_kvbridge.calibration.dense_fit import fit_bridge
+from hf_kvbridge.fitting.calibration.data_pass import collect_statistics
+from hf_kvbridge.fitting.calibration.dense_fit import fit_bridge
 from tests.conftest import qwen3
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -20,7 +20,7 @@ WINDOWS = "windows = torch.randint(0, 128, (20, 24), generator=torch.Generator()
 # kill -9 the script itself at the N-th forward pass (`argv[1]`, none without it), mid-batch; `calls[0]` counts them
 KILL_HOOK = """
 import os, signal, sys
-import hf_kvbridge.calibration.data_pass as data_pass
+import hf_kvbridge.fitting.calibration.data_pass as data_pass
 kill_after = int(sys.argv[1]) if len(sys.argv) > 1 else -1
 real, calls = data_pass.cache_rows, [0]
 def cache_rows(*args, **kwargs):
@@ -50,8 +50,8 @@ def test_two_process_gloo_equals_single_process(tmp_path):
     script.write_text(
         textwrap.dedent(f"""
         import torch, torch.distributed as dist
-        from hf_kvbridge.calibration.data_pass import collect_statistics
-        from hf_kvbridge.calibration.dense_fit import fit_bridge
+        from hf_kvbridge.fitting.calibration.data_pass import collect_statistics
+        from hf_kvbridge.fitting.calibration.dense_fit import fit_bridge
         dist.init_process_group("gloo")
         {PAIR.replace(chr(10), chr(10) + "        ")}
         {WINDOWS}
@@ -78,7 +78,7 @@ def test_killed_calibration_resumes_to_the_same_mapper(tmp_path):
     checkpoint = tmp_path / "ckpt"
     script = textwrap.dedent(f"""
         import os, signal, sys, torch
-        from hf_kvbridge.calibration.data_pass import collect_statistics
+        from hf_kvbridge.fitting.calibration.data_pass import collect_statistics
         {PAIR.replace(chr(10), chr(10) + "        ")}
         {WINDOWS}
         {KILL_HOOK}
@@ -94,7 +94,7 @@ def test_killed_calibration_resumes_to_the_same_mapper(tmp_path):
     resumed = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=ROOT)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "finished after 5 batches" in resumed.stdout  # 9 train + 2 held-out batches: only the last 5 ran again
-    from hf_kvbridge.statistics.dense import KVStatistics
+    from hf_kvbridge.fitting.statistics.dense import KVStatistics
 
     train = KVStatistics.load(checkpoint / "statistics-0.safetensors")
     heldout = KVStatistics.load(checkpoint / "statistics-1.safetensors")
@@ -115,9 +115,9 @@ def test_two_processes_split_fit_statistics_by_target_layer(tmp_path):
     script.write_text(
         textwrap.dedent(f"""
         import torch, torch.distributed as dist
-        import hf_kvbridge.statistics.blocks as statistics
-        from hf_kvbridge.budget import fit_bytes
-        from hf_kvbridge.calibration.budgeted_fit import fit_bridge_in_passes
+        import hf_kvbridge.fitting.statistics.blocks as statistics
+        from hf_kvbridge.fitting.budget import fit_bytes
+        from hf_kvbridge.fitting.calibration.budgeted_fit import fit_bridge_in_passes
         dist.init_process_group("gloo")
         {PAIR.replace(chr(10), chr(10) + "        ")}
         {WINDOWS}
@@ -136,8 +136,8 @@ def test_two_processes_split_fit_statistics_by_target_layer(tmp_path):
     )
     result = _torchrun(script)
     assert result.returncode == 0, result.stderr[-3000:]
-    from hf_kvbridge.budget import fit_bytes
-    from hf_kvbridge.calibration.budgeted_fit import fit_bridge_in_passes
+    from hf_kvbridge.fitting.budget import fit_bytes
+    from hf_kvbridge.fitting.calibration.budgeted_fit import fit_bridge_in_passes
 
     source, target = qwen3(layers=2, seed=1), qwen3(layers=3, hidden=48, seed=2)
     windows = torch.randint(0, 128, (20, 24), generator=torch.Generator().manual_seed(0))
@@ -162,8 +162,8 @@ def test_killed_budgeted_calibration_resumes_to_the_same_mapper(tmp_path):
     checkpoint = tmp_path / "ckpt"
     script = textwrap.dedent(f"""
         import os, signal, sys, torch
-        import hf_kvbridge.calibration.budgeted_fit as calibration
-        from hf_kvbridge.budget import fit_bytes
+        import hf_kvbridge.fitting.calibration.budgeted_fit as calibration
+        from hf_kvbridge.fitting.budget import fit_bytes
         {PAIR.replace(chr(10), chr(10) + "        ")}
         {WINDOWS}
         {KILL_HOOK}
@@ -182,8 +182,8 @@ def test_killed_budgeted_calibration_resumes_to_the_same_mapper(tmp_path):
     # 4 passes of 11 batches in all; the selection pass and fit pass 0 were checkpointed whole and are not run again,
     # fit pass 1 (killed before its first checkpoint, every 10 batches) and fit pass 2 are
     assert "forward batches 22" in resumed.stdout, resumed.stdout
-    from hf_kvbridge.budget import fit_bytes
-    from hf_kvbridge.calibration.budgeted_fit import fit_bridge_in_passes
+    from hf_kvbridge.fitting.budget import fit_bytes
+    from hf_kvbridge.fitting.calibration.budgeted_fit import fit_bridge_in_passes
 
     source, target = qwen3(layers=2, seed=1), qwen3(layers=3, hidden=48, seed=2)
     windows = torch.randint(0, 128, (20, 24), generator=torch.Generator().manual_seed(0))

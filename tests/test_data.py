@@ -6,7 +6,7 @@ import json
 import pytest
 from datasets import Dataset
 
-from hf_kvbridge.data import CalibrationDataError, token_windows
+from hf_kvbridge.fitting.data import CalibrationDataError, token_windows
 from tests.conftest import CORPUS, make_tokenizer
 
 

@@ -11,10 +11,10 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from hf_kvbridge.fitting.solve import LAMBDA_GRID, heldout_r2_chunks
+from hf_kvbridge.fitting.statistics.blocks import BlockStatistics
+from hf_kvbridge.fitting.statistics.selection import SelectionStatistics
 from hf_kvbridge.heads import map_groups
-from hf_kvbridge.solve import LAMBDA_GRID, heldout_r2_chunks
-from hf_kvbridge.statistics.blocks import BlockStatistics
-from hf_kvbridge.statistics.selection import SelectionStatistics
 from hf_kvbridge.tools.bench.flop_model import (
     EIGH_FLOPS,
     H100_SXM,

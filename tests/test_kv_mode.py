@@ -10,11 +10,12 @@ import torch
 
 import hf_kvbridge
 from hf_kvbridge import KVBridgeForCausalLM
-from hf_kvbridge.calibration.data_pass import collect_statistics
-from hf_kvbridge.calibration.dense_fit import fit_bridge
-from hf_kvbridge.calibration.refit import refit
-from hf_kvbridge.mappers import MAPPER_REGISTRY, MAPPER_TYPES, KVMapper, get_mapper_type
-from hf_kvbridge.solve import solve_ridge
+from hf_kvbridge.fitting.calibration.data_pass import collect_statistics
+from hf_kvbridge.fitting.calibration.dense_fit import fit_bridge
+from hf_kvbridge.fitting.calibration.refit import refit
+from hf_kvbridge.fitting.mapper_fits import fit_of
+from hf_kvbridge.fitting.solve import solve_ridge
+from hf_kvbridge.mappers import MAPPER_REGISTRY, MAPPER_TYPES, KVMapper
 from tests.conftest import VOCAB, qwen3
 
 H, D = 2, 4
@@ -198,10 +199,10 @@ def fitted(pairs, windows):
                 statistics[pair] = collect_statistics(source, target, windows, heldout=[0, 1])
             train, heldout = statistics[pair]
             bridge = fit_bridge(source, target, train, heldout, top_k=2, head_mode=head_mode, kv_mode=kv_mode)
-            entry, kwargs = get_mapper_type(mapper_type), dict(FIT_KWARGS[mapper_type])
+            kwargs = dict(FIT_KWARGS[mapper_type])
             if mapper_type == "low_rank" and pair != "unrelated":
                 kwargs["rank"] = 32  # the linear pairs' maps at full rank (on these widths): exact recovery
-            if entry.fit is not None:
+            if fit_of(mapper_type) is not None:
                 bridge = refit(
                     bridge, mapper_type, windows=windows, statistics=(train, heldout), batch_size=8, **kwargs
                 )

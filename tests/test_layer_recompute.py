@@ -16,11 +16,6 @@ from transformers import AutoModelForCausalLM
 
 import hf_kvbridge
 from hf_kvbridge import KVBridgeForCausalLM
-from hf_kvbridge.budget import FitShape, dense_bytes, fit_bytes, plan_residual, selection_bytes
-from hf_kvbridge.calibration.budgeted_fit import fit_bridge_in_passes
-from hf_kvbridge.calibration.data_pass import collect_statistics
-from hf_kvbridge.calibration.dense_fit import fit_bridge
-from hf_kvbridge.calibration.residual import fit_residual_map, residual_collection
 from hf_kvbridge.configuration import KVBridgeConfig
 from hf_kvbridge.errors import (
     ConfigurationError,
@@ -29,10 +24,15 @@ from hf_kvbridge.errors import (
     ServingConfigError,
     StatisticsMemoryError,
 )
+from hf_kvbridge.fitting.budget import FitShape, dense_bytes, fit_bytes, plan_residual, selection_bytes
+from hf_kvbridge.fitting.calibration.budgeted_fit import fit_bridge_in_passes
+from hf_kvbridge.fitting.calibration.data_pass import collect_statistics
+from hf_kvbridge.fitting.calibration.dense_fit import fit_bridge
+from hf_kvbridge.fitting.calibration.residual import fit_residual_map, residual_collection
+from hf_kvbridge.fitting.statistics.dense import KVStatistics
 from hf_kvbridge.layout import hidden_size
 from hf_kvbridge.masks import positions_from_mask
 from hf_kvbridge.settings import CalibrationSettings
-from hf_kvbridge.statistics.dense import KVStatistics
 from hf_kvbridge.transfer.layer_recompute import recompute_top_layers
 from hf_kvbridge.transfer.session import HandoffSession
 from tests.conftest import CORPUS, VOCAB, make_tokenizer, qwen3
@@ -354,7 +354,7 @@ def test_budgeted_calibration_fits_the_residual_maps_in_the_same_passes(identity
 @pytest.mark.parametrize(("budget", "residual_mode"), [("2.2MB", "blocks"), ("2.5MB", "dense")])
 def test_calibrate_on_a_budget_plans_and_fits_the_residual_maps(tokenizer, budget, residual_mode, caplog):
     source, target = qwen3(layers=4, seed=1), qwen3(layers=5, hidden=48, seed=2)
-    with caplog.at_level("INFO", logger="hf_kvbridge.calibration"):
+    with caplog.at_level("INFO", logger="hf_kvbridge.fitting.calibration"):
         bridge = hf_kvbridge.calibrate(
             source, target, CORPUS, tokenizer=tokenizer, num_sequences=12, seq_len=24, top_k=2,
             statistics_memory=budget, recompute_layers=[1, 2],

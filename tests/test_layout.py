@@ -7,8 +7,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import hf_kvbridge
 from hf_kvbridge import KVBridgeForCausalLM, KVLayoutError
-from hf_kvbridge.calibration.budgeted_fit import fit_bridge_in_passes
-from hf_kvbridge.calibration.checks import split_heldout
+from hf_kvbridge.fitting.calibration.budgeted_fit import fit_bridge_in_passes
+from hf_kvbridge.fitting.calibration.checks import split_heldout
 from hf_kvbridge.heads import same_head_sources
 from hf_kvbridge.transfer.session import HandoffSession
 from tests.conftest import CORPUS, VOCAB, make_tokenizer, qwen3

@@ -7,16 +7,16 @@ from transformers import AutoModelForCausalLM
 
 import hf_kvbridge
 from hf_kvbridge import KVBridgeForCausalLM, KVStatistics
-from hf_kvbridge.calibration.data_pass import collect_statistics
-from hf_kvbridge.calibration.dense_fit import fit_bridge
-from hf_kvbridge.calibration.refit import refit
-from hf_kvbridge.content_rows import cache_rows
 from hf_kvbridge.errors import MapperError
+from hf_kvbridge.fitting.calibration.data_pass import collect_statistics
+from hf_kvbridge.fitting.calibration.dense_fit import fit_bridge
+from hf_kvbridge.fitting.calibration.refit import refit
+from hf_kvbridge.fitting.content_rows import cache_rows
+from hf_kvbridge.fitting.solve import effective_ridge_lambda
+from hf_kvbridge.fitting.statistics.weighted import WeightedKVStatistics
 from hf_kvbridge.mappers import KVMapper, MLPKVMapper, build_mapper
 from hf_kvbridge.mappers.mlp import rows_from_layout, rows_in_layout, train_mlp_mapper
 from hf_kvbridge.mappers.weighted import attention_mass, fit_attention_weighted
-from hf_kvbridge.solve import effective_ridge_lambda
-from hf_kvbridge.statistics.weighted import WeightedKVStatistics
 from tests.conftest import CORPUS, VOCAB, qwen3
 
 

@@ -7,9 +7,9 @@ import torch
 from safetensors.torch import load_file
 
 from hf_kvbridge import precision
-from hf_kvbridge.calibration.data_pass import collect_statistics
-from hf_kvbridge.calibration.dense_fit import fit_bridge
 from hf_kvbridge.errors import InvalidInputError
+from hf_kvbridge.fitting.calibration.data_pass import collect_statistics
+from hf_kvbridge.fitting.calibration.dense_fit import fit_bridge
 from hf_kvbridge.modeling import KVBridgeForCausalLM
 from hf_kvbridge.precision import bf16_matmul_allowed, float32_matmul_precision, resolve_mapper_dtype
 from tests.conftest import VOCAB, qwen3
@@ -170,8 +170,8 @@ def test_statistics_under_medium_precision_match_float64():
     """Under "medium", float32 statistics products run in bfloat16 with float32 accumulation on bfloat16 units (the
     lever for calibration's statistics on such hardware): the moments, the ridge map and its held-out R² stay close
     to float64 statistics of the same rows."""
-    from hf_kvbridge.solve import solve_ridge
-    from hf_kvbridge.statistics.blocks import BlockStatistics
+    from hf_kvbridge.fitting.solve import solve_ridge
+    from hf_kvbridge.fitting.statistics.blocks import BlockStatistics
 
     gen = torch.Generator().manual_seed(0)
     mix = torch.randn(24, 24, generator=gen, dtype=torch.float64)

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from hf_kvbridge.errors import StatisticsError
-from hf_kvbridge.solve import LAMBDA_GRID, choose_ridge_lambdas, heldout_r2_chunks, solve_ridge
-from hf_kvbridge.statistics.dense import KVStatistics
-from hf_kvbridge.statistics.rows import RowStatistics
+from hf_kvbridge.fitting.solve import LAMBDA_GRID, choose_ridge_lambdas, heldout_r2_chunks, solve_ridge
+from hf_kvbridge.fitting.statistics.dense import KVStatistics
+from hf_kvbridge.fitting.statistics.rows import RowStatistics
 
 
 def _rows(n, layers, row, seed, rank=6):
@@ -75,7 +75,7 @@ def test_calibration_from_the_rows_equals_calibration_from_the_sums(monkeypatch,
     it fits (layers, λ, held-out R², weights) is the one the sums give."""
     import copy
 
-    import hf_kvbridge.calibration.budgeted_fit as calibration
+    import hf_kvbridge.fitting.calibration.budgeted_fit as calibration
     from tests.conftest import VOCAB, qwen3
 
     # source == target: each target layer is one source layer exactly, so the held-out λ are small (ill-conditioned
@@ -88,7 +88,7 @@ def test_calibration_from_the_rows_equals_calibration_from_the_sums(monkeypatch,
     def no_sums(*args, **kwargs):
         raise AssertionError("a p × p moment was formed from the rows")
 
-    with monkeypatch.context() as patch, caplog.at_level("INFO", logger="hf_kvbridge.calibration"):
+    with monkeypatch.context() as patch, caplog.at_level("INFO", logger="hf_kvbridge.fitting.calibration"):
         patch.setattr(RowStatistics, "moments", no_sums)  # the λ search and refit use the n × n kernel only
         from_rows, _ = calibration.fit_bridge_in_passes(source, target, windows, [6, 7], **options)  # p = 192
     assert "from the rows themselves" in caplog.text
@@ -105,7 +105,7 @@ def test_calibration_from_the_rows_equals_calibration_from_the_sums(monkeypatch,
 
 
 def test_rows_are_kept_only_when_cheaper():
-    from hf_kvbridge.calibration.budgeted_fit import rows_are_cheaper
+    from hf_kvbridge.fitting.calibration.budgeted_fit import rows_are_cheaper
 
     windows = torch.zeros(8, 256, dtype=torch.long)  # 1,792 train tokens with one window held out
     args = (windows, [7], 12288, 28, 28, 2048)

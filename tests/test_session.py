@@ -10,8 +10,8 @@ import weakref
 import pytest
 import torch
 
-from hf_kvbridge.calibration.data_pass import collect_statistics
-from hf_kvbridge.calibration.dense_fit import fit_bridge
+from hf_kvbridge.fitting.calibration.data_pass import collect_statistics
+from hf_kvbridge.fitting.calibration.dense_fit import fit_bridge
 from hf_kvbridge.transfer.session import HandoffSession
 from studies.drift import drift_conversation, drift_summary
 from tests.conftest import make_tokenizer, qwen3

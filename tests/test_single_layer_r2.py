@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from hf_kvbridge.selection import select_layers, single_layer_r2
-from hf_kvbridge.statistics.dense import KVStatistics
-from hf_kvbridge.statistics.selection import SelectionStatistics
+from hf_kvbridge.fitting.layer_selection import select_layers, single_layer_r2
+from hf_kvbridge.fitting.statistics.dense import KVStatistics
+from hf_kvbridge.fitting.statistics.selection import SelectionStatistics
 
 REFERENCE = Path(__file__).parent / "data" / "single_layer_r2_reference.pt"
 WRITE = os.environ.get("KVBRIDGE_WRITE_R2_REFERENCE") == "1"

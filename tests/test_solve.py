@@ -7,19 +7,19 @@ import pytest
 import torch
 
 from hf_kvbridge import KVBridgeForCausalLM
-from hf_kvbridge.calibration.data_pass import collect_statistics
-from hf_kvbridge.calibration.dense_fit import fit_bridge
 from hf_kvbridge.errors import InvalidInputError
-from hf_kvbridge.mappers import KVMapper
-from hf_kvbridge.selection import mapped_heldout_r2, mapper_r2, single_layer_r2
-from hf_kvbridge.solve import (
+from hf_kvbridge.fitting.calibration.data_pass import collect_statistics
+from hf_kvbridge.fitting.calibration.dense_fit import fit_bridge
+from hf_kvbridge.fitting.layer_selection import mapped_heldout_r2, mapper_r2, single_layer_r2
+from hf_kvbridge.fitting.solve import (
     LAMBDA_GRID,
     choose_ridge_lambdas,
     group_lambda,
     heldout_r2_chunks,
     solve_ridge,
 )
-from hf_kvbridge.statistics.dense import KVStatistics
+from hf_kvbridge.fitting.statistics.dense import KVStatistics
+from hf_kvbridge.mappers import KVMapper
 from tests.conftest import VOCAB, qwen3
 
 # 4 source layers × 1 head × 2·4 dims = 32 features → 1 target layer of 8 outputs
@@ -326,7 +326,7 @@ def test_row_solve_measurement_matches_the_library_solve():
 
 def test_a_per_column_lambda_of_the_wrong_length_is_refused_for_sums_and_rows():
     from hf_kvbridge.errors import InvalidInputError
-    from hf_kvbridge.statistics.rows import RowStatistics
+    from hf_kvbridge.fitting.statistics.rows import RowStatistics
 
     sums = KVStatistics(1, 1, 1, 2)
     rows = RowStatistics(1, 1, 1, 2, sources=[0], targets=[0])
@@ -344,7 +344,7 @@ def pocket_statistics():
     from transformers import AutoTokenizer
 
     from hf_kvbridge import pocket
-    from hf_kvbridge.data import token_windows
+    from hf_kvbridge.fitting.data import token_windows
 
     tokenizer = AutoTokenizer.from_pretrained(pocket.model_path("pocket-s"))
     windows = token_windows(pocket.load_texts("calibration"), tokenizer, 24, 96)
@@ -376,21 +376,21 @@ def test_float32_search_falls_back_to_float64_where_it_is_off(pocket_statistics,
     is searched again in float64: the result is the float64 search's, bit for bit, and the fallback is logged."""
     import logging
 
-    import hf_kvbridge.solve as solve
+    import hf_kvbridge.fitting.solve as solve
 
     train, heldout = pocket_statistics
     selected = [[t % train.source_layers, (t + 1) % train.source_layers] for t in range(train.target_layers)]
     args = (train, heldout, selected, "same_head", train.target_kv_heads, train.target_head_dim)
     reference = choose_ridge_lambdas(*args, search="eigh")
     monkeypatch.setattr(solve, "EIGH32_TOLERANCE", -1.0)
-    with caplog.at_level(logging.INFO, logger="hf_kvbridge.solve"):
+    with caplog.at_level(logging.INFO, logger="hf_kvbridge.fitting.solve"):
         chosen, r2 = choose_ridge_lambdas(*args, search="eigh32")
     assert chosen == reference[0] and torch.equal(r2, reference[1])
     assert "searched again" in caplog.text
 
 
 def test_lambda_search_default_follows_the_device():
-    from hf_kvbridge.solve import default_lambda_search
+    from hf_kvbridge.fitting.solve import default_lambda_search
 
     assert default_lambda_search("cpu") == "eigh" and default_lambda_search("cuda:0") == "cholesky"
     train, held = _stats(64, 0), _stats(64, 1)

@@ -2,8 +2,8 @@
 
 import torch
 
-from hf_kvbridge.solve import solve_ridge
-from hf_kvbridge.statistics.dense import KVStatistics
+from hf_kvbridge.fitting.solve import solve_ridge
+from hf_kvbridge.fitting.statistics.dense import KVStatistics
 
 
 def test_rank_deficient_inputs_with_zero_lambda_give_the_minimum_norm_fit():

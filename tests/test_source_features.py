@@ -17,11 +17,11 @@ import torch
 
 import hf_kvbridge
 from hf_kvbridge import KVBridgeConfig, KVBridgeForCausalLM
-from hf_kvbridge.calibration.budgeted_fit import fit_bridge_in_passes
-from hf_kvbridge.calibration.data_pass import collect_statistics
-from hf_kvbridge.calibration.dense_fit import fit_bridge
 from hf_kvbridge.constants import FORMAT_VERSION, HIDDEN_FEATURES_FORMAT_VERSION, KV_FORMAT_VERSION
 from hf_kvbridge.errors import ConfigurationError, InvalidInputError, KVLayoutError, ServingConfigError
+from hf_kvbridge.fitting.calibration.budgeted_fit import fit_bridge_in_passes
+from hf_kvbridge.fitting.calibration.data_pass import collect_statistics
+from hf_kvbridge.fitting.calibration.dense_fit import fit_bridge
 from hf_kvbridge.layout import KVLayout
 from hf_kvbridge.settings import CalibrationSettings
 from hf_kvbridge.source_features import (

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from hf_kvbridge.solve import solve_ridge
-from hf_kvbridge.statistics.dense import KVStatistics
+from hf_kvbridge.fitting.solve import solve_ridge
+from hf_kvbridge.fitting.statistics.dense import KVStatistics
 
 
 def _rows(n, seed):
@@ -71,9 +71,9 @@ def test_same_head_index_picks_one_head():
 def test_updates_in_chunks_equal_one_update(kind, monkeypatch):
     """A batch larger than `CHUNK_BYTES` of rows is summed a chunk at a time (less transient memory: the selection
     pass of Qwen3-0.6B → 1.7B copies its 0.9 GB of rows per side several times); the sums are those of one update."""
-    from hf_kvbridge.statistics import base as statistics
-    from hf_kvbridge.statistics.blocks import BlockStatistics
-    from hf_kvbridge.statistics.selection import SelectionStatistics
+    from hf_kvbridge.fitting.statistics import base as statistics
+    from hf_kvbridge.fitting.statistics.blocks import BlockStatistics
+    from hf_kvbridge.fitting.statistics.selection import SelectionStatistics
 
     gen = torch.Generator().manual_seed(0)
     x, y = torch.randn(50, 3 * 8, generator=gen) * 3 + 1, torch.randn(50, 2 * 8, generator=gen) - 2
@@ -97,15 +97,24 @@ def test_updates_in_chunks_equal_one_update(kind, monkeypatch):
 def test_a_saved_file_loads_back_with_the_target_head_layout(kind, tmp_path):
     """`save` then `load` gives the same statistics for each class that writes a file (what resumable calibration
     keeps), also when the target's KV heads and head dim differ from the source's (2 × 4 against 3 × 2 here)."""
-    from hf_kvbridge.statistics.blocks import BlockStatistics
-    from hf_kvbridge.statistics.selection import SelectionStatistics
+    from hf_kvbridge.fitting.statistics.blocks import BlockStatistics
+    from hf_kvbridge.fitting.statistics.selection import SelectionStatistics
 
     heads = {"target_kv_heads": 3, "target_head_dim": 2}
     make = {
         "dense": lambda: KVStatistics(2, 3, 2, 4, **heads),
         "selection": lambda: SelectionStatistics(2, 3, 2, 4, torch.float64, **heads),
-        "blocks": lambda: BlockStatistics(2, 3, 2, 4, sources=[0, 1], targets=[1, 2], dtype=torch.float64,
-                                          target_sources={1: [1], 2: [0, 1]}, **heads),  # fmt: skip
+        "blocks": lambda: BlockStatistics(
+            2,
+            3,
+            2,
+            4,
+            sources=[0, 1],
+            targets=[1, 2],
+            dtype=torch.float64,
+            target_sources={1: [1], 2: [0, 1]},
+            **heads,
+        ),  # fmt: skip
     }[kind]
     stats = make()
     generator = torch.Generator().manual_seed(0)

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from hf_kvbridge.cache import slice_cache
-from hf_kvbridge.calibration.data_pass import collect_statistics
-from hf_kvbridge.calibration.dense_fit import fit_bridge
+from hf_kvbridge.fitting.calibration.data_pass import collect_statistics
+from hf_kvbridge.fitting.calibration.dense_fit import fit_bridge
 from tests.conftest import VOCAB, qwen3
 
 

@@ -11,8 +11,8 @@ prompt ──source prefill (hidden states)──▶ source K/V ──mapper─�
 Cost: `n / L_t` of the target's prefill, plus the two maps. `n = L_t` starts from the target's own embeddings (the
 target prefills the mapped span itself, no residual map); `n = 0` is the plain bridge.
 
-The residual map (`mappers.residual.ResidualMapper`) is fitted with the K/V maps (`hf_kvbridge.calibration.residual`);
-this module holds what a transfer runs.
+The residual map (`mappers.residual.ResidualMapper`) is fitted with the K/V maps
+(`hf_kvbridge.fitting.calibration.residual`); this module holds what a transfer runs.
 """
 
 from __future__ import annotations

@@ -248,7 +248,7 @@ def ttft_step(state: dict, kind: str, length: int, settings: dict) -> dict:
 
 def calibration_step(settings: dict) -> dict:
     """The paper's calibration of the small pair (`kvbridge bench calibration`), its stages and projection."""
-    from ...solve import default_lambda_search
+    from ...fitting.solve import default_lambda_search
     from .calibration import CalibrationWorkload, run
 
     c = settings["calibration"]
@@ -263,8 +263,8 @@ def calibration_step(settings: dict) -> dict:
 def lambda_search_step(device: torch.device, settings: dict) -> dict:
     """One map of the paper's calibration shape (p = top_k · H · 2d inputs, q = H · 2d outputs) searched by each
     λ search on `device`: seconds per map, and whether the searches choose the same λ."""
-    from ...solve import LAMBDA_GRID, LAMBDA_SEARCHES, heldout_r2_chunks
-    from ...statistics.dense import KVStatistics
+    from ...fitting.solve import LAMBDA_GRID, LAMBDA_SEARCHES, heldout_r2_chunks
+    from ...fitting.statistics.dense import KVStatistics
 
     heads, dim, layers, tokens = settings["lambda_shape"]
     features = heads * 2 * dim

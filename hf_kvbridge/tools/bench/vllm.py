@@ -226,7 +226,11 @@ def run(
     from hf_kvbridge.integrations.kv_store import DEFAULT_CHUNK_SIZE
 
     bridge_dir, lengths, requests, max_tokens, store = (
-        bench.bridge_dir, bench.lengths, bench.requests, bench.max_tokens, bench.store
+        bench.bridge_dir,
+        bench.lengths,
+        bench.requests,
+        bench.max_tokens,
+        bench.store,
     )
     target = kvb.target_model(bridge_dir)
     chunk_size = chunk_size or DEFAULT_CHUNK_SIZE
@@ -324,7 +328,11 @@ def run_source(bench: BenchEngines, *, chunk_size: int | None = None, log=print)
     from hf_kvbridge.integrations import vllm as kvb
 
     bridge_dir, lengths, requests, max_tokens, store = (
-        bench.bridge_dir, bench.lengths, bench.requests, bench.max_tokens, bench.store
+        bench.bridge_dir,
+        bench.lengths,
+        bench.requests,
+        bench.max_tokens,
+        bench.store,
     )
     model = kvb.served_model(bridge_dir, "source")
     config = None

@@ -1,5 +1,5 @@
 """A model's cache as content-space rows: one row per token, per layer and head the key (RoPE stripped) then the
-value, the form the statistics and the mappers' fits read (`hf_kvbridge.statistics`)."""
+value, the form the statistics and the mappers' fits read (`hf_kvbridge.fitting.statistics`)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
-from .cache import cache_kwargs, cache_layer_kv, kv_to_rows, output_cache
-from .rope import rotary_cos_sin, strip_rotary
+from ..cache import cache_kwargs, cache_layer_kv, kv_to_rows, output_cache
+from ..rope import rotary_cos_sin, strip_rotary
 
 
 @torch.no_grad()

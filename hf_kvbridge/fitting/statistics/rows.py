@@ -2,8 +2,8 @@
 
 With `n` tokens and maps of `p > n` inputs, the sums of [`BlockStatistics`] (`p × p` per map) are larger than the
 rows they sum (`n × p`), and a ridge map of every λ lies in the row space of the training rows, so the λ search and
-the refit need only `n × n` kernels (`hf_kvbridge.solve`, "Fewer tokens than inputs"). [`RowStatistics`] keeps the
-rows of `sources` and `targets` and answers what the solve asks of statistics (`count`, `source_index`,
+the refit need only `n × n` kernels (`hf_kvbridge.fitting.solve`, "Fewer tokens than inputs"). [`RowStatistics`] keeps
+the rows of `sources` and `targets` and answers what the solve asks of statistics (`count`, `source_index`,
 `target_index`, `moments`, `residual_sums`, `rows`), with global layer numbers as in [`KVStatistics`].
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import StatisticsError
+from ...errors import StatisticsError
 from .base import GlobalLayerIndex, KeptLayerStatistics, has_rows, head_index
 
 

@@ -13,9 +13,9 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
+from ...errors import ConfigurationError
+from ...source_features import SourceFeatures, source_blocks
 from ..content_rows import cache_rows, forward_rows
-from ..errors import ConfigurationError
-from ..source_features import SourceFeatures, source_blocks
 from ..statistics.dense import KVStatistics
 from .checkpoints import load_checkpoint, save_checkpoint, windows_digest
 from .checks import pair_heads, pair_layouts

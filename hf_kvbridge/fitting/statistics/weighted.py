@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import InvalidInputError
+from ...errors import InvalidInputError
 from .dense import KVStatistics
 
 

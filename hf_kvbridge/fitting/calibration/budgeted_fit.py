@@ -1,5 +1,5 @@
 """The budgeted fit: a selection pass, then fit passes of the selected source layers only, as many target layers
-a pass as the memory budget allows (`hf_kvbridge.budget`)."""
+a pass as the memory budget allows (`hf_kvbridge.fitting.budget`)."""
 
 from __future__ import annotations
 
@@ -9,15 +9,15 @@ import os
 import torch
 from transformers import PreTrainedModel
 
+from ...layout import hidden_size
+from ...mappers import KVMapper
+from ...modeling import KVBridgeForCausalLM
+from ...source_features import SourceFeatures, source_blocks
 from ..budget import (
     plan_passes,
 )
-from ..layout import hidden_size
-from ..mappers import KVMapper
-from ..modeling import KVBridgeForCausalLM
-from ..selection import mapper_r2, select_layers
+from ..layer_selection import mapper_r2, select_layers
 from ..solve import LAMBDA_GRID, choose_ridge_lambdas
-from ..source_features import SourceFeatures, source_blocks
 from ..statistics.blocks import BlockStatistics, feature_groups
 from ..statistics.dense import KVStatistics
 from ..statistics.rows import RowStatistics
@@ -82,8 +82,8 @@ def fit_bridge_in_passes(
     features: SourceFeatures | None = None,
     layouts: tuple | None = None,
 ) -> tuple[KVBridgeForCausalLM, tuple | None]:
-    """Calibration on a memory budget (see `hf_kvbridge.budget`): a selection pass over `windows` picks the top-k
-    source layers of each target layer from [`SelectionStatistics`], then fit passes accumulate
+    """Calibration on a memory budget (see `hf_kvbridge.fitting.budget`): a selection pass over `windows` picks the
+    top-k source layers of each target layer from [`SelectionStatistics`], then fit passes accumulate
     [`BlockStatistics`] of the selected source layers only, for as many target layers per pass as
     `statistics_memory` allows, and solve them. A ridge fit from fewer training tokens than map inputs keeps the rows
     themselves instead ([`RowStatistics`], one fit pass, when they fit the budget; `rows_are_cheaper`): the same maps

@@ -11,21 +11,22 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
+from ...constants import DEFAULT_CALIBRATION_DATA
+from ...errors import StatisticsMemoryError
+from ...heads import same_head_sources
+from ...layout import check_models, hidden_layout, hidden_size
+from ...loading import load_model, model_reference
+from ...mappers import get_mapper_type
+from ...modeling import KVBridgeForCausalLM
+from ...settings import CalibrationSettings
+from ...sizes import format_bytes
+from ...source_features import SourceFeatures, source_blocks
+from ...version import __version__
 from ..budget import FitShape, plan_calibration
-from ..constants import DEFAULT_CALIBRATION_DATA
 from ..data import describe_data, token_windows
-from ..errors import StatisticsMemoryError
-from ..heads import same_head_sources
-from ..layout import check_models, hidden_layout, hidden_size
-from ..loading import load_model, model_reference
-from ..mappers import get_mapper_type
-from ..modeling import KVBridgeForCausalLM
-from ..settings import CalibrationSettings
-from ..sizes import format_bytes
-from ..source_features import SourceFeatures, source_blocks
+from ..mapper_fits import fit_of
 from ..statistics.blocks import feature_groups
 from ..statistics.dense import KVStatistics
-from ..version import __version__
 from .budgeted_fit import fit_bridge_in_passes
 from .checks import check_tokens, features_per_layer, shared_tokenizer, split_heldout
 from .data_pass import collect_statistics
@@ -254,7 +255,7 @@ def calibrate(
             "timings": timings,
             **fit_kwargs,
         }
-        want = settings.keep_statistics or entry.fit is not None
+        want = settings.keep_statistics or fit_of(entry.name) is not None
         checkpoint = settings.checkpoint_dir
         bridge, statistics = fit_bridge_in_passes(
             source,
@@ -277,7 +278,7 @@ def calibrate(
                 config_kwargs={**reverse_references, "calibration": dict(provenance)},
                 layouts=(tgt, src),
             )
-        if entry.fit is not None and statistics is None:
+        if fit_of(entry.name) is not None and statistics is None:
             raise StatisticsMemoryError(
                 f"mapper_type {settings.mapper_type!r} starts from the statistics of every target layer at once, but "
                 f"statistics_memory={format_bytes(budget)} needed several passes over the data; raise "
@@ -292,7 +293,9 @@ def calibrate(
                 part.config.calibration[key] = round(timings[key], 2)
         if "fit_passes" in timings:
             part.config.calibration["fit_passes"] = timings["fit_passes"]
-    if entry.fit is not None:  # mappers beyond ridge start from the ridge bridge (see `mappers.MAPPER_REGISTRY`)
+    if (
+        fit_of(entry.name) is not None
+    ):  # mappers beyond ridge start from the ridge bridge (see `mappers.MAPPER_REGISTRY`)
         bridge = refit(
             bridge,
             settings.mapper_type,

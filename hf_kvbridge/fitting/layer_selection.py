@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from .errors import InvalidInputError
-from .heads import map_groups, same_head_sources
+from ..errors import InvalidInputError
+from ..heads import map_groups, same_head_sources
 from .solve import LAMBDA_GRID, choose_ridge_lambdas, heldout_r2_chunks, map_group_lambda, solve_ridge
 from .statistics.dense import KVStatistics
 
@@ -27,7 +27,7 @@ def single_layer_r2(
     """Held-out R² of predicting each target layer from each single source layer.
 
     With `ridge_lambda="auto"` each (target layer, source layer, K/V) scores at its best λ of `LAMBDA_GRID`
-    (one eigendecomposition per source layer and head group; see `hf_kvbridge.solve`).
+    (one eigendecomposition per source layer and head group; see `hf_kvbridge.fitting.solve`).
 
     Returns:
         `torch.Tensor` of shape `(target_layers, source_layers, 2)`: R² for K (`[..., 0]`) and V (`[..., 1]`),
@@ -93,8 +93,8 @@ def mapper_r2(
 ) -> torch.Tensor:
     """Held-out R² of a mapper fitted on `train` with `selected_layers`.
 
-    `ridge_lambda` is one number, per-layer choices (see `hf_kvbridge.solve.group_lambda`), or `"auto"`: each
-    layer, head group and K/V at its best λ of `LAMBDA_GRID` (`hf_kvbridge.solve.choose_ridge_lambdas`).
+    `ridge_lambda` is one number, per-layer choices (see `hf_kvbridge.fitting.solve.group_lambda`), or `"auto"`: each
+    layer, head group and K/V at its best λ of `LAMBDA_GRID` (`hf_kvbridge.fitting.solve.choose_ridge_lambdas`).
 
     Args:
         targets (`list[int]`, *optional*): only these target layers (the rows of the others stay 0), e.g. the target

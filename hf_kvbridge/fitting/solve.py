@@ -24,10 +24,11 @@ train + held-out statistics with the chosen λ per column (`solve_ridge` with a 
 **Three ways to search** (`LAMBDA_SEARCHES`): `"eigh"` (the above, float64; the CPU's default), `"eigh32"` (the
 same in float32, each map's chosen λ then checked in float64 by Cholesky and the map searched again in float64 where
 its R² was off by more than `EIGH32_TOLERANCE`) and `"cholesky"` (float64, one factorisation and solve per λ, batched:
-`hf_kvbridge.ridge_path`; as many FLOPs as `"eigh"` for `q = p/6`, all of it matrix-matrix work; CUDA's default).
+`hf_kvbridge.fitting.ridge_path`; as many FLOPs as `"eigh"` for `q = p/6`, all of it matrix-matrix work; CUDA's
+default).
 
-**Memory** (`p` inputs, `w` outputs, float64; `hf_kvbridge.budget.solve_bytes` plans it): the search keeps at most
-three `p × p` matrices, at the eigendecomposition (its eigenvectors written over the standardized Gram block, plus
+**Memory** (`p` inputs, `w` outputs, float64; `hf_kvbridge.fitting.budget.solve_bytes` plans it): the search keeps at
+most three `p × p` matrices, at the eigendecomposition (its eigenvectors written over the standardized Gram block, plus
 LAPACK's `2p²` workspace); the held-out Gram block is read only after it and rotated in place, `M = Vᵀ Z' V`, so each
 λ costs products and diagonal scalings of `p × w` blocks. The refit keeps the Gram block (the ridge added on its
 diagonal) and one Cholesky factor. The moments `stats.moments` returns are worked on in place.
@@ -39,7 +40,7 @@ import logging
 
 import torch
 
-from .errors import ConfigurationError, InvalidInputError, StatisticsError
+from ..errors import ConfigurationError, InvalidInputError, StatisticsError
 from .ridge_path import heldout_r2_by_cholesky
 
 logger = logging.getLogger(__name__)
@@ -106,7 +107,7 @@ def solve_ridge(
     Example:
 
     ```python
-    >>> from hf_kvbridge.statistics.dense import KVStatistics
+    >>> from hf_kvbridge.fitting.statistics.dense import KVStatistics
     >>> stats = KVStatistics(source_layers=1, target_layers=1, num_kv_heads=1, head_dim=2)
     >>> stats.update(torch.randn(50, 4), torch.randn(50, 4))
     >>> weight, bias = solve_ridge(stats, torch.arange(4), torch.arange(4), 0.01)
@@ -246,7 +247,7 @@ def heldout_r2_chunks(
     Example:
 
     ```python
-    >>> from hf_kvbridge.statistics.dense import KVStatistics
+    >>> from hf_kvbridge.fitting.statistics.dense import KVStatistics
     >>> train, held = (KVStatistics(1, 1, num_kv_heads=1, head_dim=2) for _ in range(2))
     >>> for stats in (train, held):
     ...     x = torch.randn(200, 4)
@@ -268,7 +269,7 @@ def heldout_r2_chunks(
         return heldout_r2_cholesky(train, heldout, [(x_idx, y_idx)], head_dim, lambdas)[0]
     # Peak memory: three `p × p` float64 matrices (the eigendecomposition: eigenvectors written over the standardized
     # Gram block, plus LAPACK's `2·p²` workspace), with the held-out moments read only after it, rotated in place
-    # (see `hf_kvbridge.budget.solve_bytes`)
+    # (see `hf_kvbridge.fitting.budget.solve_bytes`)
     block = strip_rows(x_idx.numel())
     mx, my, z, a, _ = _moments(train, x_idx, y_idx)
     root = _feature_scale(z).sqrt()  # (p,) D^½

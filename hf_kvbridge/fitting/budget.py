@@ -30,8 +30,8 @@ from typing import NamedTuple
 
 import torch
 
-from .errors import StatisticsMemoryError
-from .sizes import format_bytes, parse_bytes
+from ..errors import StatisticsMemoryError
+from ..sizes import format_bytes, parse_bytes
 from .statistics.blocks import BlockStatistics, feature_groups
 from .statistics.selection import SelectionStatistics
 
@@ -153,7 +153,7 @@ def selection_bytes(source_layers: int, target_layers: int, num_kv_heads: int, h
 
 def solve_bytes(top_k: int, width: int) -> int:
     """Peak bytes of solving one map of `top_k` source layers' `width` features each (`row` / groups) for one
-    target layer, `p = top_k·width` inputs and `width` outputs, in float64 (`hf_kvbridge.solve`):
+    target layer, `p = top_k·width` inputs and `width` outputs, in float64 (`hf_kvbridge.fitting.solve`):
 
     - the λ search's eigendecomposition: the eigenvectors (written over the standardized Gram block) and LAPACK's
       `2·p²` workspace, beside one `p × width` cross block: `3p² + p·w` numbers (reading the held-out moments after
@@ -192,7 +192,7 @@ def check_budget(budget: int, shape: FitShape, head_mode: str = "all_heads", kv_
     """Which calibration of `shape` fits `budget` bytes: `"dense"` or `"blocks"`; raises `StatisticsMemoryError`
     (naming bytes needed, bytes available and what to change) when not even the smallest block plan fits. Runs
     before any work. `head_mode`, `kv_mode`: the maps fitted (the Gram blocks kept per layer when `shape.groups` is
-    `None`, see `hf_kvbridge.statistics.blocks.feature_groups`; they name what to change in a refusal)."""
+    `None`, see `hf_kvbridge.fitting.statistics.blocks.feature_groups`; they name what to change in a refusal)."""
     source_layers, target_layers, num_kv_heads, head_dim, top_k, dtype, groups = shape
     row = shape.row
     if groups is None:
@@ -233,7 +233,7 @@ def plan_passes(
 ) -> list[list[int]]:
     """Groups target layers into fit passes: consecutive target layers (which select similar source layers, so their
     union stays small) join a pass while its train + held-out [`BlockStatistics`] (kept in `groups` feature groups,
-    see `hf_kvbridge.statistics.blocks.feature_groups`) and the solve of one map fit `budget` bytes.
+    see `hf_kvbridge.fitting.statistics.blocks.feature_groups`) and the solve of one map fit `budget` bytes.
 
     `own_cross` (the default) plans each target layer's cross blocks with its own selected source layers only
     (`BlockStatistics(..., target_sources=...)`); `False` plans them with the pass's whole union, which statistics

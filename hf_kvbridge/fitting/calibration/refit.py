@@ -1,4 +1,4 @@
-"""Mappers beyond ridge, fitted from a ridge bridge (`mappers.MAPPER_REGISTRY[mapper_type].fit`)."""
+"""Mappers beyond ridge, fitted from a ridge bridge (`fitting.mapper_fits.fit_of(mapper_type)`)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,10 @@ from typing import Any
 
 import torch
 
-from ..errors import ConfigurationError
-from ..mappers import get_mapper_type
-from ..modeling import KVBridgeForCausalLM
+from ...errors import ConfigurationError
+from ...mappers import get_mapper_type
+from ...modeling import KVBridgeForCausalLM
+from ..mapper_fits import fit_of
 from ..solve import effective_ridge_lambda
 from ..statistics.dense import KVStatistics
 
@@ -29,7 +30,7 @@ def refit(
 ) -> KVBridgeForCausalLM:
     """A bridge over `bridge`'s models with a mapper of type `mapper_type` fitted from `bridge`'s (ridge) mapper.
 
-    Calls the registry's fit (`mappers.MAPPER_REGISTRY[mapper_type].fit`) with the mapper, the two models, `windows`,
+    Calls the type's fit (`fitting.mapper_fits.fit_of(mapper_type)`) with the mapper, the two models, `windows`,
     `statistics` (default: the `calibration_statistics` that `calibrate(keep_statistics=True)` leaves on the bridge),
     the λ the mapper was fitted with, and `mapper_kwargs`; the fit returns the new mapper, and the new bridge's config
     records `mapper_type`, the fit's `fit_summary` as `mapper_kwargs` and its `fit_config` fields. `bridge` itself is
@@ -42,12 +43,12 @@ def refit(
     >>> mlp = refit(bridge, "mlp", windows=windows, hidden=128, epochs=1)  # doctest: +SKIP
     ```
     """
-    entry = get_mapper_type(mapper_type)
-    if entry.fit is None:
+    entry, fit = get_mapper_type(mapper_type), fit_of(mapper_type)
+    if fit is None:
         raise ConfigurationError(f"mapper_type {mapper_type!r} is the ridge fit itself: use fit_bridge or calibrate")
     if statistics is None:
         statistics = getattr(bridge, "calibration_statistics", None)
-    mapper = entry.fit(
+    mapper = fit(
         bridge.mapper,
         source=bridge.source,
         target=bridge.target,

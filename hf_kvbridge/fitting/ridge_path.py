@@ -1,5 +1,6 @@
 """The held-out R² of ridge maps along a λ path by Cholesky factorisations: the `"cholesky"` λ search of
-`hf_kvbridge.solve`, from the standardized moments it hands over (all matrix-matrix work, batched over maps and λ).
+`hf_kvbridge.fitting.solve`, from the standardized moments it hands over (all matrix-matrix work, batched over maps
+and λ).
 
 For each λ, `W(λ) = (Z + λI)⁻¹ a` (one Cholesky factorisation, two triangular solves) and, per output column, the mean
 squared held-out residual `var_y − 2 wᵀc + wᵀ Z' w + (mean residual)²` from the held-out moments, as the

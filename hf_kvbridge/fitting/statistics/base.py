@@ -21,8 +21,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from ..errors import StatisticsError
-from ..heads import HeadLayouts, map_groups, target_heads_of
+from ...errors import StatisticsError
+from ...heads import HeadLayouts, map_groups, target_heads_of
 
 logger = logging.getLogger(__name__)
 

@@ -8,14 +8,14 @@ import logging
 
 from transformers import PreTrainedModel
 
-from ..configuration import KVBridgeConfig
-from ..constants import HEAD_MODES
-from ..errors import ConfigurationError
-from ..mappers import KVMapper
-from ..modeling import KVBridgeForCausalLM
-from ..selection import mapper_r2, select_layers, single_layer_r2
+from ...configuration import KVBridgeConfig
+from ...constants import HEAD_MODES
+from ...errors import ConfigurationError
+from ...mappers import KVMapper
+from ...modeling import KVBridgeForCausalLM
+from ...source_features import SourceFeatures, check_feature_modes, source_blocks
+from ..layer_selection import mapper_r2, select_layers, single_layer_r2
 from ..solve import LAMBDA_GRID, choose_ridge_lambdas
-from ..source_features import SourceFeatures, check_feature_modes, source_blocks
 from ..statistics.dense import KVStatistics
 from .checks import allowed_blocks, check_tokens, features_per_layer, pair_layouts
 
@@ -42,7 +42,7 @@ def fit_bridge(
 
     Args:
         ridge_lambda (`float` or `"auto"`, *optional*, defaults to `"auto"`): relative ridge strength; `"auto"`
-            chooses it per target layer, head group and K/V by held-out R² over `hf_kvbridge.solve.LAMBDA_GRID`
+            chooses it per target layer, head group and K/V by held-out R² over `hf_kvbridge.fitting.solve.LAMBDA_GRID`
             (fit on `train`, scored on `heldout`, refitted on both; stored in `config.ridge_lambdas`).
         selected_layers (`list[list[int]]`, *optional*): force these source layers (per target layer, in order)
             instead of selecting them.

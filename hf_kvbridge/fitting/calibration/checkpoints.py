@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from ..errors import ConfigurationError
+from ...errors import ConfigurationError
 from ..statistics.dense import KVStatistics
 
 logger = logging.getLogger(__name__)

@@ -18,9 +18,9 @@ from typing import Any
 
 import torch
 
-from .constants import TEXT_SUFFIXES
-from .errors import CalibrationDataError, InvalidInputError
-from .pocket import data_path
+from ..constants import TEXT_SUFFIXES
+from ..errors import CalibrationDataError, InvalidInputError
+from ..pocket import data_path
 
 logger = logging.getLogger(__name__)
 

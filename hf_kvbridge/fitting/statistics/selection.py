@@ -8,7 +8,7 @@ import math
 
 import torch
 
-from ..errors import StatisticsError
+from ...errors import StatisticsError
 from ..solve import ridge_from_moments
 from .base import (
     CentredSums,
@@ -137,7 +137,7 @@ class SelectionStatistics(CentredSums, StatisticsFile, LayerPairStatistics):
 
     def single_layer_r2(self, heldout: SelectionStatistics, ridge_lambda: float = 0.01) -> torch.Tensor:
         """Held-out R² of predicting each target layer from each single source layer, head h from head h, K from K
-        and V from V (centred ridge, λ relative to each feature's variance as in `hf_kvbridge.solve`).
+        and V from V (centred ridge, λ relative to each feature's variance as in `hf_kvbridge.fitting.solve`).
 
         Returns:
             `torch.Tensor` of shape `(target_layers, source_layers, 2)`: R² of K and V, averaged over heads.
@@ -169,4 +169,3 @@ class SelectionStatistics(CentredSums, StatisticsFile, LayerPairStatistics):
         sse, sst = sse.view(self.groups, 2, ls, lt), sst.view(self.groups, 2, 1, lt)
         r2 = (1 - sse / sst.clamp_min(torch.finfo(torch.float64).tiny)).mean(0)  # (2, L_s, L_t): mean over heads
         return r2.permute(2, 1, 0).contiguous()  # (L_t, L_s, 2)
-
