@@ -35,7 +35,7 @@ _LAZY = {
     "collect_statistics": "fitting.calibration.data_pass",
     "fit_bridge": "fitting.calibration.dense_fit",
     "KVBridgeForCausalLM": "modeling",
-    "KVLayout": "layout",
+    "KVLayout": "utils.layout",
     "KVMapper": "mappers",
     "KVStatistics": "fitting.statistics.dense",
 }
@@ -69,6 +69,7 @@ class _BridgeClassOnFirstUse:
 # Modules that moved (CHANGELOG.md): the old import path imports the new module itself, one module object under both
 # names (so `isinstance`, `monkeypatch` and private names behave as before), with a DeprecationWarning naming it.
 MOVED_MODULES = {
+    # the fitting side
     "hf_kvbridge.attention": "hf_kvbridge.fitting.attention",
     "hf_kvbridge.budget": "hf_kvbridge.fitting.budget",
     "hf_kvbridge.calibration": "hf_kvbridge.fitting.calibration",
@@ -78,6 +79,20 @@ MOVED_MODULES = {
     "hf_kvbridge.selection": "hf_kvbridge.fitting.layer_selection",
     "hf_kvbridge.solve": "hf_kvbridge.fitting.solve",
     "hf_kvbridge.statistics": "hf_kvbridge.fitting.statistics",
+    # the runtime helpers
+    "hf_kvbridge.cache": "hf_kvbridge.utils.cache",
+    "hf_kvbridge.devices": "hf_kvbridge.utils.devices",
+    "hf_kvbridge.heads": "hf_kvbridge.utils.heads",
+    "hf_kvbridge.layout": "hf_kvbridge.utils.layout",
+    "hf_kvbridge.masks": "hf_kvbridge.utils.masks",
+    "hf_kvbridge.precision": "hf_kvbridge.utils.precision",
+    "hf_kvbridge.rope": "hf_kvbridge.utils.rope",
+    "hf_kvbridge.rope_triton": "hf_kvbridge.utils.rope_triton",
+    "hf_kvbridge.sizes": "hf_kvbridge.utils.sizes",
+    "hf_kvbridge.source_features": "hf_kvbridge.utils.source_features",
+    "hf_kvbridge.tokenization": "hf_kvbridge.utils.tokenization",
+    # one name per concept: the mapping engine's steps beside the transfer's
+    "hf_kvbridge.mappers.steps": "hf_kvbridge.mappers.engine_steps",
 }
 
 

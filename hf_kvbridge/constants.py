@@ -39,7 +39,7 @@ AUTO_LOAD_KWARGS = (
 
 # Bumped whenever the meaning of a saved file changes; loading refuses newer formats. A checkpoint records the
 # oldest version that can read it: K/V-only bridges stay at `KV_FORMAT_VERSION` (every reader loads them), a bridge
-# whose mapper reads the source's hidden states (`hf_kvbridge.source_features`) needs
+# whose mapper reads the source's hidden states (`hf_kvbridge.utils.source_features`) needs
 # `HIDDEN_FEATURES_FORMAT_VERSION`, which readers of version 1 refuse instead of loading it as a K/V-only bridge.
 KV_FORMAT_VERSION = 1
 HIDDEN_FEATURES_FORMAT_VERSION = 2

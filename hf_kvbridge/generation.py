@@ -10,9 +10,9 @@ import torch
 from torch import nn
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from .cache import CACHE_KWARG, cache_kwargs, output_cache
 from .errors import InvalidInputError
-from .masks import positions_from_mask
+from .utils.cache import CACHE_KWARG, cache_kwargs, output_cache
+from .utils.masks import positions_from_mask
 
 logger = logging.getLogger(__name__)
 

@@ -17,23 +17,23 @@ from transformers import AutoModelForCausalLM, Cache, DynamicCache, PreTrainedMo
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .bridge_parts import check_bridge_parts, converted_mapper
-from .cache import cache_kwargs
 from .configuration import KVBridgeConfig
-from .devices import execution_device
 from .errors import ConfigurationError, ContextLengthError
 from .generation import bridged_forward, generation_inputs, target_forward
 from .mappers.base import KVMapper
 from .mappers.engine import Workspace, map_cache
 from .mappers.lazy import LazyKVMapper
 from .mappers.residual import ResidualMapper
-from .masks import left_padding
 from .persistence import BridgeHubMixin
-from .precision import HALF_TYPES, resolve_mapper_dtype
 from .transfer.layer_recompute import check_layer_recompute
 from .transfer.plan import TransferPlan, plan_from_config
 from .transfer.prefill import transfer_prefill
 from .transfer.session import HandoffSession
 from .transfer.warm_start import check_warm_plan, generate_from_source_cache
+from .utils.cache import cache_kwargs
+from .utils.devices import execution_device
+from .utils.masks import left_padding
+from .utils.precision import HALF_TYPES, resolve_mapper_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -172,7 +172,7 @@ class KVBridgeForCausalLM(BridgeHubMixin, nn.Module):
                 made otherwise. A `StaticCache` is written in place by the `"layers"` schedule.
             hidden_states (`tuple[torch.Tensor]`, *optional*): the source's `output_hidden_states` over the cached
                 tokens (`L_s + 1` tensors of `(batch, seq, D_s)`); needed when the mapper reads them
-                (`self.source_features`, `hf_kvbridge.source_features`), ignored otherwise.
+                (`self.source_features`, `hf_kvbridge.utils.source_features`), ignored otherwise.
             schedule (`str`, *optional*): `"chunked"` or `"layers"` (`mappers.engine.SCHEDULES`); by default the
                 one for the target's device (`engine.default_schedule`: whole layers on CUDA, chunks on CPU).
 
@@ -197,7 +197,7 @@ class KVBridgeForCausalLM(BridgeHubMixin, nn.Module):
     def mapping_mapper(self) -> KVMapper:
         """The mapper `map_cache` computes with: `self.mapper`, or, when `mapper_dtype` is `None`/`"auto"`, the target
         is float32, PyTorch's float32 matmul precision allows bfloat16 (`torch.set_float32_matmul_precision(
-        "medium")`) and the device has bfloat16 matrix units (`hf_kvbridge.precision.resolve_mapper_dtype`), a
+        "medium")`) and the device has bfloat16 matrix units (`hf_kvbridge.utils.precision.resolve_mapper_dtype`), a
         bfloat16 copy of it. The copy is kept (half the float32 mapper's bytes) until a weight of `self.mapper`
         changes or moves; `self.mapper` itself, and so what `save_pretrained` writes, stays float32. A lazily loaded
         mapper is never copied.

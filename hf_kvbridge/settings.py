@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING, Any
 
 from .constants import HEAD_MODES, KV_MODES, MAPPER_KWARGS, MAPPER_TYPE_NAMES, STATISTICS_DTYPES
 from .errors import ConfigurationError, unknown_mapper_type
-from .sizes import parse_bytes
-from .source_features import check_feature_modes, check_hidden_state_layers_value
+from .utils.sizes import parse_bytes
+from .utils.source_features import check_feature_modes, check_hidden_state_layers_value
 
 if TYPE_CHECKING:
     import torch
@@ -84,7 +84,7 @@ class CalibrationSettings:
             target's layer count, which need no map). One number also turns it on in the saved config; a list leaves
             `config.recompute_layers` at `0` (pick one at run time). `0`: no residual map.
         hidden_state_layers (`list[int]`, `int` or `"all"`, *optional*): richer source features
-            (`hf_kvbridge.source_features`): these entries of the source's `output_hidden_states` (`0`: the
+            (`hf_kvbridge.utils.source_features`): these entries of the source's `output_hidden_states` (`0`: the
             embeddings, `i`: what source layer `i` receives, `L_s` or `-1`: the final normed output) become feature
             blocks of every target layer's map beside the source's K/V, ranked with the K/V blocks by held-out R²
             (`top_k` counts both). `None` (default): K/V only. Needs `head_mode="all_heads"`, `kv_mode="joint"` and

@@ -52,7 +52,7 @@ def child(p: int, head_dim: int, seed: int, k: int | None = None) -> dict:
 
     from hf_kvbridge.fitting import solve
     from hf_kvbridge.fitting.statistics.blocks import BlockStatistics
-    from hf_kvbridge.heads import map_groups
+    from hf_kvbridge.utils.heads import map_groups
 
     k, heads = shape(p, head_dim, k)
     row = heads * 2 * head_dim

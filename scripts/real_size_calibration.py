@@ -107,7 +107,7 @@ def selection_only(args, source, target, tokenizer, result: dict) -> None:
     from hf_kvbridge.fitting.calibration.data_pass import collect_statistics
     from hf_kvbridge.fitting.layer_selection import select_layers
     from hf_kvbridge.fitting.statistics.selection import SelectionStatistics
-    from hf_kvbridge.layout import allowed_sources, check_matched
+    from hf_kvbridge.utils.layout import allowed_sources, check_matched
 
     src, tgt = check_matched(source.config, target.config, SOURCE, TARGET)
     windows, heldout = windows_and_split(args, tokenizer)

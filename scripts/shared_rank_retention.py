@@ -20,8 +20,8 @@ from hf_kvbridge.fitting.calibration.checks import split_heldout
 from hf_kvbridge.fitting.calibration.data_pass import collect_statistics
 from hf_kvbridge.fitting.calibration.dense_fit import fit_bridge
 from hf_kvbridge.fitting.data import token_windows
-from hf_kvbridge.heads import map_groups
 from hf_kvbridge.tools.evaluation import continuation_nll, heldout_windows
+from hf_kvbridge.utils.heads import map_groups
 
 torch.set_num_threads(2)
 torch.manual_seed(0)

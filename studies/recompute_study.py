@@ -53,7 +53,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--hidden-state-layers",
         default=None,
         help="source hidden states that feed the K/V maps beside its K/V (comma-separated output_hidden_states "
-        "entries, or 'all'; hf_kvbridge.source_features); default: K/V only",
+        "entries, or 'all'; hf_kvbridge.utils.source_features); default: K/V only",
     )
     parser.add_argument("--windows", type=int, default=48, help="held-out windows")
     parser.add_argument("--context", type=int, default=192)

@@ -11,7 +11,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from hf_kvbridge.errors import KVLayoutError
 from hf_kvbridge.fitting.calibration.data_pass import collect_statistics
 from hf_kvbridge.fitting.calibration.dense_fit import fit_bridge
-from hf_kvbridge.layout import check_models
+from hf_kvbridge.utils.layout import check_models
 from tests.conftest import VOCAB
 
 SUPPORTED = ["llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2", "gemma2", "gemma", "granite", "starcoder2"]

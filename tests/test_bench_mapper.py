@@ -77,8 +77,8 @@ def test_bench_cli_old_vs_new_writes_both_defaults(tmp_path, capsys, monkeypatch
     """`--old-vs-new` times the old default mapping (the float32 mapper) and the new one (a bfloat16 copy under
     matmul precision "medium", where the device has bfloat16 units) of one bridge in one run and writes both, side by
     side, with their ratio and the differences of their outputs: bfloat16 rounding with units, 0 without."""
-    from hf_kvbridge import precision
     from hf_kvbridge.tools.bench import mapper as bench
+    from hf_kvbridge.utils import precision
 
     real_units = precision.bf16_matmul_units("cpu")  # where oneDNN has them, "medium" uses them in float32 products
     monkeypatch.setattr(precision, "bf16_matmul_units", lambda device: units)

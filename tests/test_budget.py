@@ -33,10 +33,10 @@ from hf_kvbridge.fitting.solve import solve_ridge
 from hf_kvbridge.fitting.statistics.blocks import BlockStatistics
 from hf_kvbridge.fitting.statistics.dense import KVStatistics
 from hf_kvbridge.fitting.statistics.selection import SelectionStatistics
-from hf_kvbridge.heads import map_groups
 from hf_kvbridge.mappers import KVMapper
-from hf_kvbridge.sizes import parse_bytes
 from hf_kvbridge.tools.bench.timing import cpu_peak_bytes
+from hf_kvbridge.utils.heads import map_groups
+from hf_kvbridge.utils.sizes import parse_bytes
 from tests.conftest import CORPUS, make_tokenizer, qwen3
 
 LS, LT, H, D = 3, 4, 2, 3

@@ -12,7 +12,7 @@ import torch
 import hf_kvbridge
 import hf_kvbridge.fitting.calibration.calibrate as calibrate_module
 import hf_kvbridge.fitting.calibration.checks as checks
-import hf_kvbridge.layout as layout
+import hf_kvbridge.utils.layout as layout
 from hf_kvbridge.errors import StatisticsMemoryError
 from hf_kvbridge.fitting.budget import (
     CalibrationPlan,
@@ -105,7 +105,7 @@ def test_a_batch_gives_the_same_rows_in_any_batching():
     (with hidden-state feature rows and the residual rows of layer recompute riding along)."""
     from hf_kvbridge.fitting.calibration.residual import residual_collection
     from hf_kvbridge.fitting.statistics.dense import KVStatistics
-    from hf_kvbridge.source_features import SourceFeatures
+    from hf_kvbridge.utils.source_features import SourceFeatures
 
     source, target = _pair()
     windows = torch.randint(0, VOCAB, (8, 12), generator=torch.Generator().manual_seed(3))

@@ -63,7 +63,7 @@ def test_different_tokenizers(tmp_path):
 
 
 def test_layer_types_other_than_full_and_sliding_are_refused():
-    from hf_kvbridge.layout import check_supported
+    from hf_kvbridge.utils.layout import check_supported
 
     config = qwen3(layers=2).config
     config.layer_types = ["full_attention", "linear_attention"]  # e.g. a hybrid linear-attention model
@@ -229,7 +229,7 @@ def test_every_error_class_derives_from_kvbridge_error_and_a_builtin():
 
 
 def test_bad_config_values_raise_configuration_error():
-    from hf_kvbridge.sizes import parse_bytes
+    from hf_kvbridge.utils.sizes import parse_bytes
 
     with pytest.raises(ConfigurationError, match=r"head_mode must be one of .*got 'per_token'"):
         KVBridgeConfig(head_mode="per_token")
@@ -261,8 +261,8 @@ def test_bad_call_arguments_raise_invalid_input_error(tokenizer):
 
 
 def test_layout_and_cache_mismatches_raise_kv_layout_error():
-    from hf_kvbridge.cache import check_cache_shape
-    from hf_kvbridge.rope import rotary_module
+    from hf_kvbridge.utils.cache import check_cache_shape
+    from hf_kvbridge.utils.rope import rotary_module
 
     with pytest.raises(KVLayoutError, match="Linear has no `rotary_emb` module"):
         rotary_module(torch.nn.Linear(2, 2))

@@ -175,8 +175,8 @@ def test_a_bridge_on_the_targets_own_cache_closes_the_whole_gap(upward, monkeypa
     "mapped" cache is the target's own prefill closes the gap (1), the source's own scores close none of it (0)."""
     from types import SimpleNamespace
 
-    from hf_kvbridge.cache import output_cache
     from hf_kvbridge.tools.evaluation import continuation_nll, gap_recovered, window_nll
+    from hf_kvbridge.utils.cache import output_cache
 
     bridge, windows = upward
     real = continuation_nll(bridge, windows, 128)

@@ -14,7 +14,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from hf_kvbridge.fitting.solve import LAMBDA_GRID, heldout_r2_chunks
 from hf_kvbridge.fitting.statistics.blocks import BlockStatistics
 from hf_kvbridge.fitting.statistics.selection import SelectionStatistics
-from hf_kvbridge.heads import map_groups
 from hf_kvbridge.tools.bench.flop_model import (
     EIGH_FLOPS,
     H100_SXM,
@@ -30,6 +29,7 @@ from hf_kvbridge.tools.bench.flop_model import (
 )
 from hf_kvbridge.tools.bench.mapper import benchmark
 from hf_kvbridge.tools.bench.shapes import CHECKPOINT_SHAPES, random_bridge, shape_config
+from hf_kvbridge.utils.heads import map_groups
 from kvbridge_cli import main
 from tests.conftest import qwen3
 

@@ -323,6 +323,8 @@ def _module_file(module: str, root: Path) -> Path | None:
 
 def _moved_module(module: str, root: Path) -> str | None:
     """The new name of a moved module (`hf_kvbridge.MOVED_MODULES`, read from the tree), else `None`."""
+    if not (root / "hf_kvbridge" / "__init__.py").is_file():
+        return None
     init = ast.parse((root / "hf_kvbridge" / "__init__.py").read_text(encoding="utf-8"))
     for node in init.body:
         if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", None) == "MOVED_MODULES":

@@ -30,11 +30,11 @@ from hf_kvbridge.fitting.calibration.data_pass import collect_statistics
 from hf_kvbridge.fitting.calibration.dense_fit import fit_bridge
 from hf_kvbridge.fitting.calibration.residual import fit_residual_map, residual_collection
 from hf_kvbridge.fitting.statistics.dense import KVStatistics
-from hf_kvbridge.layout import hidden_size
-from hf_kvbridge.masks import positions_from_mask
 from hf_kvbridge.settings import CalibrationSettings
 from hf_kvbridge.transfer.layer_recompute import recompute_top_layers
 from hf_kvbridge.transfer.session import HandoffSession
+from hf_kvbridge.utils.layout import hidden_size
+from hf_kvbridge.utils.masks import positions_from_mask
 from tests.conftest import CORPUS, VOCAB, make_tokenizer, qwen3
 from tests.test_architectures import SUPPORTED, tiny, tiny_config
 

@@ -9,8 +9,8 @@ import hf_kvbridge
 from hf_kvbridge import KVBridgeForCausalLM, KVLayoutError
 from hf_kvbridge.fitting.calibration.budgeted_fit import fit_bridge_in_passes
 from hf_kvbridge.fitting.calibration.checks import split_heldout
-from hf_kvbridge.heads import same_head_sources
 from hf_kvbridge.transfer.session import HandoffSession
+from hf_kvbridge.utils.heads import same_head_sources
 from tests.conftest import CORPUS, VOCAB, make_tokenizer, qwen3
 
 CALIBRATION = {"num_sequences": 8, "seq_len": 32, "top_k": 2}

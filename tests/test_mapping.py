@@ -4,15 +4,15 @@ import pytest
 import torch
 from transformers import Qwen3Config, StaticCache
 
-from hf_kvbridge.cache import cache_layer_kv, output_cache
 from hf_kvbridge.errors import InvalidInputError
-from hf_kvbridge.layout import KVLayout
 from hf_kvbridge.mappers import KVMapper
 from hf_kvbridge.mappers.engine import Workspace, map_cache
 from hf_kvbridge.mappers.low_rank import LowRankKVMapper
-from hf_kvbridge.rope import apply_rotary, inverse_cos_sin, rotary_cos_sin
 from hf_kvbridge.tools.bench.ops import count_ops
 from hf_kvbridge.tools.bench.shapes import random_bridge
+from hf_kvbridge.utils.cache import cache_layer_kv, output_cache
+from hf_kvbridge.utils.layout import KVLayout
+from hf_kvbridge.utils.rope import apply_rotary, inverse_cos_sin, rotary_cos_sin
 from tests.conftest import VOCAB, qwen3
 
 

@@ -1,4 +1,5 @@
-"""The mapper's dtype (`hf_kvbridge.precision`, `KVBridgeForCausalLM.mapping_mapper`): float32 at PyTorch's default
+"""The mapper's dtype (`hf_kvbridge.utils.precision`, `KVBridgeForCausalLM.mapping_mapper`): float32 at PyTorch's
+default
 matmul precision, a bfloat16 copy where `torch.set_float32_matmul_precision("medium")` allows it on bfloat16 units,
 and the dtype asked for with `mapper_dtype`."""
 
@@ -6,12 +7,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from hf_kvbridge import precision
 from hf_kvbridge.errors import InvalidInputError
 from hf_kvbridge.fitting.calibration.data_pass import collect_statistics
 from hf_kvbridge.fitting.calibration.dense_fit import fit_bridge
 from hf_kvbridge.modeling import KVBridgeForCausalLM
-from hf_kvbridge.precision import bf16_matmul_allowed, float32_matmul_precision, resolve_mapper_dtype
+from hf_kvbridge.utils import precision
+from hf_kvbridge.utils.precision import bf16_matmul_allowed, float32_matmul_precision, resolve_mapper_dtype
 from tests.conftest import VOCAB, qwen3
 
 

@@ -10,7 +10,7 @@ import torch
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding, apply_rotary_pos_emb
 
-from hf_kvbridge.rope import Rotation, apply_rotary, rotary_cos_sin, rotate_kv, strip_rotary
+from hf_kvbridge.utils.rope import Rotation, apply_rotary, rotary_cos_sin, rotate_kv, strip_rotary
 from tests.conftest import llama, qwen3
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -120,7 +120,8 @@ def test_fused_rotation_equals_the_eager_one(dtype):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_triton_rotation_equals_the_eager_one(dtype, tmp_path):
-    """The CUDA kernel (`hf_kvbridge.rope_triton`), run on CPU tensors by Triton's interpreter (`TRITON_INTERPRET=1`,
+    """The CUDA kernel (`hf_kvbridge.utils.rope_triton`), run on CPU tensors by Triton's interpreter
+    (`TRITON_INTERPRET=1`,
     in a fresh process: the variable is read at import): every output element written, float32 within 1e-6 of the
     eager rotation relative to its norm, bfloat16 within one rounding (the kernel rounds once, the eager path
     twice), values copied exactly; on fresh random inputs of several shapes (head dim 16 and 12, not a power of 2)."""
@@ -129,8 +130,8 @@ def test_triton_rotation_equals_the_eager_one(dtype, tmp_path):
     script.write_text(
         f"""
 import torch
-from hf_kvbridge.rope import Rotation
-from hf_kvbridge.rope_triton import rotate_kv
+from hf_kvbridge.utils.rope import Rotation
+from hf_kvbridge.utils.rope_triton import rotate_kv
 from tests.test_rope import _rotation_case
 
 dtype = torch.{dtype}

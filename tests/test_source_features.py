@@ -22,15 +22,15 @@ from hf_kvbridge.errors import ConfigurationError, InvalidInputError, KVLayoutEr
 from hf_kvbridge.fitting.calibration.budgeted_fit import fit_bridge_in_passes
 from hf_kvbridge.fitting.calibration.data_pass import collect_statistics
 from hf_kvbridge.fitting.calibration.dense_fit import fit_bridge
-from hf_kvbridge.layout import KVLayout
 from hf_kvbridge.settings import CalibrationSettings
-from hf_kvbridge.source_features import (
+from hf_kvbridge.transfer.session import HandoffSession
+from hf_kvbridge.utils.layout import KVLayout
+from hf_kvbridge.utils.source_features import (
     SourceFeatures,
     check_servable,
     required_format_version,
     resolve_hidden_state_layers,
 )
-from hf_kvbridge.transfer.session import HandoffSession
 from tests.conftest import VOCAB
 from tests.conftest import llama as conftest_llama
 
@@ -257,7 +257,7 @@ def test_calibrate_with_hidden_state_layers(models, tokenizer):
 def test_both_schedules_map_hidden_state_blocks_alike(bridges, windows):
     """The engine's whole-layer schedule (the GPU's) writes the hidden-state blocks into its rows as the chunked one
     does: the same cache."""
-    from hf_kvbridge.cache import output_cache
+    from hf_kvbridge.utils.cache import output_cache
 
     _, bridge = bridges
     ids = windows[:2, :20]

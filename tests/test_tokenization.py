@@ -7,7 +7,7 @@ from tokenizers import AddedToken
 
 import hf_kvbridge
 from hf_kvbridge.errors import KVLayoutError
-from hf_kvbridge.tokenization import check_same_tokenizer, tokenizer_difference
+from hf_kvbridge.utils.tokenization import check_same_tokenizer, tokenizer_difference
 from tests.conftest import CORPUS, make_tokenizer, qwen3
 
 

@@ -7,14 +7,14 @@ import pytest
 import torch
 from transformers import CompileConfig
 
-from hf_kvbridge.cache import cache_kwargs, output_cache
 from hf_kvbridge.configuration import KVBridgeConfig
 from hf_kvbridge.errors import ConfigurationError, InvalidInputError
-from hf_kvbridge.layout import KVLayout
 from hf_kvbridge.mappers import KVMapper
 from hf_kvbridge.modeling import KVBridgeForCausalLM
 from hf_kvbridge.pocket import load_model
 from hf_kvbridge.transfer.prefill import positions_from_mask
+from hf_kvbridge.utils.cache import cache_kwargs, output_cache
+from hf_kvbridge.utils.layout import KVLayout
 
 LENGTH, NEW = 30, 8
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..cache import output_cache
-from ..devices import decoder_layers
-from ..rope import apply_rotary
+from ..utils.cache import output_cache
+from ..utils.devices import decoder_layers
+from ..utils.rope import apply_rotary
 
 
 @torch.no_grad()

@@ -31,7 +31,7 @@ from typing import NamedTuple
 import torch
 
 from ..errors import StatisticsMemoryError
-from ..sizes import format_bytes, parse_bytes
+from ..utils.sizes import format_bytes, parse_bytes
 from .statistics.blocks import BlockStatistics, feature_groups
 from .statistics.selection import SelectionStatistics
 

@@ -7,8 +7,8 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
-from ..cache import cache_kwargs, cache_layer_kv, kv_to_rows, output_cache
-from ..rope import rotary_cos_sin, strip_rotary
+from ..utils.cache import cache_kwargs, cache_layer_kv, kv_to_rows, output_cache
+from ..utils.rope import rotary_cos_sin, strip_rotary
 
 
 @torch.no_grad()

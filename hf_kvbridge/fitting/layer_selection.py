@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import InvalidInputError
-from ..heads import map_groups, same_head_sources
+from ..utils.heads import map_groups, same_head_sources
 from .solve import LAMBDA_GRID, choose_ridge_lambdas, heldout_r2_chunks, map_group_lambda, solve_ridge
 from .statistics.dense import KVStatistics
 

@@ -17,7 +17,7 @@ from torch import nn
 
 from ..constants import HEAD_MODES, KV_MODES, MAPPER_KWARGS
 from ..errors import MapperError
-from ..heads import HeadLayouts, same_head_sources, target_heads_of
+from ..utils.heads import HeadLayouts, same_head_sources, target_heads_of
 
 
 def kv_view(buffer: torch.Tensor, order: str, sizes: dict[str, int]) -> torch.Tensor:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import ConfigurationError
-from ..layout import hidden_layout
+from ..utils.layout import hidden_layout
 from .base import KVMapper
 
 

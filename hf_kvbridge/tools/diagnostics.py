@@ -12,9 +12,9 @@ import math
 import numpy as np
 import torch
 
-from ..cache import output_cache
 from ..errors import ConfigurationError
 from ..fitting.attention import attention_output_cosine, target_queries
+from ..utils.cache import output_cache
 
 
 def pyplot():

@@ -20,11 +20,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..cache import CACHE_KWARG
 from ..configuration import check_recompute_layers
-from ..devices import decoder_layers, layer_devices
 from ..errors import ConfigurationError, KVLayoutError
-from ..rope import rotary_module
+from ..utils.cache import CACHE_KWARG
+from ..utils.devices import decoder_layers, layer_devices
+from ..utils.rope import rotary_module
 
 
 def calibrated_layers(config) -> list[int]:

@@ -20,10 +20,10 @@ import torch
 from torch import nn
 from transformers import Cache, DynamicCache
 
-from ..cache import cache_kwargs, output_cache
-from ..devices import decoder_layers, execution_device
 from ..errors import InvalidInputError
-from ..masks import positions_from_mask
+from ..utils.cache import cache_kwargs, output_cache
+from ..utils.devices import decoder_layers, execution_device
+from ..utils.masks import positions_from_mask
 from .plan import TransferPlan
 from .steps import MapFunction, ResidualFunction, SourceKV, TargetSide, TransferDecision, TransferSteps
 
@@ -91,7 +91,7 @@ def transfer_prefill(
         residual_fn (`Callable`, *optional*): `residual_fn(source_hidden_states, n)` (see `ResidualFunction`),
             needed when `0 < plan.recompute_layers <` the target's layer count.
         hidden_features (`bool`, *optional*, defaults to `False`): `map_fn` reads the source's hidden states beside
-            its K/V (`hf_kvbridge.source_features`): the source prefill returns them (`output_hidden_states`) and
+            its K/V (`hf_kvbridge.utils.source_features`): the source prefill returns them (`output_hidden_states`) and
             `map_fn` gets those of the tokens it maps as `hidden_states=`.
 
     Returns:

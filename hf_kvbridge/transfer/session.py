@@ -14,9 +14,9 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
-from ..cache import cache_kwargs, output_cache, slice_cache
-from ..devices import decoder_layers
 from ..errors import InvalidInputError
+from ..utils.cache import cache_kwargs, output_cache, slice_cache
+from ..utils.devices import decoder_layers
 from .plan import plan_from_config
 from .steps import SourceKV, TargetSide, TransferSteps
 

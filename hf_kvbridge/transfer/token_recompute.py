@@ -23,11 +23,11 @@ from torch import nn
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from ..cache import cache_kwargs, output_cache
 from ..constants import RECOMPUTE_POLICIES
-from ..devices import decoder_layers
 from ..errors import ConfigurationError, InvalidInputError, KVLayoutError
-from ..rope import apply_rotary, rotary_cos_sin
+from ..utils.cache import cache_kwargs, output_cache
+from ..utils.devices import decoder_layers
+from ..utils.rope import apply_rotary, rotary_cos_sin
 
 
 @torch.no_grad()

@@ -9,10 +9,10 @@ import os
 import torch
 from transformers import PreTrainedModel
 
-from ...layout import hidden_size
 from ...mappers import KVMapper
 from ...modeling import KVBridgeForCausalLM
-from ...source_features import SourceFeatures, source_blocks
+from ...utils.layout import hidden_size
+from ...utils.source_features import SourceFeatures, source_blocks
 from ..budget import (
     plan_passes,
 )

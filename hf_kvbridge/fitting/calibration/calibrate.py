@@ -13,14 +13,14 @@ from transformers import PreTrainedModel
 
 from ...constants import DEFAULT_CALIBRATION_DATA
 from ...errors import StatisticsMemoryError
-from ...heads import same_head_sources
-from ...layout import check_models, hidden_layout, hidden_size
 from ...loading import load_model, model_reference
 from ...mappers import get_mapper_type
 from ...modeling import KVBridgeForCausalLM
 from ...settings import CalibrationSettings
-from ...sizes import format_bytes
-from ...source_features import SourceFeatures, source_blocks
+from ...utils.heads import same_head_sources
+from ...utils.layout import check_models, hidden_layout, hidden_size
+from ...utils.sizes import format_bytes
+from ...utils.source_features import SourceFeatures, source_blocks
 from ...version import __version__
 from ..budget import FitShape, plan_calibration
 from ..data import describe_data, token_windows

@@ -9,10 +9,10 @@ import torch
 from transformers import AutoTokenizer, PreTrainedModel
 
 from ...errors import CalibrationDataError, ConfigurationError, StatisticsError
-from ...layout import allowed_sources, check_matched
 from ...loading import resolve_model_reference
-from ...source_features import SourceFeatures
-from ...tokenization import check_same_tokenizer
+from ...utils.layout import allowed_sources, check_matched
+from ...utils.source_features import SourceFeatures
+from ...utils.tokenization import check_same_tokenizer
 
 logger = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
 from ...errors import ConfigurationError
-from ...source_features import SourceFeatures, source_blocks
+from ...utils.source_features import SourceFeatures, source_blocks
 from ..content_rows import cache_rows, forward_rows
 from ..statistics.dense import KVStatistics
 from .checkpoints import load_checkpoint, save_checkpoint, windows_digest
@@ -87,8 +87,8 @@ def collect_statistics(
             `residual.parts` (`[train, held-out]`, filled in place; each rank adds its own batches and they are
             all-reduced at the end, also when `gather_rows`).
         features ([`SourceFeatures`], *optional*): the source's hidden-state feature blocks
-            (`hf_kvbridge.source_features`): the same forward passes return the source's hidden states, whose blocks
-            are appended to its K/V rows (the statistics then hold `features.num_blocks` source "layers").
+            (`hf_kvbridge.utils.source_features`): the same forward passes return the source's hidden states, whose
+            blocks are appended to its K/V rows (the statistics then hold `features.num_blocks` source "layers").
         layouts (`tuple[KVLayout, KVLayout]`, *optional*): the two models' layouts, checked already
             (`checks.pair_layouts`); checked here otherwise.
 

@@ -13,7 +13,7 @@ from ...constants import HEAD_MODES
 from ...errors import ConfigurationError
 from ...mappers import KVMapper
 from ...modeling import KVBridgeForCausalLM
-from ...source_features import SourceFeatures, check_feature_modes, source_blocks
+from ...utils.source_features import SourceFeatures, check_feature_modes, source_blocks
 from ..layer_selection import mapper_r2, select_layers, single_layer_r2
 from ..solve import LAMBDA_GRID, choose_ridge_lambdas
 from ..statistics.dense import KVStatistics

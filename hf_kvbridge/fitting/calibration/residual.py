@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 import torch
 
 from ...errors import ConfigurationError
-from ...layout import hidden_layout, hidden_size
 from ...mappers.residual import ResidualMapper
+from ...utils.layout import hidden_layout, hidden_size
 from ..layer_selection import mapper_r2, select_layers, single_layer_r2
 from ..solve import LAMBDA_GRID, choose_ridge_lambdas
 from ..statistics.dense import KVStatistics

@@ -17,9 +17,9 @@ from __future__ import annotations
 import torch
 
 from ...errors import MapperError
-from ...heads import target_heads_of
 from ...mappers.base import KVMapper
 from ...mappers.low_rank import LowRankKVMapper
+from ...utils.heads import target_heads_of
 from ..layer_selection import mapped_heldout_r2
 from ..statistics.dense import KVStatistics
 

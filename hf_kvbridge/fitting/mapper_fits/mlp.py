@@ -11,11 +11,11 @@ import time
 import torch
 from torch import nn
 
-from ...devices import decoder_layers
 from ...errors import MapperError
 from ...mappers.base import KVMapper
 from ...mappers.mlp import LOSSES, MLPKVMapper, rows_in_layout, source_rows_in_layout
-from ...rope import rotary_cos_sin, rotate_half
+from ...utils.devices import decoder_layers
+from ...utils.rope import rotary_cos_sin, rotate_half
 from ..attention import attend, target_queries
 from ..content_rows import cache_rows
 

@@ -15,8 +15,8 @@ Example:
 
 from __future__ import annotations
 
-from ...heads import target_heads_of
 from ...mappers.base import KVMapper
+from ...utils.heads import target_heads_of
 from ..solve import map_group_lambda, solve_ridge
 
 

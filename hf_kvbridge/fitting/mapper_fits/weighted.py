@@ -26,9 +26,9 @@ import torch
 from torch import nn
 
 from ...constants import WEIGHTINGS
-from ...devices import decoder_layers
 from ...errors import MapperError
 from ...mappers.base import KVMapper
+from ...utils.devices import decoder_layers
 from ..attention import target_queries
 from ..content_rows import cache_rows
 from ..statistics.weighted import WeightedKVStatistics

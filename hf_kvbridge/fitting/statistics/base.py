@@ -22,7 +22,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ...errors import StatisticsError
-from ...heads import HeadLayouts, map_groups, target_heads_of
+from ...utils.heads import HeadLayouts, map_groups, target_heads_of
 
 logger = logging.getLogger(__name__)
 

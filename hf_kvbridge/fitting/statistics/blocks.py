@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from ...errors import StatisticsError
-from ...heads import target_heads_of
+from ...utils.heads import target_heads_of
 from .base import CentredSums, GlobalLayerIndex, KeptLayerStatistics, StatisticsFile, chan_merge, chunk_rows, has_rows
 
 logger = logging.getLogger(__name__)

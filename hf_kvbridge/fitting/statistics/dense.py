@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from ...errors import StatisticsError
-from ...heads import target_heads_of
+from ...utils.heads import target_heads_of
 from .base import GlobalLayerIndex, LayerPairStatistics, StatisticsFile, centred_residual_sums, chan_merge, has_rows
 
 logger = logging.getLogger(__name__)

@@ -23,8 +23,8 @@ from ...fitting.calibration.budgeted_fit import fit_bridge_in_passes
 from ...fitting.calibration.checks import split_heldout
 from ...fitting.statistics.blocks import feature_groups
 from ...fitting.statistics.rows import RowStatistics
-from ...precision import bf16_matmul_units, float32_matmul_precision
-from ...sizes import format_bytes, parse_bytes
+from ...utils.precision import bf16_matmul_units, float32_matmul_precision
+from ...utils.sizes import format_bytes, parse_bytes
 from .flop_model import H100_SXM, CalibrationShape, calibration_flops, prefill_flops, probe_rates, project_seconds
 from .shapes import CHECKPOINT_SHAPES, random_model, shape_config, shape_pair
 

@@ -169,7 +169,7 @@ def build_pair(names, device, dtype, state: dict) -> dict:
 @torch.no_grad()
 def table_step(state: dict, length: int, kinds: dict, settings: dict) -> dict:
     """The re-prefill and prefill at `length`, then each mapper kind's map on both schedules (module docstring)."""
-    from ...cache import output_cache
+    from ...utils.cache import output_cache
     from .floors import mapping_floor
     from .flop_model import prefill_flops
     from .ops import count_ops, device_busy_seconds
@@ -305,9 +305,9 @@ def exactness_step(device: torch.device) -> dict:
 
     from transformers import DynamicCache
 
-    from ...cache import append_layer, output_cache
     from ...mappers.engine import default_schedule
-    from ...rope import triton_rotate_kv
+    from ...utils.cache import append_layer, output_cache
+    from ...utils.rope import triton_rotate_kv
     from .shapes import qwen3_shape_config, random_bridge
 
     def moved(cache, dtype):
@@ -353,7 +353,7 @@ def vllm_helpers_step(device: torch.device) -> dict:
 
     from ...integrations.vllm.paged_cache import read_slots, reads_back, slots_of
     from ...integrations.vllm.rotary import RotaryOnlyTarget
-    from ...rope import rotary_cos_sin
+    from ...utils.rope import rotary_cos_sin
     from .shapes import qwen3_shape_config
 
     generator = torch.Generator().manual_seed(0)

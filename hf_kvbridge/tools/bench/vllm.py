@@ -85,7 +85,6 @@ def random_shapes_bridge(out: Path, shapes: str, top_k: int, max_positions: int)
     from transformers import AutoTokenizer
 
     from hf_kvbridge import pocket
-    from hf_kvbridge.layout import KVLayout
     from hf_kvbridge.tools.bench.shapes import (
         QWEN3_SHAPES,
         SMALL_SHAPES,
@@ -93,6 +92,7 @@ def random_shapes_bridge(out: Path, shapes: str, top_k: int, max_positions: int)
         random_bridge,
         shape_pair,
     )
+    from hf_kvbridge.utils.layout import KVLayout
 
     source_name, target_name = shape_pair(shapes, "--shapes", {**QWEN3_SHAPES, **SMALL_SHAPES})
     tokenizer = AutoTokenizer.from_pretrained(pocket.model_path("pocket-l"))

@@ -4,7 +4,7 @@ mappers need nothing of the models' configs."""
 
 from __future__ import annotations
 
-from .errors import KVLayoutError
+from ..errors import KVLayoutError
 
 
 class HeadLayouts:

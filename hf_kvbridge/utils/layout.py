@@ -15,8 +15,8 @@ from typing import Any
 from torch import nn
 from transformers import PretrainedConfig
 
-from .constants import SUPPORTED_ROPE_TYPES
-from .errors import KVLayoutError
+from ..constants import SUPPORTED_ROPE_TYPES
+from ..errors import KVLayoutError
 from .rope import check_rotary
 
 

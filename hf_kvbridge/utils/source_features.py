@@ -31,8 +31,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .constants import HIDDEN_FEATURES_FORMAT_VERSION, KV_FORMAT_VERSION
-from .errors import ConfigurationError, KVLayoutError, ServingConfigError
+from ..constants import HIDDEN_FEATURES_FORMAT_VERSION, KV_FORMAT_VERSION
+from ..errors import ConfigurationError, KVLayoutError, ServingConfigError
 
 HIDDEN_STATE_CHOICES = ("all",)
 """Named values of `hidden_state_layers` besides a list: `"all"` (every entry of `output_hidden_states`)."""

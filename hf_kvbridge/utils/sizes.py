@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 
-from .errors import ConfigurationError
+from ..errors import ConfigurationError
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2**10, "mib": 2**20,
           "gib": 2**30, "tib": 2**40}  # fmt: skip

@@ -10,9 +10,9 @@ import torch
 from torch import nn
 from transformers import Cache
 
-from ..cache import cache_layer_kv
 from ..errors import KVLayoutError
-from ..layout import KVLayout
+from ..utils.cache import cache_layer_kv
+from ..utils.layout import KVLayout
 from .base import KVMapper
 
 

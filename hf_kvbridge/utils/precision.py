@@ -7,7 +7,7 @@ import contextlib
 
 import torch
 
-from .errors import InvalidInputError
+from ..errors import InvalidInputError
 
 HALF_TYPES = (torch.bfloat16, torch.float16)
 

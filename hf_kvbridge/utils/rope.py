@@ -9,7 +9,8 @@ The rotation is the rotate-half convention of Llama/Qwen/Mistral: `k * cos + rot
 **Fused rotation** (`rotate_kv`, the operator `torch.ops.kvbridge.rotate_kv`): rotates a list of layers' keys and
 copies their values in one dispatched op, the mapping engine's whole-layer schedule's one pass per layer over the
 keys and values. Its CPU kernel is the eager rotation below (two multiplies and two fused multiply-adds over the key
-halves, then a copy of the values); on CUDA it is one Triton kernel per layer (`hf_kvbridge.rope_triton`: keys and
+halves, then a copy of the values); on CUDA it is one Triton kernel per layer (`hf_kvbridge.utils.rope_triton`: keys
+and
 values read once, rotated in float32, written once, in any strides and dtypes), or the eager rotation where Triton is
 not installed.
 """
@@ -23,8 +24,8 @@ import logging
 import torch
 from torch import nn
 
+from ..errors import KVLayoutError
 from .devices import execution_device
-from .errors import KVLayoutError
 
 logger = logging.getLogger(__name__)
 
@@ -214,8 +215,8 @@ def _rotate_kv_eager(keys, values, cos, sin, key_out, value_out) -> None:
 
 @functools.cache
 def triton_rotate_kv():
-    """`hf_kvbridge.rope_triton.rotate_kv`, the CUDA kernel of `rotate_kv`, where Triton can be imported, else `None`
-    (logged once; CUDA rotations then run eagerly)."""
+    """`hf_kvbridge.utils.rope_triton.rotate_kv`, the CUDA kernel of `rotate_kv`, where Triton can be imported, else
+    `None` (logged once; CUDA rotations then run eagerly)."""
     try:
         from .rope_triton import rotate_kv as kernel
     except ImportError as err:

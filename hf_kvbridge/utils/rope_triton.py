@@ -1,5 +1,5 @@
-"""The fused rotation's CUDA kernel (`hf_kvbridge.rope.rotate_kv`), in Triton: one launch per layer reads its keys and
-values once, rotates the keys in float32 and writes both, in any strides and dtypes.
+"""The fused rotation's CUDA kernel (`hf_kvbridge.utils.rope.rotate_kv`), in Triton: one launch per layer reads its
+keys and values once, rotates the keys in float32 and writes both, in any strides and dtypes.
 
 ```
 keys (B, H, T, d) ──[k1·c − k2·s, k2·c + k1·s] (float32)──▶ key_out (B, H, T, d)
@@ -134,12 +134,12 @@ def rotate_kv(
     key_out: list[torch.Tensor],
     value_out: list[torch.Tensor],
 ) -> None:
-    """`hf_kvbridge.rope.rotate_kv` in Triton: one launch for all entries when they share one layout (shape,
+    """`hf_kvbridge.utils.rope.rotate_kv` in Triton: one launch for all entries when they share one layout (shape,
     strides and dtype per list: a cache's layers), else one launch per entry (keys and, where given, its values).
 
     Args:
         keys, values (`list[torch.Tensor]`): `(B, H, T, d)` or `(n, B, H, T, d)` (n layers) each, any strides;
-            `values` empty or one per key (`hf_kvbridge.rope.rotate_kv` runs other pairings eagerly).
+            `values` empty or one per key (`hf_kvbridge.utils.rope.rotate_kv` runs other pairings eagerly).
         cos, sin (`torch.Tensor` of shape `(B, T, d/2)`): the half-size tables, float32.
         key_out, value_out (`list[torch.Tensor]`): outputs of the inputs' shapes.
     """

