@@ -19,7 +19,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from .bridge_parts import check_bridge_parts, converted_mapper
 from .configuration import KVBridgeConfig
 from .errors import ConfigurationError, ContextLengthError
-from .generation import bridged_forward, generation_inputs, target_forward
+from .generation import BridgedPrefill, bridged_forward, generation_inputs, target_forward
 from .mappers.base import KVMapper
 from .mappers.engine import Workspace, map_cache
 from .mappers.lazy import LazyKVMapper
@@ -28,7 +28,7 @@ from .persistence import BridgeHubMixin
 from .transfer.layer_recompute import check_layer_recompute
 from .transfer.plan import TransferPlan, plan_from_config
 from .transfer.prefill import transfer_prefill
-from .transfer.session import HandoffSession
+from .transfer.session import HandoffSession, TransferSide
 from .transfer.warm_start import check_warm_plan, generate_from_source_cache
 from .utils.cache import cache_kwargs
 from .utils.devices import execution_device
@@ -249,6 +249,23 @@ class KVBridgeForCausalLM(BridgeHubMixin, nn.Module):
             )
         return self.residual_mapper.map_hidden(source_hidden_states, recompute_layers).to(self.device, self.dtype)
 
+    def bridged_prefill(self) -> BridgedPrefill:
+        """What `hf_kvbridge.generation` needs of this bridge (target, device, `hold_back`, `check_length`, `prefill`),
+        handed down instead of the bridge."""
+        return BridgedPrefill(self.target, self.device, self.config.hold_back, self.check_length, self.prefill)
+
+    def transfer_side(self) -> TransferSide:
+        """What a [`HandoffSession`] needs of this bridge to map into its target (the config, the maps, the recompute
+        check, the target), handed down instead of the bridge."""
+        return TransferSide(
+            config=self.config,
+            map_fn=self.map_cache,
+            residual_fn=self.map_residual,
+            check_recompute_layers=self.check_recompute_layers,
+            target=self.target,
+            hidden_features=self.source_features is not None,
+        )
+
     def check_recompute_layers(self) -> int:
         """`config.recompute_layers`, after checking that this bridge can run it (`layer_recompute.
         check_layer_recompute`: a calibrated value, full-attention top layers); raises otherwise."""
@@ -372,10 +389,18 @@ class KVBridgeForCausalLM(BridgeHubMixin, nn.Module):
             attention_mask = torch.ones_like(input_ids)
         if cache is not None and cache.get_seq_length() > 0:
             return target_forward(
-                self, input_ids, attention_mask, position_ids, labels, use_cache, **cache_kwargs(cache), **kwargs
+                self.bridged_prefill(),
+                input_ids,
+                attention_mask,
+                position_ids,
+                labels,
+                use_cache,
+                **cache_kwargs(cache),
+                **kwargs,
             )
+        parts = self.bridged_prefill()
         return bridged_forward(
-            self, input_ids, attention_mask, prefill_length, position_ids, labels, use_cache, **kwargs
+            parts, input_ids, attention_mask, prefill_length, position_ids, labels, use_cache, **kwargs
         )
 
     @torch.no_grad()
@@ -398,7 +423,7 @@ class KVBridgeForCausalLM(BridgeHubMixin, nn.Module):
         >>> bridge.generate(**inputs, max_new_tokens=10, do_sample=False)  # doctest: +SKIP
         ```
         """
-        input_ids, attention_mask = generation_inputs(self, input_ids, attention_mask, kwargs)
+        input_ids, attention_mask = generation_inputs(self.bridged_prefill(), input_ids, attention_mask, kwargs)
         return self.target.generate(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
 
     @torch.no_grad()

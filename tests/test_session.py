@@ -13,6 +13,7 @@ import torch
 from hf_kvbridge.fitting.calibration.data_pass import collect_statistics
 from hf_kvbridge.fitting.calibration.dense_fit import fit_bridge
 from hf_kvbridge.transfer.session import HandoffSession
+from hf_kvbridge.transfer.steps import TransferDecision
 from studies.drift import drift_conversation, drift_summary
 from tests.conftest import make_tokenizer, qwen3
 
@@ -223,7 +224,7 @@ def test_session_keeps_the_sinks_the_receivers_own(identity, chat_tokenizer):
     session.add_user("a key")
     prompt = session.prompt_tokens()
     plain = copy.deepcopy(session)
-    plain.mappers["target"] = identity  # the same conversation, no sinks
+    plain.mappers["target"] = identity.transfer_side()  # the same conversation, no sinks
     everything = plain.sync("target", prompt, upto=len(prompt) - 1)
     mapped = session.sync("target", prompt, upto=len(prompt) - 1)
     assert everything > 3 and mapped == everything - 3  # what the source computed, except the 3 sink tokens
@@ -248,6 +249,12 @@ def test_session_gate_refuses_a_bad_mapping_and_passes_a_good_one(identity, chat
     assert bad.token_ids == want.token_ids  # the target computed the conversation itself: its own reply
     assert not good.fell_back and good.gate_score > 0.999 and good.mapped_tokens > 0
     assert good.token_ids == want.token_ids
+    # one decision record: the session keeps the steps' `TransferDecision`, and each turn reports its fields
+    for name, turn in turns.items():
+        decision = sessions[name].last_decision
+        assert isinstance(decision, TransferDecision) and decision.gate == "checked"
+        assert (decision.transferred, decision.score) == (not turn.fell_back, turn.gate_score)
+        assert (decision.mapped_tokens, decision.recomputed_tokens) == (turn.mapped_tokens, turn.recomputed_tokens)
 
 
 def _after_switch(bridge, chat_tokenizer):

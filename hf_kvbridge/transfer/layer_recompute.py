@@ -22,7 +22,7 @@ from torch import nn
 
 from ..configuration import check_recompute_layers
 from ..errors import ConfigurationError, KVLayoutError
-from ..utils.cache import CACHE_KWARG
+from ..utils.cache import CACHE_KWARG, crop_layer
 from ..utils.devices import decoder_layers, layer_devices
 from ..utils.rope import rotary_module
 
@@ -98,8 +98,7 @@ def recompute_top_layers(
     batch, seq, _ = hidden.shape
     end = first + seq
     for i in range(start_layer, len(layers)):  # the top layers keep only the tokens before the span (their own)
-        layer = cache.layers[i]  # a full-attention `DynamicLayer` (`check_layer_recompute`); its `update` appends
-        layer.keys, layer.values = layer.keys[:, :, :first], layer.values[:, :, :first]
+        crop_layer(cache.layers[i], first)  # a full-attention `DynamicLayer` (`check_layer_recompute`)
     device = places[start_layer]
     real = attention_mask[:, :end].to(device).bool()  # (B, first + S)
     columns = torch.arange(end, device=device)

@@ -18,24 +18,16 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers import Cache, DynamicCache
+from transformers import DynamicCache
 
 from ..errors import InvalidInputError
-from ..utils.cache import cache_kwargs, output_cache
+from ..utils.cache import cache_kwargs, copy_batch_rows, output_cache
 from ..utils.devices import decoder_layers, execution_device
 from ..utils.masks import positions_from_mask
 from .plan import TransferPlan
 from .steps import MapFunction, ResidualFunction, SourceKV, TargetSide, TransferDecision, TransferSteps
 
 logger = logging.getLogger(__name__)
-
-
-def _replace_rows(cache: Cache, own: Cache, rows: torch.Tensor) -> None:
-    """Writes rows `rows` (a `(B,)` bool mask) of every layer of `own` into `cache`, in place."""
-    for layer, own_layer in zip(cache.layers, own.layers):
-        index = rows.to(layer.keys.device)
-        layer.keys[index] = own_layer.keys.to(layer.keys.device)
-        layer.values[index] = own_layer.values.to(layer.values.device)
 
 
 @dataclass(frozen=True)
@@ -168,5 +160,5 @@ def transfer_prefill(
             if not ok.any():
                 cache = target_run(0, length, None)
             else:
-                _replace_rows(cache, target_run(0, length, None, rows=(~ok).to(device)), ~ok)
+                copy_batch_rows(cache, target_run(0, length, None, rows=(~ok).to(device)), ~ok)
     return TransferResult(cache, source_out, steps.decision())

@@ -1,4 +1,7 @@
-"""Key/value tensors out of a transformers `Cache`, and a target `DynamicCache` built from mapped tensors."""
+"""The one owner of transformers cache layers' storage: key/value tensors read out of a `Cache`, a target
+`DynamicCache` built from mapped tensors, and every write the package makes into a layer (append, crop, rows of a
+batch, a layer's tensors replaced). Nothing else assigns `layer.keys` / `layer.values` or writes into them, so a
+change in transformers' cache layers breaks this file only; `update` and `crop` are used where they serve."""
 
 from __future__ import annotations
 
@@ -114,3 +117,34 @@ def slice_cache(cache: Cache, start: int, end: int) -> DynamicCache:
         lo, hi = max(start - offset, 0), max(end - offset, 0)
         append_layer(sliced, idx, layer.keys[:, :, lo:hi], layer.values[:, :, lo:hi])
     return sliced
+
+
+def crop_cache(cache: Cache, keep: int) -> None:
+    """Keeps the first `keep` tokens of every layer of `cache` through `Cache.crop` (which, in transformers 5.x, takes
+    the number of tokens to remove, negated)."""
+    remove = cache.get_seq_length() - keep
+    if remove > 0:
+        cache.crop(-remove)
+
+
+def crop_layer(layer, keep: int) -> None:
+    """Keeps the first `keep` tokens of one full-attention cache layer through its `crop` (tokens to remove, negated);
+    `layer.update` then appends after them."""
+    remove = layer.keys.shape[2] - keep
+    if remove > 0:
+        layer.crop(-remove)
+
+
+def replace_layer_kv(layer, keys: torch.Tensor, values: torch.Tensor) -> None:
+    """Sets one initialised layer's keys and values, `(B, H, T, d)` each, to new tensors (a recomputed span written
+    back, a control cache): the Cache API has no call for it (`update` appends), so it is done here only."""
+    layer.keys, layer.values = keys, values
+
+
+def copy_batch_rows(cache: Cache, own: Cache, rows: torch.Tensor) -> None:
+    """Writes batch rows `rows` (a `(B,)` bool mask) of every layer of `own` (which holds only those rows) into
+    `cache`, in place."""
+    for layer, own_layer in zip(cache.layers, own.layers):
+        index = rows.to(layer.keys.device)
+        layer.keys[index] = own_layer.keys.to(layer.keys.device)
+        layer.values[index] = own_layer.values.to(layer.values.device)

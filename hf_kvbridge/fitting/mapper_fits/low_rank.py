@@ -1,16 +1,6 @@
-"""The fit of `mapper_type="low_rank"`: reduced-rank ridge, `W ≈ A B` with `A (p, r)`, `B (r, q)`, for cheaper mapping.
-
-For target layer `t` and head group `g` the ridge solution `W (p, q)` is truncated to the rank-`r` map whose
-predictions are closest to the full ridge's, in each output feature's own units (the fitted outputs are divided by
-their standard deviations, so keys and values weigh alike):
-
-    M = S⁻¹ Wᵀ C_xx W S⁻¹,  S = diag(σ_y);   U_r = top-r eigenvectors of M
-    A = W S⁻¹ U_r,  B = U_rᵀ S,  b = ȳ − x̄ A B
-
-This is reduced-rank regression on top of ridge: of all rank-r maps it loses the least of the ridge map's explained
-variance, measured on the calibration inputs. Mapping a token costs `2 (p + q) r` FLOPs instead of `2 p q`, so
-`r < p q / (p + q)` is cheaper; at `r ≥ min(p, q)` the map is the full ridge one.
-"""
+"""The fit of `mapper_type="low_rank"` (`hf_kvbridge.mappers.low_rank` holds the map): each ridge solution `W` of a
+target layer and head group truncated to the rank-`r` map whose standardised predictions on the calibration inputs
+are closest to the full ridge's (reduced-rank regression on top of ridge, `reduce_rank`)."""
 
 from __future__ import annotations
 
