@@ -140,7 +140,7 @@ def test_handoff_session_with_sliding_window_layers_runs_past_the_window(model_t
     turn's greedy tokens equal a target-only session's (sliding layers receive only the window they keep)."""
     from hf_kvbridge.transfer.session import HandoffSession
     from tests.conftest import make_tokenizer
-    from tests.test_session import QUESTIONS, TEMPLATE, _bidirectional
+    from tests.transfer.test_session import QUESTIONS, TEMPLATE, _bidirectional
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(tiny_config(model_type, **overrides)).eval()

@@ -597,3 +597,24 @@ def test_serving_never_imports_fitting_code():
     assert "hf_kvbridge.fitting.layer_selection" in _reached(
         planted, ["hf_kvbridge.modeling"]
     )  # the walk follows chains
+
+
+MAX_ROOT_MODULES = 12  # modules directly in hf_kvbridge/, besides __init__.py (30 before fitting/ and utils/)
+
+
+def root_modules(package: Path = PACKAGE) -> list[str]:
+    """The modules directly in `package`, leaving out `__init__.py` and modules that only keep an old import path
+    (under 16 lines)."""
+    return sorted(
+        p.stem
+        for p in package.glob("*.py")
+        if p.name != "__init__.py" and len(p.read_text(encoding="utf-8").splitlines()) >= 16
+    )
+
+
+def test_the_root_holds_at_most_twelve_modules(tmp_path):
+    assert len(root_modules()) <= MAX_ROOT_MODULES, root_modules()
+    (tmp_path / "__init__.py").write_text("")
+    (tmp_path / "alias.py").write_text("from .x import *\n")
+    (tmp_path / "real.py").write_text("x = 1\n" * 16)
+    assert root_modules(tmp_path) == ["real"]

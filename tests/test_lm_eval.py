@@ -27,7 +27,7 @@ from hf_kvbridge.tools.task_retention import format_table, retention_rows
 from hf_kvbridge.utils.cache import output_cache
 from kvbridge_cli import main as cli_main
 from tests.conftest import CORPUS
-from tests.test_layout import linear_pair  # noqa: F401  (fixture: a pair whose KV layouts differ)
+from tests.utils.test_layout import linear_pair  # noqa: F401  (fixture: a pair whose KV layouts differ)
 
 ROOT = Path(__file__).resolve().parents[1]
 POCKET_TASKS = ROOT / "eval_tasks" / "pocket"

@@ -164,7 +164,7 @@ def solve_bytes(top_k: int, width: int) -> int:
     - `512·p` for the linear algebra's blocked workspaces besides (measured: about `p × 150…400`).
 
     Measured by `scripts/measure_solve_memory.py` (peak resident memory above the statistics) and checked in
-    `tests/test_budget.py`.
+    `tests/fitting/test_budget.py`.
     """
     p = top_k * width
     return 8 * (max(3 * p * p + p * width, 2 * p * p + 4 * p * width) + 512 * p)

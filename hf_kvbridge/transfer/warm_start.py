@@ -27,7 +27,7 @@ from transformers import Cache, DynamicCache, StaticCache
 
 from ..errors import ConfigurationError, InvalidInputError
 from ..utils.cache import CACHE_KWARG, cache_kwargs, cache_layer_kv, slice_cache
-from .prefill import positions_from_mask
+from ..utils.masks import positions_from_mask
 
 logger = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ import torch
 import hf_kvbridge
 from tests.conftest import CORPUS, VOCAB, make_tokenizer, qwen3
 
-REFERENCE = Path(__file__).parent / "data" / "transfer_reference.pt"
+REFERENCE = Path(__file__).parents[1] / "data" / "transfer_reference.pt"
 WRITE = os.environ.get("KVBRIDGE_WRITE_TRANSFER_REFERENCE") == "1"
 
 # knobs of each prefill scenario (applied to the bridge's config); "gate_split" sets the threshold between the two

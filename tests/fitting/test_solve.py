@@ -294,7 +294,7 @@ def test_solve_paths_benchmark_compares_equal_results():
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).parents[1] / "scripts" / "measure_solve_paths.py"
+    path = Path(__file__).parents[2] / "scripts" / "measure_solve_paths.py"
     spec = importlib.util.spec_from_file_location("measure_solve_paths", path)
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
@@ -312,7 +312,7 @@ def test_row_solve_measurement_matches_the_library_solve():
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).parents[1] / "scripts" / "measure_row_solve.py"
+    path = Path(__file__).parents[2] / "scripts" / "measure_row_solve.py"
     spec = importlib.util.spec_from_file_location("measure_row_solve", path)
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)

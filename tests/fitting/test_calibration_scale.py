@@ -12,7 +12,7 @@ from hf_kvbridge.fitting.calibration.data_pass import collect_statistics
 from hf_kvbridge.fitting.calibration.dense_fit import fit_bridge
 from tests.conftest import qwen3
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PAIR = (
     "from tests.conftest import qwen3\nsource, target = qwen3(layers=2, seed=1), qwen3(layers=3, hidden=48, seed=2)\n"
 )

@@ -17,7 +17,7 @@ from hf_kvbridge.fitting.layer_selection import select_layers, single_layer_r2
 from hf_kvbridge.fitting.statistics.dense import KVStatistics
 from hf_kvbridge.fitting.statistics.selection import SelectionStatistics
 
-REFERENCE = Path(__file__).parent / "data" / "single_layer_r2_reference.pt"
+REFERENCE = Path(__file__).parents[1] / "data" / "single_layer_r2_reference.pt"
 WRITE = os.environ.get("KVBRIDGE_WRITE_R2_REFERENCE") == "1"
 # (source layers, target layers, source heads, source dim, target heads, target dim)
 LAYOUTS = {"matched": (3, 4, 2, 4, 2, 4), "wider_target": (3, 2, 2, 4, 4, 8), "one_head": (2, 3, 1, 4, 1, 4)}

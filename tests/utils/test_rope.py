@@ -13,7 +13,7 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding, apply
 from hf_kvbridge.utils.rope import Rotation, apply_rotary, rotary_cos_sin, rotate_kv, strip_rotary
 from tests.conftest import llama, qwen3
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 ROPE_TYPES = {
     "default": {"rope_type": "default", "rope_theta": 10000.0},
@@ -132,7 +132,7 @@ def test_triton_rotation_equals_the_eager_one(dtype, tmp_path):
 import torch
 from hf_kvbridge.utils.rope import Rotation
 from hf_kvbridge.utils.rope_triton import rotate_kv
-from tests.test_rope import _rotation_case
+from tests.utils.test_rope import _rotation_case
 
 dtype = torch.{dtype}
 for seed in range(3):

@@ -350,7 +350,7 @@ def test_default_paper_map_fits_a_24gb_machine_and_too_small_a_budget_is_refused
 def test_solve_memory_plan_matches_the_measured_peak(k):
     """One map's auto-λ search and refit in a fresh interpreter (`scripts/measure_solve_memory.py`: real
     `BlockStatistics`, peak resident memory above the statistics): `solve_bytes` is within 10 % of what it takes."""
-    path = Path(__file__).parents[1] / "scripts" / "measure_solve_memory.py"
+    path = Path(__file__).parents[2] / "scripts" / "measure_solve_memory.py"
     spec = importlib.util.spec_from_file_location("measure_solve_memory", path)
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
@@ -416,7 +416,7 @@ def test_default_budget_is_half_the_free_memory_or_the_cheapest_plan_when_that_f
 
 def test_statistics_rate_benchmark_runs_its_three_variants():
     """`scripts/measure_statistics_rate.py` at a tiny width: one record per variant, the multiply-adds it counts."""
-    path = Path(__file__).parents[1] / "scripts" / "measure_statistics_rate.py"
+    path = Path(__file__).parents[2] / "scripts" / "measure_statistics_rate.py"
     spec = importlib.util.spec_from_file_location("measure_statistics_rate", path)
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)

@@ -488,12 +488,12 @@ def test_two_processes_fit_the_residual_maps_of_one(tmp_path):
     import textwrap
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     script = tmp_path / "residual.py"
     script.write_text(
         textwrap.dedent(f"""
         import torch, torch.distributed as dist
-        from tests.test_layer_recompute import run_both_residual_paths
+        from tests.transfer.test_layer_recompute import run_both_residual_paths
         dist.init_process_group("gloo")
         torch.save(run_both_residual_paths(), {str(tmp_path)!r} + f"/out{{dist.get_rank()}}.pt")
         dist.destroy_process_group()

@@ -13,7 +13,7 @@ def test_gpu_script_runs_every_step_at_tiny_shapes_without_the_optional_packages
     import sys
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     blocker = tmp_path / "site"
     blocker.mkdir()
     (blocker / "sitecustomize.py").write_text(

@@ -12,7 +12,7 @@ from transformers import DynamicCache
 
 from hf_kvbridge.utils.cache import append_layer, copy_batch_rows, crop_cache, crop_layer, replace_layer_kv
 
-PACKAGE = Path(__file__).resolve().parents[1] / "hf_kvbridge"
+PACKAGE = Path(__file__).resolve().parents[2] / "hf_kvbridge"
 OWNER = PACKAGE / "utils" / "cache.py"
 STORAGE = {"keys", "values"}
 
