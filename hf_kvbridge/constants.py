@@ -57,7 +57,8 @@ SCHEDULES = ("auto", "chunked", "layers")
 
 # The mapper types of `hf_kvbridge.mappers.MAPPER_REGISTRY` and the `mapper_kwargs` each one's fit accepts, named here
 # so that the settings (and the command line built from them) can offer and check them without importing the mappers;
-# each registry entry reads its keywords from here (`MapperType.kwargs`), and tests/cli/test_cli.py checks the names agree.
+# each registry entry reads its keywords from here (`MapperType.kwargs`), and tests/cli/test_cli.py checks the names
+# agree.
 MAPPER_KWARGS = {
     "ridge": (),
     "ridge_attention_weighted": ("weighting",),
