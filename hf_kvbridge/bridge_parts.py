@@ -10,11 +10,11 @@ import torch
 from torch import nn
 
 from .errors import KVLayoutError, MapperError
-from .layout import KVLayout, check_fingerprint, check_models, hidden_size
 from .mappers.base import KVMapper
 from .mappers.lazy import LazyKVMapper
-from .source_features import SourceFeatures, check_source_features, source_blocks
 from .transfer.layer_recompute import calibrated_layers, check_layer_recompute
+from .utils.layout import KVLayout, check_fingerprint, check_models, hidden_size
+from .utils.source_features import SourceFeatures, check_source_features, source_blocks
 
 
 def converted_mapper(mapper: KVMapper, device: torch.device, dtype: torch.dtype) -> KVMapper:

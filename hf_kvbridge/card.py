@@ -48,7 +48,7 @@ def render_model_card(
         repo_id (`str`, *optional*): the Hub repo the card describes (used in the usage snippet).
         eval_table (`str`, *optional*): a Markdown retention table, as `kvbridge eval` prints it.
         attention_cosine (`list[float]`, *optional*): attention-output cosine per target layer
-            (`hf_kvbridge.attention.attention_output_cosine`).
+            (`hf_kvbridge.fitting.attention.attention_output_cosine`).
 
     Example:
 

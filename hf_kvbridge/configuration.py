@@ -77,7 +77,8 @@ class KVBridgeConfig(PretrainedConfig):
             `recompute_layers` (the `n` values), `selected_layers` (per `n`, the source hidden states read), their
             `selected_layer_r2`, the maps' `heldout_r2`, `ridge_lambda` / `ridge_lambdas` and both hidden sizes.
         source_features (`dict`, *optional*): the mapper's inputs beyond the source's K/V
-            (`hf_kvbridge.source_features`): `hidden_state_layers` (entries of the source's `output_hidden_states`),
+            (`hf_kvbridge.utils.source_features`): `hidden_state_layers` (entries of the source's
+            `output_hidden_states`),
             `hidden_size`, `block_width`, `pieces` (feature blocks per hidden state) and `kv_layers`; selected
             "layers" `≥ kv_layers` are hidden-state blocks. `None`: K/V only. A config with it has
             `format_version` 2, which readers of the K/V-only format 1 refuse.

@@ -39,7 +39,7 @@ AUTO_LOAD_KWARGS = (
 
 # Bumped whenever the meaning of a saved file changes; loading refuses newer formats. A checkpoint records the
 # oldest version that can read it: K/V-only bridges stay at `KV_FORMAT_VERSION` (every reader loads them), a bridge
-# whose mapper reads the source's hidden states (`hf_kvbridge.source_features`) needs
+# whose mapper reads the source's hidden states (`hf_kvbridge.utils.source_features`) needs
 # `HIDDEN_FEATURES_FORMAT_VERSION`, which readers of version 1 refuse instead of loading it as a K/V-only bridge.
 KV_FORMAT_VERSION = 1
 HIDDEN_FEATURES_FORMAT_VERSION = 2
@@ -57,7 +57,8 @@ SCHEDULES = ("auto", "chunked", "layers")
 
 # The mapper types of `hf_kvbridge.mappers.MAPPER_REGISTRY` and the `mapper_kwargs` each one's fit accepts, named here
 # so that the settings (and the command line built from them) can offer and check them without importing the mappers;
-# each registry entry reads its keywords from here (`MapperType.kwargs`), and tests/test_cli.py checks the names agree.
+# each registry entry reads its keywords from here (`MapperType.kwargs`), and tests/cli/test_cli.py checks the names
+# agree.
 MAPPER_KWARGS = {
     "ridge": (),
     "ridge_attention_weighted": ("weighting",),

@@ -21,6 +21,7 @@ from transformers import Cache
 
 from .constants import CONTROL_MODES
 from .errors import InvalidInputError
+from .utils.cache import replace_layer_kv
 
 __all__ = ["CONTROL_MARGIN", "CONTROL_MODES", "control_cache", "controls_flag"]
 # a control whose retention comes within this of the bridge's flags the bridge's figure
@@ -42,10 +43,10 @@ def control_cache(cache: Cache, mode: str, attention_mask: torch.Tensor | None =
         raise InvalidInputError(f"control mode must be one of {CONTROL_MODES}, got {mode!r}")
     generator = torch.Generator().manual_seed(seed)
     for layer in cache.layers:
-        for name in ("keys", "values"):
-            tensor = getattr(layer, name)  # (B, H, T, d)
+        written = []
+        for tensor in (layer.keys, layer.values):  # (B, H, T, d)
             if mode == "zero_cache":
-                setattr(layer, name, torch.zeros_like(tensor))
+                written.append(torch.zeros_like(tensor))
                 continue
             noise = torch.randn(tensor.shape, generator=generator).to(tensor)
             if attention_mask is None:
@@ -55,7 +56,8 @@ def control_cache(cache: Cache, mode: str, attention_mask: torch.Tensor | None =
             count = real.sum((2, 3), keepdim=True).clamp_min(1) * tensor.shape[-1]  # (B, 1, 1, 1)
             rms = (tensor.float().pow(2) * real).sum((2, 3), keepdim=True).div(count).sqrt()  # (B, H, 1, 1)
             noise_rms = (noise.float().pow(2) * real).sum((2, 3), keepdim=True).div(count).sqrt()
-            setattr(layer, name, (noise * real * rms / noise_rms.clamp_min(1e-12)).to(tensor.dtype))
+            written.append((noise * real * rms / noise_rms.clamp_min(1e-12)).to(tensor.dtype))
+        replace_layer_kv(layer, *written)
     return cache
 
 

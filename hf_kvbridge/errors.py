@@ -5,6 +5,8 @@ bridge refused") and from the builtin a caller would expect (`ValueError` for ba
 code written against the builtins keeps working.
 """
 
+import sys
+
 
 class KVBridgeError(Exception):
     """Base class of hf_kvbridge's own errors."""
@@ -88,6 +90,22 @@ class MissingDependencyError(KVBridgeError, ImportError):
     """An optional dependency (vLLM) is not installed; the message says what to install."""
 
 
+class MovedError(KVBridgeError, ImportError):
+    """A name that moved to the fitting side (`hf_kvbridge.fitting`), read from its old runtime module before the
+    fitting side was imported; the message names its new module."""
+
+
+def moved_name(module: str, name: str, moves: dict[str, str]):
+    """The module `__getattr__` of a runtime module whose fitting names moved: `name` from its new module `moves[name]`
+    once the fitting side is imported (the runtime never imports it), a `MovedError` naming that module before."""
+    new = moves.get(name)
+    if new is None:
+        raise AttributeError(f"module {module!r} has no attribute {name!r}")
+    if new in sys.modules:
+        return getattr(sys.modules[new], name)
+    raise MovedError(f"{module}.{name} moved to {new}.{name} (the fitting side): import it from there")
+
+
 def unknown_mapper_type(name: str, known) -> MapperError:
     """The error for a `mapper_type` no registry entry names, listing the `known` ones."""
     return MapperError(
@@ -134,6 +152,7 @@ __all__ = [
     "MapperError",
     "MapperFileError",
     "MissingDependencyError",
+    "MovedError",
     "ServingConfigError",
     "StatisticsError",
     "StatisticsMemoryError",

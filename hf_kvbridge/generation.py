@@ -1,23 +1,48 @@
 """What `KVBridgeForCausalLM.forward` and `generate` do beyond calling the target: the bridged forward pass of a prompt
-and the mapped cache handed to the target's `generate`."""
+and the mapped cache handed to the target's `generate`. The bridge hands these functions what they need of it (a
+[`BridgedPrefill`]: the target, its device, `hold_back` and two functions), never itself."""
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from .cache import CACHE_KWARG, cache_kwargs, output_cache
 from .errors import InvalidInputError
-from .masks import positions_from_mask
+from .utils.cache import CACHE_KWARG, cache_kwargs, output_cache
+from .utils.masks import positions_from_mask
 
 logger = logging.getLogger(__name__)
 
 
-def target_forward(bridge, input_ids, attention_mask, position_ids, labels, use_cache, /, **kwargs: Any):
+@dataclass(frozen=True)
+class BridgedPrefill:
+    """What the bridged forward pass and `generate` need of a bridge (`KVBridgeForCausalLM.bridged_prefill()`).
+
+    Args:
+        target (`nn.Module`): the target model.
+        device (`torch.device`): where the target computes.
+        hold_back (`int`): prompt tokens the target runs itself on the mapped cache (`config.hold_back`).
+        check_length (`Callable[[int], None]`): refuses a prompt longer than the target's context.
+        prefill (`Callable`): `prefill(input_ids, attention_mask, *, position_ids=None, source_logits=True)` →
+            `(target cache, source outputs)`, the bridge's own `prefill`.
+    """
+
+    target: nn.Module
+    device: torch.device
+    hold_back: int
+    check_length: Callable[[int], None]
+    prefill: Callable[..., tuple]
+
+
+def target_forward(
+    bridge: BridgedPrefill, input_ids, attention_mask, position_ids, labels, use_cache, /, **kwargs: Any
+):
     """The target alone over `input_ids`: `bridge.forward` decoding on a cache (its cache keyword in `kwargs`), or a
     prompt too short to bridge."""
     return bridge.target(
@@ -33,9 +58,10 @@ def target_forward(bridge, input_ids, attention_mask, position_ids, labels, use_
 def bridged_forward(
     bridge, input_ids, attention_mask, prefill_length, position_ids, labels, use_cache, **kwargs: Any
 ) -> CausalLMOutputWithPast:
-    """`bridge.forward` without a cache: the source prefills `[0, prefill_length - hold_back)`, the mapper carries its
-    KV over (`bridge.prefill`), the target runs the rest on the mapped cache; the logits are the source's where it ran
-    and the target's after. A prompt too short to bridge is the target's alone."""
+    """`bridge.forward` without a cache (`bridge`: a [`BridgedPrefill`]): the source prefills
+    `[0, prefill_length - hold_back)`, the mapper carries its KV over (`bridge.prefill`), the target runs the rest on
+    the mapped cache; the logits are the source's where it ran and the target's after. A prompt too short to bridge is
+    the target's alone."""
     seq = input_ids.shape[1]
     bridge.check_length(seq)
     prefill_length = seq if prefill_length is None else int(prefill_length)
@@ -43,7 +69,7 @@ def bridged_forward(
         raise InvalidInputError(
             f"prefill_length must be in [1, {seq}] (the prompt's length inside input_ids), got {prefill_length}"
         )
-    split = prefill_length - bridge.config.hold_back
+    split = prefill_length - bridge.hold_back
     if position_ids is None:
         position_ids = positions_from_mask(attention_mask)
     position_ids = position_ids.expand(input_ids.shape[0], -1)
@@ -51,7 +77,7 @@ def bridged_forward(
         logger.info(
             "prompt too short to bridge (prefill_length=%d, hold_back=%d): target only",
             prefill_length,
-            bridge.config.hold_back,
+            bridge.hold_back,
         )
         return target_forward(bridge, input_ids, attention_mask, position_ids, labels, use_cache, **kwargs)
     mapped, source_out = bridge.prefill(
@@ -79,7 +105,7 @@ def bridged_forward(
     )
 
 
-def generation_inputs(bridge, input_ids, attention_mask, kwargs: dict[str, Any]):
+def generation_inputs(bridge: BridgedPrefill, input_ids, attention_mask, kwargs: dict[str, Any]):
     """What `bridge.generate` hands the target's `generate`: the prompt and its mask on the target's device, and in
     `kwargs` (updated in place) the mapped cache of all but the prompt's last `hold_back` tokens, under the cache
     keyword of this transformers version (`cache=` or `past_key_values=`; either spelling is taken).
@@ -98,7 +124,7 @@ def generation_inputs(bridge, input_ids, attention_mask, kwargs: dict[str, Any])
     for spelling in ("cache", "past_key_values"):  # either spelling, passed on as this transformers names it
         if spelling in kwargs and spelling != CACHE_KWARG:
             kwargs[CACHE_KWARG] = kwargs.pop(spelling)
-    split = input_ids.shape[1] - bridge.config.hold_back
+    split = input_ids.shape[1] - bridge.hold_back
     if kwargs.get(CACHE_KWARG) is None and split > 0:
         bridge.check_length(input_ids.shape[1])
         kwargs[CACHE_KWARG], _ = bridge.prefill(input_ids[:, :split], attention_mask[:, :split], source_logits=False)

@@ -1,5 +1,5 @@
 """Finding and loading the two models of a bridge: model references (Hub id, path, `pocket/<name>`); where they
-compute is `hf_kvbridge.devices`."""
+compute is `hf_kvbridge.utils.devices`."""
 
 from __future__ import annotations
 

@@ -17,23 +17,23 @@ from transformers import AutoModelForCausalLM, Cache, DynamicCache, PreTrainedMo
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .bridge_parts import check_bridge_parts, converted_mapper
-from .cache import cache_kwargs
 from .configuration import KVBridgeConfig
-from .devices import execution_device
 from .errors import ConfigurationError, ContextLengthError
-from .generation import bridged_forward, generation_inputs, target_forward
+from .generation import BridgedPrefill, bridged_forward, generation_inputs, target_forward
 from .mappers.base import KVMapper
 from .mappers.engine import Workspace, map_cache
 from .mappers.lazy import LazyKVMapper
 from .mappers.residual import ResidualMapper
-from .masks import left_padding
 from .persistence import BridgeHubMixin
-from .precision import HALF_TYPES, resolve_mapper_dtype
 from .transfer.layer_recompute import check_layer_recompute
 from .transfer.plan import TransferPlan, plan_from_config
 from .transfer.prefill import transfer_prefill
-from .transfer.session import HandoffSession
+from .transfer.session import HandoffSession, TransferSide
 from .transfer.warm_start import check_warm_plan, generate_from_source_cache
+from .utils.cache import cache_kwargs
+from .utils.devices import execution_device
+from .utils.masks import left_padding
+from .utils.precision import HALF_TYPES, resolve_mapper_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -172,7 +172,7 @@ class KVBridgeForCausalLM(BridgeHubMixin, nn.Module):
                 made otherwise. A `StaticCache` is written in place by the `"layers"` schedule.
             hidden_states (`tuple[torch.Tensor]`, *optional*): the source's `output_hidden_states` over the cached
                 tokens (`L_s + 1` tensors of `(batch, seq, D_s)`); needed when the mapper reads them
-                (`self.source_features`, `hf_kvbridge.source_features`), ignored otherwise.
+                (`self.source_features`, `hf_kvbridge.utils.source_features`), ignored otherwise.
             schedule (`str`, *optional*): `"chunked"` or `"layers"` (`mappers.engine.SCHEDULES`); by default the
                 one for the target's device (`engine.default_schedule`: whole layers on CUDA, chunks on CPU).
 
@@ -197,7 +197,7 @@ class KVBridgeForCausalLM(BridgeHubMixin, nn.Module):
     def mapping_mapper(self) -> KVMapper:
         """The mapper `map_cache` computes with: `self.mapper`, or, when `mapper_dtype` is `None`/`"auto"`, the target
         is float32, PyTorch's float32 matmul precision allows bfloat16 (`torch.set_float32_matmul_precision(
-        "medium")`) and the device has bfloat16 matrix units (`hf_kvbridge.precision.resolve_mapper_dtype`), a
+        "medium")`) and the device has bfloat16 matrix units (`hf_kvbridge.utils.precision.resolve_mapper_dtype`), a
         bfloat16 copy of it. The copy is kept (half the float32 mapper's bytes) until a weight of `self.mapper`
         changes or moves; `self.mapper` itself, and so what `save_pretrained` writes, stays float32. A lazily loaded
         mapper is never copied.
@@ -248,6 +248,23 @@ class KVBridgeForCausalLM(BridgeHubMixin, nn.Module):
                 f"no residual map for recompute_layers={recompute_layers}; this bridge has them for {calibrated}"
             )
         return self.residual_mapper.map_hidden(source_hidden_states, recompute_layers).to(self.device, self.dtype)
+
+    def bridged_prefill(self) -> BridgedPrefill:
+        """What `hf_kvbridge.generation` needs of this bridge (target, device, `hold_back`, `check_length`, `prefill`),
+        handed down instead of the bridge."""
+        return BridgedPrefill(self.target, self.device, self.config.hold_back, self.check_length, self.prefill)
+
+    def transfer_side(self) -> TransferSide:
+        """What a [`HandoffSession`] needs of this bridge to map into its target (the config, the maps, the recompute
+        check, the target), handed down instead of the bridge."""
+        return TransferSide(
+            config=self.config,
+            map_fn=self.map_cache,
+            residual_fn=self.map_residual,
+            check_recompute_layers=self.check_recompute_layers,
+            target=self.target,
+            hidden_features=self.source_features is not None,
+        )
 
     def check_recompute_layers(self) -> int:
         """`config.recompute_layers`, after checking that this bridge can run it (`layer_recompute.
@@ -372,10 +389,18 @@ class KVBridgeForCausalLM(BridgeHubMixin, nn.Module):
             attention_mask = torch.ones_like(input_ids)
         if cache is not None and cache.get_seq_length() > 0:
             return target_forward(
-                self, input_ids, attention_mask, position_ids, labels, use_cache, **cache_kwargs(cache), **kwargs
+                self.bridged_prefill(),
+                input_ids,
+                attention_mask,
+                position_ids,
+                labels,
+                use_cache,
+                **cache_kwargs(cache),
+                **kwargs,
             )
+        parts = self.bridged_prefill()
         return bridged_forward(
-            self, input_ids, attention_mask, prefill_length, position_ids, labels, use_cache, **kwargs
+            parts, input_ids, attention_mask, prefill_length, position_ids, labels, use_cache, **kwargs
         )
 
     @torch.no_grad()
@@ -398,7 +423,7 @@ class KVBridgeForCausalLM(BridgeHubMixin, nn.Module):
         >>> bridge.generate(**inputs, max_new_tokens=10, do_sample=False)  # doctest: +SKIP
         ```
         """
-        input_ids, attention_mask = generation_inputs(self, input_ids, attention_mask, kwargs)
+        input_ids, attention_mask = generation_inputs(self.bridged_prefill(), input_ids, attention_mask, kwargs)
         return self.target.generate(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
 
     @torch.no_grad()

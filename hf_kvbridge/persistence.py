@@ -56,13 +56,13 @@ from .errors import (
     InvalidInputError,
     MapperFileError,
 )
-from .layout import KVLayout, check_fingerprint
 from .loading import load_model, resolve_model_reference
 from .mappers import KVMapper, build_mapper, get_mapper_type
 from .mappers.lazy import LazyKVMapper
 from .mappers.residual import ResidualMapper
-from .precision import resolve_mapper_dtype
-from .source_features import required_format_version
+from .utils.layout import KVLayout, check_fingerprint
+from .utils.precision import resolve_mapper_dtype
+from .utils.source_features import required_format_version
 
 logger = logging.getLogger(__name__)
 

@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING, Any
 
 from .constants import HEAD_MODES, KV_MODES, MAPPER_KWARGS, MAPPER_TYPE_NAMES, STATISTICS_DTYPES
 from .errors import ConfigurationError, unknown_mapper_type
-from .sizes import parse_bytes
-from .source_features import check_feature_modes, check_hidden_state_layers_value
+from .utils.sizes import parse_bytes
+from .utils.source_features import check_feature_modes, check_hidden_state_layers_value
 
 if TYPE_CHECKING:
     import torch
@@ -48,8 +48,8 @@ class CalibrationSettings:
             calibration windows of `seq_len` tokens.
         top_k (`int`, *optional*, defaults to `6`): source layers per target layer (`None`: all).
         ridge_lambda (`float` or `"auto"`, *optional*, defaults to `"auto"`): relative to each input feature's
-            variance (ridge on standardised inputs; see `hf_kvbridge.solve`). `"auto"` chooses it per target layer
-            (and head, in `same_head` mode, and K/V) by held-out R² over `hf_kvbridge.solve.LAMBDA_GRID`.
+            variance (ridge on standardised inputs; see `hf_kvbridge.fitting.solve`). `"auto"` chooses it per target
+            layer (and head, in `same_head` mode, and K/V) by held-out R² over `hf_kvbridge.fitting.solve.LAMBDA_GRID`.
         head_mode (`str`, *optional*, defaults to `"all_heads"`): or `"same_head"` (head h from head h only).
         kv_mode (`str`, *optional*, defaults to `"joint"`): `"separate"` maps keys from keys and values from values
             (half the mapper's weights and FLOPs; every mapper type).
@@ -72,7 +72,7 @@ class CalibrationSettings:
             (one target layer per fit pass) when that is more and still fits the free memory beside a batch's rows
             (`budget.default_budget`). Dense statistics (exact, one
             pass) are used when they fit, otherwise a selection pass and as many fit passes as the budget needs (see
-            `hf_kvbridge.budget`); a budget too small for one target layer is refused before any work.
+            `hf_kvbridge.fitting.budget`); a budget too small for one target layer is refused before any work.
         statistics_dtype (`str`, *optional*, defaults to `"float32"`): of the budgeted statistics' Gram blocks
             (`"float32"` or `"float64"`; sums are centred, so float32 stays accurate).
         keep_statistics (`bool`, *optional*, defaults to `False`): leave the statistics on the returned bridge as
@@ -84,7 +84,7 @@ class CalibrationSettings:
             target's layer count, which need no map). One number also turns it on in the saved config; a list leaves
             `config.recompute_layers` at `0` (pick one at run time). `0`: no residual map.
         hidden_state_layers (`list[int]`, `int` or `"all"`, *optional*): richer source features
-            (`hf_kvbridge.source_features`): these entries of the source's `output_hidden_states` (`0`: the
+            (`hf_kvbridge.utils.source_features`): these entries of the source's `output_hidden_states` (`0`: the
             embeddings, `i`: what source layer `i` receives, `L_s` or `-1`: the final normed output) become feature
             blocks of every target layer's map beside the source's K/V, ranked with the K/V blocks by held-out R²
             (`top_k` counts both). `None` (default): K/V only. Needs `head_mode="all_heads"`, `kv_mode="joint"` and

@@ -143,7 +143,7 @@ def _lengths(value: str) -> list[int]:
 
 def _calibration_data(value: str) -> str:
     """`pocket` → the shipped calibration split (a local file or folder called `pocket` wins, as in
-    `hf_kvbridge.data.resolve_data_reference`); a path that can only be local must exist."""
+    `hf_kvbridge.fitting.data.resolve_data_reference`); a path that can only be local must exist."""
     if value == POCKET_DATA and not Path(value).exists():
         return str(_pocket.data_path("calibration"))
     path = Path(value).expanduser()

@@ -17,13 +17,13 @@ import torch
 from transformers import AutoTokenizer
 
 from hf_kvbridge import pocket
-from hf_kvbridge.calibration.checks import split_heldout
-from hf_kvbridge.calibration.data_pass import collect_statistics
-from hf_kvbridge.calibration.dense_fit import fit_bridge
-from hf_kvbridge.data import token_windows
+from hf_kvbridge.fitting.calibration.checks import split_heldout
+from hf_kvbridge.fitting.calibration.data_pass import collect_statistics
+from hf_kvbridge.fitting.calibration.dense_fit import fit_bridge
+from hf_kvbridge.fitting.data import token_windows
 from hf_kvbridge.modeling import KVBridgeForCausalLM
-from hf_kvbridge.precision import bf16_matmul_units, float32_matmul_precision
 from hf_kvbridge.tools.evaluation import continuation_nll, heldout_windows
+from hf_kvbridge.utils.precision import bf16_matmul_units, float32_matmul_precision
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 parser.add_argument("--pairs", nargs="+", default=["pocket-s:pocket-l", "pocket-l:pocket-s"])

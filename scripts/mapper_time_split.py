@@ -16,9 +16,9 @@ import time
 
 import torch
 
-from hf_kvbridge.cache import output_cache
 from hf_kvbridge.mappers.engine import Workspace, map_cache
 from hf_kvbridge.tools.bench.shapes import qwen3_shape_config, random_bridge
+from hf_kvbridge.utils.cache import output_cache
 
 
 @torch.no_grad()

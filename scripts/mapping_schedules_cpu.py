@@ -26,10 +26,10 @@ from pathlib import Path
 
 import torch
 
-from hf_kvbridge.cache import output_cache
 from hf_kvbridge.tools.bench.ops import count_ops
 from hf_kvbridge.tools.bench.shapes import qwen3_shape_config, random_bridge
 from hf_kvbridge.tools.bench.timing import interleaved_medians
+from hf_kvbridge.utils.cache import output_cache
 
 BRIDGES = {  # name: (source shape, target shape, top_k, head_mode); pocket-* are the shipped models' configs
     "issue-25 pair, all heads, top-3": ("small-3l-2x64", "small-8l-2x64", 3, "all_heads"),

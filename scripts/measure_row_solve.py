@@ -1,9 +1,10 @@
-"""The auto-λ search and refit of one map from the calibration rows (`hf_kvbridge.statistics.rows.RowStatistics`)
+"""The auto-λ search and refit of one map from the calibration rows
+(`hf_kvbridge.fitting.statistics.rows.RowStatistics`)
 against the same from their sums (`KVStatistics`), side by side in one process on the same rows, when there are
 fewer training tokens than map inputs (`n < p`; issue 25, item 2).
 
 With `n` training tokens the standardized training Gram block `Z = XsᵀXs` has rank below `n`, and every ridge map
-lies in the row space of the training rows, `W(λ) = D^-½ Xsᵀ (XsXsᵀ + λI)⁻¹ Ys`: `hf_kvbridge.solve` runs the
+lies in the row space of the training rows, `W(λ) = D^-½ Xsᵀ (XsXsᵀ + λI)⁻¹ Ys`: `hf_kvbridge.fitting.solve` runs the
 held-out λ path on the `n × n` kernel's eigenpairs and the refit as one `n × n` Cholesky per λ when the statistics
 are rows. The `p × p` work (`14/3 · p³` for the `eigh`, `4p³` for the held-out rotation) becomes `O(n²p)`.
 Calibration keeps the rows when that is cheaper (`calibration.rows_are_cheaper`).
@@ -24,9 +25,9 @@ import time
 
 import torch
 
-from hf_kvbridge.solve import LAMBDA_GRID, heldout_r2_chunks, solve_ridge
-from hf_kvbridge.statistics.dense import KVStatistics
-from hf_kvbridge.statistics.rows import RowStatistics
+from hf_kvbridge.fitting.solve import LAMBDA_GRID, heldout_r2_chunks, solve_ridge
+from hf_kvbridge.fitting.statistics.dense import KVStatistics
+from hf_kvbridge.fitting.statistics.rows import RowStatistics
 from hf_kvbridge.tools.bench.report import write_measurement
 
 HEAD_DIM = 128

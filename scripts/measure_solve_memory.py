@@ -5,7 +5,7 @@ The statistics are real float32 [`BlockStatistics`] (one target layer from `k` s
 jointly) filled with random moments (an SPD Gram block), so the solve runs the code path calibration runs. Memory is
 the process's peak resident set size above what it held just before (Linux `VmHWM`, reset through
 `/proc/self/clear_refs`), reported in units of one `p × p` float64 matrix (`p²·8` bytes) next to the plan
-(`hf_kvbridge.budget.solve_bytes`).
+(`hf_kvbridge.fitting.budget.solve_bytes`).
 
     python scripts/measure_solve_memory.py --p 2048 4096 [--json out.json] [--code OLD_CHECKOUT]
 
@@ -50,9 +50,9 @@ def shape(p: int, head_dim: int, k: int | None = None) -> tuple[int, int]:
 def child(p: int, head_dim: int, seed: int, k: int | None = None) -> dict:
     import torch
 
-    from hf_kvbridge import solve
-    from hf_kvbridge.heads import map_groups
-    from hf_kvbridge.statistics.blocks import BlockStatistics
+    from hf_kvbridge.fitting import solve
+    from hf_kvbridge.fitting.statistics.blocks import BlockStatistics
+    from hf_kvbridge.utils.heads import map_groups
 
     k, heads = shape(p, head_dim, k)
     row = heads * 2 * head_dim
@@ -105,7 +105,7 @@ def child(p: int, head_dim: int, seed: int, k: int | None = None) -> dict:
     maxrss_delta = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - search_base
     plan = None
     try:
-        from hf_kvbridge.budget import solve_bytes
+        from hf_kvbridge.fitting.budget import solve_bytes
 
         plan = solve_bytes(k, row)
     except ImportError:

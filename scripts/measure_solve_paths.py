@@ -1,6 +1,7 @@
 """Time of the held-out λ search of one map, two exact ways, side by side in one process (issue 25, item 3).
 
-- `eigh` (what `hf_kvbridge.solve.heldout_r2_chunks` does): one eigendecomposition of the standardized train Gram
+- `eigh` (what `hf_kvbridge.fitting.solve.heldout_r2_chunks` does): one eigendecomposition of the standardized train
+Gram
   block `Z = V Λ Vᵀ`, the held-out Gram block rotated into its basis (`M = Vᵀ Z' V`, two `p × p × p` products), the
   cross blocks rotated (`p × p × q` each), then per λ one `p × p × q` product;
 - `cholesky`: per λ one Cholesky factorisation of `Z + λI`, two triangular solves for the map `W(λ)` and one
@@ -24,7 +25,7 @@ import time
 
 import torch
 
-from hf_kvbridge.solve import LAMBDA_GRID, rotate_, strip_rows
+from hf_kvbridge.fitting.solve import LAMBDA_GRID, rotate_, strip_rows
 from hf_kvbridge.tools.bench.report import write_measurement
 
 

@@ -18,15 +18,15 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hf_kvbridge import pocket
-from hf_kvbridge.calibration.checks import split_heldout
-from hf_kvbridge.calibration.data_pass import collect_statistics
-from hf_kvbridge.calibration.dense_fit import assemble_bridge
-from hf_kvbridge.data import token_windows
+from hf_kvbridge.fitting.calibration.checks import split_heldout
+from hf_kvbridge.fitting.calibration.data_pass import collect_statistics
+from hf_kvbridge.fitting.calibration.dense_fit import assemble_bridge
+from hf_kvbridge.fitting.data import token_windows
+from hf_kvbridge.fitting.layer_selection import mapper_r2, select_layers, single_layer_r2
+from hf_kvbridge.fitting.solve import LAMBDA_GRID, choose_ridge_lambdas
+from hf_kvbridge.fitting.statistics.blocks import BlockStatistics
+from hf_kvbridge.fitting.statistics.selection import SelectionStatistics
 from hf_kvbridge.mappers import KVMapper
-from hf_kvbridge.selection import mapper_r2, select_layers, single_layer_r2
-from hf_kvbridge.solve import LAMBDA_GRID, choose_ridge_lambdas
-from hf_kvbridge.statistics.blocks import BlockStatistics
-from hf_kvbridge.statistics.selection import SelectionStatistics
 from hf_kvbridge.tools.evaluation import continuation_nll, heldout_windows
 
 PAIRS = [

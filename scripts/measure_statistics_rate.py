@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from hf_kvbridge.statistics.blocks import BlockStatistics
+from hf_kvbridge.fitting.statistics.blocks import BlockStatistics
 from hf_kvbridge.tools.bench.report import write_measurement
 from hf_kvbridge.tools.bench.timing import cpu_peak_bytes
 

@@ -35,7 +35,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:  # run as a path from a checkout
     sys.path.insert(0, ROOT)
 
-from hf_kvbridge import budget as plan  # noqa: E402
+from hf_kvbridge.fitting import budget as plan  # noqa: E402
 from hf_kvbridge.pocket import load_texts, model_path  # noqa: E402
 from hf_kvbridge.tools.bench.shapes import CHECKPOINT_SHAPES, random_model  # noqa: E402
 
@@ -93,8 +93,8 @@ def plan_figures(args, free: int, selected: list[list[int]], source_layers: int,
 
 
 def windows_and_split(args, tokenizer):
-    from hf_kvbridge.calibration.checks import split_heldout
-    from hf_kvbridge.data import token_windows
+    from hf_kvbridge.fitting.calibration.checks import split_heldout
+    from hf_kvbridge.fitting.data import token_windows
 
     windows = token_windows(load_texts("calibration"), tokenizer, args.num_sequences, args.seq_len)
     _, heldout = split_heldout(len(windows), 0.1, 0)  # `CalibrationSettings`' defaults
@@ -103,11 +103,11 @@ def windows_and_split(args, tokenizer):
 
 def selection_only(args, source, target, tokenizer, result: dict) -> None:
     """What `fit_bridge_in_passes` runs before its fit passes: the selection pass and the layer choice."""
-    from hf_kvbridge.calibration.budgeted_fit import SELECTION_LAMBDA
-    from hf_kvbridge.calibration.data_pass import collect_statistics
-    from hf_kvbridge.layout import allowed_sources, check_matched
-    from hf_kvbridge.selection import select_layers
-    from hf_kvbridge.statistics.selection import SelectionStatistics
+    from hf_kvbridge.fitting.calibration.budgeted_fit import SELECTION_LAMBDA
+    from hf_kvbridge.fitting.calibration.data_pass import collect_statistics
+    from hf_kvbridge.fitting.layer_selection import select_layers
+    from hf_kvbridge.fitting.statistics.selection import SelectionStatistics
+    from hf_kvbridge.utils.layout import allowed_sources, check_matched
 
     src, tgt = check_matched(source.config, target.config, SOURCE, TARGET)
     windows, heldout = windows_and_split(args, tokenizer)

@@ -16,12 +16,12 @@ import torch
 from transformers import AutoTokenizer
 
 from hf_kvbridge import pocket
-from hf_kvbridge.calibration.checks import split_heldout
-from hf_kvbridge.calibration.data_pass import collect_statistics
-from hf_kvbridge.calibration.dense_fit import fit_bridge
-from hf_kvbridge.data import token_windows
-from hf_kvbridge.heads import map_groups
+from hf_kvbridge.fitting.calibration.checks import split_heldout
+from hf_kvbridge.fitting.calibration.data_pass import collect_statistics
+from hf_kvbridge.fitting.calibration.dense_fit import fit_bridge
+from hf_kvbridge.fitting.data import token_windows
 from hf_kvbridge.tools.evaluation import continuation_nll, heldout_windows
+from hf_kvbridge.utils.heads import map_groups
 
 torch.set_num_threads(2)
 torch.manual_seed(0)

@@ -138,7 +138,7 @@ def run_drift(args) -> int:
     from transformers import AutoTokenizer
 
     from hf_kvbridge import pocket
-    from hf_kvbridge.calibration.calibrate import calibrate
+    from hf_kvbridge.fitting.calibration.calibrate import calibrate
 
     tokenizer = AutoTokenizer.from_pretrained(pocket.model_path(args.large))
     bridge = calibrate(

@@ -40,7 +40,7 @@ import torch
 from transformers import AutoTokenizer
 
 from hf_kvbridge import pocket
-from hf_kvbridge.calibration.calibrate import calibrate
+from hf_kvbridge.fitting.calibration.calibrate import calibrate
 from hf_kvbridge.tools.evaluation import heldout_windows, score_tokens
 
 PAIRS = ("pocket-l:pocket-s", "pocket-m:pocket-s", "pocket-s:pocket-l", "pocket-s:pocket-m", "pocket-m:pocket-l")

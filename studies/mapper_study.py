@@ -90,10 +90,10 @@ def prepare_pair(
     from transformers import AutoTokenizer
 
     from hf_kvbridge import pocket
-    from hf_kvbridge.calibration.checks import split_heldout
-    from hf_kvbridge.calibration.data_pass import collect_statistics
-    from hf_kvbridge.calibration.dense_fit import fit_bridge
-    from hf_kvbridge.data import token_windows
+    from hf_kvbridge.fitting.calibration.checks import split_heldout
+    from hf_kvbridge.fitting.calibration.data_pass import collect_statistics
+    from hf_kvbridge.fitting.calibration.dense_fit import fit_bridge
+    from hf_kvbridge.fitting.data import token_windows
     from hf_kvbridge.tools.evaluation import build_cloze, heldout_windows
 
     torch.manual_seed(seed)
@@ -138,8 +138,8 @@ def prepare_pair(
 
 def _linear_variant(ridge, name: str):
     """The closed-form variants of the ridge bridge: `ridge_same_head`, `low_rank_<rank>`; `None` for others."""
-    from hf_kvbridge.calibration.dense_fit import fit_bridge
-    from hf_kvbridge.calibration.refit import refit
+    from hf_kvbridge.fitting.calibration.dense_fit import fit_bridge
+    from hf_kvbridge.fitting.calibration.refit import refit
 
     train, heldout = ridge.calibration_statistics
     config = ridge.config
@@ -166,10 +166,10 @@ def _bf16_r2(bridge) -> dict | None:
     rounded, measured on the held-out statistics."""
     import torch
 
+    from hf_kvbridge.fitting.layer_selection import mapped_heldout_r2
+    from hf_kvbridge.fitting.solve import effective_ridge_lambda
     from hf_kvbridge.mappers import KVMapper
     from hf_kvbridge.mappers.low_rank import LowRankKVMapper
-    from hf_kvbridge.selection import mapped_heldout_r2
-    from hf_kvbridge.solve import effective_ridge_lambda
 
     train, heldout = bridge.calibration_statistics
     config = bridge.config
@@ -196,9 +196,9 @@ def measure_mapper(
     """Fits mapper `name` on a prepared pair (unless already there) and measures it (see `compare_mappers`)."""
     import torch
 
-    from hf_kvbridge.attention import attention_output_cosine
-    from hf_kvbridge.calibration.refit import refit
     from hf_kvbridge.errors import ConfigurationError
+    from hf_kvbridge.fitting.attention import attention_output_cosine
+    from hf_kvbridge.fitting.calibration.refit import refit
     from hf_kvbridge.tools.evaluation import cloze_accuracy, continuation_nll
 
     ridge, ridge_s = context["bridges"]["ridge"]

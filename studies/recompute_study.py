@@ -22,7 +22,7 @@ import torch
 from transformers import AutoTokenizer
 
 from hf_kvbridge import pocket
-from hf_kvbridge.calibration.calibrate import calibrate
+from hf_kvbridge.fitting.calibration.calibrate import calibrate
 from hf_kvbridge.mappers import MAPPER_TYPES
 from hf_kvbridge.tools.bench.flop_model import cost, target_flops_per_token
 from hf_kvbridge.tools.evaluation import continuation_nll, heldout_windows, retention, score_tokens
@@ -53,7 +53,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--hidden-state-layers",
         default=None,
         help="source hidden states that feed the K/V maps beside its K/V (comma-separated output_hidden_states "
-        "entries, or 'all'; hf_kvbridge.source_features); default: K/V only",
+        "entries, or 'all'; hf_kvbridge.utils.source_features); default: K/V only",
     )
     parser.add_argument("--windows", type=int, default=48, help="held-out windows")
     parser.add_argument("--context", type=int, default=192)

@@ -8,10 +8,10 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from hf_kvbridge.calibration.data_pass import collect_statistics
-from hf_kvbridge.calibration.dense_fit import fit_bridge
 from hf_kvbridge.errors import KVLayoutError
-from hf_kvbridge.layout import check_models
+from hf_kvbridge.fitting.calibration.data_pass import collect_statistics
+from hf_kvbridge.fitting.calibration.dense_fit import fit_bridge
+from hf_kvbridge.utils.layout import check_models
 from tests.conftest import VOCAB
 
 SUPPORTED = ["llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2", "gemma2", "gemma", "granite", "starcoder2"]
@@ -140,7 +140,7 @@ def test_handoff_session_with_sliding_window_layers_runs_past_the_window(model_t
     turn's greedy tokens equal a target-only session's (sliding layers receive only the window they keep)."""
     from hf_kvbridge.transfer.session import HandoffSession
     from tests.conftest import make_tokenizer
-    from tests.test_session import QUESTIONS, TEMPLATE, _bidirectional
+    from tests.transfer.test_session import QUESTIONS, TEMPLATE, _bidirectional
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(tiny_config(model_type, **overrides)).eval()

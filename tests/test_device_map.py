@@ -15,8 +15,8 @@ from accelerate import cpu_offload
 from transformers import AutoModelForCausalLM
 
 import hf_kvbridge
-from hf_kvbridge.calibration.data_pass import collect_statistics
-from hf_kvbridge.calibration.dense_fit import fit_bridge
+from hf_kvbridge.fitting.calibration.data_pass import collect_statistics
+from hf_kvbridge.fitting.calibration.dense_fit import fit_bridge
 from tests.conftest import CORPUS, VOCAB, qwen3
 
 FIELDS = ("x_sum", "y_sum", "xx", "xy", "yy")
@@ -197,7 +197,7 @@ def test_bridge_over_offloaded_models_maps_and_generates_like_plain(saved_pair, 
 def test_layer_devices_follow_the_device_map():
     """Each layer's device as transformers/peft read it from `hf_device_map` (an int is an accelerator index: `cuda`
     on a machine without one; device objects need no GPU)."""
-    from hf_kvbridge.devices import layer_devices
+    from hf_kvbridge.utils.devices import layer_devices
 
     model = qwen3(layers=3)
     assert layer_devices(model, 3) == [torch.device("cpu")] * 3  # no device map: the model's device

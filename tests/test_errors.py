@@ -16,8 +16,6 @@ from hf_kvbridge import (
     MapperFileError,
     StatisticsError,
 )
-from hf_kvbridge.calibration.data_pass import collect_statistics
-from hf_kvbridge.calibration.dense_fit import fit_bridge
 from hf_kvbridge.errors import (
     CheckpointExistsError,
     CheckpointFileError,
@@ -26,7 +24,9 @@ from hf_kvbridge.errors import (
     EvaluationError,
     InvalidInputError,
 )
-from hf_kvbridge.statistics.dense import KVStatistics
+from hf_kvbridge.fitting.calibration.data_pass import collect_statistics
+from hf_kvbridge.fitting.calibration.dense_fit import fit_bridge
+from hf_kvbridge.fitting.statistics.dense import KVStatistics
 from tests.conftest import CORPUS, VOCAB, make_tokenizer, qwen3
 
 
@@ -63,7 +63,7 @@ def test_different_tokenizers(tmp_path):
 
 
 def test_layer_types_other_than_full_and_sliding_are_refused():
-    from hf_kvbridge.layout import check_supported
+    from hf_kvbridge.utils.layout import check_supported
 
     config = qwen3(layers=2).config
     config.layer_types = ["full_attention", "linear_attention"]  # e.g. a hybrid linear-attention model
@@ -107,7 +107,7 @@ def test_fewer_tokens_than_features_unregularised_is_refused_and_a_ridge_fit_war
     train, heldout = collect_statistics(source, target, windows, heldout=[0])
     with pytest.raises(StatisticsError, match=r"fewer calibration tokens \(16\) than mapper input features \(128\)"):
         fit_bridge(source, target, train, heldout, top_k=2, ridge_lambda=0.0)
-    with caplog.at_level("WARNING", logger="hf_kvbridge.calibration"):
+    with caplog.at_level("WARNING", logger="hf_kvbridge.fitting.calibration"):
         bridge = fit_bridge(source, target, train, heldout, top_k=2)
     assert "16 training tokens for maps of 128 input features" in caplog.text
     assert all(torch.isfinite(p).all() for p in bridge.mapper.parameters())
@@ -116,8 +116,8 @@ def test_fewer_tokens_than_features_unregularised_is_refused_and_a_ridge_fit_war
 
 @pytest.mark.parametrize("entry", ["calibrate", "fit_bridge_in_passes"])
 def test_an_unregularised_fit_from_too_few_tokens_is_refused_before_any_pass(entry, monkeypatch):
-    import hf_kvbridge.calibration.budgeted_fit as calibration
-    import hf_kvbridge.calibration.calibrate as calibrate_module
+    import hf_kvbridge.fitting.calibration.budgeted_fit as calibration
+    import hf_kvbridge.fitting.calibration.calibrate as calibrate_module
 
     def no_pass(*args, **kwargs):
         raise AssertionError("a pass over the data ran before the token count was checked")
@@ -229,7 +229,7 @@ def test_every_error_class_derives_from_kvbridge_error_and_a_builtin():
 
 
 def test_bad_config_values_raise_configuration_error():
-    from hf_kvbridge.sizes import parse_bytes
+    from hf_kvbridge.utils.sizes import parse_bytes
 
     with pytest.raises(ConfigurationError, match=r"head_mode must be one of .*got 'per_token'"):
         KVBridgeConfig(head_mode="per_token")
@@ -243,10 +243,10 @@ def test_bad_config_values_raise_configuration_error():
 
 def test_bad_call_arguments_raise_invalid_input_error(tokenizer):
     from hf_kvbridge.controls import control_cache
-    from hf_kvbridge.data import token_windows
+    from hf_kvbridge.fitting.data import token_windows
+    from hf_kvbridge.fitting.layer_selection import select_layers
     from hf_kvbridge.loading import load_model
     from hf_kvbridge.pocket import model_path
-    from hf_kvbridge.selection import select_layers
 
     with pytest.raises(InvalidInputError, match="top_k must be ≥ 1"):
         select_layers(torch.zeros(2, 2, 2), top_k=0)
@@ -261,8 +261,8 @@ def test_bad_call_arguments_raise_invalid_input_error(tokenizer):
 
 
 def test_layout_and_cache_mismatches_raise_kv_layout_error():
-    from hf_kvbridge.cache import check_cache_shape
-    from hf_kvbridge.rope import rotary_module
+    from hf_kvbridge.utils.cache import check_cache_shape
+    from hf_kvbridge.utils.rope import rotary_module
 
     with pytest.raises(KVLayoutError, match="Linear has no `rotary_emb` module"):
         rotary_module(torch.nn.Linear(2, 2))

@@ -166,9 +166,52 @@ def test_core_never_imports_tooling():
     assert upward_imports(import_graph()) == {}
 
 
+FITTING_PACKAGE = "hf_kvbridge.fitting"
+
+
+def runtime_imports_of_fitting(graph: dict[str, set[str]]) -> dict[str, list[str]]:
+    """Modules of the runtime side (everything but `fitting/` and the tooling above: tools, integrations, cli) that
+    import a fitting module, anywhere in their body."""
+    bad = {}
+    for module, deps in graph.items():
+        if (
+            module == "hf_kvbridge"
+            or module.startswith((FITTING_PACKAGE, *TOOLING))
+            or not module.startswith("hf_kvbridge")
+        ):
+            continue
+        up = sorted(d for d in deps if d == FITTING_PACKAGE or d.startswith(FITTING_PACKAGE + "."))
+        if up:
+            bad[module] = up
+    return bad
+
+
+def test_the_runtime_never_imports_the_fitting_side():
+    """Model, config, persistence, mappers, transfer and the helpers import nothing of `hf_kvbridge.fitting`, not even
+    inside a function: the fitting side attaches its fits to the runtime classes, never the reverse."""
+    assert runtime_imports_of_fitting(import_graph()) == {}
+
+
+def test_the_runtime_check_sees_a_function_level_import_of_fitting(tmp_path):
+    pkg = tmp_path / "hf_kvbridge"
+    (pkg / "fitting").mkdir(parents=True)
+    (pkg / "mappers").mkdir()
+    for init in (pkg, pkg / "fitting", pkg / "mappers"):
+        (init / "__init__.py").write_text("")
+    (pkg / "fitting" / "solve.py").write_text("from ..mappers import base\n")
+    (pkg / "mappers" / "base.py").write_text("def f():\n    from ..fitting.solve import g\n")
+    assert runtime_imports_of_fitting(import_graph(pkg)) == {"hf_kvbridge.mappers.base": ["hf_kvbridge.fitting.solve"]}
+
+
+def test_an_old_import_path_resolves_to_the_moved_module():
+    assert _module_file("hf_kvbridge.calibration.refit", ROOT) == PACKAGE / "fitting" / "calibration" / "refit.py"
+    assert _module_file("hf_kvbridge.solve", ROOT) == PACKAGE / "fitting" / "solve.py"
+    assert unresolved_imports(Path(__file__)) == []  # this file names old paths below, as other code may
+
+
 def test_mappers_never_import_calibration_or_modeling():
     graph = import_graph()
-    forbidden = {"hf_kvbridge.calibration", "hf_kvbridge.modeling"}
+    forbidden = {"hf_kvbridge.fitting.calibration", "hf_kvbridge.modeling"}
     bad = {m: sorted(deps & forbidden) for m, deps in graph.items() if m.startswith("hf_kvbridge.mappers")}
     assert {m: d for m, d in bad.items() if d} == {}
 
@@ -274,6 +317,20 @@ def _module_file(module: str, root: Path) -> Path | None:
     for candidate in (base.with_suffix(".py"), base / "__init__.py"):
         if candidate.is_file():
             return candidate
+    moved = _moved_module(module, root)
+    return None if moved is None else _module_file(moved, root)
+
+
+def _moved_module(module: str, root: Path) -> str | None:
+    """The new name of a moved module (`hf_kvbridge.MOVED_MODULES`, read from the tree), else `None`."""
+    if not (root / "hf_kvbridge" / "__init__.py").is_file():
+        return None
+    init = ast.parse((root / "hf_kvbridge" / "__init__.py").read_text(encoding="utf-8"))
+    for node in init.body:
+        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", None) == "MOVED_MODULES":
+            for old, new in ast.literal_eval(node.value).items():
+                if module == old or module.startswith(old + "."):
+                    return new + module[len(old) :]
     return None
 
 
@@ -514,7 +571,7 @@ def test_the_import_checker_sees_missing_modules_and_names(tmp_path):
 
 
 SERVING = ("hf_kvbridge.modeling", "hf_kvbridge.transfer", "hf_kvbridge.integrations.vllm")
-FITTING = ("hf_kvbridge.calibration", "hf_kvbridge.statistics", "hf_kvbridge.selection", "hf_kvbridge.content_rows")
+FITTING = ("hf_kvbridge.fitting",)
 
 
 def _reached(graph: dict[str, set[str]], roots) -> set[str]:
@@ -528,10 +585,36 @@ def _reached(graph: dict[str, set[str]], roots) -> set[str]:
 
 
 def test_serving_never_imports_fitting_code():
-    """The bridge class, the transfers and the vLLM integration reach no calibration, statistics, selection or
-    content-row code (the mapper's own ridge solve, `solve.py`, is all of fitting they carry)."""
+    """The bridge class, the transfers and the vLLM integration reach no module of `hf_kvbridge.fitting` (calibration,
+    statistics, solves, selection, the mappers' fits)."""
     graph = import_graph(*HOUSE)
     roots = [m for m in graph if m.startswith(SERVING)]
     assert sorted(m for m in _reached(graph, roots) if m.startswith(FITTING)) == []
-    planted = {"hf_kvbridge.modeling": {"hf_kvbridge.transfer.x"}, "hf_kvbridge.transfer.x": {"hf_kvbridge.selection"}}
-    assert "hf_kvbridge.selection" in _reached(planted, ["hf_kvbridge.modeling"])  # the walk follows chains
+    planted = {
+        "hf_kvbridge.modeling": {"hf_kvbridge.transfer.x"},
+        "hf_kvbridge.transfer.x": {"hf_kvbridge.fitting.layer_selection"},
+    }
+    assert "hf_kvbridge.fitting.layer_selection" in _reached(
+        planted, ["hf_kvbridge.modeling"]
+    )  # the walk follows chains
+
+
+MAX_ROOT_MODULES = 12  # modules directly in hf_kvbridge/, besides __init__.py (30 before fitting/ and utils/)
+
+
+def root_modules(package: Path = PACKAGE) -> list[str]:
+    """The modules directly in `package`, leaving out `__init__.py` and modules that only keep an old import path
+    (under 16 lines)."""
+    return sorted(
+        p.stem
+        for p in package.glob("*.py")
+        if p.name != "__init__.py" and len(p.read_text(encoding="utf-8").splitlines()) >= 16
+    )
+
+
+def test_the_root_holds_at_most_twelve_modules(tmp_path):
+    assert len(root_modules()) <= MAX_ROOT_MODULES, root_modules()
+    (tmp_path / "__init__.py").write_text("")
+    (tmp_path / "alias.py").write_text("from .x import *\n")
+    (tmp_path / "real.py").write_text("x = 1\n" * 16)
+    assert root_modules(tmp_path) == ["real"]

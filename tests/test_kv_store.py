@@ -22,7 +22,6 @@ from safetensors.torch import save as safetensors_save
 from transformers import AutoConfig, DynamicCache, Qwen3Config
 
 from hf_kvbridge import KVLayout, MissingDependencyError, ServingConfigError
-from hf_kvbridge.cache import append_layer, cache_kwargs, output_cache
 from hf_kvbridge.errors import InvalidInputError
 from hf_kvbridge.integrations.kv_store import (
     DEFAULT_CHUNK_SIZE,
@@ -53,6 +52,7 @@ from hf_kvbridge.integrations.kv_store.local_server import free_port
 from hf_kvbridge.integrations.kv_store.prefix import fetch_runs
 from hf_kvbridge.integrations.kv_store.sizing import HEADER_BYTES_FIXED, HEADER_BYTES_PER_LAYER, TOKEN_ID_BYTES
 from hf_kvbridge.pocket import model_path
+from hf_kvbridge.utils.cache import append_layer, cache_kwargs, output_cache
 from tests.conftest import VOCAB, qwen3, sigint_as_in_a_terminal
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -18,7 +18,6 @@ import torch
 from transformers import DynamicCache
 
 from hf_kvbridge import KVLayout, ServingConfigError
-from hf_kvbridge.cache import cache_kwargs, output_cache
 from hf_kvbridge.integrations.kv_store import (
     PrefixKVStore,
     RedisClusterKVStore,
@@ -30,6 +29,7 @@ from hf_kvbridge.integrations.kv_store import (
     start_local_cluster,
 )
 from hf_kvbridge.integrations.kv_store.redis_cluster import parse_cluster_url
+from hf_kvbridge.utils.cache import cache_kwargs, output_cache
 from tests.conftest import VOCAB, qwen3
 
 CHUNK = 8

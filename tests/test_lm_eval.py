@@ -20,14 +20,14 @@ from lm_eval.tasks import TaskManager
 import hf_kvbridge
 import hf_kvbridge.integrations.lm_eval  # noqa: F401  (registers "kvbridge")
 from hf_kvbridge import pocket
-from hf_kvbridge.cache import output_cache
 from hf_kvbridge.card import read_eval_table
 from hf_kvbridge.constants import EVAL_MODES
 from hf_kvbridge.integrations.lm_eval import KVBridgeLM, rolling_chunks
 from hf_kvbridge.tools.task_retention import format_table, retention_rows
+from hf_kvbridge.utils.cache import output_cache
 from kvbridge_cli import main as cli_main
 from tests.conftest import CORPUS
-from tests.test_layout import linear_pair  # noqa: F401  (fixture: a pair whose KV layouts differ)
+from tests.utils.test_layout import linear_pair  # noqa: F401  (fixture: a pair whose KV layouts differ)
 
 ROOT = Path(__file__).resolve().parents[1]
 POCKET_TASKS = ROOT / "eval_tasks" / "pocket"

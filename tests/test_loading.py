@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from hf_kvbridge import pocket
-from hf_kvbridge.data import resolve_data_reference
 from hf_kvbridge.errors import InvalidInputError
+from hf_kvbridge.fitting.data import resolve_data_reference
 from hf_kvbridge.loading import load_model, model_reference, resolve_model_reference
 from tests.conftest import qwen3
 

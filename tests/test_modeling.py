@@ -10,10 +10,10 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 import hf_kvbridge
 from hf_kvbridge import KVBridgeConfig, KVBridgeForCausalLM
-from hf_kvbridge.cache import cache_kwargs, output_cache
-from hf_kvbridge.calibration.data_pass import collect_statistics
-from hf_kvbridge.calibration.dense_fit import fit_bridge
+from hf_kvbridge.fitting.calibration.data_pass import collect_statistics
+from hf_kvbridge.fitting.calibration.dense_fit import fit_bridge
 from hf_kvbridge.mappers import engine as mapping
+from hf_kvbridge.utils.cache import cache_kwargs, output_cache
 from tests.conftest import CORPUS, VOCAB, qwen3
 
 # config, mapper, card and the pair's shared tokenizer (persistence.BridgeHubMixin.save_pretrained)
@@ -196,7 +196,7 @@ def test_non_monotone_layer_order_survives_save_load(windows, tmp_path):
 def _independent_single_layer_r2(source, target, windows, train_ids, heldout_ids, ridge_lambda=1e-3):
     """Dense reference, fitted here with `torch.linalg.solve` on each (target layer, source layer) pair: held-out R²
     of the target layer's [K | V] rows from one source layer's, mean over heads and K/V → `(L_t, L_s)`."""
-    from hf_kvbridge.content_rows import cache_rows
+    from hf_kvbridge.fitting.content_rows import cache_rows
 
     heads, dim = target.config.num_key_value_heads, target.config.head_dim
     width = heads * 2 * dim
@@ -222,9 +222,9 @@ def _independent_single_layer_r2(source, target, windows, train_ids, heldout_ids
 def test_selection_picks_the_layers_an_independent_heldout_r2_ranks_best(saved_pair, tokenizer, statistics_memory):
     """Selection (dense statistics, or the budgeted selection pass) against single-layer R² computed here from the
     models' own caches: every chosen layer scores within 0.01 of the best layer it passed over."""
-    from hf_kvbridge.budget import fit_bytes
-    from hf_kvbridge.calibration.checks import split_heldout
-    from hf_kvbridge.data import token_windows
+    from hf_kvbridge.fitting.budget import fit_bytes
+    from hf_kvbridge.fitting.calibration.checks import split_heldout
+    from hf_kvbridge.fitting.data import token_windows
 
     source = AutoModelForCausalLM.from_pretrained(saved_pair["large"])  # 3 layers → 2: a real choice at top_k=1
     target = AutoModelForCausalLM.from_pretrained(saved_pair["small"])

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from hf_kvbridge import KVBridgeConfig
-from hf_kvbridge.calibration.data_pass import collect_statistics
-from hf_kvbridge.calibration.dense_fit import fit_bridge
+from hf_kvbridge.fitting.calibration.data_pass import collect_statistics
+from hf_kvbridge.fitting.calibration.dense_fit import fit_bridge
 from hf_kvbridge.mappers.engine import map_cache
 from hf_kvbridge.transfer.plan import plan_from_config, plan_prompt, plan_transfer
 from hf_kvbridge.transfer.prefill import transfer_prefill
@@ -126,6 +126,7 @@ def test_vllm_connector_claims_the_plans_positions(bridge, monkeypatch):
     loads probe the plan's probe: no positions of its own."""
     pytest.importorskip("vllm")  # the connector's scheduler imports vLLM (the integration package loads it lazily)
     from hf_kvbridge.integrations import vllm
+
     for knobs in (
         {},
         {"gate_threshold": 0.9, "gate_probe_tokens": 4},

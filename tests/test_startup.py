@@ -55,7 +55,12 @@ def test_import_loads_the_core_only(tmp_path):
     assert {"torch", "transformers", "hf_kvbridge.configuration", "hf_kvbridge.errors"} <= loaded
     # the modeling stack (transformers' `PreTrainedModel`, with scipy and accelerate), the bridge class and the
     # calibration code load on first use; tools, integrations and their dependencies only where they are used
-    never = ["transformers.modeling_utils", "hf_kvbridge.modeling", "hf_kvbridge.calibration", "hf_kvbridge.tools"]
+    never = [
+        "transformers.modeling_utils",
+        "hf_kvbridge.modeling",
+        "hf_kvbridge.fitting.calibration",
+        "hf_kvbridge.tools",
+    ]
     never += ["hf_kvbridge.integrations", "hf_kvbridge.cli", "kvbridge_cli", "vllm", "datasets", "matplotlib"]
     assert [m for m in never if m in loaded] == []
     assert {m.split(".")[0] for m in loaded} & {"lm_eval", "scipy", "accelerate"} == set()
@@ -65,9 +70,9 @@ def test_the_public_names_load_on_first_use(tmp_path):
     code = """
 import sys
 import hf_kvbridge
-assert "hf_kvbridge.calibration" not in sys.modules
+assert "hf_kvbridge.fitting.calibration" not in sys.modules
 from hf_kvbridge import calibrate, KVBridgeForCausalLM
-from hf_kvbridge.calibration.calibrate import calibrate as direct
+from hf_kvbridge.fitting.calibration.calibrate import calibrate as direct
 from hf_kvbridge.modeling import KVBridgeForCausalLM as cls
 assert calibrate is direct and KVBridgeForCausalLM is cls and hf_kvbridge.KVStatistics.__name__ == "KVStatistics"
 assert set(hf_kvbridge.__all__) <= set(dir(hf_kvbridge))

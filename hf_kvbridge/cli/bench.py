@@ -21,7 +21,6 @@ def bench_mapper(args: argparse.Namespace) -> int:
     """`kvbridge bench mapper`: a saved bridge (or random weights of public Qwen3 shapes) timed per context length."""
     import torch
 
-    from .. import precision
     from ..errors import ContextLengthError, InvalidInputError
     from ..tools.bench.floors import measure_ceilings
     from ..tools.bench.mapper import (
@@ -36,6 +35,7 @@ def bench_mapper(args: argparse.Namespace) -> int:
     from ..tools.bench.shapes import QWEN3_SHAPES, SMALL_SHAPES, qwen3_shape_config, random_bridge, shape_pair
     from ..tools.bench.ttft import end_to_end, format_ttft
     from ..tools.defaults import BENCH_LENGTHS
+    from ..utils import precision
 
     dtype = getattr(torch, args.dtype)
     mapper_dtype = getattr(torch, args.mapper_dtype or args.dtype)
@@ -125,8 +125,8 @@ def bench_mapper(args: argparse.Namespace) -> int:
 
 def bench_calibration(args: argparse.Namespace) -> int:
     """`kvbridge bench calibration`: prints the result (and writes it with `--json`)."""
-    from ..sizes import format_bytes
     from ..tools.bench.calibration import CalibrationWorkload, flop_model_report, format_flop_table, memory_table, run
+    from ..utils.sizes import format_bytes
 
     if args.memory_model:
         print(memory_table())

@@ -52,15 +52,15 @@ from lm_eval.models.utils import Collator
 from tqdm import tqdm
 from transformers import AutoTokenizer, PreTrainedModel
 
-from ..cache import CACHE_KWARG, cache_kwargs
 from ..configuration import KVBridgeConfig
 from ..constants import MAPPER_CHECKSUMS_KEY
 from ..controls import CONTROL_MODES, control_cache
 from ..errors import EvaluationError
 from ..loading import load_model, resolve_model_reference
-from ..masks import positions_from_mask
 from ..modeling import KVBridgeForCausalLM
 from ..persistence import read_config_dict, resolve_checkpoint
+from ..utils.cache import CACHE_KWARG, cache_kwargs
+from ..utils.masks import positions_from_mask
 
 logger = logging.getLogger(__name__)
 

@@ -1,9 +1,10 @@
 """Mappers: from the selected source layers' KV rows to one target layer's KV rows.
 
-`MAPPER_REGISTRY` maps each `mapper_type` to its [`MapperType`] (class, fit, whether it is linear). Adding a mapper
+`MAPPER_REGISTRY` maps each `mapper_type` to its [`MapperType`] (class, whether it is linear; the fits are the
+fitting side's, `hf_kvbridge.fitting.mapper_fits`). Adding a mapper
 type is one new file defining `MAPPER = MapperType(...)` and one line in `_TYPE_MODULES` below. A type's module is
 imported when its entry is first read (as lm-eval's model table and transformers' auto classes load theirs), so
-loading a ridge bridge does not import the MLP's training code.
+loading a ridge bridge does not import the MLP's module.
 """
 
 from __future__ import annotations

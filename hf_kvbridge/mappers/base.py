@@ -3,7 +3,8 @@ source layers' content-space KV rows to the target layer's, with the row layout 
 one chunk (target layers that read the same source layers are mapped by one wide product of stacked weights). The
 schedule (which steps, which slots, how many tokens per chunk) is the mapping engine's (`hf_kvbridge.mappers.engine`).
 Subclasses change the per-layer map (`make_layer`, `map_layer`, `map_targets`): low rank, residual MLP.
-The ridge fit itself (`from_statistics`) is `hf_kvbridge.solve.solve_ridge` per layer and head group."""
+No fitting here: the ridge fit (`KVMapper.from_statistics`, `fit_targets`, `ridge_solutions`) lives on the fitting
+side, `hf_kvbridge.fitting.mapper_fits.ridge`, which attaches it to this class when imported."""
 
 from __future__ import annotations
 
@@ -16,8 +17,7 @@ from torch import nn
 
 from ..constants import HEAD_MODES, KV_MODES, MAPPER_KWARGS
 from ..errors import MapperError
-from ..heads import HeadLayouts, same_head_sources, target_heads_of
-from ..solve import map_group_lambda, solve_ridge
+from ..utils.heads import HeadLayouts, same_head_sources, target_heads_of
 
 
 def kv_view(buffer: torch.Tensor, order: str, sizes: dict[str, int]) -> torch.Tensor:
@@ -34,11 +34,11 @@ class MapperType:
         name (`str`): the `mapper_type` saved in the config.
         mapper_class (`type[KVMapper]`): what `from_pretrained` builds (with `mapper_class.from_config`) before
             loading the weights.
-        fit (`Callable`, *optional*): `fit(ridge_mapper, *, source, target, windows, statistics, ridge_lambda,
-            batch_size, progress, **kwargs)`, returning the new [`KVMapper`] (with its `fit_summary`, and its
-            `fit_config` where it sets more of the config); `None` for the ridge fit itself. Mappers never import
-            calibration or modeling: `calibration.refit` hands them the ridge mapper, the two models, the calibration
-            windows and statistics, and builds the bridge from what they return.
+        fit (`Callable`, *optional*): a type of your own's `fit(ridge_mapper, *, source, target, windows,
+            statistics, ridge_lambda, batch_size, progress, **kwargs)`, returning the new [`KVMapper`] (with its
+            `fit_summary`, and its `fit_config` where it sets more of the config). `None` for the shipped types:
+            their fits live on the fitting side (`hf_kvbridge.fitting.mapper_fits.FITS`, read by `fit_of`), so a
+            served bridge loads none of them. Mappers never import calibration or modeling.
         linear (`bool`): its weights are a plain `KVMapper`'s (lazy per-layer loading works).
         kv_modes (`tuple[str, ...]`): the `kv_mode`s it fits and maps (`CalibrationSettings` refuses the others
             before any work); every type so far supports both.
@@ -177,60 +177,6 @@ class KVMapper(nn.Module, HeadLayouts):
     def make_layer(self, groups: int, in_features: int, out_features: int) -> nn.Module:
         """The map of one target layer (`groups` head groups of `in_features → out_features`)."""
         return LayerMap(groups, in_features, out_features)
-
-    @classmethod
-    def from_statistics(
-        cls,
-        stats,
-        selected_layers: list[list[int]],
-        head_mode: str,
-        ridge_lambda: float | dict,
-        kv_mode: str = "joint",
-    ) -> KVMapper:
-        """Solves the ridge problems of every target layer (and group: head, K/V).
-
-        `ridge_lambda` is one relative λ for every map, or the per-layer choices `{"k": [[...]], "v": [[...]]}` of
-        `hf_kvbridge.solve.choose_ridge_lambdas` (see `hf_kvbridge.solve.map_group_lambda`).
-        """
-        key = stats.shape_key
-        mapper = cls(selected_layers, *key[2:4], head_mode, kv_mode=kv_mode, **target_heads_of(key))
-        mapper.fit_targets(stats, range(len(mapper.selected_layers)), ridge_lambda)
-        return mapper
-
-    def fit_targets(self, stats, targets, ridge_lambda: float | dict) -> None:
-        """Solves the ridge problems of target layers `targets` from `stats` (statistics holding at least their
-        selected source layers, e.g. one pass's `BlockStatistics`) into this mapper's weights, in place."""
-        for t in targets:
-            layer_map = self.layers[t]
-            for g, _, _, weight, bias in self.ridge_solutions(stats, t, ridge_lambda):
-                layer_map.weight.data[g] = weight.to(layer_map.weight.dtype)
-                layer_map.bias.data[g] = bias.to(layer_map.bias.dtype)
-
-    def ridge_solutions(
-        self,
-        stats,
-        target_layer: int,
-        ridge_lambda: float | dict,
-        source_layers: list[int] | None = None,
-        stats_target: int | None = None,
-    ):
-        """Yields `(group, x_idx, y_idx, weight (p, q), bias (q,))`, the ridge solution of each map of target layer
-        `target_layer` in this mapper's group order (`heads.map_groups` for its `head_mode` and `kv_mode`), with
-        that map's λ; the mapper types that start from the ridge (low rank, attention-weighted) reshape these.
-
-        Args:
-            source_layers (`list[int]`, *optional*), stats_target (`int`, *optional*): where the selected source
-                layers and the target layer sit in `stats`; default to the selected layers and `target_layer`
-                (statistics of the whole model pair). Statistics of one target layer's own selection (as the
-                attention-weighted fit keeps) pass `range(k)` and `0`.
-        """
-        layers = self.selected_layers[target_layer] if source_layers is None else list(source_layers)
-        row = target_layer if stats_target is None else stats_target
-        for g, (x_idx, y_idx) in enumerate(stats.map_groups(layers, row, self.head_mode, self.kv_mode)):
-            lam = map_group_lambda(
-                ridge_lambda, target_layer, g, self.head_mode, self.kv_mode, self.target_kv_heads, self.target_head_dim
-            )
-            yield (g, x_idx, y_idx, *solve_ridge(stats, x_idx, y_idx, lam))
 
     def layout_dtype(self) -> torch.dtype:
         """dtype of the mapper's inputs (its weights' dtype)."""

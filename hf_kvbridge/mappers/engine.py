@@ -37,16 +37,16 @@ import torch
 from torch import nn
 from transformers import Cache, DynamicCache
 
-from ..cache import append_layer, cache_layer_kv, check_cache_shape, new_target_cache
 from ..constants import SCHEDULES
-from ..devices import execution_device, layer_devices
 from ..errors import InvalidInputError
-from ..layout import KVLayout
-from ..rope import Rotation, inverse_cos_sin, rotary_cos_sin, rotary_module
-from ..source_features import SourceFeatures
+from ..utils.cache import append_layer, cache_layer_kv, check_cache_shape, new_target_cache
+from ..utils.devices import execution_device, layer_devices
+from ..utils.layout import KVLayout
+from ..utils.rope import Rotation, inverse_cos_sin, rotary_cos_sin, rotary_module
+from ..utils.source_features import SourceFeatures
 from .base import KVMapper
+from .engine_steps import SpanJob, held_offsets, mapping_plan, row_slots
 from .layer_schedule import map_span_layers, static_destinations
-from .steps import SpanJob, held_offsets, mapping_plan, row_slots
 
 
 class Workspace:
@@ -237,7 +237,7 @@ def map_cache(
         workspace ([`Workspace`], *optional*): buffers to reuse; fresh ones otherwise.
         target_layout ([`KVLayout`], *optional*): the target's layout (read from its config otherwise).
         source_features ([`SourceFeatures`], *optional*), hidden_states (*optional*): when the mapper reads the
-            source's hidden states beside its K/V (`hf_kvbridge.source_features`: selected blocks `≥ L_s`), the
+            source's hidden states beside its K/V (`hf_kvbridge.utils.source_features`: selected blocks `≥ L_s`), the
             feature layout and the source's `output_hidden_states` of the cached tokens (`L_s + 1` tensors of
             `(batch, seq, D_s)`); their blocks are written into the row slots as they are (no rotation).
         schedule (`str`, *optional*): `"chunked"` or `"layers"` (see the module docstring); `None`/`"auto"` picks by

@@ -7,19 +7,19 @@ source cache ──one fused strip (every source layer read)──▶ row slots 
 ```
 
 The ops dispatched do not grow with the length (`hf_kvbridge.tools.bench.ops` counts them); on CUDA the two fused ops
-are Triton kernels (`hf_kvbridge.rope.rotate_kv`).
+are Triton kernels (`hf_kvbridge.utils.rope.rotate_kv`).
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..cache import cache_layer_kv
-from ..devices import execution_device
 from ..errors import InvalidInputError
-from ..rope import Rotation, rotate_kv
+from ..utils.cache import cache_layer_kv
+from ..utils.devices import execution_device
+from ..utils.rope import Rotation, rotate_kv
 from .base import KVMapper
-from .steps import SpanJob, held_offsets, mapping_plan
+from .engine_steps import SpanJob, held_offsets, mapping_plan
 
 CPU_LAYER_CHUNK_BYTES = 2**30  # the working set on a CPU (a GPU's comes from its free memory)
 

@@ -3,7 +3,7 @@ hidden states to the hidden state entering one of the target's top layers, one m
 
 A hidden state of width `D` is laid out as one "KV head" of head dim `D / 2` (its first half in the key slot, its
 second half in the value slot; `layout.hidden_layout`), so the K/V statistics, selection and solve fit it
-unchanged (`hf_kvbridge.calibration.residual`). The halves mean nothing here.
+unchanged (`hf_kvbridge.fitting.calibration.residual`). The halves mean nothing here.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import ConfigurationError
-from ..layout import hidden_layout
+from ..utils.layout import hidden_layout
 from .base import KVMapper
 
 

@@ -1,6 +1,6 @@
 """`mapper_type="ridge"`: the paper's closed-form centered ridge map, the base every other mapper starts from.
 
-The fit is `KVMapper.from_statistics` (`hf_kvbridge.solve.solve_ridge` per target layer and head group), which
+The fit is `KVMapper.from_statistics` (`hf_kvbridge.fitting.solve.solve_ridge` per target layer and head group), which
 `calibrate` always runs; this entry adds nothing on top of it.
 """
 

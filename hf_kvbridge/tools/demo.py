@@ -23,11 +23,11 @@ import torch
 from transformers import AutoTokenizer
 
 from .. import pocket
-from ..attention import attention_output_cosine
-from ..calibration.calibrate import calibrate
 from ..controls import CONTROL_MARGIN
 from ..errors import ContextLengthError
-from ..selection import mapper_r2, select_layers
+from ..fitting.attention import attention_output_cosine
+from ..fitting.calibration.calibrate import calibrate
+from ..fitting.layer_selection import mapper_r2, select_layers
 from .bench.mapper import mapper_vs_prefill
 from .defaults import DEMO_SETTINGS, DEMO_SIZES, DEMO_SOURCE, DEMO_TARGET
 from .diagnostics import plot_layer_bars, plot_r2_heatmap, plot_r2_vs_k

@@ -12,9 +12,9 @@ import math
 import numpy as np
 import torch
 
-from ..attention import attention_output_cosine, target_queries
-from ..cache import output_cache
 from ..errors import ConfigurationError
+from ..fitting.attention import attention_output_cosine, target_queries
+from ..utils.cache import output_cache
 
 
 def pyplot():
@@ -198,11 +198,11 @@ def inspect_bridge(
     >>> report["attention_cosine"]  # one per target layer  # doctest: +SKIP
     ```
     """
-    from ..calibration.checks import split_heldout
-    from ..content_rows import cache_rows
+    from ..fitting.calibration.checks import split_heldout
+    from ..fitting.content_rows import cache_rows
+    from ..fitting.layer_selection import single_layer_r2
+    from ..fitting.statistics.dense import KVStatistics
     from ..mappers.mlp import rows_from_layout, source_rows_in_layout
-    from ..selection import single_layer_r2
-    from ..statistics.dense import KVStatistics
 
     if getattr(bridge, "source_features", None) is not None:
         raise ConfigurationError(
@@ -214,7 +214,7 @@ def inspect_bridge(
     else:
         from transformers import AutoTokenizer
 
-        from ..data import token_windows
+        from ..fitting.data import token_windows
         from ..loading import resolve_model_reference
 
         if tokenizer is None:

@@ -33,9 +33,9 @@ from statistics import NormalDist
 import torch
 from torch import nn
 
-from ..cache import cache_kwargs
 from ..controls import CONTROL_MODES, control_cache, controls_flag
 from ..errors import EvaluationError, InvalidInputError
+from ..utils.cache import cache_kwargs
 
 MODES = ("target", "source", "bridge", "no_context")
 

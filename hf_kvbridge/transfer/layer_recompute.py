@@ -11,8 +11,8 @@ prompt ──source prefill (hidden states)──▶ source K/V ──mapper─�
 Cost: `n / L_t` of the target's prefill, plus the two maps. `n = L_t` starts from the target's own embeddings (the
 target prefills the mapped span itself, no residual map); `n = 0` is the plain bridge.
 
-The residual map (`mappers.residual.ResidualMapper`) is fitted with the K/V maps (`hf_kvbridge.calibration.residual`);
-this module holds what a transfer runs.
+The residual map (`mappers.residual.ResidualMapper`) is fitted with the K/V maps
+(`hf_kvbridge.fitting.calibration.residual`); this module holds what a transfer runs.
 """
 
 from __future__ import annotations
@@ -20,11 +20,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..cache import CACHE_KWARG
 from ..configuration import check_recompute_layers
-from ..devices import decoder_layers, layer_devices
 from ..errors import ConfigurationError, KVLayoutError
-from ..rope import rotary_module
+from ..utils.cache import CACHE_KWARG, crop_layer
+from ..utils.devices import decoder_layers, layer_devices
+from ..utils.rope import rotary_module
 
 
 def calibrated_layers(config) -> list[int]:
@@ -98,8 +98,7 @@ def recompute_top_layers(
     batch, seq, _ = hidden.shape
     end = first + seq
     for i in range(start_layer, len(layers)):  # the top layers keep only the tokens before the span (their own)
-        layer = cache.layers[i]  # a full-attention `DynamicLayer` (`check_layer_recompute`); its `update` appends
-        layer.keys, layer.values = layer.keys[:, :, :first], layer.values[:, :, :first]
+        crop_layer(cache.layers[i], first)  # a full-attention `DynamicLayer` (`check_layer_recompute`)
     device = places[start_layer]
     real = attention_mask[:, :end].to(device).bool()  # (B, first + S)
     columns = torch.arange(end, device=device)

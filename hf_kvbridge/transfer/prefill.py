@@ -18,24 +18,16 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers import Cache, DynamicCache
+from transformers import DynamicCache
 
-from ..cache import cache_kwargs, output_cache
-from ..devices import decoder_layers, execution_device
 from ..errors import InvalidInputError
-from ..masks import positions_from_mask
+from ..utils.cache import cache_kwargs, copy_batch_rows, output_cache
+from ..utils.devices import decoder_layers, execution_device
+from ..utils.masks import positions_from_mask
 from .plan import TransferPlan
 from .steps import MapFunction, ResidualFunction, SourceKV, TargetSide, TransferDecision, TransferSteps
 
 logger = logging.getLogger(__name__)
-
-
-def _replace_rows(cache: Cache, own: Cache, rows: torch.Tensor) -> None:
-    """Writes rows `rows` (a `(B,)` bool mask) of every layer of `own` into `cache`, in place."""
-    for layer, own_layer in zip(cache.layers, own.layers):
-        index = rows.to(layer.keys.device)
-        layer.keys[index] = own_layer.keys.to(layer.keys.device)
-        layer.values[index] = own_layer.values.to(layer.values.device)
 
 
 @dataclass(frozen=True)
@@ -91,7 +83,7 @@ def transfer_prefill(
         residual_fn (`Callable`, *optional*): `residual_fn(source_hidden_states, n)` (see `ResidualFunction`),
             needed when `0 < plan.recompute_layers <` the target's layer count.
         hidden_features (`bool`, *optional*, defaults to `False`): `map_fn` reads the source's hidden states beside
-            its K/V (`hf_kvbridge.source_features`): the source prefill returns them (`output_hidden_states`) and
+            its K/V (`hf_kvbridge.utils.source_features`): the source prefill returns them (`output_hidden_states`) and
             `map_fn` gets those of the tokens it maps as `hidden_states=`.
 
     Returns:
@@ -168,5 +160,5 @@ def transfer_prefill(
             if not ok.any():
                 cache = target_run(0, length, None)
             else:
-                _replace_rows(cache, target_run(0, length, None, rows=(~ok).to(device)), ~ok)
+                copy_batch_rows(cache, target_run(0, length, None, rows=(~ok).to(device)), ~ok)
     return TransferResult(cache, source_out, steps.decision())

@@ -8,17 +8,19 @@ the prompt itself and generates. `remap="full"` instead re-maps the other model'
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch import nn
 from transformers import DynamicCache
 
-from ..cache import cache_kwargs, output_cache, slice_cache
-from ..devices import decoder_layers
 from ..errors import InvalidInputError
+from ..utils.cache import cache_kwargs, crop_cache, output_cache, slice_cache
+from ..utils.devices import decoder_layers, execution_device
 from .plan import plan_from_config
-from .steps import SourceKV, TargetSide, TransferSteps
+from .steps import MapFunction, ResidualFunction, SourceKV, TargetSide, TransferDecision, TransferSteps
 
 logger = logging.getLogger(__name__)
 
@@ -68,16 +70,40 @@ def _recording(cache: DynamicCache) -> DynamicCache:
     return cache
 
 
-def _no_sync() -> dict[str, Any]:
-    """What `HandoffSession.last_sync` records before a sync has mapped anything."""
-    return {"mapped_tokens": 0, "recomputed_tokens": 0, "recomputed_layers": 0, "score": None, "fell_back": False}
+def _sync_record(decision: TransferDecision | None) -> dict[str, Any]:
+    """`HandoffSession.last_sync`: the fields of the last sync's [`TransferDecision`] a turn reports (zeros and no
+    score before a sync has mapped anything)."""
+    if decision is None:
+        return {"mapped_tokens": 0, "recomputed_tokens": 0, "recomputed_layers": 0, "score": None, "fell_back": False}
+    return {
+        "mapped_tokens": decision.mapped_tokens,
+        "recomputed_tokens": decision.recomputed_tokens,
+        "recomputed_layers": decision.recomputed_layers,
+        "score": decision.score,
+        "fell_back": not decision.transferred,
+    }
 
 
-def _crop(cache: DynamicCache, keep: int) -> None:
-    """Keeps the first `keep` tokens of every layer (transformers 5.x `crop` takes the number to remove, negated)."""
-    remove = cache.get_seq_length() - keep
-    if remove > 0:
-        cache.crop(-remove)
+@dataclass(frozen=True)
+class TransferSide:
+    """What a session needs of one direction's bridge to map into its receiving model
+    (`KVBridgeForCausalLM.transfer_side()`), handed down instead of the bridge.
+
+    Args:
+        config ([`KVBridgeConfig`]): the transfer policy (`sink_tokens`, recompute, gate); read at every sync.
+        map_fn (`MapFunction`): the bridge's `map_cache`.
+        residual_fn (`ResidualFunction`): the bridge's `map_residual` (layer recompute).
+        check_recompute_layers (`Callable[[], int]`): checks `config.recompute_layers` against the bridge.
+        target (`nn.Module`): the receiving model.
+        hidden_features (`bool`): the map reads the source's hidden states beside its K/V.
+    """
+
+    config: Any
+    map_fn: MapFunction
+    residual_fn: ResidualFunction
+    check_recompute_layers: Callable[[], int]
+    target: nn.Module
+    hidden_features: bool = False
 
 
 class HandoffSession:
@@ -108,14 +134,24 @@ class HandoffSession:
             raise InvalidInputError(f"remap must be 'incremental' or 'full', got {remap!r}")
         self.bridge, self.tokenizer, self.remap = bridge, tokenizer, remap
         self.models = {"source": bridge.source, "target": bridge.target}
-        self.mappers = {"target": bridge, "source": getattr(bridge, "reverse", None)}  # keyed by receiving model
+        reverse = getattr(bridge, "reverse", None)
+        # what each receiving model's map needs (`TransferSide`), handed down once: the session never calls the bridge
+        self.mappers = {"target": bridge.transfer_side(), "source": reverse.transfer_side() if reverse else None}
         self.messages: list[dict[str, str]] = []
         if system_prompt:
             self.messages.append({"role": "system", "content": system_prompt})
         self.tokens: list[int] = []  # the whole conversation so far, as the models computed it
         self.states = {name: _ModelState() for name in MODELS}
         self.turns: list[HandoffTurn] = []
-        self.last_sync: dict[str, Any] = _no_sync()
+        # the decision record of the last sync, the one `transfer_prefill` and the warm start return (`None`: nothing
+        # mapped yet)
+        self.last_decision: TransferDecision | None = None
+
+    @property
+    def last_sync(self) -> dict[str, Any]:
+        """The last sync's decision (`last_decision`) as the fields a turn reports: `mapped_tokens`,
+        `recomputed_tokens`, `recomputed_layers`, `score`, `fell_back`."""
+        return _sync_record(self.last_decision)
 
     # -- conversation ----------------------------------------------------------------------------------------------
     def add_user(self, text: str) -> None:
@@ -143,7 +179,7 @@ class HandoffSession:
             if keep == 0:
                 state.cache, state.tokens = None, []
             else:
-                _crop(state.cache, keep)
+                crop_cache(state.cache, keep)
                 state.tokens = state.tokens[:keep]
 
     @torch.no_grad()
@@ -156,15 +192,15 @@ class HandoffSession:
         recomputed by `name` over the mapped cache (chosen by `recompute_policy`, as in `prefill`); and with a quality
         gate (`gate_threshold`) `name` computes the
         last `gate_probe_tokens` of the span itself and compares its own K/V there with the mapped ones; below the
-        threshold the mapped span is dropped and left for `name` to compute (`self.last_sync` records it).
+        threshold the mapped span is dropped and left for `name` to compute (`self.last_decision` records it).
         """
         other = "target" if name == "source" else "source"
         for model in MODELS:
             self._crop_to(model, tokens)
         mine, theirs = self.states[name], self.states[other]
-        mapper = self.mappers[name]
+        mapper: TransferSide | None = self.mappers[name]
         end = min(len(theirs.tokens), upto)
-        self.last_sync = _no_sync()
+        self.last_decision = None
         if mapper is None or end <= len(mine.tokens):
             return 0  # nothing the other model has that this one lacks (or no mapper this way: prefill instead)
         if self.remap == "full":  # re-map the other model's whole cache, dropping this model's own
@@ -177,15 +213,15 @@ class HandoffSession:
         if plan.mapped_tokens == 0:  # the sinks and the probe cover the span: nothing to map, this model computes it
             return 0
         mapper.check_recompute_layers()  # the config may have changed since the bridge was built
-        start, device = plan.map_start, mapper.device
+        start, device = plan.map_start, execution_device(mapper.target)
         steps = TransferSteps(
             plan,
-            mapper.map_cache,
+            mapper.map_fn,
             positions=torch.arange(end, device=device).unsqueeze(0),  # (1, end)
             num_layers=len(decoder_layers(mapper.target)),
             input_ids=torch.tensor([tokens[:end]], device=device),  # (1, end)
-            residual_fn=mapper.map_residual,
-            hidden_features=getattr(mapper, "source_features", None) is not None,
+            residual_fn=mapper.residual_fn,
+            hidden_features=mapper.hidden_features,
         )
 
         def run(first: int, last: int, cache):  # this model over tokens [first, last) of its cache
@@ -201,23 +237,17 @@ class HandoffSession:
             self._run(name, tokens[:end])  # this model's own K/V for the probe tokens
             steps.gate(mine.cache, plan.probe_start)
         decision = steps.decision()
-        self.last_sync = {
-            "mapped_tokens": decision.mapped_tokens,
-            "recomputed_tokens": decision.recomputed_tokens,
-            "recomputed_layers": decision.recomputed_layers,
-            "score": decision.score,
-            "fell_back": not decision.transferred,
-        }
+        self.last_decision = decision
         if not decision.transferred:
             logger.info(
                 "quality gate: probe K/V cosine %.4f < %.4f, the %s computes tokens %d-%d itself",
                 decision.score,
-                config.gate_threshold,
+                plan.gate_threshold,
                 name,
                 start,
                 end,
             )
-            _crop(mine.cache, start)
+            crop_cache(mine.cache, start)
             if start == 0:
                 mine.cache = None
             mine.tokens = tokens[:start]
@@ -285,7 +315,7 @@ class HandoffSession:
         mapped = self.sync(model, prompt, upto=len(prompt) - 1)  # the model computes at least the last token
         state, net = self.states[model], self.models[model]
         if len(state.tokens) >= len(prompt):  # generate needs at least one uncached token
-            _crop(state.cache, len(prompt) - 1)
+            crop_cache(state.cache, len(prompt) - 1)
             state.tokens = state.tokens[: len(prompt) - 1]
         cached = len(state.tokens)
         ids = torch.tensor([prompt], device=net.device)

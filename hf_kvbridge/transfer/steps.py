@@ -36,8 +36,8 @@ import torch
 from torch import nn
 from transformers import Cache
 
-from ..cache import slice_cache
 from ..errors import InvalidInputError
+from ..utils.cache import slice_cache
 from .layer_recompute import recompute_top_layers
 from .plan import TransferPlan
 from .token_recompute import recompute_mapped
@@ -158,7 +158,7 @@ class TransferSteps:
         residual_fn (`Callable`, *optional*): the residual map (see `ResidualFunction`), when
             `0 < plan.recompute_layers < num_layers`.
         hidden_features (`bool`, *optional*, defaults to `False`): `map_fn` reads the source's hidden states beside
-            its K/V (`hf_kvbridge.source_features`): it gets those of the tokens it maps as `hidden_states=`.
+            its K/V (`hf_kvbridge.utils.source_features`): it gets those of the tokens it maps as `hidden_states=`.
     """
 
     def __init__(

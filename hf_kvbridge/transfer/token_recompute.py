@@ -23,11 +23,11 @@ from torch import nn
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from ..cache import cache_kwargs, output_cache
 from ..constants import RECOMPUTE_POLICIES
-from ..devices import decoder_layers
 from ..errors import ConfigurationError, InvalidInputError, KVLayoutError
-from ..rope import apply_rotary, rotary_cos_sin
+from ..utils.cache import cache_kwargs, output_cache, replace_layer_kv
+from ..utils.devices import decoder_layers
+from ..utils.rope import apply_rotary, rotary_cos_sin
 
 
 @torch.no_grad()
@@ -170,13 +170,14 @@ def recompute_tokens(
         input_ids=ids, position_ids=pos, attention_mask=mask, **cache_kwargs(cache), use_cache=True, logits_to_keep=1
     )
     for layer in output_cache(out).layers:
-        for name in ("keys", "values"):
-            tensor = getattr(layer, name)  # (B, H, T + n, d)
+        written = []
+        for tensor in (layer.keys, layer.values):  # (B, H, T + n, d)
             context, fresh = tensor[:, :, :seq].clone(), tensor[:, :, seq:]
             for b in range(batch):
                 k = int(used[b].sum())
                 context[b, :, columns[b, :k]] = fresh[b, :, :k]
-            setattr(layer, name, context)
+            written.append(context)
+        replace_layer_kv(layer, *written)
     return output_cache(out)
 
 

@@ -25,9 +25,9 @@ import torch
 from torch import nn
 from transformers import Cache, DynamicCache, StaticCache
 
-from ..cache import CACHE_KWARG, cache_kwargs, cache_layer_kv, slice_cache
 from ..errors import ConfigurationError, InvalidInputError
-from .prefill import positions_from_mask
+from ..utils.cache import CACHE_KWARG, cache_kwargs, cache_layer_kv, slice_cache
+from ..utils.masks import positions_from_mask
 
 logger = logging.getLogger(__name__)
 

@@ -11,8 +11,8 @@ from typing import Any
 import torch
 from transformers import Cache, DynamicCache
 
-from ...cache import append_layer, cache_layer_kv, cache_num_layers
 from ...errors import InvalidInputError
+from ...utils.cache import append_layer, cache_layer_kv, cache_num_layers
 from .keys import as_token_list
 from .prefix import PrefixKVStore, StoredPrefix
 

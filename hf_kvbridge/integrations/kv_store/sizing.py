@@ -6,7 +6,7 @@ import torch
 from transformers import PretrainedConfig
 
 from ...errors import InvalidInputError
-from ...layout import KVLayout
+from ...utils.layout import KVLayout
 
 HEADER_BYTES_PER_LAYER = 192
 """Upper bound of the safetensors header bytes a stored chunk adds per layer (two tensor entries, offsets < 10 GB)."""

@@ -22,8 +22,8 @@ from vllm.logger import init_logger
 
 from ...constants import REVERSE_FOLDER
 from ...errors import ServingConfigError
-from ...layout import KVLayout, check_fingerprint
-from ...source_features import check_servable
+from ...utils.layout import KVLayout, check_fingerprint
+from ...utils.source_features import check_servable
 from .configuration import check_recompute, connector_settings, read_bridge_config
 from .identity import check_identity
 from .scheduler import BridgeScheduler

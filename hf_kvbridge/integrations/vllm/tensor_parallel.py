@@ -21,8 +21,8 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
-from ...cache import append_layer
 from ...errors import ServingConfigError
+from ...utils.cache import append_layer
 
 
 @dataclass(frozen=True)

@@ -15,10 +15,10 @@ from torch import nn
 from transformers import DynamicCache
 from vllm.logger import init_logger
 
-from ...cache import append_layer, output_cache, slice_cache
 from ...errors import KVLayoutError, ServingConfigError
 from ...transfer.plan import TransferPlan
 from ...transfer.steps import SourceKV, TransferSteps
+from ...utils.cache import append_layer, output_cache, slice_cache
 from .metadata import BridgeLoad, GateCheck, KVBridgeConnectorMetadata, KVBridgeWorkerMetadata
 from .paged_cache import read_slots, reads_back, slots_of, write_layer
 from .rotary import RotaryOnlyTarget

@@ -17,14 +17,14 @@ from dataclasses import asdict, dataclass
 import torch
 from transformers import Qwen3Config
 
-from ...budget import FitShape, check_budget, fit_bytes, plan_passes, selection_bytes
-from ...calibration.budgeted_fit import fit_bridge_in_passes
-from ...calibration.checks import split_heldout
 from ...errors import InvalidInputError
-from ...precision import bf16_matmul_units, float32_matmul_precision
-from ...sizes import format_bytes, parse_bytes
-from ...statistics.blocks import feature_groups
-from ...statistics.rows import RowStatistics
+from ...fitting.budget import FitShape, check_budget, fit_bytes, plan_passes, selection_bytes
+from ...fitting.calibration.budgeted_fit import fit_bridge_in_passes
+from ...fitting.calibration.checks import split_heldout
+from ...fitting.statistics.blocks import feature_groups
+from ...fitting.statistics.rows import RowStatistics
+from ...utils.precision import bf16_matmul_units, float32_matmul_precision
+from ...utils.sizes import format_bytes, parse_bytes
 from .flop_model import H100_SXM, CalibrationShape, calibration_flops, prefill_flops, probe_rates, project_seconds
 from .shapes import CHECKPOINT_SHAPES, random_model, shape_config, shape_pair
 

@@ -43,7 +43,7 @@ feature groups of `w` features a source layer, `Λ` = 13 λ of the auto-λ grid,
   depends on which source layers the selection picks: the model reports the two ends, every target layer of a
   pass reading the same `k` (`U = k`) and no two sharing one (`U = min(L_s, T·k)`, which is also how the passes
   are planned here, as in the memory model);
-- **λ search**, per map (`L_t · g` maps of `p = k·w` inputs, `q = w` outputs, float64; `hf_kvbridge.solve`):
+- **λ search**, per map (`L_t · g` maps of `p = k·w` inputs, `q = w` outputs, float64; `hf_kvbridge.fitting.solve`):
   the eigendecomposition `E·p³`, the held-out Gram block's rotation `4p³`, the two cross blocks' `4p²q`, and
   `Λ · 2p²q` for the λ path;
 - **refit**, per map: a Cholesky factorisation `p³/3` and two triangular solves `2p²q`.
@@ -64,8 +64,8 @@ from dataclasses import dataclass
 import torch
 from transformers import PretrainedConfig
 
+from ...fitting.solve import LAMBDA_GRID
 from ...mappers import KVMapper
-from ...solve import LAMBDA_GRID
 from .timing import median_seconds
 
 EIGH_FLOPS = 14 / 3  # × p³: syevd with eigenvectors (see the module docstring)
@@ -172,7 +172,8 @@ class CalibrationShape:
     Args:
         source_layers (`int`), target_layers (`int`), num_kv_heads (`int`), head_dim (`int`): a matched layout.
         top_k (`int`): source layers per target layer.
-        groups (`int`): feature groups of a source layer (`hf_kvbridge.statistics.blocks.feature_groups`: 1 for all
+        groups (`int`): feature groups of a source layer (`hf_kvbridge.fitting.statistics.blocks.feature_groups`: 1
+        for all
             heads jointly, 2 for all heads with K and V separate, `2H` for one head, K and V separate).
         sequences (`int`), seq_len (`int`): the calibration text.
         passes (`list[int]`): target layers in each fit pass.

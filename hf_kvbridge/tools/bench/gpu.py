@@ -169,7 +169,7 @@ def build_pair(names, device, dtype, state: dict) -> dict:
 @torch.no_grad()
 def table_step(state: dict, length: int, kinds: dict, settings: dict) -> dict:
     """The re-prefill and prefill at `length`, then each mapper kind's map on both schedules (module docstring)."""
-    from ...cache import output_cache
+    from ...utils.cache import output_cache
     from .floors import mapping_floor
     from .flop_model import prefill_flops
     from .ops import count_ops, device_busy_seconds
@@ -248,7 +248,7 @@ def ttft_step(state: dict, kind: str, length: int, settings: dict) -> dict:
 
 def calibration_step(settings: dict) -> dict:
     """The paper's calibration of the small pair (`kvbridge bench calibration`), its stages and projection."""
-    from ...solve import default_lambda_search
+    from ...fitting.solve import default_lambda_search
     from .calibration import CalibrationWorkload, run
 
     c = settings["calibration"]
@@ -263,8 +263,8 @@ def calibration_step(settings: dict) -> dict:
 def lambda_search_step(device: torch.device, settings: dict) -> dict:
     """One map of the paper's calibration shape (p = top_k · H · 2d inputs, q = H · 2d outputs) searched by each
     λ search on `device`: seconds per map, and whether the searches choose the same λ."""
-    from ...solve import LAMBDA_GRID, LAMBDA_SEARCHES, heldout_r2_chunks
-    from ...statistics.dense import KVStatistics
+    from ...fitting.solve import LAMBDA_GRID, LAMBDA_SEARCHES, heldout_r2_chunks
+    from ...fitting.statistics.dense import KVStatistics
 
     heads, dim, layers, tokens = settings["lambda_shape"]
     features = heads * 2 * dim
@@ -305,9 +305,9 @@ def exactness_step(device: torch.device) -> dict:
 
     from transformers import DynamicCache
 
-    from ...cache import append_layer, output_cache
     from ...mappers.engine import default_schedule
-    from ...rope import triton_rotate_kv
+    from ...utils.cache import append_layer, output_cache
+    from ...utils.rope import triton_rotate_kv
     from .shapes import qwen3_shape_config, random_bridge
 
     def moved(cache, dtype):
@@ -353,7 +353,7 @@ def vllm_helpers_step(device: torch.device) -> dict:
 
     from ...integrations.vllm.paged_cache import read_slots, reads_back, slots_of
     from ...integrations.vllm.rotary import RotaryOnlyTarget
-    from ...rope import rotary_cos_sin
+    from ...utils.rope import rotary_cos_sin
     from .shapes import qwen3_shape_config
 
     generator = torch.Generator().manual_seed(0)

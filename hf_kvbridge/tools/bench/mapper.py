@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from ...cache import output_cache
 from ...mappers.engine import resolve_schedule
-from ...precision import float32_matmul_precision
+from ...utils.cache import output_cache
+from ...utils.precision import float32_matmul_precision
 from .flop_model import mapper_flops, prefill_flops
 from .ops import mapping_measures
 from .timing import interleaved_medians, median_seconds, peak_extra_bytes
@@ -43,7 +43,7 @@ def mapper_vs_prefill(
     (`hf_kvbridge.mappers.engine.SCHEDULES`); the row also holds the mapping's ops, device time and floors
     (`ops.mapping_measures`, with the device's measured `ceilings`).
     """
-    from ...devices import execution_device
+    from ...utils.devices import execution_device
 
     device = bridge.device
     ids_t, ids_s = input_ids.to(device), input_ids.to(execution_device(bridge.source))
@@ -180,7 +180,8 @@ def old_vs_new(bridge, lengths: list[int], *, batch: int = 1, repeats: int = 20,
 
     Old: the bridge's float32 mapper (`map_cache` with `bridge.mapper`). New: `bridge.map_cache` under
     `torch.set_float32_matmul_precision("medium")`, which maps with a bfloat16 copy of the mapper where the device has
-    bfloat16 matrix units (`hf_kvbridge.precision`). Per length, one source cache; the two are timed in alternating
+    bfloat16 matrix units (`hf_kvbridge.utils.precision`). Per length, one source cache; the two are timed in
+    alternating
     rounds (`interleaved_medians`), so a slow patch of a shared machine slows both alike, and their outputs are
     compared (`max_abs_difference`, and `relative_difference`: the largest `‖new − old‖ / ‖old‖` over the layers' keys
     and values; 0 where the new one maps in float32 too).
@@ -197,8 +198,8 @@ def old_vs_new(bridge, lengths: list[int], *, batch: int = 1, repeats: int = 20,
     >>> rows[-1]["new_over_old"]  # doctest: +SKIP
     ```
     """
-    from ...devices import execution_device
     from ...mappers.engine import Workspace, map_cache
+    from ...utils.devices import execution_device
 
     generator = torch.Generator().manual_seed(seed)
     vocab, device = bridge.target_layout.vocab_size, bridge.device

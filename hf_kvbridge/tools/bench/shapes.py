@@ -22,10 +22,10 @@ import torch
 from transformers import AutoModelForCausalLM, PretrainedConfig, Qwen3Config, Qwen3ForCausalLM
 
 from ...configuration import KVBridgeConfig
-from ...devices import execution_device
 from ...errors import InvalidInputError
-from ...layout import check_matched
 from ...mappers import KVMapper
+from ...utils.devices import execution_device
+from ...utils.layout import check_matched
 
 # Public Qwen3 shapes (layers, hidden, heads, KV heads, head dim, MLP width); vocab is cut to 1024 for random-weight
 # benchmarks: embeddings and the LM head are not part of what is timed.

@@ -27,8 +27,8 @@ import time
 
 import torch
 
-from ...cache import output_cache
-from ...devices import execution_device
+from ...utils.cache import output_cache
+from ...utils.devices import execution_device
 from .timing import interleaved_medians, synchronize
 
 

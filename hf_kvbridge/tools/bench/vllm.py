@@ -85,7 +85,6 @@ def random_shapes_bridge(out: Path, shapes: str, top_k: int, max_positions: int)
     from transformers import AutoTokenizer
 
     from hf_kvbridge import pocket
-    from hf_kvbridge.layout import KVLayout
     from hf_kvbridge.tools.bench.shapes import (
         QWEN3_SHAPES,
         SMALL_SHAPES,
@@ -93,6 +92,7 @@ def random_shapes_bridge(out: Path, shapes: str, top_k: int, max_positions: int)
         random_bridge,
         shape_pair,
     )
+    from hf_kvbridge.utils.layout import KVLayout
 
     source_name, target_name = shape_pair(shapes, "--shapes", {**QWEN3_SHAPES, **SMALL_SHAPES})
     tokenizer = AutoTokenizer.from_pretrained(pocket.model_path("pocket-l"))
@@ -226,7 +226,11 @@ def run(
     from hf_kvbridge.integrations.kv_store import DEFAULT_CHUNK_SIZE
 
     bridge_dir, lengths, requests, max_tokens, store = (
-        bench.bridge_dir, bench.lengths, bench.requests, bench.max_tokens, bench.store
+        bench.bridge_dir,
+        bench.lengths,
+        bench.requests,
+        bench.max_tokens,
+        bench.store,
     )
     target = kvb.target_model(bridge_dir)
     chunk_size = chunk_size or DEFAULT_CHUNK_SIZE
@@ -324,7 +328,11 @@ def run_source(bench: BenchEngines, *, chunk_size: int | None = None, log=print)
     from hf_kvbridge.integrations import vllm as kvb
 
     bridge_dir, lengths, requests, max_tokens, store = (
-        bench.bridge_dir, bench.lengths, bench.requests, bench.max_tokens, bench.store
+        bench.bridge_dir,
+        bench.lengths,
+        bench.requests,
+        bench.max_tokens,
+        bench.store,
     )
     model = kvb.served_model(bridge_dir, "source")
     config = None

@@ -53,7 +53,8 @@ class TuneGrid:
         mlp_loss (`str`): the MLP's training loss, `"attention"` or `"mse"`.
         mlp_epochs (`int`): the MLP's passes over the calibration windows.
         hidden_states (`tuple[bool]`): `False`: maps of the source's K/V only; `True`: maps that also read the
-            source's hidden states (`hidden_state_layers`, `hf_kvbridge.source_features`; ridge and low rank, joint
+            source's hidden states (`hidden_state_layers`, `hf_kvbridge.utils.source_features`; ridge and low rank,
+            joint
             K/V only). The calibration pass collects those hidden states' statistics whenever the grid has `True`,
             and the K/V-only fits leave them out, so both come from the same pass.
         hidden_state_layers (`"all"`, `int` or `list[int]`): the source's `output_hidden_states` entries the
@@ -84,7 +85,7 @@ class TuneGrid:
     hidden_state_layers: str | int | list[int] | None = DEFAULT_HIDDEN_STATE_LAYERS
 
     def __post_init__(self):
-        from ...source_features import check_hidden_state_layers_value
+        from ...utils.source_features import check_hidden_state_layers_value
 
         check_hidden_state_layers_value(self.hidden_state_layers)
         if not self.hidden_states or any(not isinstance(h, bool) for h in self.hidden_states):

@@ -10,9 +10,9 @@ from typing import Any
 
 import torch
 
-from ...calibration.dense_fit import fit_bridge
-from ...calibration.refit import refit
 from ...errors import TuningError
+from ...fitting.calibration.dense_fit import fit_bridge
+from ...fitting.calibration.refit import refit
 from ..bench.flop_model import cost, map_flops_per_token, target_flops_per_token
 from ..evaluation import GapRecovered, gap_recovered, retention, window_nll
 from .choice import Point, format_gap, format_settings

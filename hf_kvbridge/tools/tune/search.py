@@ -13,10 +13,10 @@ from typing import Any
 
 import torch
 
-from ...calibration.calibrate import calibrate
-from ...data import iter_texts, token_windows
 from ...errors import InvalidInputError, TuningError
-from ...statistics.dense import KVStatistics
+from ...fitting.calibration.calibrate import calibrate
+from ...fitting.data import iter_texts, token_windows
+from ...fitting.statistics.dense import KVStatistics
 from ..bench.flop_model import COST_UNIT
 from ..evaluation import heldout_windows
 from .choice import Point, check_objective, choose, format_table, pareto_front
@@ -96,7 +96,8 @@ def run_tune(
     Args:
         source, target ([`PreTrainedModel`] or `str`): as for `calibrate`.
         data: calibration data, as for `calibrate` (one pass; its statistics are kept and every fit reuses them).
-        eval_data: held-out text (anything `hf_kvbridge.data.iter_texts` reads; never the calibration data): even
+        eval_data: held-out text (anything `hf_kvbridge.fitting.data.iter_texts` reads; never the calibration data):
+        even
             documents give `tune_windows` tuning windows, odd ones `check_windows` check windows, each of `context`
             + `continuation` tokens.
         min_retention (`float`, *optional*): the quality target (context-benefit retention on the tuning windows).

@@ -1,0 +1,322 @@
+"""`calibrate`: text → token windows → source/target KV → statistics → layer selection → ridge fit → bridge."""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import PreTrainedModel
+
+from ...constants import DEFAULT_CALIBRATION_DATA
+from ...errors import StatisticsMemoryError
+from ...loading import load_model, model_reference
+from ...mappers import get_mapper_type
+from ...modeling import KVBridgeForCausalLM
+from ...settings import CalibrationSettings
+from ...utils.heads import same_head_sources
+from ...utils.layout import check_models, hidden_layout, hidden_size
+from ...utils.sizes import format_bytes
+from ...utils.source_features import SourceFeatures, source_blocks
+from ...version import __version__
+from ..budget import FitShape, plan_calibration
+from ..data import describe_data, token_windows
+from ..mapper_fits import fit_of
+from ..statistics.blocks import feature_groups
+from ..statistics.dense import KVStatistics
+from .budgeted_fit import fit_bridge_in_passes
+from .checks import check_tokens, features_per_layer, shared_tokenizer, split_heldout
+from .data_pass import collect_statistics
+from .dense_fit import fit_bridge, with_residual_map
+from .refit import refit
+from .residual import fit_residual_map, normalize_recompute_layers, residual_collection
+
+logger = logging.getLogger(__name__)
+
+
+def _load(
+    model: PreTrainedModel | str, revision: str | None, **load_kwargs: Any
+) -> tuple[PreTrainedModel, str | None]:
+    """`model` itself, or loaded from its reference (`loading.load_model`) and named by it, with its revision."""
+    if not isinstance(model, PreTrainedModel):
+        reference, model = model, load_model(model, revision, **load_kwargs)
+        model.config.name_or_path = reference
+    return model.eval(), revision or getattr(model.config, "_commit_hash", None)
+
+
+def calibrate(
+    source: PreTrainedModel | str,
+    target: PreTrainedModel | str,
+    data: Any = DEFAULT_CALIBRATION_DATA,
+    settings: CalibrationSettings | None = None,
+    *,
+    tokenizer=None,
+    source_revision: str | None = None,
+    target_revision: str | None = None,
+    **kwargs: Any,
+) -> KVBridgeForCausalLM:
+    r"""Calibrates a KV bridge from `source` to `target` on `data` and returns it.
+
+    Args:
+        source, target ([`PreTrainedModel`] or `str`): loaded models, or Hub ids / local paths to load.
+        data (*optional*, defaults to `"HuggingFaceFW/fineweb-edu"`): a list of strings, a `.txt`/`.jsonl` file or
+            folder, a `datasets.Dataset`, or a dataset name (streamed; `"name:config"` picks a config).
+        settings ([`CalibrationSettings`], *optional*): every calibration knob (windows, top-k, λ, head mode,
+            mapper type, …); defaults to `CalibrationSettings()`.
+        tokenizer (*optional*): the shared tokenizer; by default the source's, checked against the target's.
+        source_revision, target_revision (`str`, *optional*): revisions of models given by name.
+        kwargs: fields of [`CalibrationSettings`] (they override `settings`: `calibrate(s, t, texts, top_k=8)`),
+            and otherwise keyword arguments of `from_pretrained` for models given by name (`dtype`, `device_map`).
+            `rank=` and `mlp_kwargs=` are accepted as shorthands for `mapper_kwargs`.
+
+    Example:
+
+    ```python
+    >>> import hf_kvbridge
+    >>> bridge = hf_kvbridge.calibrate("Qwen/Qwen3-14B", "Qwen/Qwen3-32B")  # doctest: +SKIP
+    >>> bridge.save_pretrained("qwen3-14b-to-32b")  # doctest: +SKIP
+    ```
+    """
+    overrides = {key: kwargs.pop(key) for key in list(kwargs) if key in CalibrationSettings.field_names()}
+    mapper_kwargs = dict(overrides.pop("mapper_kwargs", None) or (settings.mapper_kwargs if settings else {}))
+    mapper_kwargs.update(kwargs.pop("mlp_kwargs", None) or {})
+    if "rank" in kwargs:
+        mapper_kwargs["rank"] = kwargs.pop("rank")
+    settings = (settings or CalibrationSettings()).replace(**overrides, mapper_kwargs=mapper_kwargs)  # validates
+    load_kwargs = kwargs
+    started = time.perf_counter()
+    source, source_revision = _load(source, source_revision, **load_kwargs)
+    target, target_revision = _load(target, target_revision, **load_kwargs)
+    src, tgt = check_models(source, target, source.config.name_or_path, target.config.name_or_path)
+    if settings.head_mode == "same_head":  # refuse head counts same_head cannot pair before any work
+        names = (source.config.name_or_path, target.config.name_or_path)
+        same_head_sources(src.num_kv_heads, tgt.num_kv_heads, *names)
+        if settings.bidirectional:
+            same_head_sources(tgt.num_kv_heads, src.num_kv_heads, *reversed(names))
+    # the memory plan, before any text is read or any forward pass runs (`budget.plan_calibration`)
+    dtype = getattr(torch, settings.statistics_dtype)
+    # richer source features: hidden-state blocks after the K/V blocks, planned and selected like source layers
+    features = SourceFeatures.for_models(src, hidden_size(source), settings.hidden_state_layers)
+    blocks = source_blocks(features, src.num_layers)
+    top_k = settings.top_k or blocks
+    modes = (settings.head_mode, settings.kv_mode)
+    recompute_layers = normalize_recompute_layers(settings.recompute_layers, tgt.num_layers)
+    if recompute_layers:  # layer recompute lays hidden states out in two halves
+        hidden_layout(hidden_size(source), "source")
+        hidden_layout(hidden_size(target), "target")
+    shape = FitShape(
+        src.num_layers,
+        tgt.num_layers,
+        # one head layout for both sides, the larger one's (the plan never plans too little); the Gram blocks kept
+        # per layer come from the two real layouts
+        num_kv_heads=max(src.num_kv_heads, tgt.num_kv_heads),
+        head_dim=max(src.head_dim, tgt.head_dim),
+        top_k=top_k,
+        dtype=dtype,
+        groups=len(feature_groups(src.num_kv_heads, src.head_dim, *modes, tgt.num_kv_heads, tgt.head_dim)),
+    )
+    plan = plan_calibration(
+        shape,
+        statistics_memory=settings.statistics_memory,
+        statistics_device=settings.statistics_device,
+        batch_tokens=settings.batch_size * settings.seq_len,
+        blocks=blocks,
+        head_mode=settings.head_mode,
+        kv_mode=settings.kv_mode,
+        bidirectional=settings.bidirectional,
+        residual=(
+            (src.num_layers + 1, len(recompute_layers), max(hidden_size(source), hidden_size(target)))
+            if recompute_layers
+            else None
+        ),
+    )
+    budget, mode, residual_mode, fit_budget = plan.budget, plan.mode, plan.residual_mode, plan.fit_budget
+    turn_on = settings.recompute_layers if isinstance(settings.recompute_layers, int) else 0
+    logger.info(
+        "calibration statistics: %s%s (budget %s)",
+        mode,
+        f", residual maps for recompute_layers {recompute_layers}: {residual_mode}" if recompute_layers else "",
+        format_bytes(budget),
+    )
+    if tokenizer is None:
+        tokenizer = shared_tokenizer(source, target)
+    windows = token_windows(data, tokenizer, settings.num_sequences, settings.seq_len, text_field=settings.text_field)
+    train_ids, heldout_ids = split_heldout(len(windows), settings.heldout_fraction, settings.seed)
+    # an unregularised fit from too few tokens is refused here, before any forward pass (the fit warns of a ridge fit
+    # from fewer tokens than inputs)
+    train_tokens = len(train_ids) * windows.shape[1]
+    inputs = min(top_k, blocks) * features_per_layer(src, tgt, *modes)
+    check_tokens(train_tokens, inputs, settings.ridge_lambda, warn=False)
+    if settings.bidirectional:
+        reverse_inputs = min(top_k, tgt.num_layers) * features_per_layer(tgt, src, *modes)
+        check_tokens(train_tokens, reverse_inputs, settings.ridge_lambda, warn=False)
+    timings: dict = {}
+    entry = get_mapper_type(settings.mapper_type)
+    references = {
+        "source_name_or_path": model_reference(source),
+        "source_revision": source_revision,
+        "target_name_or_path": model_reference(target),
+        "target_revision": target_revision,
+    }
+    reverse_references = {
+        "source_name_or_path": references["target_name_or_path"],
+        "source_revision": target_revision,
+        "target_name_or_path": references["source_name_or_path"],
+        "target_revision": source_revision,
+    }
+    fit_kwargs = {
+        "top_k": settings.top_k,
+        "ridge_lambda": settings.ridge_lambda,
+        "head_mode": settings.head_mode,
+        "hold_back": settings.hold_back,
+        "kv_mode": settings.kv_mode,
+    }
+    provenance = {
+        "data": describe_data(data),
+        "num_sequences": len(windows),
+        "seq_len": settings.seq_len,
+        "heldout_sequences": len(heldout_ids),
+        "tokens": int(windows.numel()),
+        "seed": settings.seed,
+        "hf_kvbridge_version": __version__,
+        "torch_version": torch.__version__,
+        "date": datetime.date.today().isoformat(),
+        "statistics": mode,
+        "statistics_memory": budget,
+    }
+    if features is not None:
+        provenance["source_features"] = "kv+hidden"
+    import transformers
+
+    provenance["transformers_version"] = transformers.__version__
+    if mode == "dense":
+        residual = (
+            residual_collection(KVStatistics, source, target, recompute_layers, settings.statistics_device)
+            if recompute_layers
+            else None
+        )
+        stats = collect_statistics(
+            source,
+            target,
+            windows,
+            heldout=heldout_ids,
+            batch_size=settings.batch_size,
+            statistics_device=settings.statistics_device,
+            progress=settings.progress,
+            reverse=settings.bidirectional,
+            checkpoint_dir=settings.checkpoint_dir,
+            timings=timings,
+            residual=residual,
+            features=features,
+            layouts=(src, tgt),
+        )
+        statistics, reverse_statistics = stats[:2], stats[2:] or None
+        bridge = fit_bridge(
+            source,
+            target,
+            *statistics,
+            **fit_kwargs,
+            config_kwargs={**references, "calibration": provenance},
+            features=features,
+            layouts=(src, tgt),
+        )
+        if residual is not None:
+            fitted = fit_residual_map(
+                *residual.parts,
+                recompute_layers,
+                hidden_size(source),
+                hidden_size(target),
+                top_k=settings.top_k,
+                ridge_lambda=settings.ridge_lambda,
+            )
+            bridge = with_residual_map(bridge, fitted)
+            del residual
+        if settings.bidirectional:
+            reverse = fit_bridge(
+                target,
+                source,
+                *reverse_statistics,
+                **fit_kwargs,
+                config_kwargs={**reverse_references, "calibration": dict(provenance)},
+                layouts=(tgt, src),
+            )
+    else:
+        passes = {
+            "windows": windows,
+            "heldout": heldout_ids,
+            "statistics_memory": budget,
+            "statistics_dtype": dtype,
+            "batch_size": settings.batch_size,
+            "statistics_device": settings.statistics_device,
+            "progress": settings.progress,
+            "timings": timings,
+            **fit_kwargs,
+        }
+        want = settings.keep_statistics or fit_of(entry.name) is not None
+        checkpoint = settings.checkpoint_dir
+        bridge, statistics = fit_bridge_in_passes(
+            source,
+            target,
+            **{**passes, "statistics_memory": fit_budget},
+            checkpoint_dir=checkpoint,
+            keep_statistics=want,
+            config_kwargs={**references, "calibration": provenance},
+            residual=(recompute_layers, residual_mode) if recompute_layers else None,
+            features=features,
+            layouts=(src, tgt),
+        )
+        if settings.bidirectional:
+            reverse, reverse_statistics = fit_bridge_in_passes(
+                target,
+                source,
+                **passes,
+                checkpoint_dir=None if checkpoint is None else Path(checkpoint) / "reverse",
+                keep_statistics=settings.keep_statistics,
+                config_kwargs={**reverse_references, "calibration": dict(provenance)},
+                layouts=(tgt, src),
+            )
+        if fit_of(entry.name) is not None and statistics is None:
+            raise StatisticsMemoryError(
+                f"mapper_type {settings.mapper_type!r} starts from the statistics of every target layer at once, but "
+                f"statistics_memory={format_bytes(budget)} needed several passes over the data; raise "
+                "statistics_memory or use mapper_type='ridge'"
+            )
+    bridge.config.recompute_layers = turn_on  # one calibrated value is turned on; a list leaves the choice to run time
+    for part in [bridge] + ([reverse] if settings.bidirectional else []):
+        part.config.calibration["forward_seconds"] = round(timings["forward_seconds"], 2)
+        part.config.calibration["statistics_seconds"] = round(timings["statistics_seconds"], 2)
+        for key in ("selection_seconds", "lambda_seconds", "solve_seconds"):  # budgeted calibration's split
+            if key in timings:
+                part.config.calibration[key] = round(timings[key], 2)
+        if "fit_passes" in timings:
+            part.config.calibration["fit_passes"] = timings["fit_passes"]
+    if (
+        fit_of(entry.name) is not None
+    ):  # mappers beyond ridge start from the ridge bridge (see `mappers.MAPPER_REGISTRY`)
+        bridge = refit(
+            bridge,
+            settings.mapper_type,
+            windows=windows,
+            statistics=statistics,
+            batch_size=settings.batch_size,
+            progress=settings.progress,
+            **settings.mapper_kwargs,
+        )
+    if settings.bidirectional:
+        if settings.keep_statistics:
+            reverse.calibration_statistics = reverse_statistics
+        bridge.reverse = reverse
+    bridge.config.calibration["seconds"] = round(time.perf_counter() - started, 2)
+    if settings.keep_statistics:
+        bridge.calibration_statistics = statistics
+    bridge.config.calibration["bidirectional"] = settings.bidirectional
+    logger.info(
+        "calibrated %s → %s in %.1fs",
+        bridge.config.source_name_or_path,
+        bridge.config.target_name_or_path,
+        bridge.config.calibration["seconds"],
+    )
+    return bridge

@@ -1,0 +1,347 @@
+"""`distill`: a calibrated bridge's map trained on the target's own next-token distribution.
+
+The closed-form fit minimises the K/V reconstruction error; what a bridge is scored on is the target's continuation
+loss. `distill` starts from the closed-form weights and trains them by gradient descent on
+
+    KL(target on its own cache ‖ target on the mapped cache)  +  pull · ‖θ − θ₀‖² / ‖θ₀‖²
+
+over the continuation tokens of calibration windows (teacher-forced; both models frozen, the teacher under
+`no_grad`), with AdamW and a cosine schedule. Held-out calibration windows choose when to stop (the best held-out KL
+is kept, and a run stops after `patience` evaluations without a better one) and which pull strength wins; the
+closed-form map itself is the first candidate, so the result is never worse than it on those windows. The map keeps
+its shape (same weights, same runtime cost); the result is a normal bridge checkpoint whose config (and card) records
+the distillation (`config.distillation`).
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import logging
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ...constants import DEFAULT_CALIBRATION_DATA
+from ...errors import CalibrationDataError, CheckpointFileError, ConfigurationError, InvalidInputError
+from ...settings import DistillationSettings
+from ...utils.cache import cache_kwargs
+from ...utils.sizes import format_bytes, parse_bytes
+from ..data import describe_data, token_windows
+from .checks import shared_tokenizer, split_heldout
+from .differentiable import PreconditionedMap, check_linear, differentiable_map_cache, source_rows
+
+logger = logging.getLogger(__name__)
+
+STATE_NAME = "distill_state.pt"
+
+
+def check_models_loaded(bridge) -> None:
+    """Refuses a bridge whose source or target holds no weights (parameters on the `meta` device)."""
+    for role in ("source", "target"):
+        model = getattr(bridge, role, None)
+        if model is None or any(p.device.type == "meta" for p in model.parameters()):
+            raise InvalidInputError(
+                f"the bridge's {role} model is not loaded (no weights, or weights on the meta device); load the "
+                "bridge with from_pretrained (which loads both models) before distilling it"
+            )
+
+
+def window_bytes(bridge, seq_len: int, continuation_len: int) -> int:
+    """An estimate of the bytes one window takes through a training step (float32): the source's rows, the mapped
+    cache with its gradient, the target's activations over the continuation and the two vocabularies of logits."""
+    mapper, config = bridge.mapper, bridge.target.config
+    context = seq_len - continuation_len
+    groups = mapper.groups if mapper.grouped else 1
+    rows = context * len({s for layers in mapper.selected_layers for s in layers}) * mapper.x_row * groups
+    layers = len(mapper.selected_layers)
+    cache = 4 * context * layers * mapper.y_row  # mapped rows, rotated keys, cast copy, gradient
+    hidden = getattr(config, "hidden_size", 0) + getattr(config, "intermediate_size", 0)
+    heads = getattr(config, "num_attention_heads", 1)
+    activations = layers * continuation_len * (6 * hidden + 2 * heads * seq_len)
+    logits = 6 * continuation_len * config.vocab_size  # teacher and student logits, log-probs, gradient
+    return 4 * (2 * rows + cache + activations + logits)
+
+
+def _micro_batch(bridge, settings: DistillationSettings) -> int:
+    """Windows per forward/backward under `settings.memory` (the whole batch when unset); refuses a budget that cannot
+    hold one window."""
+    if settings.memory is None:
+        return settings.batch_size
+    budget, need = parse_bytes(settings.memory), window_bytes(bridge, settings.seq_len, settings.continuation_len)
+    if budget < need:
+        raise ConfigurationError(
+            f"memory={format_bytes(budget)} cannot hold one window of {settings.seq_len} tokens (about "
+            f"{format_bytes(need)}); raise memory or lower seq_len / continuation_len"
+        )
+    return max(1, min(settings.batch_size, budget // need))
+
+
+def _autocast(settings: DistillationSettings, device: torch.device):
+    on = settings.autocast == "bfloat16" or (settings.autocast == "auto" and device.type == "cuda")
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=on)
+
+
+def window_kl(bridge, maps: PreconditionedMap, ids: torch.Tensor, continuation_len: int, autocast) -> torch.Tensor:
+    """Summed KL(teacher ‖ student) over the continuation tokens of `ids` `(B, T)`: the teacher is the target on its
+    own cache (no gradient), the student the target on `maps`' map of the source's prefill of the context."""
+    target = bridge.target
+    ids = ids.to(target.device)
+    context, continuation = ids[:, :-continuation_len], ids[:, -continuation_len:]
+    with torch.no_grad():
+        with autocast:
+            teacher = target(input_ids=ids, logits_to_keep=continuation_len).logits  # (B, C, V)
+        teacher = nn.functional.log_softmax(teacher.float(), dim=-1)
+        rows = source_rows(bridge, maps.mapper, context.to(bridge.source.device))
+    with autocast:
+        cache = differentiable_map_cache(bridge, maps, context, rows)
+        student = target(input_ids=continuation, **cache_kwargs(cache)).logits  # (B, C, V)
+    student = nn.functional.log_softmax(student.float(), dim=-1)
+    return nn.functional.kl_div(student, teacher, log_target=True, reduction="sum")
+
+
+def mean_kl(bridge, maps, windows: torch.Tensor, continuation_len: int, micro: int, autocast) -> float:
+    """Mean KL per continuation token over `windows` `(N, T)` (no gradient)."""
+    total = 0.0
+    with torch.no_grad():
+        for start in range(0, len(windows), micro):
+            total += float(window_kl(bridge, maps, windows[start : start + micro], continuation_len, autocast))
+    return total / (len(windows) * continuation_len)
+
+
+def _fingerprint(settings: DistillationSettings, windows: torch.Tensor, params: list[torch.Tensor]) -> str:
+    """What a checkpoint must match to be resumed: the settings that shape training, the windows, the start map."""
+    digest = hashlib.sha256()
+    shaping = {k: v for k, v in vars(settings).items() if k not in ("progress", "checkpoint_dir", "memory")}
+    digest.update(repr(sorted(shaping.items())).encode())
+    digest.update(windows.numpy().tobytes())
+    for p in params:
+        digest.update(p.detach().float().cpu().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def _save_state(folder: Path | None, state: dict) -> None:
+    if folder is None:
+        return
+    folder.mkdir(parents=True, exist_ok=True)
+    partial = folder / (STATE_NAME + ".partial")
+    torch.save(state, partial)
+    os.replace(partial, folder / STATE_NAME)  # a stop mid-write keeps the previous checkpoint
+
+
+def _load_state(folder: Path | None, fingerprint: str) -> dict | None:
+    path = None if folder is None else folder / STATE_NAME
+    if path is None or not path.is_file():
+        return None
+    state = torch.load(path, weights_only=False)
+    if state.get("fingerprint") != fingerprint:
+        raise CheckpointFileError(
+            f"{path} is the checkpoint of another distillation (other settings, text or bridge); remove it or pass "
+            "another checkpoint_dir"
+        )
+    logger.info("resuming the distillation from %s (pull %d, step %d)", path, state["candidate"], state["step"])
+    return state
+
+
+def _settings_from(settings: DistillationSettings | None, kwargs: dict) -> DistillationSettings:
+    overrides = {key: kwargs.pop(key) for key in list(kwargs) if key in DistillationSettings.field_names()}
+    if kwargs:
+        raise ConfigurationError(
+            f"distill takes the fields of DistillationSettings as keywords, not {sorted(kwargs)}; the fields: "
+            f"{sorted(DistillationSettings.field_names())}"
+        )
+    return (settings or DistillationSettings()).replace(**overrides)
+
+
+def distill(bridge, data: Any = DEFAULT_CALIBRATION_DATA, settings: DistillationSettings | None = None, *,
+            tokenizer=None, **kwargs: Any):  # fmt: skip
+    r"""Trains the map of a calibrated `bridge` on the target's next-token KL and returns the refined bridge.
+
+    Args:
+        bridge ([`KVBridgeForCausalLM`] or `str`): a calibrated bridge with both models loaded (ridge, same-head,
+            attention-weighted or low-rank map, with or without hidden-state features), or a checkpoint to load.
+        data (*optional*, defaults to `"HuggingFaceFW/fineweb-edu"`): calibration text, as `calibrate` takes it (a
+            list of strings, a `.txt`/`.jsonl` file or folder, a `datasets.Dataset`, a dataset name); never the text
+            you evaluate on.
+        settings ([`DistillationSettings`], *optional*): every knob; defaults to `DistillationSettings()`.
+        tokenizer (*optional*): the shared tokenizer; by default the source's, checked against the target's.
+        kwargs: fields of [`DistillationSettings`] (they override `settings`: `distill(bridge, texts, epochs=1)`).
+
+    Returns:
+        A new [`KVBridgeForCausalLM`] over the same models with the trained map (same shape and cost; `bridge` is left
+        unchanged); `config.distillation` records the settings, the held-out KL before and after, and the time.
+
+    Example:
+
+    ```python
+    >>> import hf_kvbridge
+    >>> bridge = hf_kvbridge.calibrate("pocket/pocket-s", "pocket/pocket-l", "pocket")  # doctest: +SKIP
+    >>> distilled = hf_kvbridge.distill(bridge, "pocket", num_sequences=128)  # doctest: +SKIP
+    >>> distilled.save_pretrained("pocket-s-to-l-distilled")  # doctest: +SKIP
+    ```
+    """
+    settings = _settings_from(settings, kwargs)
+    if isinstance(bridge, (str, os.PathLike)):
+        from ...modeling import KVBridgeForCausalLM
+
+        bridge = KVBridgeForCausalLM.from_pretrained(bridge)
+    check_models_loaded(bridge)
+    mapper = copy.deepcopy(bridge.mapper).float()  # trained in float32 whatever the bridge stores
+    check_linear(mapper)
+    bridge.check_length(settings.seq_len)
+    micro = _micro_batch(bridge, settings)  # refuses a budget that cannot hold one window, before any text is read
+    if tokenizer is None:
+        tokenizer = shared_tokenizer(bridge.source, bridge.target)
+    windows = token_windows(data, tokenizer, settings.num_sequences, settings.seq_len, text_field=settings.text_field)
+    train_ids, heldout_ids = split_heldout(len(windows), settings.heldout_fraction, settings.seed)
+    if not train_ids:
+        raise CalibrationDataError("no calibration window is left for training; give more text")
+    train, heldout = windows[train_ids], windows[heldout_ids]
+    started = time.perf_counter()
+    folder = None if settings.checkpoint_dir is None else Path(settings.checkpoint_dir)
+    fingerprint = _fingerprint(settings, windows, list(mapper.parameters()))
+    state = _load_state(folder, fingerprint)
+    autocast = _autocast(settings, bridge.target.device)
+    frozen = [(p, p.requires_grad) for model in (bridge.source, bridge.target) for p in model.parameters()]
+    for p, _ in frozen:
+        p.requires_grad_(False)
+    # Δ in standardised units, its scales from the first training windows' rows
+    first = train[: settings.batch_size, : settings.seq_len - settings.continuation_len]
+    maps = PreconditionedMap(mapper, source_rows(bridge, mapper, first.to(bridge.source.device)))
+    params = list(maps.deltas)
+    start = [p.detach().clone() for p in params]  # Δ = 0: the closed form
+    try:
+        if state is None:
+            baseline = mean_kl(bridge, maps, heldout, settings.continuation_len, micro, autocast)
+            state = {"fingerprint": fingerprint, "baseline_kl": baseline, "candidate": 0, "step": 0, "runs": [],
+                     "seconds": 0.0}  # fmt: skip
+            _save_state(folder, state)
+        data_parts = (train, heldout, settings, micro, autocast)
+        state = _train(bridge, maps, params, start, *data_parts, state, folder, started)
+    finally:
+        for p, flag in frozen:
+            p.requires_grad_(flag)
+        for p in params:
+            p.requires_grad_(False)
+    best = min(state["runs"], key=lambda run: run["best_kl"])
+    chosen = best if best["best_kl"] < state["baseline_kl"] else None
+    with torch.no_grad():
+        for p, value in zip(params, chosen["params"] if chosen else start):
+            p.copy_(value)
+    mapper = maps.fold()
+    seconds = state["seconds"] + time.perf_counter() - started
+    config = copy.deepcopy(bridge.config)
+    config.distillation = {
+        "objective": "KL(target on its own cache || target on the mapped cache), continuation tokens",
+        "data": describe_data(data),
+        "windows": len(train_ids),
+        "heldout_windows": len(heldout_ids),
+        "seq_len": settings.seq_len,
+        "continuation_len": settings.continuation_len,
+        "epochs": settings.epochs,
+        "batch_size": settings.batch_size,
+        "lr": settings.lr,
+        "pull_candidates": list(settings.pull),
+        "pull": chosen["pull"] if chosen else None,
+        "best_step": chosen["best_step"] if chosen else 0,
+        "heldout_kl_closed_form": round(state["baseline_kl"], 6),
+        "heldout_kl": round(chosen["best_kl"] if chosen else state["baseline_kl"], 6),
+        "heldout_kl_by_pull": {str(run["pull"]): round(run["best_kl"], 6) for run in state["runs"]},
+        "autocast": settings.autocast,
+        "seconds": round(seconds, 2),
+        "seed": settings.seed,
+    }
+    summary = config.distillation
+    # one line in the card's calibration table (the card renders `config.calibration`); the details: `distillation`
+    config.calibration = {
+        **(config.calibration or {}),
+        "distillation": (
+            f"map trained on the target's next-token KL over {summary['windows']} windows of {settings.seq_len} "
+            f"tokens ({settings.continuation_len} scored), AdamW lr {settings.lr}, pull {summary['pull']} chosen "
+            f"from {summary['pull_candidates']} on {summary['heldout_windows']} held-out windows; held-out KL per "
+            f"token {summary['heldout_kl_closed_form']:.4f} (closed form) → {summary['heldout_kl']:.4f}, "
+            f"{summary['seconds']:.0f}s; details: config.json `distillation`"
+        ),
+    }
+    logger.info(
+        "distilled %s → %s in %.1fs: held-out KL %.4f → %.4f",
+        config.source_name_or_path, config.target_name_or_path, seconds, state["baseline_kl"],
+        config.distillation["heldout_kl"],
+    )  # fmt: skip
+    return bridge.with_mapper(mapper, config)
+
+
+def _train(bridge, maps, params, start, train, heldout, settings, micro, autocast, state, folder, started) -> dict:
+    """Trains one run per pull strength (from θ₀ each), resuming `state`; returns the state with every run's best."""
+    from tqdm.auto import tqdm
+
+    steps_per_epoch = math.ceil(len(train) / settings.batch_size)
+    total = settings.epochs * steps_per_epoch
+    eval_every = max(1, math.ceil(steps_per_epoch / settings.evals_per_epoch))
+    norm = maps.squared_norms()[1]
+    bar = tqdm(total=total * len(settings.pull), desc="distilling", unit="step", disable=not settings.progress)
+    bar.update(state["candidate"] * total + state["step"])
+    for candidate in range(state["candidate"], len(settings.pull)):
+        pull = float(settings.pull[candidate])
+        optimizer = torch.optim.AdamW(params, lr=settings.lr, weight_decay=0.0)
+        schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=total)
+        if state["step"] == 0:  # a fresh run: from the closed form, best so far the closed form
+            with torch.no_grad():
+                for p, value in zip(params, start):
+                    p.copy_(value)
+            state.update(best_kl=state["baseline_kl"], best_params=[v.clone() for v in start], best_step=0, bad=0)
+        else:  # resumed mid-run
+            with torch.no_grad():
+                for p, value in zip(params, state["params"]):
+                    p.copy_(value)
+            optimizer.load_state_dict(state["optimizer"])
+            schedule.load_state_dict(state["schedule"])
+        for p in params:
+            p.requires_grad_(True)
+        stopped = False
+        while state["step"] < total and not stopped:
+            step = state["step"]
+            epoch, offset = divmod(step, steps_per_epoch)
+            order = torch.randperm(len(train), generator=torch.Generator().manual_seed(settings.seed + 1 + epoch))
+            batch = train[order[offset * settings.batch_size : (offset + 1) * settings.batch_size]]
+            optimizer.zero_grad(set_to_none=True)
+            tokens = len(batch) * settings.continuation_len
+            for first in range(0, len(batch), micro):  # streamed micro-batches, gradients accumulated
+                kl = window_kl(bridge, maps, batch[first : first + micro], settings.continuation_len, autocast)
+                (kl / tokens).backward()
+            if pull > 0:
+                (pull * maps.squared_norms()[0] / norm).backward()
+            optimizer.step()
+            schedule.step()
+            state["step"] = step + 1
+            bar.update(1)
+            if state["step"] % eval_every == 0 or state["step"] == total:
+                kl = mean_kl(bridge, maps, heldout, settings.continuation_len, micro, autocast)
+                if kl < state["best_kl"]:
+                    state.update(best_kl=kl, best_params=[p.detach().clone() for p in params], best_step=state["step"],
+                                 bad=0)  # fmt: skip
+                else:
+                    state["bad"] += 1
+                    stopped = settings.patience > 0 and state["bad"] >= settings.patience
+                bar.set_postfix(pull=pull, heldout_kl=f"{kl:.4f}", best=f"{state['best_kl']:.4f}")
+                state.update(params=[p.detach().clone() for p in params], optimizer=optimizer.state_dict(),
+                             schedule=schedule.state_dict())  # fmt: skip
+                _save_state(folder, {**state, "seconds": state["seconds"] + time.perf_counter() - started})
+        state["runs"].append(
+            {"pull": pull, "best_kl": state["best_kl"], "best_step": state["best_step"],
+             "params": state["best_params"]}
+        )  # fmt: skip
+        logger.info("pull %g: best held-out KL %.4f at step %d", pull, state["best_kl"], state["best_step"])
+        state.update(candidate=candidate + 1, step=0)
+        for key in ("params", "optimizer", "schedule"):
+            state.pop(key, None)
+        _save_state(folder, {**state, "seconds": state["seconds"] + time.perf_counter() - started})
+        for p in params:
+            p.requires_grad_(False)
+    bar.close()
+    return state

@@ -1,0 +1,200 @@
+"""`hf_kvbridge.distill`: a bridge's map trained on the target's next-token KL, on the shipped pocket family.
+
+Oracles: the differentiable map equals the mapping engine's; a source == target bridge stays the identity (the
+distilled bridge reproduces the target's logits); held-out KL goes down against the closed form on calibration
+windows the training never saw; a stopped run resumes to the same result as an unstopped one."""
+
+import copy
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+import hf_kvbridge
+from hf_kvbridge import pocket
+from hf_kvbridge.errors import CalibrationDataError, CheckpointFileError, ConfigurationError, InvalidInputError
+from hf_kvbridge.fitting.calibration import distill as distill_module
+from hf_kvbridge.fitting.calibration.checks import split_heldout
+from hf_kvbridge.fitting.calibration.differentiable import PreconditionedMap, differentiable_map_cache, source_rows
+from hf_kvbridge.fitting.calibration.distill import mean_kl
+from hf_kvbridge.fitting.data import token_windows
+from hf_kvbridge.tools.evaluation import heldout_windows
+from hf_kvbridge.utils.cache import output_cache
+
+TINY = {"num_sequences": 24, "seq_len": 96, "continuation_len": 24, "batch_size": 4, "evals_per_epoch": 2}
+CALIBRATION = {"num_sequences": 24, "seq_len": 96, "top_k": 3, "ridge_lambda": 0.1}  # a fixed λ: no λ search
+
+
+@pytest.fixture(scope="module")
+def pocket_parts():
+    tokenizer = AutoTokenizer.from_pretrained(pocket.model_path("pocket-l"))
+    small, large = pocket.load_model("pocket-s"), pocket.load_model("pocket-l")
+    return tokenizer, small, large, pocket.load_texts("calibration")
+
+
+@pytest.fixture(scope="module")
+def bridge(pocket_parts):
+    tokenizer, small, large, texts = pocket_parts
+    return hf_kvbridge.calibrate(small, large, texts, tokenizer=tokenizer, **CALIBRATION)
+
+
+def _weights(mapper) -> list[torch.Tensor]:
+    return [p for layer in mapper.layers for p in layer.parameters()]
+
+
+def _assert_same_cache(got, ref):
+    for ref_layer, got_layer in zip(ref.layers, got.layers):
+        torch.testing.assert_close(got_layer.keys, ref_layer.keys, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(got_layer.values, ref_layer.values, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("mapping", [{"head_mode": "all_heads"}, {"head_mode": "same_head"},
+                                     {"mapper_type": "low_rank", "rank": 8}])  # fmt: skip
+def test_differentiable_map_equals_the_engine(pocket_parts, mapping):
+    tokenizer, small, large, texts = pocket_parts
+    bridge = hf_kvbridge.calibrate(small, large, texts, tokenizer=tokenizer, **{**CALIBRATION, **mapping})
+    ids = torch.randint(0, small.config.vocab_size, (2, 40), generator=torch.Generator().manual_seed(0))
+    mapper = copy.deepcopy(bridge.mapper).float()
+    maps = PreconditionedMap(mapper, source_rows(bridge, mapper, ids))
+    with torch.no_grad():
+        _assert_same_cache(differentiable_map_cache(bridge, maps, ids), bridge.map_cache(_source_cache(small, ids)))
+    # gradients reach every Δ
+    cache = differentiable_map_cache(bridge, maps, ids)
+    sum(layer.keys.sum() + layer.values.sum() for layer in cache.layers).backward()
+    assert all(d.grad is not None and d.grad.abs().sum() > 0 for d in maps.deltas)
+    # a moved Δ, folded into the mapper's own weights, maps in the engine as it does here
+    with torch.no_grad():
+        for d in maps.deltas:
+            d.normal_(0, 0.05)
+        moved = differentiable_map_cache(bridge, maps, ids)
+    folded = bridge.with_mapper(maps.fold(), bridge.config)
+    _assert_same_cache(moved, folded.map_cache(_source_cache(small, ids)))
+
+
+def _source_cache(model, ids):
+    with torch.no_grad():
+        return output_cache(model(input_ids=ids, use_cache=True))
+
+
+def test_distillation_lowers_kl_on_held_out_windows(bridge, pocket_parts):
+    tokenizer, *_, texts = pocket_parts
+    settings = {**TINY, "continuation_len": 32, "heldout_fraction": 0.25, "evals_per_epoch": 1}
+    distilled = hf_kvbridge.distill(bridge, texts, tokenizer=tokenizer, **settings, epochs=2, lr=3e-4, pull=[0.0])
+    report = distilled.config.distillation
+    assert report["heldout_kl"] < report["heldout_kl_closed_form"]
+    # the figure is the saved map's own: recomputed from the distilled bridge on the held-out calibration windows
+    windows = token_windows(texts, tokenizer, 24, 96)
+    heldout = windows[split_heldout(len(windows), 0.25, 0)[1]]
+    assert _kl(distilled, heldout) == pytest.approx(report["heldout_kl"], rel=1e-4)
+    assert _kl(bridge, heldout) == pytest.approx(report["heldout_kl_closed_form"], rel=1e-4)
+    assert bridge.mapper.layers[0].weight.requires_grad is False  # the input bridge is untouched and frozen
+    assert not any(p.requires_grad for p in distilled.mapper.parameters())
+
+
+def _kl(bridge, windows) -> float:
+    mapper = copy.deepcopy(bridge.mapper).float()
+    maps = PreconditionedMap(mapper, source_rows(bridge, mapper, windows[:, :64]))
+    return mean_kl(bridge, maps, windows, 32, 8, torch.autocast("cpu", enabled=False))
+
+
+def test_identity_pair_stays_the_identity(pocket_parts):
+    tokenizer, small, _, texts = pocket_parts
+    identity = hf_kvbridge.calibrate(small, small, texts, tokenizer=tokenizer, **{**CALIBRATION, "ridge_lambda": 1e-6})
+    distilled = hf_kvbridge.distill(identity, texts, tokenizer=tokenizer, **TINY, epochs=1, lr=1e-4, pull=[0.0])
+    ids = heldout_windows(pocket.load_texts("heldout"), tokenizer, 96, 2)
+    with torch.no_grad():
+        target = small(input_ids=ids).logits[:, 64:]
+        bridged = distilled(ids, prefill_length=65).logits[:, 64:]
+    torch.testing.assert_close(bridged, target, atol=2e-3, rtol=1e-3)
+    assert distilled.config.distillation["heldout_kl"] < 1e-4
+
+
+def test_a_stopped_run_resumes_to_the_same_result(bridge, pocket_parts, tmp_path, monkeypatch):
+    tokenizer, *_, texts = pocket_parts
+    settings = {"num_sequences": 12, "seq_len": 64, "continuation_len": 16, "batch_size": 4, "evals_per_epoch": 2,
+                "epochs": 1, "pull": [0.0, 1.0], "lr": 1e-4}  # fmt: skip
+    whole = hf_kvbridge.distill(bridge, texts, tokenizer=tokenizer, **settings)
+    evaluations = []
+    real = distill_module.mean_kl
+
+    def stop_on_the_third(*args):
+        evaluations.append(1)
+        if len(evaluations) == 3:  # baseline, one evaluation of the first run, then stopped
+            raise KeyboardInterrupt
+        return real(*args)
+
+    monkeypatch.setattr(distill_module, "mean_kl", stop_on_the_third)
+    with pytest.raises(KeyboardInterrupt):
+        hf_kvbridge.distill(bridge, texts, tokenizer=tokenizer, checkpoint_dir=tmp_path, **settings)
+    assert (tmp_path / distill_module.STATE_NAME).is_file()  # the stopped run kept its last checkpoint
+    monkeypatch.setattr(distill_module, "mean_kl", real)
+    resumed = hf_kvbridge.distill(bridge, texts, tokenizer=tokenizer, checkpoint_dir=tmp_path, **settings)
+    for a, b in zip(_weights(whole.mapper), _weights(resumed.mapper)):
+        torch.testing.assert_close(a, b)
+    assert resumed.config.distillation["heldout_kl_by_pull"] == whole.config.distillation["heldout_kl_by_pull"]
+    # other settings against that checkpoint: refused, not silently mixed
+    with pytest.raises(CheckpointFileError, match="another distillation"):
+        hf_kvbridge.distill(bridge, texts, tokenizer=tokenizer, checkpoint_dir=tmp_path, **{**settings, "lr": 1e-3})
+
+
+def _count_forwards(monkeypatch, bridge) -> list:
+    calls = []
+    for model in (bridge.source, bridge.target):
+        monkeypatch.setattr(model, "forward", lambda *a, **k: calls.append(1) or pytest.fail("a forward ran"))
+    return calls
+
+
+def test_bad_input_is_refused_before_any_work(bridge, pocket_parts, monkeypatch):
+    tokenizer, *_ = pocket_parts
+    _count_forwards(monkeypatch, bridge)
+    with pytest.raises(CalibrationDataError):  # every text shorter than one window
+        hf_kvbridge.distill(bridge, ["a few words", "and a few more"], tokenizer=tokenizer, **TINY)
+    with pytest.raises(ConfigurationError, match="cannot hold one window"):
+        hf_kvbridge.distill(bridge, ["text " * 500], tokenizer=tokenizer, **TINY, memory="1KB")
+    with pytest.raises(ConfigurationError, match="continuation_len"):
+        hf_kvbridge.distill(bridge, ["text " * 500], tokenizer=tokenizer, **{**TINY, "continuation_len": 96})
+    with pytest.raises(ConfigurationError, match="fields of DistillationSettings"):
+        hf_kvbridge.distill(bridge, ["text " * 500], tokenizer=tokenizer, top_k=3)
+
+
+def test_a_bridge_without_its_models_is_refused(bridge):
+    hollow = copy.copy(bridge)  # the same bridge whose target holds no weights
+    hollow._modules = {**bridge._modules, "target": copy.deepcopy(bridge.target).to("meta")}
+    with pytest.raises(InvalidInputError, match="target model is not loaded"):
+        hf_kvbridge.distill(hollow, ["text " * 500], **TINY)
+
+
+def test_the_checkpoint_round_trips(bridge, pocket_parts, tmp_path):
+    tokenizer, small, large, texts = pocket_parts
+    distilled = hf_kvbridge.distill(bridge, texts, tokenizer=tokenizer, **TINY, epochs=1, pull=[0.0], lr=1e-4)
+    distilled.save_pretrained(tmp_path / "d")
+    loaded = hf_kvbridge.KVBridgeForCausalLM.from_pretrained(tmp_path / "d", source_model=small, target_model=large)
+    for a, b in zip(_weights(distilled.mapper), _weights(loaded.mapper)):
+        torch.testing.assert_close(a, b)
+    assert loaded.config.distillation == distilled.config.distillation
+    assert loaded.mapper.flops_per_token() == bridge.mapper.flops_per_token()  # same runtime cost
+    card = (tmp_path / "d" / "README.md").read_text()
+    assert "| distillation | map trained on the target's next-token KL" in card
+
+
+def test_cli_help_needs_no_torch():
+    code = "import sys; from kvbridge_cli import main\ntry: main(['distill', '--help'])\nexcept SystemExit: pass\n"
+    code += "assert 'torch' not in sys.modules, 'torch imported'"
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert "--continuation-len" in run.stdout and "--pull" in run.stdout
+
+
+def test_kvbridge_distill_saves_a_bridge(bridge, tmp_path, capsys):
+    from kvbridge_cli import main
+
+    bridge.save_pretrained(tmp_path / "closed")
+    options = ["--num-sequences", "12", "--seq-len", "64", "--continuation-len", "16", "--batch-size", "4",
+               "--epochs", "1", "--pull", "0", "--out", str(tmp_path / "distilled")]  # fmt: skip
+    assert main(["distill", str(tmp_path / "closed"), "--data", "pocket", *options]) == 0
+    assert "held-out KL per token" in capsys.readouterr().out
+    loaded = hf_kvbridge.KVBridgeForCausalLM.from_pretrained(tmp_path / "distilled")
+    assert loaded.config.distillation["pull_candidates"] == [0.0]
+    assert not (tmp_path / "distilled" / "distill-checkpoint").exists()  # removed once the bridge is saved
