@@ -20,6 +20,20 @@ _constants = core("constants")
 _settings = core("settings")
 
 
+def add_data_and_out(parser, out_what: str) -> None:
+    """`--data` (calibration text), `--out` and `--overwrite`: the options of the commands that write a bridge from
+    calibration text (`calibrate`, `distill`)."""
+    parser.add_argument(
+        "--data",
+        type=_calibration_data,
+        default=_constants.DEFAULT_CALIBRATION_DATA,
+        help=f"a .txt/.jsonl file or folder, '{POCKET_DATA}' (the pocket family's shipped calibration split), or a "
+        f"dataset name (streamed; default {_constants.DEFAULT_CALIBRATION_DATA}, needs the Hub)",
+    )
+    parser.add_argument("--out", required=True, help=f"output folder for {out_what}")
+    parser.add_argument("--overwrite", action="store_true", help="replace bridge files in a non-empty --out")
+
+
 def add_calibrate(sub) -> None:
     cal = sub.add_parser(
         "calibrate",
@@ -30,15 +44,7 @@ def add_calibrate(sub) -> None:
     )
     cal.add_argument("source", help="source model (Hub id, local path, or pocket/<name>)")
     cal.add_argument("target", help="target model (Hub id, local path, or pocket/<name>)")
-    cal.add_argument(
-        "--data",
-        type=_calibration_data,
-        default=_constants.DEFAULT_CALIBRATION_DATA,
-        help=f"a .txt/.jsonl file or folder, '{POCKET_DATA}' (the pocket family's shipped calibration split), or a "
-        f"dataset name (streamed; default {_constants.DEFAULT_CALIBRATION_DATA}, needs the Hub)",
-    )
-    cal.add_argument("--out", required=True, help="output folder for the bridge checkpoint")
-    cal.add_argument("--overwrite", action="store_true", help="replace bridge files in a non-empty --out")
+    add_data_and_out(cal, "the bridge checkpoint")
     settings = cal.add_argument_group("calibration settings (hf_kvbridge.CalibrationSettings)")
     add_settings_options(settings)
     add_mapper_options(cal)
@@ -59,15 +65,7 @@ def add_distill(sub) -> None:
         "training state is checkpointed in OUT/distill-checkpoint (or --checkpoint-dir) and a rerun resumes it.",
     )
     distill.add_argument("bridge", help="calibrated bridge checkpoint folder or Hub id")
-    distill.add_argument(
-        "--data",
-        type=_calibration_data,
-        default=_constants.DEFAULT_CALIBRATION_DATA,
-        help=f"calibration text: a .txt/.jsonl file or folder, '{POCKET_DATA}', or a dataset name (default "
-        f"{_constants.DEFAULT_CALIBRATION_DATA})",
-    )
-    distill.add_argument("--out", required=True, help="output folder for the distilled bridge checkpoint")
-    distill.add_argument("--overwrite", action="store_true", help="replace bridge files in a non-empty --out")
+    add_data_and_out(distill, "the distilled bridge checkpoint")
     settings = distill.add_argument_group("distillation settings (hf_kvbridge.settings.DistillationSettings)")
     add_settings_options(settings, settings_class=_settings.DistillationSettings)
 
