@@ -119,6 +119,8 @@ class _MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     module an `exec_module` leaves in `sys.modules`)."""
 
     def find_spec(self, name, path=None, target=None):
+        if not name.startswith("hf_kvbridge."):  # first on sys.meta_path: every other import passes here
+            return None
         return importlib.util.spec_from_loader(name, self) if moved_module(name) else None
 
     def create_module(self, spec):
