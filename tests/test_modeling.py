@@ -10,8 +10,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 import hf_kvbridge
 from hf_kvbridge import KVBridgeConfig, KVBridgeForCausalLM
+from hf_kvbridge.fitting.calibration.calibrate import fit_bridge
 from hf_kvbridge.fitting.calibration.data_pass import collect_statistics
-from hf_kvbridge.fitting.calibration.dense_fit import fit_bridge
 from hf_kvbridge.mappers import engine as mapping
 from hf_kvbridge.utils.cache import cache_kwargs, output_cache
 from tests.conftest import CORPUS, VOCAB, qwen3

@@ -10,10 +10,9 @@ import torch
 
 import hf_kvbridge
 from hf_kvbridge import KVBridgeForCausalLM
+from hf_kvbridge.fitting.calibration.calibrate import fit_bridge
 from hf_kvbridge.fitting.calibration.data_pass import collect_statistics
-from hf_kvbridge.fitting.calibration.dense_fit import fit_bridge
-from hf_kvbridge.fitting.calibration.refit import refit
-from hf_kvbridge.fitting.mapper_fits import fit_of
+from hf_kvbridge.fitting.mapper_fits import fit_of, refit
 from hf_kvbridge.fitting.solve import solve_ridge
 from hf_kvbridge.mappers import MAPPER_REGISTRY, MAPPER_TYPES, KVMapper
 from tests.conftest import VOCAB, qwen3

@@ -6,10 +6,10 @@ import torch
 
 import hf_kvbridge
 from hf_kvbridge import KVBridgeForCausalLM
+from hf_kvbridge.fitting.calibration.calibrate import fit_bridge
 from hf_kvbridge.fitting.calibration.data_pass import collect_statistics
-from hf_kvbridge.fitting.calibration.dense_fit import fit_bridge
-from hf_kvbridge.fitting.calibration.refit import refit
 from hf_kvbridge.fitting.layer_selection import mapped_heldout_r2
+from hf_kvbridge.fitting.mapper_fits import refit
 from hf_kvbridge.fitting.solve import effective_ridge_lambda
 from hf_kvbridge.mappers import engine as mapping
 from hf_kvbridge.mappers.low_rank import LowRankKVMapper, fit_low_rank, reduce_rank

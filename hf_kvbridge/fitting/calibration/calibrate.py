@@ -1,4 +1,9 @@
-"""`calibrate`: text → token windows → source/target KV → statistics → layer selection → ridge fit → bridge."""
+"""`calibrate`: text → token windows → source/target KV → statistics → layer selection → ridge fit → bridge.
+
+The one place of the fitting side that builds a [`KVBridgeForCausalLM`]: the fits below return [`BridgeFit`]s
+(mapper, config, R²) and `build_bridge` turns one into a bridge; `fit_bridge`, `fit_bridge_in_passes` and
+`assemble_bridge` are the fits with their bridge built.
+"""
 
 from __future__ import annotations
 
@@ -24,17 +29,53 @@ from ...utils.source_features import SourceFeatures, source_blocks
 from ...version import __version__
 from ..budget import FitShape, plan_calibration
 from ..data import describe_data, token_windows
-from ..mapper_fits import fit_of
+from ..mapper_fits import fit_of, refit
 from ..statistics.blocks import feature_groups
 from ..statistics.dense import KVStatistics
-from .budgeted_fit import fit_bridge_in_passes
+from .budgeted_fit import fit_in_passes
 from .checks import check_tokens, features_per_layer, shared_tokenizer, split_heldout
 from .data_pass import collect_statistics
-from .dense_fit import fit_bridge, with_residual_map
-from .refit import refit
+from .dense_fit import BridgeFit, bridge_fit, fit_dense
 from .residual import fit_residual_map, normalize_recompute_layers, residual_collection
 
 logger = logging.getLogger(__name__)
+
+
+def build_bridge(fit: BridgeFit, source: PreTrainedModel, target: PreTrainedModel) -> KVBridgeForCausalLM:
+    """The bridge of `fit` over `source` and `target` (its single-layer R² matrix kept as `layer_r2`)."""
+    return fit.build(KVBridgeForCausalLM, source, target)
+
+
+def fit_bridge(
+    source: PreTrainedModel, target: PreTrainedModel, train: KVStatistics, heldout: KVStatistics, **kwargs: Any
+) -> KVBridgeForCausalLM:
+    """The bridge of `dense_fit.fit_dense(source, target, train, heldout, **kwargs)`: layers selected on held-out
+    statistics, λ chosen, the ridge mapper fitted on all of them.
+
+    Example:
+
+    ```python
+    >>> bridge = fit_bridge(source, target, train, heldout, top_k=2)  # doctest: +SKIP
+    ```
+    """
+    return build_bridge(fit_dense(source, target, train, heldout, **kwargs), source, target)
+
+
+def fit_bridge_in_passes(
+    source: PreTrainedModel, target: PreTrainedModel, windows: torch.Tensor, heldout: list[int], **kwargs: Any
+) -> tuple[KVBridgeForCausalLM, tuple | None]:
+    """`(bridge, statistics)` of `budgeted_fit.fit_in_passes(source, target, windows, heldout, **kwargs)`: the
+    calibration on a memory budget, its bridge built."""
+    fit, statistics = fit_in_passes(source, target, windows, heldout, **kwargs)
+    return build_bridge(fit, source, target), statistics
+
+
+def assemble_bridge(
+    source, target, mapper, r2, fitted_r2, fit: tuple, config_kwargs=None, layouts=None, features=None
+) -> KVBridgeForCausalLM:
+    """The bridge of a fitted `mapper` (`dense_fit.bridge_fit`: its config records `r2`, `fitted_r2` and `fit`)."""
+    fitted = bridge_fit(source, target, mapper, r2, fitted_r2, fit, config_kwargs, layouts, features)
+    return build_bridge(fitted, source, target)
 
 
 def _load(
@@ -214,7 +255,7 @@ def calibrate(
             layouts=(src, tgt),
         )
         statistics, reverse_statistics = stats[:2], stats[2:] or None
-        bridge = fit_bridge(
+        fit = fit_dense(
             source,
             target,
             *statistics,
@@ -232,8 +273,9 @@ def calibrate(
                 top_k=settings.top_k,
                 ridge_lambda=settings.ridge_lambda,
             )
-            bridge = with_residual_map(bridge, fitted)
+            fit = fit.with_residual(fitted)
             del residual
+        bridge = build_bridge(fit, source, target)
         if settings.bidirectional:
             reverse = fit_bridge(
                 target,
@@ -257,7 +299,7 @@ def calibrate(
         }
         want = settings.keep_statistics or fit_of(entry.name) is not None
         checkpoint = settings.checkpoint_dir
-        bridge, statistics = fit_bridge_in_passes(
+        fit, statistics = fit_in_passes(
             source,
             target,
             **{**passes, "statistics_memory": fit_budget},
@@ -268,6 +310,7 @@ def calibrate(
             features=features,
             layouts=(src, tgt),
         )
+        bridge = build_bridge(fit, source, target)
         if settings.bidirectional:
             reverse, reverse_statistics = fit_bridge_in_passes(
                 target,
