@@ -13,15 +13,7 @@ from typing import Any
 from huggingface_hub import snapshot_download
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from .constants import (
-    CONFIG_NAME,
-    MAPPER_WEIGHTS_INDEX_NAME,
-    MAPPER_WEIGHTS_NAME,
-    MODEL_CARD_NAME,
-    RESIDUAL_WEIGHTS_NAME,
-    REVERSE_FOLDER,
-    TOKENIZER_FILE_NAMES,
-)
+from .constants import CONFIG_NAME, HUB_FILE_PATTERNS
 from .errors import CheckpointFileError, CheckpointNotFoundError, InvalidInputError
 from .pocket import POCKET_MODELS, model_path
 
@@ -89,14 +81,6 @@ def load_model(name_or_path: str, revision: str | None = None, **load_kwargs: An
 
 
 # -- bridge checkpoints ----------------------------------------------------------------------------------------------
-SHARD_GLOB = "mapper-*-of-*.safetensors"
-# every file a checkpoint may hold; pushes upload these and nothing else
-WEIGHT_FILE_PATTERNS = [MAPPER_WEIGHTS_NAME, MAPPER_WEIGHTS_INDEX_NAME, SHARD_GLOB, RESIDUAL_WEIGHTS_NAME]
-CHECKPOINT_FILE_PATTERNS = [CONFIG_NAME, MODEL_CARD_NAME, *WEIGHT_FILE_PATTERNS, *TOKENIZER_FILE_NAMES]
-# what travels to and from the Hub: the checkpoint, and the reverse mapper of a bidirectional one
-HUB_FILE_PATTERNS = [*CHECKPOINT_FILE_PATTERNS, f"{REVERSE_FOLDER}/*"]
-
-
 def resolve_checkpoint(
     name_or_path: str | os.PathLike,
     *,

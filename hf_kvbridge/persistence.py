@@ -35,10 +35,12 @@ from transformers import PreTrainedModel
 
 from .card import render_model_card
 from .configuration import KVBridgeConfig
-from .constants import (
+from .constants import (  # noqa: F401  the file patterns, read here by their old path too
     AUTO_LOAD_KWARGS,
+    CHECKPOINT_FILE_PATTERNS,
     CONFIG_NAME,
     DEFAULT_MAX_SHARD_SIZE,
+    HUB_FILE_PATTERNS,
     MAPPER_CHECKSUMS_KEY,
     MAPPER_SHARD_PATTERN,
     MAPPER_WEIGHTS_INDEX_NAME,
@@ -46,7 +48,9 @@ from .constants import (
     MODEL_CARD_NAME,
     RESIDUAL_WEIGHTS_NAME,
     REVERSE_FOLDER,
+    SHARD_GLOB,
     TOKENIZER_FILE_NAMES,
+    WEIGHT_FILE_PATTERNS,
 )
 from .errors import (
     CheckpointExistsError,
@@ -55,10 +59,6 @@ from .errors import (
     MapperFileError,
 )
 from .loading import (  # noqa: F401  checkpoint references live in `loading`; read here by their old path too
-    CHECKPOINT_FILE_PATTERNS,
-    HUB_FILE_PATTERNS,
-    SHARD_GLOB,
-    WEIGHT_FILE_PATTERNS,
     load_model,
     read_config_dict,
     resolve_checkpoint,

@@ -39,8 +39,36 @@ def _option(default: Any = None, *, help: str, choices: tuple | None = None, cli
     return field(default=default, metadata=metadata)
 
 
+class _Settings:
+    """What the settings dataclasses share: validated on creation and on `replace`, their field names and defaults
+    (standard library only)."""
+
+    def __post_init__(self):
+        self.validate()
+
+    @classmethod
+    def field_names(cls) -> set[str]:
+        return {f.name for f in dataclasses.fields(cls)}
+
+    def replace(self, **changes: Any):
+        """A copy with `changes` applied (validated)."""
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def defaults(cls) -> dict[str, Any]:
+        """The fields that have a default, with it."""
+        return {f.name: f.default for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING}
+
+    def values(self) -> dict[str, Any]:
+        """Every field, with its value."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    def validate(self) -> None:
+        raise NotImplementedError
+
+
 @dataclass
-class CalibrationSettings:
+class CalibrationSettings(_Settings):
     r"""How `calibrate` fits a bridge.
 
     Args:
@@ -159,24 +187,11 @@ class CalibrationSettings:
         "feed the K/V maps beside the source's K/V; none: K/V only (such a bridge cannot be served by vLLM)",
     )
 
-    def __post_init__(self):
-        self.validate()
-
-    @classmethod
-    def field_names(cls) -> set[str]:
-        return {f.name for f in dataclasses.fields(cls)}
-
-    def replace(self, **changes: Any) -> CalibrationSettings:
-        """A copy with `changes` applied (validated)."""
-        return dataclasses.replace(self, **changes)
-
     @classmethod
     def check_values(cls, values: dict[str, Any]) -> None:
         """Raises `ConfigurationError` for the first bad value among `values` (field name → value; the others take
         their defaults). Needs only the standard library: the command line calls it before importing torch."""
-        settings = {f.name: f.default for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING}
-        settings.update(values)
-        _check_values(settings)
+        _check_values({**cls.defaults(), **values})
 
     def validate(self) -> None:
         """Raises `ConfigurationError` naming the first bad setting and what is allowed.
@@ -185,7 +200,7 @@ class CalibrationSettings:
         may hold types registered at run time: `hf_kvbridge.mappers.MAPPER_REGISTRY`), else against the built-in
         types' table (`constants.MAPPER_KWARGS`), so validating imports nothing beyond the standard library.
         """
-        _check_values({f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
+        _check_values(self.values())
         if self.statistics_memory is not None:
             parse_bytes(self.statistics_memory)
         registry = sys.modules.get("hf_kvbridge.mappers")
@@ -248,7 +263,7 @@ AUTOCAST_CHOICES = ("auto", "bfloat16", "off")
 
 
 @dataclass
-class DistillationSettings:
+class DistillationSettings(_Settings):
     r"""How `distill` trains a calibrated bridge's map on the target's own next-token distribution.
 
     Each calibration window of `seq_len` tokens is split into a context (its first `seq_len - continuation_len`
@@ -320,27 +335,16 @@ class DistillationSettings:
     def __post_init__(self):
         if isinstance(self.pull, (int, float)) and not isinstance(self.pull, bool):
             self.pull = [float(self.pull)]
-        self.validate()
-
-    @classmethod
-    def field_names(cls) -> set[str]:
-        return {f.name for f in dataclasses.fields(cls)}
-
-    def replace(self, **changes: Any) -> DistillationSettings:
-        """A copy with `changes` applied (validated)."""
-        return dataclasses.replace(self, **changes)
+        super().__post_init__()
 
     @classmethod
     def check_values(cls, values: dict[str, Any]) -> None:
         """Raises `ConfigurationError` for the first bad value among `values` (standard library only)."""
-        settings = {f.name: f.default for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING}
-        settings["pull"] = [0.0, 1.0]
-        settings.update(values)
-        _check_distillation_values(settings)
+        _check_distillation_values({**cls.defaults(), "pull": [0.0, 1.0], **values})
 
     def validate(self) -> None:
         """Raises `ConfigurationError` naming the first bad setting and what is allowed."""
-        _check_distillation_values({f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
+        _check_distillation_values(self.values())
 
 
 def _check_distillation_values(s: dict[str, Any]) -> None:

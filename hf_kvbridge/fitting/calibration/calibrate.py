@@ -233,6 +233,14 @@ def calibrate(
     import transformers
 
     provenance["transformers_version"] = transformers.__version__
+    # what every pass over the data takes, dense or on a budget
+    pass_kwargs = {
+        "heldout": heldout_ids,
+        "batch_size": settings.batch_size,
+        "statistics_device": settings.statistics_device,
+        "progress": settings.progress,
+        "timings": timings,
+    }
     if mode == "dense":
         residual = (
             residual_collection(KVStatistics, source, target, recompute_layers, settings.statistics_device)
@@ -243,13 +251,9 @@ def calibrate(
             source,
             target,
             windows,
-            heldout=heldout_ids,
-            batch_size=settings.batch_size,
-            statistics_device=settings.statistics_device,
-            progress=settings.progress,
+            **pass_kwargs,
             reverse=settings.bidirectional,
             checkpoint_dir=settings.checkpoint_dir,
-            timings=timings,
             residual=residual,
             features=features,
             layouts=(src, tgt),
@@ -286,17 +290,8 @@ def calibrate(
                 layouts=(tgt, src),
             )
     else:
-        passes = {
-            "windows": windows,
-            "heldout": heldout_ids,
-            "statistics_memory": budget,
-            "statistics_dtype": dtype,
-            "batch_size": settings.batch_size,
-            "statistics_device": settings.statistics_device,
-            "progress": settings.progress,
-            "timings": timings,
-            **fit_kwargs,
-        }
+        passes = {"windows": windows, **pass_kwargs, **fit_kwargs}
+        passes.update(statistics_memory=budget, statistics_dtype=dtype)
         want = settings.keep_statistics or fit_of(entry.name) is not None
         checkpoint = settings.checkpoint_dir
         fit, statistics = fit_in_passes(
