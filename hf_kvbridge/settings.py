@@ -243,14 +243,7 @@ def _check_values(s: dict[str, Any]) -> None:
     fraction = s["heldout_fraction"]
     if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction < 1:
         raise ConfigurationError(f"heldout_fraction must lie strictly between 0 and 1, got {fraction!r}")
-    layers = s.get("recompute_layers", 0)
-    values = [layers] if isinstance(layers, int) and not isinstance(layers, bool) else layers
-    if not isinstance(values, (list, tuple)) or any(
-        not isinstance(n, int) or isinstance(n, bool) or n < 0 for n in values
-    ):
-        raise ConfigurationError(
-            f"recompute_layers must be an integer ≥ 0 or a list of them (top target layers), got {layers!r}"
-        )
+    recompute_layer_values(s.get("recompute_layers", 0))
     check_hidden_state_layers_value(s.get("hidden_state_layers"))
     hold_back = s["hold_back"]
     if not isinstance(hold_back, int) or isinstance(hold_back, bool) or hold_back < 1:
@@ -374,3 +367,53 @@ def _check_distillation_values(s: dict[str, Any]) -> None:
         raise ConfigurationError(f"autocast must be one of {AUTOCAST_CHOICES}, got {s['autocast']!r}")
     if s["memory"] is not None:
         parse_bytes(s["memory"])
+
+
+def check_recompute_layers(n: Any, target_layers: int | None = None, calibrated: list[int] | None = None) -> int:
+    """The one check of a `recompute_layers` value (the config, the bridge, a calibration's request, the residual
+    map asked for): refuses one that is not an integer in `0 … target_layers` (when the target's layer count is
+    known) or that lies between the two ends without a residual map calibrated for it (naming the calibrated ones;
+    `calibrated=None`: no residual maps to hold it against, as when a calibration asks for them).
+
+    Example:
+
+    ```python
+    >>> check_recompute_layers(2, 8, calibrated=[1, 2])
+    2
+    ```
+    """
+    if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+        raise ConfigurationError(f"recompute_layers must be an integer ≥ 0 (top target layers), got {n!r}")
+    if target_layers is None or n == 0:
+        return n
+    if n > target_layers:
+        raise ConfigurationError(
+            f"recompute_layers={n} exceeds the target's {target_layers} layers; use a value in 0…{target_layers}"
+        )
+    if calibrated is not None and n < target_layers and n not in calibrated:
+        raise ConfigurationError(
+            f"recompute_layers={n} needs a residual map calibrated for it; this bridge has "
+            + (f"residual maps for recompute_layers {calibrated}" if calibrated else "none")
+            + f": use one of {[0, *calibrated, target_layers]}, or calibrate with recompute_layers={n}"
+        )
+    return n
+
+
+def recompute_layer_values(value: Any, target_layers: int | None = None) -> list[int]:
+    """The residual maps a calibration fits for `recompute_layers` (one value or a list, each checked by
+    `check_recompute_layers`): sorted, unique, without `0` (the plain bridge) and without `target_layers` (which
+    starts from the target's own embeddings).
+
+    Example:
+
+    ```python
+    >>> recompute_layer_values([2, 0, 1, 2, 8], target_layers=8)
+    [1, 2]
+    ```
+    """
+    values = [value] if isinstance(value, int) and not isinstance(value, bool) else value
+    if not isinstance(values, (list, tuple)):
+        raise ConfigurationError(
+            f"recompute_layers must be an integer ≥ 0 or a list of them (top target layers), got {value!r}"
+        )
+    return sorted({n for n in values if check_recompute_layers(n, target_layers) > 0 and n != target_layers})
