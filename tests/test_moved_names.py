@@ -72,3 +72,22 @@ def test_a_moved_fit_names_its_new_module_before_the_fitting_side_is_imported():
     assert lines[0].startswith("MovedError hf_kvbridge.mappers.low_rank.fit_low_rank moved to ")
     assert "hf_kvbridge.fitting.mapper_fits.low_rank.fit_low_rank" in lines[0]
     assert lines[1:] == ["False", "hf_kvbridge.fitting.mapper_fits.low_rank True"]
+
+
+def test_the_plans_that_are_not_the_transfer_plan_have_their_own_names():
+    """One name per concept: `TransferPlan` is the only plan; the mapping engine's grouping of target layers is
+    `mapping_steps` and a calibration's memory decision `StatisticsBudget` (`statistics_budget`). The old names
+    still answer for one release, with a warning naming the new one."""
+    from hf_kvbridge.fitting import budget
+    from hf_kvbridge.mappers import engine, engine_steps
+
+    for module, old, new in [
+        (engine_steps, "mapping_plan", engine_steps.mapping_steps),
+        (engine, "mapping_plan", engine_steps.mapping_steps),
+        (budget, "CalibrationPlan", budget.StatisticsBudget),
+        (budget, "plan_calibration", budget.statistics_budget),
+    ]:
+        with pytest.deprecated_call(match=f"is renamed {module.__name__}.{new.__name__}"):
+            assert getattr(module, old) is new
+    with pytest.raises(AttributeError):
+        budget.no_such_name  # noqa: B018

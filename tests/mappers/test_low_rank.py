@@ -92,7 +92,7 @@ def test_lower_rank_costs_less_and_explains_less(ridge_pair):
 def test_stacked_low_rank_equals_layer_by_layer(windows, head_mode):
     ridge, statistics = _ridge(windows, head_mode)
     bridge = refit(ridge, "low_rank", rank=5, statistics=statistics)
-    assert mapping.mapping_plan(bridge.mapper) == [([0, 1], [0, 1, 2])]
+    assert mapping.mapping_steps(bridge.mapper) == [([0, 1], [0, 1, 2])]
     ids = torch.randint(0, VOCAB, (2, 13), generator=torch.Generator().manual_seed(4))
     stacked = bridge.prefill(ids)[0]
     bridge.mapper.groupable = False

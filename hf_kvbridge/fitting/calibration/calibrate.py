@@ -21,13 +21,13 @@ from ...errors import StatisticsMemoryError
 from ...loading import load_model, model_reference
 from ...mappers import get_mapper_type
 from ...modeling import KVBridgeForCausalLM
-from ...settings import CalibrationSettings
+from ...settings import CalibrationSettings, recompute_layer_values
 from ...utils.heads import same_head_sources
 from ...utils.layout import check_models, hidden_layout, hidden_size
 from ...utils.sizes import format_bytes
 from ...utils.source_features import SourceFeatures, source_blocks
 from ...version import __version__
-from ..budget import FitShape, plan_calibration
+from ..budget import FitShape, statistics_budget
 from ..data import describe_data, token_windows
 from ..mapper_fits import fit_of, refit
 from ..statistics.blocks import feature_groups
@@ -36,7 +36,7 @@ from .budgeted_fit import fit_in_passes
 from .checks import check_tokens, features_per_layer, shared_tokenizer, split_heldout
 from .data_pass import collect_statistics
 from .dense_fit import BridgeFit, bridge_fit, fit_dense
-from .residual import fit_residual_map, normalize_recompute_layers, residual_collection
+from .residual import fit_residual_map, residual_collection
 
 logger = logging.getLogger(__name__)
 
@@ -137,14 +137,14 @@ def calibrate(
         same_head_sources(src.num_kv_heads, tgt.num_kv_heads, *names)
         if settings.bidirectional:
             same_head_sources(tgt.num_kv_heads, src.num_kv_heads, *reversed(names))
-    # the memory plan, before any text is read or any forward pass runs (`budget.plan_calibration`)
+    # the memory plan, before any text is read or any forward pass runs (`budget.statistics_budget`)
     dtype = getattr(torch, settings.statistics_dtype)
     # richer source features: hidden-state blocks after the K/V blocks, planned and selected like source layers
     features = SourceFeatures.for_models(src, hidden_size(source), settings.hidden_state_layers)
     blocks = source_blocks(features, src.num_layers)
     top_k = settings.top_k or blocks
     modes = (settings.head_mode, settings.kv_mode)
-    recompute_layers = normalize_recompute_layers(settings.recompute_layers, tgt.num_layers)
+    recompute_layers = recompute_layer_values(settings.recompute_layers, tgt.num_layers)
     if recompute_layers:  # layer recompute lays hidden states out in two halves
         hidden_layout(hidden_size(source), "source")
         hidden_layout(hidden_size(target), "target")
@@ -159,7 +159,7 @@ def calibrate(
         dtype=dtype,
         groups=len(feature_groups(src.num_kv_heads, src.head_dim, *modes, tgt.num_kv_heads, tgt.head_dim)),
     )
-    plan = plan_calibration(
+    memory = statistics_budget(
         shape,
         statistics_memory=settings.statistics_memory,
         statistics_device=settings.statistics_device,
@@ -174,7 +174,7 @@ def calibrate(
             else None
         ),
     )
-    budget, mode, residual_mode, fit_budget = plan.budget, plan.mode, plan.residual_mode, plan.fit_budget
+    budget, mode, residual_mode, fit_budget = memory.budget, memory.mode, memory.residual_mode, memory.fit_budget
     turn_on = settings.recompute_layers if isinstance(settings.recompute_layers, int) else 0
     logger.info(
         "calibration statistics: %s%s (budget %s)",
