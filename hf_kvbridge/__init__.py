@@ -35,7 +35,7 @@ _LAZY = {
     "calibrate": "fitting.calibration.calibrate",
     "distill": "fitting.calibration.distill",
     "collect_statistics": "fitting.calibration.data_pass",
-    "fit_bridge": "fitting.calibration.dense_fit",
+    "fit_bridge": "fitting.calibration.calibrate",
     "KVBridgeForCausalLM": "modeling",
     "KVLayout": "utils.layout",
     "KVMapper": "mappers",

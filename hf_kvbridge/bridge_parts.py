@@ -12,7 +12,7 @@ from torch import nn
 from .errors import KVLayoutError, MapperError
 from .mappers.base import KVMapper
 from .mappers.lazy import LazyKVMapper
-from .transfer.layer_recompute import calibrated_layers, check_layer_recompute
+from .transfer.layer_recompute import check_layer_recompute
 from .utils.layout import KVLayout, check_fingerprint, check_models, hidden_size
 from .utils.source_features import SourceFeatures, check_source_features, source_blocks
 
@@ -56,10 +56,10 @@ def check_residual_mapper(residual_mapper, config, source, target, source_name: 
             f"the residual map reads source hidden state {max(states)} but source {source_name!r} has {layers + 1}; "
             "use the source it was calibrated for"
         )
-    if calibrated_layers(config) != residual_mapper.recompute_layers:
+    if config.calibrated_recompute_layers != residual_mapper.recompute_layers:
         raise MapperError(
             f"the residual map holds recompute_layers {residual_mapper.recompute_layers} but config.residual_map "
-            f"records {calibrated_layers(config)}; pass the config it was saved with"
+            f"records {config.calibrated_recompute_layers}; pass the config it was saved with"
         )
 
 

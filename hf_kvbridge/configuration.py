@@ -16,6 +16,7 @@ from .constants import (
     RECOMPUTE_POLICIES,
 )
 from .errors import ConfigurationError
+from .settings import check_recompute_layers  # noqa: F401  also read here by its old path
 
 logger = logging.getLogger(__name__)
 
@@ -198,35 +199,11 @@ class KVBridgeConfig(PretrainedConfig):
                 )
             self.format_version = max(self.format_version, HIDDEN_FEATURES_FORMAT_VERSION)
 
+    @property
+    def calibrated_recompute_layers(self) -> list[int]:
+        """The `recompute_layers` values the residual map was calibrated for (`residual_map`; none without one)."""
+        return [int(n) for n in (self.residual_map or {}).get("recompute_layers", [])]
+
     def _check_recompute_layers(self) -> None:
         layers = (self.target_fingerprint or {}).get("num_layers")
-        calibrated = [int(v) for v in (self.residual_map or {}).get("recompute_layers", [])]
-        check_recompute_layers(self.recompute_layers, layers, calibrated)
-
-
-def check_recompute_layers(n: Any, target_layers: int | None, calibrated: list[int]) -> int:
-    """Refuses a `recompute_layers` that is not an integer in `0 … target_layers` (when the target's layer count is
-    known) or that lies between the two ends without a residual map calibrated for it (naming the calibrated ones).
-
-    Example:
-
-    ```python
-    >>> check_recompute_layers(2, 8, calibrated=[1, 2])
-    2
-    ```
-    """
-    if not isinstance(n, int) or isinstance(n, bool) or n < 0:
-        raise ConfigurationError(f"recompute_layers must be an integer ≥ 0 (top target layers), got {n!r}")
-    if target_layers is None or n == 0:
-        return n
-    if n > target_layers:
-        raise ConfigurationError(
-            f"recompute_layers={n} exceeds the target's {target_layers} layers; use a value in 0…{target_layers}"
-        )
-    if n < target_layers and n not in calibrated:
-        raise ConfigurationError(
-            f"recompute_layers={n} needs a residual map calibrated for it; this bridge has "
-            + (f"residual maps for recompute_layers {calibrated}" if calibrated else "none")
-            + f": use one of {[0, *calibrated, target_layers]}, or calibrate with recompute_layers={n}"
-        )
-    return n
+        check_recompute_layers(self.recompute_layers, layers, self.calibrated_recompute_layers)

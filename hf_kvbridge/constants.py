@@ -80,6 +80,12 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
 
 # A bidirectional checkpoint keeps its target→source mapper (config, weights) in this sub-folder.
 REVERSE_FOLDER = "reverse"
+# every file a checkpoint may hold (pushes upload these and nothing else), and what travels to and from the Hub: the
+# checkpoint, and the reverse mapper of a bidirectional one
+SHARD_GLOB = "mapper-*-of-*.safetensors"
+WEIGHT_FILE_PATTERNS = [MAPPER_WEIGHTS_NAME, MAPPER_WEIGHTS_INDEX_NAME, SHARD_GLOB, RESIDUAL_WEIGHTS_NAME]
+CHECKPOINT_FILE_PATTERNS = [CONFIG_NAME, MODEL_CARD_NAME, *WEIGHT_FILE_PATTERNS, *TOKENIZER_FILE_NAMES]
+HUB_FILE_PATTERNS = [*CHECKPOINT_FILE_PATTERNS, f"{REVERSE_FOLDER}/*"]
 
 # How selective recompute chooses the context tokens the target recomputes (see
 # `hf_kvbridge.transfer.token_recompute`).

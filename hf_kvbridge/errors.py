@@ -6,6 +6,8 @@ code written against the builtins keeps working.
 """
 
 import sys
+import warnings
+from typing import Any
 
 
 class KVBridgeError(Exception):
@@ -104,6 +106,18 @@ def moved_name(module: str, name: str, moves: dict[str, str]):
     if new in sys.modules:
         return getattr(sys.modules[new], name)
     raise MovedError(f"{module}.{name} moved to {new}.{name} (the fitting side): import it from there")
+
+
+def renamed_name(module: str, name: str, renames: dict[str, Any]):
+    """The module `__getattr__` of a module whose public names were renamed (one release): `renames[name]` (the
+    object under its new name) with a `DeprecationWarning` naming it, else the usual `AttributeError`."""
+    if name not in renames:
+        raise AttributeError(f"module {module!r} has no attribute {name!r}")
+    new = renames[name]
+    warnings.warn(
+        f"{module}.{name} is renamed {module}.{new.__name__}: use the new name", DeprecationWarning, stacklevel=3
+    )
+    return new
 
 
 def unknown_mapper_type(name: str, known) -> MapperError:

@@ -1,14 +1,20 @@
-"""Finding and loading the two models of a bridge: model references (Hub id, path, `pocket/<name>`); where they
-compute is `hf_kvbridge.utils.devices`."""
+"""Finding and loading the two models of a bridge and its checkpoint: model references (Hub id, path,
+`pocket/<name>`), a checkpoint folder (local or a Hub snapshot) and its raw config; where the models compute is
+`hf_kvbridge.utils.devices`. Reading a checkpoint's config needs no mapper code (the vLLM scheduler and the lm-eval
+model read it before any torch module), which is why it lives here rather than in `persistence`."""
 
 from __future__ import annotations
 
+import json
+import os
 from pathlib import Path
 from typing import Any
 
+from huggingface_hub import snapshot_download
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from .errors import InvalidInputError
+from .constants import CONFIG_NAME, HUB_FILE_PATTERNS
+from .errors import CheckpointFileError, CheckpointNotFoundError, InvalidInputError
 from .pocket import POCKET_MODELS, model_path
 
 
@@ -72,3 +78,70 @@ def load_model(name_or_path: str, revision: str | None = None, **load_kwargs: An
         resolve_model_reference(name_or_path), revision=revision, **load_kwargs
     )
     return model.eval()
+
+
+# -- bridge checkpoints ----------------------------------------------------------------------------------------------
+def resolve_checkpoint(
+    name_or_path: str | os.PathLike,
+    *,
+    revision: str | None = None,
+    cache_dir: str | os.PathLike | None = None,
+    local_files_only: bool = False,
+    token: str | bool | None = None,
+    force_download: bool = False,
+) -> Path:
+    """A local folder holding the checkpoint: `name_or_path` itself, or a snapshot from the Hub cache.
+
+    Honours `HF_HUB_OFFLINE` (through huggingface_hub): offline, only what is already cached resolves.
+
+    Raises:
+        [`CheckpointNotFoundError`]: the folder does not exist (for a path that can only be local: absolute, `./`,
+            `~`, or more than one `/`), is not a checkpoint, or the Hub repo is neither cached nor reachable.
+    """
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        if not (path / CONFIG_NAME).is_file():
+            raise CheckpointNotFoundError(
+                f"{path} has no {CONFIG_NAME}; it is not a kvbridge checkpoint (make one with `kvbridge calibrate "
+                f"... --out {path}` or `bridge.save_pretrained`)"
+            )
+        return path
+    text = str(name_or_path)
+    if path.exists():
+        raise CheckpointNotFoundError(f"{text} is a file; a bridge checkpoint is a folder holding {CONFIG_NAME}")
+    if text.startswith((".", "/", "~")) or "\\" in text or text.count("/") > 1:  # cannot be a Hub repo id
+        raise CheckpointNotFoundError(
+            f"bridge checkpoint folder {text} does not exist; check the path, or make it with `kvbridge calibrate "
+            f"SOURCE TARGET --out {text}`"
+        )
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError, RepositoryNotFoundError
+
+    try:
+        snapshot = snapshot_download(
+            text,
+            revision=revision,
+            cache_dir=cache_dir,
+            local_files_only=local_files_only,
+            token=token,
+            force_download=force_download,
+            allow_patterns=HUB_FILE_PATTERNS,
+        )
+    except (HFValidationError, LocalEntryNotFoundError, RepositoryNotFoundError) as err:
+        offline = " (offline: not in the local Hub cache)" if isinstance(err, LocalEntryNotFoundError) else ""
+        raise CheckpointNotFoundError(
+            f"bridge checkpoint {text} not found: no folder {text} here, and no Hub repository {text}{offline}; "
+            f"check the name, or make it with `kvbridge calibrate SOURCE TARGET --out {text}`"
+        ) from err
+    return Path(snapshot)
+
+
+def read_config_dict(folder: str | os.PathLike) -> dict[str, Any]:
+    """The raw `config.json` of a checkpoint folder (with `mapper_sha256`, which `KVBridgeConfig` does not keep)."""
+    path = Path(folder) / CONFIG_NAME
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as err:
+        raise CheckpointFileError(
+            f"cannot read the bridge config {path}: {err}; the checkpoint is damaged or incomplete (download or "
+            "save it again)"
+        ) from err

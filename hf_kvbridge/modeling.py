@@ -18,7 +18,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .bridge_parts import check_bridge_parts, converted_mapper
 from .configuration import KVBridgeConfig
-from .errors import ConfigurationError, ContextLengthError
+from .errors import ContextLengthError
 from .generation import BridgedPrefill, bridged_forward, generation_inputs, target_forward
 from .mappers.base import KVMapper
 from .mappers.engine import Workspace, map_cache
@@ -241,12 +241,7 @@ class KVBridgeForCausalLM(BridgeHubMixin, nn.Module):
         Returns:
             `torch.Tensor` of shape `(batch, seq, D_t)` in the target's dtype, on its device.
         """
-        if self.residual_mapper is None or recompute_layers not in self.residual_mapper.recompute_layers:
-            check_layer_recompute(self.config, self.target_layout, self.residual_mapper)  # names what is missing
-            calibrated = [] if self.residual_mapper is None else self.residual_mapper.recompute_layers
-            raise ConfigurationError(
-                f"no residual map for recompute_layers={recompute_layers}; this bridge has them for {calibrated}"
-            )
+        check_layer_recompute(self.config, self.target_layout, self.residual_mapper, value=recompute_layers)
         return self.residual_mapper.map_hidden(source_hidden_states, recompute_layers).to(self.device, self.dtype)
 
     def bridged_prefill(self) -> BridgedPrefill:

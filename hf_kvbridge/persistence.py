@@ -28,17 +28,19 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
-from huggingface_hub import HfApi, snapshot_download, split_torch_state_dict_into_shards
+from huggingface_hub import HfApi, split_torch_state_dict_into_shards
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from transformers import PreTrainedModel
 
 from .card import render_model_card
 from .configuration import KVBridgeConfig
-from .constants import (
+from .constants import (  # noqa: F401  the file patterns, read here by their old path too
     AUTO_LOAD_KWARGS,
+    CHECKPOINT_FILE_PATTERNS,
     CONFIG_NAME,
     DEFAULT_MAX_SHARD_SIZE,
+    HUB_FILE_PATTERNS,
     MAPPER_CHECKSUMS_KEY,
     MAPPER_SHARD_PATTERN,
     MAPPER_WEIGHTS_INDEX_NAME,
@@ -46,17 +48,22 @@ from .constants import (
     MODEL_CARD_NAME,
     RESIDUAL_WEIGHTS_NAME,
     REVERSE_FOLDER,
+    SHARD_GLOB,
     TOKENIZER_FILE_NAMES,
+    WEIGHT_FILE_PATTERNS,
 )
 from .errors import (
     CheckpointExistsError,
-    CheckpointFileError,
-    CheckpointNotFoundError,
     ConfigurationError,
     InvalidInputError,
     MapperFileError,
 )
-from .loading import load_model, resolve_model_reference
+from .loading import (  # noqa: F401  checkpoint references live in `loading`; read here by their old path too
+    load_model,
+    read_config_dict,
+    resolve_checkpoint,
+    resolve_model_reference,
+)
 from .mappers import KVMapper, build_mapper, get_mapper_type
 from .mappers.lazy import LazyKVMapper
 from .mappers.residual import ResidualMapper
@@ -67,80 +74,6 @@ from .utils.source_features import required_format_version
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T", bound="BridgeHubMixin")
-
-SHARD_GLOB = "mapper-*-of-*.safetensors"
-# every file a checkpoint may hold; pushes upload these and nothing else
-WEIGHT_FILE_PATTERNS = [MAPPER_WEIGHTS_NAME, MAPPER_WEIGHTS_INDEX_NAME, SHARD_GLOB, RESIDUAL_WEIGHTS_NAME]
-CHECKPOINT_FILE_PATTERNS = [CONFIG_NAME, MODEL_CARD_NAME, *WEIGHT_FILE_PATTERNS, *TOKENIZER_FILE_NAMES]
-# what travels to and from the Hub: the checkpoint, and the reverse mapper of a bidirectional one
-HUB_FILE_PATTERNS = [*CHECKPOINT_FILE_PATTERNS, f"{REVERSE_FOLDER}/*"]
-
-
-# -- resolving -------------------------------------------------------------------------------------------------------
-def resolve_checkpoint(
-    name_or_path: str | os.PathLike,
-    *,
-    revision: str | None = None,
-    cache_dir: str | os.PathLike | None = None,
-    local_files_only: bool = False,
-    token: str | bool | None = None,
-    force_download: bool = False,
-) -> Path:
-    """A local folder holding the checkpoint: `name_or_path` itself, or a snapshot from the Hub cache.
-
-    Honours `HF_HUB_OFFLINE` (through huggingface_hub): offline, only what is already cached resolves.
-
-    Raises:
-        [`CheckpointNotFoundError`]: the folder does not exist (for a path that can only be local: absolute, `./`,
-            `~`, or more than one `/`), is not a checkpoint, or the Hub repo is neither cached nor reachable.
-    """
-    path = Path(name_or_path).expanduser()
-    if path.is_dir():
-        if not (path / CONFIG_NAME).is_file():
-            raise CheckpointNotFoundError(
-                f"{path} has no {CONFIG_NAME}; it is not a kvbridge checkpoint (make one with `kvbridge calibrate "
-                f"... --out {path}` or `bridge.save_pretrained`)"
-            )
-        return path
-    text = str(name_or_path)
-    if path.exists():
-        raise CheckpointNotFoundError(f"{text} is a file; a bridge checkpoint is a folder holding {CONFIG_NAME}")
-    if text.startswith((".", "/", "~")) or "\\" in text or text.count("/") > 1:  # cannot be a Hub repo id
-        raise CheckpointNotFoundError(
-            f"bridge checkpoint folder {text} does not exist; check the path, or make it with `kvbridge calibrate "
-            f"SOURCE TARGET --out {text}`"
-        )
-    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError, RepositoryNotFoundError
-
-    try:
-        snapshot = snapshot_download(
-            text,
-            revision=revision,
-            cache_dir=cache_dir,
-            local_files_only=local_files_only,
-            token=token,
-            force_download=force_download,
-            allow_patterns=HUB_FILE_PATTERNS,
-        )
-    except (HFValidationError, LocalEntryNotFoundError, RepositoryNotFoundError) as err:
-        offline = " (offline: not in the local Hub cache)" if isinstance(err, LocalEntryNotFoundError) else ""
-        raise CheckpointNotFoundError(
-            f"bridge checkpoint {text} not found: no folder {text} here, and no Hub repository {text}{offline}; "
-            f"check the name, or make it with `kvbridge calibrate SOURCE TARGET --out {text}`"
-        ) from err
-    return Path(snapshot)
-
-
-def read_config_dict(folder: str | os.PathLike) -> dict[str, Any]:
-    """The raw `config.json` of a checkpoint folder (with `mapper_sha256`, which `KVBridgeConfig` does not keep)."""
-    path = Path(folder) / CONFIG_NAME
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as err:
-        raise CheckpointFileError(
-            f"cannot read the bridge config {path}: {err}; the checkpoint is damaged or incomplete (download or "
-            "save it again)"
-        ) from err
 
 
 # -- mapper weight files ----------------------------------------------------------------------------------------------

@@ -39,8 +39,36 @@ def _option(default: Any = None, *, help: str, choices: tuple | None = None, cli
     return field(default=default, metadata=metadata)
 
 
+class _Settings:
+    """What the settings dataclasses share: validated on creation and on `replace`, their field names and defaults
+    (standard library only)."""
+
+    def __post_init__(self):
+        self.validate()
+
+    @classmethod
+    def field_names(cls) -> set[str]:
+        return {f.name for f in dataclasses.fields(cls)}
+
+    def replace(self, **changes: Any):
+        """A copy with `changes` applied (validated)."""
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def defaults(cls) -> dict[str, Any]:
+        """The fields that have a default, with it."""
+        return {f.name: f.default for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING}
+
+    def values(self) -> dict[str, Any]:
+        """Every field, with its value."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    def validate(self) -> None:
+        raise NotImplementedError
+
+
 @dataclass
-class CalibrationSettings:
+class CalibrationSettings(_Settings):
     r"""How `calibrate` fits a bridge.
 
     Args:
@@ -159,24 +187,11 @@ class CalibrationSettings:
         "feed the K/V maps beside the source's K/V; none: K/V only (such a bridge cannot be served by vLLM)",
     )
 
-    def __post_init__(self):
-        self.validate()
-
-    @classmethod
-    def field_names(cls) -> set[str]:
-        return {f.name for f in dataclasses.fields(cls)}
-
-    def replace(self, **changes: Any) -> CalibrationSettings:
-        """A copy with `changes` applied (validated)."""
-        return dataclasses.replace(self, **changes)
-
     @classmethod
     def check_values(cls, values: dict[str, Any]) -> None:
         """Raises `ConfigurationError` for the first bad value among `values` (field name → value; the others take
         their defaults). Needs only the standard library: the command line calls it before importing torch."""
-        settings = {f.name: f.default for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING}
-        settings.update(values)
-        _check_values(settings)
+        _check_values({**cls.defaults(), **values})
 
     def validate(self) -> None:
         """Raises `ConfigurationError` naming the first bad setting and what is allowed.
@@ -185,7 +200,7 @@ class CalibrationSettings:
         may hold types registered at run time: `hf_kvbridge.mappers.MAPPER_REGISTRY`), else against the built-in
         types' table (`constants.MAPPER_KWARGS`), so validating imports nothing beyond the standard library.
         """
-        _check_values({f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
+        _check_values(self.values())
         if self.statistics_memory is not None:
             parse_bytes(self.statistics_memory)
         registry = sys.modules.get("hf_kvbridge.mappers")
@@ -228,14 +243,7 @@ def _check_values(s: dict[str, Any]) -> None:
     fraction = s["heldout_fraction"]
     if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction < 1:
         raise ConfigurationError(f"heldout_fraction must lie strictly between 0 and 1, got {fraction!r}")
-    layers = s.get("recompute_layers", 0)
-    values = [layers] if isinstance(layers, int) and not isinstance(layers, bool) else layers
-    if not isinstance(values, (list, tuple)) or any(
-        not isinstance(n, int) or isinstance(n, bool) or n < 0 for n in values
-    ):
-        raise ConfigurationError(
-            f"recompute_layers must be an integer ≥ 0 or a list of them (top target layers), got {layers!r}"
-        )
+    recompute_layer_values(s.get("recompute_layers", 0))
     check_hidden_state_layers_value(s.get("hidden_state_layers"))
     hold_back = s["hold_back"]
     if not isinstance(hold_back, int) or isinstance(hold_back, bool) or hold_back < 1:
@@ -248,7 +256,7 @@ AUTOCAST_CHOICES = ("auto", "bfloat16", "off")
 
 
 @dataclass
-class DistillationSettings:
+class DistillationSettings(_Settings):
     r"""How `distill` trains a calibrated bridge's map on the target's own next-token distribution.
 
     Each calibration window of `seq_len` tokens is split into a context (its first `seq_len - continuation_len`
@@ -320,27 +328,16 @@ class DistillationSettings:
     def __post_init__(self):
         if isinstance(self.pull, (int, float)) and not isinstance(self.pull, bool):
             self.pull = [float(self.pull)]
-        self.validate()
-
-    @classmethod
-    def field_names(cls) -> set[str]:
-        return {f.name for f in dataclasses.fields(cls)}
-
-    def replace(self, **changes: Any) -> DistillationSettings:
-        """A copy with `changes` applied (validated)."""
-        return dataclasses.replace(self, **changes)
+        super().__post_init__()
 
     @classmethod
     def check_values(cls, values: dict[str, Any]) -> None:
         """Raises `ConfigurationError` for the first bad value among `values` (standard library only)."""
-        settings = {f.name: f.default for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING}
-        settings["pull"] = [0.0, 1.0]
-        settings.update(values)
-        _check_distillation_values(settings)
+        _check_distillation_values({**cls.defaults(), "pull": [0.0, 1.0], **values})
 
     def validate(self) -> None:
         """Raises `ConfigurationError` naming the first bad setting and what is allowed."""
-        _check_distillation_values({f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
+        _check_distillation_values(self.values())
 
 
 def _check_distillation_values(s: dict[str, Any]) -> None:
@@ -370,3 +367,53 @@ def _check_distillation_values(s: dict[str, Any]) -> None:
         raise ConfigurationError(f"autocast must be one of {AUTOCAST_CHOICES}, got {s['autocast']!r}")
     if s["memory"] is not None:
         parse_bytes(s["memory"])
+
+
+def check_recompute_layers(n: Any, target_layers: int | None = None, calibrated: list[int] | None = None) -> int:
+    """The one check of a `recompute_layers` value (the config, the bridge, a calibration's request, the residual
+    map asked for): refuses one that is not an integer in `0 … target_layers` (when the target's layer count is
+    known) or that lies between the two ends without a residual map calibrated for it (naming the calibrated ones;
+    `calibrated=None`: no residual maps to hold it against, as when a calibration asks for them).
+
+    Example:
+
+    ```python
+    >>> check_recompute_layers(2, 8, calibrated=[1, 2])
+    2
+    ```
+    """
+    if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+        raise ConfigurationError(f"recompute_layers must be an integer ≥ 0 (top target layers), got {n!r}")
+    if target_layers is None or n == 0:
+        return n
+    if n > target_layers:
+        raise ConfigurationError(
+            f"recompute_layers={n} exceeds the target's {target_layers} layers; use a value in 0…{target_layers}"
+        )
+    if calibrated is not None and n < target_layers and n not in calibrated:
+        raise ConfigurationError(
+            f"recompute_layers={n} needs a residual map calibrated for it; this bridge has "
+            + (f"residual maps for recompute_layers {calibrated}" if calibrated else "none")
+            + f": use one of {[0, *calibrated, target_layers]}, or calibrate with recompute_layers={n}"
+        )
+    return n
+
+
+def recompute_layer_values(value: Any, target_layers: int | None = None) -> list[int]:
+    """The residual maps a calibration fits for `recompute_layers` (one value or a list, each checked by
+    `check_recompute_layers`): sorted, unique, without `0` (the plain bridge) and without `target_layers` (which
+    starts from the target's own embeddings).
+
+    Example:
+
+    ```python
+    >>> recompute_layer_values([2, 0, 1, 2, 8], target_layers=8)
+    [1, 2]
+    ```
+    """
+    values = [value] if isinstance(value, int) and not isinstance(value, bool) else value
+    if not isinstance(values, (list, tuple)):
+        raise ConfigurationError(
+            f"recompute_layers must be an integer ≥ 0 or a list of them (top target layers), got {value!r}"
+        )
+    return sorted({n for n in values if check_recompute_layers(n, target_layers) > 0 and n != target_layers})

@@ -18,9 +18,9 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hf_kvbridge import pocket
+from hf_kvbridge.fitting.calibration.calibrate import assemble_bridge
 from hf_kvbridge.fitting.calibration.checks import split_heldout
 from hf_kvbridge.fitting.calibration.data_pass import collect_statistics
-from hf_kvbridge.fitting.calibration.dense_fit import assemble_bridge
 from hf_kvbridge.fitting.data import token_windows
 from hf_kvbridge.fitting.layer_selection import mapper_r2, select_layers, single_layer_r2
 from hf_kvbridge.fitting.solve import LAMBDA_GRID, choose_ridge_lambdas

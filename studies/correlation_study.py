@@ -23,10 +23,9 @@ from transformers import AutoTokenizer
 
 from hf_kvbridge import pocket
 from hf_kvbridge.fitting.attention import attention_output_cosine
-from hf_kvbridge.fitting.calibration.calibrate import calibrate
-from hf_kvbridge.fitting.calibration.dense_fit import fit_bridge
-from hf_kvbridge.fitting.calibration.refit import refit
+from hf_kvbridge.fitting.calibration.calibrate import calibrate, fit_bridge
 from hf_kvbridge.fitting.data import token_windows
+from hf_kvbridge.fitting.mapper_fits import refit
 from hf_kvbridge.tools.diagnostics import pyplot
 from hf_kvbridge.tools.evaluation import heldout_windows
 from hf_kvbridge.tools.evaluation import mean_nll as _nll

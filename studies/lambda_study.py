@@ -23,7 +23,7 @@ from transformers import AutoTokenizer
 
 from hf_kvbridge import pocket
 from hf_kvbridge.fitting.attention import attention_output_cosine
-from hf_kvbridge.fitting.calibration.dense_fit import fit_bridge
+from hf_kvbridge.fitting.calibration.calibrate import fit_bridge
 from hf_kvbridge.tools.evaluation import heldout_windows, mean_nll
 from studies.correlation_study import mapped_r2, refit_base
 

@@ -90,9 +90,9 @@ def prepare_pair(
     from transformers import AutoTokenizer
 
     from hf_kvbridge import pocket
+    from hf_kvbridge.fitting.calibration.calibrate import fit_bridge
     from hf_kvbridge.fitting.calibration.checks import split_heldout
     from hf_kvbridge.fitting.calibration.data_pass import collect_statistics
-    from hf_kvbridge.fitting.calibration.dense_fit import fit_bridge
     from hf_kvbridge.fitting.data import token_windows
     from hf_kvbridge.tools.evaluation import build_cloze, heldout_windows
 
@@ -138,8 +138,8 @@ def prepare_pair(
 
 def _linear_variant(ridge, name: str):
     """The closed-form variants of the ridge bridge: `ridge_same_head`, `low_rank_<rank>`; `None` for others."""
-    from hf_kvbridge.fitting.calibration.dense_fit import fit_bridge
-    from hf_kvbridge.fitting.calibration.refit import refit
+    from hf_kvbridge.fitting.calibration.calibrate import fit_bridge
+    from hf_kvbridge.fitting.mapper_fits import refit
 
     train, heldout = ridge.calibration_statistics
     config = ridge.config
@@ -198,7 +198,7 @@ def measure_mapper(
 
     from hf_kvbridge.errors import ConfigurationError
     from hf_kvbridge.fitting.attention import attention_output_cosine
-    from hf_kvbridge.fitting.calibration.refit import refit
+    from hf_kvbridge.fitting.mapper_fits import refit
     from hf_kvbridge.tools.evaluation import cloze_accuracy, continuation_nll
 
     ridge, ridge_s = context["bridges"]["ridge"]

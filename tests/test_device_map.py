@@ -15,8 +15,8 @@ from accelerate import cpu_offload
 from transformers import AutoModelForCausalLM
 
 import hf_kvbridge
+from hf_kvbridge.fitting.calibration.calibrate import fit_bridge
 from hf_kvbridge.fitting.calibration.data_pass import collect_statistics
-from hf_kvbridge.fitting.calibration.dense_fit import fit_bridge
 from tests.conftest import CORPUS, VOCAB, qwen3
 
 FIELDS = ("x_sum", "y_sum", "xx", "xy", "yy")

@@ -24,8 +24,8 @@ from hf_kvbridge.errors import (
     EvaluationError,
     InvalidInputError,
 )
+from hf_kvbridge.fitting.calibration.calibrate import fit_bridge
 from hf_kvbridge.fitting.calibration.data_pass import collect_statistics
-from hf_kvbridge.fitting.calibration.dense_fit import fit_bridge
 from hf_kvbridge.fitting.statistics.dense import KVStatistics
 from tests.conftest import CORPUS, VOCAB, make_tokenizer, qwen3
 
@@ -114,7 +114,7 @@ def test_fewer_tokens_than_features_unregularised_is_refused_and_a_ridge_fit_war
     assert bridge.config.ridge_lambdas and all(lam > 0 for row in bridge.config.ridge_lambdas["k"] for lam in row)
 
 
-@pytest.mark.parametrize("entry", ["calibrate", "fit_bridge_in_passes"])
+@pytest.mark.parametrize("entry", ["calibrate", "fit_in_passes"])
 def test_an_unregularised_fit_from_too_few_tokens_is_refused_before_any_pass(entry, monkeypatch):
     import hf_kvbridge.fitting.calibration.budgeted_fit as calibration
     import hf_kvbridge.fitting.calibration.calibrate as calibrate_module
@@ -132,7 +132,7 @@ def test_an_unregularised_fit_from_too_few_tokens_is_refused_before_any_pass(ent
                                   ridge_lambda=0.0, top_k=2)  # fmt: skip
         else:  # 3 of 4 windows of 16 tokens train
             windows = torch.randint(0, VOCAB, (4, 16))
-            calibration.fit_bridge_in_passes(source, target, windows, [0], statistics_memory=10**9, top_k=2,
+            calibration.fit_in_passes(source, target, windows, [0], statistics_memory=10**9, top_k=2,
                                              ridge_lambda=0.0)  # fmt: skip
 
 

@@ -289,7 +289,7 @@ def test_one_way_push_over_a_bidirectional_repo_leaves_no_stale_reverse(bridge, 
     `from_pretrained` attaches none."""
     import fnmatch
 
-    from hf_kvbridge.fitting.calibration.dense_fit import fit_bridge
+    from hf_kvbridge.fitting.calibration.calibrate import fit_bridge
 
     two_way = bridge.with_mapper(bridge.mapper, bridge.config)  # same models and mapper, plus a target→source one
     windows = torch.randint(0, VOCAB, (8, 24), generator=torch.Generator().manual_seed(0))

@@ -5,8 +5,8 @@ import copy
 import pytest
 import torch
 
+from hf_kvbridge.fitting.calibration.calibrate import fit_bridge
 from hf_kvbridge.fitting.calibration.data_pass import collect_statistics
-from hf_kvbridge.fitting.calibration.dense_fit import fit_bridge
 from tests.conftest import VOCAB, llama, qwen3
 
 EXACT = 1e-9  # ridge λ for the oracles: the identity map is then recovered to float precision

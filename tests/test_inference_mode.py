@@ -20,7 +20,7 @@ def test_bridge_loads_and_maps_inside_inference_mode(saved_pair, tmp_path):
     with torch.inference_mode():
         loaded = KVBridgeForCausalLM.from_pretrained(tmp_path / "bridge")
         assert all(p.is_inference() for p in loaded.mapper.parameters())
-        assert any(len(targets) > 1 for _, targets in mapping.mapping_plan(loaded.mapper))  # a stacked step runs
+        assert any(len(targets) > 1 for _, targets in mapping.mapping_steps(loaded.mapper))  # a stacked step runs
         got_tokens = loaded.generate(ids, max_new_tokens=6, do_sample=False)
         got_cache = loaded.prefill(ids)[0]
         last = len(got_cache.layers) - 1

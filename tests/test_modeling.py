@@ -10,8 +10,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 import hf_kvbridge
 from hf_kvbridge import KVBridgeConfig, KVBridgeForCausalLM
+from hf_kvbridge.fitting.calibration.calibrate import fit_bridge
 from hf_kvbridge.fitting.calibration.data_pass import collect_statistics
-from hf_kvbridge.fitting.calibration.dense_fit import fit_bridge
 from hf_kvbridge.mappers import engine as mapping
 from hf_kvbridge.utils.cache import cache_kwargs, output_cache
 from tests.conftest import CORPUS, VOCAB, qwen3
@@ -30,7 +30,7 @@ def pair_bridge(saved_pair):
 def test_stacked_mapping_equals_layer_by_layer(pair_bridge):
     """Target layers reading the same source layers are mapped by one wide product: the same numbers as mapping
     them one by one (the plan really does group them here: top-2 of a 2-layer source)."""
-    plan = mapping.mapping_plan(pair_bridge.mapper)
+    plan = mapping.mapping_steps(pair_bridge.mapper)
     assert plan == [([0, 1], [0, 1, 2])]
     ids = torch.randint(0, VOCAB, (2, 14), generator=torch.Generator().manual_seed(0))
     stacked = pair_bridge.prefill(ids)[0]
@@ -91,7 +91,7 @@ def test_stacked_step_over_non_consecutive_source_layers(head_mode):
         layer.bias.data.normal_(generator=generator)
     config = KVBridgeConfig(top_k=2, head_mode=head_mode, selected_layers=mapper.selected_layers)
     bridge = KVBridgeForCausalLM(config, source, target, mapper)
-    assert mapping.mapping_plan(mapper) == [([0, 2], [0, 1])]
+    assert mapping.mapping_steps(mapper) == [([0, 2], [0, 1])]
     ids = torch.randint(0, VOCAB, (1, 11), generator=generator)
     stacked = bridge.prefill(ids)[0]
     mapper.groupable = False
@@ -119,8 +119,8 @@ def test_source_rows_share_slots_once_a_layer_is_done(monkeypatch, kind):
         param.data.normal_(generator=generator)
     config = KVBridgeConfig(top_k=2, selected_layers=selected, head_mode=mapper.head_mode)
     bridge = KVBridgeForCausalLM(config, source, target, mapper)
-    assert mapping.mapping_plan(mapper) == [([0, 1], [0]), ([1, 2], [1, 2]), ([1, 3], [3])]
-    assert mapping.row_slots(mapping.mapping_plan(mapper)) == ({0: 0, 1: 1, 2: 0, 3: 0}, 2)
+    assert mapping.mapping_steps(mapper) == [([0, 1], [0]), ([1, 2], [1, 2]), ([1, 3], [3])]
+    assert mapping.row_slots(mapping.mapping_steps(mapper)) == ({0: 0, 1: 1, 2: 0, 3: 0}, 2)
     ids = torch.randint(0, VOCAB, (2, 9), generator=generator)
     shared = bridge.prefill(ids)[0]
     monkeypatch.setattr(mapping, "row_slots", lambda *plan: ({s: s for s in range(4)}, 4))

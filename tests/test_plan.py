@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from hf_kvbridge import KVBridgeConfig
+from hf_kvbridge.fitting.calibration.calibrate import fit_bridge
 from hf_kvbridge.fitting.calibration.data_pass import collect_statistics
-from hf_kvbridge.fitting.calibration.dense_fit import fit_bridge
 from hf_kvbridge.mappers.engine import map_cache
 from hf_kvbridge.transfer.plan import plan_from_config, plan_prompt, plan_transfer
 from hf_kvbridge.transfer.prefill import transfer_prefill

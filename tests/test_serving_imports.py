@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import hf_kvbridge
-from hf_kvbridge.fitting.calibration.refit import refit
+from hf_kvbridge.fitting.mapper_fits import refit
 from hf_kvbridge.mappers import MAPPER_REGISTRY
 from tests.conftest import CORPUS
 

@@ -5,7 +5,7 @@ attaches the fits to them (`KVMapper.from_statistics`, see `mapper_fits`).
 
 | module | holds |
 |---|---|
-| `calibration/` | `calibrate` and its passes: checks, data pass, dense and budgeted fits, residual maps, `refit` |
+| `calibration/` | `calibrate` and its passes: checks, data pass, dense and budgeted fits, residual maps |
 | `statistics/` | streamed sufficient statistics (dense, selection, blocks, rows, weighted) |
 | `mapper_fits/` | each mapper type's fit (ridge, low rank, attention-weighted, MLP) |
 | `solve` | the centered ridge solve, the λ grid and per-map λ choice |

@@ -30,7 +30,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..errors import StatisticsMemoryError
+from ..errors import StatisticsMemoryError, renamed_name
 from ..utils.sizes import format_bytes, parse_bytes
 from .statistics.blocks import BlockStatistics, feature_groups
 from .statistics.selection import SelectionStatistics
@@ -65,7 +65,7 @@ def rows_bytes(tokens: int, source_layers: int, target_layers: int, row: int) ->
 
 
 class FitShape(NamedTuple):
-    """The sizes a calibration's memory plan reads (`check_budget`, `plan_residual`, `plan_calibration`).
+    """The sizes a calibration's memory plan reads (`check_budget`, `plan_residual`, `statistics_budget`).
 
     Args:
         source_layers (`int`), target_layers (`int`): the layers (source: and hidden-state blocks) mapped from and to.
@@ -306,8 +306,8 @@ def plan_residual(
 
 
 @dataclass(frozen=True)
-class CalibrationPlan:
-    """How a calibration keeps its statistics (`plan_calibration`).
+class StatisticsBudget:
+    """How a calibration keeps its statistics (`statistics_budget`).
 
     Args:
         budget (`int`): bytes the statistics may take.
@@ -323,7 +323,7 @@ class CalibrationPlan:
     fit_budget: int
 
 
-def plan_calibration(
+def statistics_budget(
     shape: FitShape,
     *,
     statistics_memory: int | str | None,
@@ -334,7 +334,7 @@ def plan_calibration(
     kv_mode: str = "joint",
     bidirectional: bool = False,
     residual: tuple[int, int, int] | None = None,
-) -> CalibrationPlan:
+) -> StatisticsBudget:
     """The memory plan of a calibration, before any text is read or any forward pass runs.
 
     The budget is `statistics_memory`, or half the free memory of `statistics_device` (the cheapest plan's bytes
@@ -366,6 +366,10 @@ def plan_calibration(
     plan = [check_budget(budget, direction, head_mode, kv_mode) for direction in directions]
     mode = "dense" if set(plan) == {"dense"} else "blocks"
     if residual is None:
-        return CalibrationPlan(budget, mode, None, budget)
+        return StatisticsBudget(budget, mode, None, budget)
     mode, residual_mode, fit_budget = plan_residual(budget, mode, forward, *residual)
-    return CalibrationPlan(budget, mode, residual_mode, fit_budget)
+    return StatisticsBudget(budget, mode, residual_mode, fit_budget)
+
+
+def __getattr__(name: str):  # the old names, for one release (CHANGELOG.md)
+    return renamed_name(__name__, name, {"CalibrationPlan": StatisticsBudget, "plan_calibration": statistics_budget})

@@ -2,6 +2,9 @@
 
 R² is measured on held-out calibration *sequences* (statistics of sequences the fit never saw): in-sample R² is
 biased upward by about p/n even on noise. It is averaged over heads and over K and V.
+
+Every function reads statistics through what all of them share (`statistics.base.LayerPairStatistics`: dense, block
+and row statistics alike), so selection imports no statistics class.
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ import torch
 from ..errors import InvalidInputError
 from ..utils.heads import map_groups, same_head_sources
 from .solve import LAMBDA_GRID, choose_ridge_lambdas, heldout_r2_chunks, map_group_lambda, solve_ridge
-from .statistics.dense import KVStatistics
+from .statistics.base import LayerPairStatistics
 
 
 def _r2_by_head(sse: torch.Tensor, sst: torch.Tensor, heads: int, head_dim: int) -> torch.Tensor:
@@ -22,7 +25,10 @@ def _r2_by_head(sse: torch.Tensor, sst: torch.Tensor, heads: int, head_dim: int)
 
 
 def single_layer_r2(
-    train: KVStatistics, heldout: KVStatistics, head_mode: str = "all_heads", ridge_lambda: float | str = 0.01
+    train: LayerPairStatistics,
+    heldout: LayerPairStatistics,
+    head_mode: str = "all_heads",
+    ridge_lambda: float | str = 0.01,
 ) -> torch.Tensor:
     """Held-out R² of predicting each target layer from each single source layer.
 
@@ -83,8 +89,8 @@ def select_layers(r2: torch.Tensor, top_k: int | None, allowed: list[list[bool]]
 
 
 def mapper_r2(
-    train: KVStatistics,
-    heldout: KVStatistics,
+    train: LayerPairStatistics,
+    heldout: LayerPairStatistics,
     selected_layers: list[list[int]],
     head_mode: str = "all_heads",
     ridge_lambda: float | dict | str = 0.01,
@@ -118,7 +124,7 @@ def mapper_r2(
     return _heldout_r2(heldout, selected_layers, head_mode, fit, targets, kv_mode)
 
 
-def mapped_heldout_r2(mapper, heldout: KVStatistics) -> torch.Tensor:
+def mapped_heldout_r2(mapper, heldout: LayerPairStatistics) -> torch.Tensor:
     """Held-out R² of an affine mapper's own weights (`mapper.layer_weight`, `bias`) on held-out statistics.
 
     Returns:

@@ -56,9 +56,8 @@ from ..configuration import KVBridgeConfig
 from ..constants import MAPPER_CHECKSUMS_KEY
 from ..controls import CONTROL_MODES, control_cache
 from ..errors import EvaluationError
-from ..loading import load_model, resolve_model_reference
+from ..loading import load_model, read_config_dict, resolve_checkpoint, resolve_model_reference
 from ..modeling import KVBridgeForCausalLM
-from ..persistence import read_config_dict, resolve_checkpoint
 from ..utils.cache import CACHE_KWARG, cache_kwargs
 from ..utils.masks import positions_from_mask
 

@@ -490,7 +490,7 @@ class KVMapper(nn.Module, HeadLayouts):
         slots: dict[int, int] | None = None,
         into: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Maps one step of `hf_kvbridge.mappers.engine.mapping_plan` over one chunk of rows.
+        """Maps one step of `hf_kvbridge.mappers.engine.mapping_steps` over one chunk of rows.
 
         Args:
             sources, targets: the step.

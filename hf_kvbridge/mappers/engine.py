@@ -11,7 +11,7 @@ chunk (`KVMapper.write_rows`, `map_targets`, `split_rows`). Two schedules give t
 - **`"chunked"`** (CPUs): the engine streams over the sequence in chunks of tokens sized for a CPU's caches
   (`chunk_tokens`, `KVMapper.max_chunk_bytes`). For each chunk every source layer is stripped of its rotation once,
   into a slot of one row buffer that it holds from the first step that reads it to the last (`row_slots`); each step
-  of `steps.mapping_plan` (target layers reading the same source layers, mapped by one wide matrix product) reads its
+  of `steps.mapping_steps` (target layers reading the same source layers, mapped by one wide matrix product) reads its
   source layers from there and writes its rotated keys and its values straight into the new cache's tensors.
 - **`"layers"`** (GPUs; `hf_kvbridge.mappers.layer_schedule`): whole-layer steps. All tokens at once (in as few
   chunks as the device's free memory allows); every source layer the mapper reads is stripped once per mapping into
@@ -38,14 +38,14 @@ from torch import nn
 from transformers import Cache, DynamicCache
 
 from ..constants import SCHEDULES
-from ..errors import InvalidInputError
+from ..errors import InvalidInputError, renamed_name
 from ..utils.cache import append_layer, cache_layer_kv, check_cache_shape, new_target_cache
 from ..utils.devices import execution_device, layer_devices
 from ..utils.layout import KVLayout
 from ..utils.rope import Rotation, inverse_cos_sin, rotary_cos_sin, rotary_module
 from ..utils.source_features import SourceFeatures
 from .base import KVMapper
-from .engine_steps import SpanJob, held_offsets, mapping_plan, row_slots
+from .engine_steps import SpanJob, held_offsets, mapping_steps, row_slots
 from .layer_schedule import map_span_layers, static_destinations
 
 
@@ -159,7 +159,7 @@ def schedule(mapper: KVMapper, batch: int, seq: int, targets: set[int] | None = 
     A chunk's working set (the live source rows and the widest step's output) is about `mapper.max_chunk_bytes`, but
     its products have at least `mapper.min_chunk_rows` rows (batch × chunk tokens: each chunk reads every weight once
     more, and short products run below peak); `max_chunk_bytes=None` maps the whole sequence at once."""
-    plan = mapping_plan(mapper, targets)
+    plan = mapping_steps(mapper, targets)
     last_use = {s: step for step, (sources, _) in enumerate(plan) for s in sources}
     slots, num_slots = row_slots(plan, last_use)
     widest = max(len(step_targets) for _, step_targets in plan) * mapper.y_row  # output features per token
@@ -375,3 +375,7 @@ def _check_features(mapper: KVMapper, src: KVLayout, source_features, hidden_sta
             "output_hidden_states=True over the same tokens"
         )
     return source_features, hidden_states
+
+
+def __getattr__(name: str):  # the old names, for one release (CHANGELOG.md)
+    return renamed_name(__name__, name, {"mapping_plan": mapping_steps})

@@ -1,5 +1,5 @@
 """The steps of a mapping, shared by the engine's schedules (`hf_kvbridge.mappers.engine`): which target layers map
-together (`mapping_plan`), where the chunked schedule keeps each source layer's rows (`row_slots`), and how many
+together (`mapping_steps`), where the chunked schedule keeps each source layer's rows (`row_slots`), and how many
 tokens each source layer the plan reads has dropped (`held_offsets`); and what a schedule maps (`SpanJob`)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from transformers import Cache
 
-from ..errors import KVLayoutError
+from ..errors import KVLayoutError, renamed_name
 from ..utils.cache import cache_layer_kv
 from ..utils.layout import KVLayout
 from .base import KVMapper
@@ -32,7 +32,7 @@ class SpanJob(NamedTuple):
     features: tuple | None = None  # (SourceFeatures, hidden states) when the mapper reads hidden-state blocks
 
 
-def mapping_plan(
+def mapping_steps(
     mapper: KVMapper, targets: set[int] | None = None, ascending: bool = False
 ) -> list[tuple[list[int], list[int]]]:
     """`(source layers in input order, target layers)` steps covering every target layer (of `targets`) once.
@@ -101,3 +101,7 @@ def held_offsets(source_cache: Cache, src: KVLayout, plan, seq: int, first: int)
                     "recalibrate so that selection keeps such layers for sliding-window target layers only"
                 )
     return offsets
+
+
+def __getattr__(name: str):  # the old names, for one release (CHANGELOG.md)
+    return renamed_name(__name__, name, {"mapping_plan": mapping_steps})

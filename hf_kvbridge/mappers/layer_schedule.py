@@ -19,7 +19,7 @@ from ..utils.cache import cache_layer_kv
 from ..utils.devices import execution_device
 from ..utils.rope import Rotation, rotate_kv
 from .base import KVMapper
-from .engine_steps import SpanJob, held_offsets, mapping_plan
+from .engine_steps import SpanJob, held_offsets, mapping_steps
 
 CPU_LAYER_CHUNK_BYTES = 2**30  # the working set on a CPU (a GPU's comes from its free memory)
 
@@ -83,7 +83,7 @@ def map_span_layers(job: SpanJob, into: dict | None = None) -> dict[int, tuple[t
     strip, rotate = workspace.rotations(source, target, positions.to(device))  # (B, T, d) each
     span = seq - first
     fused = _writes_into(mapper)
-    plan = mapping_plan(mapper, targets, ascending=True)
+    plan = mapping_steps(mapper, targets, ascending=True)
     used = sorted({s for sources, _ in plan for s in sources})
     slots = {s: i for i, s in enumerate(used)}  # layer order: the layers a step reads side by side are one view
     order = [t for _, step_targets in plan for t in step_targets]  # target layers in step order

@@ -20,33 +20,27 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..configuration import check_recompute_layers
 from ..errors import ConfigurationError, KVLayoutError
+from ..settings import check_recompute_layers
 from ..utils.cache import CACHE_KWARG, crop_layer
 from ..utils.devices import decoder_layers, layer_devices
 from ..utils.rope import rotary_module
 
 
-def calibrated_layers(config) -> list[int]:
-    """The `recompute_layers` values a bridge's residual map was calibrated for (`config.residual_map`)."""
-    residual = getattr(config, "residual_map", None) or {}
-    return [int(n) for n in residual.get("recompute_layers", [])]
-
-
-def check_layer_recompute(config, layout, residual_mapper=None) -> int:
-    """The `config.recompute_layers` a bridge with target `layout` and `residual_mapper` can run, or a clear error.
+def check_layer_recompute(config, layout, residual_mapper=None, value: int | None = None) -> int:
+    """The `config.recompute_layers` (or `value`: the residual map asked for) a bridge with target `layout` and
+    `residual_mapper` can run, or a clear error.
 
     Refuses a value outside `0 … L_t` or one its residual map was not calibrated for (naming those it was:
-    `configuration.check_recompute_layers`), a residual map missing from a bridge that needs one, and sliding-window
+    `settings.check_recompute_layers`), a residual map missing from a bridge that needs one, and sliding-window
     layers among the top `n` (their cache keeps only a window, which the top layers' own pass would have to
     reproduce; recompute them with `hold_back` instead). `layout` is the target's [`KVLayout`], `residual_mapper` the
     bridge's
     [`~mappers.residual.ResidualMapper`], or `None`.
     """
-    n = check_recompute_layers(
-        getattr(config, "recompute_layers", 0) or 0, layout.num_layers, calibrated_layers(config)
-    )
-    if n == 0:
+    n = (getattr(config, "recompute_layers", 0) or 0) if value is None else value
+    n = check_recompute_layers(n, layout.num_layers, config.calibrated_recompute_layers)
+    if n == 0 and value is None:
         return 0
     windowed = [t for t in range(layout.num_layers - n, layout.num_layers) if layout.window(t) is not None]
     if windowed:
@@ -54,7 +48,8 @@ def check_layer_recompute(config, layout, residual_mapper=None) -> int:
             f"layer recompute runs the target's top {n} layers over the whole prompt, but layers {windowed} attend "
             "over a sliding window; use recompute_layers=0 (or a hold_back) with this target"
         )
-    if n < layout.num_layers and (residual_mapper is None or n not in residual_mapper.recompute_layers):
+    needs_map = n < layout.num_layers or value is not None  # a residual map asked for by value must exist
+    if needs_map and (residual_mapper is None or n not in residual_mapper.recompute_layers):
         raise ConfigurationError(
             f"recompute_layers={n} needs the residual map of its checkpoint, and this bridge holds none for it; load "
             "the bridge with from_pretrained (which reads residual.safetensors) or calibrate with "

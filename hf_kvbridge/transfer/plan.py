@@ -116,6 +116,7 @@ def plan_transfer(
     recompute_policy: str = "tail",
     recompute_seed: int = 0,
     recompute_layers: int = 0,
+    tail_tokens: int = 0,
 ) -> TransferPlan:
     """The [`TransferPlan`] of `length` prefilled tokens.
 
@@ -132,17 +133,21 @@ def plan_transfer(
         recompute_fraction (`float`), recompute_policy (`str`), recompute_seed (`int`): selective recompute of
             `ceil(recompute_fraction · mapped)` of the mapped tokens.
         recompute_layers (`int`): layer recompute of the target's top layers over the mapped span.
+        tail_tokens (`int`, *optional*, defaults to `0`): tokens right before the probe that the target computes
+            itself, outside the mapped span and the probe (a prefix-loading engine's recomputed tail: vLLM computes
+            it after the loaded prefix; the plan's `gate_probe_start` then says where the probe starts).
     """
     length = max(0, int(length))
     sink_end = min(length, padding + sink_tokens) if sink_tokens else 0
     sink_end = max(sink_end, min(length, start))
     gated = gate_threshold is not None
     probe = min(gate_probe_tokens, length - sink_end) if gated else 0
-    map_end = length - probe
+    map_end = max(sink_end, length - probe - max(0, int(tail_tokens)))
+    probe_start = length - probe if map_end < length - probe else None
     gate = "checked" if gated else None
     if gated and map_end <= sink_end:  # sinks and probe cover the prompt: the target computes all of it itself
         sink_end = map_end = length
-        gate = "skipped"
+        gate, probe_start = "skipped", None
     recompute = recompute_count(recompute_fraction, map_end - sink_end) if map_end > sink_end else 0
     return TransferPlan(
         length=length,
@@ -154,6 +159,30 @@ def plan_transfer(
         recompute_policy=recompute_policy,
         recompute_seed=recompute_seed,
         recompute_layers=int(recompute_layers) if map_end > sink_end else 0,
+        gate_probe_start=probe_start,
+    )
+
+
+def plan_load(start: int, end: int, probe_start: int, probe_end: int, gate_threshold: float | None) -> TransferPlan:
+    """The plan of one load of a prefix-loading engine (the vLLM worker): tokens `[0, start)` cached already, the
+    mapped span `[start, end)`, the tail `[end, probe_start)` and, with a gate (`probe_end > probe_start`), the probe
+    `[probe_start, probe_end)` that the engine computes itself. `plan_transfer` decides the positions.
+
+    Example:
+
+    ```python
+    >>> plan = plan_load(16, 40, 44, 48, gate_threshold=0.9)
+    >>> plan.map_start, plan.map_end, plan.probe_start, plan.probe_tokens, plan.gate
+    (16, 40, 44, 4, 'checked')
+    ```
+    """
+    gated = probe_end > probe_start
+    return plan_transfer(
+        probe_end if gated else end,
+        start=start,
+        gate_threshold=gate_threshold if gated else None,
+        gate_probe_tokens=probe_end - probe_start if gated else 0,
+        tail_tokens=probe_start - end if gated else 0,
     )
 
 

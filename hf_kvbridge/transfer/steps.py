@@ -39,7 +39,7 @@ from transformers import Cache
 from ..errors import InvalidInputError
 from ..utils.cache import slice_cache
 from .layer_recompute import recompute_top_layers
-from .plan import TransferPlan
+from .plan import TransferPlan, plan_transfer  # noqa: F401  plan_transfer: the examples
 from .token_recompute import recompute_mapped
 
 MapFunction = Callable[..., Cache]
@@ -263,35 +263,99 @@ class TransferSteps:
         return cache
 
     @torch.no_grad()
-    def gate(self, own: Cache, at: int) -> torch.Tensor:
-        """Phase two: scores the mapped probe against the target's own K/V of the probe tokens, which `own` holds
-        from index `at` (`probe_agreement`), row by row; a row below `plan.gate_threshold` falls back.
+    def score(self, own: Cache, at: int) -> torch.Tensor:
+        """The gate's scores, decided nothing yet: the mapped probe against the target's own K/V of the probe tokens,
+        which `own` holds from index `at` (`probe_agreement`), row by row.
 
         Returns:
-            `torch.Tensor` of shape `(batch,)`, bool: the rows that keep their mapped cache (also in `self.ok`; the
-            scores are in `self.scores`).
+            `torch.Tensor` of shape `(batch,)`, float32, on the CPU.
         """
         plan = self.plan
         probe_mask = self.mask[:, plan.probe_start : plan.length]  # (B, probe)
-        scores = probe_agreement(own, self.mapped_probe, at, probe_mask).cpu()  # (B,)
-        self.scores = [float(x) for x in scores]
-        self.ok = scores >= plan.gate_threshold
+        return probe_agreement(own, self.mapped_probe, at, probe_mask).cpu()  # (B,)
+
+    def judge(self, scores: torch.Tensor) -> torch.Tensor:
+        """The gate's decision on `scores` `(batch,)` (this transfer's own, or aggregated elsewhere: the vLLM worker
+        averages them over its tensor-parallel ranks): a row below `plan.gate_threshold` falls back, and so does a row
+        whose score is NaN (it could not be scored). The one place where a score meets the threshold.
+
+        Returns:
+            `torch.Tensor` of shape `(batch,)`, bool: the rows that keep their mapped cache (also in `self.ok`; the
+            scores in `self.scores`, `None` for a row that could not be scored).
+        """
+        scores = scores.float().cpu()
+        self.scores = [None if x != x else float(x) for x in scores.tolist()]
+        self.ok = scores >= self.plan.gate_threshold  # NaN compares False: a row that could not be scored falls back
         return self.ok
 
+    @torch.no_grad()
+    def gate(self, own: Cache, at: int) -> torch.Tensor:
+        """Phase two: `judge(score(own, at))`, the gate of this transfer's own scores.
+
+        Returns:
+            `torch.Tensor` of shape `(batch,)`, bool: the rows that keep their mapped cache.
+        """
+        return self.judge(self.score(own, at))
+
+    def fail(self) -> TransferDecision:
+        """The decision when the transfer could not run (its mapping failed): every row falls back."""
+        self.ok = torch.zeros(self.positions.shape[0], dtype=torch.bool)
+        return self.decision()
+
     def decision(self) -> TransferDecision:
-        """What the transfer did (after `gate`, when the plan has a probe)."""
-        plan, batch = self.plan, self.positions.shape[0]
-        ok = self.ok if self.ok is not None else torch.ones(batch, dtype=torch.bool)
-        kept, own_span = bool(ok.any()), plan.recompute_layers >= self.num_layers  # own span: no mapped K/V left
-        sink_end, recomputed = plan.map_start, self.recomputed
-        return TransferDecision(
-            transferred=bool(ok.all()),
-            rows_transferred=ok.tolist(),
-            mapped_tokens=plan.map_end - sink_end - recomputed if kept and not own_span else 0,
-            target_tokens=sink_end + plan.probe_tokens + recomputed if kept and not own_span else plan.length,
-            recomputed_tokens=recomputed if kept else 0,
-            score=min(self.scores) if self.scores else None,
-            scores=self.scores,
-            gate=plan.gate,
-            recomputed_layers=plan.recompute_layers if kept else 0,
-        )
+        """What the transfer did (after `gate` or `judge`, when the plan has a probe)."""
+        return decide(self.plan, self.num_layers, self.ok, self.scores, self.recomputed, self.positions.shape[0])
+
+
+def decide(
+    plan: TransferPlan,
+    num_layers: int | None = None,
+    ok: torch.Tensor | None = None,
+    scores: list[float | None] | None = None,
+    recomputed: int = 0,
+    batch: int = 1,
+) -> TransferDecision:
+    """The [`TransferDecision`] of a transfer run as `plan` says: `ok` `(batch,)` the rows that kept their mapped
+    cache (default: all), `scores` the gate's per row, `recomputed` the most tokens a row recomputed; `num_layers`
+    (the target's) tells whether layer recompute covered every layer (needed only with `plan.recompute_layers`)."""
+    ok = ok if ok is not None else torch.ones(batch, dtype=torch.bool)
+    # own span: every layer recomputed, no mapped K/V left
+    own_span = bool(plan.recompute_layers) and num_layers is not None and plan.recompute_layers >= num_layers
+    kept = bool(ok.any())
+    sink_end = plan.map_start
+    return TransferDecision(
+        transferred=bool(ok.all()),
+        rows_transferred=ok.tolist(),
+        mapped_tokens=plan.map_end - sink_end - recomputed if kept and not own_span else 0,
+        target_tokens=sink_end + plan.probe_tokens + recomputed if kept and not own_span else plan.length,
+        recomputed_tokens=recomputed if kept else 0,
+        score=None if not scores or None in scores else min(scores),
+        scores=scores,
+        gate=plan.gate,
+        recomputed_layers=plan.recompute_layers if kept else 0,
+    )
+
+
+def served_outcome(decision: TransferDecision, plan: TransferPlan, *, reason: str | None = None) -> dict[str, Any]:
+    """A served request's record of `decision` (one row; what the vLLM connector reports as its status): `"mapped"`
+    (its mapped cache kept; with the gate's `score` and `probe_tokens` when it checked), `"gated"` (the gate checked
+    and refused: `score`, `threshold`, `probe_tokens`) or `"fallback"` (the transfer could not run); `reason` says why
+    where something failed.
+
+    Example:
+
+    ```python
+    >>> plan = plan_transfer(8, gate_threshold=0.9, gate_probe_tokens=2)
+    >>> served_outcome(decide(plan, ok=torch.tensor([False]), scores=[0.5]), plan)
+    {'status': 'gated', 'mapped_tokens': 0, 'score': 0.5, 'threshold': 0.9, 'probe_tokens': 2}
+    ```
+    """
+    checked = decision.gate == "checked" and decision.scores is not None
+    if decision.transferred:
+        gate = {"score": decision.score, "probe_tokens": plan.probe_tokens} if checked else {}
+        return {"status": "mapped", "mapped_tokens": decision.mapped_tokens, **gate}
+    because = {"reason": reason} if reason else {}
+    if not checked:
+        return {"status": "fallback", "mapped_tokens": 0, **because}
+    gate = {"score": decision.score, "threshold": plan.gate_threshold, "probe_tokens": plan.probe_tokens}
+    return {"status": "gated", "mapped_tokens": 0, **gate, **because}

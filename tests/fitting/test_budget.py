@@ -23,10 +23,9 @@ from hf_kvbridge.fitting.budget import (
     smallest_plan_bytes,
     solve_bytes,
 )
-from hf_kvbridge.fitting.calibration.budgeted_fit import fit_bridge_in_passes
+from hf_kvbridge.fitting.calibration.calibrate import fit_bridge, fit_bridge_in_passes
 from hf_kvbridge.fitting.calibration.checks import split_heldout
 from hf_kvbridge.fitting.calibration.data_pass import collect_statistics
-from hf_kvbridge.fitting.calibration.dense_fit import fit_bridge
 from hf_kvbridge.fitting.data import token_windows
 from hf_kvbridge.fitting.layer_selection import select_layers
 from hf_kvbridge.fitting.solve import solve_ridge

@@ -1,5 +1,5 @@
 """`calibrate`, the orchestration (`hf_kvbridge.fitting.calibration.calibrate`): models loaded by reference through
-`loading.load_model`, the pair checked once, the memory plan (`budget.plan_calibration`) before any text is read,
+`loading.load_model`, the pair checked once, the memory plan (`budget.statistics_budget`) before any text is read,
 one data pass's rows however the batches are split, and the provenance a calibrated bridge records."""
 
 from __future__ import annotations
@@ -15,13 +15,13 @@ import hf_kvbridge.fitting.calibration.checks as checks
 import hf_kvbridge.utils.layout as layout
 from hf_kvbridge.errors import StatisticsMemoryError
 from hf_kvbridge.fitting.budget import (
-    CalibrationPlan,
     FitShape,
+    StatisticsBudget,
     dense_bytes,
     fit_bytes,
-    plan_calibration,
     plan_residual,
     selection_bytes,
+    statistics_budget,
 )
 from hf_kvbridge.fitting.calibration.data_pass import collect_statistics
 from tests.conftest import CORPUS, VOCAB, make_tokenizer, qwen3
@@ -74,21 +74,21 @@ def test_models_given_by_reference_load_through_load_model(monkeypatch, saved_pa
 
 
 def test_the_memory_plan_is_dense_when_it_fits_and_blocks_when_not():
-    """`plan_calibration` keeps every layer pair's dense statistics when they fit the budget, goes by blocks (a
+    """`statistics_budget` keeps every layer pair's dense statistics when they fit the budget, goes by blocks (a
     selection pass, then fit passes) when they do not, and refuses what no plan fits, naming the bytes."""
     shape = {"shape": FitShape(4, 6, num_kv_heads=2, head_dim=8, top_k=2, dtype=torch.float32, groups=1), "blocks": 4,
              "statistics_device": "cpu", "batch_tokens": 64}  # fmt: skip
     dense = dense_bytes(4, 6, 2 * 2 * 8)
-    assert plan_calibration(statistics_memory=dense, **shape) == CalibrationPlan(dense, "dense", None, dense)
+    assert statistics_budget(statistics_memory=dense, **shape) == StatisticsBudget(dense, "dense", None, dense)
     small = fit_bytes(2, 1, 2 * 2 * 8, torch.float32, 1)  # one target layer a pass fits, every layer at once not
     assert selection_bytes(4, 6, 2, 8, torch.float32) < small < dense
-    assert plan_calibration(statistics_memory=small, **shape).mode == "blocks"
-    with_residual = plan_calibration(statistics_memory=dense, residual=(3, 1, 32), **shape)
+    assert statistics_budget(statistics_memory=small, **shape).mode == "blocks"
+    with_residual = statistics_budget(statistics_memory=dense, residual=(3, 1, 32), **shape)
     assert with_residual.mode == "blocks" and with_residual.residual_mode in ("dense", "blocks")
     assert with_residual.fit_budget <= dense
     with pytest.raises(StatisticsMemoryError, match="statistics_memory allows 100 B"):
-        plan_calibration(statistics_memory=100, **shape)
-    assert plan_calibration(statistics_memory="1GB", bidirectional=True, **shape).budget == 10**9
+        statistics_budget(statistics_memory=100, **shape)
+    assert statistics_budget(statistics_memory="1GB", bidirectional=True, **shape).budget == 10**9
 
 
 def test_the_default_budget_is_half_the_free_memory(monkeypatch):
@@ -97,7 +97,7 @@ def test_the_default_budget_is_half_the_free_memory(monkeypatch):
     monkeypatch.setattr(budget, "free_bytes", lambda device=None: 8 * 10**9)
     shape = {"shape": FitShape(4, 6, num_kv_heads=2, head_dim=8, top_k=2, dtype=torch.float32, groups=1), "blocks": 4,
              "statistics_device": "cpu", "batch_tokens": 64}  # fmt: skip
-    assert plan_calibration(statistics_memory=None, **shape) == CalibrationPlan(4 * 10**9, "dense", None, 4 * 10**9)
+    assert statistics_budget(statistics_memory=None, **shape) == StatisticsBudget(4 * 10**9, "dense", None, 4 * 10**9)
 
 
 def test_a_batch_gives_the_same_rows_in_any_batching():
@@ -145,5 +145,5 @@ def test_the_residual_plan_counts_the_hidden_state_blocks():
     assert plan_residual(budget, "blocks", shape, *residual) == ("blocks", "dense", budget)  # K/V layers only: fits
     options = {"statistics_memory": budget, "statistics_device": "cpu", "batch_tokens": 64, "residual": residual}
     with pytest.raises(StatisticsMemoryError, match="residual statistics"):
-        plan_calibration(shape, blocks=8, **options)
-    assert plan_calibration(shape, blocks=4, **options) == CalibrationPlan(budget, "blocks", "dense", budget)
+        statistics_budget(shape, blocks=8, **options)
+    assert statistics_budget(shape, blocks=4, **options) == StatisticsBudget(budget, "blocks", "dense", budget)

@@ -8,8 +8,8 @@ import textwrap
 
 import torch
 
+from hf_kvbridge.fitting.calibration.calibrate import fit_bridge
 from hf_kvbridge.fitting.calibration.data_pass import collect_statistics
-from hf_kvbridge.fitting.calibration.dense_fit import fit_bridge
 from tests.conftest import qwen3
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -51,7 +51,7 @@ def test_two_process_gloo_equals_single_process(tmp_path):
         textwrap.dedent(f"""
         import torch, torch.distributed as dist
         from hf_kvbridge.fitting.calibration.data_pass import collect_statistics
-        from hf_kvbridge.fitting.calibration.dense_fit import fit_bridge
+        from hf_kvbridge.fitting.calibration.calibrate import fit_bridge
         dist.init_process_group("gloo")
         {PAIR.replace(chr(10), chr(10) + "        ")}
         {WINDOWS}
@@ -117,7 +117,7 @@ def test_two_processes_split_fit_statistics_by_target_layer(tmp_path):
         import torch, torch.distributed as dist
         import hf_kvbridge.fitting.statistics.blocks as statistics
         from hf_kvbridge.fitting.budget import fit_bytes
-        from hf_kvbridge.fitting.calibration.budgeted_fit import fit_bridge_in_passes
+        from hf_kvbridge.fitting.calibration.calibrate import fit_bridge_in_passes
         dist.init_process_group("gloo")
         {PAIR.replace(chr(10), chr(10) + "        ")}
         {WINDOWS}
@@ -137,7 +137,7 @@ def test_two_processes_split_fit_statistics_by_target_layer(tmp_path):
     result = _torchrun(script)
     assert result.returncode == 0, result.stderr[-3000:]
     from hf_kvbridge.fitting.budget import fit_bytes
-    from hf_kvbridge.fitting.calibration.budgeted_fit import fit_bridge_in_passes
+    from hf_kvbridge.fitting.calibration.calibrate import fit_bridge_in_passes
 
     source, target = qwen3(layers=2, seed=1), qwen3(layers=3, hidden=48, seed=2)
     windows = torch.randint(0, 128, (20, 24), generator=torch.Generator().manual_seed(0))
@@ -167,7 +167,7 @@ def test_killed_budgeted_calibration_resumes_to_the_same_mapper(tmp_path):
         {PAIR.replace(chr(10), chr(10) + "        ")}
         {WINDOWS}
         {KILL_HOOK}
-        bridge, _ = calibration.fit_bridge_in_passes(
+        bridge, _ = calibration.fit_in_passes(
             source, target, windows, [3, 7, 11], statistics_memory=fit_bytes(2, 1, 64, torch.float32, 4), top_k=2,
             batch_size=2, head_mode="same_head", kv_mode="separate", checkpoint_dir={str(checkpoint)!r})
         torch.save(bridge.mapper.state_dict(), {str(tmp_path / "mapper.pt")!r})
@@ -183,7 +183,7 @@ def test_killed_budgeted_calibration_resumes_to_the_same_mapper(tmp_path):
     # fit pass 1 (killed before its first checkpoint, every 10 batches) and fit pass 2 are
     assert "forward batches 22" in resumed.stdout, resumed.stdout
     from hf_kvbridge.fitting.budget import fit_bytes
-    from hf_kvbridge.fitting.calibration.budgeted_fit import fit_bridge_in_passes
+    from hf_kvbridge.fitting.calibration.calibrate import fit_bridge_in_passes
 
     source, target = qwen3(layers=2, seed=1), qwen3(layers=3, hidden=48, seed=2)
     windows = torch.randint(0, 128, (20, 24), generator=torch.Generator().manual_seed(0))

@@ -90,10 +90,10 @@ def test_calibration_from_the_rows_equals_calibration_from_the_sums(monkeypatch,
 
     with monkeypatch.context() as patch, caplog.at_level("INFO", logger="hf_kvbridge.fitting.calibration"):
         patch.setattr(RowStatistics, "moments", no_sums)  # the λ search and refit use the n × n kernel only
-        from_rows, _ = calibration.fit_bridge_in_passes(source, target, windows, [6, 7], **options)  # p = 192
+        from_rows, _ = calibration.fit_in_passes(source, target, windows, [6, 7], **options)  # p = 192
     assert "from the rows themselves" in caplog.text
     monkeypatch.setattr(calibration, "rows_are_cheaper", lambda *args: False)
-    from_sums, _ = calibration.fit_bridge_in_passes(source, target, windows, [6, 7], **options)
+    from_sums, _ = calibration.fit_in_passes(source, target, windows, [6, 7], **options)
     assert from_rows.config.selected_layers == from_sums.config.selected_layers
     assert from_rows.config.ridge_lambdas == from_sums.config.ridge_lambdas
     assert max(max(row) for row in from_rows.config.ridge_lambdas["k"]) < 1e-2

@@ -8,8 +8,8 @@ import torch
 
 from hf_kvbridge import KVBridgeForCausalLM
 from hf_kvbridge.errors import InvalidInputError
+from hf_kvbridge.fitting.calibration.calibrate import fit_bridge
 from hf_kvbridge.fitting.calibration.data_pass import collect_statistics
-from hf_kvbridge.fitting.calibration.dense_fit import fit_bridge
 from hf_kvbridge.fitting.layer_selection import mapped_heldout_r2, mapper_r2, single_layer_r2
 from hf_kvbridge.fitting.solve import (
     LAMBDA_GRID,

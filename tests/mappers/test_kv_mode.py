@@ -10,10 +10,9 @@ import torch
 
 import hf_kvbridge
 from hf_kvbridge import KVBridgeForCausalLM
+from hf_kvbridge.fitting.calibration.calibrate import fit_bridge
 from hf_kvbridge.fitting.calibration.data_pass import collect_statistics
-from hf_kvbridge.fitting.calibration.dense_fit import fit_bridge
-from hf_kvbridge.fitting.calibration.refit import refit
-from hf_kvbridge.fitting.mapper_fits import fit_of
+from hf_kvbridge.fitting.mapper_fits import fit_of, refit
 from hf_kvbridge.fitting.solve import solve_ridge
 from hf_kvbridge.mappers import MAPPER_REGISTRY, MAPPER_TYPES, KVMapper
 from tests.conftest import VOCAB, qwen3
@@ -62,7 +61,7 @@ def test_separate_runtime_equals_block_diagonal_joint_map(head_mode):
             rows = [mapper.layout_rows(keys, values), mapper.layout_rows(values * 2, keys - 1)]  # source layers 0, 1
             mapped = mapper.map_layer(1, rows)  # target layer 1 reads source layers [0, 1]
             outs.append(mapper.split_rows(mapped, batch=2, seq=5))
-            # several target layers in one stacked product (a `mapping_plan` step) agree with `map_layer`
+            # several target layers in one stacked product (a `mapping_steps` step) agree with `map_layer`
             buffer = mapper.new_rows(2, 5, 2)
             mapper.write_rows(buffer, 0, keys, values)
             mapper.write_rows(buffer, 1, values * 2, keys - 1)

@@ -6,10 +6,10 @@ import torch
 
 import hf_kvbridge
 from hf_kvbridge import KVBridgeForCausalLM
+from hf_kvbridge.fitting.calibration.calibrate import fit_bridge
 from hf_kvbridge.fitting.calibration.data_pass import collect_statistics
-from hf_kvbridge.fitting.calibration.dense_fit import fit_bridge
-from hf_kvbridge.fitting.calibration.refit import refit
 from hf_kvbridge.fitting.layer_selection import mapped_heldout_r2
+from hf_kvbridge.fitting.mapper_fits import refit
 from hf_kvbridge.fitting.solve import effective_ridge_lambda
 from hf_kvbridge.mappers import engine as mapping
 from hf_kvbridge.mappers.low_rank import LowRankKVMapper, fit_low_rank, reduce_rank
@@ -92,7 +92,7 @@ def test_lower_rank_costs_less_and_explains_less(ridge_pair):
 def test_stacked_low_rank_equals_layer_by_layer(windows, head_mode):
     ridge, statistics = _ridge(windows, head_mode)
     bridge = refit(ridge, "low_rank", rank=5, statistics=statistics)
-    assert mapping.mapping_plan(bridge.mapper) == [([0, 1], [0, 1, 2])]
+    assert mapping.mapping_steps(bridge.mapper) == [([0, 1], [0, 1, 2])]
     ids = torch.randint(0, VOCAB, (2, 13), generator=torch.Generator().manual_seed(4))
     stacked = bridge.prefill(ids)[0]
     bridge.mapper.groupable = False

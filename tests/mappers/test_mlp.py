@@ -8,10 +8,10 @@ from transformers import AutoModelForCausalLM
 import hf_kvbridge
 from hf_kvbridge import KVBridgeForCausalLM, KVStatistics
 from hf_kvbridge.errors import MapperError
+from hf_kvbridge.fitting.calibration.calibrate import fit_bridge
 from hf_kvbridge.fitting.calibration.data_pass import collect_statistics
-from hf_kvbridge.fitting.calibration.dense_fit import fit_bridge
-from hf_kvbridge.fitting.calibration.refit import refit
 from hf_kvbridge.fitting.content_rows import cache_rows
+from hf_kvbridge.fitting.mapper_fits import refit
 from hf_kvbridge.fitting.solve import effective_ridge_lambda
 from hf_kvbridge.fitting.statistics.weighted import WeightedKVStatistics
 from hf_kvbridge.mappers import KVMapper, MLPKVMapper, build_mapper

@@ -7,9 +7,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from hf_kvbridge.fitting.attention import target_queries
+from hf_kvbridge.fitting.calibration.calibrate import fit_bridge
 from hf_kvbridge.fitting.calibration.data_pass import collect_statistics
-from hf_kvbridge.fitting.calibration.dense_fit import fit_bridge
-from hf_kvbridge.fitting.calibration.refit import refit
+from hf_kvbridge.fitting.mapper_fits import refit
 from hf_kvbridge.tools.diagnostics import INSPECT_FILES, inspect_bridge
 from hf_kvbridge.utils.devices import decoder_layers
 from kvbridge_cli import main

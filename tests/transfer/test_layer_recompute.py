@@ -25,9 +25,8 @@ from hf_kvbridge.errors import (
     StatisticsMemoryError,
 )
 from hf_kvbridge.fitting.budget import FitShape, dense_bytes, fit_bytes, plan_residual, selection_bytes
-from hf_kvbridge.fitting.calibration.budgeted_fit import fit_bridge_in_passes
+from hf_kvbridge.fitting.calibration.calibrate import fit_bridge, fit_bridge_in_passes
 from hf_kvbridge.fitting.calibration.data_pass import collect_statistics
-from hf_kvbridge.fitting.calibration.dense_fit import fit_bridge
 from hf_kvbridge.fitting.calibration.residual import fit_residual_map, residual_collection
 from hf_kvbridge.fitting.statistics.dense import KVStatistics
 from hf_kvbridge.settings import CalibrationSettings

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from hf_kvbridge.fitting.calibration.calibrate import fit_bridge
 from hf_kvbridge.fitting.calibration.data_pass import collect_statistics
-from hf_kvbridge.fitting.calibration.dense_fit import fit_bridge
 from hf_kvbridge.transfer.plan import recompute_count
 from hf_kvbridge.transfer.token_recompute import choose_tokens, recompute_tokens
 from hf_kvbridge.utils.masks import positions_from_mask

@@ -10,8 +10,8 @@ import weakref
 import pytest
 import torch
 
+from hf_kvbridge.fitting.calibration.calibrate import fit_bridge
 from hf_kvbridge.fitting.calibration.data_pass import collect_statistics
-from hf_kvbridge.fitting.calibration.dense_fit import fit_bridge
 from hf_kvbridge.transfer.session import HandoffSession
 from hf_kvbridge.transfer.steps import TransferDecision
 from studies.drift import drift_conversation, drift_summary

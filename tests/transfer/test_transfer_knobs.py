@@ -3,8 +3,8 @@
 import pytest
 import torch
 
+from hf_kvbridge.fitting.calibration.calibrate import fit_bridge
 from hf_kvbridge.fitting.calibration.data_pass import collect_statistics
-from hf_kvbridge.fitting.calibration.dense_fit import fit_bridge
 from hf_kvbridge.utils.cache import slice_cache
 from tests.conftest import VOCAB, qwen3
 

@@ -216,3 +216,52 @@ def test_the_comparison_fails_on_a_changed_cache(computed):
     changed["cache"][3] = changed["cache"][3] * (1 + 3e-6)
     with pytest.raises(AssertionError):
         _same(changed, reference, "prefill/plain")
+
+
+# -- one decision record for the vLLM worker too (issue 46) ---------------------------------------------------------
+def test_a_load_is_planned_by_plan_transfer_as_the_worker_planned_it_by_hand():
+    """`plan_load` (what the worker calls) gives the positions the worker's hand-built plans held: mapped span, the
+    recomputed tail before the probe, the probe, the gate."""
+    from hf_kvbridge.transfer.plan import plan_load
+
+    gated = plan_load(16, 40, 44, 48, gate_threshold=0.9)  # tail [40, 44), probe [44, 48)
+    assert (gated.length, gated.map_start, gated.map_end, gated.probe_start, gated.probe_tokens) == (48, 16, 40, 44, 4)
+    assert (gated.gate, gated.gate_threshold, gated.recompute_tokens) == ("checked", 0.9, 0)
+    no_tail = plan_load(0, 40, 40, 48, gate_threshold=0.9)
+    assert (no_tail.map_start, no_tail.map_end, no_tail.probe_start, no_tail.probe_tokens) == (0, 40, 40, 8)
+    plain = plan_load(16, 40, 40, 40, gate_threshold=0.9)  # no probe: no gate
+    assert (plain.length, plain.map_start, plain.map_end, plain.probe_tokens, plain.gate) == (40, 16, 40, 0, None)
+
+
+def test_the_threshold_is_met_in_one_place_and_the_served_record_comes_from_the_decision():
+    """`TransferSteps.judge` is where a score meets the threshold (the library's `gate` and the worker's score
+    averaged over tensor-parallel ranks alike; NaN, a score no rank could give, falls back with no score), and
+    `served_outcome` is the worker's per-request status, read off the `TransferDecision`."""
+    import ast
+
+    from hf_kvbridge.transfer.plan import plan_load
+    from hf_kvbridge.transfer.steps import TransferSteps, decide, served_outcome
+
+    plan = plan_load(4, 12, 12, 16, gate_threshold=0.9)
+    steps = TransferSteps(plan, None, positions=torch.arange(16)[None], num_layers=2)
+    assert steps.judge(torch.tensor([0.95])).tolist() == [True]
+    assert served_outcome(steps.decision(), plan) == {
+        "status": "mapped", "mapped_tokens": 8, "score": pytest.approx(0.95), "probe_tokens": 4
+    }  # fmt: skip
+    assert steps.judge(torch.tensor([0.5])).tolist() == [False]
+    assert served_outcome(steps.decision(), plan) == {
+        "status": "gated", "mapped_tokens": 0, "score": 0.5, "threshold": 0.9, "probe_tokens": 4
+    }  # fmt: skip
+    steps.judge(torch.tensor([float("nan")]))
+    assert served_outcome(steps.decision(), plan, reason="unreadable") == {
+        "status": "gated", "mapped_tokens": 0, "score": None, "threshold": 0.9, "probe_tokens": 4,
+        "reason": "unreadable",
+    }  # fmt: skip
+    failed = decide(plan, ok=torch.zeros(1, dtype=torch.bool))
+    assert served_outcome(failed, plan, reason="boom") == {"status": "fallback", "mapped_tokens": 0, "reason": "boom"}
+    plain = plan_load(4, 12, 12, 12, gate_threshold=0.9)
+    assert served_outcome(decide(plain), plain) == {"status": "mapped", "mapped_tokens": 8}
+    # the worker compares no score with a threshold itself (read as text: the module needs vLLM)
+    tree = ast.parse((Path(hf_kvbridge.__file__).parent / "integrations" / "vllm" / "worker.py").read_text())
+    compared = [ast.unparse(n) for n in ast.walk(tree) if isinstance(n, ast.Compare) and "threshold" in ast.unparse(n)]
+    assert compared == []

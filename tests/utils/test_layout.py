@@ -7,7 +7,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import hf_kvbridge
 from hf_kvbridge import KVBridgeForCausalLM, KVLayoutError
-from hf_kvbridge.fitting.calibration.budgeted_fit import fit_bridge_in_passes
+from hf_kvbridge.fitting.calibration.calibrate import fit_bridge_in_passes
 from hf_kvbridge.fitting.calibration.checks import split_heldout
 from hf_kvbridge.transfer.session import HandoffSession
 from hf_kvbridge.utils.heads import same_head_sources

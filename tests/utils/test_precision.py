@@ -8,8 +8,8 @@ import torch
 from safetensors.torch import load_file
 
 from hf_kvbridge.errors import InvalidInputError
+from hf_kvbridge.fitting.calibration.calibrate import fit_bridge
 from hf_kvbridge.fitting.calibration.data_pass import collect_statistics
-from hf_kvbridge.fitting.calibration.dense_fit import fit_bridge
 from hf_kvbridge.modeling import KVBridgeForCausalLM
 from hf_kvbridge.utils import precision
 from hf_kvbridge.utils.precision import bf16_matmul_allowed, float32_matmul_precision, resolve_mapper_dtype

@@ -19,9 +19,8 @@ import hf_kvbridge
 from hf_kvbridge import KVBridgeConfig, KVBridgeForCausalLM
 from hf_kvbridge.constants import FORMAT_VERSION, HIDDEN_FEATURES_FORMAT_VERSION, KV_FORMAT_VERSION
 from hf_kvbridge.errors import ConfigurationError, InvalidInputError, KVLayoutError, ServingConfigError
-from hf_kvbridge.fitting.calibration.budgeted_fit import fit_bridge_in_passes
+from hf_kvbridge.fitting.calibration.calibrate import fit_bridge, fit_bridge_in_passes
 from hf_kvbridge.fitting.calibration.data_pass import collect_statistics
-from hf_kvbridge.fitting.calibration.dense_fit import fit_bridge
 from hf_kvbridge.settings import CalibrationSettings
 from hf_kvbridge.transfer.session import HandoffSession
 from hf_kvbridge.utils.layout import KVLayout

@@ -9,8 +9,8 @@ import os
 import torch
 from transformers import PreTrainedModel
 
+from ...errors import moved_name
 from ...mappers import KVMapper
-from ...modeling import KVBridgeForCausalLM
 from ...utils.layout import hidden_size
 from ...utils.source_features import SourceFeatures, source_blocks
 from ..budget import (
@@ -24,7 +24,7 @@ from ..statistics.rows import RowStatistics
 from ..statistics.selection import SelectionStatistics
 from .checks import allowed_blocks, check_tokens, features_per_layer, pair_heads, pair_layouts
 from .data_pass import clock, collect_statistics, distributed_rank
-from .dense_fit import assemble_bridge, with_residual_map
+from .dense_fit import BridgeFit, bridge_fit
 from .residual import fit_residual_map, residual_collection
 
 logger = logging.getLogger(__name__)
@@ -58,7 +58,7 @@ def rows_are_cheaper(
     return kept + solve <= statistics_memory
 
 
-def fit_bridge_in_passes(
+def fit_in_passes(
     source: PreTrainedModel,
     target: PreTrainedModel,
     windows: torch.Tensor,
@@ -81,7 +81,7 @@ def fit_bridge_in_passes(
     residual: tuple[list[int], str] | None = None,
     features: SourceFeatures | None = None,
     layouts: tuple | None = None,
-) -> tuple[KVBridgeForCausalLM, tuple | None]:
+) -> tuple[BridgeFit, tuple | None]:
     """Calibration on a memory budget (see `hf_kvbridge.fitting.budget`): a selection pass over `windows` picks the
     top-k source layers of each target layer from [`SelectionStatistics`], then fit passes accumulate
     [`BlockStatistics`] of the selected source layers only, for as many target layers per pass as
@@ -103,14 +103,15 @@ def fit_bridge_in_passes(
             layer recompute for those values (`hf_kvbridge.transfer.layer_recompute`), from the same passes: dense
             statistics in the selection pass (`mode="dense"`), or selection statistics there and the block statistics
             of the selected source hidden states in the first fit pass (`"blocks"`; `budget.plan_residual` plans both).
-            The returned bridge holds them (`residual_mapper`, `config.residual_map`).
+            The returned fit holds them (`residual_mapper`, `config.residual_map`).
         features ([`SourceFeatures`], *optional*): hidden-state feature blocks beside the K/V blocks (see
             `fit_bridge`), accumulated in every pass like any source layer.
         layouts (`tuple[KVLayout, KVLayout]`, *optional*): the two models' layouts, checked already
             (`checks.pair_layouts`); checked here otherwise.
 
     Returns:
-        `(bridge, statistics)`: `statistics` is `(train, held-out)` [`BlockStatistics`] or `None`.
+        `(fit, statistics)`: the [`BridgeFit`] (`calibrate.fit_bridge_in_passes` builds its bridge), and
+        `statistics`, `(train, held-out)` [`BlockStatistics`] or `None`.
     """
     src, tgt = layouts or pair_layouts(source, target)
     heads, dim, target_heads = pair_heads(src, tgt)
@@ -303,7 +304,12 @@ def fit_bridge_in_passes(
                 chosen_lambdas[kind][t] = gathered[owner[t]][kind][t]
     ridge_lambdas = chosen_lambdas if ridge_lambda == "auto" else None
     fit = (top_k, ridge_lambda, ridge_lambdas, head_mode, hold_back)
-    bridge = assemble_bridge(source, target, mapper, r2, fitted_r2, fit, config_kwargs, (src, tgt), features)
+    fitted = bridge_fit(source, target, mapper, r2, fitted_r2, fit, config_kwargs, (src, tgt), features)
     if residual_fit is not None:
-        bridge = with_residual_map(bridge, residual_fit)
-    return bridge, statistics
+        fitted = fitted.with_residual(residual_fit)
+    return fitted, statistics
+
+
+def __getattr__(name: str):
+    # `fit_bridge_in_passes` (the bridge built from `fit_in_passes`) moved up to `calibrate`
+    return moved_name(__name__, name, {"fit_bridge_in_passes": "hf_kvbridge.fitting.calibration.calibrate"})

@@ -1,4 +1,9 @@
-"""`calibrate`: text → token windows → source/target KV → statistics → layer selection → ridge fit → bridge."""
+"""`calibrate`: text → token windows → source/target KV → statistics → layer selection → ridge fit → bridge.
+
+The one place of the fitting side that builds a [`KVBridgeForCausalLM`]: the fits below return [`BridgeFit`]s
+(mapper, config, R²) and `build_bridge` turns one into a bridge; `fit_bridge`, `fit_bridge_in_passes` and
+`assemble_bridge` are the fits with their bridge built.
+"""
 
 from __future__ import annotations
 
@@ -16,25 +21,61 @@ from ...errors import StatisticsMemoryError
 from ...loading import load_model, model_reference
 from ...mappers import get_mapper_type
 from ...modeling import KVBridgeForCausalLM
-from ...settings import CalibrationSettings
+from ...settings import CalibrationSettings, recompute_layer_values
 from ...utils.heads import same_head_sources
 from ...utils.layout import check_models, hidden_layout, hidden_size
 from ...utils.sizes import format_bytes
 from ...utils.source_features import SourceFeatures, source_blocks
 from ...version import __version__
-from ..budget import FitShape, plan_calibration
+from ..budget import FitShape, statistics_budget
 from ..data import describe_data, token_windows
-from ..mapper_fits import fit_of
+from ..mapper_fits import fit_of, refit
 from ..statistics.blocks import feature_groups
 from ..statistics.dense import KVStatistics
-from .budgeted_fit import fit_bridge_in_passes
+from .budgeted_fit import fit_in_passes
 from .checks import check_tokens, features_per_layer, shared_tokenizer, split_heldout
 from .data_pass import collect_statistics
-from .dense_fit import fit_bridge, with_residual_map
-from .refit import refit
-from .residual import fit_residual_map, normalize_recompute_layers, residual_collection
+from .dense_fit import BridgeFit, bridge_fit, fit_dense
+from .residual import fit_residual_map, residual_collection
 
 logger = logging.getLogger(__name__)
+
+
+def build_bridge(fit: BridgeFit, source: PreTrainedModel, target: PreTrainedModel) -> KVBridgeForCausalLM:
+    """The bridge of `fit` over `source` and `target` (its single-layer R² matrix kept as `layer_r2`)."""
+    return fit.build(KVBridgeForCausalLM, source, target)
+
+
+def fit_bridge(
+    source: PreTrainedModel, target: PreTrainedModel, train: KVStatistics, heldout: KVStatistics, **kwargs: Any
+) -> KVBridgeForCausalLM:
+    """The bridge of `dense_fit.fit_dense(source, target, train, heldout, **kwargs)`: layers selected on held-out
+    statistics, λ chosen, the ridge mapper fitted on all of them.
+
+    Example:
+
+    ```python
+    >>> bridge = fit_bridge(source, target, train, heldout, top_k=2)  # doctest: +SKIP
+    ```
+    """
+    return build_bridge(fit_dense(source, target, train, heldout, **kwargs), source, target)
+
+
+def fit_bridge_in_passes(
+    source: PreTrainedModel, target: PreTrainedModel, windows: torch.Tensor, heldout: list[int], **kwargs: Any
+) -> tuple[KVBridgeForCausalLM, tuple | None]:
+    """`(bridge, statistics)` of `budgeted_fit.fit_in_passes(source, target, windows, heldout, **kwargs)`: the
+    calibration on a memory budget, its bridge built."""
+    fit, statistics = fit_in_passes(source, target, windows, heldout, **kwargs)
+    return build_bridge(fit, source, target), statistics
+
+
+def assemble_bridge(
+    source, target, mapper, r2, fitted_r2, fit: tuple, config_kwargs=None, layouts=None, features=None
+) -> KVBridgeForCausalLM:
+    """The bridge of a fitted `mapper` (`dense_fit.bridge_fit`: its config records `r2`, `fitted_r2` and `fit`)."""
+    fitted = bridge_fit(source, target, mapper, r2, fitted_r2, fit, config_kwargs, layouts, features)
+    return build_bridge(fitted, source, target)
 
 
 def _load(
@@ -96,14 +137,14 @@ def calibrate(
         same_head_sources(src.num_kv_heads, tgt.num_kv_heads, *names)
         if settings.bidirectional:
             same_head_sources(tgt.num_kv_heads, src.num_kv_heads, *reversed(names))
-    # the memory plan, before any text is read or any forward pass runs (`budget.plan_calibration`)
+    # the memory plan, before any text is read or any forward pass runs (`budget.statistics_budget`)
     dtype = getattr(torch, settings.statistics_dtype)
     # richer source features: hidden-state blocks after the K/V blocks, planned and selected like source layers
     features = SourceFeatures.for_models(src, hidden_size(source), settings.hidden_state_layers)
     blocks = source_blocks(features, src.num_layers)
     top_k = settings.top_k or blocks
     modes = (settings.head_mode, settings.kv_mode)
-    recompute_layers = normalize_recompute_layers(settings.recompute_layers, tgt.num_layers)
+    recompute_layers = recompute_layer_values(settings.recompute_layers, tgt.num_layers)
     if recompute_layers:  # layer recompute lays hidden states out in two halves
         hidden_layout(hidden_size(source), "source")
         hidden_layout(hidden_size(target), "target")
@@ -118,7 +159,7 @@ def calibrate(
         dtype=dtype,
         groups=len(feature_groups(src.num_kv_heads, src.head_dim, *modes, tgt.num_kv_heads, tgt.head_dim)),
     )
-    plan = plan_calibration(
+    memory = statistics_budget(
         shape,
         statistics_memory=settings.statistics_memory,
         statistics_device=settings.statistics_device,
@@ -133,7 +174,7 @@ def calibrate(
             else None
         ),
     )
-    budget, mode, residual_mode, fit_budget = plan.budget, plan.mode, plan.residual_mode, plan.fit_budget
+    budget, mode, residual_mode, fit_budget = memory.budget, memory.mode, memory.residual_mode, memory.fit_budget
     turn_on = settings.recompute_layers if isinstance(settings.recompute_layers, int) else 0
     logger.info(
         "calibration statistics: %s%s (budget %s)",
@@ -192,6 +233,14 @@ def calibrate(
     import transformers
 
     provenance["transformers_version"] = transformers.__version__
+    # what every pass over the data takes, dense or on a budget
+    pass_kwargs = {
+        "heldout": heldout_ids,
+        "batch_size": settings.batch_size,
+        "statistics_device": settings.statistics_device,
+        "progress": settings.progress,
+        "timings": timings,
+    }
     if mode == "dense":
         residual = (
             residual_collection(KVStatistics, source, target, recompute_layers, settings.statistics_device)
@@ -202,19 +251,15 @@ def calibrate(
             source,
             target,
             windows,
-            heldout=heldout_ids,
-            batch_size=settings.batch_size,
-            statistics_device=settings.statistics_device,
-            progress=settings.progress,
+            **pass_kwargs,
             reverse=settings.bidirectional,
             checkpoint_dir=settings.checkpoint_dir,
-            timings=timings,
             residual=residual,
             features=features,
             layouts=(src, tgt),
         )
         statistics, reverse_statistics = stats[:2], stats[2:] or None
-        bridge = fit_bridge(
+        fit = fit_dense(
             source,
             target,
             *statistics,
@@ -232,8 +277,9 @@ def calibrate(
                 top_k=settings.top_k,
                 ridge_lambda=settings.ridge_lambda,
             )
-            bridge = with_residual_map(bridge, fitted)
+            fit = fit.with_residual(fitted)
             del residual
+        bridge = build_bridge(fit, source, target)
         if settings.bidirectional:
             reverse = fit_bridge(
                 target,
@@ -244,20 +290,11 @@ def calibrate(
                 layouts=(tgt, src),
             )
     else:
-        passes = {
-            "windows": windows,
-            "heldout": heldout_ids,
-            "statistics_memory": budget,
-            "statistics_dtype": dtype,
-            "batch_size": settings.batch_size,
-            "statistics_device": settings.statistics_device,
-            "progress": settings.progress,
-            "timings": timings,
-            **fit_kwargs,
-        }
+        passes = {"windows": windows, **pass_kwargs, **fit_kwargs}
+        passes.update(statistics_memory=budget, statistics_dtype=dtype)
         want = settings.keep_statistics or fit_of(entry.name) is not None
         checkpoint = settings.checkpoint_dir
-        bridge, statistics = fit_bridge_in_passes(
+        fit, statistics = fit_in_passes(
             source,
             target,
             **{**passes, "statistics_memory": fit_budget},
@@ -268,6 +305,7 @@ def calibrate(
             features=features,
             layouts=(src, tgt),
         )
+        bridge = build_bridge(fit, source, target)
         if settings.bidirectional:
             reverse, reverse_statistics = fit_bridge_in_passes(
                 target,

@@ -1,18 +1,21 @@
-"""The dense fit: layer selection, λ and the ridge mapper from statistics of every layer pair, and the bridge
-assembled from a fitted mapper."""
+"""The dense fit: layer selection, λ and the ridge mapper from statistics of every layer pair, and the config that
+records them ([`BridgeFit`]). The fitting side below `calibrate` returns fits, never bridges: `calibrate` (and
+`fit_bridge` beside it) builds the [`KVBridgeForCausalLM`] from one, so nothing here imports the bridge class."""
 
 from __future__ import annotations
 
 import copy
 import logging
+from dataclasses import dataclass, replace
 
+import torch
 from transformers import PreTrainedModel
 
 from ...configuration import KVBridgeConfig
 from ...constants import HEAD_MODES
-from ...errors import ConfigurationError
+from ...errors import ConfigurationError, moved_name
 from ...mappers import KVMapper
-from ...modeling import KVBridgeForCausalLM
+from ...mappers.residual import ResidualMapper
 from ...utils.source_features import SourceFeatures, check_feature_modes, source_blocks
 from ..layer_selection import mapper_r2, select_layers, single_layer_r2
 from ..solve import LAMBDA_GRID, choose_ridge_lambdas
@@ -22,7 +25,53 @@ from .checks import allowed_blocks, check_tokens, features_per_layer, pair_layou
 logger = logging.getLogger(__name__)
 
 
-def fit_bridge(
+@dataclass(frozen=True)
+class BridgeFit:
+    """What a fit returns: the bridge's parts before the bridge is built (`build`, which `calibrate` calls with the
+    bridge class).
+
+    Args:
+        mapper ([`KVMapper`]): the fitted mapper.
+        config ([`KVBridgeConfig`]): the config recording the fit (selection, λ, held-out R², references).
+        layer_r2 (`torch.Tensor` of shape `(L_t, L_s, 2)`): the full single-layer R² matrix, for diagnostics.
+        residual_mapper ([`ResidualMapper`], *optional*): the residual maps of layer recompute (`config.residual_map`
+            records them).
+
+    Example:
+
+    ```python
+    >>> fit = fit_dense(source, target, train, heldout, top_k=2)  # doctest: +SKIP
+    >>> fit.config.selected_layers  # doctest: +SKIP
+    ```
+    """
+
+    mapper: KVMapper
+    config: KVBridgeConfig
+    layer_r2: torch.Tensor
+    residual_mapper: ResidualMapper | None = None
+
+    def build(self, bridge_class: type, source: PreTrainedModel, target: PreTrainedModel, residual_mapper=None):
+        """The bridge of this fit over `source` and `target`: `bridge_class` (`KVBridgeForCausalLM`, handed in by
+        the caller above) with this fit's single-layer R² matrix kept as `layer_r2`; `residual_mapper` replaces the
+        fit's own residual maps (a tuning candidate takes its base bridge's)."""
+        residual_mapper = residual_mapper if residual_mapper is not None else self.residual_mapper
+        bridge = bridge_class(self.config, source, target, self.mapper, residual_mapper)
+        bridge.layer_r2 = self.layer_r2  # the full single-layer R² matrix, for diagnostics and plots
+        return bridge
+
+    def with_residual(self, fitted: tuple) -> BridgeFit:
+        """This fit with the residual map `fitted` (`fit_residual_map`'s `(mapper, summary)`), recorded in its config
+        (`residual_map`)."""
+        mapper, summary = fitted
+        config = copy.deepcopy(self.config)
+        config.residual_map = summary
+        logger.info(
+            "residual maps for recompute_layers %s: held-out R² %s", summary["recompute_layers"], summary["heldout_r2"]
+        )
+        return replace(self, config=config, residual_mapper=mapper)
+
+
+def fit_dense(
     source: PreTrainedModel,
     target: PreTrainedModel,
     train: KVStatistics,
@@ -37,8 +86,9 @@ def fit_bridge(
     kv_mode: str = "joint",
     features: SourceFeatures | None = None,
     layouts: tuple | None = None,
-) -> KVBridgeForCausalLM:
-    """Selects layers (held-out single-layer R²), fits the ridge mapper on all statistics and builds the bridge.
+) -> BridgeFit:
+    """Selects layers (held-out single-layer R²), fits the ridge mapper on all statistics and records the fit
+    (`calibrate.fit_bridge` builds the bridge of it).
 
     Args:
         ridge_lambda (`float` or `"auto"`, *optional*, defaults to `"auto"`): relative ridge strength; `"auto"`
@@ -84,13 +134,13 @@ def fit_bridge(
         train + heldout, selected_layers, head_mode, ridge_lambdas or ridge_lambda, kv_mode=kv_mode
     )
     fit = (top_k, ridge_lambda, ridge_lambdas, head_mode, hold_back)
-    return assemble_bridge(source, target, mapper, r2, fitted_r2, fit, config_kwargs, (src, tgt), features)
+    return bridge_fit(source, target, mapper, r2, fitted_r2, fit, config_kwargs, (src, tgt), features)
 
 
-def assemble_bridge(
+def bridge_fit(
     source, target, mapper, r2, fitted_r2, fit: tuple, config_kwargs=None, layouts=None, features=None
-) -> KVBridgeForCausalLM:
-    """The bridge of a fitted `mapper`, with its selection R² `r2` `(L_t, L_s, 2)` and held-out R² `fitted_r2`
+) -> BridgeFit:
+    """The [`BridgeFit`] of a fitted `mapper`, with its selection R² `r2` `(L_t, L_s, 2)` and held-out R² `fitted_r2`
     `(L_t, 2)` recorded in the config.
 
     Args:
@@ -123,18 +173,11 @@ def assemble_bridge(
         hold_back=hold_back,
         **(config_kwargs or {}),
     )
-    bridge = KVBridgeForCausalLM(config, source, target, mapper)
-    bridge.layer_r2 = r2  # the full single-layer R² matrix, for diagnostics and plots
-    return bridge
+    return BridgeFit(mapper, config, r2)
 
 
-def with_residual_map(bridge: KVBridgeForCausalLM, fitted: tuple) -> KVBridgeForCausalLM:
-    """`bridge` with the residual map `fitted` (`fit_residual_map`'s `(mapper, summary)`), recorded in its config
-    (`residual_map`)."""
-    mapper, summary = fitted
-    config = copy.deepcopy(bridge.config)
-    config.residual_map = summary
-    logger.info(
-        "residual maps for recompute_layers %s: held-out R² %s", summary["recompute_layers"], summary["heldout_r2"]
+def __getattr__(name: str):
+    # the functions that build a bridge moved up to `calibrate` (the fitting side below it returns fits)
+    return moved_name(
+        __name__, name, dict.fromkeys(("fit_bridge", "assemble_bridge"), "hf_kvbridge.fitting.calibration.calibrate")
     )
-    return bridge.with_residual_mapper(mapper, config)

@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ...errors import ConfigurationError
 from ...mappers.residual import ResidualMapper
 from ...utils.layout import hidden_layout, hidden_size
 from ..layer_selection import mapper_r2, select_layers, single_layer_r2
@@ -27,20 +26,6 @@ from ..solve import LAMBDA_GRID, choose_ridge_lambdas
 from ..statistics.dense import KVStatistics
 
 logger = logging.getLogger(__name__)
-
-
-def normalize_recompute_layers(value, target_layers: int | None = None) -> list[int]:
-    """The residual maps a calibration fits for `recompute_layers` (`int` or list of ints): sorted, unique, without
-    `0` (the plain bridge) and without `target_layers` (which starts from the target's own embeddings)."""
-    values = [value] if isinstance(value, int) and not isinstance(value, bool) else list(value or [])
-    for n in values:
-        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
-            raise ConfigurationError(f"recompute_layers must be integers ≥ 0 (top target layers), got {value!r}")
-        if target_layers is not None and n > target_layers:
-            raise ConfigurationError(
-                f"recompute_layers={n} exceeds the target's {target_layers} layers; pick values in 0…{target_layers}"
-            )
-    return sorted({n for n in values if n > 0 and n != target_layers})
 
 
 @dataclass

@@ -72,12 +72,12 @@ def fit_low_rank(
     Returns:
         [`LowRankKVMapper`] fitted on train + held-out; its `fit_summary` is `{"rank": rank}` and its `fit_config`
         holds the held-out R² of the rank-`rank` maps (fitted on the training statistics, measured on the held-out
-        ones) as `heldout_r2`, which `hf_kvbridge.fitting.calibration.refit` writes into the new bridge's config.
+        ones) as `heldout_r2`, which `hf_kvbridge.fitting.mapper_fits.refit` writes into the new bridge's config.
 
     Example:
 
     ```python
-    >>> from hf_kvbridge.fitting.calibration.refit import refit
+    >>> from hf_kvbridge.fitting.mapper_fits import refit
     >>> cheap = refit(bridge, "low_rank", rank=32)  # doctest: +SKIP
     >>> cheap.mapper.flops_per_token() < bridge.mapper.flops_per_token()  # doctest: +SKIP
     True

@@ -49,7 +49,7 @@ def train_mlp_mapper(
     r"""Trains a residual MLP mapper on top of the ridge mapper `base` and returns it (`base` is left unchanged).
 
     The returned mapper's `fit_summary` holds the hyper-parameters (plus training time and final loss): what
-    `hf_kvbridge.fitting.calibration.refit` records as the new bridge's `config.mapper_kwargs` (`mapper_type="mlp"`),
+    `hf_kvbridge.fitting.mapper_fits.refit` records as the new bridge's `config.mapper_kwargs` (`mapper_type="mlp"`),
     so `save_pretrained` / `from_pretrained` round-trip it.
 
     Args:
@@ -74,7 +74,7 @@ def train_mlp_mapper(
     Example:
 
     ```python
-    >>> from hf_kvbridge.fitting.calibration.refit import refit
+    >>> from hf_kvbridge.fitting.mapper_fits import refit
     >>> mlp_bridge = refit(bridge, "mlp", windows=windows, hidden=128, loss="attention", epochs=2)  # doctest: +SKIP
     >>> mlp_bridge.config.mapper_type  # doctest: +SKIP
     'mlp'

@@ -75,7 +75,7 @@ def fit_attention_weighted(
     Keeps `base`'s layer selection, head mode and kv mode, and the λ it was fitted with (`ridge_lambda`: the
     per-layer choices of an auto-λ bridge, `solve.effective_ridge_lambda(config)`); one streamed pass of both models
     over `windows` accumulates, per target layer, weighted statistics of its selected source features only. The result
-    is a plain linear [`KVMapper`] (same weights layout as ridge); `hf_kvbridge.fitting.calibration.refit` records it
+    is a plain linear [`KVMapper`] (same weights layout as ridge); `hf_kvbridge.fitting.mapper_fits.refit` records it
     with `config.mapper_type == "ridge_attention_weighted"` and its `fit_summary` as `config.mapper_kwargs`.
 
     Args:
@@ -94,7 +94,7 @@ def fit_attention_weighted(
     Example:
 
     ```python
-    >>> from hf_kvbridge.fitting.calibration.refit import refit
+    >>> from hf_kvbridge.fitting.mapper_fits import refit
     >>> weighted = refit(bridge, "ridge_attention_weighted", windows=windows)  # doctest: +SKIP
     >>> weighted.config.mapper_type  # doctest: +SKIP
     'ridge_attention_weighted'

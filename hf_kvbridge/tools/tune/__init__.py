@@ -2,7 +2,7 @@
 
 One calibration pass keeps its `(train, held-out)` statistics, and fits the residual maps of layer recompute for the
 grid's `recompute_layers` values in the same pass (`CalibrationSettings.recompute_layers=[...]`); every
-configuration of the grid is refitted from them (`fit_bridge`, `calibration.refit`; no further pass over the
+configuration of the grid is refitted from them (`fit_dense`, `mapper_fits.refit`; no further pass over the
 calibration data):
 
     (top_k × ridge λ × kv_mode × mapper (ridge, low rank r) × hidden_states + top_k × MLP h)

@@ -11,8 +11,8 @@ from typing import Any
 import torch
 
 from ...errors import TuningError
-from ...fitting.calibration.dense_fit import fit_bridge
-from ...fitting.calibration.refit import refit
+from ...fitting.calibration.dense_fit import fit_dense
+from ...fitting.mapper_fits import refit
 from ..bench.flop_model import cost, map_flops_per_token, target_flops_per_token
 from ..evaluation import GapRecovered, gap_recovered, retention, window_nll
 from .choice import Point, format_gap, format_settings
@@ -55,7 +55,7 @@ def fit_candidate(base, statistics, settings: dict, *, windows: torch.Tensor | N
     """The bridge of `settings` (mapper part, recompute fraction and recompute layers), refitted from `statistics`
     (train, held-out), with `base`'s residual maps (fitted once, in the calibration pass).
 
-    The fits select layers and choose λ on the held-out statistics and solve on train + held-out (`fit_bridge`):
+    The fits select layers and choose λ on the held-out statistics and solve on train + held-out (`fit_dense`):
     every candidate, and so the chosen one, is fitted on all the statistics. An MLP (`mapper_type="mlp"`) is then
     trained from that ridge fit on `windows` (the calibration windows; seeded, so a refit is the same mapper); pass
     a dict as `trained` to keep each trained MLP bridge there and reuse it for the same mapper settings.
@@ -81,7 +81,7 @@ def fit_candidate(base, statistics, settings: dict, *, windows: torch.Tensor | N
     if settings.get("hidden_states") and base.source_features is None:
         raise TuningError("a hidden-state configuration needs statistics collected with hidden_state_layers")
     train, heldout = statistics
-    bridge = fit_bridge(
+    fit = fit_dense(
         base.source,
         base.target,
         train,
@@ -96,8 +96,8 @@ def fit_candidate(base, statistics, settings: dict, *, windows: torch.Tensor | N
         # K/V-only maps those statistics also hold)
         features=base.source_features if settings.get("hidden_states") else None,
     )
-    if base.residual_mapper is not None:  # the same residual maps for every candidate (`config.residual_map`)
-        bridge = bridge.with_residual_mapper(base.residual_mapper, bridge.config)
+    # the bridge class is the base bridge's; the same residual maps for every candidate (`config.residual_map`)
+    bridge = fit.build(type(base), base.source, base.target, base.residual_mapper)
     if settings["mapper_type"] == "low_rank":
         bridge = refit(bridge, "low_rank", rank=settings["rank"], statistics=statistics)
     return with_recompute(bridge, settings.get("recompute_fraction", 0.0), settings.get("recompute_layers", 0))
