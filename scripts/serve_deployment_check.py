@@ -81,8 +81,9 @@ def engine(tmp: Path, name: str, spec: dict, env: dict | None = None) -> dict:
     spec_path.write_text(json.dumps(spec))
     root = str(Path(__file__).resolve().parents[1])
     environment = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=root, **(env or {}))
-    if spec["engine"].get("tensor_parallel_size", 1) == 1:
-        environment["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # so the source's writer can be flushed in process
+    # the engine core in this process: a TP 1 source's writer is flushed in process, a TP 2 one's through
+    # collective_rpc, whose function reaches the workers without passing an engine-core process's serializer
+    environment["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     proc = subprocess.run(
         [sys.executable, __file__, "--engine", str(spec_path), str(out_path)],
         env=environment, capture_output=True, text=True, timeout=900,
