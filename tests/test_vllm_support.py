@@ -50,12 +50,14 @@ def test_served_shapes(cache_dtype):
 
 
 @pytest.mark.parametrize("size", [2, 4, 8])
-def test_tensor_parallel_served_on_a_target_refused_on_an_exporting_engine(size):
-    assert engine_refusal(EngineShape(tensor_parallel_size=size)) is None  # each rank writes its heads (HeadShard)
-    reason = engine_refusal(EngineShape(tensor_parallel_size=size), exports=True)
-    assert reason.startswith(f"tensor_parallel_size={size} on an exporting engine") and "\n" not in reason
-    with pytest.raises(ServingConfigError, match=f"does not serve tensor_parallel_size={size} on an exporting"):
-        check_engine(EngineShape(tensor_parallel_size=size), "b", exports=True)
+def test_tensor_parallel_served_on_mapping_and_exporting_engines(size):
+    """A target's ranks write their own KV heads (`HeadShard`); an exporting engine's ranks read theirs, gathered to
+    rank 0 (`export.export_sharded`). What else such an engine is refused for still is."""
+    for exports in (False, True):
+        assert engine_refusal(EngineShape(tensor_parallel_size=size), exports=exports) is None
+        check_engine(EngineShape(tensor_parallel_size=size), "b", exports=exports)
+    reason = engine_refusal(EngineShape(tensor_parallel_size=size, pipeline_parallel_size=2), exports=True)
+    assert reason.startswith("pipeline_parallel_size=2")
 
 
 def test_several_refused_options_name_the_first():
@@ -221,8 +223,8 @@ def test_unsupported_status_reaches_the_router_header():
 @pytest.mark.parametrize(
     "vllm_args, named",
     [
-        (["--role", "source", "-tp", "2"], "tensor_parallel_size=2 on an exporting engine"),
-        (["--role", "both", "--serves", "source", "--tensor_parallel_size=2"], "tensor_parallel_size=2 on an export"),
+        (["--role", "source", "-tp", "2", "-pp", "2"], "pipeline_parallel_size=2"),
+        (["--role", "both", "--serves", "source", "--tensor_parallel_size=2", "--kv_cache_dtype=fp8"], "=fp8"),
         (["--pipeline-parallel-size", "2"], "pipeline_parallel_size=2"),
         (["--kv-cache-dtype", "fp8_e5m2", "--max-model-len", "512"], "cache_dtype=fp8_e5m2"),
         (["-sc", '{"method": "ngram", "num_speculative_tokens": 3}'], "speculative decoding (ngram)"),
@@ -245,7 +247,8 @@ def test_kvbridge_serve_passes_a_target_at_tensor_parallel_2():
 
     shape = command_line_shape(["--tensor-parallel-size", "2", "--kv-cache-dtype=bfloat16", "--port", "8000"])
     assert (shape.tensor_parallel_size, shape.cache_dtype) == (2, "bfloat16")
-    assert engine_refusal(shape) is None and engine_refusal(shape, exports=True) is not None
+    assert engine_refusal(shape) is None and engine_refusal(shape, exports=True) is None  # a TP source is served too
+    assert command_line_shape(["--role", "source", "--tensor_parallel_size=2"]).tensor_parallel_size == 2
     assert command_line_shape(["--kv-cache-dtype-skip-layers", "0"]).cache_dtype == "auto"
 
 
@@ -256,10 +259,10 @@ def test_kvbridge_serve_command_line_refusal_is_one_line(tmp_path):
     import sys
 
     proc = subprocess.run(
-        [sys.executable, "-m", "kvbridge_cli", "serve", str(tmp_path), "--role", "source", "-tp", "2"],
+        [sys.executable, "-m", "kvbridge_cli", "serve", str(tmp_path), "--role", "source", "-tp", "2", "-pp", "2"],
         capture_output=True, text=True, timeout=120, env={**os.environ, "HF_HUB_OFFLINE": "1"},
     )  # fmt: skip
     assert proc.returncode == 1, proc.stderr
     lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and "tensor_parallel_size=2 on an exporting engine" in lines[0], proc.stderr
+    assert len(lines) == 1 and "pipeline_parallel_size=2" in lines[0], proc.stderr
     assert "Traceback" not in proc.stderr

@@ -75,8 +75,9 @@ inside the prompt and are refused at start-up (`check_recompute`).
 
 Not supported here: `config.sink_tokens` (vLLM can only load a prefix; refused at start-up). A tensor-parallel
 target engine is served: each rank writes only its own KV heads (`tensor_parallel.HeadShard`) and the gate's score
-is averaged over the ranks; tensor parallelism on an exporting engine, pipeline, context and data parallelism, fp8
-(and other quantized) KV caches, speculative decoding, multi-modal, MLA, hybrid and sliding-window models are refused
+is averaged over the ranks. A tensor-parallel exporting engine is served too: each rank reads its own KV heads and
+rank 0 writes them all (`export.export_sharded`). Pipeline, context and data parallelism, fp8 (and other quantized) KV
+caches, speculative decoding, multi-modal, MLA, hybrid and sliding-window models are refused
 at start-up with one line naming the option (`support.engine_refusal`); a request with a LoRA adapter, prompt
 embeddings or multi-modal inputs is served unbridged and not exported, status `"unsupported"` with its reason
 (`support.request_refusal`). An engine whose model's config or tokenizer files differ from the bridge's model's is
@@ -94,6 +95,7 @@ The package:
 | `rotary` | `RotaryOnlyTarget`: the target's rotary embedding without its weights |
 | `identity` | `check_identity`: the served model's config and tokenizer files against the bridge's model's |
 | `tensor_parallel` | `HeadShard`: a tensor-parallel rank's KV heads; the gate's score averaged over the ranks |
+| `export` | `export_sharded`: a tensor-parallel exporting engine's heads gathered to rank 0, which writes them |
 | `support` | what is served right: `engine_refusal` (options refused at start-up), `request_refusal` (`unsupported`) |
 | `configuration` | `kv_transfer_config`, `bridged`, `parse_request_flag`, `target_model`, `check_recompute` |
 | `middleware` | `KVBridgeParamsMiddleware` (`kvbridge serve`): after authentication, bad flags (400), router headers |

@@ -4,9 +4,8 @@ status `"unsupported"` (`request_refusal`: a LoRA adapter, prompt embeddings, mu
 import of its own: `EngineShape.from_vllm_config` reads the attributes of a `VllmConfig`.
 
 The rule: nothing may report `"mapped"` with a cache the target could not use. An option the worker does not handle
-(a rank of a tensor-parallel engine holds only its share of the KV heads; an fp8 cache holds codes scaled by the
-engine; a pipeline stage holds only its layers; a draft model adds attention layers of its own) is refused with one
-line naming it, and the engine does not start.
+(an fp8 cache holds codes scaled by the engine; a pipeline stage holds only its layers; a draft model adds attention
+layers of its own) is refused with one line naming it, and the engine does not start.
 """
 
 from __future__ import annotations
@@ -39,9 +38,9 @@ class EngineShape:
     Example:
 
     ```python
-    >>> engine_refusal(EngineShape(tensor_parallel_size=2), exports=True).split(":")[0]
-    'tensor_parallel_size=2 on an exporting engine (role source or both)'
-    >>> engine_refusal(EngineShape(tensor_parallel_size=2)) is None
+    >>> engine_refusal(EngineShape(pipeline_parallel_size=2)).split(":")[0]
+    'pipeline_parallel_size=2'
+    >>> engine_refusal(EngineShape(tensor_parallel_size=2), exports=True) is None
     True
     ```
     """
@@ -93,11 +92,12 @@ def engine_refusal(shape: EngineShape, *, exports: bool = False) -> str | None:
     """Why the connector refuses to serve an engine of `shape` (one line naming the first option it cannot serve
     right), or `None` when it serves it. Pure: no vLLM, no engine.
 
-    Served: tensor parallelism on a mapping engine (role target: each rank writes its own KV heads,
-    `tensor_parallel.HeadShard`); a cache of the model's numbers (`cache_dtype` auto, float32, float16 or bfloat16),
+    Served: tensor parallelism, on a mapping engine (each rank writes its own KV heads, `tensor_parallel.HeadShard`)
+    and on an exporting one (each rank reads its own heads, gathered to rank 0, which writes the entries of all heads:
+    `export.export_sharded`); a cache of the model's numbers (`cache_dtype` auto, float32, float16 or bfloat16),
     chunked prefill, prefix caching, any block size, LoRA-enabled engines (a request with an adapter is served
     unbridged: `request_refusal`). `exports`: whether this engine exports its KV to a store (roles source and both),
-    which it does from one rank only: tensor parallelism is refused there.
+    which refuses nothing more today (kept so that callers say which engine they check).
 
     Example:
 
@@ -106,12 +106,6 @@ def engine_refusal(shape: EngineShape, *, exports: bool = False) -> str | None:
     'cache_dtype=fp8_e4m3: '
     ```
     """
-    if shape.tensor_parallel_size > 1 and exports:
-        size = shape.tensor_parallel_size
-        return (
-            f"tensor_parallel_size={size} on an exporting engine (role source or both): each rank holds 1/{size} of "
-            "the KV heads and the export does not gather them; serve the exporting engine with tensor_parallel_size=1"
-        )
     if shape.pipeline_parallel_size > 1:
         return (
             f"pipeline_parallel_size={shape.pipeline_parallel_size}: each stage holds only its own layers and the "

@@ -19,6 +19,7 @@ from ...errors import KVLayoutError, ServingConfigError
 from ...transfer.plan import plan_load, plan_transfer
 from ...transfer.steps import SourceKV, TransferDecision, TransferSteps, decide, served_outcome
 from ...utils.cache import append_layer, output_cache, slice_cache
+from .export import export_sharded
 from .metadata import BridgeLoad, GateCheck, KVBridgeConnectorMetadata, KVBridgeWorkerMetadata
 from .paged_cache import read_slots, reads_back, slots_of, write_layer
 from .rotary import RotaryOnlyTarget
@@ -311,6 +312,9 @@ class BridgeWorker:
         from ..kv_store.staging import stage_export
 
         layers = sorted(self._layers.items(), key=lambda item: extract_layer_index(item[0]))
+        if self.shard.sharded:  # each rank reads its heads, rank 0 writes them all (export.export_sharded)
+            self._export_sharded(meta.exports, [layer for _, layer in layers])
+            return
         for task in meta.exports:
             try:
                 if self.exports is None:
@@ -339,6 +343,17 @@ class BridgeWorker:
             finally:
                 if task.finished:
                     self._finished_sending.add(task.req_id)
+
+    def _export_sharded(self, tasks, layers: list[nn.Module]) -> None:
+        try:
+            if self.exports is not None:
+                export_sharded(tasks, layers, block_size=self.block_size, exports=self.exports, shard=self.shard,
+                               count=self.count)  # fmt: skip
+        except Exception as error:  # an export never fails the step
+            self.count(export_errors=len(tasks))
+            logger.warning("KVBridgeConnector: export failed: %s: %s", type(error).__name__, error)
+        finally:
+            self._finished_sending.update(task.req_id for task in tasks if task.finished)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """The ended requests whose last export read their blocks in this step: vLLM frees their blocks now."""

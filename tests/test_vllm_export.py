@@ -1,0 +1,145 @@
+"""A tensor-parallel source engine's export (`integrations.vllm.export`), without an engine: the real pocket-s cache
+of a prompt laid into each rank's paged cache (the FlashAttention-style `(2, blocks, block_size, heads, d)` layout,
+shuffled blocks), each rank's share read and packed, the gather simulated (every rank's buffer to rank 0), and rank 0
+writing to a real redis-server. The oracle is the TP 1 export: the same entries, the same K/V read back.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("vllm")
+torch = pytest.importorskip("torch")
+
+from hf_kvbridge import pocket  # noqa: E402
+from hf_kvbridge.integrations.kv_store import PrefixKVStore, load_cache, open_store, start_local_server  # noqa: E402
+from hf_kvbridge.integrations.vllm.export import (  # noqa: E402
+    ShardGeometry,
+    assemble,
+    export_sharded,
+    head_owners,
+    pack,
+    unpack,
+)
+from hf_kvbridge.integrations.vllm.metadata import ExportTask  # noqa: E402
+from hf_kvbridge.integrations.vllm.tensor_parallel import HeadShard  # noqa: E402
+
+BLOCK, CHUNK, TOKENS = 16, 32, 75  # 2 whole chunks of 32 and a partial one of 11
+
+
+@pytest.fixture(scope="module")
+def source_kv():
+    """pocket-s's own cache of a 75-token prompt: (layers, 2, T, H, d), and the prompt."""
+    from transformers import AutoTokenizer
+
+    from hf_kvbridge.loading import load_model
+
+    tokenizer = AutoTokenizer.from_pretrained(pocket.model_path("pocket-s"))
+    ids = tokenizer("\n".join(pocket.load_texts("heldout")[:8]))["input_ids"][:TOKENS]
+    model = load_model("pocket/pocket-s", dtype=torch.float32)
+    with torch.no_grad():
+        cache = model(input_ids=torch.tensor([ids]), use_cache=True).past_key_values
+    kv = torch.stack([torch.stack((layer.keys[0], layer.values[0])).transpose(1, 2) for layer in cache.layers])
+    return ids, kv  # (L, 2, T, H, d)
+
+
+@pytest.fixture(scope="module")
+def server():
+    with start_local_server(maxmemory="64mb") as server:
+        yield server
+
+
+def _store(server, name):
+    return PrefixKVStore(open_store(server.url), model_id=f"export-test-{name}", chunk_size=CHUNK)
+
+
+def _rank_layers(kv, shard: HeadShard, block_ids, broken=False):
+    """Rank `shard.rank`'s attention layers: its heads of `kv` at the slots of `block_ids` in a paged cache of the
+    `(2, blocks, block_size, h, d)` layout (`broken`: a layout `read_slots` does not know, so its reads fail)."""
+    layers_, _, tokens, _, dim = kv.shape
+    heads = kv[:, :, :, shard.heads]  # (L, 2, T, h, d)
+    layers = []
+    for layer in heads:
+        cache = torch.full((2, max(block_ids) + 2, BLOCK, heads.shape[3], dim), float("nan"))
+        for t in range(tokens):
+            cache[:, block_ids[t // BLOCK], t % BLOCK] = layer[:, t]
+        if broken:
+            cache = cache.flatten(0, 1)
+        layers.append(SimpleNamespace(kv_cache=cache, num_kv_heads=heads.shape[3], head_size=dim, impl=object()))
+    return layers
+
+
+def _export(kv, ids, size, store, broken_rank=None):
+    """Runs `export_sharded` on every rank of `size` (rank 0 last: the simulated gather hands it every rank's
+    buffer); returns the buffers, one a rank, and rank 0's counts."""
+    block_ids = [5, 2, 7, 0, 3]  # shuffled
+    task = ExportTask(req_id="r", token_ids=ids, start=0, end=len(ids), block_ids=block_ids, tail=True)
+    buffers, counts = {}, []
+
+    def gather_of(rank):
+        def gather(flat, n):
+            buffers[rank] = flat.clone()
+            return [buffers[r] for r in range(n)] if rank == 0 else None
+
+        return gather
+
+    for rank in reversed(range(size)):
+        shard = HeadShard.of(kv.shape[3], rank, size)
+        layers = _rank_layers(kv, shard, block_ids, broken=rank == broken_rank)
+        export_sharded([task], layers, block_size=BLOCK, exports=store, shard=shard,
+                       count=lambda **c: counts.append(c), gather=gather_of(rank))  # fmt: skip
+    return buffers, counts
+
+
+@pytest.mark.parametrize("size", [1, 2, 4])  # pocket-s has 2 KV heads: one a rank at TP 2, replicated at TP 4
+def test_tensor_parallel_export_equals_the_tp1_export(source_kv, server, size):
+    ids, kv = source_kv
+    reference = _store(server, "ref")
+    reference.save(ids, [layer[0].transpose(0, 1) for layer in kv], [layer[1].transpose(0, 1) for layer in kv],
+                   start=0, tail=True)  # fmt: skip  # what a TP 1 engine writes
+    store = _store(server, f"tp{size}")
+    buffers, counts = _export(kv, ids, size, store)
+    assert len({b.numel() for b in buffers.values()}) == 1  # every rank sends as many elements: the gather matches
+    assert counts == [{"chunks_exported": 2, "partials_exported": 1, "tokens_exported": TOKENS}]
+    assert store.stored_tokens(ids) == reference.stored_tokens(ids) == TOKENS
+    got = load_cache(store, ids, TOKENS, dtype=torch.float32)
+    want = load_cache(reference, ids, TOKENS, dtype=torch.float32)
+    for mine, theirs, layer in zip(got.layers, want.layers, kv, strict=True):
+        assert torch.equal(mine.keys, theirs.keys) and torch.equal(mine.values, theirs.values)
+        assert torch.equal(mine.keys[0], layer[0].transpose(0, 1))  # the source's own keys, every head
+    # the same store entries, byte for byte but their model ids (of the same length)
+    for mine, theirs in zip(store.keys(ids), reference.keys(ids), strict=True):
+        (payload,), (want,) = store.store.get_many([mine]), reference.store.get_many([theirs])
+        assert payload.replace(f"export-test-tp{size}".encode(), b"export-test-ref") == want
+
+
+def test_a_rank_that_cannot_read_makes_rank_0_write_nothing(source_kv, server):
+    ids, kv = source_kv
+    store = _store(server, "broken")
+    buffers, counts = _export(kv, ids, 2, store, broken_rank=1)
+    assert buffers[1][0] == 0.0 and buffers[0][0] == 1.0  # rank 1's marker, rank 0's status
+    assert buffers[0].numel() == buffers[1].numel()  # the failed rank took part in the gather all the same
+    assert counts == [{"export_errors": 1}]
+    assert store.stored_tokens(ids) == 0
+
+
+OWNERS = [(8, 4, [0, 1, 2, 3]), (2, 4, [0, 2]), (1, 2, [0]), (4, 8, [0, 2, 4, 6])]  # KV heads, ranks, owners
+
+
+@pytest.mark.parametrize("total, size, owners", OWNERS)
+def test_each_head_is_taken_once_from_its_first_replica(total, size, owners):
+    assert head_owners(total, size) == owners
+    full = torch.randn(3, 2, 5, total, 4)  # (L, 2, T, H, d)
+    shares = [full[:, :, :, HeadShard.of(total, rank, size).heads] for rank in range(size)]
+    assert torch.equal(assemble(shares, total), full)
+
+
+def test_pack_and_unpack_round_trip_with_a_failed_task():
+    geometry = ShardGeometry(layers=2, heads=1, head_dim=4, dtype=torch.bfloat16)
+    first = torch.randn(geometry.shape(3)).to(torch.bfloat16)
+    flat = pack([first, None], [3, 5], geometry)
+    assert flat.numel() == 2 + geometry.numel(3) + geometry.numel(5)  # known from the lengths alone
+    got_first, got_second = unpack(flat, [3, 5], geometry)
+    assert torch.equal(got_first, first) and got_second is None
