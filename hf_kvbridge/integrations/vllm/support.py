@@ -4,9 +4,8 @@ status `"unsupported"` (`request_refusal`: a LoRA adapter, prompt embeddings, mu
 import of its own: `EngineShape.from_vllm_config` reads the attributes of a `VllmConfig`.
 
 The rule: nothing may report `"mapped"` with a cache the target could not use. An option the worker does not handle
-(a rank of a tensor-parallel engine holds only its share of the KV heads; an fp8 cache holds codes scaled by the
-engine; a pipeline stage holds only its layers; a draft model adds attention layers of its own) is refused with one
-line naming it, and the engine does not start.
+(a pipeline stage holds only its layers; a draft model adds attention layers of its own; a quantized cache other
+than fp8 holds codes nothing here reads) is refused with one line naming it, and the engine does not start.
 """
 
 from __future__ import annotations
@@ -18,7 +17,12 @@ from ...errors import ServingConfigError
 
 SERVED_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16", "half", "float")
 """`cache_dtype` values whose cache holds the model's numbers (written through the backend's own op, read back as
-they are). fp8 and the other quantized caches hold codes with the engine's scales: refused."""
+they are)."""
+
+SERVED_FP8_CACHE_DTYPES = ("fp8", "fp8_e4m3", "fp8_e5m2")
+"""fp8 `cache_dtype` values served on the CPU backend: written through the backend's own op (quantized the engine's
+way), read back (the gate, the exports) as codes dequantized with the engine's scales (`paged_cache.read_slots`).
+On another device the read-back is not implemented: refused there, as every other quantized cache is."""
 
 
 @dataclass(frozen=True)
@@ -48,6 +52,7 @@ class EngineShape:
     use_mla: bool = False
     hybrid: bool = False  # attention-free or hybrid (Mamba) layers, or an encoder-decoder model
     kv_cache_groups: int = 1  # vLLM's KV cache groups (more than one: layers with different block tables)
+    device_type: str = "cpu"  # vLLM's device_config.device_type: "cpu", "cuda", ...
 
     @classmethod
     def from_vllm_config(cls, vllm_config: Any, kv_cache_config: Any = None) -> EngineShape:
@@ -71,6 +76,7 @@ class EngineShape:
             use_mla=bool(_attribute(model, "use_mla")),
             hybrid=hybrid,
             kv_cache_groups=len(groups) if groups else 1,
+            device_type=str(getattr(getattr(vllm_config, "device_config", None), "device_type", None) or "cpu"),
         )
 
 
@@ -89,15 +95,18 @@ def engine_refusal(shape: EngineShape, *, exports: bool = False) -> str | None:
 
     Served: tensor parallelism on a mapping engine (role target: each rank writes its own KV heads,
     `tensor_parallel.HeadShard`); a cache of the model's numbers (`cache_dtype` auto, float32, float16 or bfloat16),
-    chunked prefill, prefix caching, any block size, LoRA-enabled engines (a request with an adapter is served
-    unbridged: `request_refusal`). `exports`: whether this engine exports its KV to a store (roles source and both),
-    which it does from one rank only: tensor parallelism is refused there.
+    an fp8 cache on the CPU backend (`SERVED_FP8_CACHE_DTYPES`), chunked prefill, prefix caching, any block size,
+    LoRA-enabled engines (a request with an adapter is served unbridged: `request_refusal`). `exports`: whether this
+    engine exports its KV to a store (roles source and both), which it does from one rank only: tensor parallelism
+    is refused there; an fp8 cache is exported dequantized with the engine's scales.
 
     Example:
 
     ```python
-    >>> engine_refusal(EngineShape(cache_dtype="fp8_e4m3"))[:22]
-    'cache_dtype=fp8_e4m3: '
+    >>> engine_refusal(EngineShape(cache_dtype="fp8_e4m3")) is None
+    True
+    >>> engine_refusal(EngineShape(cache_dtype="fp8_e4m3", device_type="cuda"))[:30]
+    'cache_dtype=fp8_e4m3 on cuda: '
     ```
     """
     if shape.tensor_parallel_size > 1 and exports:
@@ -120,10 +129,16 @@ def engine_refusal(shape: EngineShape, *, exports: bool = False) -> str | None:
             f"data_parallel_size={shape.data_parallel_size}: not verified with the connector; run one engine per "
             "replica (each with its own connector) behind a router"
         )
-    if shape.cache_dtype not in SERVED_CACHE_DTYPES:
+    if shape.cache_dtype in SERVED_FP8_CACHE_DTYPES and shape.device_type != "cpu":
         return (
-            f"cache_dtype={shape.cache_dtype}: the cache holds quantized codes with the engine's scales, which the "
-            "quality gate and the exports cannot read back; serve with kv_cache_dtype auto, bfloat16 or float16"
+            f"cache_dtype={shape.cache_dtype} on {shape.device_type}: the quality gate and the exports read fp8 codes "
+            "back on the CPU backend only; serve with kv_cache_dtype auto, bfloat16 or float16"
+        )
+    if shape.cache_dtype not in SERVED_CACHE_DTYPES + SERVED_FP8_CACHE_DTYPES:
+        return (
+            f"cache_dtype={shape.cache_dtype}: the cache holds quantized codes the quality gate and the exports "
+            "cannot read back (fp8, fp8_e4m3 and fp8_e5m2 are read); serve with kv_cache_dtype auto, bfloat16, "
+            "float16 or fp8"
         )
     if shape.speculative is not None:
         return (
