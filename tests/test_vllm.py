@@ -67,7 +67,7 @@ def run_engine(spec: dict) -> dict:
     options.update(spec.get("engine", {}))  # engine options of a refusal test (tensor_parallel_size, ...)
     try:
         llm = LLM(
-            model=kvb.target_model(spec["bridge"]),
+            model=spec.get("model") or kvb.target_model(spec["bridge"]),  # "model": another one, to be refused
             kv_transfer_config=kvb.kv_transfer_config(
                 spec["bridge"], requests=spec.get("requests", "opt_in"), **spec.get("kv", {})
             ),
@@ -143,9 +143,10 @@ def _prompts(tokenizer, lengths, skip=0):
     return out
 
 
-def _engine(tmp_path, name, bridge_dir, rounds, requests="opt_in", engine=None, env=None, kv=None):
+def _engine(tmp_path, name, bridge_dir, rounds, requests="opt_in", engine=None, env=None, kv=None, model=None):
     spec, out = tmp_path / f"{name}.json", tmp_path / f"{name}-out.json"
     options = ({} if engine is None else {"engine": engine}) | ({} if kv is None else {"kv": kv})
+    options |= {} if model is None else {"model": str(model)}
     spec.write_text(json.dumps({"bridge": str(bridge_dir), "rounds": rounds, "requests": requests, **options}))
     import hf_kvbridge
 
@@ -463,6 +464,28 @@ def test_tensor_parallel_source_is_refused_at_start_with_one_line(pair_bridges):
     line = "does not serve tensor_parallel_size=2 on an exporting engine (role source or both)"
     assert "rounds" not in result, "a TP 2 source engine started"
     assert line in result["log"], result["log"][-4000:]
+
+
+def test_an_engine_serving_another_model_is_refused_at_start_with_one_line(pair_bridges, tmp_path):
+    """The engine serves a model of the bridge's target's layout (pocket-l's config and weights) with another
+    tokenizer (a fine-tune's, say): the layout fingerprint cannot tell, the identity check (digests of the config and
+    tokenizer files, never of the weights) refuses it at start with one line, and nothing is served. vLLM 0.32 builds
+    the connector after it loaded the target's weights and sized the KV cache (seen in the engine's log), so the
+    refusal comes seconds after start on this tiny model, not before the weights load."""
+    import shutil
+
+    other = tmp_path / "pocket-l-retokenized"
+    shutil.copytree(pocket.model_path("pocket-l"), other, ignore=shutil.ignore_patterns("*.safetensors"))
+    (other / "model.safetensors").symlink_to(Path(pocket.model_path("pocket-l")) / "model.safetensors")
+    tokenizer_config = json.loads((other / "tokenizer_config.json").read_text())
+    (other / "tokenizer_config.json").write_text(json.dumps({**tokenizer_config, "eos_token": "<|im_end|>"}))
+    result = _engine(tmp_path, "other-model", pair_bridges / "bridge", [], engine={}, model=other)
+    assert "rounds" not in result, "an engine serving another model started"
+    error = result["error"] or ""  # LLM(...)'s exception, in process (None: the process died; see its log)
+    assert error.startswith(f"ServingConfigError: KVBridgeConnector: the engine serves {other}, not the bridge"), (
+        error or result["log"][-4000:]
+    )
+    assert "differ in tokenizer_config.json" in error and "\n" not in error
 
 
 def test_recompute_policies_vllm_cannot_apply_are_refused_at_start_up():
