@@ -466,6 +466,31 @@ def test_tensor_parallel_source_is_refused_at_start_with_one_line(pair_bridges):
     assert line in result["log"], result["log"][-4000:]
 
 
+FP8_KERNELS = torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported()  # vLLM's CPU fp8 kernels
+
+
+@pytest.mark.skipif(not FP8_KERNELS, reason="vLLM's CPU fp8 KV cache kernels need AVX-512 or AMX (vLLM refuses)")
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8_e4m3"])
+def test_fp8_target_cache_serves_the_identity_bridge_gated(kv_cache_dtype, tokenizer, tmp_path):
+    """An fp8 target cache: the identity bridge (pocket-l → pocket-l) written through the backend's op is quantized
+    as the target's own K/V is, so bridged tokens = the same fp8 engine's target alone; the gate reads the probe's
+    codes back dequantized with the engine's scales (raw codes as numbers would score far below 0.99)."""
+    bridge = calibrate(
+        "pocket/pocket-l", "pocket/pocket-l", pocket.load_texts("calibration"), num_sequences=24, seq_len=256,
+        top_k=1, ridge_lambda=1e-9, tokenizer=tokenizer,
+    )  # fmt: skip
+    bridge.config.gate_threshold = PASSING_GATE
+    bridge.save_pretrained(tmp_path / "bridge")
+    prompts = _prompts(tokenizer, LENGTHS)
+    rounds = [[(p, False) for p in prompts], [(p, True) for p in prompts]]
+    result = _engine(tmp_path, "fp8", tmp_path / "bridge", rounds, engine={"kv_cache_dtype": kv_cache_dtype})
+    assert "rounds" in result, result.get("error") or result["log"][-4000:]
+    alone, bridged = result["rounds"]
+    for i, n in enumerate(LENGTHS):
+        assert bridged[i]["tokens"] == alone[i]["tokens"], (n, bridged[i], alone[i])
+        assert bridged[i]["kvbridge"]["status"] == "mapped" and bridged[i]["kvbridge"]["score"] > 0.99, bridged[i]
+
+
 def test_an_engine_serving_another_model_is_refused_at_start_with_one_line(pair_bridges, tmp_path):
     """The engine serves a model of the bridge's target's layout (pocket-l's config and weights) with another
     tokenizer (a fine-tune's, say): the layout fingerprint cannot tell, the identity check (digests of the config and
