@@ -269,3 +269,18 @@ def test_kvbridge_serve_command_line_refusal_is_one_line(tmp_path):
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "tensor_parallel_size=2 on an exporting engine" in lines[0], proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_source_memory_left_room_for():
+    """vLLM sizes its KV cache before the connector loads the source: the operator's arithmetic, and the start-up
+    line that says so (what to set on a GPU, what the host must hold on CPU)."""
+    from hf_kvbridge.integrations.vllm.support import source_memory_note, utilization_with_source
+
+    assert utilization_with_source(0.9, 20, 100) == pytest.approx(0.7)
+    with pytest.raises(ServingConfigError, match="store-only target"):
+        utilization_with_source(0.5, 60, 100)
+    gpu = SimpleNamespace(gpu_memory_utilization=0.85, kv_cache_memory_bytes=None)
+    cuda = source_memory_note(3 * 2**30, gpu, "cuda")
+    assert "(3.00 GiB)" in cuda and "gpu_memory_utilization=0.85" in cuda and "\n" not in cuda
+    assert "kv_cache_memory_bytes=1024" in source_memory_note(1, SimpleNamespace(kv_cache_memory_bytes=1024), "cuda")
+    assert "VLLM_CPU_KVCACHE_SPACE" in source_memory_note(2**30, SimpleNamespace())

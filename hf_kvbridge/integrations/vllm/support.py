@@ -197,3 +197,53 @@ def request_refusal(request: Any) -> str | None:
     if getattr(request, "mm_features", None):
         return "multi-modal inputs: the source sees only their placeholder tokens"
     return None
+
+
+def utilization_with_source(gpu_memory_utilization: float, source_bytes: int, total_bytes: int) -> float:
+    """The `gpu_memory_utilization` to give vLLM so that the source model's weights (`source_bytes`, loaded by the
+    connector on every rank) fit beside what vLLM sized with `gpu_memory_utilization` of a device of `total_bytes`.
+
+    vLLM 0.32 builds the worker's connector in `Worker.initialize_from_config`, after `determine_available_memory`
+    sized the KV cache (`gpu_memory_utilization × total − weights − activations`): the source is never counted
+    there, and nothing the connector can set changes that sizing afterwards. So the operator leaves the room, by this
+    arithmetic (or serves a store-only target, which loads no source weights). Raises `ServingConfigError` when the
+    source alone takes all of the budget.
+
+    Example (a Qwen3-14B source, 29.5 GB in bfloat16, beside a Qwen3-32B target at TP 2 on 80 GB GPUs):
+
+    ```python
+    >>> round(utilization_with_source(0.9, 29_500_000_000, 80_000_000_000), 3)
+    0.531
+    ```
+    """
+    left = gpu_memory_utilization - source_bytes / total_bytes
+    if left <= 0:
+        raise ServingConfigError(
+            f"the source's weights ({source_bytes / 2**30:.1f} GiB) take more than gpu_memory_utilization="
+            f"{gpu_memory_utilization} of the device ({total_bytes / 2**30:.1f} GiB); serve a store-only target "
+            "(source_weights false) or a larger device"
+        )
+    return left
+
+
+def source_memory_note(source_bytes: int, cache_config: Any, device_type: str = "cpu") -> str:
+    """The start-up line saying that the source's `source_bytes` were loaded after vLLM sized its KV cache, and what
+    to set (`cache_config`: vLLM's `CacheConfig`, its `gpu_memory_utilization` and `kv_cache_memory_bytes`)."""
+    size = f"{source_bytes / 2**30:.2f} GiB"
+    if device_type == "cpu":
+        return (
+            f"the source's weights ({size}) are loaded after vLLM sized its KV cache and are not in it: the host's "
+            "memory must hold them beside the target's weights and VLLM_CPU_KVCACHE_SPACE / kv_cache_memory_bytes"
+        )
+    explicit = getattr(cache_config, "kv_cache_memory_bytes", None)
+    if explicit:
+        return (
+            f"the source's weights ({size}) are loaded after vLLM sized its KV cache and are not in "
+            f"kv_cache_memory_bytes={explicit}: leave them room on the device"
+        )
+    utilization = float(getattr(cache_config, "gpu_memory_utilization", 0.9))
+    return (
+        f"the source's weights ({size}) are loaded after vLLM sized its KV cache with gpu_memory_utilization="
+        f"{utilization}: set it to {utilization} - {size} / the device's memory "
+        "(support.utilization_with_source), or serve a store-only target"
+    )
