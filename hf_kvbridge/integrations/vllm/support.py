@@ -229,7 +229,7 @@ def utilization_with_source(gpu_memory_utilization: float, source_bytes: int, to
 def source_memory_note(source_bytes: int, cache_config: Any, device_type: str = "cpu") -> str:
     """The start-up line saying that the source's `source_bytes` were loaded after vLLM sized its KV cache, and what
     to set (`cache_config`: vLLM's `CacheConfig`, its `gpu_memory_utilization` and `kv_cache_memory_bytes`)."""
-    size = f"{source_bytes / 2**30:.2f} GiB"
+    size = f"{source_bytes / 2**30:.2f} GiB" if source_bytes >= 2**30 else f"{source_bytes / 2**20:.1f} MiB"
     if device_type == "cpu":
         return (
             f"the source's weights ({size}) are loaded after vLLM sized its KV cache and are not in it: the host's "
