@@ -67,7 +67,7 @@ def run_engine(spec: dict) -> dict:
     options.update(spec.get("engine", {}))  # engine options of a refusal test (tensor_parallel_size, ...)
     try:
         llm = LLM(
-            model=kvb.target_model(spec["bridge"]),
+            model=spec.get("model") or kvb.target_model(spec["bridge"]),  # "model": another one, to be refused
             kv_transfer_config=kvb.kv_transfer_config(
                 spec["bridge"], requests=spec.get("requests", "opt_in"), **spec.get("kv", {})
             ),
@@ -143,9 +143,10 @@ def _prompts(tokenizer, lengths, skip=0):
     return out
 
 
-def _engine(tmp_path, name, bridge_dir, rounds, requests="opt_in", engine=None, env=None, kv=None):
+def _engine(tmp_path, name, bridge_dir, rounds, requests="opt_in", engine=None, env=None, kv=None, model=None):
     spec, out = tmp_path / f"{name}.json", tmp_path / f"{name}-out.json"
     options = ({} if engine is None else {"engine": engine}) | ({} if kv is None else {"kv": kv})
+    options |= {} if model is None else {"model": str(model)}
     spec.write_text(json.dumps({"bridge": str(bridge_dir), "rounds": rounds, "requests": requests, **options}))
     import hf_kvbridge
 
@@ -451,6 +452,53 @@ def test_tensor_parallel_target_with_one_kv_head_replicates_it(one_head_tp2_run,
         assert got["kvbridge"]["status"] == "mapped", got
         assert got["tokens"] == tokens, (LENGTHS[i], got)
     assert "writes KV heads 0..0 of 1" in one_head_tp2_run["log"]
+
+
+FP8_KERNELS = torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported()  # vLLM's CPU fp8 kernels
+
+
+@pytest.mark.skipif(not FP8_KERNELS, reason="vLLM's CPU fp8 KV cache kernels need AVX-512 or AMX (vLLM refuses)")
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8_e4m3"])
+def test_fp8_target_cache_serves_the_identity_bridge_gated(kv_cache_dtype, tokenizer, tmp_path):
+    """An fp8 target cache: the identity bridge (pocket-l → pocket-l) written through the backend's op is quantized
+    as the target's own K/V is, so bridged tokens = the same fp8 engine's target alone; the gate reads the probe's
+    codes back dequantized with the engine's scales (raw codes as numbers would score far below 0.99)."""
+    bridge = calibrate(
+        "pocket/pocket-l", "pocket/pocket-l", pocket.load_texts("calibration"), num_sequences=24, seq_len=256,
+        top_k=1, ridge_lambda=1e-9, tokenizer=tokenizer,
+    )  # fmt: skip
+    bridge.config.gate_threshold = PASSING_GATE
+    bridge.save_pretrained(tmp_path / "bridge")
+    prompts = _prompts(tokenizer, LENGTHS)
+    rounds = [[(p, False) for p in prompts], [(p, True) for p in prompts]]
+    result = _engine(tmp_path, "fp8", tmp_path / "bridge", rounds, engine={"kv_cache_dtype": kv_cache_dtype})
+    assert "rounds" in result, result.get("error") or result["log"][-4000:]
+    alone, bridged = result["rounds"]
+    for i, n in enumerate(LENGTHS):
+        assert bridged[i]["tokens"] == alone[i]["tokens"], (n, bridged[i], alone[i])
+        assert bridged[i]["kvbridge"]["status"] == "mapped" and bridged[i]["kvbridge"]["score"] > 0.99, bridged[i]
+
+
+def test_an_engine_serving_another_model_is_refused_at_start_with_one_line(pair_bridges, tmp_path):
+    """The engine serves a model of the bridge's target's layout (pocket-l's config and weights) with another
+    tokenizer (a fine-tune's, say): the layout fingerprint cannot tell, the identity check (digests of the config and
+    tokenizer files, never of the weights) refuses it at start with one line, and nothing is served. vLLM 0.32 builds
+    the connector after it loaded the target's weights and sized the KV cache (seen in the engine's log), so the
+    refusal comes seconds after start on this tiny model, not before the weights load."""
+    import shutil
+
+    other = tmp_path / "pocket-l-retokenized"
+    shutil.copytree(pocket.model_path("pocket-l"), other, ignore=shutil.ignore_patterns("*.safetensors"))
+    (other / "model.safetensors").symlink_to(Path(pocket.model_path("pocket-l")) / "model.safetensors")
+    tokenizer_config = json.loads((other / "tokenizer_config.json").read_text())
+    (other / "tokenizer_config.json").write_text(json.dumps({**tokenizer_config, "eos_token": "<|im_end|>"}))
+    result = _engine(tmp_path, "other-model", pair_bridges / "bridge", [], engine={}, model=other)
+    assert "rounds" not in result, "an engine serving another model started"
+    error = result["error"] or ""  # LLM(...)'s exception, in process (None: the process died; see its log)
+    assert error.startswith(f"ServingConfigError: KVBridgeConnector: the engine serves {other}, not the bridge"), (
+        error or result["log"][-4000:]
+    )
+    assert "differ in tokenizer_config.json" in error and "\n" not in error
 
 
 def test_recompute_policies_vllm_cannot_apply_are_refused_at_start_up():

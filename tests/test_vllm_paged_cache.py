@@ -1,9 +1,11 @@
 """`read_slots` against the CPU attention backend's own cache write (no engine): every kernel vLLM can pick here
-(`vec`, `vec16`; `amx` where the CPU has AMX tiles) in float32, bfloat16 and float16, written through the backend's
-`do_kv_cache_update` at scattered slots of several blocks and read back exactly; an fp8 cache is refused, never read
-as numbers. The block layout is probed through the backend's op, so a kernel whose order is not the portable one
-(here: a stand-in that pairs dimensions as AMX's VNNI tiles do) is read as it wrote, and one that loses values is
-refused."""
+(`vec`, `vec16`; `amx` where the CPU has AMX tiles, not on this AMD EPYC) in float32, bfloat16 and float16, written
+through the backend's `do_kv_cache_update` at scattered slots of several blocks and read back exactly. An fp8 cache
+(e4m3, e5m2) is read as its codes dequantized with the engine's scales: through the real op where the CPU has AVX-512
+or AMX (not here: the op cannot write fp8, and nothing is read), and through a stand-in of the `vec` kernel's fp8
+write; codes of another format or scale sense are refused. The block layout is probed through the backend's op, so
+a kernel whose order is not the portable one (here: a stand-in that pairs dimensions as AMX's VNNI tiles do) is read
+as it wrote, and one that loses values is refused."""
 
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ torch = pytest.importorskip("torch")
 from vllm.v1.attention.backend import AttentionType  # noqa: E402
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl  # noqa: E402
 
-from hf_kvbridge.integrations.vllm.paged_cache import read_slots, reads_back, slots_of  # noqa: E402
+from hf_kvbridge.integrations.vllm.paged_cache import quantize, read_slots, reads_back, slots_of  # noqa: E402
 
 BLOCKS, HEADS, HEAD_DIM, BLOCK = 6, 2, 64, 32
 
@@ -25,7 +27,7 @@ BLOCKS, HEADS, HEAD_DIM, BLOCK = 6, 2, 64, 32
 def cpu_layer(isa: str, dtype: torch.dtype, kv_cache_dtype: str = "auto", impl_class=CPUAttentionBackendImpl):
     impl = impl_class.__new__(impl_class)  # what do_kv_cache_update reads (__init__ wants a running engine's config)
     impl.attn_type, impl.kv_cache_dtype = AttentionType.DECODER, kv_cache_dtype
-    cache_dtype = torch.uint8 if kv_cache_dtype.startswith("fp8") else dtype
+    cache_dtype = dtype if kv_cache_dtype == "auto" else torch.uint8
     kv_cache = torch.zeros(BLOCKS, HEADS, BLOCK, 2 * HEAD_DIM, dtype=cache_dtype)
     return SimpleNamespace(kv_cache=kv_cache, impl=impl, isa=isa, _k_scale_float=1.0, _v_scale_float=1.0)
 
@@ -94,7 +96,79 @@ def test_a_layout_that_is_not_a_permutation_is_refused():
     assert not reads_back(layer, slots_of([0], BLOCK, 0, 4), torch.zeros(4, HEADS, HEAD_DIM), torch.zeros(4, 2, 64))
 
 
-def test_fp8_cache_codes_are_never_read_as_numbers():
-    layer = cpu_layer("vec", torch.float32, kv_cache_dtype="fp8")
+FP8 = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+FP8_KERNELS = torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported()  # vLLM's CPU fp8 kernels
+
+
+def fp8_layer(kv_cache_dtype: str, impl_class=CPUAttentionBackendImpl, k_scale=1.0, v_scale=1.0):
+    layer = cpu_layer("vec", torch.float32, kv_cache_dtype=kv_cache_dtype, impl_class=impl_class)
+    layer._k_scale_float, layer._v_scale_float = k_scale, v_scale
+    return layer
+
+
+@pytest.mark.parametrize("kv_cache_dtype", sorted(FP8))
+def test_fp8_cache_reads_the_backends_own_write_dequantized(kv_cache_dtype):
+    """The real op. vLLM's CPU fp8 kernels need AVX-512 or AMX (`_get_attn_isa`); on a CPU without them (this AMD
+    EPYC: AVX2 only) the op cannot write an fp8 cache and the probe says so: nothing is read, no codes as numbers."""
+    layer = fp8_layer(kv_cache_dtype, k_scale=0.05, v_scale=0.2)
+    slots = slots_of([4, 0, 5], BLOCK, 7, 80)
+    keys, values = torch.randn(len(slots), HEADS, HEAD_DIM), torch.randn(len(slots), HEADS, HEAD_DIM)
+    if not FP8_KERNELS:
+        with pytest.raises(NotImplementedError, match="probing the KV cache layout failed"):
+            read_slots(layer, slots)
+        assert not reads_back(layer, slots, keys, values)
+        return
+    layer.impl.do_kv_cache_update(layer, keys, values, layer.kv_cache, slots)
+    got_keys, got_values = read_slots(layer, slots)
+    for got, want, scale in ((got_keys, keys, 0.05), (got_values, values, 0.2)):
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got, quantize(want, FP8[kv_cache_dtype], scale), rtol=0.25, atol=scale / 64)
+    assert reads_back(layer, slots, keys, values) and not reads_back(layer, slots, values, keys)
+
+
+class Fp8Vec(CPUAttentionBackendImpl):
+    """A stand-in of the `vec` kernel's fp8 write (where the real one cannot run): the portable block layout (a
+    block's keys, then its values, per head), `code = fp8(x / scale)` with the layer's scales. `codes` and `scaled`
+    make it wrong on purpose: another code format than the layer's `kv_cache_dtype`, or `x * scale`."""
+
+    codes: torch.dtype | None = None
+    scaled = "divide"
+
+    def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping):
+        num_blocks, heads, block_size, width = kv_cache.shape
+        pages = kv_cache.view(num_blocks, heads, 2, block_size, width // 2)  # keys, then values
+        codes = self.codes or FP8[self.kv_cache_dtype]
+        for side, tensor, scale in ((0, key, layer._k_scale_float), (1, value, layer._v_scale_float)):
+            scaled = tensor.float() / scale if self.scaled == "divide" else tensor.float() * scale
+            for t, slot in enumerate(slot_mapping.tolist()):  # (H, d) codes per token
+                block, offset = divmod(slot, block_size)
+                pages[block, :, side, offset] = scaled[t].to(codes).view(torch.uint8)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", sorted(FP8))
+def test_fp8_codes_are_read_with_the_engines_scales(kv_cache_dtype):
+    layer = fp8_layer(kv_cache_dtype, Fp8Vec, k_scale=0.05, v_scale=0.2)
+    slots = slots_of([3, 1], BLOCK, 5, 60)
+    keys, values = torch.randn(len(slots), HEADS, HEAD_DIM), torch.randn(len(slots), HEADS, HEAD_DIM) * 30
+    layer.impl.do_kv_cache_update(layer, keys, values, layer.kv_cache, slots)
+    got_keys, got_values = read_slots(layer, slots)
+    assert got_keys.dtype == torch.float32
+    assert torch.equal(got_keys, quantize(keys, FP8[kv_cache_dtype], 0.05))
+    assert torch.equal(got_values, quantize(values, FP8[kv_cache_dtype], 0.2))
+    assert (got_keys - keys).abs().max() > 0  # codes, not numbers: fp8 round-off
+    assert reads_back(layer, slots, keys, values) and not reads_back(layer, slots, values, keys)
+
+
+@pytest.mark.parametrize("wrong", ["format", "scale"])
+def test_fp8_codes_of_another_format_or_scale_sense_are_refused(wrong):
+    impl = type("Wrong", (Fp8Vec,), {"codes": torch.float8_e4m3fn} if wrong == "format" else {"scaled": "multiply"})
+    layer = fp8_layer("fp8_e5m2", impl, k_scale=0.05, v_scale=0.2)
+    with pytest.raises(NotImplementedError, match="does not hold"):
+        read_slots(layer, slots_of([0], BLOCK, 0, 4))
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8_inc", "fp4"])
+def test_other_quantized_caches_are_never_read_as_numbers(kv_cache_dtype):
+    layer = fp8_layer(kv_cache_dtype)
     with pytest.raises(NotImplementedError, match="quantized codes"):
         read_slots(layer, slots_of([0], BLOCK, 0, 4))

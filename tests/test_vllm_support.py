@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import re
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -20,9 +21,9 @@ REFUSED = [
     ({"data_parallel_size": 2}, "data_parallel_size=2"),
     ({"prefill_context_parallel_size": 2}, "prefill_context_parallel_size=2"),
     ({"decode_context_parallel_size": 2}, "decode_context_parallel_size=2"),
-    ({"cache_dtype": "fp8"}, "cache_dtype=fp8"),
-    ({"cache_dtype": "fp8_e4m3"}, "cache_dtype=fp8_e4m3"),
-    ({"cache_dtype": "fp8_e5m2"}, "cache_dtype=fp8_e5m2"),
+    ({"cache_dtype": "fp8", "device_type": "cuda"}, "cache_dtype=fp8 on cuda"),
+    ({"cache_dtype": "fp8_e5m2", "device_type": "cuda"}, "cache_dtype=fp8_e5m2 on cuda"),
+    ({"cache_dtype": "fp8_inc"}, "cache_dtype=fp8_inc"),
     ({"cache_dtype": "turboquant_k8v4"}, "cache_dtype=turboquant_k8v4"),
     ({"speculative": "ngram"}, "speculative decoding (ngram)"),
     ({"speculative": "eagle"}, "speculative decoding (eagle)"),
@@ -43,9 +44,10 @@ def test_engine_options_refused_with_one_line_naming_them(options, named):
     assert named in str(error.value) and "\n" not in str(error.value)
 
 
-@pytest.mark.parametrize("cache_dtype", ["auto", "bfloat16", "float16", "float32"])
+@pytest.mark.parametrize("cache_dtype", ["auto", "bfloat16", "float16", "float32", "fp8", "fp8_e4m3", "fp8_e5m2"])
 def test_served_shapes(cache_dtype):
-    assert engine_refusal(EngineShape(cache_dtype=cache_dtype)) is None
+    assert engine_refusal(EngineShape(cache_dtype=cache_dtype)) is None  # fp8: on the CPU backend
+    assert engine_refusal(EngineShape(cache_dtype=cache_dtype), exports=True) is None  # exported dequantized
     check_engine(EngineShape(cache_dtype=cache_dtype), "my-bridge")
 
 
@@ -61,7 +63,7 @@ def test_tensor_parallel_served_on_mapping_and_exporting_engines(size):
 
 
 def test_several_refused_options_name_the_first():
-    reason = engine_refusal(EngineShape(tensor_parallel_size=2, cache_dtype="fp8", pipeline_parallel_size=2))
+    reason = engine_refusal(EngineShape(tensor_parallel_size=2, cache_dtype="int8", pipeline_parallel_size=2))
     assert reason.startswith("pipeline_parallel_size=2")
 
 
@@ -116,8 +118,12 @@ def test_shape_read_from_vllm_config():
         cache_config=CacheConfig(cache_dtype="fp8_e5m2"),
         model_config=model,
         speculative_config=None,
+        device_config=SimpleNamespace(device_type="cuda"),
     )
     shape = EngineShape.from_vllm_config(config, SimpleNamespace(kv_cache_groups=[0, 1]))
+    assert shape.device_type == "cuda"
+    alone = replace(shape, tensor_parallel_size=1, pipeline_parallel_size=1, kv_cache_groups=1)
+    assert engine_refusal(alone).startswith("cache_dtype=fp8_e5m2 on cuda")
     assert (shape.tensor_parallel_size, shape.pipeline_parallel_size, shape.cache_dtype) == (2, 3, "fp8_e5m2")
     assert shape.kv_cache_groups == 2 and shape.speculative is None and not shape.hybrid
 
@@ -226,7 +232,7 @@ def test_unsupported_status_reaches_the_router_header():
         (["--role", "source", "-tp", "2", "-pp", "2"], "pipeline_parallel_size=2"),
         (["--role", "both", "--serves", "source", "--tensor_parallel_size=2", "--kv_cache_dtype=fp8"], "=fp8"),
         (["--pipeline-parallel-size", "2"], "pipeline_parallel_size=2"),
-        (["--kv-cache-dtype", "fp8_e5m2", "--max-model-len", "512"], "cache_dtype=fp8_e5m2"),
+        (["--kv-cache-dtype", "int8", "--max-model-len", "512"], "cache_dtype=int8"),
         (["-sc", '{"method": "ngram", "num_speculative_tokens": 3}'], "speculative decoding (ngram)"),
         (["-dp", "2"], "data_parallel_size=2"),
     ],
@@ -266,3 +272,18 @@ def test_kvbridge_serve_command_line_refusal_is_one_line(tmp_path):
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "pipeline_parallel_size=2" in lines[0], proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_source_memory_left_room_for():
+    """vLLM sizes its KV cache before the connector loads the source: the operator's arithmetic, and the start-up
+    line that says so (what to set on a GPU, what the host must hold on CPU)."""
+    from hf_kvbridge.integrations.vllm.support import source_memory_note, utilization_with_source
+
+    assert utilization_with_source(0.9, 20, 100) == pytest.approx(0.7)
+    with pytest.raises(ServingConfigError, match="store-only target"):
+        utilization_with_source(0.5, 60, 100)
+    gpu = SimpleNamespace(gpu_memory_utilization=0.85, kv_cache_memory_bytes=None)
+    cuda = source_memory_note(3 * 2**30, gpu, "cuda")
+    assert "(3.00 GiB)" in cuda and "gpu_memory_utilization=0.85" in cuda and "\n" not in cuda
+    assert "kv_cache_memory_bytes=1024" in source_memory_note(1, SimpleNamespace(kv_cache_memory_bytes=1024), "cuda")
+    assert "VLLM_CPU_KVCACHE_SPACE" in source_memory_note(2**30, SimpleNamespace())

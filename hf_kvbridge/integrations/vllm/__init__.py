@@ -76,8 +76,9 @@ inside the prompt and are refused at start-up (`check_recompute`).
 Not supported here: `config.sink_tokens` (vLLM can only load a prefix; refused at start-up). A tensor-parallel
 target engine is served: each rank writes only its own KV heads (`tensor_parallel.HeadShard`) and the gate's score
 is averaged over the ranks. A tensor-parallel exporting engine is served too: each rank reads its own KV heads and
-rank 0 writes them all (`export.export_sharded`). Pipeline, context and data parallelism, fp8 (and other quantized) KV
-caches, speculative decoding, multi-modal, MLA, hybrid and sliding-window models are refused
+rank 0 writes them all (`export.export_sharded`). An fp8 KV cache on the CPU backend is read back dequantized with the
+engine's scales. Pipeline, context and data parallelism, fp8 KV caches on other devices and other quantized caches,
+speculative decoding, multi-modal, MLA, hybrid and sliding-window models are refused
 at start-up with one line naming the option (`support.engine_refusal`); a request with a LoRA adapter, prompt
 embeddings or multi-modal inputs is served unbridged and not exported, status `"unsupported"` with its reason
 (`support.request_refusal`). An engine whose model's config or tokenizer files differ from the bridge's model's is

@@ -28,7 +28,7 @@ from .configuration import check_recompute, connector_settings, read_bridge_conf
 from .identity import check_identity
 from .scheduler import BridgeScheduler
 from .store import open_prefix_store, redact, store_identity
-from .support import EngineShape, check_engine
+from .support import EngineShape, check_engine, source_memory_note
 from .tensor_parallel import HeadShard
 from .worker import BridgeWorker, load_bridge
 
@@ -117,6 +117,10 @@ class KVBridgeConnector(KVConnectorBase_V1):
                     self.import_config, self.import_folder, self.revision, dtype, device, self.bridge_ref,
                     source_weights=settings.source_weights,
                 )  # fmt: skip
+                if settings.source_weights:  # outside vLLM's KV sizing, which ran before this connector was built
+                    source_bytes = sum(p.numel() * p.element_size() for p in bridge.source.parameters())
+                    logger.warning("KVBridgeConnector: %s", source_memory_note(source_bytes, vllm_config.cache_config,
+                                                                                shape.device_type))  # fmt: skip
             shard = None
             if shape.tensor_parallel_size > 1:  # this rank's share of the served model's KV heads
                 from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size

@@ -33,15 +33,16 @@ def read_slots(layer: nn.Module, slots: torch.Tensor) -> tuple[torch.Tensor, tor
       (`probe_block_layout`), so every kernel vLLM picks is read as it wrote;
     - the `(2, blocks, block_size, kv_heads, head_dim)` of FlashAttention-style backends (not run here: no GPU).
 
-    A quantized (fp8) cache holds codes with the engine's scales, not numbers: it raises `NotImplementedError` (the
-    connector refuses fp8 caches at start-up, `support.engine_refusal`), and so does any other layout.
-    `map_and_write` checks that it reads back what the backend's own op wrote before the gate trusts it
-    (`reads_back`).
+    An fp8 cache (`kv_cache_dtype` fp8, fp8_e4m3 or fp8_e5m2: `uint8` codes, `code = fp8(x / scale)` with the
+    layer's `_k_scale_float` / `_v_scale_float`) is read on the CPU backend as the engine reads it: the codes
+    dequantized with the engine's scales, in float32 (`fp8_format`, `dequantize`); the probe checks the codes' format
+    and the scales' sense too. Other quantized caches, and fp8 in the FlashAttention-style layout (never run here),
+    raise `NotImplementedError`, and so does any other layout. `map_and_write` checks that it reads back what the
+    backend's own op wrote (within fp8's round-off for an fp8 cache) before the gate trusts it (`reads_back`).
     """
     kv_cache = layer.kv_cache
     slots = slots.to(kv_cache.device)
-    if not (kv_cache.dtype.is_floating_point and kv_cache.dtype.itemsize >= 2):
-        raise NotImplementedError(f"a {kv_cache.dtype} KV cache holds quantized codes, not keys and values")
+    codes = fp8_format(layer)  # None: the cache holds the model's numbers
     cpu_backend = any(cls.__name__.startswith("CPUAttention") for cls in type(layer.impl).__mro__)
     if cpu_backend and kv_cache.dim() == 4:
         num_blocks, heads, block_size, width = kv_cache.shape
@@ -51,7 +52,12 @@ def read_slots(layer: nn.Module, slots: torch.Tensor) -> tuple[torch.Tensor, tor
         shape = (len(slots), heads, width // 2)
         keys = pages.gather(1, key_index[offsets].flatten(1).to(kv_cache.device)).view(shape)  # (T, H, d)
         values = pages.gather(1, value_index[offsets].flatten(1).to(kv_cache.device)).view(shape)  # (T, H, d)
+        if codes is not None:
+            k_scale, v_scale = engine_scales(layer)
+            return dequantize(keys, codes, k_scale), dequantize(values, codes, v_scale)
         return keys, values
+    if codes is not None:
+        raise NotImplementedError(f"an fp8 KV cache of {layer.impl.__class__.__name__}: read on the CPU backend only")
     if kv_cache.dim() == 5 and kv_cache.shape[0] == 2:
         block_size = kv_cache.shape[2]
         keys, values = (part[slots // block_size, slots % block_size] for part in kv_cache.unbind(0))  # (T, H, d)
@@ -59,8 +65,70 @@ def read_slots(layer: nn.Module, slots: torch.Tensor) -> tuple[torch.Tensor, tor
     raise NotImplementedError(f"unknown KV cache layout {tuple(kv_cache.shape)} of {layer.impl.__class__.__name__}")
 
 
+FP8_FORMATS = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+"""vLLM's fp8 `kv_cache_dtype` names and the code format they store on CPU (`fp8` is e4m3)."""
+
+
+def fp8_format(layer: nn.Module) -> torch.dtype | None:
+    """The fp8 format of `layer`'s cache codes (`torch.float8_e4m3fn` or `torch.float8_e5m2`), or `None` for a cache
+    of the model's numbers. Any other quantized cache raises `NotImplementedError`.
+
+    Example:
+
+    ```python
+    >>> from types import SimpleNamespace
+    >>> import torch
+    >>> fp8_format(SimpleNamespace(kv_cache=torch.zeros(1, dtype=torch.uint8),
+    ...                            impl=SimpleNamespace(kv_cache_dtype="fp8_e5m2")))
+    torch.float8_e5m2
+    ```
+    """
+    kv_cache = layer.kv_cache
+    if kv_cache.dtype.is_floating_point and kv_cache.dtype.itemsize >= 2:
+        return None
+    name = str(getattr(layer.impl, "kv_cache_dtype", "auto"))
+    if name not in FP8_FORMATS:
+        raise NotImplementedError(f"a {kv_cache.dtype} KV cache ({name}) holds quantized codes this cannot read")
+    return FP8_FORMATS[name]
+
+
+def engine_scales(layer: nn.Module) -> tuple[float, float]:
+    """The scales `layer`'s backend quantizes its keys and values with (`code = fp8(x / scale)`), as its kernels
+    read them (`_k_scale_float`, `_v_scale_float`; 1.0 when the checkpoint has none)."""
+    return float(getattr(layer, "_k_scale_float", 1.0)), float(getattr(layer, "_v_scale_float", 1.0))
+
+
+def dequantize(codes: torch.Tensor, fp8: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+    """float32 values of fp8 `codes` (`uint8`, any shape) of format `fp8`, times `scale`."""
+    return codes.contiguous().view(fp8).to(torch.float32) * scale
+
+
+def quantize(x: torch.Tensor, fp8: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+    """`x` through an fp8 cache of format `fp8` and `scale`, as float32: saturated at the format's largest value,
+    rounded to nearest (what vLLM's cache write stores, dequantized as its attention reads it).
+
+    Example:
+
+    ```python
+    >>> import torch
+    >>> quantize(torch.tensor([0.3, 1000.0]), torch.float8_e4m3fn).tolist()
+    [0.3125, 448.0]
+    ```
+    """
+    largest = torch.finfo(fp8).max
+    return (x.float() / scale).clamp(-largest, largest).to(fp8).to(torch.float32) * scale
+
+
+def fp8_tolerance(fp8: torch.dtype) -> tuple[float, float]:
+    """`(rtol, atol / scale)` within which a value read back from an fp8 cache equals the value written: one unit in
+    the last place of the format (rounding to nearest is half of it), and its smallest subnormal near zero."""
+    mantissa = {torch.float8_e4m3fn: 3, torch.float8_e5m2: 2}[fp8]
+    return 2.0**-mantissa, float(torch.finfo(fp8).smallest_normal) * 2.0**-mantissa
+
+
 _PROBED: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 _DIGIT = 128  # coordinates are written in base-128 digits (+1): integers up to 129 are exact in bfloat16 and float16
+_FP8_DIGIT = 8  # and in base-8 digits in an fp8 cache: integers up to 8 are exact in e4m3 and e5m2
 
 
 def probe_block_layout(layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
@@ -69,13 +137,18 @@ def probe_block_layout(layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
 
     Found by writing a scratch one-block cache of `layer`'s dtype and shape through `layer.impl.do_kv_cache_update`
     (the op vLLM and the connector write with, with the layer's kernel and scales), once per coordinate digit: the
-    token offset, the head and the dimension, each as base-128 digits plus one (exact in every float cache dtype), and
-    whether it is a key or a value. Every `(key/value, offset, head, dim)` must land in exactly one place, or the
-    layout is not one this can read (`NotImplementedError`). Cached per kernel (`layer.isa`), dtype and shape.
+    token offset, the head and the dimension, each as base-128 digits plus one (exact in every float cache dtype;
+    base-8 digits in an fp8 cache, written times the layer's scales and decoded from the codes, so that a code
+    format or a scale sense other than `fp8_format`'s and `engine_scales`' fails the probe), and whether it is a key
+    or a value. Every `(key/value, offset, head, dim)` must land in exactly one place, or the layout is not one this
+    can read (`NotImplementedError`). Cached per kernel (`layer.isa`), cache dtype, scales and shape.
     """
     kv_cache = layer.kv_cache
     _, heads, block_size, width = kv_cache.shape
-    key = (layer.impl.__class__.__name__, getattr(layer, "isa", None), kv_cache.dtype, heads, block_size, width)
+    key = (
+        layer.impl.__class__.__name__, getattr(layer, "isa", None), kv_cache.dtype,
+        getattr(layer.impl, "kv_cache_dtype", None), engine_scales(layer), heads, block_size, width,
+    )  # fmt: skip
     if key not in _PROBED:
         try:
             _PROBED[key] = _probe(layer)
@@ -88,24 +161,36 @@ def _probe(layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
     kv_cache = layer.kv_cache
     _, heads, block_size, width = kv_cache.shape
     head_dim = width // 2
+    codes = fp8_format(layer)
+    base = _DIGIT if codes is None else _FP8_DIGIT
+    number = kv_cache.dtype if codes is None else torch.float32  # what the op is given: the cache's numbers
+    k_scale, v_scale = (1.0, 1.0) if codes is None else engine_scales(layer)
     scratch = torch.zeros((1, heads, block_size, width), dtype=kv_cache.dtype, device=kv_cache.device)
     slots = torch.arange(block_size, device=kv_cache.device)
+
+    def write(keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:  # the scratch block's numbers, flat
+        scratch.zero_()
+        keys, values = (keys * k_scale).to(number), (values * v_scale).to(number)  # (block_size, H, d) each
+        layer.impl.do_kv_cache_update(layer, keys, values, scratch, slots)
+        read = scratch.flatten() if codes is None else dequantize(scratch.flatten(), codes)
+        if codes is not None and not bool(((read == read.round()) & (read.abs() <= base)).all()):
+            raise NotImplementedError(
+                f"the fp8 KV cache of {layer.impl.__class__.__name__} does not hold {codes} codes of x / scale"
+            )
+        return read.long()
+
     grid = torch.stack(
         torch.meshgrid(torch.arange(block_size), torch.arange(heads), torch.arange(head_dim), indexing="ij")
     ).to(kv_cache.device)  # (3, block_size, H, d): offset, head, dim
     found = torch.zeros(heads * block_size * width, dtype=torch.long, device=kv_cache.device)
     for axis, stride in enumerate((heads * head_dim, head_dim, 1)):  # into the flat (offset, head, dim) index
         power = 1
-        while power == 1 or power <= int(grid[axis].max()):  # one base-128 digit per write
-            digit = (grid[axis] // power % _DIGIT + 1).to(kv_cache.dtype)  # (block_size, H, d), in 1..128
-            scratch.zero_()
-            layer.impl.do_kv_cache_update(layer, digit, digit, scratch, slots)
-            found += (scratch.flatten().long() - 1).clamp(min=0) * power * stride
-            power *= _DIGIT
-    ones = torch.ones((block_size, heads, head_dim), dtype=kv_cache.dtype, device=kv_cache.device)
-    scratch.zero_()
-    layer.impl.do_kv_cache_update(layer, ones, ones * 2, scratch, slots)
-    side = scratch.flatten().long()  # 1: a key, 2: a value, 0: nothing (padding)
+        while power == 1 or power <= int(grid[axis].max()):  # one digit per write
+            digit = (grid[axis] // power % base + 1).float()  # (block_size, H, d), in 1..base
+            found += (write(digit, digit) - 1).clamp(min=0) * power * stride
+            power *= base
+    ones = torch.ones((block_size, heads, head_dim), device=kv_cache.device)
+    side = write(ones, ones * 2)  # 1: a key, 2: a value, 0: nothing (padding)
     index = torch.full((2, block_size * heads * head_dim), -1, dtype=torch.long, device=kv_cache.device)
     for side_value in (1, 2):
         positions = (side == side_value).nonzero().flatten()
@@ -121,10 +206,18 @@ def _probe(layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def reads_back(layer: nn.Module, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> bool:
-    """Whether `read_slots` returns the `keys`/`values` just written at `slots` (exactly, in the cache's dtype)."""
+    """Whether `read_slots` returns the `keys`/`values` just written at `slots`: exactly, in the cache's dtype; within
+    one unit in the last place of the format for an fp8 cache (`fp8_tolerance`: the engine's own rounding)."""
     try:
         got_keys, got_values = read_slots(layer, slots)
+        codes = fp8_format(layer)
     except NotImplementedError:
         return False
-    dtype = got_keys.dtype
-    return torch.equal(got_keys, keys.to(dtype)) and torch.equal(got_values, values.to(dtype))
+    if codes is None:
+        dtype = got_keys.dtype
+        return torch.equal(got_keys, keys.to(dtype)) and torch.equal(got_values, values.to(dtype))
+    rtol, atol = fp8_tolerance(codes)
+    return all(
+        torch.allclose(got, quantize(want, codes, scale), rtol=rtol, atol=atol * scale)
+        for got, want, scale in zip((got_keys, got_values), (keys, values), engine_scales(layer), strict=True)
+    )

@@ -100,7 +100,7 @@ def command_line_shape(vllm_args: list[str]) -> EngineShape:
     >>> command_line_shape(["-tp", "2", "--kv-cache-dtype=fp8", "--max-model-len", "4096"])
     EngineShape(tensor_parallel_size=2, pipeline_parallel_size=1, data_parallel_size=1, \
 prefill_context_parallel_size=1, decode_context_parallel_size=1, cache_dtype='fp8', speculative=None, \
-multimodal=False, sliding_window=None, use_mla=False, hybrid=False, kv_cache_groups=1)
+multimodal=False, sliding_window=None, use_mla=False, hybrid=False, kv_cache_groups=1, device_type='cpu')
     ```
     """
     import argparse

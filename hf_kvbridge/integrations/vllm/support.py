@@ -4,8 +4,8 @@ status `"unsupported"` (`request_refusal`: a LoRA adapter, prompt embeddings, mu
 import of its own: `EngineShape.from_vllm_config` reads the attributes of a `VllmConfig`.
 
 The rule: nothing may report `"mapped"` with a cache the target could not use. An option the worker does not handle
-(an fp8 cache holds codes scaled by the engine; a pipeline stage holds only its layers; a draft model adds attention
-layers of its own) is refused with one line naming it, and the engine does not start.
+(a pipeline stage holds only its layers; a draft model adds attention layers of its own; a quantized cache other
+than fp8 holds codes nothing here reads) is refused with one line naming it, and the engine does not start.
 """
 
 from __future__ import annotations
@@ -17,7 +17,12 @@ from ...errors import ServingConfigError
 
 SERVED_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16", "half", "float")
 """`cache_dtype` values whose cache holds the model's numbers (written through the backend's own op, read back as
-they are). fp8 and the other quantized caches hold codes with the engine's scales: refused."""
+they are)."""
+
+SERVED_FP8_CACHE_DTYPES = ("fp8", "fp8_e4m3", "fp8_e5m2")
+"""fp8 `cache_dtype` values served on the CPU backend: written through the backend's own op (quantized the engine's
+way), read back (the gate, the exports) as codes dequantized with the engine's scales (`paged_cache.read_slots`).
+On another device the read-back is not implemented: refused there, as every other quantized cache is."""
 
 
 # vLLM's parallel sizes, by its own names (`ParallelConfig` attributes, `vllm serve` option destinations)
@@ -57,6 +62,7 @@ class EngineShape:
     use_mla: bool = False
     hybrid: bool = False  # attention-free or hybrid (Mamba) layers, or an encoder-decoder model
     kv_cache_groups: int = 1  # vLLM's KV cache groups (more than one: layers with different block tables)
+    device_type: str = "cpu"  # vLLM's device_config.device_type: "cpu", "cuda", ...
 
     @classmethod
     def from_vllm_config(cls, vllm_config: Any, kv_cache_config: Any = None) -> EngineShape:
@@ -76,6 +82,7 @@ class EngineShape:
             use_mla=bool(_attribute(model, "use_mla")),
             hybrid=hybrid,
             kv_cache_groups=len(groups) if groups else 1,
+            device_type=str(getattr(getattr(vllm_config, "device_config", None), "device_type", None) or "cpu"),
         )
 
 
@@ -94,16 +101,19 @@ def engine_refusal(shape: EngineShape, *, exports: bool = False) -> str | None:
 
     Served: tensor parallelism, on a mapping engine (each rank writes its own KV heads, `tensor_parallel.HeadShard`)
     and on an exporting one (each rank reads its own heads, gathered to rank 0, which writes the entries of all heads:
-    `export.export_sharded`); a cache of the model's numbers (`cache_dtype` auto, float32, float16 or bfloat16),
-    chunked prefill, prefix caching, any block size, LoRA-enabled engines (a request with an adapter is served
-    unbridged: `request_refusal`). `exports`: whether this engine exports its KV to a store (roles source and both),
-    which refuses nothing more today (kept so that callers say which engine they check).
+    `export.export_sharded`); a cache of the model's numbers (`cache_dtype` auto, float32, float16 or bfloat16), an
+    fp8 cache on the CPU backend (`SERVED_FP8_CACHE_DTYPES`; exported dequantized with the engine's scales), chunked
+    prefill, prefix caching, any block size, LoRA-enabled engines (a request with an adapter is served unbridged:
+    `request_refusal`). `exports`: whether this engine exports its KV to a store (roles source and both), which
+    refuses nothing more today (kept so that callers say which engine they check).
 
     Example:
 
     ```python
-    >>> engine_refusal(EngineShape(cache_dtype="fp8_e4m3"))[:22]
-    'cache_dtype=fp8_e4m3: '
+    >>> engine_refusal(EngineShape(cache_dtype="fp8_e4m3")) is None
+    True
+    >>> engine_refusal(EngineShape(cache_dtype="fp8_e4m3", device_type="cuda"))[:30]
+    'cache_dtype=fp8_e4m3 on cuda: '
     ```
     """
     if shape.pipeline_parallel_size > 1:
@@ -120,10 +130,16 @@ def engine_refusal(shape: EngineShape, *, exports: bool = False) -> str | None:
             f"data_parallel_size={shape.data_parallel_size}: not verified with the connector; run one engine per "
             "replica (each with its own connector) behind a router"
         )
-    if shape.cache_dtype not in SERVED_CACHE_DTYPES:
+    if shape.cache_dtype in SERVED_FP8_CACHE_DTYPES and shape.device_type != "cpu":
         return (
-            f"cache_dtype={shape.cache_dtype}: the cache holds quantized codes with the engine's scales, which the "
-            "quality gate and the exports cannot read back; serve with kv_cache_dtype auto, bfloat16 or float16"
+            f"cache_dtype={shape.cache_dtype} on {shape.device_type}: the quality gate and the exports read fp8 codes "
+            "back on the CPU backend only; serve with kv_cache_dtype auto, bfloat16 or float16"
+        )
+    if shape.cache_dtype not in SERVED_CACHE_DTYPES + SERVED_FP8_CACHE_DTYPES:
+        return (
+            f"cache_dtype={shape.cache_dtype}: the cache holds quantized codes the quality gate and the exports "
+            "cannot read back (fp8, fp8_e4m3 and fp8_e5m2 are read); serve with kv_cache_dtype auto, bfloat16, "
+            "float16 or fp8"
         )
     if shape.speculative is not None:
         return (
@@ -182,3 +198,53 @@ def request_refusal(request: Any) -> str | None:
     if getattr(request, "mm_features", None):
         return "multi-modal inputs: the source sees only their placeholder tokens"
     return None
+
+
+def utilization_with_source(gpu_memory_utilization: float, source_bytes: int, total_bytes: int) -> float:
+    """The `gpu_memory_utilization` to give vLLM so that the source model's weights (`source_bytes`, loaded by the
+    connector on every rank) fit beside what vLLM sized with `gpu_memory_utilization` of a device of `total_bytes`.
+
+    vLLM 0.32 builds the worker's connector in `Worker.initialize_from_config`, after `determine_available_memory`
+    sized the KV cache (`gpu_memory_utilization × total − weights − activations`): the source is never counted
+    there, and nothing the connector can set changes that sizing afterwards. So the operator leaves the room, by this
+    arithmetic (or serves a store-only target, which loads no source weights). Raises `ServingConfigError` when the
+    source alone takes all of the budget.
+
+    Example (a Qwen3-14B source, 29.5 GB in bfloat16, beside a Qwen3-32B target at TP 2 on 80 GB GPUs):
+
+    ```python
+    >>> round(utilization_with_source(0.9, 29_500_000_000, 80_000_000_000), 3)
+    0.531
+    ```
+    """
+    left = gpu_memory_utilization - source_bytes / total_bytes
+    if left <= 0:
+        raise ServingConfigError(
+            f"the source's weights ({source_bytes / 2**30:.1f} GiB) take more than gpu_memory_utilization="
+            f"{gpu_memory_utilization} of the device ({total_bytes / 2**30:.1f} GiB); serve a store-only target "
+            "(source_weights false) or a larger device"
+        )
+    return left
+
+
+def source_memory_note(source_bytes: int, cache_config: Any, device_type: str = "cpu") -> str:
+    """The start-up line saying that the source's `source_bytes` were loaded after vLLM sized its KV cache, and what
+    to set (`cache_config`: vLLM's `CacheConfig`, its `gpu_memory_utilization` and `kv_cache_memory_bytes`)."""
+    size = f"{source_bytes / 2**30:.2f} GiB" if source_bytes >= 2**30 else f"{source_bytes / 2**20:.1f} MiB"
+    if device_type == "cpu":
+        return (
+            f"the source's weights ({size}) are loaded after vLLM sized its KV cache and are not in it: the host's "
+            "memory must hold them beside the target's weights and VLLM_CPU_KVCACHE_SPACE / kv_cache_memory_bytes"
+        )
+    explicit = getattr(cache_config, "kv_cache_memory_bytes", None)
+    if explicit:
+        return (
+            f"the source's weights ({size}) are loaded after vLLM sized its KV cache and are not in "
+            f"kv_cache_memory_bytes={explicit}: leave them room on the device"
+        )
+    utilization = float(getattr(cache_config, "gpu_memory_utilization", 0.9))
+    return (
+        f"the source's weights ({size}) are loaded after vLLM sized its KV cache with gpu_memory_utilization="
+        f"{utilization}: set it to {utilization} - {size} / the device's memory "
+        "(support.utilization_with_source), or serve a store-only target"
+    )
