@@ -22,7 +22,7 @@ import torch
 from ...errors import InvalidInputError, StoreFormatError, StoreMissError, StoreUnavailableError
 from .base import KVStore, at_once, spread
 from .encodings import DEFAULT_ENCODING, check_encoding
-from .format import copy_into, decode_chunk, encode_chunk
+from .format import ChunkEncoder, copy_into, decode_chunk
 from .keys import DEFAULT_CHUNK_SIZE, SequenceKeys, as_token_list, sequence_keys
 from .writer import AsyncWriter
 
@@ -293,15 +293,12 @@ class PrefixKVStore:
                 stored = self.store.probe([e[0] for e in wanted], [], timeout=self._writer_deadline())[0]
                 wanted = [entry for entry, n in zip(wanted, stored, strict=True) if not n]
 
+            encoder = ChunkEncoder(keys, values, model_id=self.model_id, encoding=self.encoding)
+
             def write(group: list, ttl_s: float | None) -> None:  # one of the writers: encodes its entries, writes
                 began = time.thread_time()
-                items = {
-                    key: encode_chunk([k[:, lo - start : hi - start] for k in keys],
-                                      [v[:, lo - start : hi - start] for v in values],
-                                      model_id=self.model_id, start=lo, token_ids=tokens[lo:hi],
-                                      encoding=self.encoding)
-                    for key, lo, hi, _ in group
-                }  # fmt: skip
+                items = {key: encoder.encode(lo - start, hi - start, start=lo, token_ids=tokens[lo:hi])
+                         for key, lo, hi, _ in group}  # views into keys/values, sent as they are  # fmt: skip
                 try:
                     self.store.put_many(items, ttl_s=ttl_s)
                 finally:

@@ -21,7 +21,7 @@ import importlib
 import logging
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from ...errors import MissingDependencyError, ServingConfigError, StoreUnavailableError
@@ -29,6 +29,10 @@ from .base import KVStore, StoreMetrics, spread
 from .deadline import DeadlineExceeded, NodeHealth, within
 from .encodings import DEFAULT_ENCODING, ENCODINGS
 from .keys import model_digest, parse_key, scan_pattern
+from .wire import SetPipeline
+
+if TYPE_CHECKING:
+    from .format import ChunkPayload
 
 logger = logging.getLogger(__name__)
 
@@ -395,12 +399,12 @@ class RedisKVStore(RedisStoreBase):
     def exists_many(self, keys: list[str]) -> list[bool]:
         return [size > 0 for size in self.probe(keys, [])[0]]
 
-    def put_many(self, items: dict[str, bytes], *, ttl_s: float | None = None) -> None:
+    def put_many(self, items: dict[str, bytes | ChunkPayload], *, ttl_s: float | None = None) -> None:
         if not items:
             return
 
-        def send(part: list[tuple[str, bytes]]) -> None:
-            pipe = self._bulk.pipeline(transaction=False)
+        def send(part: list[tuple[str, bytes | ChunkPayload]]) -> None:
+            pipe = SetPipeline(self._bulk)  # a ChunkPayload's parts sent as they are
             for key, payload in part:
                 pipe.set(key, payload, px=self._ttl_ms(ttl_s))
             pipe.execute()
