@@ -123,8 +123,8 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 class ChunkPayload:
-    """An encoded chunk as the buffers its bytes are made of, in order (`encode_chunk_views`): the safetensors header
-    with the token ids, then each stored tensor's bytes as views into the tensor itself (1-D `uint8` arrays, one per
+    """An encoded chunk as the buffers its bytes are made of, in order (`encode_chunk_views`): the safetensors header,
+    the token ids, then each stored tensor's bytes as views into the tensor itself (1-D `uint8` arrays, one per
     contiguous run: the whole tensor, or one per KV head of a slice of a longer cache). A store sends the parts as
     they are (`wire.SetPipeline`), so a save copies nothing; `bytes(payload)` joins them (what `encode_chunk`
     returns).
