@@ -95,7 +95,8 @@ def test_the_checksum_catches_a_tensor_changed_after_encoding_and_a_flipped_byte
 
 def test_send_parts_sends_every_byte_in_order_through_partial_sends():
     sender, receiver = socket.socketpair()
-    sender.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)  # every sendmsg sends a part of what it is given
+    sender.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    sender.settimeout(30)  # as the redis client's sockets: non-blocking inside, so a sendmsg sends what fits
     received = bytearray()
 
     def read():
