@@ -78,8 +78,8 @@ class StoreMetrics:
         writes_dropped (`int`): chunks the asynchronous writer dropped because its queue was full.
         fetch_seconds (`float`): time spent in fetches (`get_many`), summed.
         put_seconds (`float`): time spent in writes (`put_many`), summed.
-        writer_cpu_seconds (`float`): CPU time of the asynchronous writer's thread and of the threads a save encodes
-            on (gathers, checksums, the client's sends of one chunk; the store's I/O threads' not included): what an
+        writer_cpu_seconds (`float`): CPU time of the asynchronous writer's thread, of the threads a save encodes
+            on (views, checksums, sends) and of the store's I/O threads' sends (`SetPipeline.cpu_seconds`): what an
             export costs its engine's host past the step's gather.
 
     Example:

@@ -374,8 +374,14 @@ class RedisClusterKVStore(RedisStoreBase):
             for i in indices:
                 pipe.set(keys[i], items[keys[i]], px=ttl_ms)
 
-        results = self._each_node(f"SET of {len(items)} chunks", groups, build, None, bulk=True,
-                                  pipeline=SetPipeline)  # a ChunkPayload's parts sent as they are  # fmt: skip
+        pipes: list[SetPipeline] = []
+
+        def pipeline(client) -> SetPipeline:  # a ChunkPayload's parts sent as they are
+            pipes.append(SetPipeline(client))
+            return pipes[-1]
+
+        results = self._each_node(f"SET of {len(items)} chunks", groups, build, None, bulk=True, pipeline=pipeline)
+        self.metrics.add(writer_cpu_seconds=sum(pipe.cpu_seconds for pipe in pipes))  # on the store's I/O threads
         written, errors = [], []
         for node, indices in groups.items():
             result = results[node]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import socket
 import ssl
+import time
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -142,6 +143,7 @@ class SetPipeline:
         self.client = client
         self._parts: list = []  # byte buffers
         self._count = 0
+        self.cpu_seconds = 0.0  # the thread CPU time of its `execute`s (sends and replies), summed
 
     def set(self, key: str, value: bytes | ChunkPayload, px: int | None = None) -> SetPipeline:
         """Queues `SET key value [PX px]`."""
@@ -157,6 +159,13 @@ class SetPipeline:
         after reading them all, or the client's connection or timeout error (the connection is then dropped)."""
         if not self._count:
             return []
+        began = time.thread_time()
+        try:
+            return self._execute()
+        finally:
+            self.cpu_seconds += time.thread_time() - began
+
+    def _execute(self) -> list[bool]:
         parts, count = self._parts, self._count
         self._parts, self._count = [], 0
         pool = self.client.connection_pool
