@@ -155,3 +155,14 @@ def test_a_save_hands_the_store_views_of_its_tensors(server):
         store.delete_many([piece[0] for piece in found.pieces])
     finally:
         store.close()
+
+
+def test_the_sends_on_the_store_io_threads_count_as_the_writers_cpu_time(server):
+    store = RedisKVStore(server.url, timeout=2.0, connections=4)
+    try:
+        items = {f"kvbridge-test:cpu:{i}": bytes([i]) * (4 << 20) for i in range(8)}  # 4 pipelines on I/O threads
+        store.put_many(items)
+        assert store.metrics.as_dict()["writer_cpu_seconds"] > 0
+        store.delete_many(list(items))
+    finally:
+        store.close()
