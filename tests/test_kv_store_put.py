@@ -166,3 +166,24 @@ def test_the_sends_on_the_store_io_threads_count_as_the_writers_cpu_time(server)
         store.delete_many(list(items))
     finally:
         store.close()
+
+
+def test_a_small_write_is_sent_on_the_calling_thread(server):
+    store = RedisKVStore(server.url, timeout=2.0, connections=4)
+    threads: list[str] = []
+    execute = SetPipeline.execute
+
+    def record(pipe):
+        threads.append(threading.current_thread().name)
+        return execute(pipe)
+
+    SetPipeline.execute = record
+    try:
+        store.put_many({f"kvbridge-test:small:{i}": bytes(1000) for i in range(8)})  # 8 KB: one pipeline, here
+        assert threads == [threading.current_thread().name]
+        store.put_many({f"kvbridge-test:large:{i}": bytes(1 << 20) for i in range(8)})  # 8 MB: 4 at once
+        assert len(threads) == 5 and all(name.startswith("kvbridge-store-io") for name in threads[1:])
+        store.delete_many([f"kvbridge-test:{kind}:{i}" for kind in ("small", "large") for i in range(8)])
+    finally:
+        SetPipeline.execute = execute
+        store.close()

@@ -38,8 +38,29 @@ def spread(items: list[T], parts: int) -> list[list[T]]:
     return runs
 
 
+SPREAD_BYTES = 2 << 20
+"""A write is spread over several connections (threads) only in parts of at least this many bytes: a smaller one is
+sent on the calling thread, where handing it to another thread costs more CPU time than it saves wall time."""
+
+
+def spread_parts(nbytes: int, connections: int) -> int:
+    """Parts to spread a write of `nbytes` over: one per `SPREAD_BYTES`, at most `connections`, at least one.
+
+    Example:
+
+    ```python
+    >>> spread_parts(1 << 20, 4), spread_parts(5 << 20, 4), spread_parts(100 << 20, 4)
+    (1, 2, 4)
+    ```
+    """
+    return max(1, min(connections, nbytes // SPREAD_BYTES))
+
+
 def at_once(calls: list[Callable[[], None]]) -> None:
-    """Runs `calls` on threads of their own and waits for all; raises the first error."""
+    """Runs `calls` on threads of their own (one alone: here) and waits for all; raises the first error."""
+    if len(calls) == 1:
+        calls[0]()
+        return
     errors: list[BaseException] = []
 
     def run(call: Callable[[], None]) -> None:

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from ...errors import MissingDependencyError, ServingConfigError, StoreUnavailableError
-from .base import KVStore, StoreMetrics, spread
+from .base import KVStore, StoreMetrics, spread, spread_parts
 from .deadline import DeadlineExceeded, NodeHealth, within
 from .encodings import DEFAULT_ENCODING, ENCODINGS
 from .keys import model_digest, parse_key, scan_pattern
@@ -403,7 +403,7 @@ class RedisKVStore(RedisStoreBase):
         if not items:
             return
 
-        parts = spread(list(items.items()), self.connections)
+        parts = spread(list(items.items()), spread_parts(sum(len(p) for p in items.values()), self.connections))
         pipes = [SetPipeline(self._bulk) for _ in parts]  # a ChunkPayload's parts sent as they are
 
         def send(pipe: SetPipeline, part: list[tuple[str, bytes | ChunkPayload]]) -> None:
