@@ -251,7 +251,11 @@ def add_bench(sub) -> None:
     vllm.add_argument(
         "--source-throughput",
         action="store_true",
-        help="with --store: also the source engine's throughput, alone and exporting (requests opted in and not)",
+        help="with --store: also the source engine's throughput, alone and exporting (requests opted in and not, "
+        "interleaved in each round), and the export's CPU time against the engine's time for the same tokens",
+    )
+    vllm.add_argument(
+        "--source-rounds", type=_positive_int, help="with --source-throughput: rounds (default: --repeats)"
     )
     vllm.add_argument("--repeats", type=_positive_int, default=5, help="TTFT samples per length and mode")
     vllm.add_argument("--requests", type=_positive_int, default=8, help="requests per throughput batch")

@@ -192,12 +192,13 @@ def _slowed_calls(target, name: str, seconds: float, keywords: list | None = Non
 def test_a_fetch_and_a_write_spread_over_the_store_connections(server):
     store = RedisKVStore(server.url, timeout=2.0, connections=4)
     try:
-        items = {f"kvbridge-test:spread:{i}": bytes([i]) * 1000 for i in range(8)}
-        sets = _slowed_calls(store._bulk, "pipeline", 0.2)
+        items = {f"kvbridge-test:spread:{i}": bytes([i]) * (1 << 20) for i in range(8)}  # 8 MB: 4 parts of 2 MB
+        sets = _slowed_calls(store._bulk.connection_pool, "get_connection", 0.2)  # a SetPipeline's, each
         began = time.perf_counter()
         store.put_many(items)
         assert len(sets) == 4 and len({thread for thread, _ in sets}) == 4
         assert time.perf_counter() - began < 0.6  # four at once, not 0.8 s one after another
+        del store._bulk.connection_pool.get_connection  # the pool's own again
         gets = _slowed_calls(store._bulk, "mget", 0.2)
         began = time.perf_counter()
         assert store.get_many([*items, "kvbridge-test:spread:none"]) == [*items.values(), None]  # in order

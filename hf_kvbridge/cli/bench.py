@@ -195,7 +195,7 @@ def bench_vllm(args: argparse.Namespace) -> int:
 
     names = ("lengths", "bridge", "shapes", "pair", "num_sequences", "seq_len", "top_k", "repeats", "requests",
              "max_tokens", "dtype", "block_size", "kv_cache_gb", "max_model_len", "store", "chunk_sizes",
-             "fetch_parts", "source_throughput")  # fmt: skip
+             "fetch_parts", "source_throughput", "source_rounds")  # fmt: skip
     result = run_benchmark(**{name: getattr(args, name) for name in names if getattr(args, name, None) is not None})
     result["settings"] = vars(args)
     text = json.dumps(result, indent=2)

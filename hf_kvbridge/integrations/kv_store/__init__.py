@@ -32,7 +32,16 @@ from .backends import open_store
 from .base import KVStore, StoreMetrics
 from .dynamic_cache import load_cache, save_cache
 from .encodings import ENCODINGS
-from .format import CHUNK_VERSION, FORMAT_NAME, decode_chunk, encode_chunk, read_metadata
+from .format import (
+    CHUNK_VERSION,
+    FORMAT_NAME,
+    ChunkEncoder,
+    ChunkPayload,
+    decode_chunk,
+    encode_chunk,
+    encode_chunk_views,
+    read_metadata,
+)
 from .keys import (
     DEFAULT_CHUNK_SIZE,
     FORMAT_VERSION,
@@ -62,6 +71,8 @@ __all__ = [
     "KEY_PREFIX",
     "STORE_SCHEMES",
     "AsyncWriter",
+    "ChunkEncoder",
+    "ChunkPayload",
     "CLUSTER_SCHEMES",
     "FetchedRun",
     "KVStore",
@@ -81,6 +92,7 @@ __all__ = [
     "sequence_keys",
     "decode_chunk",
     "encode_chunk",
+    "encode_chunk_views",
     "find_server_binary",
     "load_cache",
     "model_digest",

@@ -38,9 +38,29 @@ def spread(items: list[T], parts: int) -> list[list[T]]:
     return runs
 
 
+SPREAD_BYTES = 2 << 20
+"""A write is spread over several connections (threads) only in parts of at least this many bytes: a smaller one is
+sent on the calling thread, where handing it to another thread costs more CPU time than it saves wall time."""
+
+
+def spread_parts(nbytes: int, connections: int) -> int:
+    """Parts to spread a write of `nbytes` over: one per `SPREAD_BYTES`, at most `connections`, at least one.
+
+    Example:
+
+    ```python
+    >>> spread_parts(1 << 20, 4), spread_parts(5 << 20, 4), spread_parts(100 << 20, 4)
+    (1, 2, 4)
+    ```
+    """
+    return max(1, min(connections, nbytes // SPREAD_BYTES))
+
+
 def at_once(calls: list[Callable[[], Any]]) -> list[Any]:
-    """Runs `calls` on threads of their own, waits for all and returns their results in order; raises the first
-    error."""
+    """Runs `calls` on threads of their own (one alone: here), waits for all and returns their results in order;
+    raises the first error."""
+    if len(calls) == 1:
+        return [calls[0]()]
     results: list[Any] = [None] * len(calls)
     errors: list[BaseException] = []
 
@@ -81,8 +101,8 @@ class StoreMetrics:
         writes_dropped (`int`): chunks the asynchronous writer dropped because its queue was full.
         fetch_seconds (`float`): time spent in fetches (`get_many`), summed.
         put_seconds (`float`): time spent in writes (`put_many`), summed.
-        writer_cpu_seconds (`float`): CPU time of the asynchronous writer's thread and of the threads a save encodes
-            on (gathers, checksums, the client's sends of one chunk; the store's I/O threads' not included): what an
+        writer_cpu_seconds (`float`): CPU time of the asynchronous writer's thread, of the threads a save encodes
+            on (views, checksums, sends) and of the store's I/O threads' sends (`SetPipeline.cpu_seconds`): what an
             export costs its engine's host past the step's gather.
 
     Example:

@@ -14,7 +14,9 @@ The safetensors metadata says what the payload is (`format`, `version`, `model_i
 refuses anything else, or a damaged payload, with a `StoreFormatError` instead of handing back wrong K/V.
 
 Version 3 (written now) checks its bytes with XXH3-64 (`xxhash`, several GB/s: a fraction of a copy) over the whole
-tensor region in one pass; version 2 (written before, the source's dtype only) with CRC-32 (zlib), and is still read.
+tensor region in one pass; it is written without copying the tensors (`encode_chunk_views`: the header, then views
+into the tensors, which a store sends as they are). Version 2 (written before, the source's dtype only) checks them
+with CRC-32 (zlib), and is still read.
 `decode_chunk` reads the tensors as views into the received payload (`torch.frombuffer`): no per-chunk copy.
 """
 
@@ -53,8 +55,6 @@ READ_VERSIONS = (2, 3)
 TOKEN_IDS = "token_ids"
 """The name of a chunk's token-id tensor."""
 
-_PLACEHOLDER = "0" * 16  # an XXH3-64 digest's length in hex
-
 # the dtypes of safetensors' header, and back
 _DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
            "I64": torch.int64, "I32": torch.int32, "U8": torch.uint8, "I8": torch.int8, "BOOL": torch.bool,
@@ -73,14 +73,24 @@ def _name(layer: int, kind: str) -> str:
     return f"layers.{layer}.{kind}"
 
 
-def _xxh3():
+def _xxhash():
     try:
         import xxhash
     except ImportError:
         raise MissingDependencyError(
             "the KV store's chunk checksum needs xxhash: pip install 'hf-kvbridge[store]' (or pip install xxhash)"
         ) from None
-    return xxhash.xxh3_64_hexdigest
+    return xxhash
+
+
+def _xxh3():
+    """XXH3-64 of one buffer, as 16 hex digits."""
+    return _xxhash().xxh3_64_hexdigest
+
+
+def _xxh3_stream():
+    """The XXH3-64 hasher class (`update` over parts: the digest of their concatenation)."""
+    return _xxhash().xxh3_64
 
 
 def _crc32(keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor], token_ids: torch.Tensor) -> str:
@@ -112,6 +122,199 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+class ChunkPayload:
+    """An encoded chunk as the buffers its bytes are made of, in order (`encode_chunk_views`): the safetensors header,
+    the token ids, then each stored tensor's bytes as views into the tensor itself (1-D `uint8` arrays, one per
+    contiguous run: the whole tensor, or one per KV head of a slice of a longer cache). A store sends the parts as
+    they are (`wire.SetPipeline`), so a save copies nothing; `bytes(payload)` joins them (what `encode_chunk`
+    returns).
+
+    The views read the tensors when they are sent: the tensors must not change until then (a change is caught by
+    the checksum on fetch: a miss, never a wrong cache).
+
+    Attributes:
+        parts (tuple): the payload's bytes, in order: `bytes` or 1-D byte buffers (`uint8` arrays, memoryviews).
+        nbytes (`int`): their total length (also `len(payload)`).
+    """
+
+    __slots__ = ("parts", "nbytes")
+
+    def __init__(self, parts: Sequence[bytes | np.ndarray | memoryview]):
+        self.parts = tuple(parts)
+        self.nbytes = sum(memoryview(part).nbytes for part in self.parts)
+
+    def __len__(self) -> int:
+        return self.nbytes
+
+    def __bytes__(self) -> bytes:
+        return b"".join(self.parts)
+
+    def __repr__(self) -> str:
+        return f"ChunkPayload({len(self.parts)} parts, {self.nbytes:,} bytes)"
+
+
+MIN_SEGMENT = 16 << 10
+"""A tensor whose per-head runs are shorter than this (bytes: a partial chunk's sub-chunks, 16 tokens) is gathered
+into one contiguous copy rather than sent as one view per head: copying a few KB costs less than handling (hashing,
+sending) each as a part of its own."""
+
+
+def _bytes_view(tensor: torch.Tensor) -> np.ndarray:
+    """`tensor`'s bytes as a `uint8` array of its shape (the last dimension × its item size): a view of a CPU tensor
+    whose last dimension is contiguous, else a contiguous copy (another device, other strides)."""
+    if tensor.device.type != "cpu" or tensor.dim() == 0 or tensor.stride(-1) != 1 or tensor.dtype == torch.bool:
+        gathered = torch.empty(tensor.shape, dtype=tensor.dtype)  # the one copy
+        copy_into(gathered, tensor)
+        tensor = gathered
+    return tensor.view(torch.uint8).numpy()
+
+
+def _segments(array: np.ndarray) -> list[np.ndarray]:
+    """The bytes of `array` (`uint8`, e.g. `(kv_heads, tokens, head_dim * itemsize)`) in row-major order as 1-D views
+    into it: one for a contiguous array, one per KV head for a slice of a longer `(H, T, ...)` cache whose heads are
+    each contiguous and at least `MIN_SEGMENT` bytes; any other layout (a transposed cache, short heads) gathered into
+    one copy. (numpy arrays, not memoryviews: the garbage collector does not track them, and a save makes hundreds a
+    chunk.)"""
+    if array.size == 0:
+        return []
+    if array.flags.c_contiguous:
+        return [array.reshape(-1)]
+    if array.ndim > 1 and array[0].flags.c_contiguous and array[0].size >= MIN_SEGMENT:
+        return [head.reshape(-1) for head in array]
+    return [np.ascontiguousarray(array).reshape(-1)]
+
+
+class ChunkEncoder:
+    """Encodes chunks of one save's K/V (tokens `[0, T)` of every layer) without copying them: each chunk's payload is
+    the header and views into the tensors (`ChunkPayload`), checksummed in one XXH3-64 pass over the views. The
+    tensors are turned into byte arrays once for all the chunks (an encoding that keeps them as they are: `source`,
+    or `bfloat16` of a bfloat16 source); other encodings (fp8, a cast) are computed per chunk.
+
+    Args:
+        keys (list of `torch.Tensor`): per layer, `(kv_heads, T, head_dim_l)`, post-RoPE; any device and dtype.
+        values (list of `torch.Tensor`): per layer, the same shape as `keys[l]`.
+        model_id (`str`): the identity of the model that computed them (`model_identity`).
+        encoding (`str`, *optional*, defaults to `"source"`): `"source"`, `"bfloat16"` or `"fp8_e4m3"`.
+
+    Example:
+
+    ```python
+    >>> cache = torch.randn(2, 8, 4)  # (kv_heads, tokens, head_dim)
+    >>> encoder = ChunkEncoder([cache], [cache], model_id="m")
+    >>> payload = encoder.encode(4, 8, start=4, token_ids=[5, 6, 7, 8])
+    >>> decode_chunk(bytes(payload), model_id="m", start=4)[0][0].equal(cache[:, 4:])
+    True
+    ```
+    """
+
+    def __init__(
+        self,
+        keys: Sequence[torch.Tensor],
+        values: Sequence[torch.Tensor],
+        *,
+        model_id: str,
+        encoding: str = DEFAULT_ENCODING,
+    ):
+        if len(keys) != len(values) or not keys:
+            raise InvalidInputError(f"encode_chunk needs keys and values for the same ≥ 1 layers, got {len(keys)} "
+                                    f"and {len(values)}")  # fmt: skip
+        check_encoding(encoding)
+        self.tokens = keys[0].shape[1] if keys[0].dim() == 3 else -1
+        for layer, (k, v) in enumerate(zip(keys, values, strict=True)):
+            if k.dim() != 3 or k.shape != v.shape or k.shape[1] != self.tokens:
+                raise InvalidInputError(
+                    f"layer {layer}: keys {tuple(k.shape)} and values {tuple(v.shape)} must both be (kv_heads, "
+                    f"tokens, head_dim) with the {self.tokens} tokens of layer 0"
+                )
+        self.model_id, self.encoding, self.layers = model_id, encoding, len(keys)
+        self.dtype = keys[0].dtype
+        # per layer, keys then values: (name, tensor, its bytes (H, T, d * itemsize) when the encoding keeps it as is)
+        self._tensors = []
+        for layer, (k, v) in enumerate(zip(keys, values, strict=True)):
+            for kind, tensor in (("keys", k), ("values", v)):
+                tensor = tensor.detach()
+                kept = encoding == "source" or (encoding == "bfloat16" and tensor.dtype == torch.bfloat16)
+                self._tensors.append((_name(layer, kind), tensor, _bytes_view(tensor) if kept else None))
+
+    def encode(self, lo: int, hi: int, *, start: int, token_ids: Sequence[int]) -> ChunkPayload:
+        """The chunk of tokens `[lo, hi)` of the tensors, at absolute positions `start ..`, of tokens `token_ids`."""
+        if isinstance(start, bool) or not isinstance(start, int) or start < 0:
+            raise InvalidInputError(f"start must be the chunk's first absolute position (an int ≥ 0), got {start!r}")
+        if not 0 <= lo <= hi <= self.tokens:
+            raise InvalidInputError(f"encode: tokens [{lo}, {hi}) of K/V of {self.tokens} tokens")
+        ids = np.asarray(list(token_ids), dtype=np.int64)  # (tokens,)
+        if ids.ndim != 1 or len(ids) != hi - lo:
+            raise InvalidInputError(
+                f"encode_chunk: {len(ids)} token ids for K/V of {hi - lo} tokens; pass the chunk's tokens"
+            )
+        entries: list[tuple[str, str, list[int], list[np.ndarray]]] = [
+            (TOKEN_IDS, "I64", [len(ids)], [ids.view(np.uint8)])
+        ]  # (name, safetensors dtype, shape, its bytes)
+        for name, tensor, kept in self._tensors:
+            if kept is not None:  # a view of the tokens' bytes: (H, hi - lo, d * itemsize)
+                shape = [tensor.shape[0], hi - lo, tensor.shape[2]]
+                entries.append((name, _NAMES[tensor.dtype], shape, _segments(kept[:, lo:hi])))
+                continue
+            for suffix, part in encode_tensor(tensor[:, lo:hi], self.encoding).items():  # fp8 codes and scales, casts
+                entries.append((name + suffix, _NAMES[part.dtype], list(part.shape), _segments(_bytes_view(part))))
+        header: dict[str, dict] = {}
+        data: list[np.ndarray] = []
+        hasher = _xxh3_stream()()
+        offset = 0
+        for name, dtype, shape, segments in entries:
+            size = sum(len(segment) for segment in segments)
+            header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + size]}
+            offset += size
+            for segment in segments:  # one pass over the tensor region: one XXH3-64 of its concatenation
+                hasher.update(segment)
+            data += segments
+        header["__metadata__"] = {
+            "format": FORMAT_NAME,
+            "version": str(CHUNK_VERSION),
+            "model_id": self.model_id,
+            "start": str(start),
+            "tokens": str(hi - lo),
+            "layers": str(self.layers),
+            "encoding": self.encoding,
+            "dtype": dtype_name(self.dtype),
+            "xxh3": hasher.hexdigest(),
+        }
+        text = json.dumps(header, separators=(",", ":")).encode()
+        text += b" " * (-len(text) % 8)  # safetensors pads its header to 8 bytes
+        return ChunkPayload([struct.pack("<Q", len(text)) + text, *data])
+
+
+def encode_chunk_views(
+    keys: Sequence[torch.Tensor],
+    values: Sequence[torch.Tensor],
+    *,
+    model_id: str,
+    start: int,
+    token_ids: Sequence[int],
+    encoding: str = DEFAULT_ENCODING,
+) -> ChunkPayload:
+    """Serializes one chunk of K/V (every layer, the same tokens) for the store without copying its tensors
+    (`ChunkEncoder`): the payload's parts are the header and views into the tensors. Its bytes are exactly
+    `encode_chunk`'s.
+
+    Args: as `encode_chunk`.
+
+    Returns:
+        `ChunkPayload`: the parts of the safetensors payload; `bytes(payload)` joins them.
+
+    Example:
+
+    ```python
+    >>> cache = torch.randn(2, 8, 4)  # (kv_heads, tokens, head_dim) of a longer sequence
+    >>> payload = encode_chunk_views([cache[:, :4]], [cache[:, 4:]], model_id="m", start=0, token_ids=[1, 2, 3, 4])
+    >>> len(payload) == len(bytes(payload)), decode_chunk(bytes(payload), model_id="m")[0][0].equal(cache[:, :4])
+    (True, True)
+    ```
+    """
+    encoder = ChunkEncoder(keys, values, model_id=model_id, encoding=encoding)
+    return encoder.encode(0, encoder.tokens, start=start, token_ids=token_ids)
+
+
 def encode_chunk(
     keys: Sequence[torch.Tensor],
     values: Sequence[torch.Tensor],
@@ -121,12 +324,13 @@ def encode_chunk(
     token_ids: Sequence[int],
     encoding: str = DEFAULT_ENCODING,
 ) -> bytes:
-    """Serializes one chunk of K/V (every layer, the same tokens) for the store.
+    """Serializes one chunk of K/V (every layer, the same tokens) for the store, as one `bytes` (a store's save sends
+    `encode_chunk_views`' parts instead, without this join).
 
     Args:
-        keys (list of `torch.Tensor`): per layer, `(kv_heads_l, tokens, head_dim_l)`, post-RoPE at absolute
+        keys (list of `torch.Tensor`): per layer, `(kv_heads, tokens, head_dim_l)`, post-RoPE at absolute
             positions `start .. start + tokens - 1`; any device and dtype; views (a slice of a longer cache) are
-            gathered straight into the payload.
+            read where they are.
         values (list of `torch.Tensor`): per layer, the same shape as `keys[l]`.
         model_id (`str`): the identity of the model that computed them (`model_identity`).
         start (`int`): absolute position of the chunk's first token.
@@ -146,63 +350,8 @@ def encode_chunk(
     True
     ```
     """
-    if len(keys) != len(values) or not keys:
-        raise InvalidInputError(f"encode_chunk needs keys and values for the same ≥ 1 layers, got {len(keys)} and "
-                                f"{len(values)}")  # fmt: skip
-    if isinstance(start, bool) or not isinstance(start, int) or start < 0:
-        raise InvalidInputError(f"start must be the chunk's first absolute position (an int ≥ 0), got {start!r}")
-    check_encoding(encoding)
-    tokens = keys[0].shape[1] if keys[0].dim() == 3 else -1
-    ids = torch.tensor(list(token_ids), dtype=torch.int64)  # (tokens,)
-    if ids.dim() != 1 or len(ids) != tokens:
-        raise InvalidInputError(
-            f"encode_chunk: {len(ids)} token ids for K/V of {tokens} tokens; pass the chunk's tokens"
-        )
-    tensors: list[tuple[str, torch.Tensor]] = [(TOKEN_IDS, ids)]
-    for layer, (k, v) in enumerate(zip(keys, values, strict=True)):
-        if k.dim() != 3 or k.shape != v.shape or k.shape[1] != tokens:
-            raise InvalidInputError(
-                f"layer {layer}: keys {tuple(k.shape)} and values {tuple(v.shape)} must both be (kv_heads, tokens, "
-                f"head_dim) with the {tokens} tokens of layer 0"
-            )
-        for kind, tensor in (("keys", k), ("values", v)):
-            for suffix, part in encode_tensor(tensor.detach(), encoding).items():
-                tensors.append((_name(layer, kind + suffix), part))
-    header: dict[str, dict] = {}
-    offset = 0
-    for name, tensor in tensors:
-        size = tensor.numel() * tensor.element_size()
-        header[name] = {"dtype": _NAMES[tensor.dtype], "shape": list(tensor.shape), "data_offsets": [offset,
-                        offset + size]}  # fmt: skip
-        offset += size
-    header["__metadata__"] = {
-        "format": FORMAT_NAME,
-        "version": str(CHUNK_VERSION),
-        "model_id": model_id,
-        "start": str(start),
-        "tokens": str(tokens),
-        "layers": str(len(keys)),
-        "encoding": encoding,
-        "dtype": dtype_name(keys[0].dtype),
-        "xxh3": _PLACEHOLDER,  # the checksum's 16 hex digits, written in once the tensors are in
-    }
-    text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)  # safetensors pads its header to 8 bytes
-    base = 8 + len(text)
-    # One allocation and one copy: a fresh (zero) bytes object is filled in place before anything else holds it, as
-    # C code builds one; the tensors are gathered straight from the (possibly strided, possibly GPU) cache into it.
-    payload = bytes(base + offset)
-    out = torch.frombuffer(payload, dtype=torch.uint8)  # (base + offset,)
-    out[:8] = torch.tensor(list(struct.pack("<Q", len(text))), dtype=torch.uint8)
-    out[8:base] = torch.frombuffer(bytearray(text), dtype=torch.uint8)
-    for (_, tensor), entry in zip(tensors, header.values(), strict=False):
-        lo, hi = entry["data_offsets"]
-        if hi > lo:
-            copy_into(out[base + lo : base + hi].view(tensor.dtype).view(tensor.shape), tensor)
-    digest = _xxh3()(memoryview(payload)[base:]).encode()
-    at = 8 + text.index(_PLACEHOLDER.encode())
-    out[at : at + len(digest)] = torch.frombuffer(bytearray(digest), dtype=torch.uint8)
-    return payload
+    return bytes(encode_chunk_views(keys, values, model_id=model_id, start=start, token_ids=token_ids,
+                                    encoding=encoding))  # fmt: skip
 
 
 def _parse(payload) -> tuple[dict, dict[str, str], int]:

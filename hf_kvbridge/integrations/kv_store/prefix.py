@@ -20,9 +20,9 @@ from typing import Any
 import torch
 
 from ...errors import InvalidInputError, StoreFormatError, StoreMissError, StoreUnavailableError
-from .base import KVStore, at_once, spread
+from .base import KVStore, at_once, spread, spread_parts
 from .encodings import DEFAULT_ENCODING, check_encoding
-from .format import copy_into, decode_chunk, encode_chunk
+from .format import ChunkEncoder, copy_into, decode_chunk
 from .keys import DEFAULT_CHUNK_SIZE, SequenceKeys, as_token_list, sequence_keys
 from .writer import AsyncWriter
 
@@ -285,6 +285,8 @@ class PrefixKVStore:
             if after < end:  # the remainder
                 entries.append((pieces.remainders(len(pieces.subs), tokens[after:end])[-1], after, end, True))
 
+        token_bytes = sum(t.shape[0] * t.shape[2] * t.element_size() for t in (*keys, *values))  # a token's K/V
+
         def job() -> int:
             if ready is not None:
                 ready()
@@ -293,25 +295,23 @@ class PrefixKVStore:
                 stored = self.store.probe([e[0] for e in wanted], [], timeout=self._writer_deadline())[0]
                 wanted = [entry for entry, n in zip(wanted, stored, strict=True) if not n]
 
+            encoder = ChunkEncoder(keys, values, model_id=self.model_id, encoding=self.encoding)
+
             def write(group: list, ttl_s: float | None) -> None:  # one of the writers: encodes its entries, writes
                 began = time.thread_time()
-                items = {
-                    key: encode_chunk([k[:, lo - start : hi - start] for k in keys],
-                                      [v[:, lo - start : hi - start] for v in values],
-                                      model_id=self.model_id, start=lo, token_ids=tokens[lo:hi],
-                                      encoding=self.encoding)
-                    for key, lo, hi, _ in group
-                }  # fmt: skip
+                items = {key: encoder.encode(lo - start, hi - start, start=lo, token_ids=tokens[lo:hi])
+                         for key, lo, hi, _ in group}  # views into keys/values, sent as they are  # fmt: skip
                 try:
                     self.store.put_many(items, ttl_s=ttl_s)
                 finally:
                     self.metrics.add(writer_cpu_seconds=time.thread_time() - began)
 
-            calls = []  # the entries spread over the store's connections: one encodes while another sends
+            calls = []  # large saves spread over the store's connections: one encodes while another sends
             for is_tail in (False, True):
                 group, ttl_s = [e for e in wanted if e[3] == is_tail], self.partial_ttl_s if is_tail else None
+                parts = spread_parts(sum(hi - lo for _, lo, hi, _ in group) * token_bytes, self._connections())
                 calls += [lambda part=part, ttl_s=ttl_s: write(part, ttl_s)
-                          for part in spread(group, self._connections()) if part]  # fmt: skip
+                          for part in spread(group, parts) if part]  # fmt: skip
             at_once(calls)
             return sum(not partial for *_, partial in wanted)
 

@@ -317,15 +317,18 @@ def run(
     return {"rows": rows, "engine": engine, "chunk_size": chunk_size if store else None}
 
 
-def run_source(bench: BenchEngines, *, chunk_size: int | None = None, log=print) -> dict[str, Any]:
-    """The source engine's throughput: without a connector (`bench.store=None`: mode `no_connector`), or as a cascade's
-    source on `store` with requests that do not opt in (`not_opted_in`) and that do (`opted_in`: exported). An opted-in
-    row carries what its export wrote (chunks, bytes, the store's time in writes: the write bandwidth), how long
-    the writer took to drain after the batch, and the writer thread's CPU time against the batch's time."""
+def run_source(bench: BenchEngines, *, chunk_size: int | None = None, rounds: int = 1, log=print) -> dict[str, Any]:
+    """The source engine's throughput in `rounds` rounds (`source_export.source_rounds`): without a connector
+    (`bench.store=None`: mode `no_connector`), or as a cascade's source on `store` with requests that do not opt in
+    (`not_opted_in`) and that do (`opted_in`: exported), interleaved in each round. An opted-in row carries what its
+    export wrote (chunks, bytes, the store's time in writes: the write bandwidth), how long the writer took to drain
+    after the batch, and the export's CPU time (the writer threads' and the engine step's gather)."""
     from transformers import AutoTokenizer
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
     from hf_kvbridge.integrations import vllm as kvb
+
+    from .source_export import ExportStepTimer, source_rounds
 
     bridge_dir, lengths, requests, max_tokens, store = (
         bench.bridge_dir,
@@ -342,38 +345,24 @@ def run_source(bench: BenchEngines, *, chunk_size: int | None = None, log=print)
     llm, engine = bench.engine(model, config)
     tokenizer = AutoTokenizer.from_pretrained(model)
     modes = {"no_connector": None} if store is None else {"not_opted_in": False, "opted_in": True}
-    exports = None if store is None else get_kv_transfer_group().worker.exports
-    rows = []
-    for seed, (mode, flag) in enumerate(modes.items(), start=10):  # fresh prompts per mode: no store hits
-        pool = prompt_pool(tokenizer, len(tokenizer), lengths, requests + 1, seed=seed)
-        _generate(llm, pool[lengths[0]][-1:], flag, 2)  # warm-up
-        for length in lengths:
-            before = exports.metrics.as_dict() if exports is not None else {}
-            seconds, outputs, _ = _generate(llm, pool[length][:requests], flag, max_tokens)
-            row: dict[str, Any] = {"length": length, "mode": mode, "requests": requests, "max_tokens": max_tokens,
-                                   **_throughput(seconds, outputs, requests, length)}  # fmt: skip
-            if exports is not None:
-                drain = time.perf_counter()
-                exports.writer.flush(timeout=300)
-                now = exports.metrics.as_dict()
-                written = now["bytes_written"] - before["bytes_written"]
-                put = now["put_seconds"] - before["put_seconds"]
-                row.update(
-                    chunk_size=exports.chunk_size,
-                    chunks_written=now["chunks_written"] - before["chunks_written"],
-                    bytes_written=written,
-                    writes_dropped=now["writes_dropped"] - before["writes_dropped"],
-                    write_errors=now["write_errors"] - before["write_errors"],
-                    write_gbps=written / put / 1e9 if put > 0 else None,
-                    writer_drain_s=time.perf_counter() - drain,
-                    # the export's own CPU time (the writer thread's) beside the engine's time for the same batch
-                    writer_cpu_s=now["writer_cpu_seconds"] - before["writer_cpu_seconds"],
-                    writer_cpu_share=(now["writer_cpu_seconds"] - before["writer_cpu_seconds"]) / seconds,
-                )
-            rows.append(row)
-            extra = f"   wrote {row['bytes_written'] / 1e6:8.1f} MB" if row.get("bytes_written") else ""
-            log(f"{length:>6} tokens  source {mode:<13} {row['requests_per_s']:7.2f} req/s   "
-                f"{row['total_tokens_per_s']:9.1f} tok/s{extra}")  # fmt: skip
+    worker = None if store is None else get_kv_transfer_group().worker
+    exports = None if worker is None else worker.exports
+    timer = None if worker is None else ExportStepTimer(worker)
+    names = list(modes)
+
+    def pools(index: int, mode: str) -> dict[int, list[list[int]]]:  # fresh prompts per round and mode: no store hits
+        return prompt_pool(tokenizer, len(tokenizer), lengths, requests, seed=1000 * (index + 1) + names.index(mode))
+
+    def generate(prompts, flag):
+        seconds, outputs, _ = _generate(llm, prompts, flag, max_tokens)
+        return seconds, {"requests": requests, "max_tokens": max_tokens,
+                         **_throughput(seconds, outputs, requests, len(prompts[0]))}  # fmt: skip
+
+    for flag in modes.values():  # warm-up
+        _generate(llm, prompt_pool(tokenizer, len(tokenizer), lengths[:1], 1, seed=7)[lengths[0]], flag, 2)
+    if exports is not None:
+        exports.writer.flush(timeout=300)
+    rows = source_rounds(generate, pools, lengths, modes, rounds, exports=exports, timer=timer, log=log)
     return {"rows": rows, "engine": engine}
 
 
@@ -445,15 +434,17 @@ def run_benchmark(
     chunk_sizes: list[int] | None = None,
     fetch_parts: list[int] | None = None,
     source_throughput: bool = False,
+    source_rounds: int | None = None,
 ) -> dict[str, Any]:
     """The whole benchmark (what `kvbridge bench vllm` runs): the bridge (`bridge`, or random `shapes`, or the pocket
     `pair` calibrated here), a local store if `store` is `"local"` / `"local-cluster"`, one target engine per chunk
     size (and per number of fetch runs, `fetch_parts`), and with `source_throughput` the source engine alone and
-    exporting; each engine in a process of its own.
+    exporting, in `source_rounds` interleaved rounds (default: `repeats`); each engine in a process of its own.
     Returns the rows, the engines' settings and the machine."""
     from hf_kvbridge.errors import InvalidInputError
 
     chunk_sizes = list(chunk_sizes or [None])
+    source_rounds = source_rounds or repeats
     if source_throughput and store is None:
         raise InvalidInputError("--source-throughput measures exports to a KV store: give --store (e.g. local)")
     with tempfile.TemporaryDirectory(prefix="kvbridge-vllm-bench-") as tmp:
@@ -493,11 +484,17 @@ def run_benchmark(
             if len(runs) > 1:
                 result["runs"] = runs
             if source_throughput:
+                from .source_export import format_summary, summarize
+
                 result["source_rows"] = []
                 for name, url in (("source-alone", None), ("source-exporting", store)):
                     engines = asdict(replace(common, store=url))
-                    spec = {"kind": "source", "engines": engines, "chunk_size": None}  # the default chunk size
+                    spec = {"kind": "source", "engines": engines, "chunk_size": None,  # the default chunk size
+                            "rounds": source_rounds}  # fmt: skip
                     result["source_rows"] += _spawn(spec, Path(tmp), name)["rows"]
+                alone = [row for row in result["source_rows"] if row["mode"] == "no_connector"]
+                result["source_summary"] = summarize([r for r in result["source_rows"] if r not in alone], alone)
+                print(format_summary(result["source_summary"]), flush=True)
         finally:
             if server is not None:
                 server.stop()
