@@ -8,7 +8,7 @@ and each map's parameter count.
 
 Defaults are `kvbridge demo`'s measurement (calibration 128 × 512 tokens of the calibration split, top-k 6, λ auto,
 seed 0; 64 windows of 384 + 128 tokens of the held-out split); `--windows` asks for more (the held-out split holds
-about 280 windows of 512 tokens) to narrow the interval. `--distill-epochs N` also distills the weighted same-head map
+303 windows of 512 tokens) to narrow the interval. `--distill-epochs N` also distills the weighted same-head map
 (`hf_kvbridge.distill`, pull 0) on the calibration split.
 """
 
