@@ -96,6 +96,17 @@ def _card_folder(args: argparse.Namespace) -> str | None:
     return None
 
 
+def _eval_what(args: argparse.Namespace) -> str | None:
+    """`kvbridge eval` needs lm-eval tasks or held-out text; the held-out options need `--heldout`."""
+    if not args.tasks and not args.heldout:
+        return "pass --tasks (lm-eval tasks) or --heldout (held-out text, e.g. pocket), or both"
+    if not args.heldout and (args.both_directions or args.reverse):
+        return "--both-directions and --reverse evaluate on held-out text; pass --heldout"
+    if args.probe_items < 0:
+        return f"--probe-items must be 0 (no probe) or more, got {args.probe_items}"
+    return None
+
+
 def _old_vs_new_alone(args: argparse.Namespace) -> str | None:
     if args.old_vs_new and args.interleave:
         return (
@@ -117,7 +128,7 @@ CHECKS = {
     "distill": (_distill_values, _distill_out),
     "tune": (_objective, _settings_values, _out_folder),
     "demo": (_two_models, _settings_values),
-    "eval": (_card_folder,),
+    "eval": (_eval_what, _card_folder),
     "bench mapper": (_old_vs_new_alone,),
     "bench calibration": (_flop_model_alone,),
 }

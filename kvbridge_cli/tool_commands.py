@@ -58,9 +58,13 @@ TUNE_SETTINGS = {
 
 
 def add_eval(sub) -> None:
-    ev = sub.add_parser("eval", help="source, target and bridge through lm-eval: one retention table")
+    ev = sub.add_parser(
+        "eval",
+        help="source, target and bridge through lm-eval (--tasks), and on held-out text (--heldout: NLL, retention "
+        "and next-token KL with paired bootstrap intervals, a retrieval probe)",
+    )
     ev.add_argument("bridge", help="bridge checkpoint folder or Hub id")
-    ev.add_argument("--tasks", required=True, help="comma-separated lm-eval tasks or groups")
+    ev.add_argument("--tasks", help="comma-separated lm-eval tasks or groups (--tasks and/or --heldout)")
     ev.add_argument("--include-path", help="extra lm-eval task folder, e.g. eval_tasks/pocket")
     ev.add_argument("--limit", type=float, help="documents per task (an int, or a fraction < 1)")
     ev.add_argument("--num-fewshot", type=int)
@@ -74,6 +78,34 @@ def add_eval(sub) -> None:
     ev.add_argument("--modes", type=_eval_modes, default=",".join(modes), help=f"subset of {','.join(modes)}")
     ev.add_argument("--output", help="write the results (table rows and each mode's lm-eval results) as JSON")
     ev.add_argument("--write-card", action="store_true", help="put the table into the checkpoint's README.md")
+    add_heldout_options(ev)
+
+
+def add_heldout_options(ev) -> None:
+    """`kvbridge eval --heldout`: the bridge against its target on windows of held-out text (`tools.fidelity`);
+    the defaults are `kvbridge demo`'s own measurement (64 windows of 384 + 128 tokens)."""
+    ev.add_argument(
+        "--heldout",
+        type=_heldout_data,
+        help=f"held-out text ('{POCKET_DATA}': the pocket family's held-out split, or a .txt/.jsonl file or folder, "
+        "or a dataset): per mode the continuation NLL, context-benefit retention and KL(target ‖ mode) with paired "
+        "bootstrap 95%% intervals, the gap recovered, the zero/random-cache controls and the retrieval probe",
+    )
+    ev.add_argument("--windows", type=_positive_int, default=_full("nll_windows"), help="held-out windows")
+    ev.add_argument("--context-len", type=_positive_int, default=_full("nll_context"), help="tokens the bridge maps")
+    ev.add_argument("--continuation-len", type=_positive_int, default=_full("nll_continuation"), help="tokens scored")
+    ev.add_argument(
+        "--probe-items", type=int, default=32, help="retrieval-probe facts (0: no probe); one held-out window each"
+    )
+    ev.add_argument("--probe-context", type=_positive_int, default=512, help="tokens of each probe's context")
+    ev.add_argument("--bootstrap", type=_positive_int, default=2000, help="bootstrap resamples of the windows")
+    ev.add_argument(
+        "--both-directions",
+        action="store_true",
+        help="with --heldout: also the reverse direction, from the checkpoint's reverse mapper (calibrated with "
+        "--bidirectional) or --reverse",
+    )
+    ev.add_argument("--reverse", help="with --heldout: the bridge of the other direction (a checkpoint or Hub id)")
 
 
 def add_inspect(sub) -> None:

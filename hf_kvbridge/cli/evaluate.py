@@ -31,21 +31,24 @@ def evaluate(args: argparse.Namespace) -> int:
     load_kwargs = {} if args.dtype in (None, "auto") else {"dtype": getattr(torch, args.dtype)}
     bridge = KVBridgeForCausalLM.from_pretrained(args.bridge, revision=args.revision, **load_kwargs)
     bridge.to(args.device or ("cuda" if torch.cuda.is_available() else "cpu")).eval()
-    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
-    out = evaluate_modes(
-        bridge,
-        tasks,
-        modes=modes,
-        include_path=args.include_path,
-        limit=limit,
-        **keywords(args, "num_fewshot", "batch_size", "bootstrap_iters", "rolling_stride"),
-    )
-    print(out["table"])
+    tasks = [t.strip() for t in (args.tasks or "").split(",") if t.strip()]
+    heldout = _heldout(args, bridge) if args.heldout else None
+    out = {"rows": [], "table": "", "warnings": [], "results": {}}
+    if tasks:
+        out = evaluate_modes(
+            bridge,
+            tasks,
+            modes=modes,
+            include_path=args.include_path,
+            limit=limit,
+            **keywords(args, "num_fewshot", "batch_size", "bootstrap_iters", "rolling_stride"),
+        )
+        print(out["table"])
     for line in out["warnings"]:
         print(line, file=sys.stderr)
+    if heldout is not None:
+        print(heldout["table"])
     if args.output:
-        import lm_eval
-
         from ..version import __version__
 
         payload = {
@@ -60,12 +63,18 @@ def evaluate(args: argparse.Namespace) -> int:
             "table": out["table"],
             "controls_flagged": [f"{r['task']} {r['metric']}" for r in out["rows"] if r.get("controls_flag")],
             "control_margin": CONTROL_MARGIN,
-            "lm_eval_version": lm_eval.__version__,
             "hf_kvbridge_version": __version__,
             "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             # lm-eval's own results per mode (configs, sample counts, versions), JSON-safe
             "lm_eval_results": json.loads(json.dumps(out["results"], default=str)),
         }
+        if tasks:
+            import lm_eval
+
+            payload["lm_eval_version"] = lm_eval.__version__
+        if heldout is not None:  # one report per direction (`tools.fidelity.heldout_fidelity`)
+            payload["heldout"] = heldout["reports"]
+            payload["heldout_data"] = str(args.heldout)
         Path(args.output).parent.mkdir(parents=True, exist_ok=True)
         Path(args.output).write_text(json.dumps(payload, indent=2, sort_keys=True) + "\n", encoding="utf-8")
         print(f"wrote {args.output}")
@@ -75,7 +84,9 @@ def evaluate(args: argparse.Namespace) -> int:
         if read_eval_table(previous):
             logger.info("replacing the retention table in %s", card_path)
         table = out["table"]
-        if limit is not None:  # a subset is not the task: say so next to the numbers
+        if heldout is not None:
+            table = "\n\n".join(part for part in (table, heldout["table"]) if part)
+        if limit is not None and tasks:  # a subset is not the task: say so next to the numbers
             docs = f"the first {limit}" if isinstance(limit, int) else f"the first {limit:.0%} of the"
             table += f"\n\nEvaluated on {docs} documents of each task (`--limit {args.limit:g}`), not the full tasks."
         flagged = [f"{row['task']} {row['metric']}" for row in out["rows"] if row.get("controls_flag")]
@@ -87,6 +98,39 @@ def evaluate(args: argparse.Namespace) -> int:
         render_model_card(bridge.config, eval_table=table).save(card_path)
         print(f"wrote the table into {card_path}")
     return 0
+
+
+def _heldout(args: argparse.Namespace, bridge) -> dict:
+    """`--heldout`: the bridge (and with `--both-directions` / `--reverse` the other direction) on the same held-out
+    windows and probe items; `{"reports": [...], "table": markdown}`."""
+    from ..errors import ConfigurationError
+    from ..modeling import KVBridgeForCausalLM
+    from ..tools.fidelity import evaluate_heldout, format_fidelity
+
+    bridges = [bridge]
+    if args.reverse:  # the other direction's checkpoint, on the models already loaded (its fingerprints checked)
+        bridges.append(
+            KVBridgeForCausalLM.from_pretrained(args.reverse, source_model=bridge.target, target_model=bridge.source)
+        )
+    elif args.both_directions:
+        if bridge.reverse is None:
+            raise ConfigurationError(
+                f"{args.bridge} has no reverse mapper for --both-directions; calibrate it with --bidirectional, or "
+                "pass the other direction's bridge with --reverse"
+            )
+        bridges.append(bridge.reverse)
+    reports = evaluate_heldout(
+        bridges,
+        args.heldout,
+        windows=args.windows,
+        context_len=args.context_len,
+        continuation_len=args.continuation_len,
+        probe_items=args.probe_items,
+        probe_context=args.probe_context,
+        controls=any(mode in args.modes for mode in ("zero_cache", "random_cache")),
+        iterations=args.bootstrap,
+    )
+    return {"reports": reports, "table": "\n\n".join(format_fidelity(report) for report in reports)}
 
 
 def inspect(args: argparse.Namespace) -> int:

@@ -77,7 +77,7 @@ def score_tokens(bridge, ids: torch.Tensor, context_len: int, mode: str, first: 
     elif mode == "bridge":
         logits = bridge(ids, prefill_length=context_len).logits
     elif mode in CONTROL_MODES:
-        return _token_logprobs(_control_logits(bridge, ids, context_len, mode), ids, first)
+        return _token_logprobs(control_logits(bridge, ids, context_len, mode), ids, first)
     elif mode == "no_context":
         tail = ids[:, context_len:]
         return _token_logprobs(
@@ -106,7 +106,7 @@ def mean_nll(bridge, windows: torch.Tensor, context: int, mode: str, batch_size:
 
 
 @torch.no_grad()
-def _control_logits(bridge, ids: torch.Tensor, context_len: int, mode: str) -> torch.Tensor:
+def control_logits(bridge, ids: torch.Tensor, context_len: int, mode: str) -> torch.Tensor:
     """Target logits over `ids` whose context K/V are replaced by a control cache of the same shape."""
     target, device = bridge.target, bridge.device
     mapped = control_cache(bridge.prefill(ids[:, :context_len], source_logits=False)[0], mode)

@@ -70,6 +70,11 @@ def test_eval_modes_and_card_are_checked_before_loading(tmp_path, capsys, comman
     assert commands[0].modes == ("target", "bridge")
     assert main(["eval", "org/bridge", "--tasks", "t"]) == 0  # every mode by default
     assert commands[1].modes == ("source", "target", "bridge", "no_context", "zero_cache", "random_cache")
+    _refused(capsys, ["eval", "b"], "pass --tasks (lm-eval tasks) or --heldout")
+    _refused(capsys, ["eval", "b", "--tasks", "t", "--both-directions"], "pass --heldout")
+    _refused(capsys, ["eval", "b", "--heldout", "pocket", "--probe-items", "-1"], "--probe-items must be 0")
+    assert main(["eval", "b", "--heldout", "pocket", "--both-directions"]) == 0 and commands[2].tasks is None
+    assert commands[2].windows == 64 and commands[2].context_len == 384 and commands[2].continuation_len == 128
 
 
 def test_bench_option_pairs_that_contradict_each_other(capsys, commands):

@@ -1,0 +1,114 @@
+"""Head-local maps against all-heads on the pocket family (issue #47, item 2): same-head fitted with the target's
+attention mass as token weights (`mapper_type="ridge_attention_weighted"`, `head_mode="same_head"`; each target
+head read from its own source head), optionally distilled, against the all-heads ridge map, paired on the same
+held-out windows: the mean paired difference of context-benefit retention with its paired bootstrap 95% interval,
+and each map's parameter count.
+
+    python -m studies.head_local_study --pairs pocket-s:pocket-l,pocket-l:pocket-s --out head_local.json
+
+Defaults are `kvbridge demo`'s measurement (calibration 128 × 512 tokens of the calibration split, top-k 6, λ auto,
+seed 0; 64 windows of 384 + 128 tokens of the held-out split); `--windows` asks for more (the held-out split holds
+303 windows of 512 tokens) to narrow the interval. `--distill-epochs N` also distills the weighted same-head map
+(`hf_kvbridge.distill`, pull 0) on the calibration split.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+from transformers import AutoTokenizer
+
+import hf_kvbridge
+from hf_kvbridge import pocket
+from hf_kvbridge.tools.defaults import DEMO_SETTINGS, DEMO_SIZES
+from hf_kvbridge.tools.evaluation import heldout_windows, window_nll
+from hf_kvbridge.tools.fidelity import paired_bootstrap, retention_of
+
+MAPS = {  # name: calibrate keywords
+    "all_heads": {"head_mode": "all_heads"},
+    "same_head": {"head_mode": "same_head"},
+    "same_head_weighted": {"head_mode": "same_head", "mapper_type": "ridge_attention_weighted"},
+}
+
+
+def parameters(bridge) -> int:
+    return sum(p.numel() for p in bridge.mapper.parameters())
+
+
+def measure_pair(source: str, target: str, args) -> dict:
+    tokenizer = AutoTokenizer.from_pretrained(pocket.model_path(target))
+    models = pocket.load_model(source), pocket.load_model(target)
+    texts = pocket.load_texts("calibration")
+    settings = {"num_sequences": args.num_sequences, "seq_len": args.seq_len, "top_k": DEMO_SETTINGS["top_k"],
+                "ridge_lambda": DEMO_SETTINGS["ridge_lambda"], "seed": DEMO_SETTINGS["seed"]}  # fmt: skip
+    bridges, seconds = {}, {}
+    for name, kwargs in MAPS.items():
+        started = time.perf_counter()
+        bridges[name] = hf_kvbridge.calibrate(*models, texts, tokenizer=tokenizer, **settings, **kwargs)
+        seconds[name] = round(time.perf_counter() - started, 1)
+        print(f"  {source} → {target} {name}: calibrated in {seconds[name]} s", flush=True)
+    if args.distill_epochs:
+        started = time.perf_counter()
+        bridges["same_head_weighted_distilled"] = hf_kvbridge.distill(
+            bridges["same_head_weighted"], texts, tokenizer=tokenizer, epochs=args.distill_epochs, pull=[0.0]
+        )
+        seconds["same_head_weighted_distilled"] = round(time.perf_counter() - started, 1)
+    windows = heldout_windows(pocket.load_texts("heldout"), tokenizer, args.context + args.continuation, args.windows)
+    first = bridges["all_heads"]
+    nll = {mode: window_nll(first, windows, args.context, mode) for mode in ("target", "no_context")}
+    for name, bridge in bridges.items():
+        nll[name] = window_nll(bridge, windows, args.context, "bridge")
+    results = {name: paired_bootstrap(nll, retention_of(name)) for name in bridges}
+    versus = {
+        name: paired_bootstrap(nll, lambda s, n=name: retention_of(n)(s) - retention_of("all_heads")(s))
+        for name in bridges
+        if name != "all_heads"
+    }
+    return {
+        "pair": f"{source} → {target}",
+        "windows": int(len(windows)),
+        "context": args.context,
+        "continuation": args.continuation,
+        "retention": results,
+        "difference_vs_all_heads": versus,
+        "parameters": {name: parameters(bridge) for name, bridge in bridges.items()},
+        "seconds": seconds,
+        "per_window_nll": {mode: values.tolist() for mode, values in nll.items()},
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--pairs", default="pocket-s:pocket-l,pocket-l:pocket-s")
+    parser.add_argument("--num-sequences", type=int, default=DEMO_SIZES["num_sequences"][0])
+    parser.add_argument("--seq-len", type=int, default=DEMO_SIZES["seq_len"][0])
+    parser.add_argument("--windows", type=int, default=DEMO_SIZES["nll_windows"][0])
+    parser.add_argument("--context", type=int, default=DEMO_SIZES["nll_context"][0])
+    parser.add_argument("--continuation", type=int, default=DEMO_SIZES["nll_continuation"][0])
+    parser.add_argument("--distill-epochs", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--out", default="head_local.json")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    results = []
+    for pair in args.pairs.split(","):
+        results.append(measure_pair(*pair.split(":"), args))
+        r = results[-1]
+        for name, diff in r["difference_vs_all_heads"].items():
+            print(
+                f"{r['pair']}: all-heads {r['retention']['all_heads']['value']:.3f}, {name} "
+                f"{r['retention'][name]['value']:.3f}, difference {diff['value']:+.3f} [{diff['low']:+.3f}, "
+                f"{diff['high']:+.3f}] on {r['windows']} windows; parameters {r['parameters'][name]:,} vs "
+                f"{r['parameters']['all_heads']:,}",
+                flush=True,
+            )
+        Path(args.out).write_text(json.dumps({"settings": vars(args), "results": results}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
