@@ -230,7 +230,7 @@ def test_unsupported_status_reaches_the_router_header():
     "vllm_args, named",
     [
         (["--role", "source", "-tp", "2", "-pp", "2"], "pipeline_parallel_size=2"),
-        (["--role", "both", "--serves", "source", "--tensor_parallel_size=2", "--kv_cache_dtype=fp8"], "=fp8"),
+        (["--role", "both", "--serves", "source", "--tensor_parallel_size=2", "--kv_cache_dtype=fp8_inc"], "=fp8_inc"),
         (["--pipeline-parallel-size", "2"], "pipeline_parallel_size=2"),
         (["--kv-cache-dtype", "int8", "--max-model-len", "512"], "cache_dtype=int8"),
         (["-sc", '{"method": "ngram", "num_speculative_tokens": 3}'], "speculative decoding (ngram)"),

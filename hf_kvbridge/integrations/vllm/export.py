@@ -21,6 +21,7 @@ import torch
 from torch import nn
 from vllm.logger import init_logger
 
+from ...errors import KVLayoutError
 from .paged_cache import read_slots, slots_of
 from .tensor_parallel import HeadShard
 
@@ -81,7 +82,7 @@ def pack(
             parts.append(torch.zeros(geometry.numel(length), dtype=geometry.dtype, device=device))
         else:
             if tuple(read.shape) != geometry.shape(length):
-                raise ValueError(f"a read of shape {tuple(read.shape)} where {geometry.shape(length)} was expected")
+                raise KVLayoutError(f"a read of shape {tuple(read.shape)} where {geometry.shape(length)} was expected")
             parts.append(read.to(device=device, dtype=geometry.dtype).flatten())
     return torch.cat(parts)
 
@@ -167,7 +168,7 @@ def export_sharded(
         failed = [rank for rank, share in enumerate(shares) if share is None]
         try:
             if failed:
-                raise RuntimeError(f"tensor-parallel rank(s) {failed} could not read their KV heads")
+                raise KVLayoutError(f"tensor-parallel rank(s) {failed} could not read their KV heads")
             kv = assemble(shares, shard.total)  # (L, 2, T, H, d)
             keys, values = [layer[0].transpose(0, 1) for layer in kv], [layer[1].transpose(0, 1) for layer in kv]
             staged = stage_export(keys, values)  # per layer (H, T, d) views
