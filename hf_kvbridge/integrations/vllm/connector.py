@@ -189,7 +189,8 @@ class KVBridgeConnector(KVConnectorBase_V1):
 
     @property
     def bridge(self):
-        """The worker's `KVBridgeForCausalLM` (source, mapper, the target's rotary embedding); `None` elsewhere."""
+        """The worker's `KVBridgeForCausalLM` (source, mapper, the target's rotary embedding); `None` elsewhere,
+        and on tensor-parallel ranks other than 0 (rank 0 maps for them: `scatter`)."""
         return None if self.worker is None else self.worker.bridge
 
     @classmethod
