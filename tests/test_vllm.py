@@ -46,14 +46,7 @@ def run_engine(spec: dict) -> dict:
 
     from hf_kvbridge.integrations import vllm as kvb
 
-    original = kvb.BridgeWorker.map_and_write
-
-    def map_and_write(self, load, layers):  # the fault injected for the fallback test
-        if load.token_ids[: len(FAIL_MARK)] == FAIL_MARK:
-            raise RuntimeError("injected mapper failure")
-        return original(self, load, layers)
-
-    kvb.BridgeWorker.map_and_write = map_and_write
+    _inject_failure()
     options = dict(
         dtype="float32",
         max_model_len=1024,
@@ -96,7 +89,8 @@ def run_engine(spec: dict) -> dict:
             ]
         )
     if options.get("tensor_parallel_size", 1) > 1:  # the workers run in processes of their own
-        return {"rounds": rounds, "counters": dict(kvb.KVBridgeConnector.counters)}
+        ranks = llm.collective_rpc(_rank_state)
+        return {"rounds": rounds, "counters": dict(kvb.KVBridgeConnector.counters), "ranks": ranks}
     bridge = get_kv_transfer_group().bridge
     return {
         "rounds": rounds,
@@ -109,6 +103,42 @@ def run_engine(spec: dict) -> dict:
             "grad_mode_in_worker": torch.is_inference_mode_enabled(),
         },
     }
+
+
+def _inject_failure() -> None:
+    """The fault of the fallback tests: the mapping of a prompt starting with `FAIL_MARK` raises."""
+    from hf_kvbridge.integrations import vllm as kvb
+
+    original = kvb.BridgeWorker.map_and_write
+    if getattr(original, "injected", False):
+        return
+
+    def map_and_write(self, load, layers):
+        if load.token_ids[: len(FAIL_MARK)] == FAIL_MARK:
+            raise RuntimeError("injected mapper failure")
+        return original(self, load, layers)
+
+    map_and_write.injected = True
+    kvb.BridgeWorker.map_and_write = map_and_write
+
+
+def _rank_state(_worker) -> dict:
+    """In a tensor-parallel worker process (`LLM.collective_rpc`): what its connector's worker holds and ran."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    from hf_kvbridge.integrations import vllm as kvb
+
+    worker = get_kv_transfer_group().worker
+    return {
+        "rank": worker.shard.rank,
+        "bridge_loaded": worker.bridge is not None,
+        "source_forward_calls": worker.source_forward_calls,
+        "counters": dict(kvb.KVBridgeConnector.counters),
+    }
+
+
+if __name__ == "__mp_main__":  # a tensor-parallel worker spawned by the script (vLLM's CPU workers are spawned)
+    _inject_failure()
 
 
 def _extra_args(kvb, flag) -> dict:
@@ -384,7 +414,11 @@ def tp2_run(pair_bridges, tokenizer):
     """pair_run's bridged batch on a target engine of two tensor-parallel ranks (pocket-l's 2 KV heads: one a rank),
     with the quality gate (averaged over the ranks)."""
     prompts = _prompts(tokenizer, LENGTHS, skip=5)  # pair_run's prompts
-    return _engine(pair_bridges, "tp2", pair_bridges / "bridge", [[(p, True) for p in prompts]], **TP2)
+    fallback = FAIL_MARK + _prompts(tokenizer, [80], skip=20)[0]  # rank 0's mapping of it fails
+    rounds = [[(p, True) for p in prompts] + [(fallback, True)]]
+    result = _engine(pair_bridges, "tp2", pair_bridges / "bridge", rounds, **TP2)
+    result["fallback"] = fallback
+    return result
 
 
 @pytest.fixture(scope="module")
@@ -442,7 +476,29 @@ def test_tensor_parallel_target_serves_bridge_generate(tp2_run, pair_run, pair_b
         assert outcome["status"] == "mapped" and outcome["mapped_tokens"] == LENGTHS[i] - 1 - 8, outcome
         assert outcome["score"] == pytest.approx(score, abs=1e-4)
         assert outcome["score"] == pytest.approx(pair_run["rounds"][0][i]["kvbridge"]["score"], abs=1e-4)
-    assert tp2_run["counters"]["requests_claimed"] == len(LENGTHS)
+    assert tp2_run["counters"]["requests_claimed"] == len(LENGTHS) + 1
+
+
+def test_tensor_parallel_target_maps_on_rank_0_only(tp2_run, pair_bridges, tokenizer):
+    """The source computed once per request: rank 0 alone loads the source and the mapper and runs the source
+    prefill; rank 1 gets its KV head of every load from rank 0's scatter. A load rank 0 cannot map reaches rank 1 as
+    a zero status: both report it failed (rank 0's reason), and the target computes the prompt itself."""
+    first, other = sorted(tp2_run["ranks"], key=lambda state: state["rank"])
+    assert first["bridge_loaded"] and first["source_forward_calls"] == len(LENGTHS)
+    assert not other["bridge_loaded"] and other["source_forward_calls"] == 0
+    assert other["counters"]["tokens_received"] == sum(n - 1 - 8 for n in LENGTHS)  # each mapped token, once
+    assert "tokens_received" not in first["counters"]
+    assert tp2_run["log"].count(" loaded (source ") == 1  # load_bridge's line, rank 0's
+    assert "rank 1 holds no source model and no mapper" in tp2_run["log"]
+    outcome = tp2_run["rounds"][0][-1]["kvbridge"]
+    assert outcome["status"] == "fallback" and "injected mapper failure" in outcome["reason"], outcome
+    assert "tensor-parallel rank 0 could not map this load" in tp2_run["log"]  # rank 1's side of it
+    bridge = KVBridgeForCausalLM.from_pretrained(pair_bridges / "bridge", dtype=torch.float32)
+    ids = torch.tensor([tp2_run["fallback"]])
+    alone = bridge.target.generate(
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS, do_sample=False
+    )
+    assert tp2_run["rounds"][0][-1]["tokens"] == alone[0, ids.shape[1] :].tolist()
 
 
 def test_tensor_parallel_target_with_one_kv_head_replicates_it(one_head_tp2_run, one_head_bridge):
@@ -452,6 +508,11 @@ def test_tensor_parallel_target_with_one_kv_head_replicates_it(one_head_tp2_run,
         assert got["kvbridge"]["status"] == "mapped", got
         assert got["tokens"] == tokens, (LENGTHS[i], got)
     assert "writes KV heads 0..0 of 1" in one_head_tp2_run["log"]
+    first, other = sorted(one_head_tp2_run["ranks"], key=lambda state: state["rank"])
+    assert first["bridge_loaded"] and not other["bridge_loaded"]  # rank 1 got its (replicated) head from rank 0
+    assert other["counters"]["tokens_received"] == sum(
+        r["kvbridge"]["mapped_tokens"] for r in one_head_tp2_run["rounds"][0]
+    )
 
 
 FP8_KERNELS = torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported()  # vLLM's CPU fp8 kernels

@@ -7,9 +7,10 @@ worker's source forward passes):
 
 - the source engine (pocket-s, `role="source"`, two tensor-parallel ranks: each reads its own KV head, rank 0
   writes both) serves prompts opted in and not: the opted-in ones' prompt and reply KV land in the store, chained in
-  chunks, equal to the source model's own cache (every head); the others never touch it; the TP 1 targets below
-  serve from what it wrote;
-- a store-only target (pocket-l, `source_weights=False`, no source model in its worker): a full hit maps from the
+  chunks, equal to the source model's own cache (every head); the others never touch it; the targets below serve
+  from what it wrote;
+- a store-only target (pocket-l, `source_weights=False`, no source model in its worker; two tensor-parallel ranks:
+  rank 0 fetches and maps, rank 1 holds no mapper and gets its KV head in rank 0's scatter): a full hit maps from the
   store with no source forward pass and decodes the tokens of the library oracle (the K/V fetched from the store,
   mapped by the bridge, decoded by the transformers target); a half-stored prompt maps the stored half (the target
   computes the rest); a miss goes to the target;
@@ -88,10 +89,11 @@ def run_engine(spec: dict) -> dict:
             llm.collective_rpc(_worker_state)
         elif connector.worker.exports is not None:
             connector.worker.exports.writer.flush(timeout=30)
-    if sharded:  # rank 0 writes the exports and counts them; the scheduler counts in this process
-        state = llm.collective_rpc(_worker_state)[0]
+    if sharded:  # rank 0 writes the exports, maps the loads and counts them; the scheduler counts in this process
+        states = llm.collective_rpc(_worker_state)
+        state = dict(states[0])
         state["counters"] = dict(Counter(state["counters"]) + kvb.KVBridgeConnector.counters)
-        return {"rounds": rounds, **state}
+        return {"rounds": rounds, **state, "ranks": states}
     return {"rounds": rounds, **_worker_state(None)}
 
 
@@ -111,6 +113,7 @@ def _worker_state(_worker) -> dict:
         "store_metrics": None if worker.exports is None else worker.exports.metrics.as_dict(),
         "source_forward_calls": worker.source_forward_calls,
         "source_parameters": None if bridge is None else sum(p.numel() for p in bridge.source.parameters()),
+        "bridge_loaded": bridge is not None,
     }
 
 
@@ -253,7 +256,8 @@ def store_only_run(setup, source_run):
     p = setup["prompts"]
     options = {"role": "target", "store": setup["url"], "chunk_size": CHUNK, "source_weights": False}
     rounds = [[(_followup(setup, source_run), True), (p["half"], True), (p["miss"], True), (p["plain"], False)]]
-    return _engine(setup["tmp"], "store-only", setup["bridge_dir"], options, rounds)
+    # two tensor-parallel ranks: rank 0 fetches and maps, rank 1 gets its KV head (TP 2 source -> TP 2 target)
+    return _engine(setup["tmp"], "store-only", setup["bridge_dir"], options, rounds, tensor_parallel_size=2)
 
 
 def _followup(setup, source_run):
@@ -366,6 +370,10 @@ def test_full_hit_maps_from_the_store_with_no_source_forward(setup, source_run, 
         "prefill_tokens": 0,
     }  # fmt: skip
     assert store_only_run["source_forward_calls"] == 0 and store_only_run["source_parameters"] == 0
+    first, other = store_only_run["ranks"]  # rank 0 fetched and mapped; rank 1 holds no mapper and got its head
+    assert first["bridge_loaded"] and not other["bridge_loaded"]
+    assert other["counters"]["tokens_received"] == mapped + len(setup["prompts"]["half"]) // 2
+    assert "tokens_received" not in first["counters"] and "tokens_fetched" not in other["counters"]
     assert got["tokens"] == _oracle_from_store(setup, ids, mapped)
     # the cold path in transformers, mapping the same tokens (its source prefill instead of the store's chunks)
     assert got["tokens"] == _bridge_generate(setup, ids, hold_back=len(ids) - mapped)

@@ -74,13 +74,14 @@ itself in the load step, before the probe, as `bridge.generate` recomputes it. T
 inside the prompt and are refused at start-up (`check_recompute`).
 
 Not supported here: `config.sink_tokens` (vLLM can only load a prefix; refused at start-up). A tensor-parallel
-target engine is served: each rank writes only its own KV heads (`tensor_parallel.HeadShard`) and the gate's score
-is averaged over the ranks. A tensor-parallel exporting engine is served too: each rank reads its own KV heads and
-rank 0 writes them all (`export.export_sharded`). An fp8 KV cache on the CPU backend is read back dequantized with the
-engine's scales. Pipeline, context and data parallelism, fp8 KV caches on other devices and other quantized caches,
-speculative decoding, multi-modal, MLA, hybrid and sliding-window models are refused
-at start-up with one line naming the option (`support.engine_refusal`); a request with a LoRA adapter, prompt
-embeddings or multi-modal inputs is served unbridged and not exported, status `"unsupported"` with its reason
+target engine is served: rank 0 alone holds the source and the mapper, maps every head and scatters each rank its
+own KV heads (`scatter`, `tensor_parallel.HeadShard`), and the gate's score is averaged over the ranks. A
+tensor-parallel exporting engine is served too: each rank reads its own KV heads and rank 0 writes them all
+(`export.export_sharded`). An fp8 KV cache on the CPU backend is read back dequantized with the engine's scales.
+Pipeline, context and data parallelism, fp8 KV caches on other devices and other quantized caches, speculative
+decoding, multi-modal, MLA, hybrid and sliding-window models are refused at start-up with one line naming the
+option (`support.engine_refusal`); a request with a LoRA adapter, prompt embeddings or multi-modal inputs is served
+unbridged and not exported, status `"unsupported"` with its reason
 (`support.request_refusal`). An engine whose model's config or tokenizer files differ from the bridge's model's is
 refused at start-up (`identity.check_identity`: digests of those files, not of the weights).
 
@@ -96,6 +97,7 @@ The package:
 | `rotary` | `RotaryOnlyTarget`: the target's rotary embedding without its weights |
 | `identity` | `check_identity`: the served model's config and tokenizer files against the bridge's model's |
 | `tensor_parallel` | `HeadShard`: a tensor-parallel rank's KV heads; the gate's score averaged over the ranks |
+| `scatter` | a tensor-parallel target's loads mapped on rank 0 and scattered, each rank its heads (`rank_buffers`) |
 | `export` | `export_sharded`: a tensor-parallel exporting engine's heads gathered to rank 0, which writes them |
 | `support` | what is served right: `engine_refusal` (options refused at start-up), `request_refusal` (`unsupported`) |
 | `configuration` | `kv_transfer_config`, `bridged`, `parse_request_flag`, `target_model`, `check_recompute` |

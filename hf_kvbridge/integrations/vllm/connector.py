@@ -110,17 +110,6 @@ class KVBridgeConnector(KVConnectorBase_V1):
                     "of falling back to the target's own prefill (set it to 'recompute')",
                     self._kv_transfer_config.kv_load_failure_policy,
                 )
-            bridge = None
-            if settings.imports:
-                dtype, device = vllm_config.model_config.dtype, torch.device(vllm_config.device_config.device)
-                bridge = load_bridge(
-                    self.import_config, self.import_folder, self.revision, dtype, device, self.bridge_ref,
-                    source_weights=settings.source_weights,
-                )  # fmt: skip
-                if settings.source_weights:  # outside vLLM's KV sizing, which ran before this connector was built
-                    source_bytes = sum(p.numel() * p.element_size() for p in bridge.source.parameters())
-                    logger.warning("KVBridgeConnector: %s", source_memory_note(source_bytes, vllm_config.cache_config,
-                                                                                shape.device_type))  # fmt: skip
             shard = None
             if shape.tensor_parallel_size > 1:  # this rank's share of the served model's KV heads
                 from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
@@ -132,6 +121,23 @@ class KVBridgeConnector(KVConnectorBase_V1):
                     "KVBridgeConnector: tensor-parallel rank %d of %d writes KV heads %d..%d of %d",
                     rank, size, heads.start, heads.stop - 1, shard.total,
                 )  # fmt: skip
+            bridge, dtype = None, vllm_config.model_config.dtype
+            if settings.imports and shard is not None and shard.rank != 0:  # rank 0 maps and scatters (scatter.py)
+                logger.info(
+                    "KVBridgeConnector: tensor-parallel rank %d holds no source model and no mapper: rank 0 maps "
+                    "every load and sends this rank its KV heads",
+                    shard.rank,
+                )
+            elif settings.imports:
+                device = torch.device(vllm_config.device_config.device)
+                bridge = load_bridge(
+                    self.import_config, self.import_folder, self.revision, dtype, device, self.bridge_ref,
+                    source_weights=settings.source_weights,
+                )  # fmt: skip
+                if settings.source_weights:  # outside vLLM's KV sizing, which ran before this connector was built
+                    source_bytes = sum(p.numel() * p.element_size() for p in bridge.source.parameters())
+                    logger.warning("KVBridgeConnector: %s", source_memory_note(source_bytes, vllm_config.cache_config,
+                                                                                shape.device_type))  # fmt: skip
             self.worker = BridgeWorker(
                 bridge,
                 block_size=vllm_config.cache_config.block_size,
@@ -142,6 +148,7 @@ class KVBridgeConnector(KVConnectorBase_V1):
                 source_weights=settings.source_weights,
                 fetch_parts=settings.store_fetch_parts,
                 shard=shard,
+                kv_dtype=dtype,
             )
         logger.info(
             "KVBridgeConnector: role %s (serves the bridge's %s), store %s, requests %s",
@@ -182,7 +189,8 @@ class KVBridgeConnector(KVConnectorBase_V1):
 
     @property
     def bridge(self):
-        """The worker's `KVBridgeForCausalLM` (source, mapper, the target's rotary embedding); `None` elsewhere."""
+        """The worker's `KVBridgeForCausalLM` (source, mapper, the target's rotary embedding); `None` elsewhere,
+        and on tensor-parallel ranks other than 0 (rank 0 maps for them: `scatter`)."""
         return None if self.worker is None else self.worker.bridge
 
     @classmethod

@@ -202,7 +202,8 @@ def request_refusal(request: Any) -> str | None:
 
 def utilization_with_source(gpu_memory_utilization: float, source_bytes: int, total_bytes: int) -> float:
     """The `gpu_memory_utilization` to give vLLM so that the source model's weights (`source_bytes`, loaded by the
-    connector on every rank) fit beside what vLLM sized with `gpu_memory_utilization` of a device of `total_bytes`.
+    connector, on tensor-parallel rank 0 only) fit beside what vLLM sized with `gpu_memory_utilization` of a device
+    of `total_bytes`.
 
     vLLM 0.32 builds the worker's connector in `Worker.initialize_from_config`, after `determine_available_memory`
     sized the KV cache (`gpu_memory_utilization × total − weights − activations`): the source is never counted

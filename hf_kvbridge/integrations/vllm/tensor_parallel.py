@@ -6,12 +6,13 @@ vLLM shards the KV heads of each attention layer across the tensor-parallel rank
 than ranks each head is replicated on `tp_size / kv_heads` consecutive ranks and rank `r` holds head
 `r // (tp_size / kv_heads)`. The connector's worker on rank `r` writes exactly those heads of the mapped cache.
 
-Every rank runs the source prefill and the whole map, and slices its heads out of the result (no collective on the
-mapping path, so one rank's failure cannot block the others: it reports its blocks as failed loads and vLLM, which
-unions the ranks' failed blocks, has the target recompute the prompt on every rank). The one collective is the gate's:
-each rank scores its own heads, and the scores are averaged over the ranks (`tensor_model_parallel_all_reduce`),
-which equals the score over all heads (every rank holds as many heads, replicas counted alike); every rank takes part
-for every gated load, a rank that could not score contributing NaN, so all ranks decide the same.
+Rank 0 alone holds the source and the mapper: it maps every head and scatters each rank its heads (`scatter.py`), a
+status a load, so one rank's failure cannot block the others (a load rank 0 cannot map is a zero status, every rank
+reports its blocks as failed loads, and vLLM, which unions the ranks' failed blocks, has the target recompute the
+prompt on every rank). The gate's collective: each rank scores its own heads, and the scores are averaged over the
+ranks (`tensor_model_parallel_all_reduce`), which equals the score over all heads (every rank holds as many heads,
+replicas counted alike); every rank takes part for every gated load, a rank that could not score contributing NaN,
+so all ranks decide the same.
 """
 
 from __future__ import annotations

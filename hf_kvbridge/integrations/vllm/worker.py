@@ -19,10 +19,11 @@ from ...errors import KVLayoutError, ServingConfigError
 from ...transfer.plan import plan_load, plan_transfer
 from ...transfer.steps import SourceKV, TransferDecision, TransferSteps, decide, served_outcome
 from ...utils.cache import append_layer, output_cache, slice_cache
-from .export import export_sharded
+from .export import ShardGeometry, export_sharded, unpack
 from .metadata import BridgeLoad, GateCheck, KVBridgeConnectorMetadata, KVBridgeWorkerMetadata
 from .paged_cache import read_slots, reads_back, slots_of, write_layer
 from .rotary import RotaryOnlyTarget
+from .scatter import cache_of, rank_buffers, scatter_from_first_rank, sent_tokens, stack_kv
 from .tensor_parallel import HeadShard, mean_over_ranks, slice_heads
 
 logger = init_logger("vllm.hf_kvbridge")  # under "vllm", so vLLM's handlers format and show it
@@ -92,6 +93,10 @@ class BridgeWorker:
         fetch_parts (`int`): runs a load from the store is fetched in, each mapped and written while the next is
             fetched (`1`: fetch all, then map).
         shard (`HeadShard`, *optional*): the target KV heads this tensor-parallel rank holds (`None`: all of them).
+            At TP > 1 rank 0 maps every load and scatters each rank its heads (`scatter`); `bridge` is `None` on the
+            other ranks, which hold no source model and no mapper.
+        kv_dtype (`torch.dtype`, *optional*): the dtype the mapped K/V are sent in at TP > 1 (the model's; the
+            mapped cache's own, so that every rank writes what rank 0 mapped). Default float32.
     """
 
     def __init__(
@@ -106,12 +111,14 @@ class BridgeWorker:
         source_weights: bool = True,
         fetch_parts: int = 4,
         shard: HeadShard | None = None,
+        kv_dtype: torch.dtype = torch.float32,
     ):
         self.bridge, self.block_size, self.gate_threshold, self.count = bridge, block_size, gate_threshold, count
         self.shard = shard or HeadShard(total=0)
         self.heads = self.shard.heads if self.shard.sharded else slice(None)  # this rank's target KV heads
         self.store, self.exports, self.source_weights = store, exports, source_weights
-        self.fetch_parts = fetch_parts
+        self.fetch_parts, self.kv_dtype = fetch_parts, kv_dtype
+        self._shares: list[torch.Tensor] | None = None  # rank 0 at TP > 1: the load's mapped K/V, every head
         self._layers: dict[str, nn.Module] = {}
         self._export_layout_ok: bool | None = None
         self.source_forward_calls = 0  # source forward passes run in this worker (0 on a store-only target)
@@ -126,25 +133,113 @@ class BridgeWorker:
         if not isinstance(meta, KVBridgeConnectorMetadata) or not meta.loads:
             return
         layers = self._layers
+        if self.shard.sharded:  # rank 0 maps, every rank writes its heads
+            self.load_sharded(meta.loads, layers)
+            return
         for load in meta.loads:
             try:
                 self.map_and_write(load, layers)
             except Exception as error:  # fall back: the target recomputes the claimed tokens
-                failed = decide(self.plan(load), ok=torch.zeros(1, dtype=torch.bool))
-                self.record(load, failed, reason=f"{type(error).__name__}: {error}")
-                if load.gated and self.shard.sharded:  # the other ranks average the gate over this one: take part
-                    self._gate_checks.append(GateCheck(load, 0, None, None, None, failed=True))
-                logger.warning(
-                    "KVBridgeConnector: mapping failed for request %s (%d tokens): %s: %s; the target computes "
-                    "the prompt itself",
-                    load.req_id,
-                    load.end - load.start,
-                    type(error).__name__,
-                    error,
-                )
+                self.fail(load, f"{type(error).__name__}: {error}")
                 continue
             if not load.gated:  # no gate: mapped for good (a gated one is decided after the forward)
                 self.record(load, decide(self.plan(load)))
+
+    def fail(self, load: BridgeLoad, reason: str) -> None:
+        """`load` could not be mapped or written: reported as a failed load (`fallback`), with a WARNING."""
+        failed = decide(self.plan(load), ok=torch.zeros(1, dtype=torch.bool))
+        self.record(load, failed, reason=reason)
+        if load.gated and self.shard.sharded:  # the other ranks average the gate over this one: take part
+            self._gate_checks.append(GateCheck(load, 0, None, None, None, failed=True))
+        logger.warning(
+            "KVBridgeConnector: mapping failed for request %s (%d tokens): %s; the target computes the prompt itself",
+            load.req_id,
+            load.end - load.start,
+            reason,
+        )
+
+    def load_sharded(self, loads: list[BridgeLoad], layers: dict[str, nn.Module]) -> None:
+        """A step's loads on a tensor-parallel rank (`scatter`): rank 0 maps each (`map_and_write`, which writes its
+        own heads and keeps every head's K/V), then one scatter sends each rank its heads, which the other ranks
+        write (`write_received`). A load rank 0 could not map reaches them as a zero status: every rank reports it
+        as a failed load. Every rank calls the scatter once a step with loads, whatever failed."""
+        first = next(iter(layers.values()))
+        geometry = ShardGeometry(len(layers), int(first.num_kv_heads), int(first.head_size), self.kv_dtype)
+        lengths = [sent_tokens(load) for load in loads]
+        device = first.kv_cache.device
+        numel = len(loads) + sum(geometry.numel(n) for n in lengths)
+        if self.shard.rank != 0:
+            flat = scatter_from_first_rank(None, numel, geometry.dtype, device)
+            for load, kv in zip(loads, unpack(flat, lengths, geometry), strict=True):
+                if kv is None:
+                    self.fail(load, "tensor-parallel rank 0 could not map this load")
+                    continue
+                try:
+                    self.write_received(load, layers, kv)
+                except Exception as error:
+                    self.fail(load, f"{type(error).__name__}: {error}")
+                    continue
+                if not load.gated:
+                    self.record(load, decide(self.plan(load)))
+            return
+        kvs: list[torch.Tensor | None] = []
+        for load, length in zip(loads, lengths, strict=True):
+            self._shares, checks = [], len(self._gate_checks)
+            try:
+                self.map_and_write(load, layers)
+                kv = torch.cat(self._shares, dim=2)  # (L, 2, T, H, d): [start, end), then the probe
+                want = (geometry.layers, 2, length, self.shard.total, geometry.head_dim)
+                if tuple(kv.shape) != want:  # what every rank's share is packed from: checked before it is sent
+                    raise KVLayoutError(f"rank 0 mapped K/V of shape {tuple(kv.shape)} where {want} was expected")
+                kvs.append(kv)
+            except Exception as error:
+                del self._gate_checks[checks:]  # one check a gated load on every rank: the failed one below
+                kvs.append(None)
+                self.fail(load, f"{type(error).__name__}: {error}")
+                continue
+            finally:
+                self._shares = None
+            if not load.gated:
+                self.record(load, decide(self.plan(load)))
+        buffers = rank_buffers(kvs, lengths, geometry, self.shard.total, self.shard.size, device)
+        del kvs
+        scatter_from_first_rank(buffers, numel, geometry.dtype, device)
+
+    def write_received(self, load: BridgeLoad, layers: dict[str, nn.Module], kv: torch.Tensor) -> None:
+        """Writes this rank's heads of `load`'s mapped K/V (`kv`, `(layers, 2, sent_tokens(load), h, d)`, from rank
+        0's scatter) into its paged cache; a gated load's probe is kept for the gate, as `map_and_write` keeps it."""
+        written = load.end - load.start
+        slots = slots_of(load.block_ids, self.block_size, load.start, load.end)  # (end - start,)
+        readable = self.write_mapped(layers, cache_of(kv[:, :, :written]), slots, slice(None), read_back=load.gated)
+        self.count(tokens_received=written)
+        if load.gated:
+            positions = torch.arange(load.probe_end, device=kv.device).unsqueeze(0)  # (1, probe_end)
+            steps = TransferSteps(self.plan(load), None, positions=positions, num_layers=len(layers))
+            steps.mapped_probe = cache_of(kv[:, :, written:])  # (1, h, probe, d) per layer: this rank's heads
+            probe_slots = slots_of(load.block_ids, self.block_size, load.probe_start, load.probe_end)
+            self._gate_checks.append(GateCheck(load, written, steps, probe_slots, layers if readable else None))
+
+    def write_mapped(
+        self, layers: dict[str, nn.Module], mapped, slots: torch.Tensor, heads: slice, *, read_back: bool = False
+    ) -> bool:
+        """Writes the KV heads `heads` of `mapped` (a cache of the tokens at `slots`, `(1, H, T, d)` per layer) into
+        `layers`' paged caches, one cache-update call a layer. With `read_back`, returns whether the cache reads back
+        what was written (the gate reads it: `reads_back`, on the last block's tokens); else `True`."""
+        from vllm.model_executor.models.utils import extract_layer_index
+
+        readable = True
+        for name, layer in layers.items():
+            cache_layer = mapped.layers[extract_layer_index(name)]
+            keys = cache_layer.keys[0, heads].transpose(0, 1)  # (T, h, d), post-RoPE, this rank's heads
+            values = cache_layer.values[0, heads].transpose(0, 1)  # (T, h, d)
+            check_heads(layer, keys)
+            kv_cache = layer.kv_cache
+            keys, values = keys.to(kv_cache.device).contiguous(), values.to(kv_cache.device).contiguous()
+            write_layer(layer, keys, values, slots)
+            if read_back:  # the gate reads the cache back: check that it reads what was written
+                tail = slice(-self.block_size, None)
+                readable = readable and reads_back(layer, slots[tail], keys[tail], values[tail])
+        return readable
 
     def plan(self, load: BridgeLoad):
         """`load`'s transfer plan (`transfer.plan.plan_load`: the positions the scheduler's plan gave it)."""
@@ -169,9 +264,8 @@ class BridgeWorker:
         """Source prefill over `load.token_ids`, mapping of tokens `[start, end)`, and one cache-update call per
         target attention layer. Returns the number of tokens written. With a quality gate, also maps the probe
         tokens `[probe_start, probe_end)` (not written: the target computes them in this step) and queues the gate's
-        check for after the forward pass (`check_gates`)."""
-        from vllm.model_executor.models.utils import extract_layer_index
-
+        check for after the forward pass (`check_gates`). On rank 0 at TP > 1 it also keeps every head's mapped K/V
+        for the other ranks (`load_sharded`)."""
         bridge = self.bridge
         if bridge is None:
             raise ServingConfigError(
@@ -196,21 +290,16 @@ class BridgeWorker:
                 "own target model (hf_kvbridge.integrations.vllm.target_model)"
             )
         slots = slots_of(load.block_ids, self.block_size, load.start, load.end)  # (end - start,)
-        readable = True
-        for name, layer in layers.items():
-            cache_layer = mapped.layers[extract_layer_index(name)]
-            keys = cache_layer.keys[0, self.heads].transpose(0, 1)  # (T, h, d), post-RoPE, this rank's heads
-            values = cache_layer.values[0, self.heads].transpose(0, 1)  # (T, h, d)
-            check_heads(layer, keys)
-            kv_cache = layer.kv_cache
-            keys, values = keys.to(kv_cache.device).contiguous(), values.to(kv_cache.device).contiguous()
-            write_layer(layer, keys, values, slots)
-            if load.gated:  # the gate reads the cache back: check that it reads what was written
-                tail = slice(-self.block_size, None)
-                readable = readable and reads_back(layer, slots[tail], keys[tail], values[tail])
+        readable = self.write_mapped(layers, mapped, slots, self.heads, read_back=load.gated)
         self.count(write_seconds=time.perf_counter() - started)
         written = load.end - load.start
+        if self._shares is not None:  # rank 0 at TP > 1: every head, for the other ranks
+            self._shares.append(stack_kv(mapped))  # (L, 2, end - start, H, d)
+            if load.gated:
+                self._shares.append(stack_kv(steps.mapped_probe))  # (L, 2, probe, H, d)
         if load.gated:
+            if self.shard.sharded:  # this rank scores its own heads of the mapped probe
+                steps.mapped_probe = slice_heads(steps.mapped_probe, self.heads)
             probe_slots = slots_of(load.block_ids, self.block_size, load.probe_start, load.probe_end)
             self._gate_checks.append(GateCheck(load, written, steps, probe_slots, layers if readable else None))
         return written
@@ -220,8 +309,6 @@ class BridgeWorker:
         (`PrefixKVStore.iter_load`, on a thread of its own), each run mapped by the shared transfer steps and written
         into the paged cache as soon as it has arrived, while the next one is being fetched, so that the load costs
         about the longer of the fetch and the mapping, not their sum. Returns the number of tokens written."""
-        from vllm.model_executor.models.utils import extract_layer_index
-
         bridge = self.bridge
         device, dtype = bridge.device, bridge.source.dtype
         began = time.perf_counter()
@@ -256,12 +343,9 @@ class BridgeWorker:
                     "bridge's own target model (hf_kvbridge.integrations.vllm.target_model)"
                 )
             slots = slots_of(load.block_ids, self.block_size, run.start, run.end)  # (n,)
-            for name, layer in layers.items():
-                cache_layer = mapped.layers[extract_layer_index(name)]
-                keys = cache_layer.keys[0, self.heads].transpose(0, 1).to(layer.kv_cache.device).contiguous()
-                values = cache_layer.values[0, self.heads].transpose(0, 1).to(layer.kv_cache.device).contiguous()
-                check_heads(layer, keys)  # (n, h, d): this rank's heads
-                write_layer(layer, keys, values, slots)
+            self.write_mapped(layers, mapped, slots, self.heads)
+            if self._shares is not None:  # rank 0 at TP > 1: every head, for the other ranks
+                self._shares.append(stack_kv(mapped))  # (L, 2, n, H, d)
             writing += time.perf_counter() - started
         self.count(
             fetch_seconds=fetched, fetch_wait_seconds=waited, map_seconds=mapping, write_seconds=writing,
@@ -412,8 +496,6 @@ class BridgeWorker:
             for name, layer in check.layers.items():
                 keys, values = read_slots(layer, check.slots)  # (n, h, d) each
                 append_layer(own, extract_layer_index(name), keys.transpose(0, 1)[None], values.transpose(0, 1)[None])
-            if self.shard.sharded:  # the mapped probe holds every head: score this rank's
-                check.steps.mapped_probe = slice_heads(check.steps.mapped_probe, self.heads)
             return float(check.steps.score(own, 0)[0]), None  # own: the probe tokens only; decided over the ranks
         except Exception as error:
             return None, f"quality gate failed: {type(error).__name__}: {error}"
