@@ -266,3 +266,31 @@ def test_an_export_is_read_on_the_writer_thread_after_its_staging_and_its_cpu_ti
     finally:
         writer.close()
         store.close()
+
+
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2], ids=str)
+def test_an_fp8_caches_codes_are_dequantized_on_the_writer_thread(server, fp8):
+    """An fp8 engine hands its cache's codes and its per-layer scales over (`save(scales=...)`); the writer thread
+    dequantizes them (`code * scale`, float32, as the engine's attention reads them) before it encodes: the stored
+    K/V equal the step's old dequantized read exactly, keys with keys' scales and values with values'."""
+    store = RedisKVStore(server.url, timeout=2.0)
+    writer = AsyncWriter(store)
+    try:
+        prefix = PrefixKVStore(store, model_id=MODEL, chunk_size=8, writer=writer)
+        ids = list(range(4000, 4016))
+        keys, values = _kv(2, 2, 16, 8, dtype=torch.float32)
+        codes_k, codes_v = [(k * 4).to(fp8) for k in keys], [(v * 4).to(fp8) for v in values]
+        scales = [(0.05, 0.2), (0.5, 0.125)]
+        assert prefix.save(ids, codes_k, codes_v, start=0, scales=scales) == 2
+        assert writer.flush(timeout=10)
+        got_keys, got_values = prefix.load(ids, 16)
+        for layer, (k_scale, v_scale) in enumerate(scales):
+            assert got_keys[layer].dtype == torch.float32
+            assert torch.equal(got_keys[layer], codes_k[layer].to(torch.float32) * k_scale)
+            assert torch.equal(got_values[layer], codes_v[layer].to(torch.float32) * v_scale)
+        with pytest.raises(InvalidInputError, match="scale pairs"):
+            prefix.save(ids, codes_k, codes_v, start=0, scales=scales[:1])
+        store.delete_many(prefix.keys(ids))
+    finally:
+        writer.close()
+        store.close()

@@ -172,3 +172,92 @@ def test_other_quantized_caches_are_never_read_as_numbers(kv_cache_dtype):
     layer = fp8_layer(kv_cache_dtype)
     with pytest.raises(NotImplementedError, match="quantized codes"):
         read_slots(layer, slots_of([0], BLOCK, 0, 4))
+
+
+def old_read_slots(layer, slots):
+    """The read before `gather_slots` (the oracle): each token's whole block page copied, then its keys and values
+    picked out of it; an fp8 cache's codes left as codes."""
+    from hf_kvbridge.integrations.vllm.paged_cache import probe_block_layout
+
+    kv_cache = layer.kv_cache
+    if kv_cache.dim() == 4:
+        num_blocks, heads, block_size, width = kv_cache.shape
+        key_index, value_index = probe_block_layout(layer)
+        blocks, offsets = slots // block_size, slots % block_size
+        pages = kv_cache.reshape(num_blocks, -1)[blocks]  # (T, H * block_size * 2d)
+        shape = (len(slots), heads, width // 2)
+        return tuple(pages.gather(1, index[offsets].flatten(1)).view(shape) for index in (key_index, value_index))
+    block_size = kv_cache.shape[2]
+    return tuple(part[slots // block_size, slots % block_size] for part in kv_cache.unbind(0))
+
+
+def _filled(layer, tokens: int, dtype) -> None:
+    """Every slot of `layer`'s cache written through its own op with random keys and values."""
+    kv_cache = layer.kv_cache
+    slots = torch.arange(tokens)
+    generator = torch.Generator().manual_seed(tokens)
+    shape = (tokens, HEADS, HEAD_DIM)
+    keys, values = (torch.randn(shape, generator=generator).to(dtype) for _ in range(2))
+    if kv_cache.dim() == 4:
+        layer.impl.do_kv_cache_update(layer, keys, values, kv_cache, slots)
+    else:
+        block_size = kv_cache.shape[2]
+        kv_cache[0, slots // block_size, slots % block_size] = keys
+        kv_cache[1, slots // block_size, slots % block_size] = values
+
+
+def _layouts():
+    """(name, layer, dtype of its numbers): the CPU kernels at several block sizes, the paired stand-in, an fp8
+    stand-in (codes), and the FlashAttention-style layout (contiguous, and a strided view of a larger tensor)."""
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl as Impl
+
+    def cpu(isa, dtype, block_size, impl_class=Impl, kv_cache_dtype="auto"):
+        layer = cpu_layer(isa, dtype, kv_cache_dtype, impl_class)
+        cache_dtype = layer.kv_cache.dtype
+        layer.kv_cache = torch.zeros(BLOCKS, HEADS, block_size, 2 * HEAD_DIM, dtype=cache_dtype)
+        return layer
+
+    out = []
+    for isa in kernels():
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            for block_size in (16, 32, 128):
+                out.append((f"{isa}-{dtype}-{block_size}", cpu(isa, dtype, block_size), dtype))
+    out.append(("paired", cpu("paired", torch.bfloat16, 32, PairedDims), torch.bfloat16))
+    for kv_cache_dtype in sorted(FP8):
+        layer = cpu("vec", torch.float32, 16, Fp8Vec, kv_cache_dtype)
+        layer._k_scale_float, layer._v_scale_float = 0.05, 0.2
+        out.append((kv_cache_dtype, layer, torch.float32))
+    flash = SimpleNamespace(kv_cache=torch.zeros(2, BLOCKS, 16, HEADS, HEAD_DIM), impl=object())
+    strided = SimpleNamespace(kv_cache=torch.zeros(2, BLOCKS, 16, HEADS, 2 * HEAD_DIM)[..., :HEAD_DIM], impl=object())
+    out += [("flash", flash, torch.float32), ("flash-strided", strided, torch.float32)]
+    return out
+
+
+def test_the_slot_gather_reads_what_the_whole_block_read_did():
+    """`gather_slots` (one index_select of the slots' own elements) against the old read that copied each token's
+    whole block: bit-identical on every layout and block size, for tasks that start and end mid-block (partial
+    blocks), a single token, and several tasks read at once (`read_layers`)."""
+    from hf_kvbridge.integrations.vllm.paged_cache import gather_slots, read_layers, slot_rows
+
+    for name, layer, dtype in _layouts():
+        block_size = layer.kv_cache.shape[2]
+        _filled(layer, BLOCKS * block_size, dtype)
+        tasks = [
+            slots_of([4, 0, 5, 2], block_size, 3, 3 * block_size + 5),  # partial first and last blocks
+            slots_of([1], block_size, block_size - 1, block_size),  # one token, a block's last
+            slots_of([3, 5], block_size, 0, 2 * block_size),  # whole blocks
+        ]
+        for slots in tasks:
+            kv = gather_slots(layer, slot_rows(layer, slots))  # (2, H, T, d), the cache's dtype
+            want_keys, want_values = old_read_slots(layer, slots)  # (T, H, d) each
+            assert kv.dtype == layer.kv_cache.dtype, name
+            assert torch.equal(kv[0].transpose(0, 1), want_keys), name
+            assert torch.equal(kv[1].transpose(0, 1), want_values), name
+        both = read_layers([layer, layer], torch.cat(tasks))  # the step's tasks, one op a layer
+        offset = 0
+        for slots in tasks:
+            want_keys, want_values = old_read_slots(layer, slots)
+            for kv in both:
+                part = kv[:, :, offset : offset + len(slots)].transpose(1, 2)  # (2, T, H, d)
+                assert torch.equal(part[0], want_keys) and torch.equal(part[1], want_values), name
+            offset += len(slots)

@@ -13,7 +13,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,7 +21,7 @@ import torch
 
 from ...errors import InvalidInputError, StoreFormatError, StoreMissError, StoreUnavailableError
 from .base import KVStore, at_once, spread, spread_parts
-from .encodings import DEFAULT_ENCODING, check_encoding
+from .encodings import DEFAULT_ENCODING, check_encoding, dequantize_codes
 from .format import ChunkEncoder, copy_into, decode_chunk
 from .keys import DEFAULT_CHUNK_SIZE, SequenceKeys, as_token_list, sequence_keys
 from .writer import AsyncWriter
@@ -238,6 +238,7 @@ class PrefixKVStore:
         skip_stored: bool = True,
         tail: bool = True,
         ready: Callable[[], None] | None = None,
+        scales: Sequence[tuple[float, float]] | None = None,
     ) -> int:
         """Writes every whole chunk inside tokens `[start, start + T)` of `token_ids`, and (with `tail`) the partial
         chunk after the last of them: its sub-chunks and its remainder, which expire after `partial_ttl_s`.
@@ -255,6 +256,9 @@ class PrefixKVStore:
                 multiple of `chunk_size`).
             ready (callable, *optional*): called (on the writer thread, with a writer) before the tensors are read:
                 the wait of a staged device-to-host copy (`staging.StagedExport.wait`).
+            scales (list of `(k_scale, v_scale)`, *optional*): per layer, the scales of an fp8 KV cache whose codes
+                `keys`/`values` are (`float8_e4m3fn` or `float8_e5m2` tensors, `x = code * scale`): dequantized to
+                float32 on the writer thread (`encodings.dequantize_codes`), not on the caller's.
 
         Returns:
             `int`: whole chunks written (stored ones skipped), or with a writer queued (all those in the range; the
@@ -285,11 +289,19 @@ class PrefixKVStore:
             if after < end:  # the remainder
                 entries.append((pieces.remainders(len(pieces.subs), tokens[after:end])[-1], after, end, True))
 
-        token_bytes = sum(t.shape[0] * t.shape[2] * t.element_size() for t in (*keys, *values))  # a token's K/V
+        width = [4 if scales is not None else t.element_size() for t in (*keys, *values)]  # fp8 codes: to float32
+        token_bytes = sum(t.shape[0] * t.shape[2] * w for t, w in zip((*keys, *values), width))  # a token's K/V
+
+        if scales is not None and len(scales) != len(keys):
+            raise InvalidInputError(f"PrefixKVStore.save: {len(scales)} scale pairs for {len(keys)} layers")
 
         def job() -> int:
+            nonlocal keys, values
             if ready is not None:
                 ready()
+            if scales is not None:  # an fp8 cache's codes: dequantized here, on the writer thread
+                keys = [dequantize_codes(k, k_scale) for k, (k_scale, _) in zip(keys, scales, strict=True)]
+                values = [dequantize_codes(v, v_scale) for v, (_, v_scale) in zip(values, scales, strict=True)]
             wanted = entries
             if skip_stored and wanted:
                 stored = self.store.probe([e[0] for e in wanted], [], timeout=self._writer_deadline())[0]
