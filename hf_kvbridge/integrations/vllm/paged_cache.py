@@ -59,19 +59,20 @@ def _cpu_backend(layer: nn.Module) -> bool:
 
 @dataclass(frozen=True)
 class SlotRows:
-    """Where the keys and values of some slots lie in a layer's paged cache seen as rows of `run` elements
-    (`kv_cache.view(-1, run)`): `rows` `(2 · kv_heads · T · head_dim / run,)` row numbers in the order of a
-    `(2, kv_heads, T, head_dim)` read (keys, then values; each head's tokens side by side, so that a head's run of
-    tokens is one contiguous piece the store sends as it is). `rows` is `None` where the cache is not one flat
-    block of memory: then `slots` (`(T,)`) are read by indexing (`gather_slots`)."""
+    """Where the keys and values of some slots lie in a layer's paged cache: the keys in the cache seen as rows of
+    `runs[0]` elements (`kv_cache.view(-1, runs[0])`), at rows `rows[0]` (`(kv_heads · T · head_dim / runs[0],)`, in
+    the order of a `(kv_heads, T, head_dim)` read: each head's tokens side by side, so that a head's run of tokens
+    is one contiguous piece the store sends as it is), and the values likewise (`runs[1]`, `rows[1]`). `rows` is
+    `None` where the cache is not one flat block of memory: then `slots` (`(T,)`) are read by indexing
+    (`gather_slots`)."""
 
-    rows: torch.Tensor | None
-    run: int
+    rows: tuple[torch.Tensor, torch.Tensor] | None
+    runs: tuple[int, int]
     shape: tuple[int, int, int, int]
     slots: torch.Tensor
 
 
-_BLOCK_ROWS: dict[tuple, tuple[torch.Tensor, int, int]] = {}
+_BLOCK_ROWS: dict[tuple, tuple[list[tuple[torch.Tensor, int]], int]] = {}
 
 
 def _layout_key(layer: nn.Module) -> tuple:
@@ -85,13 +86,14 @@ def _layout_key(layer: nn.Module) -> tuple:
     )  # fmt: skip
 
 
-def block_rows(layer: nn.Module) -> tuple[torch.Tensor, int, int] | None:
-    """`(rows_in_block, rows_per_block, run)` of `layer`'s cache seen as rows of `run` elements
-    (`kv_cache.view(-1, run)`): block `b`'s offset `o` holds head `h`'s keys (`side` 0) or values (1) in rows
-    `b * rows_per_block + rows_in_block[side, h, o]` (`rows_in_block`: `(2, kv_heads, block_size, head_dim / run)`).
-    `run` is the longest power of two dividing `head_dim` whose pieces of a key or value lie side by side in the
-    cache (`head_dim` for a row per token and head; 1 for the CPU kernels' keys, stored dimension-major). `None` for
-    a cache that is not contiguous. Raises `NotImplementedError` for a layout `read_slots` cannot read."""
+def block_rows(layer: nn.Module) -> tuple[list[tuple[torch.Tensor, int]], int] | None:
+    """`([(rows_in_block, run) for keys, then values], elements_per_block)` of `layer`'s cache: seen as rows of
+    `run` elements (`kv_cache.view(-1, run)`), block `b`'s offset `o` holds head `h`'s keys (or values) in rows
+    `b * elements_per_block / run + rows_in_block[h, o]` (`rows_in_block`: `(kv_heads, block_size, head_dim /
+    run)`). `run` is the longest power of two dividing `head_dim` whose pieces of a key (or value) lie side by side
+    in the cache (`head_dim` for a row per token and head, as the CPU kernels store values; 1 for their keys, stored
+    dimension-major). `None` for a cache that is not contiguous. Raises `NotImplementedError` for a layout
+    `read_slots` cannot read."""
     kv_cache = layer.kv_cache
     paged = kv_cache.dim() == 5 and kv_cache.shape[0] == 2  # FlashAttention-style: (2, blocks, block_size, H, d)
     if not (_cpu_backend(layer) and kv_cache.dim() == 4) and not paged:
@@ -118,14 +120,16 @@ def block_rows(layer: nn.Module) -> tuple[torch.Tensor, int, int] | None:
         page = block_size * heads * head_dim  # a block's elements in each of the two halves
         where = side * num_blocks * page + (offset * heads + head) * head_dim + dim  # (2, H, block_size, d)
     head_dim = where.shape[-1]
-    run = head_dim & -head_dim  # the largest power of two dividing head_dim
-    while run > 1:
-        pieces = where.reshape(*where.shape[:-1], head_dim // run, run)  # (2, H, block_size, d / run, run)
-        if bool((pieces[..., 0] % run == 0).all()) and bool((pieces == pieces[..., :1] + torch.arange(run)).all()):
-            break
-        run //= 2
-    pieces = where.reshape(*where.shape[:-1], head_dim // run, run)
-    _BLOCK_ROWS[key] = (pieces[..., 0] // run, page // run, run)
+    sides = []
+    for side in where:  # (H, block_size, d): keys, then values
+        run = head_dim & -head_dim  # the largest power of two dividing head_dim
+        while run > 1:
+            pieces = side.reshape(*side.shape[:-1], head_dim // run, run)  # (H, block_size, d / run, run)
+            if bool((pieces[..., 0] % run == 0).all()) and bool((pieces == pieces[..., :1] + torch.arange(run)).all()):
+                break
+            run //= 2
+        sides.append((side.reshape(*side.shape[:-1], head_dim // run, run)[..., 0] // run, run))
+    _BLOCK_ROWS[key] = (sides, page)
     return _BLOCK_ROWS[key]
 
 
@@ -144,28 +148,33 @@ def slot_rows(layer: nn.Module, slots: torch.Tensor) -> SlotRows:
         block_size, heads, head_dim = kv_cache.shape[2], kv_cache.shape[3], kv_cache.shape[4]
     shape = (2, heads, len(slots), head_dim)
     if found is None:
-        return SlotRows(None, head_dim, shape, slots.to(kv_cache.device))
-    rows_in_block, rows_per_block, run = found
+        return SlotRows(None, (head_dim, head_dim), shape, slots.to(kv_cache.device))
+    sides, page = found
     blocks, offsets = slots // block_size, slots % block_size  # (T,) each
-    rows = blocks.view(1, 1, -1, 1) * rows_per_block + rows_in_block[:, :, offsets]  # (2, H, T, d / run)
-    index_dtype = torch.int32 if kv_cache.numel() // run < 2**31 else torch.long
-    return SlotRows(rows.flatten().to(device=kv_cache.device, dtype=index_dtype), run, shape, slots)
+    rows, runs = [], []
+    for rows_in_block, run in sides:
+        side_rows = blocks.view(1, -1, 1) * (page // run) + rows_in_block[:, offsets]  # (H, T, d / run)
+        index_dtype = torch.int32 if kv_cache.numel() // run < 2**31 else torch.long
+        rows.append(side_rows.flatten().to(device=kv_cache.device, dtype=index_dtype))
+        runs.append(run)
+    return SlotRows((rows[0], rows[1]), (runs[0], runs[1]), shape, slots)
 
 
 def gather_slots(layer: nn.Module, rows: SlotRows, out: torch.Tensor | None = None) -> torch.Tensor:
     """The keys and values at `rows` of `layer`'s cache, `(2, kv_heads, T, head_dim)` in the cache's own dtype (an
-    fp8 cache's `uint8` codes, not dequantized): one `index_select` of exactly the slots' elements (into `out`, a
-    contiguous tensor of that shape and dtype, if given)."""
+    fp8 cache's `uint8` codes, not dequantized): one `index_select` for the keys and one for the values, of exactly
+    the slots' elements (into `out`, a contiguous tensor of that shape and dtype, if given)."""
     kv_cache = layer.kv_cache
     if rows.rows is None:  # a strided cache (FlashAttention-style layout): indexed per half
         block_size = kv_cache.shape[2]
         blocks, offsets = rows.slots // block_size, rows.slots % block_size
         kv = torch.stack([part[blocks, offsets] for part in kv_cache.unbind(0)]).transpose(1, 2)  # (2, H, T, d)
         return kv if out is None else out.copy_(kv)
-    flat = kv_cache.view(-1, rows.run)  # (elements / run, run)
     if out is None:
-        return flat.index_select(0, rows.rows).view(rows.shape)
-    torch.index_select(flat, 0, rows.rows, out=out.view(-1, rows.run))
+        out = torch.empty(rows.shape, dtype=kv_cache.dtype, device=kv_cache.device)
+    for side, side_rows, run in zip(out, rows.rows, rows.runs, strict=True):  # keys, then values
+        shape = (-1,) if run == 1 else (-1, run)  # single elements: a flat index_select (its fast path)
+        torch.index_select(kv_cache.view(shape), 0, side_rows, out=side.view(shape))  # (H · T · d / run, run)
     return out
 
 
