@@ -21,7 +21,7 @@ import torch
 
 from ...errors import InvalidInputError, StoreFormatError, StoreMissError, StoreUnavailableError
 from .base import KVStore, at_once, spread, spread_parts
-from .encodings import DEFAULT_ENCODING, check_encoding, dequantize_codes
+from .encodings import DEFAULT_ENCODING, check_encoding
 from .format import ChunkEncoder, copy_into, decode_chunk
 from .keys import DEFAULT_CHUNK_SIZE, SequenceKeys, as_token_list, sequence_keys
 from .writer import AsyncWriter
@@ -257,8 +257,10 @@ class PrefixKVStore:
             ready (callable, *optional*): called (on the writer thread, with a writer) before the tensors are read:
                 the wait of a staged device-to-host copy (`staging.StagedExport.wait`).
             scales (list of `(k_scale, v_scale)`, *optional*): per layer, the scales of an fp8 KV cache whose codes
-                `keys`/`values` are (`float8_e4m3fn` or `float8_e5m2` tensors, `x = code * scale`): dequantized to
-                float32 on the writer thread (`encodings.dequantize_codes`), not on the caller's.
+                `keys`/`values` are (`float8_e4m3fn` or `float8_e5m2` tensors, `x = code * scale`). In the encoding
+                `fp8_e4m3`, e4m3 codes are stored as they are with the layer's scale as each head's (not quantized
+                twice); otherwise they are dequantized to float32 (`encodings.dequantize_codes`) on the writer
+                thread, not on the caller's (`ChunkEncoder`).
 
         Returns:
             `int`: whole chunks written (stored ones skipped), or with a writer queued (all those in the range; the
@@ -289,25 +291,24 @@ class PrefixKVStore:
             if after < end:  # the remainder
                 entries.append((pieces.remainders(len(pieces.subs), tokens[after:end])[-1], after, end, True))
 
-        width = [4 if scales is not None else t.element_size() for t in (*keys, *values)]  # fp8 codes: to float32
+        as_codes = self.encoding == "fp8_e4m3"  # an fp8 cache's e4m3 codes are sent as they are, others as float32
+        width = [t.element_size() if scales is None or (as_codes and t.dtype == torch.float8_e4m3fn) else 4
+                 for t in (*keys, *values)]  # fmt: skip
         token_bytes = sum(t.shape[0] * t.shape[2] * w for t, w in zip((*keys, *values), width))  # a token's K/V
 
         if scales is not None and len(scales) != len(keys):
             raise InvalidInputError(f"PrefixKVStore.save: {len(scales)} scale pairs for {len(keys)} layers")
 
         def job() -> int:
-            nonlocal keys, values
             if ready is not None:
                 ready()
-            if scales is not None:  # an fp8 cache's codes: dequantized here, on the writer thread
-                keys = [dequantize_codes(k, k_scale) for k, (k_scale, _) in zip(keys, scales, strict=True)]
-                values = [dequantize_codes(v, v_scale) for v, (_, v_scale) in zip(values, scales, strict=True)]
             wanted = entries
             if skip_stored and wanted:
                 stored = self.store.probe([e[0] for e in wanted], [], timeout=self._writer_deadline())[0]
                 wanted = [entry for entry, n in zip(wanted, stored, strict=True) if not n]
 
-            encoder = ChunkEncoder(keys, values, model_id=self.model_id, encoding=self.encoding)
+            # an fp8 cache's codes: kept as they are in fp8_e4m3 (e4m3 codes), else dequantized here, on this thread
+            encoder = ChunkEncoder(keys, values, model_id=self.model_id, encoding=self.encoding, scales=scales)
 
             def write(group: list, ttl_s: float | None) -> None:  # one of the writers: encodes its entries, writes
                 began = time.thread_time()
