@@ -261,3 +261,38 @@ def test_the_slot_gather_reads_what_the_whole_block_read_did():
                 part = kv[:, :, offset : offset + len(slots)].transpose(1, 2)  # (2, T, H, d)
                 assert torch.equal(part[0], want_keys) and torch.equal(part[1], want_values), name
             offset += len(slots)
+
+
+@pytest.mark.parametrize("encoding", ["fp8_e4m3", "source"])
+@pytest.mark.parametrize("kv_cache_dtype", sorted(FP8))
+def test_an_fp8_caches_export_keeps_its_codes_or_dequantizes_them_off_the_step(kv_cache_dtype, encoding):
+    """The export of an fp8 cache (the `vec` stand-in's write): the step copies its codes (`read_layers`, `uint8`),
+    the store keeps e4m3 codes and the engine's scales as they are in an fp8_e4m3 store, and otherwise dequantizes
+    them on the writer's side; either way the stored K/V are exactly what the engine reads (`read_slots`)."""
+    from hf_kvbridge.integrations.kv_store import PrefixKVStore, open_store, read_metadata, start_local_server
+    from hf_kvbridge.integrations.vllm.export import task_views
+    from hf_kvbridge.integrations.vllm.paged_cache import engine_scales, fp8_format, read_layers
+
+    layers = [fp8_layer(kv_cache_dtype, Fp8Vec, k_scale=0.0625, v_scale=0.25) for _ in range(2)]
+    slots = slots_of([3, 1, 4], BLOCK, 0, 80)
+    ids = list(range(100, 180))
+    for layer in layers:
+        keys, values = torch.randn(len(slots), HEADS, HEAD_DIM), torch.randn(len(slots), HEADS, HEAD_DIM) * 30
+        layer.impl.do_kv_cache_update(layer, keys, values, layer.kv_cache, slots)
+    kv = read_layers(layers, slots)  # per layer (2, H, T, d) codes
+    assert kv[0].dtype == torch.uint8
+    keys, values = task_views(kv, 0, len(slots), fp8_format(layers[0]))
+    with start_local_server(maxmemory="32mb") as server, open_store(server.url) as store:
+        prefix = PrefixKVStore(store, model_id="fp8-export", chunk_size=32, encoding=encoding)
+        prefix.save(ids, keys, values, start=0, scales=[engine_scales(layer) for layer in layers])
+        payload = store.get_many(prefix.keys(ids)[:1])[0]
+        got_keys, got_values = prefix.load(ids, 64)
+    codes_kept = encoding == "fp8_e4m3" and kv_cache_dtype == "fp8_e4m3"
+    assert (read_metadata(payload)["encoding"], read_metadata(payload)["dtype"]) == (encoding, "float32")
+    assert payload.count(kv[1][0, 0, :32].numpy().tobytes()) == int(codes_kept)  # the engine's own codes
+    for layer, got_k, got_v in zip(layers, got_keys, got_values, strict=True):
+        want_k, want_v = read_slots(layer, slots[:64])  # (T, H, d), dequantized as the engine reads them
+        if encoding == "fp8_e4m3" and not codes_kept:  # e5m2 codes are not e4m3's: the store quantizes them
+            torch.testing.assert_close(got_v, want_v.transpose(0, 1), rtol=0.07, atol=0.5)
+            continue
+        assert torch.equal(got_k, want_k.transpose(0, 1)) and torch.equal(got_v, want_v.transpose(0, 1))

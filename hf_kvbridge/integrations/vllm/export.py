@@ -84,6 +84,19 @@ def read_tasks(layers: Sequence[nn.Module], slots: Sequence[torch.Tensor], dtype
     return out
 
 
+def task_views(
+    kv: Sequence[torch.Tensor], begin: int, end: int, codes: torch.dtype | None
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """One task's keys and values out of a step's read (`read_layers`: per layer `(2, H, T_all, d)`): tokens
+    `[begin, end)` of it, per layer `(H, end - begin, d)` views (each head's tokens contiguous), as `codes` (an fp8
+    cache's format, for `PrefixKVStore.save(scales=...)`) where the cache holds fp8 codes."""
+    keys = [layer[0, :, begin:end] for layer in kv]  # (H, T, d) views
+    values = [layer[1, :, begin:end] for layer in kv]
+    if codes is not None:
+        keys, values = [k.view(codes) for k in keys], [v.view(codes) for v in values]
+    return keys, values
+
+
 def pack(
     reads: Sequence[torch.Tensor | None], lengths: Sequence[int], geometry: ShardGeometry, device=None
 ) -> torch.Tensor:

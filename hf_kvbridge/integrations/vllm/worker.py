@@ -19,7 +19,7 @@ from ...errors import KVLayoutError, ServingConfigError
 from ...transfer.plan import plan_load, plan_transfer
 from ...transfer.steps import SourceKV, TransferDecision, TransferSteps, decide, served_outcome
 from ...utils.cache import append_layer, output_cache, slice_cache
-from .export import export_sharded
+from .export import export_sharded, task_views
 from .metadata import BridgeLoad, GateCheck, KVBridgeConnectorMetadata, KVBridgeWorkerMetadata
 from .paged_cache import engine_scales, fp8_format, read_layers, read_slots, reads_back, slots_of, write_layer
 from .rotary import RotaryOnlyTarget
@@ -348,10 +348,7 @@ class BridgeWorker:
             tokens, begin = len(task_slots), offset
             offset += tokens
             try:
-                keys = [layer[0, :, begin:offset] for layer in kv]  # (H, T, d) views, each head's tokens contiguous
-                values = [layer[1, :, begin:offset] for layer in kv]
-                if codes is not None:
-                    keys, values = [k.view(codes) for k in keys], [v.view(codes) for v in values]
+                keys, values = task_views(kv, begin, offset, codes)  # (H, T, d) views, each head's tokens contiguous
                 staged = stage_export(keys, values)  # a GPU's: to pinned host buffers, not waited for here
                 chunks = self.exports.save(
                     task.token_ids, staged.keys, staged.values, start=task.start, salt=task.salt, tail=task.tail,
