@@ -266,3 +266,70 @@ def test_an_export_is_read_on_the_writer_thread_after_its_staging_and_its_cpu_ti
     finally:
         writer.close()
         store.close()
+
+
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2], ids=str)
+def test_an_fp8_caches_codes_are_dequantized_on_the_writer_thread(server, fp8):
+    """An fp8 engine hands its cache's codes and its per-layer scales over (`save(scales=...)`); the writer thread
+    dequantizes them (`code * scale`, float32, as the engine's attention reads them) before it encodes: the stored
+    K/V equal the step's old dequantized read exactly, keys with keys' scales and values with values'."""
+    store = RedisKVStore(server.url, timeout=2.0)
+    writer = AsyncWriter(store)
+    try:
+        prefix = PrefixKVStore(store, model_id=MODEL, chunk_size=8, writer=writer)
+        ids = list(range(4000, 4016))
+        keys, values = _kv(2, 2, 16, 8, dtype=torch.float32)
+        codes_k, codes_v = [(k * 4).to(fp8) for k in keys], [(v * 4).to(fp8) for v in values]
+        scales = [(0.05, 0.2), (0.5, 0.125)]
+        assert prefix.save(ids, codes_k, codes_v, start=0, scales=scales) == 2
+        assert writer.flush(timeout=10)
+        got_keys, got_values = prefix.load(ids, 16)
+        for layer, (k_scale, v_scale) in enumerate(scales):
+            assert got_keys[layer].dtype == torch.float32
+            assert torch.equal(got_keys[layer], codes_k[layer].to(torch.float32) * k_scale)
+            assert torch.equal(got_values[layer], codes_v[layer].to(torch.float32) * v_scale)
+        with pytest.raises(InvalidInputError, match="scale pairs"):
+            prefix.save(ids, codes_k, codes_v, start=0, scales=scales[:1])
+        store.delete_many(prefix.keys(ids))
+    finally:
+        writer.close()
+        store.close()
+
+
+def test_an_fp8_engines_e4m3_codes_and_scales_are_stored_as_they_are_in_an_fp8_store(server):
+    """A store of encoding fp8_e4m3 keeps an fp8 (e4m3) engine's own codes byte for byte, with the engine's per-layer
+    scale as each head's scale: not dequantized and quantized again. e5m2 codes are not e4m3's: dequantized, then
+    quantized by the store as any K/V (per-head scales of their own)."""
+    store = RedisKVStore(server.url, timeout=2.0)
+    try:
+        prefix = PrefixKVStore(store, model_id=MODEL, chunk_size=8, encoding="fp8_e4m3")
+        keys, values = _kv(2, 2, 16, 8, dtype=torch.float32)
+        scales = [(0.0625, 0.25), (0.5, 0.125)]  # float32 numbers, as an engine's (vLLM's are float32 tensors')
+        for fp8, seed in ((torch.float8_e4m3fn, 5000), (torch.float8_e5m2, 6000)):
+            ids = list(range(seed, seed + 16))
+            codes_k, codes_v = [(k * 4).to(fp8) for k in keys], [(v * 4).to(fp8) for v in values]
+            assert prefix.save(ids, codes_k, codes_v, start=0, scales=scales) == 2
+            payloads = store.get_many(prefix.keys(ids))
+            assert all(read_metadata(p)["encoding"] == "fp8_e4m3" for p in payloads)
+            assert all(read_metadata(p)["dtype"] == "float32" for p in payloads)
+            stored = safetensors_load(payloads[1])  # the second chunk: tokens 8..16, read by another reader
+            for layer, (k_scale, v_scale) in enumerate(scales):
+                kept = [stored[f"layers.{layer}.{kind}"] for kind in ("keys", "values")]
+                head_scales = [stored[f"layers.{layer}.{kind}_scale"] for kind in ("keys", "values")]
+                if fp8 == torch.float8_e4m3fn:  # the engine's own codes and scales
+                    assert torch.equal(kept[0].view(torch.uint8), codes_k[layer][:, 8:].view(torch.uint8))
+                    assert torch.equal(kept[1].view(torch.uint8), codes_v[layer][:, 8:].view(torch.uint8))
+                    assert head_scales[0].tolist() == [k_scale] * 2 and head_scales[1].tolist() == [v_scale] * 2
+                else:  # quantized by the store: each head's largest magnitude maps to 448
+                    assert head_scales[0].tolist() != [k_scale] * 2
+            got_keys, got_values = prefix.load(ids, 16)
+            for layer, (k_scale, v_scale) in enumerate(scales):
+                want_k = codes_k[layer].to(torch.float32) * k_scale
+                want_v = codes_v[layer].to(torch.float32) * v_scale
+                if fp8 == torch.float8_e4m3fn:  # exactly what the engine's attention reads
+                    assert torch.equal(got_keys[layer], want_k) and torch.equal(got_values[layer], want_v)
+                else:
+                    assert torch.allclose(got_keys[layer], want_k, rtol=0.07, atol=0.02)
+            store.delete_many(prefix.keys(ids))
+    finally:
+        store.close()

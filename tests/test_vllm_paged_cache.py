@@ -172,3 +172,127 @@ def test_other_quantized_caches_are_never_read_as_numbers(kv_cache_dtype):
     layer = fp8_layer(kv_cache_dtype)
     with pytest.raises(NotImplementedError, match="quantized codes"):
         read_slots(layer, slots_of([0], BLOCK, 0, 4))
+
+
+def old_read_slots(layer, slots):
+    """The read before `gather_slots` (the oracle): each token's whole block page copied, then its keys and values
+    picked out of it; an fp8 cache's codes left as codes."""
+    from hf_kvbridge.integrations.vllm.paged_cache import probe_block_layout
+
+    kv_cache = layer.kv_cache
+    if kv_cache.dim() == 4:
+        num_blocks, heads, block_size, width = kv_cache.shape
+        key_index, value_index = probe_block_layout(layer)
+        blocks, offsets = slots // block_size, slots % block_size
+        pages = kv_cache.reshape(num_blocks, -1)[blocks]  # (T, H * block_size * 2d)
+        shape = (len(slots), heads, width // 2)
+        return tuple(pages.gather(1, index[offsets].flatten(1)).view(shape) for index in (key_index, value_index))
+    block_size = kv_cache.shape[2]
+    return tuple(part[slots // block_size, slots % block_size] for part in kv_cache.unbind(0))
+
+
+def _filled(layer, tokens: int, dtype) -> None:
+    """Every slot of `layer`'s cache written through its own op with random keys and values."""
+    kv_cache = layer.kv_cache
+    slots = torch.arange(tokens)
+    generator = torch.Generator().manual_seed(tokens)
+    shape = (tokens, HEADS, HEAD_DIM)
+    keys, values = (torch.randn(shape, generator=generator).to(dtype) for _ in range(2))
+    if kv_cache.dim() == 4:
+        layer.impl.do_kv_cache_update(layer, keys, values, kv_cache, slots)
+    else:
+        block_size = kv_cache.shape[2]
+        kv_cache[0, slots // block_size, slots % block_size] = keys
+        kv_cache[1, slots // block_size, slots % block_size] = values
+
+
+def _layouts():
+    """(name, layer, dtype of its numbers): the CPU kernels at several block sizes, the paired stand-in, an fp8
+    stand-in (codes), and the FlashAttention-style layout (contiguous, and a strided view of a larger tensor)."""
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl as Impl
+
+    def cpu(isa, dtype, block_size, impl_class=Impl, kv_cache_dtype="auto"):
+        layer = cpu_layer(isa, dtype, kv_cache_dtype, impl_class)
+        cache_dtype = layer.kv_cache.dtype
+        layer.kv_cache = torch.zeros(BLOCKS, HEADS, block_size, 2 * HEAD_DIM, dtype=cache_dtype)
+        return layer
+
+    out = []
+    for isa in kernels():
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            for block_size in (16, 32, 128):
+                out.append((f"{isa}-{dtype}-{block_size}", cpu(isa, dtype, block_size), dtype))
+    out.append(("paired", cpu("paired", torch.bfloat16, 32, PairedDims), torch.bfloat16))
+    for kv_cache_dtype in sorted(FP8):
+        layer = cpu("vec", torch.float32, 16, Fp8Vec, kv_cache_dtype)
+        layer._k_scale_float, layer._v_scale_float = 0.05, 0.2
+        out.append((kv_cache_dtype, layer, torch.float32))
+    flash = SimpleNamespace(kv_cache=torch.zeros(2, BLOCKS, 16, HEADS, HEAD_DIM), impl=object())
+    strided = SimpleNamespace(kv_cache=torch.zeros(2, BLOCKS, 16, HEADS, 2 * HEAD_DIM)[..., :HEAD_DIM], impl=object())
+    out += [("flash", flash, torch.float32), ("flash-strided", strided, torch.float32)]
+    return out
+
+
+def test_the_slot_gather_reads_what_the_whole_block_read_did():
+    """`gather_slots` (one index_select of the slots' own elements) against the old read that copied each token's
+    whole block: bit-identical on every layout and block size, for tasks that start and end mid-block (partial
+    blocks), a single token, and several tasks read at once (`read_layers`)."""
+    from hf_kvbridge.integrations.vllm.paged_cache import gather_slots, read_layers, slot_rows
+
+    for name, layer, dtype in _layouts():
+        block_size = layer.kv_cache.shape[2]
+        _filled(layer, BLOCKS * block_size, dtype)
+        tasks = [
+            slots_of([4, 0, 5, 2], block_size, 3, 3 * block_size + 5),  # partial first and last blocks
+            slots_of([1], block_size, block_size - 1, block_size),  # one token, a block's last
+            slots_of([3, 5], block_size, 0, 2 * block_size),  # whole blocks
+        ]
+        for slots in tasks:
+            kv = gather_slots(layer, slot_rows(layer, slots))  # (2, H, T, d), the cache's dtype
+            want_keys, want_values = old_read_slots(layer, slots)  # (T, H, d) each
+            assert kv.dtype == layer.kv_cache.dtype, name
+            assert torch.equal(kv[0].transpose(0, 1), want_keys), name
+            assert torch.equal(kv[1].transpose(0, 1), want_values), name
+        both = read_layers([layer, layer], torch.cat(tasks))  # the step's tasks, one op a layer
+        offset = 0
+        for slots in tasks:
+            want_keys, want_values = old_read_slots(layer, slots)
+            for kv in both:
+                part = kv[:, :, offset : offset + len(slots)].transpose(1, 2)  # (2, T, H, d)
+                assert torch.equal(part[0], want_keys) and torch.equal(part[1], want_values), name
+            offset += len(slots)
+
+
+@pytest.mark.parametrize("encoding", ["fp8_e4m3", "source"])
+@pytest.mark.parametrize("kv_cache_dtype", sorted(FP8))
+def test_an_fp8_caches_export_keeps_its_codes_or_dequantizes_them_off_the_step(kv_cache_dtype, encoding):
+    """The export of an fp8 cache (the `vec` stand-in's write): the step copies its codes (`read_layers`, `uint8`),
+    the store keeps e4m3 codes and the engine's scales as they are in an fp8_e4m3 store, and otherwise dequantizes
+    them on the writer's side; either way the stored K/V are exactly what the engine reads (`read_slots`)."""
+    from hf_kvbridge.integrations.kv_store import PrefixKVStore, open_store, read_metadata, start_local_server
+    from hf_kvbridge.integrations.vllm.export import task_views
+    from hf_kvbridge.integrations.vllm.paged_cache import engine_scales, fp8_format, read_layers
+
+    layers = [fp8_layer(kv_cache_dtype, Fp8Vec, k_scale=0.0625, v_scale=0.25) for _ in range(2)]
+    slots = slots_of([3, 1, 4], BLOCK, 0, 80)
+    ids = list(range(100, 180))
+    for layer in layers:
+        keys, values = torch.randn(len(slots), HEADS, HEAD_DIM), torch.randn(len(slots), HEADS, HEAD_DIM) * 30
+        layer.impl.do_kv_cache_update(layer, keys, values, layer.kv_cache, slots)
+    kv = read_layers(layers, slots)  # per layer (2, H, T, d) codes
+    assert kv[0].dtype == torch.uint8
+    keys, values = task_views(kv, 0, len(slots), fp8_format(layers[0]))
+    with start_local_server(maxmemory="32mb") as server, open_store(server.url) as store:
+        prefix = PrefixKVStore(store, model_id="fp8-export", chunk_size=32, encoding=encoding)
+        prefix.save(ids, keys, values, start=0, scales=[engine_scales(layer) for layer in layers])
+        payload = store.get_many(prefix.keys(ids)[:1])[0]
+        got_keys, got_values = prefix.load(ids, 64)
+    codes_kept = encoding == "fp8_e4m3" and kv_cache_dtype == "fp8_e4m3"
+    assert (read_metadata(payload)["encoding"], read_metadata(payload)["dtype"]) == (encoding, "float32")
+    assert payload.count(kv[1][0, 0, :32].numpy().tobytes()) == int(codes_kept)  # the engine's own codes
+    for layer, got_k, got_v in zip(layers, got_keys, got_values, strict=True):
+        want_k, want_v = read_slots(layer, slots[:64])  # (T, H, d), dequantized as the engine reads them
+        if encoding == "fp8_e4m3" and not codes_kept:  # e5m2 codes are not e4m3's: the store quantizes them
+            torch.testing.assert_close(got_v, want_v.transpose(0, 1), rtol=0.07, atol=0.5)
+            continue
+        assert torch.equal(got_k, want_k.transpose(0, 1)) and torch.equal(got_v, want_v.transpose(0, 1))

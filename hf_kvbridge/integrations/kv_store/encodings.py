@@ -76,6 +76,14 @@ def decode_tensor(codes: torch.Tensor, scale: torch.Tensor | None, encoding: str
     return (values.mul_(scale[:, None, None])).to(dtype)
 
 
+def dequantize_codes(codes: torch.Tensor, scale: float) -> torch.Tensor:
+    """float32 values `code * scale` of an fp8 KV cache's `codes` (a `float8_e4m3fn` or `float8_e5m2` tensor, any
+    shape and strides): what the engine's attention reads (vLLM's `kv_cache_dtype` fp8, `code = fp8(x / scale)`)."""
+    if codes.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
+        raise InvalidInputError(f"fp8 codes must be float8_e4m3fn or float8_e5m2, got {codes.dtype}")
+    return codes.to(torch.float32) * scale
+
+
 def check_stored(name: str, codes: torch.Tensor, scale: torch.Tensor | None, encoding: str) -> None:
     """Raises `StoreFormatError` unless the stored tensors of `name` are what `encoding` writes."""
     if encoding == "bfloat16" and codes.dtype != torch.bfloat16:

@@ -35,10 +35,12 @@ from ...errors import InvalidInputError, MissingDependencyError, StoreFormatErro
 from .encodings import (
     DEFAULT_ENCODING,
     ENCODINGS,
+    FP8_DTYPE,
     SCALE_SUFFIX,
     check_encoding,
     check_stored,
     decode_tensor,
+    dequantize_codes,
     encode_tensor,
 )
 
@@ -195,6 +197,11 @@ class ChunkEncoder:
         values (list of `torch.Tensor`): per layer, the same shape as `keys[l]`.
         model_id (`str`): the identity of the model that computed them (`model_identity`).
         encoding (`str`, *optional*, defaults to `"source"`): `"source"`, `"bfloat16"` or `"fp8_e4m3"`.
+        scales (list of `(k_scale, v_scale)`, *optional*): per layer, the scales of an fp8 KV cache whose codes
+            `keys`/`values` are (`float8_e4m3fn` or `float8_e5m2`, `x = code * scale`, as vLLM's fp8 caches hold
+            them). In encoding `fp8_e4m3`, `float8_e4m3fn` codes are stored as they are, the layer's scale as each
+            head's scale (not quantized twice); otherwise they are dequantized to float32 first. The entry's
+            source dtype is float32 (what the codes dequantize to).
 
     Example:
 
@@ -214,6 +221,7 @@ class ChunkEncoder:
         *,
         model_id: str,
         encoding: str = DEFAULT_ENCODING,
+        scales: Sequence[tuple[float, float]] | None = None,
     ):
         if len(keys) != len(values) or not keys:
             raise InvalidInputError(f"encode_chunk needs keys and values for the same ≥ 1 layers, got {len(keys)} "
@@ -227,14 +235,27 @@ class ChunkEncoder:
                     f"tokens, head_dim) with the {self.tokens} tokens of layer 0"
                 )
         self.model_id, self.encoding, self.layers = model_id, encoding, len(keys)
-        self.dtype = keys[0].dtype
-        # per layer, keys then values: (name, tensor, its bytes (H, T, d * itemsize) when the encoding keeps it as is)
+        if scales is not None and len(scales) != len(keys):
+            raise InvalidInputError(f"encode_chunk: {len(scales)} scale pairs for {len(keys)} layers")
+        self.dtype = keys[0].dtype if scales is None else torch.float32
+        # per layer, keys then values: (name, tensor, its bytes (H, T, d * itemsize) when the encoding keeps it as is,
+        # and an fp8 engine's codes' per-head scales (H,) kept with them)
         self._tensors = []
         for layer, (k, v) in enumerate(zip(keys, values, strict=True)):
-            for kind, tensor in (("keys", k), ("values", v)):
-                tensor = tensor.detach()
-                kept = encoding == "source" or (encoding == "bfloat16" and tensor.dtype == torch.bfloat16)
-                self._tensors.append((_name(layer, kind), tensor, _bytes_view(tensor) if kept else None))
+            for side, (kind, tensor) in enumerate((("keys", k), ("values", v))):
+                tensor, head_scales = tensor.detach(), None
+                if scales is not None:  # an fp8 engine's codes: as they are where the encoding is theirs
+                    scale = scales[layer][side]
+                    if encoding == "fp8_e4m3" and tensor.dtype == FP8_DTYPE:
+                        head_scales = torch.full((tensor.shape[0],), scale, dtype=torch.float32)  # (H,)
+                    else:
+                        tensor = dequantize_codes(tensor, scale)  # (H, T, d) float32
+                kept = (
+                    encoding == "source"
+                    or (encoding == "bfloat16" and tensor.dtype == torch.bfloat16)
+                    or head_scales is not None
+                )
+                self._tensors.append((_name(layer, kind), tensor, _bytes_view(tensor) if kept else None, head_scales))
 
     def encode(self, lo: int, hi: int, *, start: int, token_ids: Sequence[int]) -> ChunkPayload:
         """The chunk of tokens `[lo, hi)` of the tensors, at absolute positions `start ..`, of tokens `token_ids`."""
@@ -250,10 +271,13 @@ class ChunkEncoder:
         entries: list[tuple[str, str, list[int], list[np.ndarray]]] = [
             (TOKEN_IDS, "I64", [len(ids)], [ids.view(np.uint8)])
         ]  # (name, safetensors dtype, shape, its bytes)
-        for name, tensor, kept in self._tensors:
+        for name, tensor, kept, head_scales in self._tensors:
             if kept is not None:  # a view of the tokens' bytes: (H, hi - lo, d * itemsize)
                 shape = [tensor.shape[0], hi - lo, tensor.shape[2]]
                 entries.append((name, _NAMES[tensor.dtype], shape, _segments(kept[:, lo:hi])))
+                if head_scales is not None:  # an fp8 engine's codes, stored with its scale as each head's
+                    scale_bytes = _segments(_bytes_view(head_scales))
+                    entries.append((name + SCALE_SUFFIX, _NAMES[torch.float32], [len(head_scales)], scale_bytes))
                 continue
             for suffix, part in encode_tensor(tensor[:, lo:hi], self.encoding).items():  # fp8 codes and scales, casts
                 entries.append((name + suffix, _NAMES[part.dtype], list(part.shape), _segments(_bytes_view(part))))

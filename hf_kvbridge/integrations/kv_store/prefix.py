@@ -13,7 +13,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -238,6 +238,7 @@ class PrefixKVStore:
         skip_stored: bool = True,
         tail: bool = True,
         ready: Callable[[], None] | None = None,
+        scales: Sequence[tuple[float, float]] | None = None,
     ) -> int:
         """Writes every whole chunk inside tokens `[start, start + T)` of `token_ids`, and (with `tail`) the partial
         chunk after the last of them: its sub-chunks and its remainder, which expire after `partial_ttl_s`.
@@ -255,6 +256,11 @@ class PrefixKVStore:
                 multiple of `chunk_size`).
             ready (callable, *optional*): called (on the writer thread, with a writer) before the tensors are read:
                 the wait of a staged device-to-host copy (`staging.StagedExport.wait`).
+            scales (list of `(k_scale, v_scale)`, *optional*): per layer, the scales of an fp8 KV cache whose codes
+                `keys`/`values` are (`float8_e4m3fn` or `float8_e5m2` tensors, `x = code * scale`). In the encoding
+                `fp8_e4m3`, e4m3 codes are stored as they are with the layer's scale as each head's (not quantized
+                twice); otherwise they are dequantized to float32 (`encodings.dequantize_codes`) on the writer
+                thread, not on the caller's (`ChunkEncoder`).
 
         Returns:
             `int`: whole chunks written (stored ones skipped), or with a writer queued (all those in the range; the
@@ -285,7 +291,13 @@ class PrefixKVStore:
             if after < end:  # the remainder
                 entries.append((pieces.remainders(len(pieces.subs), tokens[after:end])[-1], after, end, True))
 
-        token_bytes = sum(t.shape[0] * t.shape[2] * t.element_size() for t in (*keys, *values))  # a token's K/V
+        as_codes = self.encoding == "fp8_e4m3"  # an fp8 cache's e4m3 codes are sent as they are, others as float32
+        width = [t.element_size() if scales is None or (as_codes and t.dtype == torch.float8_e4m3fn) else 4
+                 for t in (*keys, *values)]  # fmt: skip
+        token_bytes = sum(t.shape[0] * t.shape[2] * w for t, w in zip((*keys, *values), width))  # a token's K/V
+
+        if scales is not None and len(scales) != len(keys):
+            raise InvalidInputError(f"PrefixKVStore.save: {len(scales)} scale pairs for {len(keys)} layers")
 
         def job() -> int:
             if ready is not None:
@@ -295,7 +307,8 @@ class PrefixKVStore:
                 stored = self.store.probe([e[0] for e in wanted], [], timeout=self._writer_deadline())[0]
                 wanted = [entry for entry, n in zip(wanted, stored, strict=True) if not n]
 
-            encoder = ChunkEncoder(keys, values, model_id=self.model_id, encoding=self.encoding)
+            # an fp8 cache's codes: kept as they are in fp8_e4m3 (e4m3 codes), else dequantized here, on this thread
+            encoder = ChunkEncoder(keys, values, model_id=self.model_id, encoding=self.encoding, scales=scales)
 
             def write(group: list, ttl_s: float | None) -> None:  # one of the writers: encodes its entries, writes
                 began = time.thread_time()

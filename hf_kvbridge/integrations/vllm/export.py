@@ -22,7 +22,7 @@ from torch import nn
 from vllm.logger import init_logger
 
 from ...errors import KVLayoutError
-from .paged_cache import read_slots, slots_of
+from .paged_cache import dequantize, engine_scales, fp8_format, read_layers, slots_of
 from .tensor_parallel import HeadShard
 
 logger = init_logger("vllm.hf_kvbridge")
@@ -63,11 +63,38 @@ class ShardGeometry:
 
 def read_task(layers: Sequence[nn.Module], slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The keys and values at `slots` of every layer of `layers` (in order), `(layers, 2, T, heads, head_dim)`."""
-    out = []
-    for layer in layers:
-        keys, values = read_slots(layer, slots)  # (T, h, d) each
-        out.append(torch.stack((keys, values)).to(dtype))  # (2, T, h, d)
-    return torch.stack(out)
+    return read_tasks(layers, [slots], dtype)[0]
+
+
+def read_tasks(layers: Sequence[nn.Module], slots: Sequence[torch.Tensor], dtype: torch.dtype) -> list[torch.Tensor]:
+    """Each task's keys and values at its `slots` (`(T_i,)` each) of every layer of `layers`, `(layers, 2, T_i,
+    heads, head_dim)` in `dtype` (an fp8 cache's codes dequantized with the engine's scales): all the tasks read at
+    once, one `index_select` a layer (`read_layers`)."""
+    kv = torch.stack(read_layers(layers, torch.cat(list(slots))))  # (L, 2, h, T_all, d), the cache's dtype
+    codes = fp8_format(layers[0])
+    if codes is not None:  # dequantized as read_slots does, with each layer's scales
+        kv = torch.stack([
+            torch.stack([dequantize(side, codes, scale) for side, scale in zip(layer_kv, engine_scales(layer))])
+            for layer_kv, layer in zip(kv, layers, strict=True)
+        ])  # fmt: skip
+    out, offset = [], 0
+    for task_slots in slots:
+        out.append(kv[:, :, :, offset : offset + len(task_slots)].transpose(2, 3).to(dtype))  # (L, 2, T_i, h, d)
+        offset += len(task_slots)
+    return out
+
+
+def task_views(
+    kv: Sequence[torch.Tensor], begin: int, end: int, codes: torch.dtype | None
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """One task's keys and values out of a step's read (`read_layers`: per layer `(2, H, T_all, d)`): tokens
+    `[begin, end)` of it, per layer `(H, end - begin, d)` views (each head's tokens contiguous), as `codes` (an fp8
+    cache's format, for `PrefixKVStore.save(scales=...)`) where the cache holds fp8 codes."""
+    keys = [layer[0, :, begin:end] for layer in kv]  # (H, T, d) views
+    values = [layer[1, :, begin:end] for layer in kv]
+    if codes is not None:
+        keys, values = [k.view(codes) for k in keys], [v.view(codes) for v in values]
+    return keys, values
 
 
 def pack(
@@ -148,17 +175,27 @@ def export_sharded(
     geometry = ShardGeometry.of(layers)
     device = layers[0].kv_cache.device
     lengths = [task.end - task.start for task in tasks]
-    reads: list[torch.Tensor | None] = []
-    for task in tasks:
+    reads: list[torch.Tensor | None] = [None] * len(tasks)  # None: this rank's marker, rank 0 writes nothing of it
+
+    def failed(task, error: Exception) -> None:
+        logger.warning(
+            "KVBridgeConnector: tensor-parallel rank %d could not read request %s tokens %d..%d to export: %s: %s",
+            shard.rank, task.req_id, task.start, task.end, type(error).__name__, error,
+        )  # fmt: skip
+
+    slots: dict[int, torch.Tensor] = {}
+    for index, task in enumerate(tasks):
         try:
-            slots = slots_of(task.block_ids, block_size, task.start, task.end)  # (T,)
-            reads.append(read_task(layers, slots, geometry.dtype))  # (L, 2, T, h, d)
-        except Exception as error:  # this rank's marker: rank 0 writes nothing of the task
-            reads.append(None)
-            logger.warning(
-                "KVBridgeConnector: tensor-parallel rank %d could not read request %s tokens %d..%d to export: %s: %s",
-                shard.rank, task.req_id, task.start, task.end, type(error).__name__, error,
-            )  # fmt: skip
+            slots[index] = slots_of(task.block_ids, block_size, task.start, task.end)  # (T,)
+        except Exception as error:
+            failed(task, error)
+    try:
+        if slots:  # every task at once: one index_select a layer
+            for index, read in zip(slots, read_tasks(layers, list(slots.values()), geometry.dtype), strict=True):
+                reads[index] = read  # (L, 2, T, h, d)
+    except Exception as error:
+        for index in slots:
+            failed(tasks[index], error)
     gathered = gather(pack(reads, lengths, geometry, device), shard.size)
     if gathered is None:  # not rank 0: rank 0 writes
         return

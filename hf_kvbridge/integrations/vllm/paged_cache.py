@@ -3,6 +3,9 @@ backend's own cache-update op, and reading slots back (the quality gate), with t
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
@@ -33,36 +36,160 @@ def read_slots(layer: nn.Module, slots: torch.Tensor) -> tuple[torch.Tensor, tor
       (`probe_block_layout`), so every kernel vLLM picks is read as it wrote;
     - the `(2, blocks, block_size, kv_heads, head_dim)` of FlashAttention-style backends (not run here: no GPU).
 
-    An fp8 cache (`kv_cache_dtype` fp8, fp8_e4m3 or fp8_e5m2: `uint8` codes, `code = fp8(x / scale)` with the
-    layer's `_k_scale_float` / `_v_scale_float`) is read on the CPU backend as the engine reads it: the codes
-    dequantized with the engine's scales, in float32 (`fp8_format`, `dequantize`); the probe checks the codes' format
-    and the scales' sense too. Other quantized caches, and fp8 in the FlashAttention-style layout (never run here),
-    raise `NotImplementedError`, and so does any other layout. `map_and_write` checks that it reads back what the
+    Only the slots' own elements are read (`gather_slots`: one `index_select` on the cache seen as rows). An fp8
+    cache (`kv_cache_dtype` fp8, fp8_e4m3 or fp8_e5m2: `uint8` codes, `code = fp8(x / scale)` with the layer's
+    `_k_scale_float` / `_v_scale_float`) is read on the CPU backend as the engine reads it: the codes dequantized
+    with the engine's scales, in float32 (`fp8_format`, `dequantize`); the probe checks the codes' format and the
+    scales' sense too. Other quantized caches, and fp8 in the FlashAttention-style layout (never run here), raise
+    `NotImplementedError`, and so does any other layout. `map_and_write` checks that it reads back what the
     backend's own op wrote (within fp8's round-off for an fp8 cache) before the gate trusts it (`reads_back`).
     """
-    kv_cache = layer.kv_cache
-    slots = slots.to(kv_cache.device)
     codes = fp8_format(layer)  # None: the cache holds the model's numbers
-    cpu_backend = any(cls.__name__.startswith("CPUAttention") for cls in type(layer.impl).__mro__)
-    if cpu_backend and kv_cache.dim() == 4:
-        num_blocks, heads, block_size, width = kv_cache.shape
-        key_index, value_index = probe_block_layout(layer)  # (block_size, H, d) each, into a flattened block
-        blocks, offsets = slots // block_size, slots % block_size
-        pages = kv_cache.view(num_blocks, -1)[blocks]  # (T, H * block_size * 2d)
-        shape = (len(slots), heads, width // 2)
-        keys = pages.gather(1, key_index[offsets].flatten(1).to(kv_cache.device)).view(shape)  # (T, H, d)
-        values = pages.gather(1, value_index[offsets].flatten(1).to(kv_cache.device)).view(shape)  # (T, H, d)
-        if codes is not None:
-            k_scale, v_scale = engine_scales(layer)
-            return dequantize(keys, codes, k_scale), dequantize(values, codes, v_scale)
-        return keys, values
+    kv = gather_slots(layer, slot_rows(layer, slots))  # (2, H, T, d)
+    keys, values = kv[0].transpose(0, 1), kv[1].transpose(0, 1)  # (T, H, d) views
     if codes is not None:
+        k_scale, v_scale = engine_scales(layer)
+        return dequantize(keys, codes, k_scale), dequantize(values, codes, v_scale)
+    return keys, values
+
+
+def _cpu_backend(layer: nn.Module) -> bool:
+    return any(cls.__name__.startswith("CPUAttention") for cls in type(layer.impl).__mro__)
+
+
+@dataclass(frozen=True)
+class SlotRows:
+    """Where the keys and values of some slots lie in a layer's paged cache: the keys in the cache seen as rows of
+    `runs[0]` elements (`kv_cache.view(-1, runs[0])`), at rows `rows[0]` (`(kv_heads · T · head_dim / runs[0],)`, in
+    the order of a `(kv_heads, T, head_dim)` read: each head's tokens side by side, so that a head's run of tokens
+    is one contiguous piece the store sends as it is), and the values likewise (`runs[1]`, `rows[1]`). `rows` is
+    `None` where the cache is not one flat block of memory: then `slots` (`(T,)`) are read by indexing
+    (`gather_slots`)."""
+
+    rows: tuple[torch.Tensor, torch.Tensor] | None
+    runs: tuple[int, int]
+    shape: tuple[int, int, int, int]
+    slots: torch.Tensor
+
+
+_BLOCK_ROWS: dict[tuple, tuple[list[tuple[torch.Tensor, int]], int]] = {}
+
+
+def _layout_key(layer: nn.Module) -> tuple:
+    """What a cache's layout depends on: the backend's kernel and dtypes, the engine's scales, the cache's shape and
+    strides (the same key for every layer of a model that shares them)."""
+    kv_cache = layer.kv_cache
+    return (
+        layer.impl.__class__.__name__, getattr(layer, "isa", None), kv_cache.dtype,
+        getattr(layer.impl, "kv_cache_dtype", None), engine_scales(layer), tuple(kv_cache.shape),
+        kv_cache.stride(), str(kv_cache.device),
+    )  # fmt: skip
+
+
+def block_rows(layer: nn.Module) -> tuple[list[tuple[torch.Tensor, int]], int] | None:
+    """`([(rows_in_block, run) for keys, then values], elements_per_block)` of `layer`'s cache: seen as rows of
+    `run` elements (`kv_cache.view(-1, run)`), block `b`'s offset `o` holds head `h`'s keys (or values) in rows
+    `b * elements_per_block / run + rows_in_block[h, o]` (`rows_in_block`: `(kv_heads, block_size, head_dim /
+    run)`). `run` is the longest power of two dividing `head_dim` whose pieces of a key (or value) lie side by side
+    in the cache (`head_dim` for a row per token and head, as the CPU kernels store values; 1 for their keys, stored
+    dimension-major). `None` for a cache that is not contiguous. Raises `NotImplementedError` for a layout
+    `read_slots` cannot read."""
+    kv_cache = layer.kv_cache
+    paged = kv_cache.dim() == 5 and kv_cache.shape[0] == 2  # FlashAttention-style: (2, blocks, block_size, H, d)
+    if not (_cpu_backend(layer) and kv_cache.dim() == 4) and not paged:
+        raise NotImplementedError(
+            f"unknown KV cache layout {tuple(kv_cache.shape)} of {layer.impl.__class__.__name__}"
+        )
+    if not kv_cache.is_contiguous():
+        if paged:
+            return None
+        raise NotImplementedError(f"a CPU KV cache of strides {kv_cache.stride()}: not one block of memory")
+    key = _layout_key(layer)
+    if key in _BLOCK_ROWS:
+        return _BLOCK_ROWS[key]
+    if not paged:
+        _, heads, block_size, width = kv_cache.shape
+        key_index, value_index = probe_block_layout(layer)  # (block_size, H, d) each, into a flattened block
+        where = torch.stack((key_index, value_index)).transpose(1, 2).cpu()  # (2, H, block_size, d)
+        page = heads * block_size * width
+    else:
+        _, num_blocks, block_size, heads, head_dim = kv_cache.shape
+        side, head, offset, dim = torch.meshgrid(
+            torch.arange(2), torch.arange(heads), torch.arange(block_size), torch.arange(head_dim), indexing="ij"
+        )  # (2, H, block_size, d) each
+        page = block_size * heads * head_dim  # a block's elements in each of the two halves
+        where = side * num_blocks * page + (offset * heads + head) * head_dim + dim  # (2, H, block_size, d)
+    head_dim = where.shape[-1]
+    sides = []
+    for side in where:  # (H, block_size, d): keys, then values
+        run = head_dim & -head_dim  # the largest power of two dividing head_dim
+        while run > 1:
+            pieces = side.reshape(*side.shape[:-1], head_dim // run, run)  # (H, block_size, d / run, run)
+            if bool((pieces[..., 0] % run == 0).all()) and bool((pieces == pieces[..., :1] + torch.arange(run)).all()):
+                break
+            run //= 2
+        sides.append((side.reshape(*side.shape[:-1], head_dim // run, run)[..., 0] // run, run))
+    _BLOCK_ROWS[key] = (sides, page)
+    return _BLOCK_ROWS[key]
+
+
+def slot_rows(layer: nn.Module, slots: torch.Tensor) -> SlotRows:
+    """The rows of `layer`'s cache that hold the keys and values of `slots` (`(T,)`), for `gather_slots`. The same
+    `SlotRows` reads every layer of the same layout (`same_layout`)."""
+    kv_cache = layer.kv_cache
+    codes = fp8_format(layer)
+    if codes is not None and not (_cpu_backend(layer) and kv_cache.dim() == 4):
         raise NotImplementedError(f"an fp8 KV cache of {layer.impl.__class__.__name__}: read on the CPU backend only")
-    if kv_cache.dim() == 5 and kv_cache.shape[0] == 2:
+    slots = slots.to(torch.long).cpu()
+    found = block_rows(layer)
+    if kv_cache.dim() == 4:
+        heads, block_size, head_dim = kv_cache.shape[1], kv_cache.shape[2], kv_cache.shape[3] // 2
+    else:
+        block_size, heads, head_dim = kv_cache.shape[2], kv_cache.shape[3], kv_cache.shape[4]
+    shape = (2, heads, len(slots), head_dim)
+    if found is None:
+        return SlotRows(None, (head_dim, head_dim), shape, slots.to(kv_cache.device))
+    sides, page = found
+    blocks, offsets = slots // block_size, slots % block_size  # (T,) each
+    rows, runs = [], []
+    for rows_in_block, run in sides:
+        side_rows = blocks.view(1, -1, 1) * (page // run) + rows_in_block[:, offsets]  # (H, T, d / run)
+        index_dtype = torch.int32 if kv_cache.numel() // run < 2**31 else torch.long
+        rows.append(side_rows.flatten().to(device=kv_cache.device, dtype=index_dtype))
+        runs.append(run)
+    return SlotRows((rows[0], rows[1]), (runs[0], runs[1]), shape, slots)
+
+
+def gather_slots(layer: nn.Module, rows: SlotRows, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The keys and values at `rows` of `layer`'s cache, `(2, kv_heads, T, head_dim)` in the cache's own dtype (an
+    fp8 cache's `uint8` codes, not dequantized): one `index_select` for the keys and one for the values, of exactly
+    the slots' elements (into `out`, a contiguous tensor of that shape and dtype, if given)."""
+    kv_cache = layer.kv_cache
+    if rows.rows is None:  # a strided cache (FlashAttention-style layout): indexed per half
         block_size = kv_cache.shape[2]
-        keys, values = (part[slots // block_size, slots % block_size] for part in kv_cache.unbind(0))  # (T, H, d)
-        return keys, values
-    raise NotImplementedError(f"unknown KV cache layout {tuple(kv_cache.shape)} of {layer.impl.__class__.__name__}")
+        blocks, offsets = rows.slots // block_size, rows.slots % block_size
+        kv = torch.stack([part[blocks, offsets] for part in kv_cache.unbind(0)]).transpose(1, 2)  # (2, H, T, d)
+        return kv if out is None else out.copy_(kv)
+    if out is None:
+        out = torch.empty(rows.shape, dtype=kv_cache.dtype, device=kv_cache.device)
+    for side, side_rows, run in zip(out, rows.rows, rows.runs, strict=True):  # keys, then values
+        shape = (-1,) if run == 1 else (-1, run)  # single elements: a flat index_select (its fast path)
+        torch.index_select(kv_cache.view(shape), 0, side_rows, out=side.view(shape))  # (H · T · d / run, run)
+    return out
+
+
+def read_layers(layers: Sequence[nn.Module], slots: torch.Tensor) -> list[torch.Tensor]:
+    """The keys and values at `slots` (`(T,)`) of each of `layers`: per layer `(2, kv_heads, T, head_dim)` in its
+    cache's own dtype (`uint8` codes for an fp8 cache: `dequantize` them, off the engine's step), one `index_select`
+    a layer; the rows of the slots are found once per layout, not once per layer."""
+    found: dict[tuple, SlotRows] = {}
+    out = []
+    for layer in layers:
+        key = _layout_key(layer)
+        if key not in found:
+            found[key] = slot_rows(layer, slots)
+        out.append(gather_slots(layer, found[key]))
+    return out
 
 
 FP8_FORMATS = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}

@@ -19,9 +19,9 @@ from ...errors import KVLayoutError, ServingConfigError
 from ...transfer.plan import plan_load, plan_transfer
 from ...transfer.steps import SourceKV, TransferDecision, TransferSteps, decide, served_outcome
 from ...utils.cache import append_layer, output_cache, slice_cache
-from .export import ShardGeometry, export_sharded, unpack
+from .export import ShardGeometry, export_sharded, task_views, unpack
 from .metadata import BridgeLoad, GateCheck, KVBridgeConnectorMetadata, KVBridgeWorkerMetadata
-from .paged_cache import read_slots, reads_back, slots_of, write_layer
+from .paged_cache import engine_scales, fp8_format, read_layers, read_slots, reads_back, slots_of, write_layer
 from .rotary import RotaryOnlyTarget
 from .scatter import cache_of, rank_buffers, scatter_from_first_rank, sent_tokens, stack_kv
 from .tensor_parallel import HeadShard, mean_over_ranks, slice_heads
@@ -393,40 +393,61 @@ class BridgeWorker:
             return
         from vllm.model_executor.models.utils import extract_layer_index
 
+        layers = [layer for _, layer in sorted(self._layers.items(), key=lambda item: extract_layer_index(item[0]))]
+        if self.shard.sharded:  # each rank reads its heads, rank 0 writes them all (export.export_sharded)
+            self._export_sharded(meta.exports, layers)
+            return
+        try:
+            if self.exports is not None:
+                self._export(meta.exports, layers)
+        finally:
+            self._finished_sending.update(task.req_id for task in meta.exports if task.finished)
+
+    def _export(self, tasks, layers: list[nn.Module]) -> None:
+        """The step's export `tasks` on a TP 1 engine: every task's slots read at once (`read_layers`: one
+        `index_select` a layer of exactly the exported tokens' K/V, into `(2, H, T_all, d)`; the step's one copy,
+        made before the step returns since vLLM may give the blocks to another request in the next step), each task
+        handed to the writer thread as views of it (an fp8 cache's codes, dequantized there: `save(scales=...)`)."""
         from ..kv_store.staging import stage_export
 
-        layers = sorted(self._layers.items(), key=lambda item: extract_layer_index(item[0]))
-        if self.shard.sharded:  # each rank reads its heads, rank 0 writes them all (export.export_sharded)
-            self._export_sharded(meta.exports, [layer for _, layer in layers])
-            return
-        for task in meta.exports:
+        slots, ready = [], []
+        for task in tasks:
             try:
-                if self.exports is None:
-                    continue
-                slots = slots_of(task.block_ids, self.block_size, task.start, task.end)  # (T,)
-                keys, values = [], []
-                for _, layer in layers:
-                    k, v = read_slots(layer, slots)  # (T, H, d) each, copies: the step's one copy
-                    keys.append(k.transpose(0, 1))  # (H, T, d) views, gathered into chunks on the writer thread
-                    values.append(v.transpose(0, 1))
+                slots.append(slots_of(task.block_ids, self.block_size, task.start, task.end))  # (T,)
+                ready.append(task)
+            except Exception as error:  # an export never fails the request: the store just lacks these chunks
+                self._export_failed(task, error)
+        if not ready:
+            return
+        try:
+            kv = read_layers(layers, torch.cat(slots))  # per layer (2, H, T_all, d), the cache's dtype
+            codes = fp8_format(layers[0])
+            scales = None if codes is None else [engine_scales(layer) for layer in layers]
+        except Exception as error:
+            for task in ready:
+                self._export_failed(task, error)
+            return
+        offset = 0
+        for task, task_slots in zip(ready, slots, strict=True):
+            tokens, begin = len(task_slots), offset
+            offset += tokens
+            try:
+                keys, values = task_views(kv, begin, offset, codes)  # (H, T, d) views, each head's tokens contiguous
                 staged = stage_export(keys, values)  # a GPU's: to pinned host buffers, not waited for here
-                chunks = self.exports.save(task.token_ids, staged.keys, staged.values, start=task.start,
-                                           salt=task.salt, tail=task.tail, ready=staged.wait)  # fmt: skip
-                tokens = task.end - task.start
+                chunks = self.exports.save(
+                    task.token_ids, staged.keys, staged.values, start=task.start, salt=task.salt, tail=task.tail,
+                    ready=staged.wait, scales=scales,
+                )  # fmt: skip
                 self.count(chunks_exported=chunks, partials_exported=int(task.tail), tokens_exported=tokens)
             except Exception as error:  # an export never fails the request: the store just lacks these chunks
-                self.count(export_errors=1)
-                logger.warning(
-                    "KVBridgeConnector: export of request %s tokens %d..%d failed: %s: %s",
-                    task.req_id,
-                    task.start,
-                    task.end,
-                    type(error).__name__,
-                    error,
-                )
-            finally:
-                if task.finished:
-                    self._finished_sending.add(task.req_id)
+                self._export_failed(task, error)
+
+    def _export_failed(self, task, error: Exception) -> None:
+        self.count(export_errors=1)
+        logger.warning(
+            "KVBridgeConnector: export of request %s tokens %d..%d failed: %s: %s",
+            task.req_id, task.start, task.end, type(error).__name__, error,
+        )  # fmt: skip
 
     def _export_sharded(self, tasks, layers: list[nn.Module]) -> None:
         try:
