@@ -103,8 +103,8 @@ class KVBridgeForCausalLM(BridgeHubMixin, nn.Module):
         self.residual_mapper = residual_mapper
         self.source_features = features  # the hidden-state feature blocks the mapper reads, or None (K/V only)
         self.reverse: KVBridgeForCausalLM | None = None  # target→source bridge, for handoffs both ways
-        self.last_transfer: dict | None = None  # what the last prefill did (mapped vs target tokens, gate score)
-        self.transfer_counts: dict[str, int] = {}  # prefills that transferred / fell back to the target
+        self.last_transfer: dict | None = None  # what the last prefill or warm start did (mapped vs target, gate)
+        self.transfer_counts: dict[str, int] = {}  # their rows that transferred / fell back to the target
 
     # -- what tools (pipelines, generation utilities, lm-eval) read on a model: the target's ----------------------
     def __getattr__(self, name: str) -> Any:
