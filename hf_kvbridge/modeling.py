@@ -29,6 +29,7 @@ from .transfer.layer_recompute import check_layer_recompute
 from .transfer.plan import TransferPlan, plan_from_config
 from .transfer.prefill import transfer_prefill
 from .transfer.session import HandoffSession, TransferSide
+from .transfer.steps import TransferDecision
 from .transfer.warm_start import check_warm_plan, generate_from_source_cache
 from .utils.cache import cache_kwargs
 from .utils.devices import execution_device
@@ -102,8 +103,8 @@ class KVBridgeForCausalLM(BridgeHubMixin, nn.Module):
         self.residual_mapper = residual_mapper
         self.source_features = features  # the hidden-state feature blocks the mapper reads, or None (K/V only)
         self.reverse: KVBridgeForCausalLM | None = None  # target→source bridge, for handoffs both ways
-        self.last_transfer: dict | None = None  # what the last prefill did (mapped vs target tokens, gate score)
-        self.transfer_counts: dict[str, int] = {}  # prefills that transferred / fell back to the target
+        self.last_transfer: dict | None = None  # what the last prefill or warm start did (mapped vs target, gate)
+        self.transfer_counts: dict[str, int] = {}  # their rows that transferred / fell back to the target
 
     # -- what tools (pipelines, generation utilities, lm-eval) read on a model: the target's ----------------------
     def __getattr__(self, name: str) -> Any:
@@ -340,10 +341,15 @@ class KVBridgeForCausalLM(BridgeHubMixin, nn.Module):
             residual_fn=self.map_residual,
             hidden_features=self.source_features is not None,
         )
-        self.last_transfer = result.decision.as_dict()
-        for key, count in result.decision.counts().items():
-            self.transfer_counts[key] = self.transfer_counts.get(key, 0) + count
+        self._record_transfer(result.decision)
         return result.cache, result.source_outputs
+
+    def _record_transfer(self, decision: TransferDecision) -> None:
+        """Keeps a transfer's decision (`prefill`'s, a warm start's) in `last_transfer` and counts its rows in
+        `transfer_counts`."""
+        self.last_transfer = decision.as_dict()
+        for key, count in decision.counts().items():
+            self.transfer_counts[key] = self.transfer_counts.get(key, 0) + count
 
     def transfer_plan(self, length: int, *, padding: int = 0) -> TransferPlan:
         """The [`TransferPlan`] `prefill` follows for `length` tokens (with `padding` tokens of left padding at most):
@@ -450,7 +456,8 @@ class KVBridgeForCausalLM(BridgeHubMixin, nn.Module):
         check_warm_plan(self.transfer_plan(max(length - self.config.hold_back, 0)), self.source_features is not None)
         keep = self.__dict__.setdefault("_warm_start", {})  # the static cache reused between calls
         return generate_from_source_cache(self.target, self.map_cache, source_cache, input_ids,
-                                          hold_back=self.config.hold_back, keep=keep, **kwargs)  # fmt: skip
+                                          hold_back=self.config.hold_back, keep=keep, transfer_plan=self.transfer_plan,
+                                          record=self._record_transfer, **kwargs)  # fmt: skip
 
     # -- a conversation (saving, loading, pushing: `BridgeHubMixin`) ---------------------------------------------
     def start_session(self, tokenizer=None, **kwargs: Any):

@@ -36,10 +36,11 @@ class MapperType:
             loading the weights.
         fit (`Callable`, *optional*): a type of your own's `fit(ridge_mapper, *, source, target, windows,
             statistics, ridge_lambda, batch_size, progress, **kwargs)`, returning the new [`KVMapper`] (with its
-            `fit_summary`, and its `fit_config` where it sets more of the config). `None` for the shipped types:
-            their fits live on the fitting side (`hf_kvbridge.fitting.mapper_fits.FITS`, read by `fit_of`), so a
-            served bridge loads none of them. Mappers never import calibration or modeling.
-        linear (`bool`): its weights are a plain `KVMapper`'s (lazy per-layer loading works).
+            `fit_summary`, and its `fit_config` where it sets more of the config). Left out (`None`) by the shipped
+            types: their fits live on the fitting side (`hf_kvbridge.fitting.mapper_fits.FITS`, read by `fit_of`), so
+            a served bridge loads none of them. Mappers never import calibration or modeling.
+        linear (`bool`, *optional*, defaults to `False`): its weights are a plain `KVMapper`'s (lazy per-layer
+            loading works).
         kv_modes (`tuple[str, ...]`): the `kv_mode`s it fits and maps (`CalibrationSettings` refuses the others
             before any work); every type so far supports both.
         description (`str`): one line for `--help` and the docs.
@@ -50,8 +51,8 @@ class MapperType:
 
     name: str
     mapper_class: type
-    fit: Callable | None
-    linear: bool
+    fit: Callable | None = None
+    linear: bool = False
     description: str = ""
     kv_modes: tuple[str, ...] = KV_MODES
     kwargs: tuple[str, ...] | None = None

@@ -143,8 +143,8 @@ class HandoffSession:
         self.tokens: list[int] = []  # the whole conversation so far, as the models computed it
         self.states = {name: _ModelState() for name in MODELS}
         self.turns: list[HandoffTurn] = []
-        # the decision record of the last sync, the one `transfer_prefill` and the warm start return (`None`: nothing
-        # mapped yet)
+        # the decision record of the last sync, the one `transfer_prefill` and the warm start return (`None`: the
+        # last sync had nothing to bring over)
         self.last_decision: TransferDecision | None = None
 
     @property
@@ -187,8 +187,9 @@ class HandoffSession:
         """Brings `name`'s cache up to `tokens[:upto]` with what the other model has computed; returns how many
         tokens were mapped. Tokens neither model has computed are left for `name` to compute itself.
 
-        The mapping follows the bridge's transfer policy (`hf_kvbridge.transfer`): the first `sink_tokens` of the
-        conversation are computed by `name` itself; `recompute_fraction` of the tokens mapped in this sync are
+        The mapping follows the bridge's transfer policy (`hf_kvbridge.transfer`), planned by `plan_from_config` and
+        run by `TransferSteps` as `prefill` runs it: the first `sink_tokens` of the conversation are computed by
+        `name` itself (the plan's `[0, map_start)`); `recompute_fraction` of the tokens mapped in this sync are
         recomputed by `name` over the mapped cache (chosen by `recompute_policy`, as in `prefill`); and with a quality
         gate (`gate_threshold`) `name` computes the
         last `gate_probe_tokens` of the span itself and compares its own K/V there with the mapped ones; below the
@@ -205,14 +206,12 @@ class HandoffSession:
             return 0  # nothing the other model has that this one lacks (or no mapper this way: prefill instead)
         if self.remap == "full":  # re-map the other model's whole cache, dropping this model's own
             mine.cache, mine.tokens = None, []
-        config = mapper.config
-        sink_end = min(config.sink_tokens, end)
-        if len(mine.tokens) < sink_end:  # attention sinks: this model's own K/V, never mapped ones
-            self._run(name, tokens[:sink_end])
-        plan = plan_from_config(end, config, start=len(mine.tokens))  # the span this model lacks, as prefill plans it
-        if plan.mapped_tokens == 0:  # the sinks and the probe cover the span: nothing to map, this model computes it
-            return 0
-        mapper.check_recompute_layers()  # the config may have changed since the bridge was built
+        cached = len(mine.tokens)
+        # the span this model lacks, as prefill plans it: the attention sinks (this model's own K/V, never mapped
+        # ones) are `[cached, plan.map_start)`, which the steps run
+        plan = plan_from_config(end, mapper.config, start=cached)
+        if plan.mapped_tokens:
+            mapper.check_recompute_layers()  # the config may have changed since the bridge was built
         start, device = plan.map_start, execution_device(mapper.target)
         steps = TransferSteps(
             plan,
@@ -230,9 +229,12 @@ class HandoffSession:
 
         source = SourceKV(theirs.cache, lambda a, b: self._hidden_states(other, a, b))
         cache = steps.before_target(
-            source, mine.cache, TargetSide(mapper.target, run), cached=len(mine.tokens), after_map=_recording
+            source, mine.cache, TargetSide(mapper.target, run), cached=cached, after_map=_recording
         )
         mine.cache, mine.tokens = cache, tokens[: plan.map_end]
+        if plan.mapped_tokens == 0:  # the sinks and the probe cover the span: this model computed it itself
+            self.last_decision = steps.decision()
+            return 0
         if steps.gated:
             self._run(name, tokens[:end])  # this model's own K/V for the probe tokens
             steps.gate(mine.cache, plan.probe_start)

@@ -10,8 +10,11 @@ It costs the map and the target's forward over the tokens the source cache does 
 `hold_back` last ones) and nothing more: no source prefill, no copy of the mapped cache (it is written where the
 target reads it), one set of positions, one mask built by the target's own forward, and the first token chosen from
 that forward's logits with `generate`'s own logits processors (greedy or sampled). With more than one new token,
-`generate` continues from the cache with the first token as its input. Called with the models and a map function;
-keeps nothing (the bridge keeps the static cache it reuses).
+`generate` continues from the cache with the first token as its input. The map is a transfer as `prefill` runs it:
+planned by the plan function (`plan_transfer`, or the bridge's `transfer_plan`) over the `min(S, L - hold_back)`
+tokens mapped, run by `TransferSteps` (a plan with nothing of the target inside the mapped span: `check_warm_plan`),
+and its [`TransferDecision`] handed to `record`. Called with the models and a map function; keeps nothing (the bridge
+keeps the static cache it reuses, and the decision).
 """
 
 from __future__ import annotations
@@ -26,8 +29,11 @@ from torch import nn
 from transformers import Cache, DynamicCache, StaticCache
 
 from ..errors import ConfigurationError, InvalidInputError
-from ..utils.cache import CACHE_KWARG, cache_kwargs, cache_layer_kv, slice_cache
+from ..utils.cache import CACHE_KWARG, cache_kwargs, cache_layer_kv
+from ..utils.devices import decoder_layers
 from ..utils.masks import positions_from_mask
+from .plan import TransferPlan, plan_transfer
+from .steps import SourceKV, TransferDecision, TransferSteps
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +73,7 @@ def check_warm_inputs(source_cache: Cache, input_ids: torch.Tensor, attention_ma
     return held
 
 
-def check_warm_plan(plan, hidden_features: bool) -> None:
+def check_warm_plan(plan: TransferPlan, hidden_features: bool) -> None:
     """Refuses a warm start that the bridge's transfer plan (`plan_from_config` of the mapped length) cannot do from a
     source cache alone: attention sinks, the quality gate's probe, token or layer recompute, and hidden-state features
     need the source's own forward pass or the target's tokens inside the mapped span."""
@@ -128,6 +134,8 @@ def generate_from_source_cache(
     cache_implementation: str | None = None,
     compile_hold_back: bool | None = None,
     keep: dict | None = None,
+    transfer_plan: Callable[[int], TransferPlan] = plan_transfer,
+    record: Callable[[TransferDecision], None] | None = None,
     **kwargs: Any,
 ):
     """Generates with `target` from `source_cache`, mapped by `map_fn` (see the module docstring).
@@ -147,6 +155,11 @@ def generate_from_source_cache(
             (`get_compiled_call`, transformers' own compiled decoding step); `None` compiles where `generate` would
             compile its decoding steps (a static cache on a GPU).
         keep (`dict`, *optional*): where the static cache is kept between calls (the bridge's).
+        transfer_plan (`Callable`, *optional*, defaults to `plan_transfer`): `transfer_plan(length)` → the
+            [`TransferPlan`] of the `length` tokens mapped (the bridge's `transfer_plan`); refused by
+            `check_warm_plan` where the target would compute tokens inside them.
+        record (`Callable`, *optional*): called with the map's [`TransferDecision`] (the bridge keeps it in
+            `last_transfer`, as `prefill` does); not called when nothing is mapped.
         kwargs: `generate`'s arguments (`max_new_tokens`, `do_sample`, `generation_config`, `streamer`,
             `return_dict_in_generate`, ...), greedy or sampled decoding.
 
@@ -191,9 +204,13 @@ def generate_from_source_cache(
     elif cache is None:
         cache = DynamicCache(config=target.config)
     positions = positions_from_mask(attention_mask)  # (B, L), once for the map and the target
-    if covered > 0:
-        piece = source_cache if covered == held else slice_cache(source_cache, 0, covered)
-        cache = map_fn(piece, positions[:, :covered], target_cache=cache)
+    if covered > 0:  # the map of tokens [0, covered), planned and run as every transfer is
+        plan = transfer_plan(covered)
+        check_warm_plan(plan, hidden_features=False)
+        steps = TransferSteps(plan, map_fn, positions=positions[:, :covered], num_layers=len(decoder_layers(target)))
+        cache = steps.before_target(SourceKV(source_cache), cache)
+        if record is not None:
+            record(steps.decision())
     forward = target.__call__
     if compile_hold_back is None:
         compile_hold_back = _compiles_decoding(target, cache, generation_config)

@@ -234,6 +234,35 @@ def test_session_keeps_the_sinks_the_receivers_own(identity, chat_tokenizer):
         assert torch.equal(layer.keys[:, :, :3], own.keys) and torch.equal(layer.values[:, :, :3], own.values)
 
 
+def test_session_sinks_are_planned_and_run_by_the_transfer_steps(identity, chat_tokenizer, monkeypatch):
+    """The sinks are the plan's `[0, map_start)`, run by the transfer steps: the session plans from what the
+    receiver's cache holds (it runs nothing before planning), and a sync that the sinks cover whole still leaves the
+    steps' decision record."""
+    from hf_kvbridge.transfer import session as session_module
+
+    planned, plan = [], session_module.plan_from_config
+    monkeypatch.setattr(
+        session_module, "plan_from_config", lambda *a, **k: planned.append(k["start"]) or plan(*a, **k)
+    )
+    for sinks in (3, 10_000):
+        session = HandoffSession(_with_policy(identity, sink_tokens=sinks), chat_tokenizer)
+        session.add_user("the fox")
+        session.generate(model="source", max_new_tokens=4, do_sample=False)
+        session.add_user("a key")
+        prompt = session.prompt_tokens()
+        planned.clear()
+        mapped = session.sync("target", prompt, upto=len(prompt) - 1)
+        decision, state = session.last_decision, session.states["target"]
+        assert planned == [0] and isinstance(decision, TransferDecision) and decision.mapped_tokens == mapped
+        if sinks == 3:
+            assert mapped > 0 and decision.target_tokens == 3 and state.tokens == prompt[: len(state.tokens)]
+        else:  # the sinks cover what the source computed: the target computed all of it itself, nothing mapped
+            assert mapped == 0 and decision.transferred and len(state.tokens) == state.cache.get_seq_length() > 0
+            own = identity.target(input_ids=torch.tensor([state.tokens]), use_cache=True).cache
+            for layer, fresh in zip(state.cache.layers, own.layers):
+                torch.testing.assert_close(layer.keys, fresh.keys, atol=1e-5, rtol=1e-5)
+
+
 def test_session_gate_refuses_a_bad_mapping_and_passes_a_good_one(identity, chat_tokenizer):
     reference = HandoffSession(identity, chat_tokenizer)
     bad = _with_policy(identity, scramble=True, gate_threshold=0.9, gate_probe_tokens=4)

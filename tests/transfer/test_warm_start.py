@@ -208,3 +208,32 @@ def test_a_static_cache_passed_in_is_filled_in_place(identity):
     got = identity.generate_from_cache(_source_cache(model, ids, mask, LENGTH - 1), ids, max_new_tokens=3,
                                        do_sample=False, **cache_kwargs(static))  # fmt: skip
     assert torch.equal(got, want) and int(static.get_seq_length()) == LENGTH + 2
+
+
+@torch.no_grad()
+def test_the_warm_start_is_a_transfer_with_the_one_decision_record(identity, monkeypatch):
+    """The map runs through the transfer steps (`TransferSteps`), over the positions of the bridge's plan of the
+    tokens the source cache covers, and its `TransferDecision` is kept as `prefill` keeps its own; a plan function
+    that would have the target compute tokens inside the mapped span is refused."""
+    from hf_kvbridge.transfer import warm_start
+    from hf_kvbridge.transfer.plan import plan_transfer
+    from hf_kvbridge.transfer.steps import decide
+
+    model = identity.target
+    ids, mask = _prompt(seed=7)
+    cache = _source_cache(model, ids, mask, 11)
+    planned, before = [], warm_start.TransferSteps.before_target
+    monkeypatch.setattr(warm_start.TransferSteps, "before_target", lambda s, *a, **k: planned.append(s.plan) or
+                        before(s, *a, **k))  # fmt: skip
+    identity.last_transfer, counts = None, dict(identity.transfer_counts)
+    got = identity.generate_from_cache(cache, ids, attention_mask=mask, max_new_tokens=2, do_sample=False)
+    assert torch.equal(got, model.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=False))
+    assert planned == [identity.transfer_plan(11)] and planned[0].map_start == 0 and planned[0].map_end == 11
+    assert identity.last_transfer == decide(planned[0], batch=2).as_dict()
+    assert identity.last_transfer["mapped_tokens"] == 11 and identity.last_transfer["rows_transferred"] == [True] * 2
+    assert identity.transfer_counts["transferred"] == counts.get("transferred", 0) + 2
+    with pytest.raises(ConfigurationError, match="sink_tokens"):
+        sinks = lambda n: plan_transfer(n, sink_tokens=2)  # noqa: E731
+        warm_start.generate_from_source_cache(
+            model, identity.map_cache, cache, ids, attention_mask=mask, max_new_tokens=2, transfer_plan=sinks
+        )

@@ -163,6 +163,10 @@ class BenchEngines:
     max_model_len: int
     store: str | None = None  # the KV store's URL
 
+    def workload(self) -> tuple[str, list[int], int, int, str | None]:
+        """`(bridge_dir, lengths, requests, max_tokens, store)`: what each engine's run reads besides the settings."""
+        return self.bridge_dir, self.lengths, self.requests, self.max_tokens, self.store
+
     def engine(self, model: str, kv_transfer_config):
         """A vLLM `LLM` of `model` in this process (engine core included), prefix caching off, and its settings."""
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the connector's counters and stores live in this process
@@ -225,13 +229,7 @@ def run(
     from hf_kvbridge.integrations import vllm as kvb
     from hf_kvbridge.integrations.kv_store import DEFAULT_CHUNK_SIZE
 
-    bridge_dir, lengths, requests, max_tokens, store = (
-        bench.bridge_dir,
-        bench.lengths,
-        bench.requests,
-        bench.max_tokens,
-        bench.store,
-    )
+    bridge_dir, lengths, requests, max_tokens, store = bench.workload()
     target = kvb.target_model(bridge_dir)
     chunk_size = chunk_size or DEFAULT_CHUNK_SIZE
     store_options = {} if store is None else {"store": store, "chunk_size": chunk_size, "store_timeout_ms": 1000,
@@ -330,13 +328,7 @@ def run_source(bench: BenchEngines, *, chunk_size: int | None = None, rounds: in
 
     from .source_export import ExportStepTimer, source_rounds
 
-    bridge_dir, lengths, requests, max_tokens, store = (
-        bench.bridge_dir,
-        bench.lengths,
-        bench.requests,
-        bench.max_tokens,
-        bench.store,
-    )
+    bridge_dir, lengths, requests, max_tokens, store = bench.workload()
     model = kvb.served_model(bridge_dir, "source")
     config = None
     if store is not None:
