@@ -52,5 +52,6 @@ fi
 python -c "import vllm, torch, transformers; print('vllm', vllm.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__)"
 HF_HUB_OFFLINE=1 python -m pytest -q -n 2 --dist loadfile --durations=15 tests/test_vllm.py tests/test_vllm_store.py \
     tests/test_vllm_serving.py tests/test_vllm_support.py tests/test_vllm_paged_cache.py tests/test_vllm_export.py \
+    tests/test_vllm_scatter.py \
     tests/test_inference_mode.py \
     tests/test_plan.py "tests/test_readme.py::test_page_vllm_blocks_run"
