@@ -1,5 +1,5 @@
 """`read_slots` against the CPU attention backend's own cache write (no engine): every kernel vLLM can pick here
-(`vec`, `vec16`; `amx` where the CPU has AMX tiles, not on this AMD EPYC) in float32, bfloat16 and float16, written
+(`vec`, `vec16`; `amx` where the CPU has AMX tiles) in float32, bfloat16 and float16, written
 through the backend's `do_kv_cache_update` at scattered slots of several blocks and read back exactly. An fp8 cache
 (e4m3, e5m2) is read as its codes dequantized with the engine's scales: through the real op where the CPU has AVX-512
 or AMX (not here: the op cannot write fp8, and nothing is read), and through a stand-in of the `vec` kernel's fp8
@@ -221,6 +221,8 @@ def _layouts():
     for isa in kernels():
         for dtype in (torch.float32, torch.bfloat16, torch.float16):
             for block_size in (16, 32, 128):
+                if isa == "amx" and block_size % 32:
+                    continue  # vLLM picks amx only for blocks of a multiple of 32 (its kernel checks it and aborts)
                 out.append((f"{isa}-{dtype}-{block_size}", cpu(isa, dtype, block_size), dtype))
     out.append(("paired", cpu("paired", torch.bfloat16, 32, PairedDims), torch.bfloat16))
     for kv_cache_dtype in sorted(FP8):
