@@ -108,8 +108,9 @@ def fp8_layer(kv_cache_dtype: str, impl_class=CPUAttentionBackendImpl, k_scale=1
 
 @pytest.mark.parametrize("kv_cache_dtype", sorted(FP8))
 def test_fp8_cache_reads_the_backends_own_write_dequantized(kv_cache_dtype):
-    """The real op. vLLM's CPU fp8 kernels need AVX-512 or AMX (`_get_attn_isa`); on a CPU without them (this AMD
-    EPYC: AVX2 only) the op cannot write an fp8 cache and the probe says so: nothing is read, no codes as numbers."""
+    """The real op. vLLM's CPU fp8 kernels need AVX-512 or AMX (`_get_attn_isa`); on a CPU without them (an
+    AVX2-only AMD EPYC) the op cannot write an fp8 cache and the probe says so: nothing is read, no codes as
+    numbers."""
     layer = fp8_layer(kv_cache_dtype, k_scale=0.05, v_scale=0.2)
     slots = slots_of([4, 0, 5], BLOCK, 7, 80)
     keys, values = torch.randn(len(slots), HEADS, HEAD_DIM), torch.randn(len(slots), HEADS, HEAD_DIM)
