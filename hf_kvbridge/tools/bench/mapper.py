@@ -16,7 +16,8 @@ from ...utils.cache import output_cache
 from ...utils.precision import float32_matmul_precision
 from .flop_model import mapper_flops, prefill_flops
 from .ops import mapping_measures
-from .timing import interleaved_medians, median_seconds, peak_extra_bytes
+from .report import fixed_width
+from .timing import interleaved_medians, median_seconds, peak_extra_bytes, random_prompts
 
 
 @torch.no_grad()
@@ -120,13 +121,8 @@ def benchmark(
     >>> rows[-1]["warm_speedup"]  # doctest: +SKIP
     ```
     """
-    generator = torch.Generator().manual_seed(seed)
-    vocab = bridge.target_layout.vocab_size
-    rows = []
-    for length in lengths:
-        ids = torch.randint(0, vocab, (batch, length), generator=generator)
-        rows.append(mapper_vs_prefill(bridge, ids, repeats, warmup, interleave, schedule, ceilings))
-    return rows
+    prompts = random_prompts(bridge.target_layout.vocab_size, lengths, batch, seed)
+    return [mapper_vs_prefill(bridge, ids, repeats, warmup, interleave, schedule, ceilings) for ids in prompts]
 
 
 def format_table(rows: list[dict]) -> str:
@@ -144,7 +140,7 @@ def format_table(rows: list[dict]) -> str:
         "map peak MB",
         "workspace MB",
     )
-    lines = ["  ".join(f"{h:>11}" for h in header)]
+    table = []
     for r in rows:
         peak = r["mapping_peak_extra_bytes"]
         cells = (
@@ -160,8 +156,8 @@ def format_table(rows: list[dict]) -> str:
             "n/a" if peak is None else f"{peak / 2**20:.1f}",
             f"{r['mapping_workspace_bytes'] / 2**20:.1f}",
         )
-        lines.append("  ".join(f"{c:>11}" for c in cells))
-    return "\n".join(lines)
+        table.append(cells)
+    return fixed_width(header, table)
 
 
 # `--old-vs-new`: the default mapping of a float32 bridge at PyTorch's default matmul precision against the one where
@@ -201,14 +197,12 @@ def old_vs_new(bridge, lengths: list[int], *, batch: int = 1, repeats: int = 20,
     from ...mappers.engine import Workspace, map_cache
     from ...utils.devices import execution_device
 
-    generator = torch.Generator().manual_seed(seed)
-    vocab, device = bridge.target_layout.vocab_size, bridge.device
+    device = bridge.device
     old_workspace = Workspace()
     with float32_matmul_precision("medium"):
         new_dtype = bridge.mapping_mapper().layout_dtype()
     rows = []
-    for length in lengths:
-        ids = torch.randint(0, vocab, (batch, length), generator=generator)
+    for length, ids in zip(lengths, random_prompts(bridge.target_layout.vocab_size, lengths, batch, seed)):
         source_cache = output_cache(
             bridge.source.model(input_ids=ids.to(execution_device(bridge.source)), use_cache=True)
         )
@@ -260,7 +254,7 @@ def old_vs_new(bridge, lengths: list[int], *, batch: int = 1, repeats: int = 20,
 def format_old_vs_new(rows: list[dict]) -> str:
     """`old_vs_new` as a fixed-width table."""
     header = ("tokens", "old ms", "new ms", "new / old", "max |diff|", "rel. diff")
-    lines = ["  ".join(f"{h:>11}" for h in header)]
+    table = []
     for r in rows:
         cells = (
             r["context_tokens"],
@@ -270,5 +264,5 @@ def format_old_vs_new(rows: list[dict]) -> str:
             f"{r['max_abs_difference']:.1e}",
             f"{r['relative_difference']:.1e}",
         )
-        lines.append("  ".join(f"{c:>11}" for c in cells))
-    return "\n".join(lines)
+        table.append(cells)
+    return fixed_width(header, table)

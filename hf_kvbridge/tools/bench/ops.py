@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from .report import fixed_width
+
 # ops that allocate or only describe memory: no kernel runs for them (views are told apart by `OpOverload.is_view`)
 _NO_KERNEL = {"empty", "empty_strided", "empty_like", "lift_fresh", "detach", "alias", "unbind", "split", "chunk"}
 
@@ -132,9 +134,8 @@ def mapping_measures(
 def format_measures(rows: list[dict]) -> str:
     """The op counts, device time and floors of `kvbridge bench mapper`'s rows as a fixed-width table."""
     header = ("tokens", "ops", "ops/layer", "kernels", "busy ms", "FLOP fl. ms", "mem fl. ms", "of floor")
-    lines = ["  ".join(f"{h:>11}" for h in header)]
-    for r in rows:
-        cells = (
+    cells = [
+        (
             r["context_tokens"],
             r["ops_per_mapping"],
             f"{r['ops_per_target_layer']:.1f}",
@@ -144,5 +145,6 @@ def format_measures(rows: list[dict]) -> str:
             f"{r['memory_floor_s'] * 1e3:.2f}" if "memory_floor_s" in r else "n/a",
             f"{r['fraction_of_floor']:.2f}" if "fraction_of_floor" in r else "n/a",
         )
-        lines.append("  ".join(f"{c:>11}" for c in cells))
-    return "\n".join(lines)
+        for r in rows
+    ]
+    return fixed_width(header, cells)

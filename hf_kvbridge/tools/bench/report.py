@@ -1,4 +1,5 @@
-"""The JSON a measurement script writes: its figures beside the machine they were measured on.
+"""What a measurement reports: the JSON a measurement script writes (its figures beside the machine they were
+measured on), and the fixed-width tables `kvbridge bench` prints.
 
 Example:
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import json
 import platform
+from collections.abc import Iterable, Sequence
 
 import torch
 
@@ -33,3 +35,17 @@ def write_measurement(path: str, threads: int | None = None, **fields) -> dict:
         json.dump(result, f, indent=2)
     print(f"wrote {path}")
     return result
+
+
+def fixed_width(header: Sequence[str], rows: Iterable[Sequence[object]], width: int = 11) -> str:
+    """`header`, then one line a row, each cell right-aligned in `width` characters and two spaces apart.
+
+    Example:
+
+    ```python
+    >>> print(fixed_width(("tokens", "ms"), [(256, "1.5")], width=6))
+    tokens      ms
+       256     1.5
+    ```
+    """
+    return "\n".join("  ".join(f"{cell:>{width}}" for cell in line) for line in [header, *rows])

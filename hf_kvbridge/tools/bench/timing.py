@@ -1,4 +1,5 @@
-"""Wall time and peak memory of a function, as the benchmarks and measurement scripts take them.
+"""Wall time and peak memory of a function, as the benchmarks and measurement scripts take them, and the random
+prompts the benchmarks time on (`random_prompts`).
 
 Medians of repeated runs after warm-up (`median_seconds`), or of rounds that run several functions in turn
 (`interleaved_medians`), synchronising a GPU before each clock read; the peak memory a call allocates on top of what
@@ -109,3 +110,10 @@ def peak_extra_bytes(fn: Callable[[], object], device: torch.device) -> int | No
     if device.type != "cpu":
         return None
     return cpu_peak_bytes(fn)
+
+
+def random_prompts(vocab_size: int, lengths: list[int], batch: int = 1, seed: int = 0) -> list[torch.Tensor]:
+    """Random token ids `(batch, length)` for each of `lengths`, drawn in turn from one generator seeded `seed` (a
+    length's prompt depends on the lengths before it, as in a benchmark's rows)."""
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab_size, (batch, length), generator=generator) for length in lengths]

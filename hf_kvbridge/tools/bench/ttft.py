@@ -29,7 +29,8 @@ import torch
 
 from ...utils.cache import output_cache
 from ...utils.devices import execution_device
-from .timing import interleaved_medians, synchronize
+from .report import fixed_width
+from .timing import interleaved_medians, random_prompts, synchronize
 
 
 @torch.no_grad()
@@ -110,20 +111,18 @@ def end_to_end(
 ) -> list[dict]:
     """`kvbridge bench mapper --end-to-end`: `time_to_first_token` at each length on random token ids, eager on a
     dynamic cache and, with `compile_hold_back`, also on a static cache with the hold-back compiled."""
-    generator = torch.Generator().manual_seed(1)
     variants = [{}] + ([{"static": True, "compile_hold_back": True}] if compile_hold_back else [])
-    rows = []
-    for length in lengths:
-        ids = torch.randint(0, bridge.target_layout.vocab_size, (batch, length), generator=generator)
-        for variant in variants:
-            rows.append(time_to_first_token(bridge, ids, repeats=repeats, warmup=warmup, **variant))
-    return rows
+    return [
+        time_to_first_token(bridge, ids, repeats=repeats, warmup=warmup, **variant)
+        for ids in random_prompts(bridge.target_layout.vocab_size, lengths, batch, seed=1)
+        for variant in variants
+    ]
 
 
 def format_ttft(rows: list[dict]) -> str:
     """`time_to_first_token` rows as a fixed-width table."""
     header = ("tokens", "cache", "target ms", "warm ms", "warm ×", "cold ms", "cold ×", "generate ms", "first s")
-    lines = ["  ".join(f"{h:>11}" for h in header)]
+    table = []
     for r in rows:
         kind = ("static" if r["static_cache"] else "dynamic") + (", comp." if r["compiled_hold_back"] else "")
         cells = (
@@ -137,5 +136,5 @@ def format_ttft(rows: list[dict]) -> str:
             f"{r['cold_generate_s'] * 1e3:.1f}",
             f"{r['first_call_s']:.1f}",
         )
-        lines.append("  ".join(f"{c:>11}" for c in cells))
-    return "\n".join(lines)
+        table.append(cells)
+    return fixed_width(header, table)

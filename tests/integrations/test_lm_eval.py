@@ -29,7 +29,7 @@ from kvbridge_cli import main as cli_main
 from tests.conftest import CORPUS
 from tests.utils.test_layout import linear_pair  # noqa: F401  (fixture: a pair whose KV layouts differ)
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 POCKET_TASKS = ROOT / "eval_tasks" / "pocket"
 STRIDE = 96  # rolling chunks of 96 tiny-tokenizer tokens: several chunks per document, most with a source prefix
 

