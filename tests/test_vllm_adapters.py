@@ -230,3 +230,43 @@ def test_kvbridge_serve_lora_bridge_options(tmp_path, capsys):
     config = json.loads(printed.split("--kv-transfer-config ")[1].split(" --")[0].strip("'"))
     assert config["kv_connector_extra_config"]["lora_bridges"] == {"sql": "b-sql"}
     assert "--enable-lora" in printed
+
+
+def test_connector_checks_lora_bridges_at_start_up(tmp_path):
+    """`KVBridgeConnector._adapter_bridges`, what the connector runs at start-up, on vLLM's config values: an engine
+    without LoRA is refused, an adapter bridge of another source is refused (one line naming the adapter), and the
+    accepted ones get a cache-salt prefix of their own (their blocks never serve another mapper's request)."""
+    pytest.importorskip("vllm")
+    from hf_kvbridge.integrations.vllm.connector import KVBridgeConnector
+    from hf_kvbridge.utils.layout import KVLayout
+
+    def saved(name, **fields):
+        _config(**fields).save_pretrained(tmp_path / name)
+        return str(tmp_path / name)
+
+    bridges = {"sql": saved("b-sql"), "chat": saved("b-chat"), "other": saved("b-other", source="pocket/pocket-m")}
+    from transformers import AutoConfig
+
+    layout = KVLayout.from_config(AutoConfig.from_pretrained(pocket.model_path("pocket-l")))
+
+    def connector(lora_bridges):
+        fake = SimpleNamespace(
+            settings=connector_settings({"bridge": "base", "lora_bridges": lora_bridges, "source_weights": True}),
+            bridge_ref="base", import_config=_config(), _role=None,
+        )  # fmt: skip
+        fake._check_mapping_config = lambda *args: KVBridgeConnector._check_mapping_config(fake, *args)
+        return fake
+
+    with_lora = SimpleNamespace(lora_config=object(), scheduler_config=SimpleNamespace(async_scheduling=False))
+    without_lora = SimpleNamespace(lora_config=None, scheduler_config=with_lora.scheduler_config)
+    fake = connector({"sql": bridges["sql"]})
+    with pytest.raises(ServingConfigError, match=r"does not serve lora_bridges .* on an engine without LoRA"):
+        KVBridgeConnector._adapter_bridges(fake, without_lora, layout)
+    assert KVBridgeConnector._adapter_bridges(connector({}), without_lora, layout) == ({}, {})
+    fake = connector({"sql": bridges["sql"], "other": bridges["other"]})
+    with pytest.raises(ServingConfigError, match=r"lora_bridges\): adapter 'other': its bridge's source is pocket/"):
+        KVBridgeConnector._adapter_bridges(fake, with_lora, layout)
+    adapters, salts = KVBridgeConnector._adapter_bridges(connector({"sql": bridges["sql"], "chat": bridges["chat"]}),
+                                                         with_lora, layout)  # fmt: skip
+    assert set(adapters) == set(salts) == {"sql", "chat"} and str(adapters["sql"][1]) == bridges["sql"]
+    assert len(set(salts.values())) == 2 and all(salt.startswith("kvbridge:") for salt in salts.values())
