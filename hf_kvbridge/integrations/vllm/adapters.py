@@ -115,8 +115,6 @@ def adapter_refusal(
     True
     ```
     """
-    from .identity import identity_mismatch
-
     source, base_source = config.source_name_or_path, base_config.source_name_or_path
     same_reference = (source, config.source_revision) == (base_source, base_config.source_revision)
     fingerprints = config.source_fingerprint, base_config.source_fingerprint
@@ -124,9 +122,9 @@ def adapter_refusal(
         differ = "they differ in KV layout"
     elif same_reference:
         differ = None
-    elif (source_files or {}).keys() & (base_source_files or {}).keys():
-        files = identity_mismatch(source_files, base_source_files)
-        differ = None if files is None else f"they differ in {files}"
+    elif common := (source_files or {}).keys() & (base_source_files or {}).keys():
+        files = sorted(name for name in common if source_files[name] != base_source_files[name])  # identity's rule
+        differ = f"they differ in {', '.join(files)}" if files else None
     else:  # two names and no files to compare (a Hub model not in the local cache): not shown to be the same
         differ = "no config or tokenizer files to compare"
     if differ is not None:
