@@ -202,12 +202,12 @@ def test_worker_maps_a_load_with_its_adapters_mapper():
     base, sql = object(), object()
     worker = BridgeWorker(base, block_size=32, gate_threshold=None, count=lambda **_: None, mappers={"sql": sql})
     load = BridgeLoad("r", list(range(40)), start=0, end=39, block_ids=[0, 1], probe_end=39)
-    assert worker.mapping(load) is base
+    assert worker.bridge_of(load) is base
     load.mapper = "sql"
-    assert worker.mapping(load) is sql
+    assert worker.bridge_of(load) is sql
     load.mapper = "chat"  # never mapped with the base bridge's map instead
     with pytest.raises(ServingConfigError, match="no mapper for LoRA adapter 'chat'"):
-        worker.mapping(load)
+        worker.bridge_of(load)
 
 
 # -- kvbridge serve --------------------------------------------------------------------------------------------------

@@ -79,14 +79,14 @@ def load_adapter_bridges(bridge, adapters: dict[str, Any], revision: str | None 
     out = {}
     with torch.inference_mode(False):
         for name, (config, folder) in adapters.items():
-            mapping = KVBridgeForCausalLM.from_pretrained(
+            adapter_bridge = KVBridgeForCausalLM.from_pretrained(
                 folder, source_model=bridge.source, target_model=bridge.target, config=config
             )
-            mapping.reverse = None
-            out[name] = mapping
+            adapter_bridge.reverse = None
+            out[name] = adapter_bridge
             logger.info(
                 "KVBridgeConnector: LoRA adapter %r is mapped with bridge %s (mapper %d parameters; source %s)",
-                name, folder, sum(p.numel() for p in mapping.mapper.parameters()), config.source_name_or_path,
+                name, folder, sum(p.numel() for p in adapter_bridge.mapper.parameters()), config.source_name_or_path,
             )  # fmt: skip
     return out
 
@@ -267,14 +267,14 @@ class BridgeWorker:
                 readable = readable and reads_back(layer, slots[tail], keys[tail], values[tail])
         return readable
 
-    def mapping(self, load: BridgeLoad):
+    def bridge_of(self, load: BridgeLoad):
         """The bridge whose mapper maps `load`: its LoRA adapter's (`load.mapper`), or the base bridge."""
         if load.mapper is None:
             return self.bridge
-        mapping = self.mappers.get(load.mapper)
-        if mapping is None:  # the scheduler claims only adapters with a mapper: never the base map for an adapter
+        adapter_bridge = self.mappers.get(load.mapper)
+        if adapter_bridge is None:  # the scheduler claims only adapters with a mapper: never the base map instead
             raise ServingConfigError(f"no mapper for LoRA adapter {load.mapper!r} in this worker")
-        return mapping
+        return adapter_bridge
 
     def plan(self, load: BridgeLoad):
         """`load`'s transfer plan (`transfer.plan.plan_load`: the positions the scheduler's plan gave it)."""
@@ -309,15 +309,13 @@ class BridgeWorker:
         device = bridge.device
         if self.store is not None and load.store_end >= load.end and not load.gated:
             return self.map_from_store(load, layers)
-        mapping = self.mapping(load)  # the base bridge, or the load's LoRA adapter's (same source, same stand-in)
+        maps = self.bridge_of(load)  # the base bridge, or the load's LoRA adapter's (same source, same stand-in)
         source_cache = self.source_kv(load)  # (1, H, probe_end, d) per source layer
         # the shared transfer steps, as vLLM runs them: no sinks and no recompute before the forward (the target
         # computes a recomputed tail itself, after the loaded prefix), the probe [probe_start, probe_end) after it
         plan = self.plan(load)
         positions = torch.arange(load.probe_end, device=device).unsqueeze(0)  # (1, probe_end)
-        steps = TransferSteps(
-            plan, mapping.map_cache, positions=positions, num_layers=mapping.target_layout.num_layers
-        )
+        steps = TransferSteps(plan, maps.map_cache, positions=positions, num_layers=maps.target_layout.num_layers)
         started = time.perf_counter()
         mapped = steps.before_target(SourceKV(source_cache), cached=load.start)  # target layout, [start, end)
         self.count(map_seconds=time.perf_counter() - started)
@@ -347,7 +345,7 @@ class BridgeWorker:
         (`PrefixKVStore.iter_load`, on a thread of its own), each run mapped by the shared transfer steps and written
         into the paged cache as soon as it has arrived, while the next one is being fetched, so that the load costs
         about the longer of the fetch and the mapping, not their sum. Returns the number of tokens written."""
-        bridge, mapping = self.bridge, self.mapping(load)
+        bridge, maps = self.bridge, self.bridge_of(load)  # the base bridge, or the load's LoRA adapter's
         device, dtype = bridge.device, bridge.source.dtype
         began = time.perf_counter()
         fetched = waited = mapping = writing = 0.0
@@ -369,8 +367,8 @@ class BridgeWorker:
                     source, index, k.to(device=device, dtype=dtype)[None], v.to(device=device, dtype=dtype)[None]
                 )
             plan = plan_transfer(run.end, start=run.start)
-            steps = TransferSteps(plan, mapping.map_cache, positions=positions[:, : run.end],
-                                  num_layers=mapping.target_layout.num_layers)  # fmt: skip
+            steps = TransferSteps(plan, maps.map_cache, positions=positions[:, : run.end],
+                                  num_layers=maps.target_layout.num_layers)  # fmt: skip
             started = time.perf_counter()
             mapped = steps.before_target(StoredRun(source, offset=run.start), cached=run.start)  # [start, end) of run
             mapping += time.perf_counter() - started
