@@ -210,6 +210,40 @@ def test_worker_maps_a_load_with_its_adapters_mapper():
         worker.bridge_of(load)
 
 
+def test_worker_maps_a_store_load_with_its_adapters_mapper():
+    """A load whose source K/V all come from the KV store (`map_from_store`, the store-only path) is mapped with the
+    load's adapter's mapper too, and a plain load with the base bridge's (stand-ins: a one-run store, mappers that
+    record their calls and map to an empty cache)."""
+    pytest.importorskip("vllm")
+    import torch
+    from transformers import DynamicCache
+
+    from hf_kvbridge.integrations.vllm import BridgeLoad, BridgeWorker
+
+    calls = []
+
+    def mapper(name):
+        def map_cache(kv, positions, **_):
+            calls.append((name, kv.get_seq_length(), positions.shape[-1]))
+            return DynamicCache()  # no layers: nothing for the (absent) attention layers to write
+
+        return {"map_cache": map_cache, "target_layout": SimpleNamespace(num_layers=1)}
+
+    keys = torch.zeros(1, 64, 4)  # (H, n, d)
+    run = SimpleNamespace(keys=[keys], values=[keys], start=0, end=64, seconds=0.0)
+    store = SimpleNamespace(iter_load=lambda *args, **kwargs: iter([run]))
+    base = SimpleNamespace(device=torch.device("cpu"), source=SimpleNamespace(dtype=torch.float32), **mapper("base"))
+    worker = BridgeWorker(
+        base, block_size=32, gate_threshold=None, count=lambda **_: None, store=store,
+        mappers={"sql": SimpleNamespace(**mapper("sql"))},
+    )  # fmt: skip
+    load = BridgeLoad("r", list(range(65)), 0, 64, [0, 1], probe_end=64, store_end=64, mapper="sql")
+    assert worker.map_and_write(load, {}) == 64
+    load.mapper = None
+    assert worker.map_and_write(load, {}) == 64
+    assert calls == [("sql", 64, 64), ("base", 64, 64)]
+
+
 # -- kvbridge serve --------------------------------------------------------------------------------------------------
 def test_kvbridge_serve_lora_bridge_options(tmp_path, capsys):
     from hf_kvbridge.integrations.vllm.serve import lora_bridge_options, serve_main
