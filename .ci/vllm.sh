@@ -55,5 +55,6 @@ vllm_tests=tests/integrations/vllm
 HF_HUB_OFFLINE=1 python -m pytest -q -n 2 --dist loadfile --durations=15 $vllm_tests/test_vllm.py \
     $vllm_tests/test_vllm_store.py $vllm_tests/test_vllm_serving.py $vllm_tests/test_vllm_support.py \
     $vllm_tests/test_vllm_paged_cache.py $vllm_tests/test_vllm_export.py $vllm_tests/test_vllm_scatter.py \
+    $vllm_tests/test_vllm_adapters.py \
     tests/test_inference_mode.py \
     tests/transfer/test_plan.py "tests/test_readme.py::test_page_vllm_blocks_run"

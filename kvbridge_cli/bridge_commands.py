@@ -103,12 +103,15 @@ def add_serve(sub) -> None:
         "serve",
         help="serve the bridge's target with vLLM's OpenAI-compatible server and the KV bridge connector",
         description="kvbridge serve DIR [--role target|source|both] [--store URL] [--no-source-weights] "
-        "[--requests opt_in|all] [--print] [vllm serve args...]: every argument after DIR goes to "
+        "[--requests opt_in|all] [--lora-bridge NAME=DIR ...] [--print] [vllm serve args...]: every argument after "
+        "DIR goes to "
         "hf_kvbridge.integrations.vllm.serve_main (see docs/serving.md).",
     )
     serve.add_argument("bridge", help="bridge checkpoint folder or Hub id")
     serve.add_argument(
-        "vllm_args", nargs=argparse.REMAINDER, help="--role, --store, --requests, --print, and vllm serve options"
+        "vllm_args",
+        nargs=argparse.REMAINDER,
+        help="--role, --store, --requests, --lora-bridge, --print, and vllm serve options",
     )
 
 

@@ -80,10 +80,14 @@ tensor-parallel exporting engine is served too: each rank reads its own KV heads
 (`export.export_sharded`). An fp8 KV cache on the CPU backend is read back dequantized with the engine's scales.
 Pipeline, context and data parallelism, fp8 KV caches on other devices and other quantized caches, speculative
 decoding, multi-modal, MLA, hybrid and sliding-window models are refused at start-up with one line naming the
-option (`support.engine_refusal`); a request with a LoRA adapter, prompt embeddings or multi-modal inputs is served
-unbridged and not exported, status `"unsupported"` with its reason
-(`support.request_refusal`). An engine whose model's config or tokenizer files differ from the bridge's model's is
-refused at start-up (`identity.check_identity`: digests of those files, not of the weights).
+option (`support.engine_refusal`); a request with prompt embeddings or multi-modal inputs, or with a LoRA adapter
+that has no mapper of its own, is served unbridged and not exported, status `"unsupported"` with its reason
+(`support.request_refusal`). A target engine with `enable_lora` maps a LoRA request with its adapter's own bridge
+(`lora_bridges`: `{adapter name: bridge}`, each calibrated for the target with that adapter merged, from the base
+bridge's source; checked at start-up, `adapters.adapter_refusal`), from the same source prefill or store entry; its
+status names the mapper (`"mapper"`). A source engine exports no LoRA request. An engine whose model's config or
+tokenizer files differ from the bridge's model's is refused at start-up (`identity.check_identity`: digests of those
+files, not of the weights).
 
 The package:
 
@@ -100,6 +104,7 @@ The package:
 | `scatter` | a tensor-parallel target's loads mapped on rank 0 and scattered, each rank its heads (`rank_buffers`) |
 | `export` | `export_sharded`: a tensor-parallel exporting engine's heads gathered to rank 0, which writes them |
 | `support` | what is served right: `engine_refusal` (options refused at start-up), `request_refusal` (`unsupported`) |
+| `adapters` | LoRA adapters' own bridges (`lora_bridges`): checked at start-up (`adapter_refusal`) |
 | `configuration` | `kv_transfer_config`, `bridged`, `parse_request_flag`, `target_model`, `check_recompute` |
 | `middleware` | `KVBridgeParamsMiddleware` (`kvbridge serve`): after authentication, bad flags (400), router headers |
 | `serve` | `kvbridge serve` (`serve_main`) |
@@ -123,7 +128,7 @@ from .configuration import (
 from .paged_cache import read_slots, reads_back, slots_of, write_layer
 from .rotary import RotaryOnlyTarget, rotary_embedding_class
 from .serve import serve_command, serve_main
-from .support import EngineShape, check_engine, engine_refusal, request_refusal
+from .support import EngineShape, check_engine, engine_refusal, request_mapper, request_refusal
 
 # the modules that import vLLM load on first use of one of their names (PEP 562), so that the paged-cache and rotary
 # helpers above import without vLLM (the GPU benchmark checks them on a machine that has none)
@@ -178,6 +183,7 @@ __all__ = [
     "read_bridge_config",
     "read_slots",
     "reads_back",
+    "request_mapper",
     "request_refusal",
     "rotary_embedding_class",
     "serve_command",

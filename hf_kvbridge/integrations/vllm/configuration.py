@@ -3,10 +3,11 @@ config must pass before vLLM can serve it, and the target model vLLM should load
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from ...errors import ServingConfigError
+from .adapters import lora_bridges_refusal, parse_lora_bridges
 
 PARAM_KEY = "kvbridge"  # the key in a request's kv_transfer_params, and in the output's kv_transfer_params
 ROUTER_PARAM_KEY = "kvbridge_router"  # what kvbridge serve records of a router's x-vsr-kv-* headers, in the same dict
@@ -43,6 +44,9 @@ class ConnectorSettings:
             the worker's source model prefills) or `"target"` (the target computes the prompt itself).
         source_weights: whether a mapping engine's worker loads the source model (`False`: store only, no source
             weights; misses then go to the target).
+        lora_bridges: `{LoRA adapter name: bridge folder or Hub id}` (a target engine with `enable_lora`): a request
+            with adapter NAME is mapped with that bridge (calibrated for the target with the adapter merged, from the
+            same source); a request with an adapter not named here is served unbridged (status `"unsupported"`).
     """
 
     bridge: str
@@ -57,6 +61,7 @@ class ConnectorSettings:
     store_fetch_parts: int = 4
     on_miss: str = "prefill"
     source_weights: bool = True
+    lora_bridges: dict[str, str] = field(default_factory=dict)
 
     @property
     def imports(self) -> bool:
@@ -142,6 +147,10 @@ def connector_settings(extra: dict[str, Any]) -> ConnectorSettings:
             "kv_connector_extra_config['on_miss'] is 'prefill' but source_weights is false: with no source model "
             "a store miss can only go to the target (on_miss='target')"
         )
+    lora_bridges = parse_lora_bridges(extra.get("lora_bridges"))
+    refused = lora_bridges_refusal(lora_bridges, role=role, enable_lora=True)  # the engine's LoRA: checked at start
+    if refused is not None:
+        raise ServingConfigError(f"kv_connector_extra_config: {refused}")
     return ConnectorSettings(
         bridge=str(extra["bridge"]),
         revision=extra.get("revision"),
@@ -155,6 +164,7 @@ def connector_settings(extra: dict[str, Any]) -> ConnectorSettings:
         store_fetch_parts=parts,
         on_miss=on_miss,
         source_weights=source_weights,
+        lora_bridges=lora_bridges,
     )
 
 
@@ -172,6 +182,7 @@ def kv_transfer_config(
     store_timeout_ms: float | None = None,
     store_fetch_parts: int | None = None,
     revision: str | None = None,
+    lora_bridges: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """The `kv_transfer_config` dict for `vllm.LLM(...)` (or, as JSON, `vllm serve --kv-transfer-config`).
 
@@ -196,6 +207,9 @@ def kv_transfer_config(
         store_fetch_parts: runs a load from the store is fetched in, each mapped while the next arrives (default 4;
             1: fetch, then map).
         revision: revision of a Hub bridge.
+        lora_bridges: `{LoRA adapter name: bridge}` on a target engine with `enable_lora`: a request with that
+            adapter (`LoRARequest.lora_name`) is mapped with that bridge (calibrated for the target with the adapter
+            merged, from the same source); one with another adapter is served unbridged (`"unsupported"`).
 
     Example:
 
@@ -215,6 +229,7 @@ def kv_transfer_config(
         "store_timeout_ms": store_timeout_ms,
         "store_fetch_parts": store_fetch_parts,
         "revision": revision,
+        "lora_bridges": dict(lora_bridges) if lora_bridges else None,
     }
     extra.update({key: value for key, value in optional.items() if value is not None})
     connector_settings(extra)  # refuse a mistake here, not in vLLM's engine process

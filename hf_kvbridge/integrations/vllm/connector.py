@@ -24,13 +24,14 @@ from ...constants import REVERSE_FOLDER
 from ...errors import ServingConfigError
 from ...utils.layout import KVLayout, check_fingerprint
 from ...utils.source_features import check_servable
+from .adapters import adapter_refusal, lora_bridges_refusal
 from .configuration import check_recompute, connector_settings, read_bridge_config
-from .identity import check_identity
+from .identity import check_identity, file_digests, model_files
 from .scheduler import BridgeScheduler
 from .store import open_prefix_store, redact, store_identity
 from .support import EngineShape, check_engine, source_memory_note
 from .tensor_parallel import HeadShard
-from .worker import BridgeWorker, load_bridge
+from .worker import BridgeWorker, load_adapter_bridges, load_bridge
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -49,7 +50,8 @@ class KVBridgeConnector(KVConnectorBase_V1):
 
     `kv_connector_extra_config`: `bridge` (folder or Hub id, required), `revision`, `requests` (`"opt_in"`, the
     default, or `"all"`), `role` (`"target"`, `"source"`, `"both"`), `store` (a KV store URL) and the store's
-    options (`ConnectorSettings`). See `hf_kvbridge.integrations.vllm`.
+    options (`ConnectorSettings`), `lora_bridges` (`{LoRA adapter name: bridge}`: a request with that adapter is
+    mapped with its own bridge). See `hf_kvbridge.integrations.vllm`.
     """
 
     counters: Counter = Counter()  # per process: requests/tokens claimed, mapped, fallen back (both roles add here)
@@ -82,8 +84,10 @@ class KVBridgeConnector(KVConnectorBase_V1):
             check_fingerprint(fingerprint, layout, served, vllm_config.model_config.model)
         check_identity(vllm_config.model_config, self.config, served, self.bridge_ref)  # config and tokenizer files
         if settings.imports:
-            self._check_mapping_config(vllm_config)
+            self._check_mapping_config(vllm_config, self.import_config, self.bridge_ref)
         digest = hashlib.sha256(json.dumps(checksums, sort_keys=True).encode() + self.bridge_ref.encode())
+        # LoRA adapters with a mapper of their own: {name: (config, folder)}, and their cache-salt prefixes
+        self.adapters, salt_tags = self._adapter_bridges(vllm_config, layout)
         import_store = export_store = None
         if settings.store and settings.imports:
             import_store = open_prefix_store(settings, store_identity(self.import_config, "source"))
@@ -101,6 +105,7 @@ class KVBridgeConnector(KVConnectorBase_V1):
             store=import_store,
             exports=export_store,
             on_miss=settings.on_miss,
+            mappers=salt_tags,
         )
         self.worker: BridgeWorker | None = None
         if role == KVConnectorRole.WORKER:
@@ -121,7 +126,7 @@ class KVBridgeConnector(KVConnectorBase_V1):
                     "KVBridgeConnector: tensor-parallel rank %d of %d writes KV heads %d..%d of %d",
                     rank, size, heads.start, heads.stop - 1, shard.total,
                 )  # fmt: skip
-            bridge, dtype = None, vllm_config.model_config.dtype
+            bridge, dtype, mappers = None, vllm_config.model_config.dtype, {}
             if settings.imports and shard is not None and shard.rank != 0:  # rank 0 maps and scatters (scatter.py)
                 logger.info(
                     "KVBridgeConnector: tensor-parallel rank %d holds no source model and no mapper: rank 0 maps "
@@ -134,6 +139,7 @@ class KVBridgeConnector(KVConnectorBase_V1):
                     self.import_config, self.import_folder, self.revision, dtype, device, self.bridge_ref,
                     source_weights=settings.source_weights,
                 )  # fmt: skip
+                mappers = load_adapter_bridges(bridge, self.adapters) if self.adapters else {}
                 if settings.source_weights:  # outside vLLM's KV sizing, which ran before this connector was built
                     source_bytes = sum(p.numel() * p.element_size() for p in bridge.source.parameters())
                     logger.warning("KVBridgeConnector: %s", source_memory_note(source_bytes, vllm_config.cache_config,
@@ -149,6 +155,7 @@ class KVBridgeConnector(KVConnectorBase_V1):
                 fetch_parts=settings.store_fetch_parts,
                 shard=shard,
                 kv_dtype=dtype,
+                mappers=mappers,
             )
         logger.info(
             "KVBridgeConnector: role %s (serves the bridge's %s), store %s, requests %s",
@@ -158,26 +165,61 @@ class KVBridgeConnector(KVConnectorBase_V1):
             settings.requests,
         )
 
-    def _check_mapping_config(self, vllm_config) -> None:
-        """What vLLM cannot do with the mapping into the served model, refused at start-up with the reason."""
-        config = self.import_config
+    def _adapter_bridges(self, vllm_config, layout: KVLayout) -> tuple[dict[str, tuple], dict[str, str]]:
+        """The LoRA adapters' bridges (`lora_bridges`), each checked at start-up with one line (`adapters.py`): LoRA
+        on, a target engine, the base bridge's source (fingerprint, config and tokenizer digests), the served model's
+        KV layout, the base bridge's transfer knobs, and what vLLM can serve of its mapping. Returns `{name: (config,
+        folder)}` and `{name: cache-salt prefix}` (each mapper's blocks are its own in the prefix cache)."""
+        lora_bridges = self.settings.lora_bridges
+        refused = lora_bridges_refusal(
+            lora_bridges, role=self.settings.role, enable_lora=getattr(vllm_config, "lora_config", None) is not None
+        )
+        if refused is not None:
+            raise ServingConfigError(f"KVBridgeConnector (bridge {self.bridge_ref}) does not serve {refused}")
+        if not lora_bridges:
+            return {}, {}
+        from ...loading import resolve_model_reference
+
+        def source_files(config) -> dict[str, str]:
+            reference = resolve_model_reference(config.source_name_or_path)
+            return file_digests(model_files(reference, config.source_revision))
+
+        base_files = source_files(self.import_config)
+        adapters, salt_tags = {}, {}
+        for name, reference in lora_bridges.items():
+            folder, config, checksums = read_bridge_config(reference)
+            refused = adapter_refusal(
+                name, config, self.import_config, served_fingerprint=layout.fingerprint(),
+                source_files=source_files(config), base_source_files=base_files,
+            )  # fmt: skip
+            if refused is not None:
+                raise ServingConfigError(f"KVBridgeConnector (bridge {self.bridge_ref}, lora_bridges): {refused}")
+            self._check_mapping_config(vllm_config, config, reference)
+            digest = hashlib.sha256(json.dumps(checksums, sort_keys=True).encode() + reference.encode())
+            adapters[name], salt_tags[name] = (config, folder), f"kvbridge:{digest.hexdigest()[:16]}"
+        logger.info("KVBridgeConnector: LoRA adapters with a mapper of their own: %s", ", ".join(sorted(adapters)))
+        return adapters, salt_tags
+
+    def _check_mapping_config(self, vllm_config, config, bridge_ref: str) -> None:
+        """What vLLM cannot do with the mapping `config` (of bridge `bridge_ref`) into the served model, refused at
+        start-up with the reason."""
         if config.sink_tokens:
             raise ServingConfigError(
-                f"bridge {self.bridge_ref} has sink_tokens={config.sink_tokens}: vLLM loads only a prefix of the "
+                f"bridge {bridge_ref} has sink_tokens={config.sink_tokens}: vLLM loads only a prefix of the "
                 "prompt, so the target cannot compute the first tokens itself; save the bridge with sink_tokens=0"
             )
-        check_recompute(config, self.bridge_ref)
+        check_recompute(config, bridge_ref)
         # hidden-state features: the store and the source engine give K/V only (a store-only target, or not)
         check_servable(
             config,
-            self.bridge_ref,
+            bridge_ref,
             "the vLLM connector" + ("" if self.settings.source_weights else " of a store-only target"),
         )
         if config.gate_threshold is not None and not self.settings.source_weights:
             logger.warning(
                 "KVBridgeConnector: bridge %s has a quality gate, and this store-only target has no source model to "
                 "map the probe tokens: loads from the store are not gated",
-                self.bridge_ref,
+                bridge_ref,
             )
         if self._role == KVConnectorRole.SCHEDULER and vllm_config.scheduler_config.async_scheduling:
             logger.warning(

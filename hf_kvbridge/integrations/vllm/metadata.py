@@ -25,7 +25,9 @@ class BridgeLoad:
     With a KV store, the store holds the source K/V of tokens `[0, store_end)` (`store_prefix`: the scheduler's
     lookup, where its chunks are; `store_salt` is the tenant's salt in the store's keys; `token_ids` reach to at least
     `store_end`): the worker fetches those of `[0, min(store_end, probe_end))` and the source runs only over the
-    rest up to `probe_end`, from the fetched cache (none at all when `store_end >= probe_end`)."""
+    rest up to `probe_end`, from the fetched cache (none at all when `store_end >= probe_end`).
+
+    `mapper`: the LoRA adapter whose mapper maps this load (`lora_bridges`); `None`: the base bridge's."""
 
     req_id: str
     token_ids: list[int]
@@ -37,6 +39,7 @@ class BridgeLoad:
     store_end: int = 0
     store_salt: str | None = None
     store_prefix: Any = None
+    mapper: str | None = None
 
     def __post_init__(self):
         if self.probe_start is None:

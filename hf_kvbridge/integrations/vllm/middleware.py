@@ -83,7 +83,7 @@ STATUS_HEADER_VALUES = {
     "gated": "fallback_reprefill",  # the quality gate rejected the mapping: the target prefilled
     "target": "fallback_reprefill",  # nothing to map (too short, or the store held too little): the target prefilled
     "refused": "fallback_reprefill",  # the request's flag was refused (only where nothing answered 400)
-    "unsupported": "unsupported",  # a LoRA, prompt-embeds or multi-modal request: served unbridged (support.py)
+    "unsupported": "unsupported",  # LoRA without a bridge of its own, prompt embeds, multi-modal (support.py)
 }
 """The router's `x-vsr-kv-transfer-status` for each status of the connector; any other (a source engine's
 `exported`) gets no header."""

@@ -17,7 +17,7 @@ from vllm.logger import init_logger
 from ...transfer.plan import TransferPlan, plan_prompt
 from .configuration import PARAM_KEY, ROUTER_PARAM_KEY, parse_request_flag
 from .metadata import BridgeLoad, ExportTask, KVBridgeConnectorMetadata
-from .support import request_refusal
+from .support import request_mapper, request_refusal
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -40,6 +40,9 @@ class BridgeScheduler:
         store (`PrefixKVStore`, *optional*): the other model's KV in the store, looked up for bridged requests.
         exports (`PrefixKVStore`, *optional*): this engine's model's KV in the store, written for opted-in requests.
         on_miss (`str`): `"prefill"` (the worker's source model prefills what the store lacks) or `"target"`.
+        mappers (`dict`, *optional*): `{LoRA adapter name: cache-salt prefix}` of the adapters with a mapper of their
+            own (`lora_bridges`): a request with one of them is bridged with it (the worker maps with that mapper;
+            its status names it, `"mapper"`); one with another adapter is `"unsupported"`.
     """
 
     def __init__(
@@ -54,9 +57,12 @@ class BridgeScheduler:
         store=None,
         exports=None,
         on_miss: str = "prefill",
+        mappers: dict[str, str] | None = None,
     ):
         self.config, self.hold_back, self.requests_mode, self.salt_tag = config, hold_back, requests_mode, salt_tag
         self.count, self.imports, self.store, self.exports, self.on_miss = count, imports, store, exports, on_miss
+        self.mappers = dict(mappers or {})
+        self._mapper: dict[str, str] = {}  # req_id → the LoRA adapter whose mapper maps it (none: the base bridge's)
         self._salts: dict[str, str | None] = {}  # req_id → the tenant's own cache salt (the store's keys use it)
         self._reasons: dict[str, str] = {}  # req_id → why nothing was mapped (status "target")
         self._exporting: dict[str, _Export] = {}  # req_id → what of it is in the store (an exporting engine)
@@ -106,7 +112,10 @@ class BridgeScheduler:
             self._routed[request.request_id] = routed
         wanted = self.wants_bridge(request)
         self._salts[request.request_id] = request.cache_salt
-        unsupported = request_refusal(request) if wanted and (self.imports or self.exports is not None) else None
+        mappers = self.mappers if self.imports else ()  # an exporting engine exports no LoRA request
+        unsupported = None
+        if wanted and (self.imports or self.exports is not None):
+            unsupported = request_refusal(request, mappers)
         if unsupported is not None:  # served unbridged and not exported, never mapped with the base model's map
             self._unsupported[request.request_id] = unsupported
             self._bridged[request.request_id] = False
@@ -125,7 +134,12 @@ class BridgeScheduler:
             return
         self._bridged[request.request_id] = wanted and self.imports
         if self._bridged[request.request_id]:
-            request.cache_salt = f"{self.salt_tag}|{request.cache_salt or ''}"
+            mapper = request_mapper(request, mappers)
+            salt_tag = self.salt_tag
+            if mapper is not None:  # its mapper's blocks: never a prefix-cache hit for another mapper's request
+                self._mapper[request.request_id], salt_tag = mapper, self.mappers[mapper]
+                self.count(requests_adapter_mapper=1)
+            request.cache_salt = f"{salt_tag}|{request.cache_salt or ''}"
             request.block_hashes = []
             request.update_block_hashes()
 
@@ -338,6 +352,7 @@ class BridgeScheduler:
             store_end=claim.store_end,
             store_salt=self._salts.get(request.request_id),
             store_prefix=claim.stored,
+            mapper=self._mapper.get(request.request_id),
         )
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
@@ -362,6 +377,7 @@ class BridgeScheduler:
         outcome = self._outcomes.pop(req_id, None) or sent
         refused = self._refused.pop(req_id, None)
         unsupported = self._unsupported.pop(req_id, None)
+        mapper = self._mapper.pop(req_id, None)
         delay = False
         if refused is not None:
             status = {"status": "refused", "mapped_tokens": 0, "reason": refused}
@@ -379,6 +395,8 @@ class BridgeScheduler:
                 )
                 outcome = {"status": "target", "mapped_tokens": 0, "reason": reason}
             status = dict(outcome)
+            if mapper is not None and status["status"] != "target":  # never passed off as the base bridge's map
+                status["mapper"] = mapper
         if routed and status is not None:
             status["router"] = routed
             logger.info(

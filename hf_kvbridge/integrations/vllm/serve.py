@@ -6,6 +6,8 @@ import json
 import os
 import sys
 
+from ...errors import ServingConfigError
+from .adapters import lora_bridges_refusal
 from .configuration import MISS_POLICIES, ROLES, SIDES, kv_transfer_config, served_model
 from .middleware import AUTH_ENV, MAPPER_ID_ENV, MAPPER_ID_HEADER, MIDDLEWARE_PATH, default_mapper_id
 from .support import PARALLEL_SIZES, EngineShape, check_engine
@@ -27,7 +29,8 @@ def serve_command(
 ) -> list[str]:
     """The `vllm serve` command line that serves `bridge`'s model with the connector: its target, or with
     `role="source"` (or `role="both", serves="source"`) its source. `store_options` are `kv_transfer_config`'s
-    (`role`, `store`, `serves`, `on_miss`, `source_weights`, `chunk_size`, `store_ttl_s`, `store_timeout_ms`). The
+    (`role`, `store`, `serves`, `on_miss`, `source_weights`, `chunk_size`, `store_ttl_s`, `store_timeout_ms`,
+    `lora_bridges`). The
     command also loads the middleware that answers a request with a non-boolean `kv_transfer_params.kvbridge` with
     HTTP 400 and speaks the semantic router's headers (`KVBridgeParamsMiddleware`)."""
     config = kv_transfer_config(bridge, requests=requests, **store_options)
@@ -40,8 +43,9 @@ def serve_command(
 
 def serve_main(argv: list[str] | None = None) -> int:
     """`kvbridge serve DIR [--role target|source|both] [--store URL] [--requests opt_in|all] [--mapper-id ID]
-    [--print] [VLLM SERVE ARGS...]`: starts vLLM's OpenAI-compatible server with the connector on the bridge's target
-    (or, as a cascade's source engine, its source; every argument it does not know goes to `vllm serve`)."""
+    [--lora-bridge NAME=DIR ...] [--print] [VLLM SERVE ARGS...]`: starts vLLM's OpenAI-compatible server with the
+    connector on the bridge's target (or, as a cascade's source engine, its source; every argument it does not know
+    goes to `vllm serve`)."""
     import argparse
 
     parser = argparse.ArgumentParser(prog="kvbridge serve", description=serve_main.__doc__)
@@ -63,13 +67,23 @@ def serve_main(argv: list[str] | None = None) -> int:
                         "(default 50 ms): a dead or hung store is a miss after it")  # fmt: skip
     parser.add_argument("--mapper-id", help=f"the id a router names this bridge by in {MAPPER_ID_HEADER} (default: "
                         "the bridge's Hub id or folder name)")  # fmt: skip
+    parser.add_argument("--lora-bridge", action="append", default=[], metavar="NAME=DIR",
+                        help="a LoRA adapter's own bridge (calibrated for the target with adapter NAME merged, from "
+                        "the same source): requests with adapter NAME are mapped with it (repeat for each adapter; "
+                        "needs vLLM's --enable-lora); requests with another adapter are served unbridged")  # fmt: skip
     parser.add_argument("--print", action="store_true", help="print the vllm serve command instead of running it")
     args, rest = parser.parse_known_args(argv)
+    lora_bridges = lora_bridge_options(args.lora_bridge)
+    refused = lora_bridges_refusal(lora_bridges, role=args.role, enable_lora=_enables_lora(rest))
+    if refused is not None:
+        raise ServingConfigError(f"KVBridgeConnector (bridge {args.bridge}) does not serve {refused}")
     # the engine options given on this command line, refused here in one line rather than by every rank's worker
     # (whose failure vLLM reports with each process's traceback); what only the model's config tells (a sliding
     # window, MLA, a multi-modal model) is refused by the connector when the engine starts
     check_engine(command_line_shape(rest), args.bridge, exports=args.role in ("source", "both"))
     options = {key: getattr(args, key) for key in STORE_OPTIONS if getattr(args, key) is not None}
+    if lora_bridges:
+        options["lora_bridges"] = lora_bridges
     command = serve_command(args.bridge, rest, requests=args.requests, **options)
     mapper_id = args.mapper_id or default_mapper_id(args.bridge)
     if args.print:
@@ -88,6 +102,33 @@ def serve_main(argv: list[str] | None = None) -> int:
     sys.argv = command
     vllm_main()
     return 0
+
+
+def lora_bridge_options(values: list[str]) -> dict[str, str]:
+    """`--lora-bridge NAME=DIR` options as `lora_bridges` (`{NAME: DIR}`); one that is not `NAME=DIR`, or a NAME
+    given twice, is refused with one line.
+
+    Example:
+
+    ```python
+    >>> lora_bridge_options(["sql=bridges/sql", "chat=org/bridge-chat"])
+    {'sql': 'bridges/sql', 'chat': 'org/bridge-chat'}
+    ```
+    """
+    out: dict[str, str] = {}
+    for value in values:
+        name, _, bridge = value.partition("=")
+        if not name or not bridge:
+            raise ServingConfigError(f"--lora-bridge takes NAME=DIR (an adapter's name and its bridge), not {value!r}")
+        if name in out:
+            raise ServingConfigError(f"--lora-bridge names LoRA adapter {name!r} twice")
+        out[name] = bridge
+    return out
+
+
+def _enables_lora(vllm_args: list[str]) -> bool:
+    """Whether `vllm serve` options `vllm_args` turn LoRA on (`--enable-lora`, or `--enable_lora`)."""
+    return any(a.split("=", 1)[0].replace("_", "-") == "--enable-lora" for a in vllm_args)
 
 
 def command_line_shape(vllm_args: list[str]) -> EngineShape:

@@ -1,6 +1,7 @@
 """What the connector serves right, decided before any request: the engine options it refuses at start-up
 (`engine_refusal`, a pure function of vLLM's config values, `EngineShape`) and the requests it serves unbridged with
-status `"unsupported"` (`request_refusal`: a LoRA adapter, prompt embeddings, multi-modal inputs). Needs no vLLM
+status `"unsupported"` (`request_refusal`: a LoRA adapter without a mapper of its own, prompt embeddings, multi-modal
+inputs), and the mapper a request gets (`request_mapper`: its LoRA adapter's, or the base bridge's). Needs no vLLM
 import of its own: `EngineShape.from_vllm_config` reads the attributes of a `VllmConfig`.
 
 The rule: nothing may report `"mapped"` with a cache the target could not use. An option the worker does not handle
@@ -10,6 +11,7 @@ than fp8 holds codes nothing here reads) is refused with one line naming it, and
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -103,9 +105,10 @@ def engine_refusal(shape: EngineShape, *, exports: bool = False) -> str | None:
     and on an exporting one (each rank reads its own heads, gathered to rank 0, which writes the entries of all heads:
     `export.export_sharded`); a cache of the model's numbers (`cache_dtype` auto, float32, float16 or bfloat16), an
     fp8 cache on the CPU backend (`SERVED_FP8_CACHE_DTYPES`; exported dequantized with the engine's scales), chunked
-    prefill, prefix caching, any block size, LoRA-enabled engines (a request with an adapter is served unbridged:
-    `request_refusal`). `exports`: whether this engine exports its KV to a store (roles source and both), which
-    refuses nothing more today (kept so that callers say which engine they check).
+    prefill, prefix caching, any block size, LoRA-enabled engines (a request with an adapter is mapped with that
+    adapter's mapper, `lora_bridges`, and served unbridged without one: `request_refusal`). `exports`: whether this
+    engine exports its KV to a store (roles source and both), which refuses nothing more today (kept so that callers
+    say which engine they check).
 
     Example:
 
@@ -172,10 +175,37 @@ def check_engine(shape: EngineShape, bridge: str, *, exports: bool = False) -> N
         raise ServingConfigError(f"KVBridgeConnector (bridge {bridge}) does not serve {reason}")
 
 
-def request_refusal(request: Any) -> str | None:
-    """Why a vLLM `Request` cannot be bridged (mapped into) nor exported, or `None`: a LoRA adapter (the bridge maps
-    the base model's K/V; an adapter's differ), prompt embeddings (no token ids for the source) and multi-modal inputs
-    (the source sees the placeholders only). Such a request is served unbridged with status `"unsupported"`.
+def lora_name(request: Any) -> str | None:
+    """The name of a vLLM `Request`'s LoRA adapter (`LoRARequest.lora_name`), or `None` without one."""
+    lora = getattr(request, "lora_request", None)
+    if lora is None:
+        return None
+    return str(getattr(lora, "lora_name", None) or getattr(lora, "name", None) or "?")
+
+
+def request_mapper(request: Any, mappers: Collection[str] = ()) -> str | None:
+    """The mapper `request` is mapped with: its LoRA adapter's name when `mappers` (the adapter names with a mapper of
+    their own, `lora_bridges`) has it, `None` for the base bridge's (a request without an adapter, or one that
+    `request_refusal` refuses).
+
+    Example:
+
+    ```python
+    >>> from types import SimpleNamespace
+    >>> request_mapper(SimpleNamespace(lora_request=SimpleNamespace(lora_name="sql")), {"sql"})
+    'sql'
+    ```
+    """
+    name = lora_name(request)
+    return name if name is not None and name in mappers else None
+
+
+def request_refusal(request: Any, mappers: Collection[str] = ()) -> str | None:
+    """Why a vLLM `Request` cannot be bridged (mapped into) nor exported, or `None`: a LoRA adapter that `mappers`
+    (the adapter names with a mapper of their own, `lora_bridges`; none on a source engine) does not name (the base
+    bridge maps the base model's K/V; an adapter's differ), prompt embeddings (no token ids for the source) and
+    multi-modal inputs (the source sees the placeholders only). Such a request is served unbridged with status
+    `"unsupported"`.
 
     Example:
 
@@ -185,10 +215,10 @@ def request_refusal(request: Any) -> str | None:
     True
     ```
     """
-    lora = getattr(request, "lora_request", None)
-    if lora is not None:
-        name = getattr(lora, "lora_name", None) or getattr(lora, "name", None) or "?"
-        return f"LoRA adapter {name!r}: the bridge maps the base model's K/V, not the adapter's"
+    name = lora_name(request)
+    if name is not None and name not in mappers:
+        known = f"lora_bridges maps {', '.join(map(repr, sorted(mappers)))} only" if mappers else "no lora_bridges"
+        return f"LoRA adapter {name!r}: the bridge maps the base model's K/V, not the adapter's ({known})"
     if (
         getattr(request, "prompt_token_ids", None) is None
         or getattr(request, "prompt_embeds", None) is not None

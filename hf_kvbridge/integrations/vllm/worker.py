@@ -70,6 +70,27 @@ def load_bridge(
     return bridge
 
 
+def load_adapter_bridges(bridge, adapters: dict[str, Any], revision: str | None = None) -> dict[str, Any]:
+    """The LoRA adapters' bridges (`{name: (config, folder)}`, checked at start-up: `adapters.adapter_refusal`), as
+    `KVBridgeForCausalLM`s holding each adapter's mapper beside `bridge`'s source model and target stand-in (one
+    source model, whatever the number of adapters). Loaded outside inference mode, as `load_bridge`."""
+    from ...modeling import KVBridgeForCausalLM
+
+    out = {}
+    with torch.inference_mode(False):
+        for name, (config, folder) in adapters.items():
+            adapter_bridge = KVBridgeForCausalLM.from_pretrained(
+                folder, source_model=bridge.source, target_model=bridge.target, config=config
+            )
+            adapter_bridge.reverse = None
+            out[name] = adapter_bridge
+            logger.info(
+                "KVBridgeConnector: LoRA adapter %r is mapped with bridge %s (mapper %d parameters; source %s)",
+                name, folder, sum(p.numel() for p in adapter_bridge.mapper.parameters()), config.source_name_or_path,
+            )  # fmt: skip
+    return out
+
+
 def attention_layers(forward_context) -> dict[str, nn.Module]:
     """vLLM's attention layers that hold a paged cache and a cache-update op, by name."""
     return {
@@ -97,6 +118,9 @@ class BridgeWorker:
             other ranks, which hold no source model and no mapper.
         kv_dtype (`torch.dtype`, *optional*): the dtype the mapped K/V are sent in at TP > 1 (the model's; the
             mapped cache's own, so that every rank writes what rank 0 mapped). Default float32.
+        mappers (`dict`, *optional*): `{LoRA adapter name: KVBridgeForCausalLM}`, the adapters' bridges
+            (`load_adapter_bridges`: their mappers, sharing `bridge`'s source and target stand-in); a load whose
+            `mapper` names one is mapped with it. Held where `bridge` is (rank 0 at TP > 1).
     """
 
     def __init__(
@@ -112,7 +136,9 @@ class BridgeWorker:
         fetch_parts: int = 4,
         shard: HeadShard | None = None,
         kv_dtype: torch.dtype = torch.float32,
+        mappers: dict[str, Any] | None = None,
     ):
+        self.mappers = dict(mappers or {})
         self.bridge, self.block_size, self.gate_threshold, self.count = bridge, block_size, gate_threshold, count
         self.shard = shard or HeadShard(total=0)
         self.heads = self.shard.heads if self.shard.sharded else slice(None)  # this rank's target KV heads
@@ -241,6 +267,15 @@ class BridgeWorker:
                 readable = readable and reads_back(layer, slots[tail], keys[tail], values[tail])
         return readable
 
+    def bridge_of(self, load: BridgeLoad):
+        """The bridge whose mapper maps `load`: its LoRA adapter's (`load.mapper`), or the base bridge."""
+        if load.mapper is None:
+            return self.bridge
+        adapter_bridge = self.mappers.get(load.mapper)
+        if adapter_bridge is None:  # the scheduler claims only adapters with a mapper: never the base map instead
+            raise ServingConfigError(f"no mapper for LoRA adapter {load.mapper!r} in this worker")
+        return adapter_bridge
+
     def plan(self, load: BridgeLoad):
         """`load`'s transfer plan (`transfer.plan.plan_load`: the positions the scheduler's plan gave it)."""
         return plan_load(load.start, load.end, load.probe_start, load.probe_end, self.gate_threshold)
@@ -274,12 +309,13 @@ class BridgeWorker:
         device = bridge.device
         if self.store is not None and load.store_end >= load.end and not load.gated:
             return self.map_from_store(load, layers)
+        maps = self.bridge_of(load)  # the base bridge, or the load's LoRA adapter's (same source, same stand-in)
         source_cache = self.source_kv(load)  # (1, H, probe_end, d) per source layer
         # the shared transfer steps, as vLLM runs them: no sinks and no recompute before the forward (the target
         # computes a recomputed tail itself, after the loaded prefix), the probe [probe_start, probe_end) after it
         plan = self.plan(load)
         positions = torch.arange(load.probe_end, device=device).unsqueeze(0)  # (1, probe_end)
-        steps = TransferSteps(plan, bridge.map_cache, positions=positions, num_layers=bridge.target_layout.num_layers)
+        steps = TransferSteps(plan, maps.map_cache, positions=positions, num_layers=maps.target_layout.num_layers)
         started = time.perf_counter()
         mapped = steps.before_target(SourceKV(source_cache), cached=load.start)  # target layout, [start, end)
         self.count(map_seconds=time.perf_counter() - started)
@@ -309,7 +345,7 @@ class BridgeWorker:
         (`PrefixKVStore.iter_load`, on a thread of its own), each run mapped by the shared transfer steps and written
         into the paged cache as soon as it has arrived, while the next one is being fetched, so that the load costs
         about the longer of the fetch and the mapping, not their sum. Returns the number of tokens written."""
-        bridge = self.bridge
+        bridge, maps = self.bridge, self.bridge_of(load)  # the base bridge, or the load's LoRA adapter's
         device, dtype = bridge.device, bridge.source.dtype
         began = time.perf_counter()
         fetched = waited = mapping = writing = 0.0
@@ -331,8 +367,8 @@ class BridgeWorker:
                     source, index, k.to(device=device, dtype=dtype)[None], v.to(device=device, dtype=dtype)[None]
                 )
             plan = plan_transfer(run.end, start=run.start)
-            steps = TransferSteps(plan, bridge.map_cache, positions=positions[:, : run.end],
-                                  num_layers=bridge.target_layout.num_layers)  # fmt: skip
+            steps = TransferSteps(plan, maps.map_cache, positions=positions[:, : run.end],
+                                  num_layers=maps.target_layout.num_layers)  # fmt: skip
             started = time.perf_counter()
             mapped = steps.before_target(StoredRun(source, offset=run.start), cached=run.start)  # [start, end) of run
             mapping += time.perf_counter() - started

