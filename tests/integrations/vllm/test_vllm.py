@@ -572,57 +572,59 @@ def first_difference_at_a_near_tie(got: dict, want: dict) -> int | None:
     return first
 
 
-@pytest.mark.skipif(not FP8_KERNELS, reason="vLLM's CPU fp8 KV cache kernels need AVX-512 or AMX (vLLM refuses)")
-@pytest.mark.parametrize("kv_cache_dtype", ["fp8_e4m3"])
-def test_fp8_target_cache_serves_the_identity_bridge_gated(kv_cache_dtype, tokenizer, tmp_path):
-    """An fp8 target cache: the identity bridge (pocket-l → pocket-l) written through the backend's op is quantized
-    as the target's own K/V is; the gate reads the probe's codes back dequantized with the engine's scales (raw codes
-    as numbers would score far below 0.99). The tokens equal the same fp8 engine's target alone up to a first
-    difference at a near-tie, no more: the engine's own prefill computes each layer's K/V from attention over the
-    fp8 codes of the layers below, the bridge's from unquantized attention (measured on this AMX machine: 2 of 4
-    prompts swap their two leading tokens, 0.04 and 0.06 nats apart, at the third generated token)."""
+@pytest.fixture(scope="module")
+def gated_identity_bridge(tmp_path_factory, tokenizer):
+    """The identity bridge (pocket-l → pocket-l, λ tiny) with a quality gate it passes."""
     bridge = calibrate(
         "pocket/pocket-l", "pocket/pocket-l", pocket.load_texts("calibration"), num_sequences=24, seq_len=256,
         top_k=1, ridge_lambda=1e-9, tokenizer=tokenizer,
     )  # fmt: skip
     bridge.config.gate_threshold = PASSING_GATE
-    bridge.save_pretrained(tmp_path / "bridge")
+    path = tmp_path_factory.mktemp("gated-identity") / "bridge"
+    bridge.save_pretrained(path)
+    return path
+
+
+def _identity_against_alone(tmp_path, name, bridge_dir, engine, tokenizer) -> tuple[dict, int]:
+    """One engine of options `engine`: the prompts alone, then bridged. Every bridged one is `mapped` with a gate
+    score above 0.99, and its tokens are the target alone's up to a first difference at a near-tie, never at the
+    first token (computed from the mapped cache). Returns the engine's result and how many were equal throughout."""
     prompts = _prompts(tokenizer, LENGTHS)
     rounds = [[(p, False) for p in prompts], [(p, True) for p in prompts]]
-    engine = {"kv_cache_dtype": kv_cache_dtype}
-    result = _engine(tmp_path, "fp8", tmp_path / "bridge", rounds, engine=engine, logprobs=2)
+    result = _engine(tmp_path, name, bridge_dir, rounds, engine=engine, logprobs=2)
     assert "rounds" in result, result.get("error") or result["log"][-4000:]
     alone, bridged = result["rounds"]
     same = 0
     for i, n in enumerate(LENGTHS):
         assert bridged[i]["kvbridge"]["status"] == "mapped" and bridged[i]["kvbridge"]["score"] > 0.99, bridged[i]
         first = first_difference_at_a_near_tie(bridged[i], alone[i])
-        assert first is None or first > 0, (n, bridged[i], alone[i])  # the first token, from the mapped cache
+        assert first is None or first > 0, (n, bridged[i], alone[i])
         same += first is None
-    assert same >= len(LENGTHS) // 2, (bridged, alone)
+    return result, same
 
 
-def test_bfloat16_target_serves_the_identity_bridge_through_its_own_kernel(tokenizer, tmp_path):
+@pytest.mark.skipif(not FP8_KERNELS, reason="vLLM's CPU fp8 KV cache kernels need AVX-512 or AMX (vLLM refuses)")
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8_e4m3"])
+def test_fp8_target_cache_serves_the_identity_bridge_gated(kv_cache_dtype, tokenizer, gated_identity_bridge, tmp_path):
+    """An fp8 target cache: the identity bridge written through the backend's op is quantized as the target's own
+    K/V is; the gate reads the probe's codes back dequantized with the engine's scales (raw codes as numbers would
+    score far below 0.99). The tokens equal the same fp8 engine's target alone up to a first difference at a
+    near-tie, no more: the engine's own prefill computes each layer's K/V from attention over the fp8 codes of the
+    layers below, the bridge's from unquantized attention (measured on the AMX machine: 2 of 4 prompts swap their
+    two leading tokens, 0.04 and 0.06 nats apart, at the third generated token)."""
+    engine = {"kv_cache_dtype": kv_cache_dtype}
+    _, same = _identity_against_alone(tmp_path, "fp8", gated_identity_bridge, engine, tokenizer)
+    assert same >= len(LENGTHS) // 2
+
+
+def test_bfloat16_target_serves_the_identity_bridge_through_its_own_kernel(tokenizer, gated_identity_bridge, tmp_path):
     """A bfloat16 engine, the dtype real models are served in: on an AMX CPU vLLM's CPU backend picks its `amx`
     kernels (VNNI-paired block layout) for bfloat16 at a block size of 32, elsewhere `vec`; the identity bridge's
     writes and the gate's read-back go through whatever it picked (probed, never assumed): status mapped, gate score
     above 0.99, and the tokens of the same engine's target alone (a first difference only at a near-tie)."""
-    bridge = calibrate(
-        "pocket/pocket-l", "pocket/pocket-l", pocket.load_texts("calibration"), num_sequences=24, seq_len=256,
-        top_k=1, ridge_lambda=1e-9, tokenizer=tokenizer,
-    )  # fmt: skip
-    bridge.config.gate_threshold = PASSING_GATE
-    bridge.save_pretrained(tmp_path / "bridge")
-    prompts = _prompts(tokenizer, LENGTHS)
-    rounds = [[(p, False) for p in prompts], [(p, True) for p in prompts]]
-    result = _engine(tmp_path, "bf16", tmp_path / "bridge", rounds, engine={"dtype": "bfloat16"}, logprobs=2)
-    assert "rounds" in result, result.get("error") or result["log"][-4000:]
+    engine = {"dtype": "bfloat16"}
+    result, _ = _identity_against_alone(tmp_path, "bf16", gated_identity_bridge, engine, tokenizer)
     assert result["kernels"] == (["amx"] if torch.cpu._is_amx_tile_supported() else ["vec"]), result["kernels"]
-    alone, bridged = result["rounds"]
-    for i, n in enumerate(LENGTHS):
-        assert bridged[i]["kvbridge"]["status"] == "mapped" and bridged[i]["kvbridge"]["score"] > 0.99, bridged[i]
-        first = first_difference_at_a_near_tie(bridged[i], alone[i])
-        assert first is None or first > 0, (n, bridged[i], alone[i])
 
 
 def test_an_engine_serving_another_model_is_refused_at_start_with_one_line(pair_bridges, tmp_path):
