@@ -16,9 +16,9 @@ redis-server on 127.0.0.1:
 
 With `--dtype bfloat16` every engine and the library run in bfloat16 (on an AMX CPU vLLM's `amx` kernels): the TP 2
 and TP 1 sources' entries must agree within bfloat16 round-off (relative error below 1e-2: a misplaced head is
-off by its whole size), and tokens that differ must do so first at a near-tie (the same two tokens lead in both,
-less than 0.1 nats apart), since a TP 2 engine sums its partial products in another order; in float32 they must be
-equal.
+off by its whole size), and tokens that differ must do so first at a near-tie (in each run the other's token scores
+within 0.1 nats of its own choice: `agree`), since a TP 2 engine sums its partial products in another order; in
+float32 they must be equal.
 
     .venv-vllm/bin/python scripts/serve_deployment_check.py --out deployment.json
     .venv-vllm/bin/python scripts/serve_deployment_check.py --dtype bfloat16 --out deployment-bf16.json
@@ -177,7 +177,7 @@ def main() -> int:
     library = KVBridgeForCausalLM.from_pretrained(bridge_dir, dtype=dtype)
 
     def greedy(out, n) -> dict:
-        """`generate`'s output (scores returned) as an engine's: tokens and the two leading logprobs a step."""
+        """`generate`'s output (scores returned) as an engine's: tokens and the `TOP` leading logprobs a step."""
         top = []
         for scores in out.scores:
             values, indices = scores[0].float().log_softmax(-1).topk(TOP)
