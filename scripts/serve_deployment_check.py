@@ -118,23 +118,14 @@ def engine(tmp: Path, name: str, spec: dict, env: dict | None = None) -> dict:
 
 def agree(got: dict, want: dict, exact: bool) -> tuple[bool, str]:
     """Whether two greedy runs (`tokens`, `top`: the leading `[token, logprob]` a step) serve the same tokens: equal,
-    or (unless `exact`) first different at a near-tie: in each run, the other's token scores within `NEAR_TIE` of
-    its own choice; and what was seen."""
+    or (unless `exact`) first different at a near-tie (`greedy_agreement`: in each run, the other's token scores
+    within `NEAR_TIE` of its own choice); and what was seen."""
+    from hf_kvbridge.tools.fidelity import greedy_agreement
+
     if got.get("tokens") is None or want.get("tokens") is None:
         return False, "no tokens"
-    first = next((i for i, (a, b) in enumerate(zip(got["tokens"], want["tokens"])) if a != b), None)
-    if first is None:
-        return got["tokens"] == want["tokens"], "equal"
-    gaps = []
-    for run, other in ((got, want), (want, got)):
-        scores = dict(map(tuple, run["top"][first]))  # token → logprob, the run's leading tokens
-        other_token = other["tokens"][first]
-        gaps.append(max(scores.values()) - scores[other_token] if other_token in scores else float("inf"))
-    near = max(gaps) < NEAR_TIE
-    detail = (
-        f"first difference at token {first}, the other's token {gaps[0]:.3f} / {gaps[1]:.3f} nats below the choice"
-    )
-    return near and not exact, detail
+    agreement = greedy_agreement(got["tokens"], want["tokens"], got.get("top"), want.get("top"))
+    return agreement.same or (agreement.within(NEAR_TIE) and not exact), str(agreement)
 
 
 def main() -> int:

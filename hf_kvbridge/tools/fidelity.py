@@ -12,10 +12,15 @@ what `kvbridge eval BRIDGE --heldout DATA` prints.
 - `heldout_fidelity`: all of it on one set of windows, one direction of a pair: per mode the continuation NLL, the
   context-benefit retention and KL(target ‖ mode) with paired bootstrap intervals, the gap recovered (delta method,
   `evaluation.gap_recovered`), the zero/random-cache controls, the probe; `format_fidelity` prints it.
+- `greedy_agreement`: whether two greedy runs of one prompt (a served engine and the library, a batch and the prompt
+  alone) serve the same tokens, and where they first differ, how close to a tie each run was there: two runs whose
+  sums are taken in another order (batched kernels, tensor-parallel ranks, bfloat16) may swap two tokens that score
+  within their round-off of each other, and nothing wider.
 """
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -301,6 +306,73 @@ def heldout_fidelity(
     if probe_items is not None:
         report["probe"] = retrieval_probe(bridge, probe_items, **boot)
     return report
+
+
+@dataclass(frozen=True)
+class GreedyAgreement:
+    """How two greedy runs of one prompt compare (`greedy_agreement`): `first_difference`, the first generated
+    position where their tokens differ (`None`: the same tokens throughout), and `gaps`, at that position, how many
+    nats the other run's token scored below each run's own choice (`inf` where it was not among the leading tokens
+    the run reported)."""
+
+    first_difference: int | None
+    gaps: tuple[float, float] = (0.0, 0.0)
+
+    @property
+    def same(self) -> bool:
+        return self.first_difference is None
+
+    def within(self, tolerance: float) -> bool:
+        """The same tokens, or a first difference at a near-tie: in each run the other's token scored less than
+        `tolerance` nats below the run's choice."""
+        return self.same or max(self.gaps) < tolerance
+
+    def __str__(self) -> str:
+        if self.same:
+            return "equal"
+        return (
+            f"first difference at token {self.first_difference}, the other's token {self.gaps[0]:.3g} / "
+            f"{self.gaps[1]:.3g} nats below the choice"
+        )
+
+
+def greedy_agreement(
+    got: Sequence[int],
+    want: Sequence[int],
+    got_top: Sequence[Mapping[int, float] | Sequence[Sequence[float]]] | None = None,
+    want_top: Sequence[Mapping[int, float] | Sequence[Sequence[float]]] | None = None,
+) -> GreedyAgreement:
+    """Compares two greedy runs' tokens `got` and `want`; `got_top` and `want_top` (a step each: the leading tokens'
+    logprobs, `{token: logprob}` or `[[token, logprob], ...]`, as vLLM's `logprobs=k` reports them) say how close
+    to a tie each run was where they first differ. One run ending before the other (a stop token) is a difference at
+    its end with no tie.
+
+    Example:
+
+    ```python
+    >>> from hf_kvbridge.tools.fidelity import greedy_agreement
+    >>> greedy_agreement([5, 7, 9], [5, 7, 9]).same
+    True
+    >>> got_top, want_top = [{5: -0.1}, {7: -0.690, 8: -0.6905}], [{5: -0.1}, {8: -0.690, 7: -0.6903}]
+    >>> tie = greedy_agreement([5, 7], [5, 8], got_top, want_top)
+    >>> tie.first_difference, tie.within(1e-3), tie.within(1e-4)
+    (1, True, False)
+    ```
+    """
+    got, want = list(got), list(want)
+    first = next((k for k, (a, b) in enumerate(zip(got, want)) if a != b), None)
+    if first is None:
+        if len(got) == len(want):
+            return GreedyAgreement(None)
+        return GreedyAgreement(min(len(got), len(want)), (math.inf, math.inf))
+    gaps = []
+    for top, own, other in ((got_top, got, want), (want_top, want, got)):
+        scores = {} if top is None else {int(t): float(lp) for t, lp in dict(top[first]).items()}
+        if other[first] in scores and own[first] in scores:
+            gaps.append(scores[own[first]] - scores[other[first]])
+        else:
+            gaps.append(math.inf)
+    return GreedyAgreement(first, (gaps[0], gaps[1]))
 
 
 def _interval(result: dict | None, digits: int = 3) -> str:

@@ -16,6 +16,7 @@ from hf_kvbridge.tools.evaluation import window_nll
 from hf_kvbridge.tools.fidelity import (
     RetrievalItem,
     build_retrieval_items,
+    greedy_agreement,
     heldout_fidelity,
     paired_bootstrap,
     retrieval_probe,
@@ -176,3 +177,26 @@ def test_eval_heldout_both_directions(identity, tmp_path, capsys):
     assert main(["eval", str(one), *options, "--both-directions"]) == 1
     err = capsys.readouterr().err
     assert "has no reverse mapper" in err and len(err.strip().splitlines()) == 1
+
+
+# -- greedy_agreement: two greedy runs, the same tokens or a first difference at a near-tie ---------------------------
+def test_greedy_agreement_equal_runs_and_a_run_that_stops_early():
+    assert greedy_agreement([5, 7, 9], [5, 7, 9]).same
+    early = greedy_agreement([5, 7], [5, 7, 9])  # one run stopped: a difference, no tie
+    assert early.first_difference == 2 and not early.within(1.0)
+
+
+def test_greedy_agreement_measures_each_runs_gap_at_the_first_difference():
+    got_top = [{5: -0.1}, {7: -0.6900, 8: -0.6905}, {1: -0.2}]
+    want_top = [{5: -0.1}, [[8, -0.6900], [7, -0.6903]], {2: -0.2}]  # vLLM's [[token, logprob], ...] form too
+    tie = greedy_agreement([5, 7, 1], [5, 8, 2], got_top, want_top)
+    assert tie.first_difference == 1 and tie.gaps == pytest.approx((0.0005, 0.0003))
+    assert tie.within(1e-3) and not tie.within(4e-4)  # the larger of the two gaps decides
+    assert "token 1" in str(tie)
+
+
+def test_greedy_agreement_is_no_tie_where_the_other_token_was_not_among_the_leading_ones():
+    got_top, want_top = [{7: -0.1, 3: -3.0}], [{8: -0.1, 7: -0.1001}]
+    wide = greedy_agreement([7], [8], got_top, want_top)  # 8 is not among got's leading tokens
+    assert wide.gaps[0] == float("inf") and not wide.within(10.0)
+    assert not greedy_agreement([7], [8]).within(10.0)  # no logprobs: nothing says it was a tie

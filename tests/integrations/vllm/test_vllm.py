@@ -182,6 +182,7 @@ vllm = pytest.importorskip("vllm")
 torch = pytest.importorskip("torch")
 
 from hf_kvbridge import KVBridgeForCausalLM, calibrate, pocket  # noqa: E402
+from hf_kvbridge.tools.fidelity import greedy_agreement  # noqa: E402
 
 LENGTHS = [41, 100, 170, 290]  # 2 to 10 blocks of 32, none block-aligned
 
@@ -559,17 +560,12 @@ NEAR_TIE = 0.1  # nats between the two most likely tokens: fp8's rounding may sw
 
 
 def first_difference_at_a_near_tie(got: dict, want: dict) -> int | None:
-    """The first position where two greedy runs (with `top` logprobs) differ, after checking it is a near-tie: the
-    same two tokens lead in both, less than `NEAR_TIE` apart in each. `None` when the tokens are the same."""
-    first = next((i for i, (a, b) in enumerate(zip(got["tokens"], want["tokens"])) if a != b), None)
-    if first is None:
-        return None
-    for run in (got, want):
-        (one, one_logprob), (two, two_logprob) = run["top"][first][:2]
-        pair = {got["tokens"][first], want["tokens"][first]}
-        assert {one, two} == pair, (first, got["top"][first], want["top"][first])
-        assert one_logprob - two_logprob < NEAR_TIE, (first, run["top"][first])
-    return first
+    """The first position where two greedy runs (with `top` logprobs) differ, after checking it is a near-tie
+    (`greedy_agreement`: in each run the other's token scored less than `NEAR_TIE` below its choice). `None` when the
+    tokens are the same."""
+    agreement = greedy_agreement(got["tokens"], want["tokens"], got["top"], want["top"])
+    assert agreement.within(NEAR_TIE), (str(agreement), got["tokens"], want["tokens"])
+    return agreement.first_difference
 
 
 @pytest.fixture(scope="module")
