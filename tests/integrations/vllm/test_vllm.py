@@ -22,8 +22,9 @@ inject a mapping failure; the tests compare what it reports with oracles:
   TP 2 source engine exports in tests/integrations/vllm/test_vllm_store.py);
 - LoRA (`enable_lora`, a random adapter on pocket-l's k/v projections): a request with an adapter that has its own
   bridge (`lora_bridges`, calibrated pocket-s → pocket-l with the adapter merged) is mapped with it, its status names
-  it, and its greedy tokens and gate score are `bridge.generate`'s with the merged target; in the same batch a request
-  with an adapter that has none is `unsupported` (the adapter's own tokens), and a plain one is the base bridge's.
+  it, and its greedy tokens and gate score are `bridge.generate`'s with the merged target (at TP 2, rank 0 maps with
+  it: the TP 1 engine's tokens and scores); in the same batch a request with an adapter that has none is
+  `unsupported` (the adapter's own tokens), and a plain one is the base bridge's.
 """
 
 from __future__ import annotations
@@ -722,7 +723,8 @@ def lora_run(pair_bridges, tokenizer):
         kv={"lora_bridges": {"sql": str(tmp / "bridge-sql")}}, loras={"sql": adapter, "chat": adapter},
     )  # fmt: skip
     assert "rounds" in result, result.get("error") or result["log"][-4000:]
-    result.update(prompts=prompts, plain=plain, merged=tmp / "pocket-l-sql", bridge_dir=tmp / "bridge-sql")
+    result.update(prompts=prompts, plain=plain, merged=tmp / "pocket-l-sql", bridge_dir=tmp / "bridge-sql",
+                  adapter=adapter)  # fmt: skip
     return result
 
 
@@ -753,6 +755,28 @@ def test_lora_request_is_mapped_with_its_adapters_bridge(lora_run, pair_bridges)
     assert differs, "the adapter's bridge and the base bridge map the merged target alike: the test cannot tell them"
     assert lora_run["counters"]["requests_adapter_mapper"] == len(lora_run["prompts"])
     assert "LoRA adapter 'sql' is mapped with bridge" in lora_run["log"]
+
+
+def test_lora_request_at_tp2_is_mapped_by_rank_0_with_its_adapters_bridge(lora_run, pair_bridges):
+    """Two tensor-parallel ranks: rank 0 maps each "sql" request with the "sql" bridge and scatters rank 1 its KV
+    head; the tokens and gate scores are the TP 1 engine's (`lora_run`), and rank 1 holds no bridge and runs no
+    source prefill."""
+    prompts = lora_run["prompts"]
+    rounds = [[(p, True, MAX_TOKENS, "sql") for p in prompts]]
+    result = _engine(
+        pair_bridges / "lora", "lora-tp2", pair_bridges / "bridge", rounds,
+        engine={"enable_lora": True, "max_lora_rank": LORA_RANK, **TP2["engine"]}, env=TP2["env"],
+        kv={"lora_bridges": {"sql": str(lora_run["bridge_dir"])}}, loras={"sql": lora_run["adapter"]},
+    )  # fmt: skip
+    assert "rounds" in result, result.get("error") or result["log"][-4000:]
+    for i, (got, want) in enumerate(zip(result["rounds"][0], lora_run["rounds"][0][: len(prompts)], strict=True)):
+        outcome = got["kvbridge"]
+        assert outcome["status"] == "mapped" and outcome["mapper"] == "sql", outcome
+        assert got["tokens"] == want["tokens"], (len(prompts[i]), got, want)
+        assert outcome["score"] == pytest.approx(want["kvbridge"]["score"], abs=1e-4)
+    first, other = sorted(result["ranks"], key=lambda rank: rank["rank"])
+    assert first["bridge_loaded"] and not other["bridge_loaded"] and other["source_forward_calls"] == 0
+    assert other["counters"]["tokens_received"] == sum(r["kvbridge"]["mapped_tokens"] for r in result["rounds"][0])
 
 
 def test_lora_request_without_a_bridge_is_unsupported_beside_mapped_ones(lora_run, pair_bridges):
