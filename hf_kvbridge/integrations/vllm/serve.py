@@ -14,6 +14,7 @@ from .middleware import AUTH_ENV, MAPPER_ID_ENV, MAPPER_ID_HEADER, MIDDLEWARE_PA
 from .support import PARALLEL_SIZES, EngineShape, check_engine
 
 STORE_OPTIONS = (
+    "revision",
     "role",
     "store",
     "serves",
@@ -29,28 +30,31 @@ def serve_command(
     bridge: str, vllm_args: list[str] | None = None, *, requests: str = "opt_in", **store_options
 ) -> list[str]:
     """The `vllm serve` command line that serves `bridge`'s model with the connector: its target, or with
-    `role="source"` (or `role="both", serves="source"`) its source. `store_options` are `kv_transfer_config`'s
-    (`role`, `store`, `serves`, `on_miss`, `source_weights`, `chunk_size`, `store_ttl_s`, `store_timeout_ms`,
-    `lora_bridges`). The
+    `role="source"` (or `role="both", serves="source"`) its source, read from the bridge's config at `revision`.
+    `store_options` are `kv_transfer_config`'s (`revision`, `role`, `store`, `serves`, `on_miss`, `source_weights`,
+    `chunk_size`, `store_ttl_s`, `store_timeout_ms`, `lora_bridges`). The
     command also loads the middleware that answers a request with a non-boolean `kv_transfer_params.kvbridge` with
     HTTP 400 and speaks the semantic router's headers (`KVBridgeParamsMiddleware`)."""
     config = kv_transfer_config(bridge, requests=requests, **store_options)
     extra = config["kv_connector_extra_config"]
     serves = "source" if extra["role"] == "source" else extra.get("serves", "target")
-    model = served_model(bridge, serves)
+    model = served_model(bridge, serves, extra.get("revision"))
     command = ["vllm", "serve", model, "--kv-transfer-config", json.dumps(config)]
     return [*command, "--middleware", MIDDLEWARE_PATH, *(vllm_args or [])]
 
 
 def serve_main(argv: list[str] | None = None) -> int:
-    """`kvbridge serve DIR [--role target|source|both] [--store URL] [--requests opt_in|all] [--mapper-id ID]
-    [--lora-bridge NAME=BRIDGE[@REVISION] ...] [--print] [VLLM SERVE ARGS...]`: starts vLLM's OpenAI-compatible server
-    with the connector on the bridge's target (or, as a cascade's source engine, its source; every argument it does
-    not know goes to `vllm serve`)."""
+    """`kvbridge serve DIR [--bridge-revision REV] [--role target|source|both] [--store URL] [--requests opt_in|all]
+    [--mapper-id ID] [--lora-bridge NAME=BRIDGE[@REVISION] ...] [--print] [VLLM SERVE ARGS...]`: starts vLLM's
+    OpenAI-compatible server with the connector on the bridge's target (or, as a cascade's source engine, its source;
+    every argument it does not know goes to `vllm serve`, `--revision`, the served model's, included)."""
     import argparse
 
     parser = argparse.ArgumentParser(prog="kvbridge serve", description=serve_main.__doc__)
     parser.add_argument("bridge", help="bridge checkpoint folder or Hub id")
+    # not --revision: that is vllm serve's, the served model's revision
+    parser.add_argument("--bridge-revision", dest="revision", help="revision of a Hub bridge (a branch, tag or "
+                        "commit); vllm serve's --revision is the served model's")  # fmt: skip
     parser.add_argument("--requests", choices=("opt_in", "all"), default="opt_in", help="which requests are bridged")
     parser.add_argument("--role", choices=ROLES, default="target", help="target: maps into the bridge's target; "
                         "source: serves the bridge's source and exports its KV to --store; both: a bidirectional "

@@ -504,3 +504,34 @@ def test_worker_loads_each_adapters_mapper_from_the_folder_read_at_start_up(monk
     loaded = load_adapter_bridges(base, {"sql": AdapterMapping(config, snapshot, AdapterBridge("org/b-sql", "v1"))})
     assert calls == [(snapshot, {"source_model": "source", "target_model": "target", "config": config})]
     assert loaded["sql"].reverse is None
+
+
+def test_kvbridge_serve_bridge_revision_reads_the_base_bridge_at_it(tmp_path, monkeypatch, capsys):
+    """`kvbridge serve ID --bridge-revision REV`: the served model is read from the base bridge's config at REV
+    (`main` bridges into pocket-l, `v1` into pocket-m, in a local Hub cache, offline) and the connector gets REV;
+    vllm serve's own `--revision` (the served model's) passes through untouched."""
+    import shlex
+
+    from huggingface_hub import constants
+
+    from hf_kvbridge.integrations.vllm.serve import serve_main
+
+    cache = tmp_path / "hub-cache"
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    base = {"source_name_or_path": "pocket/pocket-s"}
+    revisions = {
+        "main": KVBridgeConfig(**base, target_name_or_path="pocket/pocket-l"),
+        "v1": KVBridgeConfig(**base, target_name_or_path="pocket/pocket-m"),
+    }
+    _hub_cache_repo(cache, "org/base", revisions)
+
+    def served(*options):
+        assert serve_main(["org/base", *options, "--print"]) == 0
+        command = shlex.split(capsys.readouterr().out)
+        config = json.loads(command[command.index("--kv-transfer-config") + 1])
+        return command[command.index("serve") + 1], config["kv_connector_extra_config"].get("revision"), command
+
+    assert served()[:2] == (str(pocket.model_path("pocket-l")), None)
+    model, revision, command = served("--bridge-revision", "v1", "--revision", "model-rev")
+    assert (model, revision) == (str(pocket.model_path("pocket-m")), "v1")
+    assert command[command.index("--revision") + 1] == "model-rev"
