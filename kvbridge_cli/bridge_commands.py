@@ -102,8 +102,9 @@ def add_serve(sub) -> None:
     serve = sub.add_parser(
         "serve",
         help="serve the bridge's target with vLLM's OpenAI-compatible server and the KV bridge connector",
-        description="kvbridge serve DIR [--role target|source|both] [--store URL] [--no-source-weights] "
-        "[--requests opt_in|all] [--lora-bridge NAME=DIR ...] [--print] [vllm serve args...]: every argument after "
+        description="kvbridge serve DIR [--bridge-revision REV] [--role target|source|both] [--store URL] "
+        "[--no-source-weights] [--requests opt_in|all] [--lora-bridge NAME=BRIDGE[@REVISION] ...] [--print] "
+        "[vllm serve args...]: every argument after "
         "DIR goes to "
         "hf_kvbridge.integrations.vllm.serve_main (see docs/serving.md).",
     )
@@ -111,7 +112,7 @@ def add_serve(sub) -> None:
     serve.add_argument(
         "vllm_args",
         nargs=argparse.REMAINDER,
-        help="--role, --store, --requests, --lora-bridge, --print, and vllm serve options",
+        help="--bridge-revision, --role, --store, --requests, --lora-bridge, --print, and vllm serve options",
     )
 
 

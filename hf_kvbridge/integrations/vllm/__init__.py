@@ -84,10 +84,10 @@ option (`support.engine_refusal`); a request with prompt embeddings or multi-mod
 that has no mapper of its own, is served unbridged and not exported, status `"unsupported"` with its reason
 (`support.request_refusal`). A target engine with `enable_lora` maps a LoRA request with its adapter's own bridge
 (`lora_bridges`: `{adapter name: bridge}`, each calibrated for the target with that adapter merged, from the base
-bridge's source; checked at start-up, `adapters.adapter_refusal`), from the same source prefill or store entry; its
-status names the mapper (`"mapper"`). A source engine exports no LoRA request. An engine whose model's config or
-tokenizer files differ from the bridge's model's is refused at start-up (`identity.check_identity`: digests of those
-files, not of the weights).
+bridge's source, a Hub bridge pinnable to a revision with `{"bridge": ID, "revision": REV}`; checked at start-up,
+`adapters.adapter_refusal`), from the same source prefill or store entry; its status names the mapper (`"mapper"`).
+A source engine exports no LoRA request. An engine whose model's config or tokenizer files differ from the bridge's
+model's is refused at start-up (`identity.check_identity`: digests of those files, not of the weights).
 
 The package:
 
@@ -110,6 +110,7 @@ The package:
 | `serve` | `kvbridge serve` (`serve_main`) |
 """
 
+from .adapters import AdapterBridge
 from .configuration import (
     CONNECTOR_NAME,
     MODULE_PATH,
@@ -160,6 +161,7 @@ __all__ = [
     "MODULE_PATH",
     "PARAM_KEY",
     "ROLES",
+    "AdapterBridge",
     "BridgeLoad",
     "BridgeScheduler",
     "BridgeWorker",

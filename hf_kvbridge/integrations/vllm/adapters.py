@@ -10,8 +10,11 @@ mapper a request gets (`support.request_mapper`). Needs no vLLM import of its ow
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
-from typing import Any
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NamedTuple
 
 from ...errors import ServingConfigError
 
@@ -29,15 +32,52 @@ PLAN_KNOBS = (
 bridge must have the base bridge's, since the scheduler plans every request of the engine alike."""
 
 
-def parse_lora_bridges(value: Any) -> dict[str, str]:
-    """`kv_connector_extra_config["lora_bridges"]` validated: `{adapter name: bridge folder or Hub id}` (the name is
-    vLLM's `LoRARequest.lora_name`, what `--lora-modules NAME=PATH` names it). `None` is `{}`.
+@dataclass(frozen=True)
+class AdapterBridge:
+    """A LoRA adapter's bridge, as `lora_bridges` names it: a folder or Hub id, and the Hub revision (a branch, tag or
+    commit; `None`: the repo's default branch) its files are read at, wherever they are read (the start-up checks,
+    the cache salt's digest, the worker's load). In `kv_connector_extra_config` it is the string `bridge` (no
+    revision) or `{"bridge": ID, "revision": REV}` (`to_config`); `str()` shows it as `ID@REV`.
 
     Example:
 
     ```python
-    >>> parse_lora_bridges({"sql": "bridges/s-to-l-sql"})
-    {'sql': 'bridges/s-to-l-sql'}
+    >>> spec = AdapterBridge("org/bridge-sql", revision="v1")
+    >>> str(spec), spec.to_config(), AdapterBridge("bridges/sql").to_config()
+    ('org/bridge-sql@v1', {'bridge': 'org/bridge-sql', 'revision': 'v1'}, 'bridges/sql')
+    ```
+    """
+
+    bridge: str
+    revision: str | None = None
+
+    def to_config(self) -> str | dict[str, str]:
+        """Its value in `kv_connector_extra_config["lora_bridges"]` (JSON): the string, or the mapping with the
+        revision."""
+        return self.bridge if self.revision is None else {"bridge": self.bridge, "revision": self.revision}
+
+    def __str__(self) -> str:
+        return self.bridge if self.revision is None else f"{self.bridge}@{self.revision}"
+
+
+ADAPTER_BRIDGE_KEYS = ("bridge", "revision")
+# a Hub repo id pinned the way `hf` and mergekit write it (`org/name@rev`): taken literally it names no repo (a Hub
+# id has no "@"), so a string of that form that is no folder here is refused with the mapping to write instead
+_HUB_ID_AT_REVISION = re.compile(r"(?P<bridge>[\w.-]+/[\w.-]+)@(?P<revision>.+)")
+
+
+def parse_lora_bridges(value: Any) -> dict[str, AdapterBridge]:
+    """`kv_connector_extra_config["lora_bridges"]` validated: `{adapter name: bridge}` (the name is vLLM's
+    `LoRARequest.lora_name`, what `--lora-modules NAME=PATH` names it), where a bridge is a folder or Hub id (a
+    string, taken literally) or `{"bridge": ID, "revision": REV}` to pin a Hub bridge's revision (or an
+    `AdapterBridge`). `None` is `{}`. A mistake is a `ServingConfigError` of one line naming the adapter.
+
+    Example:
+
+    ```python
+    >>> parse_lora_bridges({"sql": "bridges/s-to-l-sql", "chat": {"bridge": "org/b-chat", "revision": "v2"}})
+    {'sql': AdapterBridge(bridge='bridges/s-to-l-sql', revision=None), \
+'chat': AdapterBridge(bridge='org/b-chat', revision='v2')}
     ```
     """
     if value is None:
@@ -45,18 +85,87 @@ def parse_lora_bridges(value: Any) -> dict[str, str]:
     if not isinstance(value, Mapping):
         raise ServingConfigError(
             "kv_connector_extra_config['lora_bridges'] must map a LoRA adapter name to a bridge folder or Hub id "
-            f'({{"sql": "DIR"}}), not {value!r}'
+            f'({{"sql": "DIR"}}, or {{"sql": {{"bridge": "ID", "revision": "REV"}}}}), not {value!r}'
         )
+    out = {}
     for name, bridge in value.items():
-        if not isinstance(name, str) or not name or not isinstance(bridge, str) or not bridge:
+        if not isinstance(name, str) or not name:
             raise ServingConfigError(
-                "kv_connector_extra_config['lora_bridges'] must map LoRA adapter names (non-empty strings) to bridge "
-                f"folders or Hub ids (non-empty strings), not {name!r}: {bridge!r}"
+                "kv_connector_extra_config['lora_bridges'] must map LoRA adapter names (non-empty strings) to "
+                f"bridges, not {name!r}: {bridge!r}"
             )
-    return {str(name): str(bridge) for name, bridge in value.items()}
+        out[name] = _adapter_bridge(name, bridge)
+    return out
 
 
-def lora_bridges_refusal(lora_bridges: Mapping[str, str], *, role: str, enable_lora: bool) -> str | None:
+def _adapter_bridge(name: str, value: Any) -> AdapterBridge:
+    """One `lora_bridges` value as an `AdapterBridge`, or a one-line `ServingConfigError` naming adapter `name`."""
+    where = f"kv_connector_extra_config['lora_bridges'][{name!r}]"
+    if isinstance(value, AdapterBridge):
+        value = {"bridge": value.bridge, "revision": value.revision}
+    if isinstance(value, str):
+        pinned = _HUB_ID_AT_REVISION.fullmatch(value)
+        if pinned and not Path(value).expanduser().exists():
+            raise ServingConfigError(
+                f"{where} is {value!r}, no folder here and no Hub id (a Hub id has no '@'): pin a revision with "
+                f'{{"bridge": "{pinned["bridge"]}", "revision": "{pinned["revision"]}"}}'
+            )
+        value = {"bridge": value}
+    if not isinstance(value, Mapping):
+        raise ServingConfigError(
+            f'{where} must be a bridge folder or Hub id (a non-empty string) or {{"bridge": ID, "revision": REV}}, '
+            f"not {value!r}"
+        )
+    unknown = sorted(map(str, set(value) - set(ADAPTER_BRIDGE_KEYS)))
+    if unknown:
+        raise ServingConfigError(f"{where} has unknown keys {unknown}; known: {list(ADAPTER_BRIDGE_KEYS)}")
+    bridge, revision = value.get("bridge"), value.get("revision")
+    if not isinstance(bridge, str) or not bridge:
+        raise ServingConfigError(
+            f"{where}['bridge'] must be the adapter's bridge folder or Hub id (a non-empty string), not {bridge!r}"
+        )
+    if revision is not None and (not isinstance(revision, str) or not revision):
+        raise ServingConfigError(
+            f"{where}['revision'] must be a Hub revision (a branch, tag or commit: a non-empty string), not "
+            f"{revision!r}"
+        )
+    return AdapterBridge(bridge, revision)
+
+
+class AdapterMapping(NamedTuple):
+    """A LoRA adapter's bridge as the connector read it at start-up (`KVBridgeConnector._adapter_bridges`): its
+    `config`, the `folder` its files were read from (a Hub bridge's snapshot of the pinned revision) and the `spec`
+    it was named by (`adapters.AdapterBridge`: folder or Hub id, and revision)."""
+
+    config: Any
+    folder: Path
+    spec: AdapterBridge
+
+
+def local_revision_refusal(name: str, spec: AdapterBridge) -> str | None:
+    """Why adapter `name`'s bridge `spec` cannot be read as asked (one line), or `None`: a revision pins a Hub repo's
+    files, and a local folder has none to pin (read as it is, the revision would be ignored without a word).
+
+    Example:
+
+    ```python
+    >>> local_revision_refusal("sql", AdapterBridge(".", revision="v1"))[:70]
+    "adapter 'sql': its bridge is the local folder ., which has no revision"
+    >>> local_revision_refusal("sql", AdapterBridge("org/bridge-sql", revision="v1")) is None
+    True
+    ```
+    """
+    if spec.revision is None or not Path(spec.bridge).expanduser().is_dir():
+        return None
+    return (
+        f"adapter {name!r}: its bridge is the local folder {spec.bridge}, which has no revision {spec.revision!r} to "
+        "read (a revision pins a Hub repo's files): drop the revision, or name the bridge by its Hub id"
+    )
+
+
+def lora_bridges_refusal(
+    lora_bridges: Mapping[str, AdapterBridge | str], *, role: str, enable_lora: bool
+) -> str | None:
     """Why an engine cannot take `lora_bridges` (one line), or `None`: they are for a target engine (role
     `"target"`; a source engine exports no LoRA request, whose K/V are not the base source's) with LoRA enabled
     (`enable_lora`: vLLM's `lora_config` is set; without it no request has an adapter to map).
@@ -76,8 +185,9 @@ def lora_bridges_refusal(lora_bridges: Mapping[str, str], *, role: str, enable_l
             "(role 'target'); a LoRA request is never exported (its K/V are not the base model's)"
         )
     if not enable_lora:
+        shown = {name: str(spec) for name, spec in lora_bridges.items()}
         return (
-            f"lora_bridges {dict(lora_bridges)} on an engine without LoRA: no request can name an adapter; start "
+            f"lora_bridges {shown} on an engine without LoRA: no request can name an adapter; start "
             "vLLM with enable_lora=True (--enable-lora) and the adapters (--lora-modules NAME=PATH)"
         )
     return None

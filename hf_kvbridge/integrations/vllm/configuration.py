@@ -7,7 +7,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from ...errors import ServingConfigError
-from .adapters import lora_bridges_refusal, parse_lora_bridges
+from .adapters import AdapterBridge, lora_bridges_refusal, parse_lora_bridges
 
 PARAM_KEY = "kvbridge"  # the key in a request's kv_transfer_params, and in the output's kv_transfer_params
 ROUTER_PARAM_KEY = "kvbridge_router"  # what kvbridge serve records of a router's x-vsr-kv-* headers, in the same dict
@@ -44,9 +44,10 @@ class ConnectorSettings:
             the worker's source model prefills) or `"target"` (the target computes the prompt itself).
         source_weights: whether a mapping engine's worker loads the source model (`False`: store only, no source
             weights; misses then go to the target).
-        lora_bridges: `{LoRA adapter name: bridge folder or Hub id}` (a target engine with `enable_lora`): a request
-            with adapter NAME is mapped with that bridge (calibrated for the target with the adapter merged, from the
-            same source); a request with an adapter not named here is served unbridged (status `"unsupported"`).
+        lora_bridges: `{LoRA adapter name: AdapterBridge}` (a target engine with `enable_lora`): a request with
+            adapter NAME is mapped with that bridge (a folder or Hub id, and its Hub revision; calibrated for the
+            target with the adapter merged, from the same source); a request with an adapter not named here is served
+            unbridged (status `"unsupported"`).
     """
 
     bridge: str
@@ -61,7 +62,7 @@ class ConnectorSettings:
     store_fetch_parts: int = 4
     on_miss: str = "prefill"
     source_weights: bool = True
-    lora_bridges: dict[str, str] = field(default_factory=dict)
+    lora_bridges: dict[str, AdapterBridge] = field(default_factory=dict)
 
     @property
     def imports(self) -> bool:
@@ -182,7 +183,7 @@ def kv_transfer_config(
     store_timeout_ms: float | None = None,
     store_fetch_parts: int | None = None,
     revision: str | None = None,
-    lora_bridges: dict[str, str] | None = None,
+    lora_bridges: dict[str, str | dict[str, str] | AdapterBridge] | None = None,
 ) -> dict[str, Any]:
     """The `kv_transfer_config` dict for `vllm.LLM(...)` (or, as JSON, `vllm serve --kv-transfer-config`).
 
@@ -209,7 +210,9 @@ def kv_transfer_config(
         revision: revision of a Hub bridge.
         lora_bridges: `{LoRA adapter name: bridge}` on a target engine with `enable_lora`: a request with that
             adapter (`LoRARequest.lora_name`) is mapped with that bridge (calibrated for the target with the adapter
-            merged, from the same source); one with another adapter is served unbridged (`"unsupported"`).
+            merged, from the same source); one with another adapter is served unbridged (`"unsupported"`). A bridge
+            is a folder or Hub id, or `{"bridge": ID, "revision": REV}` (or an `AdapterBridge`) to pin a Hub
+            bridge's revision.
 
     Example:
 
@@ -229,7 +232,8 @@ def kv_transfer_config(
         "store_timeout_ms": store_timeout_ms,
         "store_fetch_parts": store_fetch_parts,
         "revision": revision,
-        "lora_bridges": dict(lora_bridges) if lora_bridges else None,
+        # JSON (vllm serve --kv-transfer-config): each bridge as its string, or the mapping with its revision
+        "lora_bridges": {name: spec.to_config() for name, spec in parse_lora_bridges(lora_bridges).items()} or None,
     }
     extra.update({key: value for key, value in optional.items() if value is not None})
     connector_settings(extra)  # refuse a mistake here, not in vLLM's engine process

@@ -24,7 +24,7 @@ from ...constants import REVERSE_FOLDER
 from ...errors import ServingConfigError
 from ...utils.layout import KVLayout, check_fingerprint
 from ...utils.source_features import check_servable
-from .adapters import adapter_refusal, lora_bridges_refusal
+from .adapters import AdapterMapping, adapter_refusal, local_revision_refusal, lora_bridges_refusal
 from .configuration import check_recompute, connector_settings, read_bridge_config
 from .identity import check_identity, file_digests, model_files
 from .scheduler import BridgeScheduler
@@ -50,8 +50,9 @@ class KVBridgeConnector(KVConnectorBase_V1):
 
     `kv_connector_extra_config`: `bridge` (folder or Hub id, required), `revision`, `requests` (`"opt_in"`, the
     default, or `"all"`), `role` (`"target"`, `"source"`, `"both"`), `store` (a KV store URL) and the store's
-    options (`ConnectorSettings`), `lora_bridges` (`{LoRA adapter name: bridge}`: a request with that adapter is
-    mapped with its own bridge). See `hf_kvbridge.integrations.vllm`.
+    options (`ConnectorSettings`), `lora_bridges` (`{LoRA adapter name: bridge}`, a bridge being a folder or Hub id
+    or `{"bridge": ID, "revision": REV}`: a request with that adapter is mapped with its own bridge). See
+    `hf_kvbridge.integrations.vllm`.
     """
 
     counters: Counter = Counter()  # per process: requests/tokens claimed, mapped, fallen back (both roles add here)
@@ -86,7 +87,7 @@ class KVBridgeConnector(KVConnectorBase_V1):
         if settings.imports:
             self._check_mapping_config(vllm_config, self.import_config, self.bridge_ref)
         digest = hashlib.sha256(json.dumps(checksums, sort_keys=True).encode() + self.bridge_ref.encode())
-        # LoRA adapters with a mapper of their own: {name: (config, folder)}, and their cache-salt prefixes
+        # LoRA adapters with a mapper of their own: {name: AdapterMapping}, and their cache-salt prefixes
         self.adapters, salt_tags = self._adapter_bridges(vllm_config, layout)
         import_store = export_store = None
         if settings.store and settings.imports:
@@ -165,11 +166,12 @@ class KVBridgeConnector(KVConnectorBase_V1):
             settings.requests,
         )
 
-    def _adapter_bridges(self, vllm_config, layout: KVLayout) -> tuple[dict[str, tuple], dict[str, str]]:
-        """The LoRA adapters' bridges (`lora_bridges`), each checked at start-up with one line (`adapters.py`): LoRA
-        on, a target engine, the base bridge's source (fingerprint, config and tokenizer digests), the served model's
-        KV layout, the base bridge's transfer knobs, and what vLLM can serve of its mapping. Returns `{name: (config,
-        folder)}` and `{name: cache-salt prefix}` (each mapper's blocks are its own in the prefix cache)."""
+    def _adapter_bridges(self, vllm_config, layout: KVLayout) -> tuple[dict[str, AdapterMapping], dict[str, str]]:
+        """The LoRA adapters' bridges (`lora_bridges`), each read at its revision and checked at start-up with one
+        line (`adapters.py`): LoRA on, a target engine, no revision on a local folder, the base bridge's source
+        (fingerprint, config and tokenizer digests), the served model's KV layout, the base bridge's transfer knobs,
+        and what vLLM can serve of its mapping. Returns `{name: AdapterMapping}` (the config and the folder read, for
+        the worker to load) and `{name: cache-salt prefix}` (each mapper's blocks are its own in the prefix cache)."""
         lora_bridges = self.settings.lora_bridges
         refused = lora_bridges_refusal(
             lora_bridges, role=self.settings.role, enable_lora=getattr(vllm_config, "lora_config", None) is not None
@@ -186,18 +188,27 @@ class KVBridgeConnector(KVConnectorBase_V1):
 
         base_files = source_files(self.import_config)
         adapters, salt_tags = {}, {}
-        for name, reference in lora_bridges.items():
-            folder, config, checksums = read_bridge_config(reference)
+        for name, spec in lora_bridges.items():
+            refused = local_revision_refusal(name, spec)
+            if refused is not None:
+                raise ServingConfigError(f"KVBridgeConnector (bridge {self.bridge_ref}, lora_bridges): {refused}")
+            folder, config, checksums = read_bridge_config(spec.bridge, spec.revision)
             refused = adapter_refusal(
                 name, config, self.import_config, served_fingerprint=layout.fingerprint(),
                 source_files=source_files(config), base_source_files=base_files,
             )  # fmt: skip
             if refused is not None:
                 raise ServingConfigError(f"KVBridgeConnector (bridge {self.bridge_ref}, lora_bridges): {refused}")
-            self._check_mapping_config(vllm_config, config, reference)
-            digest = hashlib.sha256(json.dumps(checksums, sort_keys=True).encode() + reference.encode())
-            adapters[name], salt_tags[name] = (config, folder), f"kvbridge:{digest.hexdigest()[:16]}"
-        logger.info("KVBridgeConnector: LoRA adapters with a mapper of their own: %s", ", ".join(sorted(adapters)))
+            self._check_mapping_config(vllm_config, config, str(spec))
+            # the mapper's files (checksums) and where they were read: one revision's blocks never serve another's
+            reference = json.dumps([spec.bridge, spec.revision]).encode()
+            digest = hashlib.sha256(json.dumps(checksums, sort_keys=True).encode() + reference)
+            adapters[name] = AdapterMapping(config, folder, spec)
+            salt_tags[name] = f"kvbridge:{digest.hexdigest()[:16]}"
+        logger.info(
+            "KVBridgeConnector: LoRA adapters with a mapper of their own: %s",
+            ", ".join(f"{name} (bridge {adapters[name].spec})" for name in sorted(adapters)),
+        )
         return adapters, salt_tags
 
     def _check_mapping_config(self, vllm_config, config, bridge_ref: str) -> None:

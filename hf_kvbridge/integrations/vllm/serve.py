@@ -5,14 +5,16 @@ from __future__ import annotations
 import json
 import os
 import sys
+from pathlib import Path
 
 from ...errors import ServingConfigError
-from .adapters import lora_bridges_refusal
+from .adapters import AdapterBridge, local_revision_refusal, lora_bridges_refusal
 from .configuration import MISS_POLICIES, ROLES, SIDES, kv_transfer_config, served_model
 from .middleware import AUTH_ENV, MAPPER_ID_ENV, MAPPER_ID_HEADER, MIDDLEWARE_PATH, default_mapper_id
 from .support import PARALLEL_SIZES, EngineShape, check_engine
 
 STORE_OPTIONS = (
+    "revision",
     "role",
     "store",
     "serves",
@@ -28,28 +30,31 @@ def serve_command(
     bridge: str, vllm_args: list[str] | None = None, *, requests: str = "opt_in", **store_options
 ) -> list[str]:
     """The `vllm serve` command line that serves `bridge`'s model with the connector: its target, or with
-    `role="source"` (or `role="both", serves="source"`) its source. `store_options` are `kv_transfer_config`'s
-    (`role`, `store`, `serves`, `on_miss`, `source_weights`, `chunk_size`, `store_ttl_s`, `store_timeout_ms`,
-    `lora_bridges`). The
+    `role="source"` (or `role="both", serves="source"`) its source, read from the bridge's config at `revision`.
+    `store_options` are `kv_transfer_config`'s (`revision`, `role`, `store`, `serves`, `on_miss`, `source_weights`,
+    `chunk_size`, `store_ttl_s`, `store_timeout_ms`, `lora_bridges`). The
     command also loads the middleware that answers a request with a non-boolean `kv_transfer_params.kvbridge` with
     HTTP 400 and speaks the semantic router's headers (`KVBridgeParamsMiddleware`)."""
     config = kv_transfer_config(bridge, requests=requests, **store_options)
     extra = config["kv_connector_extra_config"]
     serves = "source" if extra["role"] == "source" else extra.get("serves", "target")
-    model = served_model(bridge, serves)
+    model = served_model(bridge, serves, extra.get("revision"))
     command = ["vllm", "serve", model, "--kv-transfer-config", json.dumps(config)]
     return [*command, "--middleware", MIDDLEWARE_PATH, *(vllm_args or [])]
 
 
 def serve_main(argv: list[str] | None = None) -> int:
-    """`kvbridge serve DIR [--role target|source|both] [--store URL] [--requests opt_in|all] [--mapper-id ID]
-    [--lora-bridge NAME=DIR ...] [--print] [VLLM SERVE ARGS...]`: starts vLLM's OpenAI-compatible server with the
-    connector on the bridge's target (or, as a cascade's source engine, its source; every argument it does not know
-    goes to `vllm serve`)."""
+    """`kvbridge serve DIR [--bridge-revision REV] [--role target|source|both] [--store URL] [--requests opt_in|all]
+    [--mapper-id ID] [--lora-bridge NAME=BRIDGE[@REVISION] ...] [--print] [VLLM SERVE ARGS...]`: starts vLLM's
+    OpenAI-compatible server with the connector on the bridge's target (or, as a cascade's source engine, its source;
+    every argument it does not know goes to `vllm serve`, `--revision`, the served model's, included)."""
     import argparse
 
     parser = argparse.ArgumentParser(prog="kvbridge serve", description=serve_main.__doc__)
     parser.add_argument("bridge", help="bridge checkpoint folder or Hub id")
+    # not --revision: that is vllm serve's, the served model's revision
+    parser.add_argument("--bridge-revision", dest="revision", help="revision of a Hub bridge (a branch, tag or "
+                        "commit); vllm serve's --revision is the served model's")  # fmt: skip
     parser.add_argument("--requests", choices=("opt_in", "all"), default="opt_in", help="which requests are bridged")
     parser.add_argument("--role", choices=ROLES, default="target", help="target: maps into the bridge's target; "
                         "source: serves the bridge's source and exports its KV to --store; both: a bidirectional "
@@ -67,10 +72,12 @@ def serve_main(argv: list[str] | None = None) -> int:
                         "(default 50 ms): a dead or hung store is a miss after it")  # fmt: skip
     parser.add_argument("--mapper-id", help=f"the id a router names this bridge by in {MAPPER_ID_HEADER} (default: "
                         "the bridge's Hub id or folder name)")  # fmt: skip
-    parser.add_argument("--lora-bridge", action="append", default=[], metavar="NAME=DIR",
-                        help="a LoRA adapter's own bridge (calibrated for the target with adapter NAME merged, from "
-                        "the same source): requests with adapter NAME are mapped with it (repeat for each adapter; "
-                        "needs vLLM's --enable-lora); requests with another adapter are served unbridged")  # fmt: skip
+    parser.add_argument("--lora-bridge", action="append", default=[], metavar="NAME=BRIDGE[@REVISION]",
+                        help="a LoRA adapter's own bridge, a folder or Hub id (calibrated for the target with adapter "
+                        "NAME merged, from the same source), @REVISION pinning a Hub bridge's revision (a folder that "
+                        "exists is taken whole, @ included): requests with adapter NAME are mapped with it (repeat "
+                        "for each adapter; needs vLLM's --enable-lora); requests with another adapter are served "
+                        "unbridged")  # fmt: skip
     parser.add_argument("--print", action="store_true", help="print the vllm serve command instead of running it")
     args, rest = parser.parse_known_args(argv)
     lora_bridges = lora_bridge_options(args.lora_bridge)
@@ -104,25 +111,45 @@ def serve_main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def lora_bridge_options(values: list[str]) -> dict[str, str]:
-    """`--lora-bridge NAME=DIR` options as `lora_bridges` (`{NAME: DIR}`); one that is not `NAME=DIR`, or a NAME
-    given twice, is refused with one line.
+def lora_bridge_options(values: list[str]) -> dict[str, AdapterBridge]:
+    """`--lora-bridge NAME=BRIDGE[@REVISION]` options as `lora_bridges` (`{NAME: AdapterBridge}`). BRIDGE is a folder
+    or Hub id; `@REVISION` pins a Hub bridge's revision (a branch, tag or commit), as `hf` and mergekit write
+    references. The rule for `@`: a path that exists here is a folder, taken whole (`bridges/sql@v1`, if that folder
+    exists, has no revision); otherwise the text after the first `@` is the revision (a Hub id has no `@`). One that
+    is not `NAME=BRIDGE`, an empty revision, a revision on a folder that exists, or a NAME given twice is refused with
+    one line.
 
     Example:
 
     ```python
-    >>> lora_bridge_options(["sql=bridges/sql", "chat=org/bridge-chat"])
-    {'sql': 'bridges/sql', 'chat': 'org/bridge-chat'}
+    >>> lora_bridge_options(["sql=no-such-folder/sql", "chat=org/bridge-chat@v2"])
+    {'sql': AdapterBridge(bridge='no-such-folder/sql', revision=None), \
+'chat': AdapterBridge(bridge='org/bridge-chat', revision='v2')}
     ```
     """
-    out: dict[str, str] = {}
+    out: dict[str, AdapterBridge] = {}
     for value in values:
-        name, _, bridge = value.partition("=")
-        if not name or not bridge:
-            raise ServingConfigError(f"--lora-bridge takes NAME=DIR (an adapter's name and its bridge), not {value!r}")
+        name, _, reference = value.partition("=")
+        if not name or not reference:
+            raise ServingConfigError(
+                f"--lora-bridge takes NAME=BRIDGE[@REVISION] (an adapter's name, its bridge folder or Hub id, and a "
+                f"Hub revision), not {value!r}"
+            )
         if name in out:
             raise ServingConfigError(f"--lora-bridge names LoRA adapter {name!r} twice")
-        out[name] = bridge
+        bridge, revision = reference, None
+        if "@" in reference and not Path(reference).expanduser().exists():  # a folder that exists wins
+            bridge, _, revision = reference.partition("@")
+            if not bridge or not revision:
+                raise ServingConfigError(
+                    f"--lora-bridge {value!r}: BRIDGE@REVISION needs both a bridge and a revision (no folder "
+                    f"{reference} exists here)"
+                )
+        spec = AdapterBridge(bridge, revision)
+        refused = local_revision_refusal(name, spec)
+        if refused is not None:
+            raise ServingConfigError(f"--lora-bridge {value!r}: {refused}")
+        out[name] = spec
     return out
 
 

@@ -19,6 +19,7 @@ from ...errors import KVLayoutError, ServingConfigError
 from ...transfer.plan import plan_load, plan_transfer
 from ...transfer.steps import SourceKV, TransferDecision, TransferSteps, decide, served_outcome
 from ...utils.cache import append_layer, output_cache, slice_cache
+from .adapters import AdapterMapping
 from .export import ShardGeometry, export_sharded, task_views, unpack
 from .metadata import BridgeLoad, GateCheck, KVBridgeConnectorMetadata, KVBridgeWorkerMetadata
 from .paged_cache import copy_pages, engine_scales, fp8_format, read_slots, reads_back, slots_of, write_layer
@@ -70,23 +71,26 @@ def load_bridge(
     return bridge
 
 
-def load_adapter_bridges(bridge, adapters: dict[str, Any], revision: str | None = None) -> dict[str, Any]:
-    """The LoRA adapters' bridges (`{name: (config, folder)}`, checked at start-up: `adapters.adapter_refusal`), as
-    `KVBridgeForCausalLM`s holding each adapter's mapper beside `bridge`'s source model and target stand-in (one
-    source model, whatever the number of adapters). Loaded outside inference mode, as `load_bridge`."""
+def load_adapter_bridges(bridge, adapters: dict[str, AdapterMapping]) -> dict[str, Any]:
+    """The LoRA adapters' bridges (`{name: AdapterMapping}`, read at their revisions and checked at start-up:
+    `adapters.adapter_refusal`), as `KVBridgeForCausalLM`s holding each adapter's mapper beside `bridge`'s source
+    model and target stand-in (one source model, whatever the number of adapters). Each mapper is loaded from the
+    folder the start-up checks read (a Hub bridge's snapshot of its pinned revision), so what was checked is what
+    maps. Loaded outside inference mode, as `load_bridge`."""
     from ...modeling import KVBridgeForCausalLM
 
     out = {}
     with torch.inference_mode(False):
-        for name, (config, folder) in adapters.items():
+        for name, (config, folder, spec) in adapters.items():
             adapter_bridge = KVBridgeForCausalLM.from_pretrained(
                 folder, source_model=bridge.source, target_model=bridge.target, config=config
             )
             adapter_bridge.reverse = None
             out[name] = adapter_bridge
             logger.info(
-                "KVBridgeConnector: LoRA adapter %r is mapped with bridge %s (mapper %d parameters; source %s)",
-                name, folder, sum(p.numel() for p in adapter_bridge.mapper.parameters()), config.source_name_or_path,
+                "KVBridgeConnector: LoRA adapter %r is mapped with bridge %s (%s; mapper %d parameters; source %s)",
+                name, spec, folder, sum(p.numel() for p in adapter_bridge.mapper.parameters()),
+                config.source_name_or_path,
             )  # fmt: skip
     return out
 

@@ -1,9 +1,11 @@
 """LoRA adapters' own bridges on a target engine (`kv_connector_extra_config["lora_bridges"]`), as pure functions (no
 engine): the setting and its start-up checks (`adapters.lora_bridges_refusal`, `adapters.adapter_refusal` with the
-pocket models' real config and tokenizer digests), the mapper a request gets (`support.request_mapper`,
-`support.request_refusal`), the scheduler's status and load on real vLLM `Request`s, the worker's choice of mapper,
-and `kvbridge serve --lora-bridge`. The engine test (a LoRA request mapped with its adapter's bridge, tokens =
-`bridge.generate` with the merged target) is in test_vllm.py."""
+pocket models' real config and tokenizer digests), an adapter's bridge pinned to a Hub revision (`{"bridge": ID,
+"revision": REV}`, `--lora-bridge NAME=ID@REV`, resolved through huggingface_hub's own code on a local Hub cache,
+offline), the mapper a request gets (`support.request_mapper`, `support.request_refusal`), the scheduler's status and
+load on real vLLM `Request`s, the worker's choice of mapper, and `kvbridge serve --lora-bridge`. The engine test (a
+LoRA request mapped with its adapter's bridge, tokens = `bridge.generate` with the merged target) is in
+test_vllm.py."""
 
 from __future__ import annotations
 
@@ -15,7 +17,15 @@ import pytest
 
 from hf_kvbridge import KVBridgeConfig, pocket
 from hf_kvbridge.errors import ServingConfigError
-from hf_kvbridge.integrations.vllm.adapters import PLAN_KNOBS, adapter_refusal, lora_bridges_refusal
+from hf_kvbridge.integrations.vllm.adapters import (
+    PLAN_KNOBS,
+    AdapterBridge,
+    AdapterMapping,
+    adapter_refusal,
+    local_revision_refusal,
+    lora_bridges_refusal,
+    parse_lora_bridges,
+)
 from hf_kvbridge.integrations.vllm.configuration import connector_settings, kv_transfer_config
 from hf_kvbridge.integrations.vllm.identity import file_digests, model_files
 from hf_kvbridge.integrations.vllm.support import request_mapper, request_refusal
@@ -50,15 +60,18 @@ def _files(reference: str) -> dict[str, str]:
 # -- the setting ------------------------------------------------------------------------------------------------------
 def test_lora_bridges_setting_is_validated_before_any_model_loads():
     settings = connector_settings({"bridge": "b", "lora_bridges": {"sql": "b-sql", "chat": "org/b-chat"}})
-    assert settings.lora_bridges == {"sql": "b-sql", "chat": "org/b-chat"}
+    assert settings.lora_bridges == {"sql": AdapterBridge("b-sql"), "chat": AdapterBridge("org/b-chat")}
     assert connector_settings({"bridge": "b"}).lora_bridges == {}
     extra = kv_transfer_config("b", lora_bridges={"sql": "b-sql"})["kv_connector_extra_config"]
     assert extra["lora_bridges"] == {"sql": "b-sql"}
     assert "lora_bridges" not in kv_transfer_config("b")["kv_connector_extra_config"]
-    for bad in (["b-sql"], {"": "b-sql"}, {"sql": ""}, {"sql": 3}, "sql=b-sql"):
+    for bad in (["b-sql"], {"": "b-sql"}, "sql=b-sql"):
         with pytest.raises(ServingConfigError, match=r"\['lora_bridges'\] must map") as error:
             connector_settings({"bridge": "b", "lora_bridges": bad})
         assert "\n" not in str(error.value)
+    for bad in ({"sql": ""}, {"sql": 3}, {"sql": ["b-sql"]}):  # the adapter named
+        with pytest.raises(ServingConfigError, match=r"\['lora_bridges'\]\['sql'\]"):
+            connector_settings({"bridge": "b", "lora_bridges": bad})
     with pytest.raises(ServingConfigError, match=r"unknown keys \['lora_bridge'\]"):  # misspelled: refused
         connector_settings({"bridge": "b", "lora_bridge": {"sql": "b-sql"}})
     with pytest.raises(ServingConfigError, match="lora_bridges on a role 'source' engine"):
@@ -71,6 +84,54 @@ def test_lora_bridges_need_a_target_engine_with_lora():
     refused = lora_bridges_refusal({"sql": "b"}, role="target", enable_lora=False)
     assert "without LoRA" in refused and "--enable-lora" in refused and "\n" not in refused
     assert "role 'both'" in lora_bridges_refusal({"sql": "b"}, role="both", enable_lora=True)
+
+
+# -- an adapter's bridge pinned to a Hub revision ---------------------------------------------------------------------
+def test_an_adapter_bridge_takes_a_revision_and_mistakes_are_one_line_naming_the_adapter(tmp_path):
+    pinned = {"bridge": "org/b-sql", "revision": "v1"}
+    settings = connector_settings({"bridge": "b", "lora_bridges": {"sql": pinned, "chat": "b-chat"}})
+    assert settings.lora_bridges == {"sql": AdapterBridge("org/b-sql", "v1"), "chat": AdapterBridge("b-chat")}
+    assert parse_lora_bridges({"sql": {"bridge": "org/b-sql"}}) == {"sql": AdapterBridge("org/b-sql")}
+    assert parse_lora_bridges({"sql": {"bridge": "org/b-sql", "revision": None}})["sql"].revision is None
+    # kv_transfer_config writes JSON (vllm serve --kv-transfer-config): the string, or the mapping with a revision
+    extra = kv_transfer_config(
+        "b", lora_bridges={"sql": AdapterBridge("org/b-sql", "v1"), "chat": "b-chat", "db": {"bridge": "org/b-db"}}
+    )["kv_connector_extra_config"]
+    assert extra["lora_bridges"] == {"sql": pinned, "chat": "b-chat", "db": "org/b-db"}
+    assert connector_settings(json.loads(json.dumps(extra))).lora_bridges["sql"] == AdapterBridge("org/b-sql", "v1")
+    refusals = {
+        "has unknown keys ['revison']; known: ['bridge', 'revision']": {"bridge": "org/b-sql", "revison": "v1"},
+        "['bridge'] must be the adapter's bridge folder or Hub id": {"revision": "v1"},
+        "['bridge'] must be the adapter's bridge folder or Hub id (a non-empty string), not 3": {"bridge": 3},
+        "['revision'] must be a Hub revision (a branch, tag or commit: a non-empty string), not 1": {
+            "bridge": "org/b-sql",
+            "revision": 1,
+        },
+        "['revision'] must be a Hub revision": {"bridge": "org/b-sql", "revision": ""},
+        # a Hub id has no "@": the mapping to write instead
+        """is 'org/b-sql@v1', no folder here and no Hub id (a Hub id has no '@'): pin a revision with {"bridge": \
+"org/b-sql", "revision": "v1"}""": "org/b-sql@v1",
+    }
+    for expected, bad in refusals.items():
+        with pytest.raises(ServingConfigError) as error:
+            connector_settings({"bridge": "b", "lora_bridges": {"sql": bad}})
+        message = str(error.value)
+        assert message.startswith("kv_connector_extra_config['lora_bridges']['sql']") and expected in message, message
+        assert "\n" not in message
+        with pytest.raises(ServingConfigError):  # refused in the caller's process, not in vLLM's engine process
+            kv_transfer_config("b", lora_bridges={"sql": bad})
+    # a folder whose name has an "@" is a folder: the rule is that a path that exists wins
+    folder = tmp_path / "bridges" / "sql@v1"
+    folder.mkdir(parents=True)
+    assert parse_lora_bridges({"sql": str(folder)}) == {"sql": AdapterBridge(str(folder))}
+
+
+def test_a_revision_on_a_local_folder_is_refused(tmp_path):
+    """A local folder has no revision to read: refused (read as it is, the revision would be ignored silently)."""
+    refused = local_revision_refusal("sql", AdapterBridge(str(tmp_path), "v1"))
+    assert refused.startswith(f"adapter 'sql': its bridge is the local folder {tmp_path}, which has no revision 'v1'")
+    assert local_revision_refusal("sql", AdapterBridge(str(tmp_path))) is None
+    assert local_revision_refusal("sql", AdapterBridge("org/b-sql", "v1")) is None
 
 
 # -- an adapter's bridge against the base bridge and the served model -------------------------------------------------
@@ -248,7 +309,10 @@ def test_worker_maps_a_store_load_with_its_adapters_mapper():
 def test_kvbridge_serve_lora_bridge_options(tmp_path, capsys):
     from hf_kvbridge.integrations.vllm.serve import lora_bridge_options, serve_main
 
-    assert lora_bridge_options(["sql=b/sql", "chat=org/b-chat"]) == {"sql": "b/sql", "chat": "org/b-chat"}
+    assert lora_bridge_options(["sql=b/sql", "chat=org/b-chat"]) == {
+        "sql": AdapterBridge("b/sql"),
+        "chat": AdapterBridge("org/b-chat"),
+    }
     for bad in (["sql"], ["=b"], ["sql="], ["sql=a", "sql=b"]):
         with pytest.raises(ServingConfigError, match="--lora-bridge"):
             lora_bridge_options(bad)
@@ -264,6 +328,40 @@ def test_kvbridge_serve_lora_bridge_options(tmp_path, capsys):
     config = json.loads(printed.split("--kv-transfer-config ")[1].split(" --")[0].strip("'"))
     assert config["kv_connector_extra_config"]["lora_bridges"] == {"sql": "b-sql"}
     assert "--enable-lora" in printed
+
+
+def test_kvbridge_serve_lora_bridge_at_a_revision(tmp_path, capsys):
+    """`--lora-bridge NAME=ID@REVISION`: the text after the first "@" pins the Hub revision, unless the whole text
+    is a path that exists here (a folder with an "@" in its name is taken whole)."""
+    from hf_kvbridge.integrations.vllm.serve import lora_bridge_options, serve_main
+
+    assert lora_bridge_options(["sql=org/b-sql@v1", "chat=org/b-chat@refs/pr/3", "db=org/b-db"]) == {
+        "sql": AdapterBridge("org/b-sql", "v1"),
+        "chat": AdapterBridge("org/b-chat", "refs/pr/3"),
+        "db": AdapterBridge("org/b-db"),
+    }
+    folder = tmp_path / "sql@v1"
+    folder.mkdir()
+    assert lora_bridge_options([f"sql={folder}"]) == {"sql": AdapterBridge(str(folder))}  # an existing folder wins
+    refusals = {
+        f"sql={tmp_path}@v1": "which has no revision 'v1'",  # a folder that exists, and a revision: refused
+        "sql=org/b-sql@": "needs both a bridge and a revision",
+        "sql=@v1": "needs both a bridge and a revision",
+    }
+    for option, expected in refusals.items():
+        with pytest.raises(ServingConfigError, match="--lora-bridge") as error:
+            lora_bridge_options([option])
+        assert expected in str(error.value) and "\n" not in str(error.value), option
+    bridge = tmp_path / "bridge"
+    KVBridgeConfig(source_name_or_path="pocket/pocket-s", target_name_or_path="pocket/pocket-l").save_pretrained(
+        bridge
+    )
+    argv = [str(bridge), "--lora-bridge", "sql=org/b-sql@v1", "--lora-bridge", f"raw={folder}"]
+    assert serve_main([*argv, "--enable-lora", "--print"]) == 0
+    printed = capsys.readouterr().out
+    config = json.loads(printed.split("--kv-transfer-config ")[1].split(" --")[0].strip("'"))
+    lora_bridges = config["kv_connector_extra_config"]["lora_bridges"]
+    assert lora_bridges == {"sql": {"bridge": "org/b-sql", "revision": "v1"}, "raw": str(folder)}
 
 
 def test_connector_checks_lora_bridges_at_start_up(tmp_path):
@@ -304,3 +402,136 @@ def test_connector_checks_lora_bridges_at_start_up(tmp_path):
                                                          with_lora, layout)  # fmt: skip
     assert set(adapters) == set(salts) == {"sql", "chat"} and str(adapters["sql"][1]) == bridges["sql"]
     assert len(set(salts.values())) == 2 and all(salt.startswith("kvbridge:") for salt in salts.values())
+
+
+def _hub_cache_repo(cache, repo: str, revisions: dict[str, KVBridgeConfig]) -> dict[str, str]:
+    """A Hub cache as huggingface_hub lays it out (`models--org--name/{refs/REF, snapshots/COMMIT/}`), one commit per
+    ref holding `config` saved: `{ref: commit}`."""
+    import hashlib
+
+    repo_dir = cache / f"models--{repo.replace('/', '--')}"
+    (repo_dir / "refs").mkdir(parents=True, exist_ok=True)
+    commits = {}
+    for ref, config in revisions.items():
+        commits[ref] = hashlib.sha1(f"{repo}@{ref}".encode()).hexdigest()
+        config.save_pretrained(repo_dir / "snapshots" / commits[ref])
+        (repo_dir / "refs" / ref).write_text(commits[ref])
+    return commits
+
+
+def test_connector_reads_an_adapters_bridge_at_its_revision(tmp_path, monkeypatch):
+    """`KVBridgeConnector._adapter_bridges` resolves an adapter's Hub bridge at its revision with huggingface_hub's
+    own code (a local Hub cache, offline): `main` holds a bridge of the base bridge's source, `v1` one of another
+    source. Unpinned, the adapter is accepted from main's snapshot; pinned to v1 it is refused (v1's config was read);
+    pinned to main's commit it is main's snapshot. Two revisions with the same files get two cache salts; the start-up
+    log line names the revision; a revision not in the cache is not found (no network call)."""
+    pytest.importorskip("vllm")
+    import logging
+
+    from huggingface_hub import constants
+    from transformers import AutoConfig
+
+    from hf_kvbridge.errors import CheckpointNotFoundError
+    from hf_kvbridge.integrations.vllm.connector import KVBridgeConnector
+    from hf_kvbridge.utils.layout import KVLayout
+
+    assert constants.HF_HUB_OFFLINE  # conftest: nothing may touch the network
+    cache = tmp_path / "hub-cache"
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    commits = _hub_cache_repo(
+        cache, "org/b-sql", {"main": _config(), "v1": _config(source="pocket/pocket-m"), "v2": _config()}
+    )
+    snapshots = cache / "models--org--b-sql" / "snapshots"
+    layout = KVLayout.from_config(AutoConfig.from_pretrained(pocket.model_path("pocket-l")))
+    with_lora = SimpleNamespace(lora_config=object(), scheduler_config=SimpleNamespace(async_scheduling=False))
+
+    def adapter_bridges(lora_bridges):
+        fake = SimpleNamespace(
+            settings=connector_settings({"bridge": "base", "lora_bridges": lora_bridges, "source_weights": True}),
+            bridge_ref="base", import_config=_config(), _role=None,
+        )  # fmt: skip
+        fake._check_mapping_config = lambda *args: KVBridgeConnector._check_mapping_config(fake, *args)
+        return KVBridgeConnector._adapter_bridges(fake, with_lora, layout)
+
+    adapters, _ = adapter_bridges({"sql": "org/b-sql"})
+    assert adapters["sql"].folder == snapshots / commits["main"] and adapters["sql"].spec == AdapterBridge("org/b-sql")
+    with pytest.raises(ServingConfigError, match=r"adapter 'sql': its bridge's source is pocket/pocket-m, not"):
+        adapter_bridges({"sql": {"bridge": "org/b-sql", "revision": "v1"}})
+    adapters, _ = adapter_bridges({"sql": {"bridge": "org/b-sql", "revision": commits["main"]}})
+    assert adapters["sql"].folder == snapshots / commits["main"]
+
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = logging.getLogger("vllm.hf_kvbridge")
+    logger.addHandler(handler)
+    level = logger.level
+    logger.setLevel(logging.INFO)
+    try:
+        adapters, salts = adapter_bridges({"sql": "org/b-sql", "chat": {"bridge": "org/b-sql", "revision": "v2"}})
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    assert adapters["chat"].folder == snapshots / commits["v2"] and salts["sql"] != salts["chat"]
+    assert any("chat (bridge org/b-sql@v2), sql (bridge org/b-sql)" in record.getMessage() for record in records)
+
+    with pytest.raises(CheckpointNotFoundError, match=r"not in the local Hub cache"):
+        adapter_bridges({"sql": {"bridge": "org/b-sql", "revision": "v3"}})
+    with pytest.raises(ServingConfigError, match=r"local folder .* has no revision 'v1'"):
+        adapter_bridges({"sql": {"bridge": str(snapshots / commits["main"]), "revision": "v1"}})
+
+
+def test_worker_loads_each_adapters_mapper_from_the_folder_read_at_start_up(monkeypatch):
+    """`load_adapter_bridges` loads each adapter's mapper from the folder the start-up checks read (a Hub bridge's
+    snapshot of its pinned revision), with the config they checked, beside the base bridge's source and target
+    (a stand-in `from_pretrained` records its arguments)."""
+    pytest.importorskip("vllm")
+    import torch
+
+    from hf_kvbridge.integrations.vllm.worker import load_adapter_bridges
+    from hf_kvbridge.modeling import KVBridgeForCausalLM
+
+    calls = []
+
+    def from_pretrained(folder, **kwargs):
+        calls.append((folder, kwargs))
+        return SimpleNamespace(mapper=torch.nn.Linear(2, 2), reverse="reverse")
+
+    monkeypatch.setattr(KVBridgeForCausalLM, "from_pretrained", from_pretrained)
+    base = SimpleNamespace(source="source", target="target")
+    config = _config()
+    snapshot = "hub-cache/models--org--b-sql/snapshots/0123"
+    loaded = load_adapter_bridges(base, {"sql": AdapterMapping(config, snapshot, AdapterBridge("org/b-sql", "v1"))})
+    assert calls == [(snapshot, {"source_model": "source", "target_model": "target", "config": config})]
+    assert loaded["sql"].reverse is None
+
+
+def test_kvbridge_serve_bridge_revision_reads_the_base_bridge_at_it(tmp_path, monkeypatch, capsys):
+    """`kvbridge serve ID --bridge-revision REV`: the served model is read from the base bridge's config at REV
+    (`main` bridges into pocket-l, `v1` into pocket-m, in a local Hub cache, offline) and the connector gets REV;
+    vllm serve's own `--revision` (the served model's) passes through untouched."""
+    import shlex
+
+    from huggingface_hub import constants
+
+    from hf_kvbridge.integrations.vllm.serve import serve_main
+
+    cache = tmp_path / "hub-cache"
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    base = {"source_name_or_path": "pocket/pocket-s"}
+    revisions = {
+        "main": KVBridgeConfig(**base, target_name_or_path="pocket/pocket-l"),
+        "v1": KVBridgeConfig(**base, target_name_or_path="pocket/pocket-m"),
+    }
+    _hub_cache_repo(cache, "org/base", revisions)
+
+    def served(*options):
+        assert serve_main(["org/base", *options, "--print"]) == 0
+        command = shlex.split(capsys.readouterr().out)
+        config = json.loads(command[command.index("--kv-transfer-config") + 1])
+        return command[command.index("serve") + 1], config["kv_connector_extra_config"].get("revision"), command
+
+    assert served()[:2] == (str(pocket.model_path("pocket-l")), None)
+    model, revision, command = served("--bridge-revision", "v1", "--revision", "model-rev")
+    assert (model, revision) == (str(pocket.model_path("pocket-m")), "v1")
+    assert command[command.index("--revision") + 1] == "model-rev"
