@@ -3,7 +3,6 @@ backend's own cache-update op, and reading slots back (the quality gate), with t
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -134,10 +133,9 @@ def block_rows(layer: nn.Module) -> tuple[list[tuple[torch.Tensor, int]], int] |
     return _BLOCK_ROWS[key]
 
 
-def slot_rows(layer: nn.Module, slots: torch.Tensor, num_blocks: int | None = None) -> SlotRows:
+def slot_rows(layer: nn.Module, slots: torch.Tensor) -> SlotRows:
     """The rows of `layer`'s cache that hold the keys and values of `slots` (`(T,)`), for `gather_slots`. The same
-    `SlotRows` reads every layer of the same layout (`same_layout`). With `num_blocks`, the rows are those of a copy
-    of `num_blocks` of the cache's block pages (`copy_pages`; `slots` then number the copy's blocks)."""
+    `SlotRows` reads every layer of the same layout (`same_layout`)."""
     kv_cache = layer.kv_cache
     codes = fp8_format(layer)
     if codes is not None and not (_cpu_backend(layer) and kv_cache.dim() == 4):
@@ -154,10 +152,9 @@ def slot_rows(layer: nn.Module, slots: torch.Tensor, num_blocks: int | None = No
     sides, page = found
     blocks, offsets = slots // block_size, slots % block_size  # (T,) each
     rows, runs = [], []
-    numel = kv_cache.numel() if num_blocks is None else num_blocks * page * (1 if kv_cache.dim() == 4 else 2)
     for rows_in_block, run in sides:
         side_rows = blocks.view(1, -1, 1) * (page // run) + rows_in_block[:, offsets]  # (H, T, d / run)
-        index_dtype = torch.int32 if numel // run < 2**31 else torch.long
+        index_dtype = torch.int32 if kv_cache.numel() // run < 2**31 else torch.long
         rows.append(side_rows.flatten().to(device=kv_cache.device, dtype=index_dtype))
         runs.append(run)
     return SlotRows((rows[0], rows[1]), (runs[0], runs[1]), shape, slots)
@@ -167,11 +164,7 @@ def gather_slots(layer: nn.Module, rows: SlotRows, out: torch.Tensor | None = No
     """The keys and values at `rows` of `layer`'s cache, `(2, kv_heads, T, head_dim)` in the cache's own dtype (an
     fp8 cache's `uint8` codes, not dequantized): one `index_select` for the keys and one for the values, of exactly
     the slots' elements (into `out`, a contiguous tensor of that shape and dtype, if given)."""
-    return _gather(layer.kv_cache, rows, out)
-
-
-def _gather(kv_cache: torch.Tensor, rows: SlotRows, out: torch.Tensor | None = None) -> torch.Tensor:
-    """`gather_slots` from `kv_cache` (a layer's cache, or a copy of some of its block pages: `copy_pages`)."""
+    kv_cache = layer.kv_cache
     if rows.rows is None:  # a strided cache (FlashAttention-style layout): indexed per half
         block_size = kv_cache.shape[2]
         blocks, offsets = rows.slots // block_size, rows.slots % block_size
@@ -197,67 +190,6 @@ def read_layers(layers: Sequence[nn.Module], slots: torch.Tensor) -> list[torch.
             found[key] = slot_rows(layer, slots)
         out.append(gather_slots(layer, found[key]))
     return out
-
-
-class PageCopy:
-    """A step's read of some slots of several layers in two halves (`copy_pages`): on the engine's step, a copy of
-    each layer's block pages that hold the slots (one `index_select` of whole pages a layer: a plain memory copy, so
-    the step never waits for the kernels' layouts to be transposed, since vLLM may give the blocks to another request
-    once the step ends); off it (the store's writer thread: `finish`, which the export's `ready` calls), the slots'
-    own keys and values picked out of the copies into `out`, per layer `(2, kv_heads, T, head_dim)` in the cache's
-    dtype (an fp8 cache's `uint8` codes), as `read_layers` gives them. Until `finish` has run, `out` holds nothing.
-
-    Example:
-
-    ```python
-    >>> from types import SimpleNamespace
-    >>> cache = torch.arange(2 * 2 * 16 * 2 * 2.0).view(2, 2, 16, 2, 2)  # FlashAttention-style: (2, blocks, 16, H, d)
-    >>> read = copy_pages([SimpleNamespace(kv_cache=cache, impl=object())], torch.tensor([3, 17]))
-    >>> read.finish(); read.out[0].shape
-    torch.Size([2, 2, 2, 2])
-    ```
-    """
-
-    def __init__(self, pages: list[torch.Tensor] | None, rows: list[SlotRows] | None, out: list[torch.Tensor]):
-        self.pages, self.rows, self.out = pages, rows, out
-        self._lock = threading.Lock()
-
-    def finish(self) -> None:
-        """Fills `out` from the page copies (once; any thread; later calls return at once) and frees the copies.
-        Under inference mode: the engine's step made `out` there (an inference tensor, which only inference mode may
-        write into), and the writer thread runs outside it."""
-        with self._lock, torch.inference_mode():
-            if self.pages is None:
-                return
-            for pages, rows, out in zip(self.pages, self.rows, self.out, strict=True):
-                _gather(pages, rows, out)
-            self.pages = self.rows = None
-
-
-def copy_pages(layers: Sequence[nn.Module], slots: torch.Tensor) -> PageCopy:
-    """The first half of a read of `slots` (`(T,)`) of each of `layers` (`PageCopy`): the block pages that hold them
-    copied, one `index_select` of whole pages a layer (each block once, in the order of `torch.unique`), the rows of
-    the slots in the copies found once per layout. A cache off the CPU (a GPU's: its read is staged to pinned host
-    buffers on the step's stream, `staging.stage_export`) or of another layout (FlashAttention-style) is read whole
-    at once (`read_layers`), and `finish` has nothing left to do."""
-    first = layers[0].kv_cache
-    if first.device.type != "cpu" or first.dim() != 4 or not first.is_contiguous():
-        return PageCopy(None, None, read_layers(layers, slots))
-    slots = slots.to(torch.long).cpu()
-    block_size = first.shape[2]
-    blocks, local = torch.unique(slots // block_size, return_inverse=True)  # (B,), (T,): the copy's block of a slot
-    local_slots = local * block_size + slots % block_size  # (T,) slots of the copy
-    found: dict[tuple, SlotRows] = {}
-    pages, rows, out = [], [], []
-    for layer in layers:
-        key = _layout_key(layer)
-        if key not in found:
-            found[key] = slot_rows(layer, local_slots, num_blocks=len(blocks))
-        kv_cache = layer.kv_cache
-        pages.append(kv_cache.index_select(0, blocks.to(kv_cache.device)))  # (B, H, block_size, 2d): the step's copy
-        rows.append(found[key])
-        out.append(torch.empty(found[key].shape, dtype=kv_cache.dtype, device=kv_cache.device))  # (2, H, T, d)
-    return PageCopy(pages, rows, out)
 
 
 FP8_FORMATS = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}

@@ -22,7 +22,7 @@ from ...utils.cache import append_layer, output_cache, slice_cache
 from .adapters import AdapterMapping
 from .export import ShardGeometry, export_sharded, task_views, unpack
 from .metadata import BridgeLoad, GateCheck, KVBridgeConnectorMetadata, KVBridgeWorkerMetadata
-from .paged_cache import copy_pages, engine_scales, fp8_format, read_slots, reads_back, slots_of, write_layer
+from .paged_cache import engine_scales, fp8_format, read_layers, read_slots, reads_back, slots_of, write_layer
 from .rotary import RotaryOnlyTarget
 from .scatter import cache_of, rank_buffers, scatter_from_first_rank, sent_tokens, stack_kv
 from .tensor_parallel import HeadShard, mean_over_ranks, slice_heads
@@ -444,12 +444,10 @@ class BridgeWorker:
             self._finished_sending.update(task.req_id for task in meta.exports if task.finished)
 
     def _export(self, tasks, layers: list[nn.Module]) -> None:
-        """The step's export `tasks` on a TP 1 engine: the block pages that hold every task's slots copied at once
-        (`copy_pages`: one `index_select` of whole pages a layer, a plain memory copy; the step's one copy, made
-        before the step returns since vLLM may give the blocks to another request in the next step), each task
-        handed to the writer thread as views of the read `(2, H, T_all, d)` a layer, which the writer thread fills
-        from the pages (`PageCopy.finish`, the export's `ready`: the kernels' layouts transposed off the step) before
-        it encodes (an fp8 cache's codes, dequantized there: `save(scales=...)`)."""
+        """The step's export `tasks` on a TP 1 engine: every task's slots read at once (`read_layers`: one
+        `index_select` a layer of exactly the exported tokens' K/V, into `(2, H, T_all, d)`; the step's one copy,
+        made before the step returns since vLLM may give the blocks to another request in the next step), each task
+        handed to the writer thread as views of it (an fp8 cache's codes, dequantized there: `save(scales=...)`)."""
         from ..kv_store.staging import stage_export
 
         slots, ready = [], []
@@ -462,8 +460,7 @@ class BridgeWorker:
         if not ready:
             return
         try:
-            read = copy_pages(layers, torch.cat(slots))  # the pages now; per layer (2, H, T_all, d) on the writer
-            kv = read.out
+            kv = read_layers(layers, torch.cat(slots))  # per layer (2, H, T_all, d), the cache's dtype
             codes = fp8_format(layers[0])
             scales = None if codes is None else [engine_scales(layer) for layer in layers]
         except Exception as error:
@@ -477,14 +474,9 @@ class BridgeWorker:
             try:
                 keys, values = task_views(kv, begin, offset, codes)  # (H, T, d) views, each head's tokens contiguous
                 staged = stage_export(keys, values)  # a GPU's: to pinned host buffers, not waited for here
-
-                def filled(read=read, staged=staged) -> None:  # on the writer thread: the read finished, then staged
-                    read.finish()
-                    staged.wait()
-
                 chunks = self.exports.save(
                     task.token_ids, staged.keys, staged.values, start=task.start, salt=task.salt, tail=task.tail,
-                    ready=filled, scales=scales,
+                    ready=staged.wait, scales=scales,
                 )  # fmt: skip
                 self.count(chunks_exported=chunks, partials_exported=int(task.tail), tokens_exported=tokens)
             except Exception as error:  # an export never fails the request: the store just lacks these chunks

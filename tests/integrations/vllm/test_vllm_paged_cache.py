@@ -9,7 +9,6 @@ as it wrote, and one that loses values is refused."""
 
 from __future__ import annotations
 
-import threading
 from types import SimpleNamespace
 
 import pytest
@@ -262,39 +261,6 @@ def test_the_slot_gather_reads_what_the_whole_block_read_did():
         for slots in tasks:
             want_keys, want_values = old_read_slots(layer, slots)
             for kv in both:
-                part = kv[:, :, offset : offset + len(slots)].transpose(1, 2)  # (2, T, H, d)
-                assert torch.equal(part[0], want_keys) and torch.equal(part[1], want_values), name
-            offset += len(slots)
-
-
-def test_the_page_copy_reads_on_the_writer_what_the_cache_held_at_the_step():
-    """`copy_pages` (the export's step: whole block pages copied) then `PageCopy.finish` (the writer thread: the
-    slots picked out of the copies): bit-identical to the old whole-block read on every layout and block size, for
-    several tasks at once with partial blocks and a block two tasks share; and what the cache held when the step
-    copied, even after vLLM has written other requests' K/V into those blocks (the cache zeroed before `finish`),
-    the copy made under inference mode (the step's) and finished on another thread outside it (the writer's)."""
-    from hf_kvbridge.integrations.vllm.paged_cache import copy_pages
-
-    for name, layer, dtype in _layouts():
-        block_size = layer.kv_cache.shape[2]
-        _filled(layer, BLOCKS * block_size, dtype)
-        tasks = [
-            slots_of([4, 0, 5, 2], block_size, 3, 3 * block_size + 5),  # partial first and last blocks
-            slots_of([1], block_size, block_size - 1, block_size),  # one token, a block's last
-            slots_of([5, 3], block_size, 0, 2 * block_size),  # whole blocks, block 5 shared with the first task
-        ]
-        want = [old_read_slots(layer, slots) for slots in tasks]
-        with torch.inference_mode():  # as the engine's step runs
-            read = copy_pages([layer, layer], torch.cat(tasks))
-        layer.kv_cache.zero_()  # the blocks given to other requests after the step
-        writer = threading.Thread(target=read.finish)  # the store's writer thread, outside inference mode
-        writer.start()
-        writer.join()
-        read.finish()  # a second task of the same step: nothing left to do
-        offset = 0
-        for slots, (want_keys, want_values) in zip(tasks, want, strict=True):
-            for kv in read.out:
-                assert kv.dtype == layer.kv_cache.dtype, name
                 part = kv[:, :, offset : offset + len(slots)].transpose(1, 2)  # (2, T, H, d)
                 assert torch.equal(part[0], want_keys) and torch.equal(part[1], want_values), name
             offset += len(slots)
