@@ -71,6 +71,7 @@ class BridgeScheduler:
         self._pending: dict[str, tuple[Request, int, int]] = {}  # allocated, to be sent to the worker
         self._outcomes: dict[str, dict[str, Any]] = {}  # req_id → what the worker did
         self._sent: dict[str, dict[str, Any]] = {}  # req_id → the load sent to the worker (its outcome until known)
+        self._earlier: dict[str, list[str]] = {}  # req_id → the statuses of its loads before a preemption
         self._refused: dict[str, str] = {}  # req_id → why its flag was refused (served unbridged)
         self._unsupported: dict[str, str] = {}  # req_id → why it cannot be bridged nor exported (LoRA, embeds)
         self._lookups: dict[str, Any] = {}  # req_id → what the store holds of its prompt (one lookup per request)
@@ -255,6 +256,9 @@ class BridgeScheduler:
         self._pending.clear()
         for load in meta.loads:
             self.count(requests_claimed=1, tokens_claimed=load.end - load.start)
+            if load.req_id in self._sent:  # preempted after a load and loaded again: its first tokens came from that
+                earlier = self._outcomes.pop(load.req_id, None) or self._sent[load.req_id]
+                self._earlier.setdefault(load.req_id, []).append(earlier["status"])
             # A request can finish in the step of its load, before the worker's outcome reaches
             # update_connector_output; a failed load never finishes in that step (vLLM reschedules it), so until told
             # otherwise it was mapped.
@@ -364,7 +368,10 @@ class BridgeScheduler:
     def request_finished(self, request: Request, block_ids=None) -> tuple[bool, dict[str, Any] | None]:
         """The request's status (its output's `kv_transfer_params["kvbridge"]`), and whether vLLM must keep its blocks
         one more step: an exported request whose K/V end inside a chunk exports that partial chunk in the next step
-        (the worker reads it from these blocks, then reports the request in `finished_sending`)."""
+        (the worker reads it from these blocks, then reports the request in `finished_sending`). A request that vLLM
+        preempted after a load and loaded again on resuming has the status of its last load, and `earlier_loads`, the
+        statuses of the loads before (its tokens until the preemption came from those caches: a `fallback`, the
+        target's own)."""
         req_id = request.request_id
         self._claims.pop(req_id, None)
         self._salts.pop(req_id, None)
@@ -378,6 +385,7 @@ class BridgeScheduler:
         refused = self._refused.pop(req_id, None)
         unsupported = self._unsupported.pop(req_id, None)
         mapper = self._mapper.pop(req_id, None)
+        earlier = self._earlier.pop(req_id, None)
         delay = False
         if refused is not None:
             status = {"status": "refused", "mapped_tokens": 0, "reason": refused}
@@ -397,6 +405,8 @@ class BridgeScheduler:
             status = dict(outcome)
             if mapper is not None and status["status"] != "target":  # never passed off as the base bridge's map
                 status["mapper"] = mapper
+            if earlier:  # the status is its last load's; the tokens before its preemption came from these
+                status["earlier_loads"] = earlier
         if routed and status is not None:
             status["router"] = routed
             logger.info(

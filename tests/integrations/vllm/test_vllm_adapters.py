@@ -256,6 +256,53 @@ def test_scheduler_bridges_a_lora_request_with_its_adapters_mapper():
     assert counts["requests_adapter_mapper"] == 1 and counts["requests_unsupported"] == 1
 
 
+def test_a_request_loaded_again_after_a_preemption_says_what_its_earlier_loads_were():
+    """vLLM's own `Request` through the scheduler: a load that falls back (the target recomputes the prompt), a
+    preemption, and a load again on resuming (mapped): the status is the last load's, with `earlier_loads:
+    ["fallback"]` (the tokens before the preemption came from the target's own cache); a request loaded once has
+    none."""
+    from types import SimpleNamespace
+
+    from vllm import SamplingParams
+    from vllm.v1.request import Request
+
+    from hf_kvbridge import KVBridgeConfig
+    from hf_kvbridge.integrations.vllm import BridgeScheduler, bridged
+
+    _, count = _counter()
+    scheduler = BridgeScheduler(KVBridgeConfig(), hold_back=1, requests_mode="opt_in", salt_tag="base", count=count)
+    params = SamplingParams(max_tokens=4, extra_args=bridged())
+    requests = {name: Request(name, list(range(100)), params, None) for name in ("twice", "once")}
+    for request in requests.values():
+        request.kv_transfer_params = params.extra_args["kv_transfer_params"]
+        scheduler.on_new_request(request)
+
+    def load(names, resumed=False):
+        for name in names:
+            scheduler.update_state_after_alloc(
+                requests[name], scheduler.get_num_new_matched_tokens(requests[name], 0)[0]
+            )
+        blocks = ([0, 1, 2, 3],)
+        new = [] if resumed else [SimpleNamespace(req_id=name, block_ids=blocks) for name in names]
+        resumed_names = list(names) if resumed else []
+        cached = SimpleNamespace(req_ids=resumed_names, resumed_req_ids=set(resumed_names),
+                                 new_block_ids=[blocks] * len(resumed_names))  # fmt: skip
+        output = SimpleNamespace(num_scheduled_tokens=dict.fromkeys(names, 1), scheduled_new_reqs=new,
+                                 scheduled_cached_reqs=cached)  # fmt: skip
+        return scheduler.build_connector_meta(output).loads
+
+    assert len(load(["twice", "once"])) == 2
+    fallback = {"status": "fallback", "mapped_tokens": 0, "reason": "KV store: fetch failed"}
+    scheduler.update_connector_output(
+        SimpleNamespace(kv_connector_worker_meta=SimpleNamespace(outcomes={"twice": fallback}))  # fmt: skip
+    )
+    assert len(load(["twice"], resumed=True)) == 1  # preempted, then resumed: claimed and loaded again
+    twice = scheduler.request_finished(requests["twice"], [])[1]["kvbridge"]
+    once = scheduler.request_finished(requests["once"], [])[1]["kvbridge"]
+    assert twice["status"] == "mapped" and twice["mapped_tokens"] == 99 and twice["earlier_loads"] == ["fallback"]
+    assert once["status"] == "mapped" and "earlier_loads" not in once
+
+
 def test_worker_maps_a_load_with_its_adapters_mapper():
     pytest.importorskip("vllm")
     from hf_kvbridge.integrations.vllm import BridgeLoad, BridgeWorker

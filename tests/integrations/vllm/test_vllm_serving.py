@@ -651,18 +651,24 @@ def test_burst_completes_and_outputs_equal_the_same_prompt_alone(burst, server):
     failed = [(job, r) for job, r in zip(burst["jobs"], burst["results"]) if r[0] != "ok"]
     assert not failed, (failed, server.tail())
     assert burst["seconds"] < BURST_S
-    mapped_from_scratch, apart = 0, 0.0
+    mapped_from_scratch, apart, mixed = 0, 0.0, []
     for (i, flag), (_, reply) in zip(burst["jobs"], burst["results"]):
         reference = burst["reference"][(i, flag)]
         if flag:  # mapped again under load (the prefix cache may have kept some of its own salted blocks)
-            context = (LENGTHS[i], flag, reference.outcome)
-            apart = max(apart, _same_tokens(reply, _through(burst, i, reply.outcome), context))
+            why = _mixed_cache(burst, i, reply.outcome)
+            if why is not None:
+                mixed.append((LENGTHS[i], why))
+            else:
+                context = (LENGTHS[i], flag, reference.outcome)
+                apart = max(apart, _same_tokens(reply, _through(burst, i, reply.outcome), context))
             if reply.outcome["status"] == "mapped":
                 mapped_from_scratch += reply.outcome["start"] == 0
         else:
             apart = max(apart, _same_tokens(reply, reference, (LENGTHS[i], flag)))
             assert reply.outcome is None
-    print(f"\nburst against each prompt alone: chosen tokens' logprobs up to {apart:.2g} nats apart")
+    print(f"\nburst against each prompt alone: chosen tokens' logprobs up to {apart:.2g} nats apart; not comparable "
+          f"to one path: {mixed}")  # fmt: skip
+    assert len(mixed) <= len(burst["jobs"]) // 4, mixed  # most bridged requests are checked token for token
     assert mapped_from_scratch >= 1  # KV pressure evicted blocks: some bridged requests mapped their whole prompt
     # the check has teeth: the bridge's tokens differ from the target's alone for some prompt
     ref = burst["reference"]
@@ -677,6 +683,33 @@ def _same_tokens(got: Reply, want: Reply, context) -> float:
     assert agreement.within(BATCH_TIE), (context, got.outcome, str(agreement), got.tokens, want.tokens)
     agreeing = len(got.tokens) if agreement.same else agreement.first_difference
     return max((abs(g[t] - w[t]) for g, w, t in zip(got.top[:agreeing], want.top, got.tokens)), default=0.0)
+
+
+def _fell_back(burst) -> set[int]:
+    """The prompts one of whose bridged requests fell back in the burst or the wave after it (a fetch failed as a
+    master went away), or did so before a preemption (`earlier_loads`)."""
+    out = set()
+    for i, result in [*((i, r) for (i, flag), r in zip(burst["jobs"], burst["results"]) if flag),
+                      *zip(WARM, burst["second"])]:  # fmt: skip
+        outcome = result[1].outcome if result[0] == "ok" else None
+        if outcome and "fallback" in (outcome["status"], *outcome.get("earlier_loads", ())):
+            out.add(i)
+    return out
+
+
+def _mixed_cache(burst, i, outcome) -> str | None:
+    """Why a bridged request's tokens are no single path's (nothing here gives them alone), or `None`:
+    - it was preempted after a load that was not mapped and loaded again (`earlier_loads`): its first tokens came from
+      the target's own cache (a load mapped before the preemption maps the same source K/V as the last one);
+    - it started on prefix-cache blocks (`start` > 0) of a prompt that fell back: vLLM recomputes a failed load's
+      blocks with the target and keeps them under the bridged salt, so they may hold the target's own K/V (measured
+      on 2026-12-06: a second-wave request of 110 tokens served exactly the target's own K/V of [0, 96) and its map
+      of [96, 109), status start 96, 13 tokens mapped)."""
+    if any(status != "mapped" for status in outcome.get("earlier_loads", ())):
+        return f"loaded again after a preemption (earlier: {outcome['earlier_loads']})"
+    if outcome.get("start", 0) > 0 and i in _fell_back(burst):
+        return "prefix-cache blocks of a prompt that fell back"
+    return None
 
 
 def _through(burst, i, outcome) -> Reply:
@@ -716,7 +749,8 @@ def test_warm_prompts_map_from_the_store_and_fall_back_when_masters_go_away(burs
             assert left > 0 and outcome["start"] + outcome["mapped_tokens"] == min(left, LENGTHS[i] - 1), outcome
         elif outcome["status"] == "mapped":
             assert left == 0 and outcome["source"] == "prefill", outcome
-        _same_tokens(reply, _through(burst, i, outcome), (LENGTHS[i], "second wave"))
+        if _mixed_cache(burst, i, outcome) is None:
+            _same_tokens(reply, _through(burst, i, outcome), (LENGTHS[i], "second wave"))
 
 
 def test_kv_pressure_made_vllm_preempt(burst):
