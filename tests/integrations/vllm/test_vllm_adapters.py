@@ -261,6 +261,7 @@ def test_a_request_loaded_again_after_a_preemption_says_what_its_earlier_loads_w
     preemption, and a load again on resuming (mapped): the status is the last load's, with `earlier_loads:
     ["fallback"]` (the tokens before the preemption came from the target's own cache); a request loaded once has
     none."""
+    pytest.importorskip("vllm")
     from types import SimpleNamespace
 
     from vllm import SamplingParams
