@@ -412,6 +412,19 @@ def test_kvbridge_serve_lora_bridge_at_a_revision(tmp_path, capsys):
     assert lora_bridges == {"sql": {"bridge": "org/b-sql", "revision": "v1"}, "raw": str(folder)}
 
 
+def _connector(lora_bridges):
+    """A stand-in of a target `KVBridgeConnector` (base bridge "base", `_config()`'s source) with `lora_bridges`, on
+    which the connector's own start-up methods run (`_adapter_bridges`, `_check_mapping_config`)."""
+    from hf_kvbridge.integrations.vllm.connector import KVBridgeConnector
+
+    fake = SimpleNamespace(
+        settings=connector_settings({"bridge": "base", "lora_bridges": lora_bridges, "source_weights": True}),
+        bridge_ref="base", import_config=_config(), _role=None,
+    )  # fmt: skip
+    fake._check_mapping_config = lambda *args: KVBridgeConnector._check_mapping_config(fake, *args)
+    return fake
+
+
 def test_connector_checks_lora_bridges_at_start_up(tmp_path):
     """`KVBridgeConnector._adapter_bridges`, what the connector runs at start-up, on vLLM's config values: an engine
     without LoRA is refused, an adapter bridge of another source is refused (one line naming the adapter), and the
@@ -429,24 +442,16 @@ def test_connector_checks_lora_bridges_at_start_up(tmp_path):
 
     layout = KVLayout.from_config(AutoConfig.from_pretrained(pocket.model_path("pocket-l")))
 
-    def connector(lora_bridges):
-        fake = SimpleNamespace(
-            settings=connector_settings({"bridge": "base", "lora_bridges": lora_bridges, "source_weights": True}),
-            bridge_ref="base", import_config=_config(), _role=None,
-        )  # fmt: skip
-        fake._check_mapping_config = lambda *args: KVBridgeConnector._check_mapping_config(fake, *args)
-        return fake
-
     with_lora = SimpleNamespace(lora_config=object(), scheduler_config=SimpleNamespace(async_scheduling=False))
     without_lora = SimpleNamespace(lora_config=None, scheduler_config=with_lora.scheduler_config)
-    fake = connector({"sql": bridges["sql"]})
+    fake = _connector({"sql": bridges["sql"]})
     with pytest.raises(ServingConfigError, match=r"does not serve lora_bridges .* on an engine without LoRA"):
         KVBridgeConnector._adapter_bridges(fake, without_lora, layout)
-    assert KVBridgeConnector._adapter_bridges(connector({}), without_lora, layout) == ({}, {})
-    fake = connector({"sql": bridges["sql"], "other": bridges["other"]})
+    assert KVBridgeConnector._adapter_bridges(_connector({}), without_lora, layout) == ({}, {})
+    fake = _connector({"sql": bridges["sql"], "other": bridges["other"]})
     with pytest.raises(ServingConfigError, match=r"lora_bridges\): adapter 'other': its bridge's source is pocket/"):
         KVBridgeConnector._adapter_bridges(fake, with_lora, layout)
-    adapters, salts = KVBridgeConnector._adapter_bridges(connector({"sql": bridges["sql"], "chat": bridges["chat"]}),
+    adapters, salts = KVBridgeConnector._adapter_bridges(_connector({"sql": bridges["sql"], "chat": bridges["chat"]}),
                                                          with_lora, layout)  # fmt: skip
     assert set(adapters) == set(salts) == {"sql", "chat"} and str(adapters["sql"][1]) == bridges["sql"]
     assert len(set(salts.values())) == 2 and all(salt.startswith("kvbridge:") for salt in salts.values())
@@ -494,12 +499,7 @@ def test_connector_reads_an_adapters_bridge_at_its_revision(tmp_path, monkeypatc
     with_lora = SimpleNamespace(lora_config=object(), scheduler_config=SimpleNamespace(async_scheduling=False))
 
     def adapter_bridges(lora_bridges):
-        fake = SimpleNamespace(
-            settings=connector_settings({"bridge": "base", "lora_bridges": lora_bridges, "source_weights": True}),
-            bridge_ref="base", import_config=_config(), _role=None,
-        )  # fmt: skip
-        fake._check_mapping_config = lambda *args: KVBridgeConnector._check_mapping_config(fake, *args)
-        return KVBridgeConnector._adapter_bridges(fake, with_lora, layout)
+        return KVBridgeConnector._adapter_bridges(_connector(lora_bridges), with_lora, layout)
 
     adapters, _ = adapter_bridges({"sql": "org/b-sql"})
     assert adapters["sql"].folder == snapshots / commits["main"] and adapters["sql"].spec == AdapterBridge("org/b-sql")
