@@ -98,14 +98,37 @@ class MovedError(KVBridgeError, ImportError):
 
 
 def moved_name(module: str, name: str, moves: dict[str, str]):
-    """The module `__getattr__` of a runtime module whose fitting names moved: `name` from its new module `moves[name]`
-    once the fitting side is imported (the runtime never imports it), a `MovedError` naming that module before."""
+    """What the module `__getattr__` of a runtime module whose fitting names moved returns: `name` from its new module
+    `moves[name]` once the fitting side is imported (the runtime never imports it), a `MovedError` naming that module
+    before."""
     new = moves.get(name)
     if new is None:
         raise AttributeError(f"module {module!r} has no attribute {name!r}")
     if new in sys.modules:
         return getattr(sys.modules[new], name)
     raise MovedError(f"{module}.{name} moved to {new}.{name} (the fitting side): import it from there")
+
+
+def moved_names(module: str, names, new: str):
+    """The module `__getattr__` of `module`, whose `names` moved to module `new` (`moved_name` for each).
+
+    Example:
+
+    ```python
+    >>> __getattr__ = moved_names("old.place", ("fit",), "new.place")
+    >>> try:
+    ...     __getattr__("fit")
+    ... except MovedError as error:
+    ...     print(error)
+    old.place.fit moved to new.place.fit (the fitting side): import it from there
+    ```
+    """
+    moves = dict.fromkeys(names, new)
+
+    def __getattr__(name: str):
+        return moved_name(module, name, moves)
+
+    return __getattr__
 
 
 def renamed_name(module: str, name: str, renames: dict[str, Any]):

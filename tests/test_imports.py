@@ -343,7 +343,6 @@ def _bound_names(statements: list[ast.stmt]) -> tuple[set[str], list[str], bool]
     for node in statements:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
             names.add(node.name)
-            lazy = lazy or node.name == "__getattr__"
         elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
             targets = node.targets if isinstance(node, ast.Assign) else [node.target]
             for target in targets:
@@ -369,7 +368,7 @@ def _bound_names(statements: list[ast.stmt]) -> tuple[set[str], list[str], bool]
                     names |= more
                     stars += more_stars
                     lazy = lazy or more_lazy
-    return names, stars, lazy
+    return names, stars, lazy or "__getattr__" in names  # a `def` or `__getattr__ = moved_names(...)`
 
 
 def _module_names(module: str, root: Path, seen: frozenset[str] = frozenset()) -> set[str] | None:
@@ -549,11 +548,13 @@ def test_the_import_checker_sees_missing_modules_and_names(tmp_path):
     (pkg / "__init__.py").write_text("from .layout import KVLayout\n__all__ = ['KVLayout', 'later']\n")
     (pkg / "layout.py").write_text("import os\nif os:\n    KVLayout = 1\nclass Other:\n    pass\n")
     (pkg / "lazy.py").write_text("def __getattr__(name):\n    return name\n")
+    (pkg / "moved.py").write_text("__getattr__ = str\n")  # as `moved_names` builds one
     (pkg / "tools" / "__init__.py").write_text("")
     (pkg / "tools" / "bench.py").write_text(
         "from .. import layout, tools, later\n"
         "from ..layout import Other, Missing\n"
         "from ..lazy import anything\n"
+        "from ..moved import anything_else\n"
         "def f():\n"
         "    from hf_kvbridge.bench import run\n"
         "    import hf_kvbridge.tools.bench, hf_kvbridge.nope\n"
@@ -562,8 +563,8 @@ def test_the_import_checker_sees_missing_modules_and_names(tmp_path):
     (tmp_path / "tests" / "test_x.py").write_text("from hf_kvbridge import KVLayout, Gone\nfrom .conftest import x\n")
     assert unresolved_imports(pkg / "tools" / "bench.py", tmp_path) == [
         "2: from ..layout import Missing: hf_kvbridge.layout has no Missing",
-        "5: from hf_kvbridge.bench import ...: no module hf_kvbridge.bench",
-        "6: import hf_kvbridge.nope: no such module",
+        "6: from hf_kvbridge.bench import ...: no module hf_kvbridge.bench",
+        "7: import hf_kvbridge.nope: no such module",
     ]
     assert unresolved_imports(tmp_path / "tests" / "test_x.py", tmp_path) == [
         "1: from hf_kvbridge import Gone: hf_kvbridge has no Gone"

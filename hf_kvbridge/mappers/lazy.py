@@ -23,8 +23,8 @@ class LazyKVMapper(KVMapper):
 
     Args:
         selected_layers, num_kv_heads, head_dim, head_mode: as for [`KVMapper`].
-        files (`list[Path]`): the checkpoint's mapper weight files (one, or the shards), already verified.
-        target_kv_heads, target_head_dim (`int`, *optional*): as for [`KVMapper`].
+        files (`list[Path]`, keyword only): the checkpoint's mapper weight files (one, or the shards), verified.
+        kv_mode, target_kv_heads, target_head_dim (*optional*): as for [`KVMapper`].
 
     Example:
 
@@ -37,18 +37,9 @@ class LazyKVMapper(KVMapper):
     groupable = False  # one target layer's weights in memory at a time
     max_chunk_bytes = None  # the whole sequence at once: each layer's weights are read once per mapping
 
-    def __init__(
-        self,
-        selected_layers,
-        num_kv_heads: int,
-        head_dim: int,
-        head_mode: str,
-        files: list[Path],
-        kv_mode="joint",
-        **target_heads,
-    ):
+    def __init__(self, *layout, files: list[Path], **options):
         with torch.device("meta"):  # shapes and dtype only: no memory
-            super().__init__(selected_layers, num_kv_heads, head_dim, head_mode, kv_mode=kv_mode, **target_heads)
+            super().__init__(*layout, **options)
         self._where: dict[str, Path] = {}
         for path in files:
             with safe_open(str(path), framework="pt") as handle:

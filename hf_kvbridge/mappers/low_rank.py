@@ -19,7 +19,7 @@ import math
 import torch
 from torch import nn
 
-from ..errors import MapperError, moved_name
+from ..errors import MapperError, moved_names
 from .base import KVMapper, MapperType
 
 
@@ -41,7 +41,7 @@ class LowRankKVMapper(KVMapper):
 
     Args:
         selected_layers, num_kv_heads, head_dim, head_mode: as for [`KVMapper`].
-        rank (`int`): the rank of every target layer's (and, in `same_head` mode, every head's) map. With
+        rank (`int`, keyword only): the rank of every target layer's (and, in `same_head` mode, every head's) map. With
             `kv_mode="separate"` that map is block-diagonal (keys from keys, values from values) and each block gets
             half of it, `⌈rank/2⌉`, so it costs half the joint map's weights and FLOPs, as the full maps do.
         kv_mode, target_kv_heads, target_head_dim (*optional*): as for [`KVMapper`].
@@ -58,20 +58,11 @@ class LowRankKVMapper(KVMapper):
     ```
     """
 
-    def __init__(
-        self,
-        selected_layers,
-        num_kv_heads: int,
-        head_dim: int,
-        head_mode: str,
-        rank: int,
-        kv_mode: str = "joint",
-        **target_heads,
-    ):
+    def __init__(self, *layout, rank: int, **options):
         if rank < 1:
             raise MapperError(f"rank must be ≥ 1, got {rank}")
         self.rank = int(rank)
-        super().__init__(selected_layers, num_kv_heads, head_dim, head_mode, kv_mode=kv_mode, **target_heads)
+        super().__init__(*layout, **options)
 
     @classmethod
     def from_config(cls, config, layout) -> LowRankKVMapper:
@@ -144,16 +135,12 @@ class LowRankKVMapper(KVMapper):
         return torch.baddbmm(bias, hidden, up, out=result)
 
 
+# fitted by hf_kvbridge.fitting.mapper_fits.low_rank.fit_low_rank; not linear (no lazy loading)
 MAPPER = MapperType(
     "low_rank",
     LowRankKVMapper,
-    fit=None,  # hf_kvbridge.fitting.mapper_fits.low_rank.fit_low_rank (the fitting side)
-    linear=False,
     description="each ridge map reduced to rank `rank` (two factors): fewer FLOPs and bytes",
 )
 
 
-def __getattr__(name: str):
-    return moved_name(
-        __name__, name, dict.fromkeys(("reduce_rank", "fit_low_rank"), "hf_kvbridge.fitting.mapper_fits.low_rank")
-    )
+__getattr__ = moved_names(__name__, ("reduce_rank", "fit_low_rank"), "hf_kvbridge.fitting.mapper_fits.low_rank")

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from ..constants import MLP_LOSSES
-from ..errors import moved_name
+from ..errors import moved_names
 from .base import KVMapper, MapperType
 
 logger = logging.getLogger(__name__)
@@ -64,9 +64,9 @@ class MLPKVMapper(KVMapper):
 
     Args:
         selected_layers, num_kv_heads, head_dim, head_mode: as for [`KVMapper`].
-        hidden (`int`, *optional*, defaults to `256`): hidden width of each target layer's (head's, in `same_head`
-            mode) MLP; with `kv_mode="separate"` the keys' and the values' MLPs get `⌈hidden/2⌉` each, so the
-            residual costs half the joint one's weights and FLOPs, as the ridge part does.
+        hidden (`int`, *optional*, defaults to `256`; keyword only): hidden width of each target layer's (head's,
+            in `same_head` mode) MLP; with `kv_mode="separate"` the keys' and the values' MLPs get `⌈hidden/2⌉`
+            each, so the residual costs half the joint one's weights and FLOPs, as the ridge part does.
         kv_mode, target_kv_heads, target_head_dim (*optional*): as for [`KVMapper`].
 
     Example:
@@ -82,17 +82,8 @@ class MLPKVMapper(KVMapper):
 
     groupable = False  # map_layer adds a nonlinear residual per layer
 
-    def __init__(
-        self,
-        selected_layers: list[list[int]],
-        num_kv_heads: int,
-        head_dim: int,
-        head_mode: str,
-        hidden: int = 256,
-        kv_mode: str = "joint",
-        **target_heads,
-    ):
-        super().__init__(selected_layers, num_kv_heads, head_dim, head_mode, kv_mode=kv_mode, **target_heads)
+    def __init__(self, *layout, hidden: int = 256, **options):
+        super().__init__(*layout, **options)
         self.hidden = int(hidden)
         group_hidden = self.hidden if self.kv_mode == "joint" else -(-self.hidden // 2)
         self.residuals = nn.ModuleList(
@@ -115,7 +106,7 @@ class MLPKVMapper(KVMapper):
             linear.source_kv_heads,
             linear.source_head_dim,
             linear.head_mode,
-            hidden,
+            hidden=hidden,
             kv_mode=linear.kv_mode,
             **linear.head_kwargs(),
         )
@@ -202,14 +193,12 @@ def rows_from_layout(mapper: KVMapper, mapped: torch.Tensor) -> torch.Tensor:
     return kv.reshape(n, -1)  # (N, H·2d)
 
 
+# fitted by hf_kvbridge.fitting.mapper_fits.mlp.train_mlp_mapper; not linear (no lazy loading)
 MAPPER = MapperType(
     "mlp",
     MLPKVMapper,
-    fit=None,  # hf_kvbridge.fitting.mapper_fits.mlp.train_mlp_mapper (the fitting side)
-    linear=False,
     description="a residual MLP per target layer on top of the ridge map, trained on the calibration windows",
 )
 
 
-def __getattr__(name: str):
-    return moved_name(__name__, name, {"train_mlp_mapper": "hf_kvbridge.fitting.mapper_fits.mlp"})
+__getattr__ = moved_names(__name__, ("train_mlp_mapper",), "hf_kvbridge.fitting.mapper_fits.mlp")

@@ -4,7 +4,7 @@ the weighted fit is `hf_kvbridge.fitting.mapper_fits.weighted.fit_attention_weig
 
 from __future__ import annotations
 
-from ..errors import moved_name
+from ..errors import moved_names
 from .base import KVMapper, MapperType
 
 MAPPER = MapperType(
@@ -16,9 +16,6 @@ MAPPER = MapperType(
 )
 
 
-def __getattr__(name: str):
-    return moved_name(
-        __name__,
-        name,
-        dict.fromkeys(("attention_mass", "fit_attention_weighted"), "hf_kvbridge.fitting.mapper_fits.weighted"),
-    )
+__getattr__ = moved_names(
+    __name__, ("attention_mass", "fit_attention_weighted"), "hf_kvbridge.fitting.mapper_fits.weighted"
+)

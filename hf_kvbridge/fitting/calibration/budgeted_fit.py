@@ -9,7 +9,7 @@ import os
 import torch
 from transformers import PreTrainedModel
 
-from ...errors import moved_name
+from ...errors import moved_names
 from ...mappers import KVMapper
 from ...utils.layout import hidden_size
 from ...utils.source_features import SourceFeatures, source_blocks
@@ -310,6 +310,5 @@ def fit_in_passes(
     return fitted, statistics
 
 
-def __getattr__(name: str):
-    # `fit_bridge_in_passes` (the bridge built from `fit_in_passes`) moved up to `calibrate`
-    return moved_name(__name__, name, {"fit_bridge_in_passes": "hf_kvbridge.fitting.calibration.calibrate"})
+# `fit_bridge_in_passes` (the bridge built from `fit_in_passes`) moved up to `calibrate`
+__getattr__ = moved_names(__name__, ("fit_bridge_in_passes",), "hf_kvbridge.fitting.calibration.calibrate")

@@ -13,7 +13,7 @@ from transformers import PreTrainedModel
 
 from ...configuration import KVBridgeConfig
 from ...constants import HEAD_MODES
-from ...errors import ConfigurationError, moved_name
+from ...errors import ConfigurationError, moved_names
 from ...mappers import KVMapper
 from ...mappers.residual import ResidualMapper
 from ...utils.source_features import SourceFeatures, check_feature_modes, source_blocks
@@ -176,8 +176,5 @@ def bridge_fit(
     return BridgeFit(mapper, config, r2)
 
 
-def __getattr__(name: str):
-    # the functions that build a bridge moved up to `calibrate` (the fitting side below it returns fits)
-    return moved_name(
-        __name__, name, dict.fromkeys(("fit_bridge", "assemble_bridge"), "hf_kvbridge.fitting.calibration.calibrate")
-    )
+# the functions that build a bridge moved up to `calibrate` (the fitting side below it returns fits)
+__getattr__ = moved_names(__name__, ("fit_bridge", "assemble_bridge"), "hf_kvbridge.fitting.calibration.calibrate")

@@ -39,7 +39,7 @@ def low_rank_from_statistics(
     """Solves each ridge problem, as [`KVMapper.from_statistics`] (same λ, one number or per layer, same groups
     for `head_mode` and `kv_mode`), and keeps its best rank-`rank` part."""
     key = stats.shape_key
-    mapper = cls(selected_layers, *key[2:4], head_mode, rank, kv_mode=kv_mode, **target_heads_of(key))
+    mapper = cls(selected_layers, *key[2:4], head_mode, rank=rank, kv_mode=kv_mode, **target_heads_of(key))
     for t in range(len(mapper.selected_layers)):
         layer = mapper.layers[t]
         for g, x_idx, y_idx, weight, _ in mapper.ridge_solutions(stats, t, ridge_lambda):

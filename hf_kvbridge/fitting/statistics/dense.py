@@ -34,20 +34,11 @@ class KVStatistics(GlobalLayerIndex, StatisticsFile, LayerPairStatistics):
     ```
     """
 
-    def __init__(
-        self,
-        source_layers: int,
-        target_layers: int,
-        num_kv_heads: int,
-        head_dim: int,
-        device: torch.device | str | None = None,
-        *,
-        target_kv_heads: int | None = None,
-        target_head_dim: int | None = None,
-    ):
-        heads = {"target_kv_heads": target_kv_heads, "target_head_dim": target_head_dim}
-        super().__init__(source_layers, target_layers, num_kv_heads, head_dim, torch.float64, device, **heads)
-        f, g = source_layers * self.x_row, target_layers * self.y_row  # x_row, y_row: features of one layer
+    def __init__(self, *layout, device: torch.device | str | None = None, **named):
+        if len(layout) == 5:  # `device` given fifth
+            layout, device = layout[:4], layout[4]
+        super().__init__(*layout, dtype=torch.float64, device=device, **named)  # the layout is declared there
+        f, g = self.source_layers * self.x_row, self.target_layers * self.y_row  # x_row, y_row: features per layer
         kw = {"dtype": self.dtype, "device": self.device}
         self.count = 0
         self.x_sum = torch.zeros(f, **kw)

@@ -308,20 +308,12 @@ class ChunkEncoder:
         return ChunkPayload([struct.pack("<Q", len(text)) + text, *data])
 
 
-def encode_chunk_views(
-    keys: Sequence[torch.Tensor],
-    values: Sequence[torch.Tensor],
-    *,
-    model_id: str,
-    start: int,
-    token_ids: Sequence[int],
-    encoding: str = DEFAULT_ENCODING,
-) -> ChunkPayload:
+def encode_chunk_views(keys, values, *, model_id: str, encoding: str = DEFAULT_ENCODING, **position) -> ChunkPayload:
     """Serializes one chunk of K/V (every layer, the same tokens) for the store without copying its tensors
     (`ChunkEncoder`): the payload's parts are the header and views into the tensors. Its bytes are exactly
     `encode_chunk`'s.
 
-    Args: as `encode_chunk`.
+    Args: as `encode_chunk` (`position`: its `start` and `token_ids`, which `ChunkEncoder.encode` takes).
 
     Returns:
         `ChunkPayload`: the parts of the safetensors payload; `bytes(payload)` joins them.
@@ -336,7 +328,7 @@ def encode_chunk_views(
     ```
     """
     encoder = ChunkEncoder(keys, values, model_id=model_id, encoding=encoding)
-    return encoder.encode(0, encoder.tokens, start=start, token_ids=token_ids)
+    return encoder.encode(0, encoder.tokens, **position)
 
 
 def encode_chunk(
@@ -374,8 +366,9 @@ def encode_chunk(
     True
     ```
     """
-    return bytes(encode_chunk_views(keys, values, model_id=model_id, start=start, token_ids=token_ids,
-                                    encoding=encoding))  # fmt: skip
+    return bytes(
+        encode_chunk_views(keys, values, model_id=model_id, encoding=encoding, start=start, token_ids=token_ids)
+    )
 
 
 def _parse(payload) -> tuple[dict, dict[str, str], int]:

@@ -140,7 +140,7 @@ def random_mapper_bridge(
         else:
             from ...mappers.low_rank import LowRankKVMapper
 
-            mapper = LowRankKVMapper(selected, src.num_kv_heads, src.head_dim, head_mode, rank)
+            mapper = LowRankKVMapper(selected, src.num_kv_heads, src.head_dim, head_mode, rank=rank)
     with torch.no_grad():
         for name, weight in mapper.named_parameters():
             if not name.endswith("bias"):
