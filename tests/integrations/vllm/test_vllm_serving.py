@@ -437,12 +437,14 @@ def burst(server, prompts, store, source_model_id):
         f"server RSS {before['rss'] >> 20} → {after['rss'] >> 20} MiB ({after['rss'] / before['rss'] - 1:+.1%}); "
         f"store killed after {killed_at} of {len(done)} results; bridged paths {paths}"
     )
-    return {
+    found = {
         "reference": reference, "jobs": jobs, "results": results, "abort_results": abort_results,
         "before": before, "after": after, "final": final, "seconds": seconds, "cold": cold,
         "second": second_results, "killed_at": killed_at,
         "left": left, "partial": partial,
     }  # fmt: skip
+    found["fell_back"] = _fell_back(found)  # once, for every request `_mixed_cache` asks about
+    return found
 
 
 def _masters_to_lose(cluster, prompts, model_id):
@@ -707,7 +709,7 @@ def _mixed_cache(burst, i, outcome) -> str | None:
       of [96, 109), status start 96, 13 tokens mapped)."""
     if any(status != "mapped" for status in outcome.get("earlier_loads", ())):
         return f"loaded again after a preemption (earlier: {outcome['earlier_loads']})"
-    if outcome.get("start", 0) > 0 and i in _fell_back(burst):
+    if outcome.get("start", 0) > 0 and i in burst["fell_back"]:
         return "prefix-cache blocks of a prompt that fell back"
     return None
 
