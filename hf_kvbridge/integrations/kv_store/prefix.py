@@ -239,6 +239,7 @@ class PrefixKVStore:
         tail: bool = True,
         ready: Callable[[], None] | None = None,
         scales: Sequence[tuple[float, float]] | None = None,
+        done: Callable[[], None] | None = None,
     ) -> int:
         """Writes every whole chunk inside tokens `[start, start + T)` of `token_ids`, and (with `tail`) the partial
         chunk after the last of them: its sub-chunks and its remainder, which expire after `partial_ttl_s`.
@@ -261,6 +262,9 @@ class PrefixKVStore:
                 `fp8_e4m3`, e4m3 codes are stored as they are with the layer's scale as each head's (not quantized
                 twice); otherwise they are dequantized to float32 (`encodings.dequantize_codes`) on the writer
                 thread, not on the caller's (`ChunkEncoder`).
+            done (callable, *optional*): called once when `keys`/`values` are no longer read: after the writes (on
+                the writer thread, whatever they did), at once when the writer drops the save, or when the save is
+                refused (raises); what gives a `staging.StagingPool` lease back.
 
         Returns:
             `int`: whole chunks written (stored ones skipped), or with a writer queued (all those in the range; the
@@ -269,6 +273,27 @@ class PrefixKVStore:
         With a writer, everything (the question of what is stored, the encoding, the writes) runs on its thread: the
         tensors must not change until it has written them.
         """
+        try:
+            job, nbytes, chunks = self._save_job(
+                token_ids, keys, values, start, salt, skip_stored, tail, ready, scales
+            )
+        except BaseException:
+            if done is not None:
+                done()
+            raise
+        if done is not None:
+            job = _then(job, done)
+        if self.writer is None:
+            return job()
+        if self.writer.submit_job(job, nbytes=nbytes):
+            return chunks
+        if done is not None:
+            done()
+        return 0
+
+    def _save_job(self, token_ids, keys, values, start, salt, skip_stored, tail, ready, scales):
+        """`save`'s checks, then `(job, nbytes, chunks)`: the callable that writes, its bytes for the writer's queue
+        limit, and the whole chunks in the range."""
         tokens = as_token_list(token_ids)
         span = _check_kv(keys, values, "PrefixKVStore.save")
         size = self.chunk_size
@@ -328,10 +353,7 @@ class PrefixKVStore:
             at_once(calls)
             return sum(not partial for *_, partial in wanted)
 
-        if self.writer is None:
-            return job()
-        nbytes = sum(t.numel() * t.element_size() for t in (*keys, *values))
-        return last - first if self.writer.submit_job(job, nbytes=nbytes) else 0
+        return job, sum(t.numel() * t.element_size() for t in (*keys, *values)), last - first
 
     def _writer_deadline(self) -> float | None:
         """The deadline of a save's question of what is stored: the store's bulk one (a save runs on the writer
@@ -514,3 +536,15 @@ def _leading(sizes: list[int]) -> int:
     while count < len(sizes) and sizes[count] > 0:
         count += 1
     return count
+
+
+def _then(job: Callable[[], int], done: Callable[[], None]) -> Callable[[], int]:
+    """`job`, then `done` whatever `job` did."""
+
+    def run() -> int:
+        try:
+            return job()
+        finally:
+            done()
+
+    return run

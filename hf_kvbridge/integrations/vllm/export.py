@@ -22,7 +22,7 @@ from torch import nn
 from vllm.logger import init_logger
 
 from ...errors import KVLayoutError
-from .paged_cache import dequantize, engine_scales, fp8_format, read_layers, slots_of
+from .paged_cache import dequantize, engine_scales, fp8_format, read_layers, read_nbytes, slots_of
 from .tensor_parallel import HeadShard
 
 logger = init_logger("vllm.hf_kvbridge")
@@ -218,3 +218,63 @@ def export_sharded(
                 "KVBridgeConnector: export of request %s tokens %d..%d failed: %s: %s",
                 task.req_id, task.start, task.end, type(error).__name__, error,
             )  # fmt: skip
+
+
+def export_local(
+    tasks: Sequence[Any], layers: Sequence[nn.Module], *, block_size: int, exports, count: Callable[..., None], pool
+) -> None:
+    """A step's export `tasks` (`metadata.ExportTask`) on a TP 1 engine: every task's slots read at once
+    (`read_layers`: one `index_select` a layer of exactly the exported tokens' K/V, into `(2, H, T_all, d)`; the
+    step's one copy, made before the step returns since vLLM may give the blocks to another request in the next
+    step; on a CPU into a buffer of `pool`, a `staging.StagingPool`, which each task's save gives back once written,
+    dropped or refused), each task handed to `exports` (a `PrefixKVStore`, its writer thread) as views of it (an fp8
+    cache's codes, dequantized there: `save(scales=...)`). What fails is counted (`export_errors`) and logged, never
+    raised: an export never fails the request."""
+    from ..kv_store.staging import stage_export
+
+    def failed(task, error: Exception) -> None:
+        count(export_errors=1)
+        logger.warning(
+            "KVBridgeConnector: export of request %s tokens %d..%d failed: %s: %s",
+            task.req_id, task.start, task.end, type(error).__name__, error,
+        )  # fmt: skip
+
+    slots, ready = [], []
+    for task in tasks:
+        try:
+            slots.append(slots_of(task.block_ids, block_size, task.start, task.end))  # (T,)
+            ready.append(task)
+        except Exception as error:
+            failed(task, error)
+    if not ready:
+        return
+    lease = None
+    try:
+        if layers[0].kv_cache.device.type == "cpu":  # a GPU's read is staged to pinned buffers (`stage_export`)
+            lease = pool.lease(read_nbytes(layers, sum(map(len, slots))), users=len(ready))
+        kv = read_layers(layers, torch.cat(slots), None if lease is None else lease.buffer)  # (2, H, T_all, d) each
+        codes = fp8_format(layers[0])
+        scales = None if codes is None else [engine_scales(layer) for layer in layers]
+    except Exception as error:
+        for task in ready:
+            if lease is not None:
+                lease.release()
+            failed(task, error)
+        return
+    offset = 0
+    for task, task_slots in zip(ready, slots, strict=True):
+        tokens, begin, done = len(task_slots), offset, None if lease is None else lease.release
+        offset += tokens
+        try:
+            keys, values = task_views(kv, begin, offset, codes)  # (H, T, d) views, each head's tokens contiguous
+            staged = stage_export(keys, values)  # a GPU's: to pinned host buffers, not waited for here
+            handed, done = done, None  # from here the save calls it (written, dropped or refused)
+            chunks = exports.save(
+                task.token_ids, staged.keys, staged.values, start=task.start, salt=task.salt, tail=task.tail,
+                ready=staged.wait, scales=scales, done=handed,
+            )  # fmt: skip
+            count(chunks_exported=chunks, partials_exported=int(task.tail), tokens_exported=tokens)
+        except Exception as error:
+            if done is not None:
+                done()
+            failed(task, error)

@@ -3,6 +3,7 @@ backend's own cache-update op, and reading slots back (the quality gate), with t
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -58,21 +59,36 @@ def _cpu_backend(layer: nn.Module) -> bool:
 
 
 @dataclass(frozen=True)
+class TokenRuns:
+    """How `gather_slots` reads a side stored token-major (the CPU kernels' keys: a block's tokens side by side for
+    each head and dimension): `segments` runs of one block each (`rows`: `(kv_heads · segments · head_dim,)` rows of
+    `block_size` elements, a whole block's tokens), then `pieces` `(first, last, offset, tokens, at)`: segments
+    `[first, last)`, from token `offset` of each, `tokens` of them in all, copied transposed to token `at` of the
+    read. Consecutive whole blocks are one piece."""
+
+    segments: int
+    block_size: int
+    pieces: tuple[tuple[int, int, int, int, int], ...]
+
+
+@dataclass(frozen=True)
 class SlotRows:
     """Where the keys and values of some slots lie in a layer's paged cache: the keys in the cache seen as rows of
     `runs[0]` elements (`kv_cache.view(-1, runs[0])`), at rows `rows[0]` (`(kv_heads · T · head_dim / runs[0],)`, in
     the order of a `(kv_heads, T, head_dim)` read: each head's tokens side by side, so that a head's run of tokens
-    is one contiguous piece the store sends as it is), and the values likewise (`runs[1]`, `rows[1]`). `rows` is
-    `None` where the cache is not one flat block of memory: then `slots` (`(T,)`) are read by indexing
+    is one contiguous piece the store sends as it is), and the values likewise (`runs[1]`, `rows[1]`); a side
+    stored token-major is read in rows of whole blocks instead (`tokens[i]`, a `TokenRuns`; `None` otherwise).
+    `rows` is `None` where the cache is not one flat block of memory: then `slots` (`(T,)`) are read by indexing
     (`gather_slots`)."""
 
     rows: tuple[torch.Tensor, torch.Tensor] | None
     runs: tuple[int, int]
     shape: tuple[int, int, int, int]
     slots: torch.Tensor
+    tokens: tuple[TokenRuns | None, TokenRuns | None] = (None, None)
 
 
-_BLOCK_ROWS: dict[tuple, tuple[list[tuple[torch.Tensor, int]], int]] = {}
+_BLOCK_ROWS: dict[tuple, tuple[list[tuple[torch.Tensor, int, bool]], int]] = {}
 
 
 def _layout_key(layer: nn.Module) -> tuple:
@@ -86,14 +102,16 @@ def _layout_key(layer: nn.Module) -> tuple:
     )  # fmt: skip
 
 
-def block_rows(layer: nn.Module) -> tuple[list[tuple[torch.Tensor, int]], int] | None:
-    """`([(rows_in_block, run) for keys, then values], elements_per_block)` of `layer`'s cache: seen as rows of
-    `run` elements (`kv_cache.view(-1, run)`), block `b`'s offset `o` holds head `h`'s keys (or values) in rows
-    `b * elements_per_block / run + rows_in_block[h, o]` (`rows_in_block`: `(kv_heads, block_size, head_dim /
-    run)`). `run` is the longest power of two dividing `head_dim` whose pieces of a key (or value) lie side by side
-    in the cache (`head_dim` for a row per token and head, as the CPU kernels store values; 1 for their keys, stored
-    dimension-major). `None` for a cache that is not contiguous. Raises `NotImplementedError` for a layout
-    `read_slots` cannot read."""
+def block_rows(layer: nn.Module) -> tuple[list[tuple[torch.Tensor, int, bool]], int] | None:
+    """`([(rows_in_block, run, token_major) for keys, then values], elements_per_block)` of `layer`'s cache: seen
+    as rows of `run` elements (`kv_cache.view(-1, run)`), block `b`'s offset `o` holds head `h`'s keys (or values)
+    in rows `b * elements_per_block / run + rows_in_block[h, o]` (`rows_in_block`: `(kv_heads, block_size, head_dim
+    / run)`). `run` is the longest power of two dividing `head_dim` whose pieces of a key (or value) lie side by side
+    in the cache (`head_dim` for a row per token and head, as the CPU kernels store values). A side whose keys'
+    (or values') dimensions lie apart but whose block's tokens lie side by side for each head and dimension (the
+    CPU kernels' keys, dimension-major) is `token_major`: `run` is then `block_size`, and `rows_in_block`
+    (`(kv_heads, head_dim)`) the row of each head's dimension in its block. `None` for a cache that is not
+    contiguous. Raises `NotImplementedError` for a layout `read_slots` cannot read."""
     kv_cache = layer.kv_cache
     paged = kv_cache.dim() == 5 and kv_cache.shape[0] == 2  # FlashAttention-style: (2, blocks, block_size, H, d)
     if not (_cpu_backend(layer) and kv_cache.dim() == 4) and not paged:
@@ -128,7 +146,12 @@ def block_rows(layer: nn.Module) -> tuple[list[tuple[torch.Tensor, int]], int] |
             if bool((pieces[..., 0] % run == 0).all()) and bool((pieces == pieces[..., :1] + torch.arange(run)).all()):
                 break
             run //= 2
-        sides.append((side.reshape(*side.shape[:-1], head_dim // run, run)[..., 0] // run, run))
+        first = side[:, 0]  # (H, d): where each head's dimension starts in the block
+        along = torch.arange(block_size).view(1, -1, 1)
+        if run == 1 and bool((first % block_size == 0).all()) and bool((side == first.unsqueeze(1) + along).all()):
+            sides.append((first // block_size, block_size, True))  # a row of the block's tokens a head and dim
+            continue
+        sides.append((side.reshape(*side.shape[:-1], head_dim // run, run)[..., 0] // run, run, False))
     _BLOCK_ROWS[key] = (sides, page)
     return _BLOCK_ROWS[key]
 
@@ -151,13 +174,38 @@ def slot_rows(layer: nn.Module, slots: torch.Tensor) -> SlotRows:
         return SlotRows(None, (head_dim, head_dim), shape, slots.to(kv_cache.device))
     sides, page = found
     blocks, offsets = slots // block_size, slots % block_size  # (T,) each
-    rows, runs = [], []
-    for rows_in_block, run in sides:
-        side_rows = blocks.view(1, -1, 1) * (page // run) + rows_in_block[:, offsets]  # (H, T, d / run)
+    rows, runs, tokens = [], [], []
+    for rows_in_block, run, token_major in sides:
         index_dtype = torch.int32 if kv_cache.numel() // run < 2**31 else torch.long
+        if token_major:
+            runs_of_tokens, segment_blocks = token_runs(blocks, offsets, block_size)
+            side_rows = segment_blocks.view(1, -1, 1) * (page // run) + rows_in_block.unsqueeze(1)  # (H, S, d)
+        else:
+            runs_of_tokens = None
+            side_rows = blocks.view(1, -1, 1) * (page // run) + rows_in_block[:, offsets]  # (H, T, d / run)
         rows.append(side_rows.flatten().to(device=kv_cache.device, dtype=index_dtype))
         runs.append(run)
-    return SlotRows((rows[0], rows[1]), (runs[0], runs[1]), shape, slots)
+        tokens.append(runs_of_tokens)
+    return SlotRows((rows[0], rows[1]), (runs[0], runs[1]), shape, slots, (tokens[0], tokens[1]))
+
+
+def token_runs(blocks: torch.Tensor, offsets: torch.Tensor, block_size: int) -> tuple[TokenRuns, torch.Tensor]:
+    """The slots `blocks * block_size + offsets` (`(T,)` each) as runs within one block each (`TokenRuns`), and the
+    block of each run (`(S,)`)."""
+    starts = torch.ones(len(blocks), dtype=torch.bool)  # a run starts where the block changes or a slot is skipped
+    starts[1:] = (blocks[1:] != blocks[:-1]) | (offsets[1:] != offsets[:-1] + 1)
+    first = starts.nonzero().flatten()  # (S,): each run's first token in the read
+    lengths = torch.diff(first, append=torch.tensor([len(blocks)]))
+    pieces, at = [], 0
+    for segment, (offset, tokens) in enumerate(zip(offsets[first].tolist(), lengths.tolist(), strict=True)):
+        last = pieces[-1] if pieces else None
+        whole = offset == 0 and tokens == block_size
+        if whole and last is not None and last[2] == 0 and last[3] == (last[1] - last[0]) * block_size:
+            pieces[-1] = (last[0], segment + 1, 0, last[3] + tokens, last[4])  # another whole block: one copy
+        else:
+            pieces.append((segment, segment + 1, offset, tokens, at))
+        at += tokens
+    return TokenRuns(len(first), block_size, tuple(pieces)), blocks[first]
 
 
 def gather_slots(layer: nn.Module, rows: SlotRows, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -172,24 +220,52 @@ def gather_slots(layer: nn.Module, rows: SlotRows, out: torch.Tensor | None = No
         return kv if out is None else out.copy_(kv)
     if out is None:
         out = torch.empty(rows.shape, dtype=kv_cache.dtype, device=kv_cache.device)
-    for side, side_rows, run in zip(out, rows.rows, rows.runs, strict=True):  # keys, then values
+    for side, side_rows, run, runs in zip(out, rows.rows, rows.runs, rows.tokens, strict=True):  # keys, then values
+        if runs is not None:  # token-major: whole blocks' rows, then each piece's tokens transposed into place
+            heads, head_dim = side.shape[0], side.shape[2]
+            read = torch.index_select(kv_cache.view(-1, run), 0, side_rows)  # (H · S · d, block_size)
+            read = read.view(heads, runs.segments, head_dim, runs.block_size)
+            for first, last, offset, tokens, at in runs.pieces:
+                segments = last - first  # (H, n, d, block_size) -> (H, tokens, d): one run, or n whole blocks
+                part = read[:, first:last, :, offset : offset + tokens // segments].transpose(2, 3)
+                side[:, at : at + tokens].view(heads, segments, tokens // segments, head_dim).copy_(part)
+            continue
         shape = (-1,) if run == 1 else (-1, run)  # single elements: a flat index_select (its fast path)
         torch.index_select(kv_cache.view(shape), 0, side_rows, out=side.view(shape))  # (H · T · d / run, run)
     return out
 
 
-def read_layers(layers: Sequence[nn.Module], slots: torch.Tensor) -> list[torch.Tensor]:
+def read_layers(
+    layers: Sequence[nn.Module], slots: torch.Tensor, buffer: torch.Tensor | None = None
+) -> list[torch.Tensor]:
     """The keys and values at `slots` (`(T,)`) of each of `layers`: per layer `(2, kv_heads, T, head_dim)` in its
     cache's own dtype (`uint8` codes for an fp8 cache: `dequantize` them, off the engine's step), one `index_select`
-    a layer; the rows of the slots are found once per layout, not once per layer."""
+    a layer; the rows of the slots are found once per layout, not once per layer. With `buffer` (flat `uint8`, at
+    least `read_nbytes(layers, T)`, e.g. a `StagingPool` lease's) the layers are read into it, one after another."""
     found: dict[tuple, SlotRows] = {}
-    out = []
+    out, offset = [], 0
     for layer in layers:
         key = _layout_key(layer)
         if key not in found:
             found[key] = slot_rows(layer, slots)
-        out.append(gather_slots(layer, found[key]))
+        place = None
+        if buffer is not None:
+            dtype, shape = layer.kv_cache.dtype, found[key].shape
+            size = math.prod(shape) * dtype.itemsize
+            place = buffer[offset : offset + size].view(dtype).view(shape)
+            offset += size
+        out.append(gather_slots(layer, found[key], place))
     return out
+
+
+def read_nbytes(layers: Sequence[nn.Module], tokens: int) -> int:
+    """Bytes `read_layers` reads for `tokens` slots of each of `layers` (each layer's keys and values)."""
+    total = 0
+    for layer in layers:
+        kv_cache = layer.kv_cache
+        blocks = kv_cache.shape[0] if kv_cache.dim() == 4 else kv_cache.shape[1]
+        total += kv_cache.numel() // (blocks * kv_cache.shape[2]) * kv_cache.dtype.itemsize * tokens
+    return total
 
 
 FP8_FORMATS = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}

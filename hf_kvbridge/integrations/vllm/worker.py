@@ -20,9 +20,14 @@ from ...transfer.plan import plan_load, plan_transfer
 from ...transfer.steps import SourceKV, TransferDecision, TransferSteps, decide, served_outcome
 from ...utils.cache import append_layer, output_cache, slice_cache
 from .adapters import AdapterMapping
-from .export import ShardGeometry, export_sharded, task_views, unpack
+from .export import ShardGeometry, export_local, export_sharded, unpack
 from .metadata import BridgeLoad, GateCheck, KVBridgeConnectorMetadata, KVBridgeWorkerMetadata
-from .paged_cache import engine_scales, fp8_format, read_layers, read_slots, reads_back, slots_of, write_layer
+from .paged_cache import (
+    read_slots,
+    reads_back,
+    slots_of,
+    write_layer,
+)
 from .rotary import RotaryOnlyTarget
 from .scatter import cache_of, rank_buffers, scatter_from_first_rank, sent_tokens, stack_kv
 from .tensor_parallel import HeadShard, mean_over_ranks, slice_heads
@@ -444,50 +449,12 @@ class BridgeWorker:
             self._finished_sending.update(task.req_id for task in meta.exports if task.finished)
 
     def _export(self, tasks, layers: list[nn.Module]) -> None:
-        """The step's export `tasks` on a TP 1 engine: every task's slots read at once (`read_layers`: one
-        `index_select` a layer of exactly the exported tokens' K/V, into `(2, H, T_all, d)`; the step's one copy,
-        made before the step returns since vLLM may give the blocks to another request in the next step), each task
-        handed to the writer thread as views of it (an fp8 cache's codes, dequantized there: `save(scales=...)`)."""
-        from ..kv_store.staging import stage_export
+        """The step's export `tasks` on a TP 1 engine (`export.export_local`), read into this worker's pool."""
+        from ..kv_store.staging import StagingPool
 
-        slots, ready = [], []
-        for task in tasks:
-            try:
-                slots.append(slots_of(task.block_ids, self.block_size, task.start, task.end))  # (T,)
-                ready.append(task)
-            except Exception as error:  # an export never fails the request: the store just lacks these chunks
-                self._export_failed(task, error)
-        if not ready:
-            return
-        try:
-            kv = read_layers(layers, torch.cat(slots))  # per layer (2, H, T_all, d), the cache's dtype
-            codes = fp8_format(layers[0])
-            scales = None if codes is None else [engine_scales(layer) for layer in layers]
-        except Exception as error:
-            for task in ready:
-                self._export_failed(task, error)
-            return
-        offset = 0
-        for task, task_slots in zip(ready, slots, strict=True):
-            tokens, begin = len(task_slots), offset
-            offset += tokens
-            try:
-                keys, values = task_views(kv, begin, offset, codes)  # (H, T, d) views, each head's tokens contiguous
-                staged = stage_export(keys, values)  # a GPU's: to pinned host buffers, not waited for here
-                chunks = self.exports.save(
-                    task.token_ids, staged.keys, staged.values, start=task.start, salt=task.salt, tail=task.tail,
-                    ready=staged.wait, scales=scales,
-                )  # fmt: skip
-                self.count(chunks_exported=chunks, partials_exported=int(task.tail), tokens_exported=tokens)
-            except Exception as error:  # an export never fails the request: the store just lacks these chunks
-                self._export_failed(task, error)
-
-    def _export_failed(self, task, error: Exception) -> None:
-        self.count(export_errors=1)
-        logger.warning(
-            "KVBridgeConnector: export of request %s tokens %d..%d failed: %s: %s",
-            task.req_id, task.start, task.end, type(error).__name__, error,
-        )  # fmt: skip
+        writer = getattr(self.exports, "writer", None)  # the pool keeps as much as the writer may queue
+        pool = self.__dict__.setdefault("_staging", StagingPool(getattr(writer, "max_pending_bytes", 256 << 20)))
+        export_local(tasks, layers, block_size=self.block_size, exports=self.exports, count=self.count, pool=pool)
 
     def _export_sharded(self, tasks, layers: list[nn.Module]) -> None:
         try:

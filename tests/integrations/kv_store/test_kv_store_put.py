@@ -187,3 +187,65 @@ def test_a_small_write_is_sent_on_the_calling_thread(server):
     finally:
         SetPipeline.execute = execute
         store.close()
+
+
+def _saved(prefix, done, ids, tokens=150):
+    """`prefix.save` of `tokens` random K/V (2 layers, 2 heads) with `done` counting its calls; returns the chunks."""
+    gen = torch.Generator().manual_seed(tokens)
+    keys = [torch.randn(2, tokens, 16, generator=gen) for _ in range(2)]
+    return prefix.save(ids[:tokens], keys, keys, start=0, done=done)
+
+
+def test_a_saves_done_is_called_once_whatever_becomes_of_it(server):
+    """`done` (what gives a staging buffer back): once after the writes (on the writer thread with one), once at
+    once when the writer drops the save, once when the save is refused, and never before the tensors are read."""
+    from hf_kvbridge.integrations.kv_store import AsyncWriter
+
+    calls: list[str] = []
+    store = RedisKVStore(server.url, timeout=2.0)
+    ids = list(range(700, 850))
+    try:
+        prefix = PrefixKVStore(store, model_id=MODEL, chunk_size=64)
+        assert _saved(prefix, lambda: calls.append(threading.current_thread().name), ids) == 2  # no writer: here
+        assert calls == [threading.current_thread().name]
+        writer = AsyncWriter(store, max_pending_bytes=1)  # one job at a time: a second one queued beside it drops
+        prefix = PrefixKVStore(store, model_id=MODEL, chunk_size=64, writer=writer)
+        gate = threading.Event()
+        writer.submit_job(gate.wait, nbytes=1)  # the writer is busy until the gate opens
+        calls.clear()
+        assert _saved(prefix, lambda: calls.append("dropped"), ids) == 0 and calls == ["dropped"]
+        gate.set()
+        assert writer.flush(timeout=30)
+        calls.clear()
+        assert _saved(prefix, lambda: calls.append(threading.current_thread().name), ids[1:] + [0]) == 2
+        assert writer.flush(timeout=30) and calls == ["kvbridge-store-writer"]
+        calls.clear()
+        with pytest.raises(ValueError, match="start must be a multiple"):
+            prefix.save(ids, [torch.zeros(2, 10, 16)], [torch.zeros(2, 10, 16)], start=3, done=lambda: calls.append(1))
+        assert calls == [1]
+        writer.close()
+    finally:
+        store.close()
+
+
+def test_the_staging_pool_reuses_buffers_given_back_and_keeps_at_most_its_limit():
+    from hf_kvbridge.integrations.kv_store.staging import StagingPool
+
+    pool = StagingPool(max_bytes=10 << 20, granule=1 << 20)
+    first = pool.lease(3 << 20, users=2)
+    second = pool.lease(3 << 20, users=1)  # the first is still lent: a new buffer
+    assert pool.allocated == 2 and first.buffer.data_ptr() != second.buffer.data_ptr()
+    first.release()
+    assert pool.free_bytes == 0  # one of its two users still reads it
+    first.release()
+    again = pool.lease((2 << 20) + 1, users=1)  # fits in the 3 MiB given back: reused, not allocated
+    assert pool.allocated == 2 and again.buffer.data_ptr() == first.buffer.data_ptr()
+    assert again.buffer.numel() == (2 << 20) + 1
+    second.release()
+    again.release()
+    big = pool.lease(9 << 20, users=1)  # larger than any free buffer
+    assert pool.allocated == 3 and pool.free_bytes == 6 << 20
+    big.release()  # 15 MiB free would pass the limit: the smallest go first
+    assert pool.free_bytes == 9 << 20
+    with pytest.raises(ValueError, match="granule > 0"):
+        StagingPool(granule=0)

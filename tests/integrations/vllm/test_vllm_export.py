@@ -143,3 +143,38 @@ def test_pack_and_unpack_round_trip_with_a_failed_task():
     assert flat.numel() == 2 + geometry.numel(3) + geometry.numel(5)  # known from the lengths alone
     got_first, got_second = unpack(flat, [3, 5], geometry)
     assert torch.equal(got_first, first) and got_second is None
+
+
+def test_the_tp1_export_reads_into_pooled_buffers_the_writer_gives_back(source_kv, server):
+    """`export_local` (a TP 1 engine's step): the step reads into a `StagingPool` buffer; once the writer has
+    written a step's tasks the buffer goes back, and the next step reads into it (no fresh pages); the entries are
+    what the TP 1 library save writes, read back equal to the source's own K/V."""
+    from hf_kvbridge.integrations.kv_store import AsyncWriter
+    from hf_kvbridge.integrations.kv_store.staging import StagingPool
+    from hf_kvbridge.integrations.vllm.export import export_local
+
+    ids, kv = source_kv
+    block_ids = [5, 2, 7, 0, 3]
+    layers = _rank_layers(kv, HeadShard.of(kv.shape[3], 0, 1), block_ids)
+    pool, counts = StagingPool(), []
+    base = _store(server, "local")
+    store = PrefixKVStore(base.store, model_id=base.model_id, chunk_size=CHUNK, writer=AsyncWriter(base.store))
+    steps = [  # two tasks in one step (one lease, two users), then a step of one task
+        [ExportTask(req_id="a", token_ids=ids, start=0, end=2 * CHUNK, block_ids=block_ids, tail=False),
+         ExportTask(req_id="b", token_ids=ids[:50], start=0, end=50, block_ids=block_ids, tail=True)],
+        [ExportTask(req_id="a", token_ids=ids, start=2 * CHUNK, end=TOKENS, block_ids=block_ids, tail=True)],
+    ]  # fmt: skip
+    buffers = []
+    for tasks in steps:
+        export_local(tasks, layers, block_size=BLOCK, exports=store, count=lambda **c: counts.append(c), pool=pool)
+        assert store.writer.flush(timeout=60)
+        buffers.append(pool._free[-1].data_ptr())  # given back once both tasks were written
+    assert pool.allocated == 1 and buffers[0] == buffers[1] and pool.free_bytes > 0
+    assert [c.get("export_errors", 0) for c in counts] == [0, 0, 0]
+    assert store.stored_tokens(ids) == TOKENS
+    got = load_cache(store, ids, TOKENS, dtype=torch.float32)
+    for mine, layer in zip(got.layers, kv, strict=True):  # (1, H, T, d) against (2, T, H, d)
+        assert torch.equal(mine.keys[0], layer[0].transpose(0, 1)) and torch.equal(
+            mine.values[0], layer[1].transpose(0, 1)
+        )
+    store.writer.close()

@@ -240,7 +240,7 @@ def test_the_slot_gather_reads_what_the_whole_block_read_did():
     """`gather_slots` (one index_select of the slots' own elements) against the old read that copied each token's
     whole block: bit-identical on every layout and block size, for tasks that start and end mid-block (partial
     blocks), a single token, and several tasks read at once (`read_layers`)."""
-    from hf_kvbridge.integrations.vllm.paged_cache import gather_slots, read_layers, slot_rows
+    from hf_kvbridge.integrations.vllm.paged_cache import gather_slots, read_layers, read_nbytes, slot_rows
 
     for name, layer, dtype in _layouts():
         block_size = layer.kv_cache.shape[2]
@@ -257,6 +257,11 @@ def test_the_slot_gather_reads_what_the_whole_block_read_did():
             assert torch.equal(kv[0].transpose(0, 1), want_keys), name
             assert torch.equal(kv[1].transpose(0, 1), want_values), name
         both = read_layers([layer, layer], torch.cat(tasks))  # the step's tasks, one op a layer
+        buffer = torch.empty(read_nbytes([layer, layer], sum(map(len, tasks))), dtype=torch.uint8)
+        into = read_layers([layer, layer], torch.cat(tasks), buffer)  # a staging buffer's: the layers side by side
+        assert all(torch.equal(a, b) for a, b in zip(into, both, strict=True)), name
+        assert into[1].data_ptr() == buffer.data_ptr() + into[0].numel() * into[0].element_size(), name
+        assert buffer.numel() == 2 * into[0].numel() * into[0].element_size(), name
         offset = 0
         for slots in tasks:
             want_keys, want_values = old_read_slots(layer, slots)
