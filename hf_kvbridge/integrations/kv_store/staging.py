@@ -61,9 +61,9 @@ class StagingPool:
         with self._lock:
             found = next((i for i, buffer in enumerate(self._free) if buffer.numel() >= nbytes), None)
             buffer = None if found is None else self._free.pop(found)
+            self.allocated += buffer is None
         if buffer is None:
             buffer = torch.empty(-(-max(nbytes, 1) // self.granule) * self.granule, dtype=torch.uint8)
-            self.allocated += 1
         return Lease(self, buffer, nbytes, users)
 
     def _give(self, buffer: torch.Tensor) -> None:

@@ -213,11 +213,16 @@ def export_sharded(
                                   tail=task.tail, ready=staged.wait)  # fmt: skip
             count(chunks_exported=chunks, partials_exported=int(task.tail), tokens_exported=lengths[index])
         except Exception as error:  # an export never fails the request: the store just lacks these chunks
-            count(export_errors=1)
-            logger.warning(
-                "KVBridgeConnector: export of request %s tokens %d..%d failed: %s: %s",
-                task.req_id, task.start, task.end, type(error).__name__, error,
-            )  # fmt: skip
+            export_failed(count, task, error)
+
+
+def export_failed(count: Callable[..., None], task, error: Exception) -> None:
+    """An export `task` that failed: counted (`export_errors`) and logged, never raised."""
+    count(export_errors=1)
+    logger.warning(
+        "KVBridgeConnector: export of request %s tokens %d..%d failed: %s: %s",
+        task.req_id, task.start, task.end, type(error).__name__, error,
+    )  # fmt: skip
 
 
 def export_local(
@@ -233,11 +238,7 @@ def export_local(
     from ..kv_store.staging import stage_export
 
     def failed(task, error: Exception) -> None:
-        count(export_errors=1)
-        logger.warning(
-            "KVBridgeConnector: export of request %s tokens %d..%d failed: %s: %s",
-            task.req_id, task.start, task.end, type(error).__name__, error,
-        )  # fmt: skip
+        export_failed(count, task, error)
 
     slots, ready = [], []
     for task in tasks:

@@ -19,15 +19,11 @@ from ...errors import KVLayoutError, ServingConfigError
 from ...transfer.plan import plan_load, plan_transfer
 from ...transfer.steps import SourceKV, TransferDecision, TransferSteps, decide, served_outcome
 from ...utils.cache import append_layer, output_cache, slice_cache
+from ..kv_store.staging import StagingPool
 from .adapters import AdapterMapping
 from .export import ShardGeometry, export_local, export_sharded, unpack
 from .metadata import BridgeLoad, GateCheck, KVBridgeConnectorMetadata, KVBridgeWorkerMetadata
-from .paged_cache import (
-    read_slots,
-    reads_back,
-    slots_of,
-    write_layer,
-)
+from .paged_cache import read_slots, reads_back, slots_of, write_layer
 from .rotary import RotaryOnlyTarget
 from .scatter import cache_of, rank_buffers, scatter_from_first_rank, sent_tokens, stack_kv
 from .tensor_parallel import HeadShard, mean_over_ranks, slice_heads
@@ -152,6 +148,8 @@ class BridgeWorker:
         self.shard = shard or HeadShard(total=0)
         self.heads = self.shard.heads if self.shard.sharded else slice(None)  # this rank's target KV heads
         self.store, self.exports, self.source_weights = store, exports, source_weights
+        writer = getattr(exports, "writer", None)  # the export's buffers: as much as the writer may queue is kept
+        self._staging = StagingPool(getattr(writer, "max_pending_bytes", 256 << 20))
         self.fetch_parts, self.kv_dtype = fetch_parts, kv_dtype
         self._shares: list[torch.Tensor] | None = None  # rank 0 at TP > 1: the load's mapped K/V, every head
         self._layers: dict[str, nn.Module] = {}
@@ -450,11 +448,8 @@ class BridgeWorker:
 
     def _export(self, tasks, layers: list[nn.Module]) -> None:
         """The step's export `tasks` on a TP 1 engine (`export.export_local`), read into this worker's pool."""
-        from ..kv_store.staging import StagingPool
-
-        writer = getattr(self.exports, "writer", None)  # the pool keeps as much as the writer may queue
-        pool = self.__dict__.setdefault("_staging", StagingPool(getattr(writer, "max_pending_bytes", 256 << 20)))
-        export_local(tasks, layers, block_size=self.block_size, exports=self.exports, count=self.count, pool=pool)
+        export_local(tasks, layers, block_size=self.block_size, exports=self.exports, count=self.count,
+                     pool=self._staging)  # fmt: skip
 
     def _export_sharded(self, tasks, layers: list[nn.Module]) -> None:
         try:
