@@ -5,7 +5,8 @@ and the distillation timed side by side on the same machine.
     python -m studies.distill_study --pairs pocket-s:pocket-l,pocket-l:pocket-s --out distill_results.json
 
 Calibration: the demo's settings (128 windows × 512 tokens of the calibration split, top-k 6, λ auto, seed 0; add
-`--head-mode same_head`). Distillation: `hf_kvbridge.distill` on the whole calibration split (never the held-out
+`--head-mode same_head`, or the source's hidden states as extra features with `--hidden-state-layers all`).
+Distillation: `hf_kvbridge.distill` on the whole calibration split (never the held-out
 split the windows below come from). Evaluation: `tools.evaluation.window_nll` per window for target, no context,
 closed form and distilled; retention and its interval by `tools.fidelity.paired_bootstrap`; next-token KL.
 """
@@ -27,7 +28,7 @@ from hf_kvbridge.tools.evaluation import heldout_windows, window_nll
 from hf_kvbridge.tools.fidelity import next_token_kl, paired_bootstrap, retention_of
 
 
-def measure_pair(source: str, target: str, head_mode: str, distill_kwargs: dict) -> dict:
+def measure_pair(source: str, target: str, head_mode: str, distill_kwargs: dict, hidden_state_layers=None) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(pocket.model_path(target))
     small, large = pocket.load_model(source), pocket.load_model(target)
     texts = pocket.load_texts("calibration")
@@ -35,7 +36,7 @@ def measure_pair(source: str, target: str, head_mode: str, distill_kwargs: dict)
     bridge = hf_kvbridge.calibrate(
         small, large, texts, tokenizer=tokenizer, num_sequences=DEMO_SIZES["num_sequences"][0],
         seq_len=DEMO_SIZES["seq_len"][0], top_k=DEMO_SETTINGS["top_k"], ridge_lambda=DEMO_SETTINGS["ridge_lambda"],
-        head_mode=head_mode, seed=DEMO_SETTINGS["seed"],
+        head_mode=head_mode, seed=DEMO_SETTINGS["seed"], hidden_state_layers=hidden_state_layers,
     )  # fmt: skip
     calibration_s = time.perf_counter() - started
     started = time.perf_counter()
@@ -54,6 +55,7 @@ def measure_pair(source: str, target: str, head_mode: str, distill_kwargs: dict)
     return {
         "pair": f"{source} → {target}",
         "head_mode": head_mode,
+        "hidden_state_layers": hidden_state_layers,
         "retention_closed_form": paired_bootstrap(nll, retention_of("bridge")),
         "retention_distilled": paired_bootstrap(nll, retention_of("distilled")),
         "retention_gain": paired_bootstrap(nll, lambda s: retention_of("distilled")(s) - retention_of("bridge")(s)),
@@ -77,7 +79,12 @@ def main() -> None:
     parser.add_argument("--pull", default="0,1")
     parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--hidden-state-layers", default=None, help="the source's hidden states as extra features "
+                        "(calibrate's hidden_state_layers: comma-separated entries, or 'all')")  # fmt: skip
     args = parser.parse_args()
+    hidden = args.hidden_state_layers
+    if hidden not in (None, "all"):
+        hidden = [int(layer) for layer in hidden.split(",")]
     if args.threads:
         torch.set_num_threads(args.threads)
     kwargs = {"num_sequences": args.num_sequences, "epochs": args.epochs, "lr": args.lr,
@@ -85,7 +92,7 @@ def main() -> None:
     results = []
     for pair in args.pairs.split(","):
         source, target = pair.split(":")
-        results.append(measure_pair(source, target, args.head_mode, kwargs))
+        results.append(measure_pair(source, target, args.head_mode, kwargs, hidden))
         r = results[-1]
         print(
             f"{r['pair']} ({args.head_mode}): retention {r['retention_closed_form']['value']:.3f} → "

@@ -9,7 +9,8 @@ and each map's parameter count.
 Defaults are `kvbridge demo`'s measurement (calibration 128 × 512 tokens of the calibration split, top-k 6, λ auto,
 seed 0; 64 windows of 384 + 128 tokens of the held-out split); `--windows` asks for more (the held-out split holds
 303 windows of 512 tokens) to narrow the interval. `--distill-epochs N` also distills the weighted same-head map
-(`hf_kvbridge.distill`, pull 0) on the calibration split.
+and the all-heads map alike (`hf_kvbridge.distill`, pull 0) on the calibration split, and pairs the
+distilled same-head map with the distilled all-heads map too.
 """
 
 from __future__ import annotations
@@ -51,12 +52,13 @@ def measure_pair(source: str, target: str, args) -> dict:
         bridges[name] = hf_kvbridge.calibrate(*models, texts, tokenizer=tokenizer, **settings, **kwargs)
         seconds[name] = round(time.perf_counter() - started, 1)
         print(f"  {source} → {target} {name}: calibrated in {seconds[name]} s", flush=True)
-    if args.distill_epochs:
-        started = time.perf_counter()
-        bridges["same_head_weighted_distilled"] = hf_kvbridge.distill(
-            bridges["same_head_weighted"], texts, tokenizer=tokenizer, epochs=args.distill_epochs, pull=[0.0]
+    for name in ("all_heads", "same_head_weighted") if args.distill_epochs else ():
+        started = time.perf_counter()  # each map distilled alike, so distilled can be paired with distilled
+        bridges[f"{name}_distilled"] = hf_kvbridge.distill(
+            bridges[name], texts, tokenizer=tokenizer, num_sequences=304, epochs=args.distill_epochs, pull=[0.0]
         )
-        seconds["same_head_weighted_distilled"] = round(time.perf_counter() - started, 1)
+        seconds[f"{name}_distilled"] = round(time.perf_counter() - started, 1)
+        print(f"  {source} → {target} {name}: distilled in {seconds[f'{name}_distilled']} s", flush=True)
     windows = heldout_windows(pocket.load_texts("heldout"), tokenizer, args.context + args.continuation, args.windows)
     first = bridges["all_heads"]
     nll = {mode: window_nll(first, windows, args.context, mode) for mode in ("target", "no_context")}
@@ -68,6 +70,10 @@ def measure_pair(source: str, target: str, args) -> dict:
         for name in bridges
         if name != "all_heads"
     }
+    if "all_heads_distilled" in bridges:  # the head-local map distilled against the all-heads map distilled
+        versus["same_head_weighted_distilled vs all_heads_distilled"] = paired_bootstrap(
+            nll, lambda s: retention_of("same_head_weighted_distilled")(s) - retention_of("all_heads_distilled")(s)
+        )
     return {
         "pair": f"{source} → {target}",
         "windows": int(len(windows)),
@@ -100,11 +106,13 @@ def main() -> None:
         results.append(measure_pair(*pair.split(":"), args))
         r = results[-1]
         for name, diff in r["difference_vs_all_heads"].items():
+            name, _, base = name.partition(" vs ")
+            base = base or "all_heads"
             print(
-                f"{r['pair']}: all-heads {r['retention']['all_heads']['value']:.3f}, {name} "
+                f"{r['pair']}: {base} {r['retention'][base]['value']:.3f}, {name} "
                 f"{r['retention'][name]['value']:.3f}, difference {diff['value']:+.3f} [{diff['low']:+.3f}, "
                 f"{diff['high']:+.3f}] on {r['windows']} windows; parameters {r['parameters'][name]:,} vs "
-                f"{r['parameters']['all_heads']:,}",
+                f"{r['parameters'][base]:,}",
                 flush=True,
             )
         Path(args.out).write_text(json.dumps({"settings": vars(args), "results": results}, indent=2))
