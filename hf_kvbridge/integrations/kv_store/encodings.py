@@ -58,12 +58,13 @@ def encode_tensor(tensor: torch.Tensor, encoding: str) -> dict[str, torch.Tensor
         return {"": tensor}
     if encoding == "bfloat16":
         return {"": tensor.to(torch.bfloat16)}
-    # fp8: per KV head, the largest magnitude over the chunk maps to e4m3's largest (448)
-    wide = tensor.float()  # (H, T, d)
-    amax = wide.abs().amax(dim=(1, 2))  # (H,)
+    # fp8: per KV head, the largest magnitude over the chunk maps to e4m3's largest (448). The largest magnitude is
+    # taken in the source's dtype (exact), and the scaled values computed in one float32 copy, in place: the same
+    # codes as dividing a float32 copy, at about half the time (one float32 temporary instead of four).
+    amax = tensor.abs().amax(dim=(1, 2)).float()  # (H,)
     scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))  # (H,)
-    codes = (wide / scale[:, None, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)  # (H, T, d)
-    return {"": codes, SCALE_SUFFIX: scale.contiguous()}
+    wide = tensor.to(torch.float32, copy=True).div_(scale[:, None, None]).clamp_(-FP8_MAX, FP8_MAX)  # (H, T, d)
+    return {"": wide.to(FP8_DTYPE), SCALE_SUFFIX: scale.contiguous()}
 
 
 def decode_tensor(codes: torch.Tensor, scale: torch.Tensor | None, encoding: str, dtype: torch.dtype) -> torch.Tensor:

@@ -112,6 +112,28 @@ def test_each_encoding_is_recorded_read_back_and_takes_its_bytes():
         encode_chunk(keys, values, model_id=MODEL, start=0, token_ids=range(32), encoding="int4")
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+def test_fp8_codes_are_the_float32_quotients_and_the_source_is_left_as_it_was(dtype):
+    """The fp8 encoder's codes are e4m3 of `x / scale` computed in float32 (scale: the head's largest magnitude over
+    448), on a strided slice as the store hands it a chunk; it scales a copy, never the caller's tensor (a float32
+    source's `.float()` would be the tensor itself)."""
+    from hf_kvbridge.integrations.kv_store.encodings import FP8_DTYPE, FP8_MAX, encode_tensor
+
+    full = torch.randn(3, 40, 16, generator=torch.Generator().manual_seed(7)).to(dtype)
+    full[1] *= 300  # heads of very different magnitudes; one all zero (its scale is 1)
+    full[2] = 0
+    chunk = full[:, 8:24]  # (H, 16, d), not contiguous
+    before = chunk.clone()
+    parts = encode_tensor(chunk, "fp8_e4m3")
+    assert torch.equal(chunk, before)
+    wide = chunk.float()
+    amax = wide.abs().amax(dim=(1, 2))
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    want = (wide / scale[:, None, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    assert torch.equal(parts["_scale"], scale) and parts["_scale"].dtype == torch.float32
+    assert parts[""].dtype == FP8_DTYPE and torch.equal(parts[""].view(torch.uint8), want.view(torch.uint8))
+
+
 def _save(tensors: dict, metadata: dict) -> bytes:
     """A chunk of these tensors and metadata with a checksum that fits its bytes (what a buggy or other writer could
     store): only the checks of the encoding stand between it and the reader."""
