@@ -65,3 +65,38 @@ def test_spread_and_a_timer_that_counts_even_a_failing_step():
     with pytest.raises(RuntimeError):
         worker.export_steps(None)
     assert timer.as_dict()["export_step_seconds"] >= 0.002
+
+
+def test_a_local_store_servers_cpu_time_is_counted_over_each_opted_in_batch():
+    """`store_pids`: the CPU time of the store server processes the benchmark started, over the batch and the drain
+    (here a real process that spins while the batches run), beside the export's own, in the rows and the summary."""
+    import subprocess
+    import sys
+
+    from hf_kvbridge.tools.bench.source_export import process_cpu_seconds
+
+    server = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        exports = SimpleNamespace(
+            metrics=StoreMetrics(), chunk_size=64, writer=SimpleNamespace(flush=lambda timeout: True)
+        )
+
+        def generate(prompts, flag):
+            time.sleep(0.4)
+            return 0.4, {"batch_seconds": 0.4, "requests_per_s": 10.0, "total_tokens_per_s": 1000.0}
+
+        rows = source_rounds(generate, lambda index, mode: {128: [[index, mode]]}, [128],
+                             {"not_opted_in": False, "opted_in": True}, 2, exports=exports,
+                             store_pids=[server.pid], log=lambda line: None)  # fmt: skip
+    finally:
+        server.kill()
+        server.wait()
+    opted = [row for row in rows if row["mode"] == "opted_in"]
+    assert all(0.05 < row["store_server_cpu_s"] < 1.0 for row in opted), opted  # it spun for most of 0.4 s
+    summary = summarize(rows)[0]
+    assert summary["store_server_cpu_s"]["n"] == 2 and summary["store_server_cpu_share"]["min"] > 0.1
+    assert "the local store server's CPU" in format_summary([summary])
+    assert process_cpu_seconds([server.pid]) is None  # gone: not a number
+    no_server = source_rounds(lambda p, f: generate(p, f), lambda index, mode: {128: [[index]]}, [128],
+                              {"opted_in": True}, 1, exports=exports, log=lambda line: None)  # fmt: skip
+    assert "store_server_cpu_s" not in no_server[0] and "store_server_cpu_s" not in summarize(no_server)[0]

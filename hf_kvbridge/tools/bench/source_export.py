@@ -12,16 +12,21 @@ round (a paired ratio), and the export's own CPU time against the engine's time 
 - `engine_s`: the wall time of the not-opted-in batch of the same round (the same number of requests, prompt and
   reply tokens: the source engine's compute time for those tokens), and `engine_cpu_s` its process CPU time (every
   thread of the engine);
-- `export_cpu_share` = `export_cpu_s / engine_s` (the goal: ≤ 5 %), and `export_cpu_share_of_engine_cpu`.
+- `export_cpu_share` = `export_cpu_s / engine_s` (the goal: ≤ 5 %), and `export_cpu_share_of_engine_cpu`;
+- `store_server_cpu_s`: with a store this benchmark started on this machine (`--store local`), the store server
+  processes' own CPU time over the batch and the writer's drain: what a co-located store takes from the engine's
+  cores (a remote store's host pays it instead); `None` where the server is not ours or `/proc` is not there.
 
 Each is reported per length as the median and the range (min, max) over the rounds.
 """
 
 from __future__ import annotations
 
+import os
 import statistics
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 
@@ -60,6 +65,32 @@ class ExportStepTimer:
             return {"export_step_cpu_seconds": self.cpu_seconds, "export_step_seconds": self.seconds}
 
 
+def process_cpu_seconds(pids: list[int] | None) -> float | None:
+    """The CPU time (user + system, seconds) the processes `pids` have used so far, read from `/proc` (Linux); `None`
+    without pids, or where a process cannot be read.
+
+    Example:
+
+    ```python
+    >>> import os
+    >>> process_cpu_seconds([os.getpid()]) >= 0.0
+    True
+    >>> process_cpu_seconds(None) is None
+    True
+    ```
+    """
+    if not pids:
+        return None
+    ticks = 0
+    try:
+        for pid in pids:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()  # after the command's name
+            ticks += int(fields[11]) + int(fields[12])  # utime, stime: fields 14 and 15 of stat(5)
+    except (OSError, IndexError, ValueError):
+        return None
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
 def spread(values: list[float]) -> dict[str, float] | None:
     """`{"median", "min", "max", "n"}` of `values` (`None` when there are none).
 
@@ -78,12 +109,13 @@ def spread(values: list[float]) -> dict[str, float] | None:
 
 def source_rounds(
     generate, pools, lengths: list[int], modes: dict[str, bool | None], rounds: int, *, exports=None, timer=None,
-    log=print,
+    store_pids: list[int] | None = None, log=print,
 ) -> list[dict[str, Any]]:  # fmt: skip
     """The rows of `rounds` interleaved rounds: per round, length and mode one batch (`generate(prompts, flag)` →
     `(seconds, row)`, `pools(round, mode)` → length → prompts), the modes in alternating order; with `exports` (the
     worker's `PrefixKVStore`) an opted-in row also carries what its export wrote and cost (the writer drained after
-    each batch), with `timer` (`ExportStepTimer`) the engine step's part."""
+    each batch), with `timer` (`ExportStepTimer`) the engine step's part, with `store_pids` (the local store's server
+    processes) their CPU time over the batch and the drain (`store_server_cpu_s`)."""
     rows = []
     names = list(modes)
     for index in range(rounds):
@@ -93,7 +125,7 @@ def source_rounds(
             for mode in order:
                 before = exports.metrics.as_dict() if exports is not None else {}
                 step = timer.as_dict() if timer is not None else {}
-                began_cpu = time.process_time()
+                began_cpu, server_cpu = time.process_time(), process_cpu_seconds(store_pids)
                 seconds, row = generate(prompts[mode][length], modes[mode])
                 row.update(round=index, length=length, mode=mode, engine_cpu_s=time.process_time() - began_cpu)
                 if exports is not None:
@@ -118,6 +150,9 @@ def source_rounds(
                         export_step_s=step_now.get("export_step_seconds", 0.0) - step.get("export_step_seconds", 0.0),
                         export_cpu_s=writer_cpu + step_cpu,
                     )
+                    server_now = process_cpu_seconds(store_pids)
+                    if server_cpu is not None and server_now is not None:
+                        row["store_server_cpu_s"] = server_now - server_cpu
                 rows.append(row)
                 extra = f"   wrote {row['bytes_written'] / 1e6:8.1f} MB" if row.get("bytes_written") else ""
                 log(f"round {index}  {length:>6} tokens  source {mode:<13} {row['requests_per_s']:7.2f} req/s   "
@@ -153,6 +188,12 @@ def summarize(rows: list[dict[str, Any]], alone: list[dict[str, Any]] | None = N
             [p["opted_in"]["export_cpu_s"] / p["not_opted_in"]["engine_cpu_s"] for p in pairs
              if p["not_opted_in"]["engine_cpu_s"] > 0]
         )  # fmt: skip
+        server = [p["opted_in"].get("store_server_cpu_s") for p in pairs]
+        if server and None not in server:  # a co-located store's CPU time, against the same engine time
+            summary["store_server_cpu_s"] = spread(server)
+            summary["store_server_cpu_share"] = spread(
+                [p["opted_in"]["store_server_cpu_s"] / p["not_opted_in"]["batch_seconds"] for p in pairs]
+            )
         summary["writes_dropped"] = sum(p["opted_in"]["writes_dropped"] for p in pairs)
         if alone:
             own = [row["total_tokens_per_s"] for row in alone if row["length"] == length]
@@ -179,5 +220,11 @@ def format_summary(summary: list[dict[str, Any]]) -> str:
             f"{cell(row['opted_in_over_not_opted_in'], '.3f')}; export CPU {cell(row['export_cpu_s'], '.4f')} s = "
             f"{cell(row['export_cpu_share'], '.2%')} of the engine's {cell(row['engine_s'], '.3f')} s for the same "
             f"tokens ({cell(row['export_cpu_share_of_engine_cpu'], '.2%')} of its CPU time)"
+            + (
+                f"; the local store server's CPU {cell(row['store_server_cpu_s'], '.4f')} s = "
+                f"{cell(row['store_server_cpu_share'], '.2%')}"
+                if row.get("store_server_cpu_s")
+                else ""
+            )
         )
     return "\n".join(lines)

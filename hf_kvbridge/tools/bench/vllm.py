@@ -315,12 +315,20 @@ def run(
     return {"rows": rows, "engine": engine, "chunk_size": chunk_size if store else None}
 
 
-def run_source(bench: BenchEngines, *, chunk_size: int | None = None, rounds: int = 1, log=print) -> dict[str, Any]:
+def run_source(
+    bench: BenchEngines,
+    *,
+    chunk_size: int | None = None,
+    rounds: int = 1,
+    store_pids: list[int] | None = None,
+    log=print,
+) -> dict[str, Any]:
     """The source engine's throughput in `rounds` rounds (`source_export.source_rounds`): without a connector
     (`bench.store=None`: mode `no_connector`), or as a cascade's source on `store` with requests that do not opt in
     (`not_opted_in`) and that do (`opted_in`: exported), interleaved in each round. An opted-in row carries what its
     export wrote (chunks, bytes, the store's time in writes: the write bandwidth), how long the writer took to drain
-    after the batch, and the export's CPU time (the writer threads' and the engine step's gather)."""
+    after the batch, and the export's CPU time (the writer threads' and the engine step's gather); with `store_pids`
+    (a store server this benchmark started) that server's CPU time too."""
     from transformers import AutoTokenizer
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
@@ -354,7 +362,8 @@ def run_source(bench: BenchEngines, *, chunk_size: int | None = None, rounds: in
         _generate(llm, prompt_pool(tokenizer, len(tokenizer), lengths[:1], 1, seed=7)[lengths[0]], flag, 2)
     if exports is not None:
         exports.writer.flush(timeout=300)
-    rows = source_rounds(generate, pools, lengths, modes, rounds, exports=exports, timer=timer, log=log)
+    rows = source_rounds(generate, pools, lengths, modes, rounds, exports=exports, timer=timer,
+                         store_pids=store_pids if store is not None else None, log=log)  # fmt: skip
     return {"rows": rows, "engine": engine}
 
 
@@ -392,6 +401,13 @@ def _child(spec_path: str, out_path: str) -> None:
     kind, bench = spec.pop("kind"), BenchEngines(**spec.pop("engines"))
     result = (run if kind == "target" else run_source)(bench, **spec, log=lambda line: print(line, flush=True))
     Path(out_path).write_text(json.dumps(result))
+
+
+def _server_pids(server) -> list[int] | None:
+    """The processes of a store this benchmark started (a `LocalServer`, or each master of a `LocalCluster`)."""
+    if server is None:
+        return None
+    return [master.pid for master in getattr(server, "masters", [server])]
 
 
 def _spawn(spec: dict[str, Any], folder: Path, name: str) -> dict[str, Any]:
@@ -482,7 +498,7 @@ def run_benchmark(
                 for name, url in (("source-alone", None), ("source-exporting", store)):
                     engines = asdict(replace(common, store=url))
                     spec = {"kind": "source", "engines": engines, "chunk_size": None,  # the default chunk size
-                            "rounds": source_rounds}  # fmt: skip
+                            "rounds": source_rounds, "store_pids": _server_pids(server)}  # fmt: skip
                     result["source_rows"] += _spawn(spec, Path(tmp), name)["rows"]
                 alone = [row for row in result["source_rows"] if row["mode"] == "no_connector"]
                 result["source_summary"] = summarize([r for r in result["source_rows"] if r not in alone], alone)
