@@ -1,14 +1,15 @@
 """`stage_export`: an export's K/V handed from the engine's step to the store's writer thread without waiting.
 
-The engine's step gathers the exported tokens' K/V out of its paged cache (one gather per layer, on the cache's
-device: its blocks may be reused once the step ends) and hands them over. On a GPU the gathered K/V are copied into
-pinned host buffers on the current stream without waiting (`non_blocking`), and an event marks the copy's end: the
-writer thread waits for it (`StagedExport.wait`) before it encodes, so the step never waits for the device-to-host
-copy. The pinned buffers come from PyTorch's caching host allocator (`pin_memory=True`), which reuses a freed block
-once the copies recorded on it have finished: no pool of our own is needed there. On a CPU the gathered tensors are handed over as they are (views: the writer thread gathers them into the
-chunks' bytes, `encode_chunk`), so the step makes one copy, the gather, into a buffer of a `StagingPool`: buffers the
-writer has finished with are reused, so the step's copy lands in memory the process already has (a fresh buffer's
-pages are faulted in on first write, which cost the export about as much CPU time as the gather itself).
+The engine's step gathers the exported tokens' K/V out of its paged cache (one gather per layer, on the cache's device:
+its blocks may be reused once the step ends) and hands them over. On a GPU the gathered K/V are copied into pinned host
+buffers on the current stream without waiting (`non_blocking`), and an event marks the copy's end: the writer thread
+waits for it (`StagedExport.wait`) before it encodes, so the step never waits for the device-to-host copy. The pinned
+buffers come from PyTorch's caching host allocator (`pin_memory=True`), which reuses a freed block once the copies
+recorded on it have finished: no pool of our own is needed there. On a CPU the gathered tensors are handed over as they
+are (views: the writer thread gathers them into the chunks' bytes, `encode_chunk`), so the step makes one copy, the
+gather, into a buffer of a `StagingPool`: buffers the writer has finished with are reused, so the step's copy lands in
+memory the process already has (a fresh buffer's pages are faulted in on first write, which cost the export about as
+much CPU time as the gather itself).
 """
 
 from __future__ import annotations
