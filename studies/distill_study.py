@@ -26,9 +26,10 @@ from hf_kvbridge import pocket
 from hf_kvbridge.tools.defaults import DEMO_SETTINGS, DEMO_SIZES
 from hf_kvbridge.tools.evaluation import heldout_windows, window_nll
 from hf_kvbridge.tools.fidelity import next_token_kl, paired_bootstrap, retention_of
+from studies.recompute_study import hidden_state_layers
 
 
-def measure_pair(source: str, target: str, head_mode: str, distill_kwargs: dict, hidden_state_layers=None) -> dict:
+def measure_pair(source: str, target: str, head_mode: str, distill_kwargs: dict, hidden_states=None) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(pocket.model_path(target))
     small, large = pocket.load_model(source), pocket.load_model(target)
     texts = pocket.load_texts("calibration")
@@ -36,7 +37,7 @@ def measure_pair(source: str, target: str, head_mode: str, distill_kwargs: dict,
     bridge = hf_kvbridge.calibrate(
         small, large, texts, tokenizer=tokenizer, num_sequences=DEMO_SIZES["num_sequences"][0],
         seq_len=DEMO_SIZES["seq_len"][0], top_k=DEMO_SETTINGS["top_k"], ridge_lambda=DEMO_SETTINGS["ridge_lambda"],
-        head_mode=head_mode, seed=DEMO_SETTINGS["seed"], hidden_state_layers=hidden_state_layers,
+        head_mode=head_mode, seed=DEMO_SETTINGS["seed"], hidden_state_layers=hidden_states,
     )  # fmt: skip
     calibration_s = time.perf_counter() - started
     started = time.perf_counter()
@@ -55,7 +56,7 @@ def measure_pair(source: str, target: str, head_mode: str, distill_kwargs: dict,
     return {
         "pair": f"{source} → {target}",
         "head_mode": head_mode,
-        "hidden_state_layers": hidden_state_layers,
+        "hidden_state_layers": hidden_states,
         "retention_closed_form": paired_bootstrap(nll, retention_of("bridge")),
         "retention_distilled": paired_bootstrap(nll, retention_of("distilled")),
         "retention_gain": paired_bootstrap(nll, lambda s: retention_of("distilled")(s) - retention_of("bridge")(s)),
@@ -79,12 +80,12 @@ def main() -> None:
     parser.add_argument("--pull", default="0,1")
     parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--hidden-state-layers", default=None, help="the source's hidden states as extra features "
-                        "(calibrate's hidden_state_layers: comma-separated entries, or 'all')")  # fmt: skip
+    parser.add_argument(
+        "--hidden-state-layers",
+        type=hidden_state_layers,
+        help="the source's hidden states as extra features (comma-separated entries, or 'all')",
+    )
     args = parser.parse_args()
-    hidden = args.hidden_state_layers
-    if hidden not in (None, "all"):
-        hidden = [int(layer) for layer in hidden.split(",")]
     if args.threads:
         torch.set_num_threads(args.threads)
     kwargs = {"num_sequences": args.num_sequences, "epochs": args.epochs, "lr": args.lr,
@@ -92,7 +93,7 @@ def main() -> None:
     results = []
     for pair in args.pairs.split(","):
         source, target = pair.split(":")
-        results.append(measure_pair(source, target, args.head_mode, kwargs, hidden))
+        results.append(measure_pair(source, target, args.head_mode, kwargs, args.hidden_state_layers))
         r = results[-1]
         print(
             f"{r['pair']} ({args.head_mode}): retention {r['retention_closed_form']['value']:.3f} → "
