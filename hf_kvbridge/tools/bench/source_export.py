@@ -125,7 +125,8 @@ def source_rounds(
             for mode in order:
                 before = exports.metrics.as_dict() if exports is not None else {}
                 step = timer.as_dict() if timer is not None else {}
-                began_cpu, server_cpu = time.process_time(), process_cpu_seconds(store_pids)
+                server_cpu = process_cpu_seconds(store_pids) if exports is not None else None
+                began_cpu = time.process_time()
                 seconds, row = generate(prompts[mode][length], modes[mode])
                 row.update(round=index, length=length, mode=mode, engine_cpu_s=time.process_time() - began_cpu)
                 if exports is not None:

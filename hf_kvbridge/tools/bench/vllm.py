@@ -363,7 +363,7 @@ def run_source(
     if exports is not None:
         exports.writer.flush(timeout=300)
     rows = source_rounds(generate, pools, lengths, modes, rounds, exports=exports, timer=timer,
-                         store_pids=store_pids if store is not None else None, log=log)  # fmt: skip
+                         store_pids=store_pids, log=log)  # fmt: skip
     return {"rows": rows, "engine": engine}
 
 
