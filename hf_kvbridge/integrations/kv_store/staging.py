@@ -9,7 +9,8 @@ recorded on it have finished: no pool of our own is needed there. On a CPU the g
 are (views: the writer thread gathers them into the chunks' bytes, `encode_chunk`), so the step makes one copy, the
 gather, into a buffer of a `StagingPool`: buffers the writer has finished with are reused, so the step's copy lands in
 memory the process already has (a fresh buffer's pages are faulted in on first write, which cost the export about as
-much CPU time as the gather itself).
+much CPU time as the gather itself, so the connector `reserve`s a step's worth of them, faulted in, when the engine
+registers its caches: the first export's step does not pay for them either).
 """
 
 from __future__ import annotations
@@ -56,6 +57,26 @@ class StagingPool:
     def free_bytes(self) -> int:
         with self._lock:
             return sum(buffer.numel() for buffer in self._free)
+
+    def reserve(self, nbytes: int) -> int:
+        """Makes one free buffer of `nbytes` (rounded up to the granule, capped at `max_bytes`) and writes every page
+        of it, so that a later `lease` that fits it reuses memory already faulted in; returns its size in bytes (0
+        when `nbytes` or `max_bytes` is 0). Called at start-up, off any engine step.
+
+        Example:
+
+        ```python
+        >>> pool = StagingPool(max_bytes=8 << 20)
+        >>> pool.reserve(5 << 20), pool.lease(6 << 20, users=1).buffer.numel(), pool.allocated
+        (8388608, 6291456, 0)
+        ```
+        """
+        size = min(-(-max(int(nbytes), 0) // self.granule) * self.granule, self.max_bytes)
+        if size <= 0:
+            return 0
+        buffer = torch.zeros(size, dtype=torch.uint8)  # zeros: every page written (faulted in) now, not in a step
+        self._give(buffer)
+        return size
 
     def lease(self, nbytes: int, users: int) -> Lease:
         """A buffer of at least `nbytes` (the smallest free one that fits, else a new one), given back when

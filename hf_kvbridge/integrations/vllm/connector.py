@@ -109,6 +109,7 @@ class KVBridgeConnector(KVConnectorBase_V1):
             mappers=salt_tags,
         )
         self.worker: BridgeWorker | None = None
+        self._step_tokens = vllm_config.scheduler_config.max_num_batched_tokens  # the most a step computes (exports)
         if role == KVConnectorRole.WORKER:
             if self._kv_transfer_config.kv_load_failure_policy != "recompute":
                 logger.warning(
@@ -275,6 +276,10 @@ class KVBridgeConnector(KVConnectorBase_V1):
     # ==============================
     # Worker-side methods
     # ==============================
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        if self.worker is not None:
+            self.worker.register_kv_caches(kv_caches, self._step_tokens)
+
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         self.worker.start_load_kv(self._get_connector_metadata(), forward_context)
 

@@ -258,14 +258,16 @@ def read_layers(
     return out
 
 
+def slot_nbytes(kv_cache: torch.Tensor) -> int:
+    """Bytes one token slot (its keys and values) takes in one layer's paged cache `kv_cache`, as `read_layers`
+    reads it."""
+    blocks = kv_cache.shape[0] if kv_cache.dim() == 4 else kv_cache.shape[1]
+    return kv_cache.numel() // (blocks * kv_cache.shape[2]) * kv_cache.dtype.itemsize
+
+
 def read_nbytes(layers: Sequence[nn.Module], tokens: int) -> int:
     """Bytes `read_layers` reads for `tokens` slots of each of `layers` (each layer's keys and values)."""
-    total = 0
-    for layer in layers:
-        kv_cache = layer.kv_cache
-        blocks = kv_cache.shape[0] if kv_cache.dim() == 4 else kv_cache.shape[1]
-        total += kv_cache.numel() // (blocks * kv_cache.shape[2]) * kv_cache.dtype.itemsize * tokens
-    return total
+    return sum(slot_nbytes(layer.kv_cache) for layer in layers) * tokens
 
 
 FP8_FORMATS = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}

@@ -23,7 +23,7 @@ from ..kv_store.staging import StagingPool
 from .adapters import AdapterMapping
 from .export import ShardGeometry, export_local, export_sharded, unpack
 from .metadata import BridgeLoad, GateCheck, KVBridgeConnectorMetadata, KVBridgeWorkerMetadata
-from .paged_cache import read_slots, reads_back, slots_of, write_layer
+from .paged_cache import read_slots, reads_back, slot_nbytes, slots_of, write_layer
 from .rotary import RotaryOnlyTarget
 from .scatter import cache_of, rank_buffers, scatter_from_first_rank, sent_tokens, stack_kv
 from .tensor_parallel import HeadShard, mean_over_ranks, slice_heads
@@ -149,7 +149,8 @@ class BridgeWorker:
         self.heads = self.shard.heads if self.shard.sharded else slice(None)  # this rank's target KV heads
         self.store, self.exports, self.source_weights = store, exports, source_weights
         writer = getattr(exports, "writer", None)  # the export's buffers: as much as the writer may queue is kept
-        self._staging = StagingPool(getattr(writer, "max_pending_bytes", 256 << 20))
+        self.staging = StagingPool(getattr(writer, "max_pending_bytes", 256 << 20))
+        self.staging_reserved = 0  # bytes of it faulted in at start-up (`register_kv_caches`)
         self.fetch_parts, self.kv_dtype = fetch_parts, kv_dtype
         self._shares: list[torch.Tensor] | None = None  # rank 0 at TP > 1: the load's mapped K/V, every head
         self._layers: dict[str, nn.Module] = {}
@@ -159,6 +160,23 @@ class BridgeWorker:
         self._step_outcomes: dict[str, dict[str, Any]] = {}
         self._gate_checks: list[GateCheck] = []
         self._finished_sending: set[str] = set()  # ended requests whose blocks an export read in this step
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], step_tokens: int) -> int:
+        """At start-up, once vLLM has made its paged caches: a TP 1 source that exports from a CPU cache reserves a
+        step's export in its staging pool (`step_tokens`, the scheduler's tokens a step, times the bytes a token
+        takes in every layer, capped by the pool's limit), faulted in now, so that the first exports' steps do not
+        pay for fresh pages. Returns the bytes reserved (0 elsewhere: no exports, a TP > 1 engine, a GPU cache,
+        whose reads go to pinned buffers)."""
+        caches = list(kv_caches.values())
+        if self.exports is None or self.shard.sharded or not caches or caches[0].device.type != "cpu":
+            return 0
+        per_token = sum(slot_nbytes(cache) for cache in caches)  # keys and values of one token in every layer
+        reserved = self.staging_reserved = self.staging.reserve(per_token * int(step_tokens))
+        logger.info(
+            "KVBridgeConnector: %.0f MiB of export staging reserved (%d tokens a step × %d bytes a token, at most "
+            "%.0f MiB)", reserved / 2**20, step_tokens, per_token, self.staging.max_bytes / 2**20,
+        )  # fmt: skip
+        return reserved
 
     def start_load_kv(self, meta, forward_context) -> None:
         """Maps and writes every load of this step's metadata before the forward pass; a failure falls back."""
@@ -449,7 +467,7 @@ class BridgeWorker:
     def _export(self, tasks, layers: list[nn.Module]) -> None:
         """The step's export `tasks` on a TP 1 engine (`export.export_local`), read into this worker's pool."""
         export_local(tasks, layers, block_size=self.block_size, exports=self.exports, count=self.count,
-                     pool=self._staging)  # fmt: skip
+                     pool=self.staging)  # fmt: skip
 
     def _export_sharded(self, tasks, layers: list[nn.Module]) -> None:
         try:

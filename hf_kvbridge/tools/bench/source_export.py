@@ -13,6 +13,8 @@ round (a paired ratio), and the export's own CPU time against the engine's time 
   reply tokens: the source engine's compute time for those tokens), and `engine_cpu_s` its process CPU time (every
   thread of the engine);
 - `export_cpu_share` = `export_cpu_s / engine_s` (the goal: ≤ 5 %), and `export_cpu_share_of_engine_cpu`;
+- `staging_allocated`: buffers the step's gather had to allocate (fresh pages) rather than reuse from the worker's
+  staging pool, which reserves a step's worth at start-up (`BridgeWorker.register_kv_caches`);
 - `store_server_cpu_s`: with a store this benchmark started on this machine (`--store local`), the store server
   processes' own CPU time over the batch and the writer's drain: what a co-located store takes from the engine's
   cores (a remote store's host pays it instead); `None` where the server is not ours or `/proc` is not there.
@@ -47,6 +49,7 @@ class ExportStepTimer:
         self.cpu_seconds = 0.0
         self.seconds = 0.0
         self._lock = threading.Lock()
+        self._pool = getattr(worker, "staging", None)
         original = worker.export_steps
 
         def export_steps(meta) -> None:
@@ -62,7 +65,8 @@ class ExportStepTimer:
 
     def as_dict(self) -> dict[str, float]:
         with self._lock:
-            return {"export_step_cpu_seconds": self.cpu_seconds, "export_step_seconds": self.seconds}
+            allocated = {} if self._pool is None else {"staging_allocated": self._pool.allocated}
+            return {"export_step_cpu_seconds": self.cpu_seconds, "export_step_seconds": self.seconds, **allocated}
 
 
 def process_cpu_seconds(pids: list[int] | None) -> float | None:
@@ -151,6 +155,8 @@ def source_rounds(
                         export_step_s=step_now.get("export_step_seconds", 0.0) - step.get("export_step_seconds", 0.0),
                         export_cpu_s=writer_cpu + step_cpu,
                     )
+                    if "staging_allocated" in step_now:
+                        row["staging_allocated"] = step_now["staging_allocated"] - step["staging_allocated"]
                     server_now = process_cpu_seconds(store_pids)
                     if server_cpu is not None and server_now is not None:
                         row["store_server_cpu_s"] = server_now - server_cpu

@@ -249,3 +249,27 @@ def test_the_staging_pool_reuses_buffers_given_back_and_keeps_at_most_its_limit(
     assert pool.free_bytes == 9 << 20
     with pytest.raises(ValueError, match="granule > 0"):
         StagingPool(granule=0)
+
+
+def _resident_bytes() -> int:
+    """This process's resident memory (Linux `/proc/self/statm`)."""
+    import os
+    from pathlib import Path
+
+    return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_a_reserved_staging_buffer_is_resident_before_any_lease_and_the_first_lease_reuses_it():
+    """`StagingPool.reserve` (what the connector does at start-up): one buffer of a step's size, its pages written
+    now (resident before any step), capped at the pool's limit; a step's lease that fits it allocates nothing."""
+    from hf_kvbridge.integrations.kv_store.staging import StagingPool
+
+    pool = StagingPool(max_bytes=64 << 20, granule=1 << 20)
+    before = _resident_bytes()
+    assert pool.reserve((40 << 20) - 5) == 40 << 20  # rounded up to the granule
+    assert _resident_bytes() - before >= 36 << 20  # faulted in now, not by the first step's copy
+    lease = pool.lease(39 << 20, users=1)
+    assert pool.allocated == 0 and lease.buffer.numel() == 39 << 20 and pool.free_bytes == 0
+    lease.release()
+    assert StagingPool(max_bytes=8 << 20, granule=1 << 20).reserve(100 << 20) == 8 << 20  # at most the limit
+    assert StagingPool(max_bytes=0).reserve(1 << 20) == 0 and pool.reserve(0) == 0

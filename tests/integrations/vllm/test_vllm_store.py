@@ -125,7 +125,24 @@ def _worker_state(_worker) -> dict:
         "source_forward_calls": worker.source_forward_calls,
         "source_parameters": None if bridge is None else sum(p.numel() for p in bridge.source.parameters()),
         "bridge_loaded": bridge is not None,
+        "staging": {"reserved": worker.staging_reserved, "allocated": worker.staging.allocated},
     }
+
+
+def test_a_tp1_source_engine_reserves_a_steps_export_at_start_and_its_exports_reuse_it(source_run, conversation):
+    """`register_kv_caches`: a TP 1 engine that exports from its CPU cache faults in a step's export (the scheduler's
+    tokens a step × every layer's K/V of a token) at start-up, so no export's step allocated a buffer of its own; a
+    TP 2 source reads into the ranks' gather buffers instead and reserves nothing."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(pocket.model_path("pocket-s"))
+    per_token = config.num_hidden_layers * 2 * config.num_key_value_heads * config.head_dim * 4  # float32 K and V
+    source_turns = [turn for turn in conversation if turn["model"] == "source"]
+    last = source_turns[-1]
+    reserved = -(-per_token * last["step_tokens"] // (4 << 20)) * (4 << 20)  # the pool's 4 MiB granule
+    assert last["staging"] == {"reserved": min(reserved, 256 << 20), "allocated": 0}
+    assert all(turn["kvbridge"]["status"] == "exported" for turn in source_turns)  # it did export, every turn
+    assert source_run["staging"] == {"reserved": 0, "allocated": 0}
 
 
 def serve_engine(spec: dict) -> None:
@@ -150,13 +167,16 @@ def serve_engine(spec: dict) -> None:
         ids, max_tokens = json.loads(line)
         params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, extra_args=kvb.bridged())
         (out,) = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)
-        if connector.worker.exports is not None:
-            connector.worker.exports.writer.flush(timeout=30)
+        worker = connector.worker
+        if worker.exports is not None:
+            worker.exports.writer.flush(timeout=30)
         result = {
             "tokens": list(out.outputs[0].token_ids),
             "cached": out.num_cached_tokens,
             "kvbridge": (out.kv_transfer_params or {}).get(kvb.PARAM_KEY),
             "source_forward_calls": connector.worker.source_forward_calls,
+            "step_tokens": llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens,
+            "staging": {"reserved": worker.staging_reserved, "allocated": worker.staging.allocated},
         }
         print("KVB-RESULT " + json.dumps(result), flush=True)
 
