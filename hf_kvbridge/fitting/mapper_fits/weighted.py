@@ -100,13 +100,54 @@ def fit_attention_weighted(
     'ridge_attention_weighted'
     ```
     """
+    started = time.perf_counter()
+    stats = weighted_statistics(
+        base, source=source, target=target, windows=windows, batch_size=batch_size, weighting=weighting,
+        progress=progress,
+    )  # fmt: skip
+    layouts = (base.source_kv_heads, base.source_head_dim)
+    mapper = KVMapper(base.selected_layers, *layouts, base.head_mode, kv_mode=base.kv_mode, **base.head_kwargs())
+    for t, layers in enumerate(base.selected_layers):
+        # stats[t] holds only layer t's selection: its source layers at 0 … k-1 and the target layer at 0
+        for g, _, _, weight, bias in mapper.ridge_solutions(stats[t], t, ridge_lambda, range(len(layers)), 0):
+            mapper.layers[t].weight.data[g] = weight.to(mapper.layers[t].weight.dtype)
+            mapper.layers[t].bias.data[g] = bias.to(mapper.layers[t].bias.dtype)
+    mapper.fit_summary = {
+        "weighting": weighting,
+        "windows": int(len(windows)),
+        "seq_len": int(windows.shape[1]),
+        "fit_seconds": round(time.perf_counter() - started, 2),
+    }
+    return mapper
+
+
+def weighted_statistics(
+    base: KVMapper,
+    *,
+    source: nn.Module,
+    target: nn.Module,
+    windows: torch.Tensor,
+    batch_size: int = 8,
+    weighting: str = "attention",
+    progress: bool = False,
+) -> list[WeightedKVStatistics]:
+    """Per target layer `t`, the attention-mass-weighted statistics of its selected source layers (all heads, in
+    `base.selected_layers[t]`'s order, at `0 … k-1`) → target layer `t` (at `0`): one streamed pass of both models
+    over `windows`. `fit_attention_weighted` solves its maps from them; studies solve other maps from the same sums.
+
+    Args:
+        base ([`KVMapper`]): gives the selection and the head layouts (its head mode does not matter: every head is
+            summed).
+        weighting (`str`, *optional*, defaults to `"attention"`): `"attention"` or `"uniform"`.
+
+    Returns:
+        `list[WeightedKVStatistics]`, one per target layer.
+    """
     if weighting not in WEIGHTINGS:
         raise MapperError(f"weighting must be one of {WEIGHTINGS}, got {weighting!r}")
-    started = time.perf_counter()
     heads, dim = base.target_kv_heads, base.target_head_dim
     xw, yw = base.x_row, base.y_row  # features of one source / target layer
     attn_layers = [layer.self_attn for layer in decoder_layers(target)]
-    # per target layer: statistics of its k selected source layers (in the selected order) → that layer
     layouts = (base.source_kv_heads, base.source_head_dim)
     stats = [
         WeightedKVStatistics(len(layers), 1, *layouts, target_kv_heads=heads, target_head_dim=dim)
@@ -128,16 +169,4 @@ def fit_attention_weighted(
             if weighting == "attention":
                 weight = attention_mass(queries[t], true_cache.layers[t].keys, attn_layers[t].scaling).reshape(-1)
             stats[t].update(x_t, y_t, weight)
-    mapper = KVMapper(base.selected_layers, *layouts, base.head_mode, kv_mode=base.kv_mode, **base.head_kwargs())
-    for t, layers in enumerate(base.selected_layers):
-        # stats[t] holds only layer t's selection: its source layers at 0 … k-1 and the target layer at 0
-        for g, _, _, weight, bias in mapper.ridge_solutions(stats[t], t, ridge_lambda, range(len(layers)), 0):
-            mapper.layers[t].weight.data[g] = weight.to(mapper.layers[t].weight.dtype)
-            mapper.layers[t].bias.data[g] = bias.to(mapper.layers[t].bias.dtype)
-    mapper.fit_summary = {
-        "weighting": weighting,
-        "windows": int(len(windows)),
-        "seq_len": int(windows.shape[1]),
-        "fit_seconds": round(time.perf_counter() - started, 2),
-    }
-    return mapper
+    return stats
