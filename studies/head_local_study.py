@@ -40,12 +40,29 @@ def parameters(bridge) -> int:
     return sum(p.numel() for p in bridge.mapper.parameters())
 
 
-def measure_pair(source: str, target: str, args) -> dict:
+def pair_setup(source: str, target: str, args):
+    """`(tokenizer, (source, target) models, calibration texts, calibrate keywords)`: the demo's calibration."""
     tokenizer = AutoTokenizer.from_pretrained(pocket.model_path(target))
     models = pocket.load_model(source), pocket.load_model(target)
-    texts = pocket.load_texts("calibration")
     settings = {"num_sequences": args.num_sequences, "seq_len": args.seq_len, "top_k": DEMO_SETTINGS["top_k"],
                 "ridge_lambda": DEMO_SETTINGS["ridge_lambda"], "seed": DEMO_SETTINGS["seed"]}  # fmt: skip
+    return tokenizer, models, pocket.load_texts("calibration"), settings
+
+
+def measurement_arguments(parser: argparse.ArgumentParser, out: str) -> None:
+    """`--pairs`, the calibration and held-out window sizes (the demo's by default), `--threads` and `--out`."""
+    parser.add_argument("--pairs", default="pocket-s:pocket-l,pocket-l:pocket-s")
+    parser.add_argument("--out", default=out)
+    parser.add_argument("--num-sequences", type=int, default=DEMO_SIZES["num_sequences"][0])
+    parser.add_argument("--seq-len", type=int, default=DEMO_SIZES["seq_len"][0])
+    parser.add_argument("--windows", type=int, default=DEMO_SIZES["nll_windows"][0])
+    parser.add_argument("--context", type=int, default=DEMO_SIZES["nll_context"][0])
+    parser.add_argument("--continuation", type=int, default=DEMO_SIZES["nll_continuation"][0])
+    parser.add_argument("--threads", type=int, default=None)
+
+
+def measure_pair(source: str, target: str, args) -> dict:
+    tokenizer, models, texts, settings = pair_setup(source, target, args)
     bridges, seconds = {}, {}
     for name, kwargs in MAPS.items():
         started = time.perf_counter()
@@ -89,32 +106,34 @@ def measure_pair(source: str, target: str, args) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--pairs", default="pocket-s:pocket-l,pocket-l:pocket-s")
-    parser.add_argument("--num-sequences", type=int, default=DEMO_SIZES["num_sequences"][0])
-    parser.add_argument("--seq-len", type=int, default=DEMO_SIZES["seq_len"][0])
-    parser.add_argument("--windows", type=int, default=DEMO_SIZES["nll_windows"][0])
-    parser.add_argument("--context", type=int, default=DEMO_SIZES["nll_context"][0])
-    parser.add_argument("--continuation", type=int, default=DEMO_SIZES["nll_continuation"][0])
+    measurement_arguments(parser, out="head_local.json")
     parser.add_argument("--distill-epochs", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--out", default="head_local.json")
     args = parser.parse_args()
+    run_pairs(args, measure_pair, _lines)
+
+
+def _lines(r: dict):
+    for name, diff in r["difference_vs_all_heads"].items():
+        name, _, base = name.partition(" vs ")
+        base = base or "all_heads"
+        yield (
+            f"{r['pair']}: {base} {r['retention'][base]['value']:.3f}, {name} "
+            f"{r['retention'][name]['value']:.3f}, difference {diff['value']:+.3f} [{diff['low']:+.3f}, "
+            f"{diff['high']:+.3f}] on {r['windows']} windows; parameters {r['parameters'][name]:,} vs "
+            f"{r['parameters'][base]:,}"
+        )
+
+
+def run_pairs(args, measure, lines) -> None:
+    """`measure(source, target, args)` for each of `args.pairs`, printing `lines(result)` and writing every result so
+    far to `args.out` after each pair (with `args.threads` torch threads)."""
     if args.threads:
         torch.set_num_threads(args.threads)
     results = []
     for pair in args.pairs.split(","):
-        results.append(measure_pair(*pair.split(":"), args))
-        r = results[-1]
-        for name, diff in r["difference_vs_all_heads"].items():
-            name, _, base = name.partition(" vs ")
-            base = base or "all_heads"
-            print(
-                f"{r['pair']}: {base} {r['retention'][base]['value']:.3f}, {name} "
-                f"{r['retention'][name]['value']:.3f}, difference {diff['value']:+.3f} [{diff['low']:+.3f}, "
-                f"{diff['high']:+.3f}] on {r['windows']} windows; parameters {r['parameters'][name]:,} vs "
-                f"{r['parameters'][base]:,}",
-                flush=True,
-            )
+        results.append(measure(*pair.split(":"), args))
+        for line in lines(results[-1]):
+            print(line, flush=True)
         Path(args.out).write_text(json.dumps({"settings": vars(args), "results": results}, indent=2))
 
 

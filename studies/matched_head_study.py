@@ -22,12 +22,9 @@ from __future__ import annotations
 import argparse
 import copy
 import itertools
-import json
 import time
-from pathlib import Path
 
 import torch
-from transformers import AutoTokenizer
 
 import hf_kvbridge
 from hf_kvbridge import pocket
@@ -35,9 +32,9 @@ from hf_kvbridge.fitting.data import token_windows
 from hf_kvbridge.fitting.mapper_fits.weighted import weighted_statistics
 from hf_kvbridge.fitting.solve import effective_ridge_lambda, map_group_lambda, solve_ridge
 from hf_kvbridge.mappers.base import KVMapper
-from hf_kvbridge.tools.defaults import DEMO_SETTINGS, DEMO_SIZES
 from hf_kvbridge.tools.evaluation import heldout_windows, window_nll
 from hf_kvbridge.tools.fidelity import paired_bootstrap, retention_of
+from studies.head_local_study import measurement_arguments, pair_setup, run_pairs
 
 
 def explained(stats, x_idx: torch.Tensor, y_idx: torch.Tensor, lam, head_dim: int) -> float:
@@ -94,11 +91,7 @@ def matched_bridge(bridge, stats: list, rule: str):
 
 
 def measure_pair(source: str, target: str, args) -> dict:
-    tokenizer = AutoTokenizer.from_pretrained(pocket.model_path(target))
-    models = pocket.load_model(source), pocket.load_model(target)
-    texts = pocket.load_texts("calibration")
-    settings = {"num_sequences": args.num_sequences, "seq_len": args.seq_len, "top_k": DEMO_SETTINGS["top_k"],
-                "ridge_lambda": DEMO_SETTINGS["ridge_lambda"], "seed": DEMO_SETTINGS["seed"]}  # fmt: skip
+    tokenizer, models, texts, settings = pair_setup(source, target, args)
     started = time.perf_counter()
     bridges = {"all_heads": hf_kvbridge.calibrate(*models, texts, tokenizer=tokenizer, **settings)}
     weighted = hf_kvbridge.calibrate(
@@ -141,30 +134,19 @@ def measure_pair(source: str, target: str, args) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--pairs", default="pocket-s:pocket-l,pocket-l:pocket-s")
     parser.add_argument("--rules", default="independent,exhaustive")
-    parser.add_argument("--num-sequences", type=int, default=DEMO_SIZES["num_sequences"][0])
-    parser.add_argument("--seq-len", type=int, default=DEMO_SIZES["seq_len"][0])
-    parser.add_argument("--windows", type=int, default=DEMO_SIZES["nll_windows"][0])
-    parser.add_argument("--context", type=int, default=DEMO_SIZES["nll_context"][0])
-    parser.add_argument("--continuation", type=int, default=DEMO_SIZES["nll_continuation"][0])
-    parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--out", default="matched_head.json")
+    measurement_arguments(parser, out="matched_head.json")
     args = parser.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    results = []
-    for pair in args.pairs.split(","):
-        results.append(measure_pair(*pair.split(":"), args))
-        r = results[-1]
-        for name, diff in r["difference"].items():
-            new, _, base = name.partition(" vs ")
-            print(
-                f"{r['pair']}: {base} {r['retention'][base]['value']:.3f}, {new} {r['retention'][new]['value']:.3f}, "
-                f"difference {diff['value']:+.3f} [{diff['low']:+.3f}, {diff['high']:+.3f}] on {r['windows']} windows",
-                flush=True,
-            )
-        Path(args.out).write_text(json.dumps({"settings": vars(args), "results": results}, indent=2))
+    run_pairs(args, measure_pair, _lines)
+
+
+def _lines(r: dict):
+    for name, diff in r["difference"].items():
+        new, _, base = name.partition(" vs ")
+        yield (
+            f"{r['pair']}: {base} {r['retention'][base]['value']:.3f}, {new} {r['retention'][new]['value']:.3f}, "
+            f"difference {diff['value']:+.3f} [{diff['low']:+.3f}, {diff['high']:+.3f}] on {r['windows']} windows"
+        )
 
 
 if __name__ == "__main__":
