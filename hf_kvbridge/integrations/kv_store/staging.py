@@ -71,7 +71,7 @@ class StagingPool:
         (8388608, 6291456, 0)
         ```
         """
-        size = min(-(-max(int(nbytes), 0) // self.granule) * self.granule, self.max_bytes)
+        size = min(self._rounded(max(int(nbytes), 0)), self.max_bytes)
         if size <= 0:
             return 0
         buffer = torch.zeros(size, dtype=torch.uint8)  # zeros: every page written (faulted in) now, not in a step
@@ -86,8 +86,12 @@ class StagingPool:
             buffer = None if found is None else self._free.pop(found)
             self.allocated += buffer is None
         if buffer is None:
-            buffer = torch.empty(-(-max(nbytes, 1) // self.granule) * self.granule, dtype=torch.uint8)
+            buffer = torch.empty(self._rounded(max(nbytes, 1)), dtype=torch.uint8)
         return Lease(self, buffer, nbytes, users)
+
+    def _rounded(self, nbytes: int) -> int:
+        """`nbytes` rounded up to a multiple of the granule."""
+        return -(-nbytes // self.granule) * self.granule
 
     def _give(self, buffer: torch.Tensor) -> None:
         with self._lock:

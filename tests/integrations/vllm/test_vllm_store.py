@@ -174,7 +174,7 @@ def serve_engine(spec: dict) -> None:
             "tokens": list(out.outputs[0].token_ids),
             "cached": out.num_cached_tokens,
             "kvbridge": (out.kv_transfer_params or {}).get(kvb.PARAM_KEY),
-            "source_forward_calls": connector.worker.source_forward_calls,
+            "source_forward_calls": worker.source_forward_calls,
             "step_tokens": llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens,
             "staging": {"reserved": worker.staging_reserved, "allocated": worker.staging.allocated},
         }
