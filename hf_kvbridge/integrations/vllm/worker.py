@@ -308,11 +308,14 @@ class BridgeWorker:
     def record(self, load: BridgeLoad, decision: TransferDecision, reason: str | None = None) -> None:
         """The request's outcome, from the transfer's `decision` (`transfer.steps.served_outcome`: `mapped`, `gated`
         or `fallback`). A load that did not transfer reports its blocks as failed loads: vLLM truncates the request
-        to its last good block, discards this step's sampled token and has the target compute the rest."""
-        outcome = served_outcome(decision, self.plan(load), reason=reason)
+        to its last good block, discards this step's sampled token and has the target compute the rest. Every
+        outcome carries the load's `start`: the request's tokens before it came from vLLM's prefix cache (what earlier
+        requests of its cache salt computed, often the bridge's map), also when this load failed and the target
+        computed the rest."""
+        outcome = {**served_outcome(decision, self.plan(load), reason=reason), "start": load.start}
         status = outcome["status"]
         if decision.transferred:
-            self._step_outcomes[load.req_id] = {**outcome, "start": load.start, **load.origin()}
+            self._step_outcomes[load.req_id] = {**outcome, **load.origin()}
             self.count(requests_mapped=1, tokens_mapped=decision.mapped_tokens)
             return
         first, last = load.start // self.block_size, (load.end - 1) // self.block_size

@@ -158,6 +158,7 @@ def test_every_rank_writes_its_heads_of_the_tp1_map(bridge, monkeypatch, size):
             assert torch.equal(layer.kv_cache, full[name].kv_cache[..., shard.heads, :]), (rank, name)
         outcomes = worker.build_connector_worker_meta().outcomes
         assert outcomes["plain"]["status"] == "mapped" and outcomes["broken"]["status"] == "fallback"
+        assert outcomes["broken"]["start"] == 0  # where the target's recompute began (the prefix cache before it)
         assert "gated" not in outcomes  # decided after the forward pass, by the gate
         reason = "injected mapper failure" if rank == 0 else "tensor-parallel rank 0 could not map this load"
         assert reason in outcomes["broken"]["reason"]

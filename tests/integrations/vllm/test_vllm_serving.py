@@ -706,9 +706,15 @@ def _mixed_cache(burst, i, outcome) -> str | None:
     - it started on prefix-cache blocks (`start` > 0) of a prompt that fell back: vLLM recomputes a failed load's
       blocks with the target and keeps them under the bridged salt, so they may hold the target's own K/V (measured
       on 2026-12-06: a second-wave request of 110 tokens served exactly the target's own K/V of [0, 96) and its map
-      of [96, 109), status start 96, 13 tokens mapped)."""
+      of [96, 109), status start 96, 13 tokens mapped);
+    - its load failed (`fallback`) after a prefix-cache hit (`start` > 0): the target computed the tokens from `start`
+      over blocks an earlier request of the bridged salt mapped (seen in CI on 2026-12-06: a 170-token prompt's second
+      copy fell back when the store was killed, and its tokens left the target's alone at the third, 0.06 nats
+      apart)."""
     if any(status != "mapped" for status in outcome.get("earlier_loads", ())):
         return f"loaded again after a preemption (earlier: {outcome['earlier_loads']})"
+    if outcome["status"] == "fallback" and outcome["start"] > 0:
+        return f"the target's recompute over prefix-cache blocks [0, {outcome['start']}) of the bridged salt"
     if outcome.get("start", 0) > 0 and i in burst["fell_back"]:
         return "prefix-cache blocks of a prompt that fell back"
     return None
@@ -719,6 +725,7 @@ def _through(burst, i, outcome) -> Reply:
     the part left once masters were lost: that part's reference), the cold path (a warm prompt's cold reference; any
     other prompt's reference), or the target alone (a fetch that failed when a master went away falls back)."""
     if outcome["status"] == "fallback":
+        assert outcome["start"] == 0, outcome  # after a prefix-cache hit it is no single path's: `_mixed_cache`
         return burst["reference"][(i, None)]
     if outcome["status"] == "target":  # its own earlier blocks (mapped from the store) hold all the store has
         assert i in WARM and outcome["reason"] == "nothing to map beyond the prefix cache", outcome
