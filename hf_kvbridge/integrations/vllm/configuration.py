@@ -48,6 +48,9 @@ class ConnectorSettings:
             adapter NAME is mapped with that bridge (a folder or Hub id, and its Hub revision; calibrated for the
             target with the adapter merged, from the same source); a request with an adapter not named here is served
             unbridged (status `"unsupported"`).
+        export_buffer_mb: on an exporting engine, the MiB of exported K/V held between the engine's steps and the
+            store: the writer's queue (an export past it is dropped and counted, never waited for) and the staging
+            buffers kept for reuse, of which a step's export is faulted in at start-up (`None`: 256 MiB).
     """
 
     bridge: str
@@ -63,6 +66,7 @@ class ConnectorSettings:
     on_miss: str = "prefill"
     source_weights: bool = True
     lora_bridges: dict[str, AdapterBridge] = field(default_factory=dict)
+    export_buffer_mb: int | None = None
 
     @property
     def imports(self) -> bool:
@@ -148,6 +152,17 @@ def connector_settings(extra: dict[str, Any]) -> ConnectorSettings:
             "kv_connector_extra_config['on_miss'] is 'prefill' but source_weights is false: with no source model "
             "a store miss can only go to the target (on_miss='target')"
         )
+    buffer_mb = extra.get("export_buffer_mb")
+    if buffer_mb is not None:
+        if isinstance(buffer_mb, bool) or not isinstance(buffer_mb, int) or buffer_mb < 1:
+            raise ServingConfigError(
+                f"kv_connector_extra_config['export_buffer_mb'] must be a positive int (MiB), not {buffer_mb!r}"
+            )
+        if role == "target":
+            raise ServingConfigError(
+                "kv_connector_extra_config['export_buffer_mb'] sizes an exporting engine's buffers; role 'target' "
+                "exports nothing (drop it, or set role 'source' or 'both')"
+            )
     lora_bridges = parse_lora_bridges(extra.get("lora_bridges"))
     refused = lora_bridges_refusal(lora_bridges, role=role, enable_lora=True)  # the engine's LoRA: checked at start
     if refused is not None:
@@ -166,6 +181,7 @@ def connector_settings(extra: dict[str, Any]) -> ConnectorSettings:
         on_miss=on_miss,
         source_weights=source_weights,
         lora_bridges=lora_bridges,
+        export_buffer_mb=buffer_mb,
     )
 
 
@@ -182,6 +198,7 @@ def kv_transfer_config(
     store_ttl_s: float | None = None,
     store_timeout_ms: float | None = None,
     store_fetch_parts: int | None = None,
+    export_buffer_mb: int | None = None,
     revision: str | None = None,
     lora_bridges: dict[str, str | dict[str, str] | AdapterBridge] | None = None,
 ) -> dict[str, Any]:
@@ -207,6 +224,10 @@ def kv_transfer_config(
         store_timeout_ms: the deadline of each store lookup in vLLM's scheduler (default 50 ms).
         store_fetch_parts: runs a load from the store is fetched in, each mapped while the next arrives (default 4;
             1: fetch, then map).
+        export_buffer_mb: on an exporting engine, the MiB its exports may hold between the engine's steps and the
+            store (default 256): past it an export is dropped (counted), never waited for. At start-up a step's
+            export (the scheduler's tokens a step × the bytes a token's K/V take in every layer) is reserved within
+            it, and a WARNING says when a whole step's export does not fit.
         revision: revision of a Hub bridge.
         lora_bridges: `{LoRA adapter name: bridge}` on a target engine with `enable_lora`: a request with that
             adapter (`LoRARequest.lora_name`) is mapped with that bridge (calibrated for the target with the adapter
@@ -231,6 +252,7 @@ def kv_transfer_config(
         "store_ttl_s": store_ttl_s,
         "store_timeout_ms": store_timeout_ms,
         "store_fetch_parts": store_fetch_parts,
+        "export_buffer_mb": export_buffer_mb,
         "revision": revision,
         # JSON (vllm serve --kv-transfer-config): each bridge as its string, or the mapping with its revision
         "lora_bridges": {name: spec.to_config() for name, spec in parse_lora_bridges(lora_bridges).items()} or None,

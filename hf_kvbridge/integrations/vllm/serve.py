@@ -23,6 +23,7 @@ STORE_OPTIONS = (
     "chunk_size",
     "store_ttl_s",
     "store_timeout_ms",
+    "export_buffer_mb",
 )
 
 
@@ -32,7 +33,7 @@ def serve_command(
     """The `vllm serve` command line that serves `bridge`'s model with the connector: its target, or with
     `role="source"` (or `role="both", serves="source"`) its source, read from the bridge's config at `revision`.
     `store_options` are `kv_transfer_config`'s (`revision`, `role`, `store`, `serves`, `on_miss`, `source_weights`,
-    `chunk_size`, `store_ttl_s`, `store_timeout_ms`, `lora_bridges`). The
+    `chunk_size`, `store_ttl_s`, `store_timeout_ms`, `export_buffer_mb`, `lora_bridges`). The
     command also loads the middleware that answers a request with a non-boolean `kv_transfer_params.kvbridge` with
     HTTP 400 and speaks the semantic router's headers (`KVBridgeParamsMiddleware`)."""
     config = kv_transfer_config(bridge, requests=requests, **store_options)
@@ -70,6 +71,8 @@ def serve_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--store-ttl", dest="store_ttl_s", type=float, help="lifetime of exported chunks, seconds")
     parser.add_argument("--store-timeout-ms", type=float, help="deadline of each store lookup in the scheduler "
                         "(default 50 ms): a dead or hung store is a miss after it")  # fmt: skip
+    parser.add_argument("--export-buffer-mb", type=int, help="an exporting engine's exports held between its "
+                        "steps and the store, MiB (default 256; past it exports drop)")  # fmt: skip
     parser.add_argument("--mapper-id", help=f"the id a router names this bridge by in {MAPPER_ID_HEADER} (default: "
                         "the bridge's Hub id or folder name)")  # fmt: skip
     parser.add_argument("--lora-bridge", action="append", default=[], metavar="NAME=BRIDGE[@REVISION]",

@@ -7,6 +7,8 @@ from vllm.logger import init_logger
 
 logger = init_logger("vllm.hf_kvbridge")  # under "vllm", so vLLM's handlers format and show it
 
+DEFAULT_EXPORT_BUFFER_MB = 256  # `export_buffer_mb` unset: the writer's own default queue limit
+
 
 def store_identity(config, side: str) -> str:
     """The store's identity of the bridge config's `side` model (`"source"` or `"target"`): its name, revision and
@@ -22,7 +24,8 @@ def store_identity(config, side: str) -> str:
 
 def open_prefix_store(settings, model_id: str, *, writer: bool = False):
     """A `PrefixKVStore` of `model_id`'s KV in the store at `settings.store` (chunk size, TTL and deadline from
-    `settings`), with an `AsyncWriter` when `writer` (the exporting worker: its steps never wait for the store)."""
+    `settings`), with an `AsyncWriter` when `writer` (the exporting worker: its steps never wait for the store), whose
+    queue holds at most `settings.export_buffer_mb` MiB."""
     from ..kv_store import DEFAULT_CHUNK_SIZE, AsyncWriter, PrefixKVStore, open_store
 
     kwargs = {"timeout": settings.store_timeout_ms / 1000}
@@ -39,8 +42,13 @@ def open_prefix_store(settings, model_id: str, *, writer: bool = False):
         store,
         model_id=model_id,
         chunk_size=settings.chunk_size or DEFAULT_CHUNK_SIZE,
-        writer=AsyncWriter(store) if writer else None,
+        writer=AsyncWriter(store, max_pending_bytes=export_buffer_bytes(settings)) if writer else None,
     )
+
+
+def export_buffer_bytes(settings) -> int:
+    """The bytes an exporting engine's exports may hold between its steps and the store (`export_buffer_mb`)."""
+    return (settings.export_buffer_mb or DEFAULT_EXPORT_BUFFER_MB) << 20
 
 
 def redact(url: str) -> str:

@@ -164,13 +164,25 @@ class BridgeWorker:
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], step_tokens: int) -> int:
         """At start-up, once vLLM has made its paged caches: a TP 1 source that exports from a CPU cache reserves a
         step's export in its staging pool (`step_tokens`, the scheduler's tokens a step, times the bytes a token
-        takes in every layer, capped by the pool's limit), faulted in now, so that the first exports' steps do not
-        pay for fresh pages. Returns the bytes reserved (0 elsewhere: no exports, a TP > 1 engine, a GPU cache,
-        whose reads go to pinned buffers)."""
+        takes in every layer, capped by the pool's limit, `export_buffer_mb`), faulted in now, so that the first
+        exports' steps do not pay for fresh pages. Returns the bytes reserved (0 elsewhere: no exports, a TP > 1
+        engine, a GPU cache, whose reads go to pinned buffers). Any exporting engine warns when a whole step's
+        export (every rank's heads) would not fit in `export_buffer_mb`: such steps drop exports past it."""
         caches = list(kv_caches.values())
-        if self.exports is None or self.shard.sharded or not caches or caches[0].device.type != "cpu":
+        if self.exports is None or not caches:
             return 0
         per_token = sum(slot_nbytes(cache) for cache in caches)  # keys and values of one token in every layer
+        whole = per_token * self.shard.total // self.shard.num_heads() if self.shard.sharded else per_token
+        if whole * int(step_tokens) > self.staging.max_bytes:
+            logger.warning(
+                "KVBridgeConnector: a whole step's export (%d tokens × %d bytes = %.0f MiB) exceeds export_buffer_mb "
+                "(%.0f MiB): a step that exports that much drops what does not fit (counted in writes_dropped); set "
+                "kv_connector_extra_config['export_buffer_mb'] to at least %d",
+                step_tokens, whole, whole * step_tokens / 2**20, self.staging.max_bytes / 2**20,
+                -(-whole * step_tokens // 2**20),
+            )  # fmt: skip
+        if self.shard.sharded or caches[0].device.type != "cpu":
+            return 0
         reserved = self.staging_reserved = self.staging.reserve(per_token * int(step_tokens))
         logger.info(
             "KVBridgeConnector: %.0f MiB of export staging reserved (%d tokens a step × %d bytes a token, at most "

@@ -178,3 +178,32 @@ def test_the_tp1_export_reads_into_pooled_buffers_the_writer_gives_back(source_k
             mine.values[0], layer[1].transpose(0, 1)
         )
     store.writer.close()
+
+
+@pytest.mark.parametrize("shard", [HeadShard(total=0), HeadShard.of(2, rank=0, size=2)])
+def test_the_export_buffer_bounds_the_reserve_and_a_step_that_does_not_fit_is_named(shard, monkeypatch):
+    """`export_buffer_mb` is the writer's queue limit and the staging pool's: a TP 1 CPU source reserves a step's
+    export within it, and an exporting engine whose whole step's export (every rank's heads) does not fit says so at
+    start-up, with the MiB to set; one that fits says nothing."""
+    from hf_kvbridge.integrations.vllm import worker as worker_module
+
+    warnings = []
+    monkeypatch.setattr(worker_module.logger, "warning", lambda message, *args: warnings.append(message % args))
+    # 4 layers of the (2, blocks, block_size, heads, d) layout: this rank's 1 of 2 heads (TP 2) or both (TP 1)
+    heads = 1 if shard.sharded else 2
+    caches = {f"layer.{i}": torch.zeros(2, 8, BLOCK, heads, 64) for i in range(4)}
+    whole = 4 * 2 * 2 * 64 * 4  # bytes a token: every layer's K and V of both heads, float32
+
+    def start(limit_mb, step_tokens):
+        writer = SimpleNamespace(max_pending_bytes=limit_mb << 20)
+        worker = worker_module.BridgeWorker(None, block_size=BLOCK, gate_threshold=None, count=lambda **_: None,
+                                            exports=SimpleNamespace(writer=writer), shard=shard)  # fmt: skip
+        warnings.clear()
+        return worker.register_kv_caches(caches, step_tokens), list(warnings)
+
+    reserved, said = start(8, 2048)  # 2048 tokens × 4 KiB = 8 MiB: fits exactly
+    assert said == [] and reserved == (0 if shard.sharded else 8 << 20)
+    reserved, said = start(4, 2048)  # 8 MiB of a step in 4 MiB: the reserve capped, and a warning naming 8
+    assert reserved == (0 if shard.sharded else 4 << 20)
+    assert len(said) == 1 and f"2048 tokens × {whole} bytes = 8 MiB" in said[0], said
+    assert "export_buffer_mb (4 MiB)" in said[0] and "'export_buffer_mb'] to at least 8" in said[0], said

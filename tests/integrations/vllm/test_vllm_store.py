@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -668,3 +669,27 @@ def test_serve_roles_print_the_vllm_command(setup, capsys):
     assert '"source_weights": false' in line and '"chunk_size": 64' in line and '"on_miss"' not in line
     with pytest.raises(ValueError, match="needs a KV store"):
         serve_main([bridge, "--role", "both", "--print"])
+    source = [bridge, "--role", "source", "--store", setup["url"]]
+    assert serve_main([*source, "--export-buffer-mb", "2048", "--print"]) == 0
+    assert '"export_buffer_mb": 2048' in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, "256", True])
+def test_export_buffer_mb_is_a_positive_int_on_an_exporting_engine(setup, bad):
+    from hf_kvbridge.integrations.vllm import connector_settings, kv_transfer_config
+    from hf_kvbridge.integrations.vllm.store import export_buffer_bytes, open_prefix_store
+
+    bridge, url = str(setup["bridge_dir"]), setup["url"]
+    with pytest.raises(ValueError, match=re.escape(f"['export_buffer_mb'] must be a positive int (MiB), not {bad!r}")):
+        kv_transfer_config(bridge, role="source", store=url, export_buffer_mb=bad)
+    with pytest.raises(ValueError, match="role 'target' exports nothing"):
+        kv_transfer_config(bridge, store=url, export_buffer_mb=512)
+    extra = kv_transfer_config(bridge, role="both", store=url, export_buffer_mb=512)["kv_connector_extra_config"]
+    assert export_buffer_bytes(connector_settings(extra)) == 512 << 20
+    opened = open_prefix_store(connector_settings(extra), "export-buffer-test", writer=True)
+    try:  # the writer's queue limit, which the worker's staging pool takes as its own
+        assert opened.writer.max_pending_bytes == 512 << 20
+    finally:
+        opened.writer.close()
+        opened.store.close()
+    assert export_buffer_bytes(connector_settings({"bridge": bridge, "role": "source", "store": url})) == 256 << 20
