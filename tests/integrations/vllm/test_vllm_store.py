@@ -130,10 +130,12 @@ def _worker_state(_worker) -> dict:
     }
 
 
-def test_a_tp1_source_engine_reserves_a_steps_export_at_start_and_its_exports_reuse_it(source_run, conversation):
+def test_a_tp1_source_engine_reserves_a_steps_export_at_start_and_its_exports_reuse_it(source_run, conversation,
+                                                                                       setup):  # fmt: skip
     """`register_kv_caches`: a TP 1 engine that exports from its CPU cache faults in a step's export (the scheduler's
-    tokens a step × every layer's K/V of a token) at start-up, so no export's step allocated a buffer of its own; a
-    TP 2 source reads into the ranks' gather buffers instead and reserves nothing."""
+    tokens a step × every layer's K/V of a token) at start-up, within `export_buffer_mb` (a step does not fit in the
+    conversation's source's 2 MiB: the reserve is capped and the engine says what to set), so no export's step
+    allocated a buffer of its own; a TP 2 source reads into the ranks' gather buffers instead and reserves nothing."""
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(pocket.model_path("pocket-s"))
@@ -141,8 +143,12 @@ def test_a_tp1_source_engine_reserves_a_steps_export_at_start_and_its_exports_re
     source_turns = [turn for turn in conversation if turn["model"] == "source"]
     last = source_turns[-1]
     reserved = -(-per_token * last["step_tokens"] // (4 << 20)) * (4 << 20)  # the pool's 4 MiB granule
-    assert last["staging"] == {"reserved": min(reserved, 256 << 20), "allocated": 0}
+    assert reserved > 2 << 20 and last["staging"] == {"reserved": 2 << 20, "allocated": 0}
     assert all(turn["kvbridge"]["status"] == "exported" for turn in source_turns)  # it did export, every turn
+    step_mib = -(-per_token * last["step_tokens"] // 2**20)
+    log = (setup["tmp"] / "conv-source.log").read_text()
+    named = f"'export_buffer_mb'] to at least {step_mib}"
+    assert "exceeds export_buffer_mb (2 MiB)" in log and named in log, log[-3000:]
     assert source_run["staging"] == {"reserved": 0, "allocated": 0}
 
 
@@ -562,7 +568,8 @@ def conversation(setup, store_server):
     first = 57  # 57 + 8 - 1 = 64
     users = [text[:first]] + [text[first + 24 * i : first + 24 * (i + 1)] for i in range(5)]  # 24 ≡ -8 + 0 (mod 32)
     both = {"role": "both", "store": url, "chunk_size": TURN_CHUNK}  # each engine holds its own model only
-    source = _Engine(tmp, "conv-source", setup["bridge_dir"], {**both, "serves": "source"})
+    # the source's exports held in 2 MiB (`export_buffer_mb`): less than a step's 3 MiB, more than any turn's
+    source = _Engine(tmp, "conv-source", setup["bridge_dir"], {**both, "serves": "source", "export_buffer_mb": 2})
     target = _Engine(tmp, "conv-target", setup["bridge_dir"], {**both, "serves": "target"})
     turns, history = [], []
     try:
