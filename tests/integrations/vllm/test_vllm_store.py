@@ -528,6 +528,7 @@ class _Engine:
         for line in self.proc.stdout:
             if line.startswith(marker):
                 return line[len(marker) :].strip()
+            self.log.write(line)  # vLLM logs to stdout: kept with the engine's stderr
         self.log.seek(0)
         raise AssertionError(f"engine exited: {self.log.read()[-4000:]}")
 
