@@ -12,8 +12,9 @@ fitted in closed form to what `W_s` leaves:
 Paired on the same held-out windows as `head_local_study`: the mean paired difference of context-benefit retention
 with its paired bootstrap 95% interval against all-heads and against the weighted same-head map, and each map's
 parameter count (same-head's plus `r·(p + q)` a target layer, `p` the selected source features and `q` the target
-layer's; at full rank `p·q`), with the all-heads map fitted with the same token weights beside them (what a
-full-rank term approaches). Evaluated embedded in an all-heads mapper (the same outputs; the runtime of all-heads).
+layer's; at most all-heads' count, which a full-rank term makes it), with the all-heads map fitted with the same
+token weights beside them (what a full-rank term approaches). Evaluated embedded in an all-heads mapper (the same
+outputs; the runtime of all-heads).
 
     python -m studies.cross_head_study --pairs pocket-s:pocket-l,pocket-l:pocket-s --ranks 1,4,16 --windows 303
 
@@ -101,7 +102,8 @@ def measure_pair(source: str, target: str, args) -> dict:
         name = f"cross_rank_{rank}"
         bridges[name] = cross_head_bridge(embedded, stats, lam_all, rank)
         sizes = [(s.source_index(list(range(s.source_layers))).numel(), s.target_index(0).numel()) for s in stats]
-        counts[name] = counts["same_head_weighted"] + sum(min(rank * (p + q), p * q) for p, q in sizes)
+        low_rank = counts["same_head_weighted"] + sum(rank * (p + q) for p, q in sizes)
+        counts[name] = min(low_rank, counts["all_heads"])  # past it, W_s + B_r is a full map: all-heads' count
         seconds = time.perf_counter() - started
         print(f"  rank {rank}: fitted in {seconds:.1f} s, {counts[name]:,} parameters", flush=True)
     held = heldout_windows(pocket.load_texts("heldout"), tokenizer, args.context + args.continuation, args.windows)

@@ -5,7 +5,8 @@ and the distillation timed side by side on the same machine.
     python -m studies.distill_study --pairs pocket-s:pocket-l,pocket-l:pocket-s --out distill_results.json
 
 Calibration: the demo's settings (128 windows × 512 tokens of the calibration split, top-k 6, λ auto, seed 0; add
-`--head-mode same_head`, or the source's hidden states as extra features with `--hidden-state-layers all`).
+`--head-mode same_head`, the source's hidden states as extra features with `--hidden-state-layers all`, or another
+closed form with `--mapper-type`, e.g. `ridge_attention_weighted`).
 Distillation: `hf_kvbridge.distill` on the whole calibration split (never the held-out
 split the windows below come from). Evaluation: `tools.evaluation.window_nll` per window for target, no context,
 closed form and distilled; retention and its interval by `tools.fidelity.paired_bootstrap`; next-token KL.
@@ -29,7 +30,9 @@ from hf_kvbridge.tools.fidelity import next_token_kl, paired_bootstrap, retentio
 from studies.recompute_study import hidden_state_layers
 
 
-def measure_pair(source: str, target: str, head_mode: str, distill_kwargs: dict, hidden_states=None) -> dict:
+def measure_pair(
+    source: str, target: str, head_mode: str, distill_kwargs: dict, hidden_states=None, mapper_type: str = "ridge"
+) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(pocket.model_path(target))
     small, large = pocket.load_model(source), pocket.load_model(target)
     texts = pocket.load_texts("calibration")
@@ -37,7 +40,7 @@ def measure_pair(source: str, target: str, head_mode: str, distill_kwargs: dict,
     bridge = hf_kvbridge.calibrate(
         small, large, texts, tokenizer=tokenizer, num_sequences=DEMO_SIZES["num_sequences"][0],
         seq_len=DEMO_SIZES["seq_len"][0], top_k=DEMO_SETTINGS["top_k"], ridge_lambda=DEMO_SETTINGS["ridge_lambda"],
-        head_mode=head_mode, seed=DEMO_SETTINGS["seed"], hidden_state_layers=hidden_states,
+        head_mode=head_mode, seed=DEMO_SETTINGS["seed"], hidden_state_layers=hidden_states, mapper_type=mapper_type,
     )  # fmt: skip
     calibration_s = time.perf_counter() - started
     started = time.perf_counter()
@@ -56,6 +59,7 @@ def measure_pair(source: str, target: str, head_mode: str, distill_kwargs: dict,
     return {
         "pair": f"{source} → {target}",
         "head_mode": head_mode,
+        "mapper_type": mapper_type,
         "hidden_state_layers": hidden_states,
         "retention_closed_form": paired_bootstrap(nll, retention_of("bridge")),
         "retention_distilled": paired_bootstrap(nll, retention_of("distilled")),
@@ -74,6 +78,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pairs", default="pocket-s:pocket-l,pocket-l:pocket-s")
     parser.add_argument("--head-mode", default="all_heads")
+    parser.add_argument("--mapper-type", default="ridge", help="the closed form distilled from (calibrate's)")
     parser.add_argument("--out", default="distill_results.json")
     parser.add_argument("--num-sequences", type=int, default=304)
     parser.add_argument("--epochs", type=int, default=2)
@@ -93,7 +98,9 @@ def main() -> None:
     results = []
     for pair in args.pairs.split(","):
         source, target = pair.split(":")
-        results.append(measure_pair(source, target, args.head_mode, kwargs, args.hidden_state_layers))
+        results.append(
+            measure_pair(source, target, args.head_mode, kwargs, args.hidden_state_layers, args.mapper_type)
+        )
         r = results[-1]
         print(
             f"{r['pair']} ({args.head_mode}): retention {r['retention_closed_form']['value']:.3f} → "
