@@ -706,7 +706,9 @@ def _mixed_cache(burst, i, outcome) -> str | None:
     - it started on prefix-cache blocks (`start` > 0) of a prompt that fell back: vLLM recomputes a failed load's
       blocks with the target and keeps them under the bridged salt, so they may hold the target's own K/V (measured
       on 2026-12-06: a second-wave request of 110 tokens served exactly the target's own K/V of [0, 96) and its map
-      of [96, 109), status start 96, 13 tokens mapped);
+      of [96, 109), status start 96, 13 tokens mapped), or was served from such blocks alone (status `target`,
+      "nothing to map beyond the prefix cache"; seen on 2026-12-06: a 230-token prompt's reply left the bridged
+      reference at its second token);
     - its load failed (`fallback`) after a prefix-cache hit (`start` > 0): the target computed the tokens from `start`
       over blocks an earlier request of the bridged salt mapped (seen in CI on 2026-12-06: a 170-token prompt's second
       copy fell back when the store was killed, and its tokens left the target's alone at the third, 0.06 nats
@@ -715,8 +717,8 @@ def _mixed_cache(burst, i, outcome) -> str | None:
         return f"loaded again after a preemption (earlier: {outcome['earlier_loads']})"
     if outcome["status"] == "fallback" and outcome["start"] > 0:
         return f"the target's recompute over prefix-cache blocks [0, {outcome['start']}) of the bridged salt"
-    if outcome.get("start", 0) > 0 and i in burst["fell_back"]:
-        return "prefix-cache blocks of a prompt that fell back"
+    if i in burst["fell_back"] and (outcome.get("start", 0) > 0 or outcome["status"] == "target"):
+        return "prefix-cache blocks of a prompt that fell back"  # `target`: the prefix cache held all there was
     return None
 
 
