@@ -30,14 +30,11 @@ import time
 import torch
 
 import hf_kvbridge
-from hf_kvbridge import pocket
 from hf_kvbridge.fitting.data import token_windows
 from hf_kvbridge.fitting.mapper_fits.weighted import weighted_statistics
 from hf_kvbridge.fitting.solve import effective_ridge_lambda, map_group_lambda, ridge_from_moments
-from hf_kvbridge.tools.evaluation import heldout_windows, window_nll
-from hf_kvbridge.tools.fidelity import paired_bootstrap, retention_of
 from studies.head_local_study import measurement_arguments, pair_setup, parameters, run_pairs
-from studies.matched_head_study import matched_bridge
+from studies.matched_head_study import matched_bridge, paired_against, report_lines
 
 
 def cross_head_term(stats, same: torch.Tensor, lam: torch.Tensor, rank: int) -> torch.Tensor:
@@ -106,25 +103,7 @@ def measure_pair(source: str, target: str, args) -> dict:
         counts[name] = min(low_rank, counts["all_heads"])  # past it, W_s + B_r is a full map: all-heads' count
         seconds = time.perf_counter() - started
         print(f"  rank {rank}: fitted in {seconds:.1f} s, {counts[name]:,} parameters", flush=True)
-    held = heldout_windows(pocket.load_texts("heldout"), tokenizer, args.context + args.continuation, args.windows)
-    nll = {mode: window_nll(bridges["all_heads"], held, args.context, mode) for mode in ("target", "no_context")}
-    for name, bridge in bridges.items():
-        nll[name] = window_nll(bridge, held, args.context, "bridge")
-    versus = {}
-    for base in ("all_heads", "same_head_weighted"):
-        for name in bridges:
-            if name.startswith("cross") or (base == "all_heads" and name.endswith("weighted")):
-                versus[f"{name} vs {base}"] = paired_bootstrap(
-                    nll, lambda s, n=name, b=base: retention_of(n)(s) - retention_of(b)(s)
-                )
-    return {
-        "pair": f"{source} → {target}",
-        "windows": int(len(held)),
-        "retention": {name: paired_bootstrap(nll, retention_of(name)) for name in bridges},
-        "difference": versus,
-        "parameters": counts,
-        "per_window_nll": {mode: values.tolist() for mode, values in nll.items()},
-    }
+    return {"pair": f"{source} → {target}", **paired_against(bridges, tokenizer, args, "cross"), "parameters": counts}
 
 
 def main() -> None:
@@ -132,17 +111,7 @@ def main() -> None:
     parser.add_argument("--ranks", default="1,4,16")
     measurement_arguments(parser, out="cross_head.json")
     args = parser.parse_args()
-    run_pairs(args, measure_pair, _lines)
-
-
-def _lines(r: dict):
-    for name, diff in r["difference"].items():
-        new, _, base = name.partition(" vs ")
-        yield (
-            f"{r['pair']}: {base} {r['retention'][base]['value']:.3f}, {new} {r['retention'][new]['value']:.3f}, "
-            f"difference {diff['value']:+.3f} [{diff['low']:+.3f}, {diff['high']:+.3f}] on {r['windows']} windows; "
-            f"parameters {r['parameters'][new]:,} vs {r['parameters'][base]:,}"
-        )
+    run_pairs(args, measure_pair, report_lines)  # matched_head_study's lines, with the parameter counts
 
 
 if __name__ == "__main__":

@@ -110,6 +110,17 @@ def measure_pair(source: str, target: str, args) -> dict:
         differ[rule] = round(1 - sum(picks) / len(picks), 3)
         seconds = time.perf_counter() - started
         print(f"  {rule}: {differ[rule]:.0%} of picks differ from the same index ({seconds:.0f} s)", flush=True)
+    return {
+        "pair": f"{source} → {target}",
+        **paired_against(bridges, tokenizer, args, "matched"),
+        "differ_from_same_index": differ,
+        "chosen_heads": chosen,
+    }
+
+
+def paired_against(bridges: dict, tokenizer, args, new: str) -> dict:
+    """Every bridge's retention on `args.windows` held-out windows, and the paired difference of each bridge named
+    `new…` against `all_heads` and `same_head_weighted` (and of the other weighted maps against `all_heads`)."""
     held = heldout_windows(pocket.load_texts("heldout"), tokenizer, args.context + args.continuation, args.windows)
     nll = {mode: window_nll(bridges["all_heads"], held, args.context, mode) for mode in ("target", "no_context")}
     for name, bridge in bridges.items():
@@ -117,17 +128,14 @@ def measure_pair(source: str, target: str, args) -> dict:
     versus = {}
     for base in ("all_heads", "same_head_weighted"):
         for name in bridges:
-            if name.startswith("matched") or (base == "all_heads" and name == "same_head_weighted"):
+            if name.startswith(new) or (base == "all_heads" and name.endswith("weighted")):
                 versus[f"{name} vs {base}"] = paired_bootstrap(
                     nll, lambda s, n=name, b=base: retention_of(n)(s) - retention_of(b)(s)
                 )
     return {
-        "pair": f"{source} → {target}",
         "windows": int(len(held)),
         "retention": {name: paired_bootstrap(nll, retention_of(name)) for name in bridges},
         "difference": versus,
-        "differ_from_same_index": differ,
-        "chosen_heads": chosen,
         "per_window_nll": {mode: values.tolist() for mode, values in nll.items()},
     }
 
@@ -137,15 +145,18 @@ def main() -> None:
     parser.add_argument("--rules", default="independent,exhaustive")
     measurement_arguments(parser, out="matched_head.json")
     args = parser.parse_args()
-    run_pairs(args, measure_pair, _lines)
+    run_pairs(args, measure_pair, report_lines)
 
 
-def _lines(r: dict):
+def report_lines(r: dict):
+    """One line a paired difference (with the two maps' parameter counts where `r` has them)."""
     for name, diff in r["difference"].items():
         new, _, base = name.partition(" vs ")
+        counts = r.get("parameters")
         yield (
             f"{r['pair']}: {base} {r['retention'][base]['value']:.3f}, {new} {r['retention'][new]['value']:.3f}, "
             f"difference {diff['value']:+.3f} [{diff['low']:+.3f}, {diff['high']:+.3f}] on {r['windows']} windows"
+            + (f"; parameters {counts[new]:,} vs {counts[base]:,}" if counts else "")
         )
 
 
