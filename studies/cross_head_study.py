@@ -29,12 +29,9 @@ import time
 
 import torch
 
-import hf_kvbridge
-from hf_kvbridge.fitting.data import token_windows
-from hf_kvbridge.fitting.mapper_fits.weighted import weighted_statistics
 from hf_kvbridge.fitting.solve import effective_ridge_lambda, map_group_lambda, ridge_from_moments
-from studies.head_local_study import measurement_arguments, pair_setup, parameters, run_pairs
-from studies.matched_head_study import matched_bridge, paired_against, report_lines
+from studies.head_local_study import measurement_arguments, parameters, run_pairs
+from studies.matched_head_study import matched_bridge, paired_against, report_lines, weighted_setup
 
 
 def cross_head_term(stats, same: torch.Tensor, lam: torch.Tensor, rank: int) -> torch.Tensor:
@@ -78,19 +75,8 @@ def cross_head_bridge(embedded, stats: list, lam_all, rank: int):
 
 
 def measure_pair(source: str, target: str, args) -> dict:
-    tokenizer, models, texts, settings = pair_setup(source, target, args)
-    started = time.perf_counter()
-    bridges = {"all_heads": hf_kvbridge.calibrate(*models, texts, tokenizer=tokenizer, **settings)}
-    weighted = hf_kvbridge.calibrate(
-        *models, texts, tokenizer=tokenizer, head_mode="same_head", mapper_type="ridge_attention_weighted", **settings
-    )
-    bridges["same_head_weighted"] = weighted
-    bridges["all_heads_weighted"] = hf_kvbridge.calibrate(  # what a full-rank term approaches
-        *models, texts, tokenizer=tokenizer, mapper_type="ridge_attention_weighted", **settings
-    )
-    print(f"  {source} → {target}: calibrated in {time.perf_counter() - started:.0f} s", flush=True)
-    windows = token_windows(texts, tokenizer, args.num_sequences, args.seq_len)  # calibrate's own
-    stats = weighted_statistics(weighted.mapper, source=models[0], target=models[1], windows=windows)
+    tokenizer, bridges, stats = weighted_setup(source, target, args, all_heads_weighted=True)
+    weighted = bridges["same_head_weighted"]
     embedded, _ = matched_bridge(weighted, stats, "same")
     lam_all = effective_ridge_lambda(bridges["all_heads"].config)
     counts = {name: parameters(bridge) for name, bridge in bridges.items()}

@@ -90,18 +90,31 @@ def matched_bridge(bridge, stats: list, rule: str):
     return bridge.with_mapper(mapper, config), chosen
 
 
-def measure_pair(source: str, target: str, args) -> dict:
+def weighted_setup(source: str, target: str, args, *, all_heads_weighted: bool = False):
+    """`(tokenizer, bridges, stats)`: the all-heads and the weighted same-head bridges (and, with
+    `all_heads_weighted`, the all-heads map fitted with the same weights) of the demo's calibration, and the weighted
+    statistics of the same-head bridge's selection on calibrate's own windows (so only the map built from them
+    differs)."""
     tokenizer, models, texts, settings = pair_setup(source, target, args)
     started = time.perf_counter()
+    weighted = {"mapper_type": "ridge_attention_weighted"}
     bridges = {"all_heads": hf_kvbridge.calibrate(*models, texts, tokenizer=tokenizer, **settings)}
-    weighted = hf_kvbridge.calibrate(
-        *models, texts, tokenizer=tokenizer, head_mode="same_head", mapper_type="ridge_attention_weighted", **settings
+    bridges["same_head_weighted"] = hf_kvbridge.calibrate(
+        *models, texts, tokenizer=tokenizer, head_mode="same_head", **weighted, **settings
     )
-    bridges["same_head_weighted"] = weighted
+    if all_heads_weighted:
+        bridges["all_heads_weighted"] = hf_kvbridge.calibrate(
+            *models, texts, tokenizer=tokenizer, **weighted, **settings
+        )
     print(f"  {source} → {target}: calibrated in {time.perf_counter() - started:.0f} s", flush=True)
-    # the same windows the weighted fit used (calibrate's own), so only the head choice differs
     windows = token_windows(texts, tokenizer, args.num_sequences, args.seq_len)
-    stats = weighted_statistics(weighted.mapper, source=models[0], target=models[1], windows=windows)
+    mapper = bridges["same_head_weighted"].mapper
+    return tokenizer, bridges, weighted_statistics(mapper, source=models[0], target=models[1], windows=windows)
+
+
+def measure_pair(source: str, target: str, args) -> dict:
+    tokenizer, bridges, stats = weighted_setup(source, target, args)
+    weighted = bridges["same_head_weighted"]
     chosen, differ = {}, {}
     for rule in args.rules.split(","):
         started = time.perf_counter()
