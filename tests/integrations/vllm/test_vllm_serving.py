@@ -682,7 +682,9 @@ def _same_tokens(got: Reply, want: Reply, context) -> float:
     in another order than a request alone, so two tokens that score the same to float32 round-off may swap. Returns
     how far apart the chosen tokens' logprobs were (nats, the largest) before any difference."""
     agreement = greedy_agreement(got.tokens, want.tokens, got.top, want.top)
-    assert agreement.within(BATCH_TIE), (context, got.outcome, str(agreement), got.tokens, want.tokens)
+    assert agreement.within(BATCH_TIE), (  # a string: pytest shows it whole, the outcomes included
+        f"{context}: served {got.outcome}; {agreement}; got {got.tokens}, want {want.tokens} ({want.outcome})"
+    )
     agreeing = len(got.tokens) if agreement.same else agreement.first_difference
     return max((abs(g[t] - w[t]) for g, w, t in zip(got.top[:agreeing], want.top, got.tokens)), default=0.0)
 
