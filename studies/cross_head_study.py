@@ -80,11 +80,11 @@ def measure_pair(source: str, target: str, args) -> dict:
     embedded, _ = matched_bridge(weighted, stats, "same")
     lam_all = effective_ridge_lambda(bridges["all_heads"].config)
     counts = {name: parameters(bridge) for name, bridge in bridges.items()}
+    sizes = [(s.source_index(list(range(s.source_layers))).numel(), s.target_index(0).numel()) for s in stats]
     for rank in (int(r) for r in args.ranks.split(",")):
         started = time.perf_counter()
         name = f"cross_rank_{rank}"
         bridges[name] = cross_head_bridge(embedded, stats, lam_all, rank)
-        sizes = [(s.source_index(list(range(s.source_layers))).numel(), s.target_index(0).numel()) for s in stats]
         low_rank = counts["same_head_weighted"] + sum(rank * (p + q) for p, q in sizes)
         counts[name] = min(low_rank, counts["all_heads"])  # past it, W_s + B_r is a full map: all-heads' count
         seconds = time.perf_counter() - started

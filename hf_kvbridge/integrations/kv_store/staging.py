@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from ...errors import InvalidInputError
+from .writer import DEFAULT_MAX_PENDING_BYTES
 
 
 class StagingPool:
@@ -45,7 +46,7 @@ class StagingPool:
     ```
     """
 
-    def __init__(self, max_bytes: int = 256 << 20, granule: int = 4 << 20):
+    def __init__(self, max_bytes: int = DEFAULT_MAX_PENDING_BYTES, granule: int = 4 << 20):
         if not (max_bytes >= 0 and granule > 0):
             raise InvalidInputError(f"StagingPool wants max_bytes ≥ 0 and granule > 0, got {max_bytes}, {granule}")
         self.max_bytes, self.granule = int(max_bytes), int(granule)

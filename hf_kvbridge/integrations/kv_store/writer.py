@@ -26,6 +26,7 @@ Job = Callable[[], None]
 _JOB = object()  # the queue's key for a job
 
 MAX_BATCH_CHUNKS = 32
+DEFAULT_MAX_PENDING_BYTES = 256 << 20  # the queue's limit unless told (the vLLM connector's `export_buffer_mb`)
 """Chunks sent in one round trip at most."""
 
 MAX_BATCH_BYTES = 64 << 20
@@ -50,7 +51,7 @@ class AsyncWriter:
     ```
     """
 
-    def __init__(self, store: KVStore, *, max_pending_bytes: int = 256 << 20):
+    def __init__(self, store: KVStore, *, max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES):
         if not max_pending_bytes > 0:
             raise InvalidInputError(f"max_pending_bytes must be > 0, got {max_pending_bytes!r}")
         self.store = store

@@ -7,8 +7,6 @@ from vllm.logger import init_logger
 
 logger = init_logger("vllm.hf_kvbridge")  # under "vllm", so vLLM's handlers format and show it
 
-DEFAULT_EXPORT_BUFFER_MB = 256  # `export_buffer_mb` unset: the writer's own default queue limit
-
 
 def store_identity(config, side: str) -> str:
     """The store's identity of the bridge config's `side` model (`"source"` or `"target"`): its name, revision and
@@ -47,8 +45,11 @@ def open_prefix_store(settings, model_id: str, *, writer: bool = False):
 
 
 def export_buffer_bytes(settings) -> int:
-    """The bytes an exporting engine's exports may hold between its steps and the store (`export_buffer_mb`)."""
-    return (settings.export_buffer_mb or DEFAULT_EXPORT_BUFFER_MB) << 20
+    """The bytes an exporting engine's exports may hold between its steps and the store (`export_buffer_mb`; unset,
+    the writer's own default)."""
+    from ..kv_store.writer import DEFAULT_MAX_PENDING_BYTES
+
+    return settings.export_buffer_mb << 20 if settings.export_buffer_mb else DEFAULT_MAX_PENDING_BYTES
 
 
 def redact(url: str) -> str:

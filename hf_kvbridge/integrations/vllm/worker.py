@@ -20,6 +20,7 @@ from ...transfer.plan import plan_load, plan_transfer
 from ...transfer.steps import SourceKV, TransferDecision, TransferSteps, decide, served_outcome
 from ...utils.cache import append_layer, output_cache, slice_cache
 from ..kv_store.staging import StagingPool
+from ..kv_store.writer import DEFAULT_MAX_PENDING_BYTES
 from .adapters import AdapterMapping
 from .export import ShardGeometry, export_local, export_sharded, unpack
 from .metadata import BridgeLoad, GateCheck, KVBridgeConnectorMetadata, KVBridgeWorkerMetadata
@@ -149,7 +150,7 @@ class BridgeWorker:
         self.heads = self.shard.heads if self.shard.sharded else slice(None)  # this rank's target KV heads
         self.store, self.exports, self.source_weights = store, exports, source_weights
         writer = getattr(exports, "writer", None)  # the export's buffers: as much as the writer may queue is kept
-        self.staging = StagingPool(getattr(writer, "max_pending_bytes", 256 << 20))
+        self.staging = StagingPool(getattr(writer, "max_pending_bytes", DEFAULT_MAX_PENDING_BYTES))
         self.staging_reserved = 0  # bytes of it faulted in at start-up (`register_kv_caches`)
         self.fetch_parts, self.kv_dtype = fetch_parts, kv_dtype
         self._shares: list[torch.Tensor] | None = None  # rank 0 at TP > 1: the load's mapped K/V, every head
