@@ -64,7 +64,9 @@ class BridgeScheduler:
         self.mappers = dict(mappers or {})
         self._mapper: dict[str, str] = {}  # req_id → the LoRA adapter whose mapper maps it (none: the base bridge's)
         self._salts: dict[str, str | None] = {}  # req_id → the tenant's own cache salt (the store's keys use it)
-        self._reasons: dict[str, str] = {}  # req_id → why nothing was mapped (status "target")
+        # req_id → why nothing was mapped (status "target"), and where the prefix cache ended when that was because
+        # the prefix cache held all the store had (its blocks are what earlier bridged requests computed)
+        self._reasons: dict[str, tuple[str, int | None]] = {}
         self._exporting: dict[str, _Export] = {}  # req_id → what of it is in the store (an exporting engine)
         self._bridged: dict[str, bool] = {}  # req_id → opted in (decided once, on arrival)
         self._claims: dict[str, _Claim] = {}  # req_id → what get_num_new_matched_tokens offered
@@ -184,8 +186,11 @@ class BridgeScheduler:
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         if not self._bridged.get(request.request_id, False):
             return 0, False
+        self._reasons.pop(request.request_id, None)  # asked again each step it waits: the last answer holds
         end = self.map_end(request.num_prompt_tokens)  # the target computes the recomputed tail and the probe
         if end <= num_computed_tokens:  # nothing to map (short prompt, or all of it is in the prefix cache)
+            if end > 0:
+                self._reasons[request.request_id] = ("nothing to map beyond the prefix cache", num_computed_tokens)
             return 0, False
         claim = self.claim(request, num_computed_tokens, end)
         if claim is None:
@@ -213,7 +218,7 @@ class BridgeScheduler:
         if 0 < covered <= start and end - start < self.store.chunk_size:
             # this engine's prefix cache already holds all the store has (an earlier request of the same prompt,
             # mapped from it): the target computes the few tokens left, as it did for that request
-            self._reasons[request.request_id] = "nothing to map beyond the prefix cache"
+            self._reasons[request.request_id] = ("nothing to map beyond the prefix cache", start)
             return None
         full_hit = end - covered < self.store.chunk_size
         if covered > start and (full_hit or self.on_miss == "target"):
@@ -377,7 +382,7 @@ class BridgeScheduler:
         self._salts.pop(req_id, None)
         self._lookups.pop(req_id, None)
         routed = self._routed.pop(req_id, None)
-        reason = self._reasons.pop(req_id, None)
+        reason, prefix = self._reasons.pop(req_id, (None, None))
         export = self._exporting.pop(req_id, None)
         wanted = self._bridged.pop(req_id, False)
         sent = self._sent.pop(req_id, None)
@@ -402,6 +407,8 @@ class BridgeScheduler:
                     "nothing to map" if self.store is None else "the KV store holds too little of the prompt"
                 )
                 outcome = {"status": "target", "mapped_tokens": 0, "reason": reason}
+                if prefix is not None:  # served over bridged blocks [0, start): not the target's alone
+                    outcome["start"] = prefix
             status = dict(outcome)
             if mapper is not None and status["status"] != "target":  # never passed off as the base bridge's map
                 status["mapper"] = mapper

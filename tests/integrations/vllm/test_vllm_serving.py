@@ -443,7 +443,7 @@ def burst(server, prompts, store, source_model_id):
         "second": second_results, "killed_at": killed_at,
         "left": left, "partial": partial,
     }  # fmt: skip
-    found["fell_back"] = _fell_back(found)  # once, for every request `_mixed_cache` asks about
+    found["target_computed"] = _target_computed(found)  # once, for every request `_mixed_cache` asks about
     return found
 
 
@@ -689,15 +689,26 @@ def _same_tokens(got: Reply, want: Reply, context) -> float:
     return max((abs(g[t] - w[t]) for g, w, t in zip(got.top[:agreeing], want.top, got.tokens)), default=0.0)
 
 
-def _fell_back(burst) -> set[int]:
-    """The prompts one of whose bridged requests fell back in the burst or the wave after it (a fetch failed as a
-    master went away), or did so before a preemption (`earlier_loads`)."""
-    out = set()
+def _target_computed(burst) -> dict[int, list[tuple[dict, str]]]:
+    """Per prompt, its bridged requests (in the burst or the wave after it) that left blocks of the bridged salt to
+    the target past what they mapped, each `(outcome, what it did)`: a load that failed (a fetch, as a master went
+    away; also before a preemption, `earlier_loads`) or was gated, a store hit of only what was left once masters were
+    lost (mapped `[0, end)`, the target the rest), or nothing mapped (status `target`). vLLM keeps those blocks in its
+    prefix cache under the bridged salt, beside (or instead of) the blocks another request of the prompt mapped."""
+    out = {}
     for i, result in [*((i, r) for (i, flag), r in zip(burst["jobs"], burst["results"]) if flag),
                       *zip(WARM, burst["second"])]:  # fmt: skip
         outcome = result[1].outcome if result[0] == "ok" else None
-        if outcome and "fallback" in (outcome["status"], *outcome.get("earlier_loads", ())):
-            out.add(i)
+        if outcome is None:
+            continue
+        end = outcome.get("start", 0) + outcome["mapped_tokens"]
+        if outcome["status"] != "mapped" or "fallback" in outcome.get("earlier_loads", ()):
+            why = f"was served {outcome['status']} (earlier loads {outcome.get('earlier_loads', [])})"
+        elif end < LENGTHS[i] - 1:
+            why = f"mapped [0, {end}) from the store, the target the rest"
+        else:
+            continue
+        out.setdefault(i, []).append((outcome, why))
     return out
 
 
@@ -705,22 +716,23 @@ def _mixed_cache(burst, i, outcome) -> str | None:
     """Why a bridged request's tokens are no single path's (nothing here gives them alone), or `None`:
     - it was preempted after a load that was not mapped and loaded again (`earlier_loads`): its first tokens came from
       the target's own cache (a load mapped before the preemption maps the same source K/V as the last one);
-    - it started on prefix-cache blocks (`start` > 0) of a prompt that fell back: vLLM recomputes a failed load's
-      blocks with the target and keeps them under the bridged salt, so they may hold the target's own K/V (measured
-      on 2026-12-06: a second-wave request of 110 tokens served exactly the target's own K/V of [0, 96) and its map
-      of [96, 109), status start 96, 13 tokens mapped), or was served from such blocks alone (status `target`,
-      "nothing to map beyond the prefix cache"; seen on 2026-12-06: a 230-token prompt's reply left the bridged
-      reference at its second token);
     - its load failed (`fallback`) after a prefix-cache hit (`start` > 0): the target computed the tokens from `start`
       over blocks an earlier request of the bridged salt mapped (seen in CI on 2026-12-06: a 170-token prompt's second
       copy fell back when the store was killed, and its tokens left the target's alone at the third, 0.06 nats
-      apart)."""
+      apart);
+    - it started on prefix-cache blocks (`start` > 0, or status `target`: the prefix cache held all the store had) of
+      a prompt another bridged request of which left blocks to the target (`_target_computed`): which of the two the
+      cache kept, block by block, is vLLM's. Measured on 2026-12-06: a 110-token prompt served exactly the target's
+      own K/V of [0, 96) and its map of [96, 109) (start 96, 13 tokens mapped); in CI on 2026-12-06 a 230-token
+      prompt, of which the store held 16 tokens once a master was lost, was served `target` from start 224 and gave
+      the tokens of the request that had mapped those 16 and left the rest to the target, not the full map's."""
     if any(status != "mapped" for status in outcome.get("earlier_loads", ())):
         return f"loaded again after a preemption (earlier: {outcome['earlier_loads']})"
     if outcome["status"] == "fallback" and outcome["start"] > 0:
         return f"the target's recompute over prefix-cache blocks [0, {outcome['start']}) of the bridged salt"
-    if i in burst["fell_back"] and (outcome.get("start", 0) > 0 or outcome["status"] == "target"):
-        return "prefix-cache blocks of a prompt that fell back"  # `target`: the prefix cache held all there was
+    others = [why for other, why in burst["target_computed"].get(i, ()) if other is not outcome]
+    if others and (outcome.get("start", 0) > 0 or outcome["status"] == "target"):
+        return f"prefix-cache blocks [0, {outcome.get('start')}) of a prompt another request of which {others[0]}"
     return None
 
 
@@ -733,6 +745,7 @@ def _through(burst, i, outcome) -> Reply:
         return burst["reference"][(i, None)]
     if outcome["status"] == "target":  # its own earlier blocks (mapped from the store) hold all the store has
         assert i in WARM and outcome["reason"] == "nothing to map beyond the prefix cache", outcome
+        assert outcome["start"] >= burst["left"][i], outcome  # the store's part is in the prefix cache
         return burst["reference"][(i, True)]
     assert outcome["status"] == "mapped", outcome
     length, source, end = LENGTHS[i], outcome["source"], outcome["start"] + outcome["mapped_tokens"]

@@ -92,6 +92,7 @@ def run_engine(spec: dict) -> dict:
                 {
                     "tokens": list(o.outputs[0].token_ids),
                     "kvbridge": (o.kv_transfer_params or {}).get(kvb.PARAM_KEY),
+                    "cached": o.num_cached_tokens,
                     "top": [{t: lp.logprob for t, lp in step.items()} for step in o.outputs[0].logprobs or []],
                 }
                 for o in outputs
@@ -296,7 +297,12 @@ def source_run(setup):
 def store_only_run(setup, source_run):
     p = setup["prompts"]
     options = {"role": "target", "store": setup["url"], "chunk_size": CHUNK, "source_weights": False}
-    rounds = [[(_followup(setup, source_run), True), (p["half"], True), (p["miss"], True), (p["plain"], False)]]
+    rounds = [
+        [(_followup(setup, source_run), True), (p["half"], True), (p["miss"], True), (p["plain"], False)],
+        # "half" again, its first 250 and 225 tokens: the prefix cache holds more of each than the store does (of 225,
+        # all the span to map: 224 tokens, 7 blocks; that one asks the store nothing)
+        [(p["half"], True), (p["half"][:250], True), (p["half"][:225], True)],
+    ]
     # two tensor-parallel ranks: rank 0 fetches and maps, rank 1 gets its KV head (TP 2 source -> TP 2 target)
     return _engine(setup["tmp"], "store-only", setup["bridge_dir"], options, rounds, tensor_parallel_size=2)
 
@@ -434,8 +440,25 @@ def test_store_only_partial_hit_maps_the_stored_prefix_and_a_miss_goes_to_the_ta
     assert half["tokens"] == _oracle_from_store(setup, half_ids, stored)
     assert miss["kvbridge"]["status"] == "target" and "KV store" in miss["kvbridge"]["reason"]
     assert plain["kvbridge"] is None
-    assert store_only_run["counters"]["store_lookups"] == 3  # the request that did not opt in never asked the store
+    assert store_only_run["counters"]["store_lookups"] == 5  # the request that did not opt in never asked the store
     del miss_ids
+
+
+def test_a_prompt_the_prefix_cache_holds_past_the_stored_part_says_it_is_served_over_those_blocks(
+    setup, store_only_run
+):
+    """The store holds 130 tokens of "half"; after "half" was served, vLLM's prefix cache holds its blocks (the 130
+    mapped, the rest the target's over them). Asked again, whole or cut to 250 or 225 tokens, there is nothing to map
+    past the prefix cache: status `target`, with `start`, where those blocks end (the reply is theirs, not the
+    target's alone), equal to vLLM's cached tokens; the tokens are the store path's over the same 130 tokens."""
+    half_ids = setup["prompts"]["half"]
+    first = store_only_run["rounds"][0][1]
+    for got, ids in zip(store_only_run["rounds"][1], (half_ids, half_ids[:250], half_ids[:225]), strict=True):
+        status = got["kvbridge"]
+        assert status["status"] == "target" and status["reason"] == "nothing to map beyond the prefix cache", status
+        assert status["start"] == got["cached"] == (len(ids) - 1) // BLOCK * BLOCK > len(half_ids) // 2, status
+        assert got["tokens"] == _oracle_from_store(setup, ids, len(half_ids) // 2), len(ids)
+    assert store_only_run["rounds"][1][0]["tokens"] == first["tokens"]
 
 
 # -- the tensor-parallel store path in bfloat16, the dtype real models are served in ------------------------------
