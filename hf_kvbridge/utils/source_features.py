@@ -35,6 +35,9 @@ from ..constants import HIDDEN_FEATURES_FORMAT_VERSION, KV_FORMAT_VERSION
 from ..errors import ConfigurationError, KVLayoutError, ServingConfigError
 
 HIDDEN_STATE_CHOICES = ("all",)
+# the mapper types fitted with hidden-state blocks among their source features: from the statistics (ridge,
+# low_rank) or from forward passes that read the hidden states (ridge_attention_weighted); the MLP's fit reads K/V only
+FEATURE_MAPPER_TYPES = ("ridge", "low_rank", "ridge_attention_weighted")
 """Named values of `hidden_state_layers` besides a list: `"all"` (every entry of `output_hidden_states`)."""
 
 
@@ -90,10 +93,10 @@ def check_feature_modes(head_mode: str, kv_mode: str, mapper_type: str = "ridge"
             f"hidden_state_layers needs head_mode='all_heads' and kv_mode='joint' (a hidden state has no heads and no "
             f"key/value halves), got head_mode={head_mode!r}, kv_mode={kv_mode!r}"
         )
-    if mapper_type not in ("ridge", "low_rank"):
+    if mapper_type not in FEATURE_MAPPER_TYPES:
         raise ConfigurationError(
-            f"hidden_state_layers works with mapper_type 'ridge' or 'low_rank' (fitted from the statistics), not "
-            f"{mapper_type!r}, whose fit reads K/V rows from forward passes; use mapper_type='ridge'"
+            f"hidden_state_layers works with mapper_type {' or '.join(map(repr, FEATURE_MAPPER_TYPES))}, not "
+            f"{mapper_type!r}, whose fit reads K/V rows only; use mapper_type='ridge'"
         )
     if bidirectional:
         raise ConfigurationError(

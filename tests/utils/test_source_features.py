@@ -221,7 +221,7 @@ def test_a_loaded_bridge_checks_its_source(bridges, models):
         ({"hidden_state_layers": [1.5]}, "hidden_state_layers must be"),
         ({"hidden_state_layers": [1], "head_mode": "same_head"}, "head_mode='all_heads'"),
         ({"hidden_state_layers": [1], "kv_mode": "separate"}, "kv_mode='joint'"),
-        ({"hidden_state_layers": [1], "mapper_type": "mlp"}, "mapper_type 'ridge' or 'low_rank'"),
+        ({"hidden_state_layers": [1], "mapper_type": "mlp"}, "not 'mlp', whose fit reads K/V rows only"),
         ({"hidden_state_layers": [1], "bidirectional": True}, "bidirectional=False"),
     ],
 )
@@ -269,3 +269,61 @@ def test_both_schedules_map_hidden_state_blocks_alike(bridges, windows):
     for a, b in zip(chunked.layers, layers.layers):
         torch.testing.assert_close(b.keys, a.keys, atol=1e-6, rtol=1e-5)
         torch.testing.assert_close(b.values, a.values, atol=1e-6, rtol=1e-5)
+
+
+# -- the attention-weighted closed form over hidden-state blocks --------------------------------------------------
+def test_uniform_weighted_refit_over_hidden_blocks_is_the_ridge_fit(bridges, windows):
+    """`ridge_attention_weighted` reads the hidden-state blocks from its own forward passes: with every weight 1 it
+    is the ridge fit of the same blocks (which a fit over K/V rows alone could not be: its selection names blocks
+    2–4, the hidden state's)."""
+    from hf_kvbridge.fitting.mapper_fits import refit
+
+    _, bridge = bridges
+    assert max(map(max, bridge.config.selected_layers)) >= bridge.config.source_features["kv_layers"]
+    uniform = refit(bridge, "ridge_attention_weighted", windows=windows, weighting="uniform", batch_size=16)
+    for got, want in zip(uniform.mapper.layers, bridge.mapper.layers, strict=True):
+        torch.testing.assert_close(got.weight, want.weight, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(got.bias, want.bias, atol=1e-5, rtol=1e-4)
+    assert uniform.config.source_features == bridge.config.source_features
+
+
+def test_attention_weighted_calibration_with_hidden_states_maps_the_oracle_layer(models, tokenizer, windows):
+    """Calibrated end to end (`mapper_type="ridge_attention_weighted"`, `hidden_state_layers=[-1]`): layer 2's K/V
+    are an exact linear function of the hidden state, so any weighting recovers them; the bridge maps a cache close
+    to the target's own there."""
+    from tests.conftest import CORPUS
+
+    source, target = models
+    bridge = hf_kvbridge.calibrate(
+        source, target, CORPUS * 4, tokenizer=tokenizer, num_sequences=12, seq_len=24, top_k=None,
+        hidden_state_layers=[-1], ridge_lambda=1e-6, mapper_type="ridge_attention_weighted",
+    )  # fmt: skip
+    assert bridge.config.mapper_type == "ridge_attention_weighted"
+    assert bridge.config.mapper_kwargs["weighting"] == "attention"
+    assert bridge.config.source_features["hidden_state_layers"] == [2]
+    ids = windows[:2, :20]
+    with torch.no_grad():
+        from hf_kvbridge.utils.cache import output_cache
+
+        out = source(ids, use_cache=True, output_hidden_states=True)
+        mapped = bridge.map_cache(output_cache(out), hidden_states=out.hidden_states)
+        own = output_cache(target(ids, use_cache=True))
+    torch.testing.assert_close(mapped.layers[2].values, own.layers[2].values, atol=2e-3, rtol=1e-2)
+
+
+def test_a_fit_that_reads_kv_rows_only_refuses_a_bridge_with_hidden_states(bridges, windows):
+    from hf_kvbridge.fitting.mapper_fits import refit
+
+    _, bridge = bridges
+    with pytest.raises(ConfigurationError, match="mapper_type 'mlp' is fitted from K/V rows only"):
+        refit(bridge, "mlp", windows=windows)
+
+
+def test_the_weighted_fit_without_the_features_its_selection_names_is_refused(bridges, models, windows):
+    from hf_kvbridge.errors import MapperError
+    from hf_kvbridge.fitting.mapper_fits.weighted import fit_attention_weighted
+
+    _, bridge = bridges
+    source, target = models
+    with pytest.raises(MapperError, match=r"reads source blocks \[2, 3, 4\] past the source's 2 K/V layers"):
+        fit_attention_weighted(bridge.mapper, source=source, target=target, windows=windows, ridge_lambda=1e-6)

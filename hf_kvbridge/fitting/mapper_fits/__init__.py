@@ -31,6 +31,7 @@ import torch
 
 from ...errors import ConfigurationError
 from ...mappers import get_mapper_type
+from ...utils.source_features import FEATURE_MAPPER_TYPES, SourceFeatures
 from ..solve import effective_ridge_lambda
 from ..statistics.dense import KVStatistics
 from .low_rank import fit_low_rank
@@ -81,8 +82,16 @@ def refit(
     entry, fit = get_mapper_type(mapper_type), fit_of(mapper_type)
     if fit is None:
         raise ConfigurationError(f"mapper_type {mapper_type!r} is the ridge fit itself: use fit_bridge or calibrate")
+    features = SourceFeatures.from_config(bridge.config)
+    if features is not None and entry.name not in FEATURE_MAPPER_TYPES:
+        raise ConfigurationError(
+            f"bridge maps from the source's hidden states (hidden_state_layers {list(features.hidden_states)}), but "
+            f"mapper_type {entry.name!r} is fitted from K/V rows only; refit to one of {list(FEATURE_MAPPER_TYPES)}"
+        )
     if statistics is None:
         statistics = getattr(bridge, "calibration_statistics", None)
+    if features is not None:  # only the fits that read them take them (the MLP's takes no such argument)
+        mapper_kwargs = {**mapper_kwargs, "features": features}
     mapper = fit(
         bridge.mapper,
         source=bridge.source,

@@ -30,7 +30,7 @@ from ...errors import MapperError
 from ...mappers.base import KVMapper
 from ...utils.devices import decoder_layers
 from ..attention import target_queries
-from ..content_rows import cache_rows
+from ..content_rows import cache_rows, forward_rows
 from ..statistics.weighted import WeightedKVStatistics
 
 logger = logging.getLogger(__name__)
@@ -68,6 +68,7 @@ def fit_attention_weighted(
     statistics=None,
     batch_size: int = 8,
     weighting: str = "attention",
+    features=None,
     progress: bool = False,
 ) -> KVMapper:
     r"""Refits the ridge mapper `base` with per-token attention-mass weights; returns the new mapper.
@@ -87,6 +88,9 @@ def fit_attention_weighted(
         batch_size (`int`, *optional*, defaults to `8`): windows per forward pass.
         weighting (`str`, *optional*, defaults to `"attention"`): `"attention"`, or `"uniform"` (every weight 1:
             the plain ridge fit on `windows`, an oracle for tests).
+        features ([`~utils.source_features.SourceFeatures`], *optional*): the source's hidden-state blocks `base`
+            reads beside its K/V (`config.source_features`; `refit` passes them): each pass appends them to the
+            source's rows, so `base`'s selection may name them.
 
     Returns:
         [`KVMapper`].
@@ -103,7 +107,7 @@ def fit_attention_weighted(
     started = time.perf_counter()
     stats = weighted_statistics(
         base, source=source, target=target, windows=windows, batch_size=batch_size, weighting=weighting,
-        progress=progress,
+        features=features, progress=progress,
     )  # fmt: skip
     layouts = (base.source_kv_heads, base.source_head_dim)
     mapper = KVMapper(base.selected_layers, *layouts, base.head_mode, kv_mode=base.kv_mode, **base.head_kwargs())
@@ -129,6 +133,7 @@ def weighted_statistics(
     windows: torch.Tensor,
     batch_size: int = 8,
     weighting: str = "attention",
+    features=None,
     progress: bool = False,
 ) -> list[WeightedKVStatistics]:
     """Per target layer `t`, the attention-mass-weighted statistics of its selected source layers (all heads, in
@@ -139,6 +144,8 @@ def weighted_statistics(
         base ([`KVMapper`]): gives the selection and the head layouts (its head mode does not matter: every head is
             summed).
         weighting (`str`, *optional*, defaults to `"attention"`): `"attention"` or `"uniform"`.
+        features ([`~utils.source_features.SourceFeatures`], *optional*): hidden-state blocks appended to the
+            source's rows (block `s ≥ L_s` of a selection is one of them).
 
     Returns:
         `list[WeightedKVStatistics]`, one per target layer.
@@ -153,17 +160,30 @@ def weighted_statistics(
         WeightedKVStatistics(len(layers), 1, *layouts, target_kv_heads=heads, target_head_dim=dim)
         for layers in base.selected_layers
     ]
+    kv_blocks = len(decoder_layers(source))  # the source's K/V blocks; hidden-state blocks come after them
+    needed = sorted({s for layers in base.selected_layers for s in layers if s >= kv_blocks})
+    if needed and features is None:
+        raise MapperError(
+            f"the mapper's selection reads source blocks {needed} past the source's {kv_blocks} K/V layers "
+            "(hidden-state features): pass the bridge's `features` (`SourceFeatures.from_config(bridge.config)`; "
+            "`refit` does)"
+        )
     from tqdm.auto import tqdm
 
     for start in tqdm(range(0, len(windows), batch_size), desc="weighted ridge", disable=not progress):
         ids = windows[start : start + batch_size]
-        x = cache_rows(source, ids, "cpu")  # (B·T, L_s·H·2d)
+        x, hidden = forward_rows(source, ids, "cpu", hidden=features is not None)  # (B·T, L_s·H·2d)
+        # the hidden-state blocks some selection reads, each (B·T, W): not every state's (163 blocks for Qwen3-14B
+        # with all 41 states: 5.5 GB of rows for 8 × 512 tokens, against the ≤ 64·k blocks the maps read)
+        extra = {s: features.piece(hidden, s).float().reshape(len(x), xw) for s in needed} if needed else {}
+        del hidden
         y = cache_rows(target, ids, "cpu")  # (B·T, L_t·H·2d)
         queries = true_cache = None
         if weighting == "attention":
             queries, true_cache = target_queries(target, ids)
         for t, layers in enumerate(base.selected_layers):
-            x_t = torch.cat([x[:, s * xw : (s + 1) * xw] for s in layers], dim=-1)  # (B·T, k·H_s·2d_s)
+            blocks = [extra[s] if s in extra else x[:, s * xw : (s + 1) * xw] for s in layers]
+            x_t = torch.cat(blocks, dim=-1)  # (B·T, k·H_s·2d_s)
             y_t = y[:, t * yw : (t + 1) * yw]  # (B·T, H_t·2d_t)
             weight = None
             if weighting == "attention":
