@@ -35,10 +35,10 @@ from ..constants import HIDDEN_FEATURES_FORMAT_VERSION, KV_FORMAT_VERSION
 from ..errors import ConfigurationError, KVLayoutError, ServingConfigError
 
 HIDDEN_STATE_CHOICES = ("all",)
+"""Named values of `hidden_state_layers` besides a list: `"all"` (every entry of `output_hidden_states`)."""
 # the mapper types fitted with hidden-state blocks among their source features: from the statistics (ridge,
 # low_rank) or from forward passes that read the hidden states (ridge_attention_weighted); the MLP's fit reads K/V only
 FEATURE_MAPPER_TYPES = ("ridge", "low_rank", "ridge_attention_weighted")
-"""Named values of `hidden_state_layers` besides a list: `"all"` (every entry of `output_hidden_states`)."""
 
 
 def check_hidden_state_layers_value(value) -> None:
