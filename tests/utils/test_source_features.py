@@ -287,7 +287,7 @@ def test_uniform_weighted_refit_over_hidden_blocks_is_the_ridge_fit(bridges, win
     assert uniform.config.source_features == bridge.config.source_features
 
 
-def test_attention_weighted_calibration_with_hidden_states_maps_the_oracle_layer(models, tokenizer, windows):
+def test_attention_weighted_calibration_with_hidden_states_maps_the_oracle_layer(models, tokenizer, windows, tmp_path):
     """Calibrated end to end (`mapper_type="ridge_attention_weighted"`, `hidden_state_layers=[-1]`): layer 2's K/V
     are an exact linear function of the hidden state, so any weighting recovers them; the bridge maps a cache close
     to the target's own there."""
@@ -309,6 +309,14 @@ def test_attention_weighted_calibration_with_hidden_states_maps_the_oracle_layer
         mapped = bridge.map_cache(output_cache(out), hidden_states=out.hidden_states)
         own = output_cache(target(ids, use_cache=True))
     torch.testing.assert_close(mapped.layers[2].values, own.layers[2].values, atol=2e-3, rtol=1e-2)
+    bridge.save_pretrained(tmp_path / "both")  # a normal checkpoint of the hidden-feature format
+    loaded = KVBridgeForCausalLM.from_pretrained(tmp_path / "both", source_model=source, target_model=target)
+    assert (
+        json.loads((tmp_path / "both" / "config.json").read_text())["format_version"] == HIDDEN_FEATURES_FORMAT_VERSION
+    )
+    with torch.no_grad():
+        again = loaded.map_cache(output_cache(out), hidden_states=out.hidden_states)
+    torch.testing.assert_close(again.layers[2].values, mapped.layers[2].values)
 
 
 def test_a_fit_that_reads_kv_rows_only_refuses_a_bridge_with_hidden_states(bridges, windows):
