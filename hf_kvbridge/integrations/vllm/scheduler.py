@@ -64,9 +64,9 @@ class BridgeScheduler:
         self.mappers = dict(mappers or {})
         self._mapper: dict[str, str] = {}  # req_id → the LoRA adapter whose mapper maps it (none: the base bridge's)
         self._salts: dict[str, str | None] = {}  # req_id → the tenant's own cache salt (the store's keys use it)
-        # req_id → why nothing was mapped (status "target"), and where the prefix cache ended when that was because
-        # the prefix cache held all the store had (its blocks are what earlier bridged requests computed)
-        self._reasons: dict[str, tuple[str, int | None]] = {}
+        # req_id → why nothing was mapped (status "target"; `None`: the default reason) and where vLLM's prefix cache
+        # ended then (its blocks, of the bridged salt, are what earlier bridged requests computed)
+        self._reasons: dict[str, tuple[str | None, int | None]] = {}
         self._exporting: dict[str, _Export] = {}  # req_id → what of it is in the store (an exporting engine)
         self._bridged: dict[str, bool] = {}  # req_id → opted in (decided once, on arrival)
         self._claims: dict[str, _Claim] = {}  # req_id → what get_num_new_matched_tokens offered
@@ -189,11 +189,13 @@ class BridgeScheduler:
         self._reasons.pop(request.request_id, None)  # asked again each step it waits: the last answer holds
         end = self.map_end(request.num_prompt_tokens)  # the target computes the recomputed tail and the probe
         if end <= num_computed_tokens:  # nothing to map (short prompt, or all of it is in the prefix cache)
-            if end > 0:
-                self._reasons[request.request_id] = ("nothing to map beyond the prefix cache", num_computed_tokens)
+            reason = "nothing to map beyond the prefix cache" if end > 0 else "nothing to map"  # a short prompt
+            self._reasons[request.request_id] = (reason, num_computed_tokens)
             return 0, False
         claim = self.claim(request, num_computed_tokens, end)
-        if claim is None:
+        if claim is None:  # the target computes from where the prefix cache ends: status "target" with that `start`
+            reason, _ = self._reasons.get(request.request_id, (None, None))
+            self._reasons[request.request_id] = (reason, num_computed_tokens)
             return 0, False
         self._claims[request.request_id] = claim
         return claim.end - num_computed_tokens, False
@@ -407,7 +409,7 @@ class BridgeScheduler:
                     "nothing to map" if self.store is None else "the KV store holds too little of the prompt"
                 )
                 outcome = {"status": "target", "mapped_tokens": 0, "reason": reason}
-                if prefix is not None:  # served over bridged blocks [0, start): not the target's alone
+                if prefix is not None:  # `start` > 0: computed over bridged blocks [0, start), not the target's alone
                     outcome["start"] = prefix
             status = dict(outcome)
             if mapper is not None and status["status"] != "target":  # never passed off as the base bridge's map

@@ -635,6 +635,7 @@ def test_router_headers_opt_in_and_get_the_transfer_status(server, prompts):
     # nothing to map (a one-token prompt): the target prefilled
     code, headers, out = _completion(server, prompts[COLD][:1], headers=router)
     assert headers["x-vsr-kv-transfer-status"] == "fallback_reprefill" and _status(out)["status"] == "target"
+    assert _status(out)["start"] == 0 and _status(out)["reason"] == "nothing to map", _status(out)
     # a request that did not opt in gets no header (absent: unsupported)
     assert "x-vsr-kv-transfer-status" not in _completion(server, prompts[COLD], headers=KEY)[1]
     # streamed: the headers leave before the engine decides; no status header, and the stream is whole

@@ -439,6 +439,7 @@ def test_store_only_partial_hit_maps_the_stored_prefix_and_a_miss_goes_to_the_ta
     assert half["kvbridge"]["mapped_tokens"] == half["kvbridge"]["store_tokens"] == stored
     assert half["tokens"] == _oracle_from_store(setup, half_ids, stored)
     assert miss["kvbridge"]["status"] == "target" and "KV store" in miss["kvbridge"]["reason"]
+    assert miss["kvbridge"]["start"] == miss["cached"] == 0  # nothing of it in the prefix cache: the target's own
     assert plain["kvbridge"] is None
     assert store_only_run["counters"]["store_lookups"] == 5  # the request that did not opt in never asked the store
     del miss_ids
