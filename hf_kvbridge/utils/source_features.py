@@ -36,9 +36,11 @@ from ..errors import ConfigurationError, KVLayoutError, ServingConfigError
 
 HIDDEN_STATE_CHOICES = ("all",)
 """Named values of `hidden_state_layers` besides a list: `"all"` (every entry of `output_hidden_states`)."""
-# the mapper types fitted with hidden-state blocks among their source features: from the statistics (ridge,
-# low_rank) or from forward passes that read the hidden states (ridge_attention_weighted); the MLP's fit reads K/V only
+
 FEATURE_MAPPER_TYPES = ("ridge", "low_rank", "ridge_attention_weighted")
+"""The mapper types fitted with hidden-state blocks among their source features: from the statistics (`ridge`,
+`low_rank`) or from forward passes that read the hidden states (`ridge_attention_weighted`); the MLP's fit reads K/V
+rows only."""
 
 
 def check_hidden_state_layers_value(value) -> None:

@@ -26,8 +26,10 @@ Job = Callable[[], None]
 _JOB = object()  # the queue's key for a job
 
 MAX_BATCH_CHUNKS = 32
-DEFAULT_MAX_PENDING_BYTES = 256 << 20  # the queue's limit unless told (the vLLM connector's `export_buffer_mb`)
 """Chunks sent in one round trip at most."""
+
+DEFAULT_MAX_PENDING_BYTES = 256 << 20
+"""The queue's limit unless told (the vLLM connector's `export_buffer_mb`); the staging pool's too."""
 
 MAX_BATCH_BYTES = 64 << 20
 """Bytes sent in one round trip at most (one larger chunk still goes alone)."""
