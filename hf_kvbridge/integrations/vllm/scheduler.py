@@ -194,8 +194,7 @@ class BridgeScheduler:
             return 0, False
         claim = self.claim(request, num_computed_tokens, end)
         if claim is None:  # the target computes from where the prefix cache ends: status "target" with that `start`
-            reason, _ = self._reasons.get(request.request_id, (None, None))
-            self._reasons[request.request_id] = (reason, num_computed_tokens)
+            self._reasons.setdefault(request.request_id, (None, num_computed_tokens))  # kept: `claim`'s own reason
             return 0, False
         self._claims[request.request_id] = claim
         return claim.end - num_computed_tokens, False
