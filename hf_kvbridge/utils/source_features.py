@@ -97,7 +97,7 @@ def check_feature_modes(head_mode: str, kv_mode: str, mapper_type: str = "ridge"
         )
     if mapper_type not in FEATURE_MAPPER_TYPES:
         raise ConfigurationError(
-            f"hidden_state_layers works with mapper_type {' or '.join(map(repr, FEATURE_MAPPER_TYPES))}, not "
+            f"hidden_state_layers works with a mapper_type of {', '.join(map(repr, FEATURE_MAPPER_TYPES))}, not "
             f"{mapper_type!r}, whose fit reads K/V rows only; use mapper_type='ridge'"
         )
     if bidirectional:
