@@ -133,6 +133,7 @@ class StoreMetrics:
     put_seconds: float = 0.0
     writer_cpu_seconds: float = 0.0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+    _counting: threading.local = field(default_factory=threading.local, repr=False, compare=False)
 
     def add(self, **increments: float) -> None:
         """Adds to the named counters atomically."""
@@ -144,6 +145,22 @@ class StoreMetrics:
         """A consistent snapshot of every counter."""
         with self._lock:
             return {f.name: getattr(self, f.name) for f in fields(self) if not f.name.startswith("_")}
+
+    @contextmanager
+    def writer_cpu(self) -> Iterator[None]:
+        """Adds this thread's CPU time over the block to `writer_cpu_seconds`, even when it raises; a block inside
+        another one on the same thread adds nothing, since the outer one counts that time (a save's write run inline
+        by the asynchronous writer's thread is counted once, not twice)."""
+        if getattr(self._counting, "active", False):
+            yield
+            return
+        self._counting.active = True
+        began = time.thread_time()
+        try:
+            yield
+        finally:
+            self._counting.active = False
+            self.add(writer_cpu_seconds=time.thread_time() - began)
 
     @contextmanager
     def timed(self, counter: str) -> Iterator[None]:

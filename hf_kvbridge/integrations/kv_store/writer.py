@@ -165,11 +165,10 @@ class AsyncWriter:
 
     def _run(self) -> None:
         while (batch := self._next_batch()) is not None:
-            began = time.thread_time()
             try:
-                self._write(batch)
+                with self.metrics.writer_cpu():
+                    self._write(batch)
             finally:
-                self.metrics.add(writer_cpu_seconds=time.thread_time() - began)
                 with self._condition:
                     self._pending_bytes -= sum(item[2] for item in batch)
                     self._busy = False

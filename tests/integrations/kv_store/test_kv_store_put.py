@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +19,7 @@ from hf_kvbridge.errors import StoreFormatError
 from hf_kvbridge.integrations.kv_store import PrefixKVStore, RedisKVStore, decode_chunk, start_local_server
 from hf_kvbridge.integrations.kv_store.format import ChunkEncoder, ChunkPayload, encode_chunk_views
 from hf_kvbridge.integrations.kv_store.wire import SetPipeline, send_parts
+from hf_kvbridge.integrations.kv_store.writer import AsyncWriter
 
 DATA = Path(__file__).resolve().parents[2] / "data"
 MODEL = "org/source@abc123"
@@ -165,6 +167,40 @@ def test_the_sends_on_the_store_io_threads_count_as_the_writers_cpu_time(server)
         assert store.metrics.as_dict()["writer_cpu_seconds"] > 0
         store.delete_many(list(items))
     finally:
+        store.close()
+
+
+@pytest.mark.parametrize("through_writer", [True, False], ids=["async_writer", "caller"])
+def test_a_saves_cpu_time_is_counted_once(server, monkeypatch, through_writer):
+    """A small save is one write, run inline on the thread that runs the save (the asynchronous writer's, or the
+    caller's): its CPU time is counted once, not once by the write and again by the writer thread around it. The
+    threads' CPU clock is a fake one that only the store's `put_many` advances, by 1 s on the thread it runs on."""
+    clock = threading.local()
+    monkeypatch.setattr(time, "thread_time", lambda: getattr(clock, "seconds", 0.0))
+    store = RedisKVStore(server.url, timeout=2.0)
+    put_many = store.put_many
+
+    def put_many_burning_a_second(items, **kwargs):
+        if items:  # the writer also calls it with nothing to write, which returns at once
+            clock.seconds = getattr(clock, "seconds", 0.0) + 1.0
+        return put_many(items, **kwargs)
+
+    store.put_many = put_many_burning_a_second
+    writer = AsyncWriter(store) if through_writer else None
+    prefix = PrefixKVStore(store, model_id=MODEL, chunk_size=8, writer=writer)
+    ids = list(range(7000, 7016)) if through_writer else list(range(7100, 7116))
+    try:
+        gen = torch.Generator().manual_seed(3)
+        keys = [torch.randn(2, 16, 8, generator=gen) for _ in range(2)]  # 2 small chunks: one write, one pipeline
+        prefix.save(ids, keys, [k.flip(1) for k in keys], start=0)
+        if writer is not None:
+            assert writer.flush(timeout=10)
+        assert store.probe(prefix.keys(ids), [])[0][0] > 0  # written
+        assert store.metrics.as_dict()["writer_cpu_seconds"] == 1.0
+    finally:
+        if writer is not None:
+            writer.close()
+        store.delete_many(prefix.keys(ids))
         store.close()
 
 
