@@ -22,7 +22,7 @@ from transformers import AutoTokenizer
 
 import hf_kvbridge
 from hf_kvbridge import pocket
-from hf_kvbridge.tools.bench.store_retention import roundtrip
+from hf_kvbridge.tools.bench.store_retention import EncodedSource, encoding_cost, roundtrip
 from hf_kvbridge.tools.evaluation import gap_recovered, heldout_windows, window_nll
 
 
@@ -40,23 +40,6 @@ def rotated_roundtrip(tensor: torch.Tensor, chunk_size: int) -> torch.Tensor:
     """`tensor` `(batch, kv_heads, seq, head_dim)` rotated, through the fp8 store round trip, rotated back."""
     h = hadamard(tensor.shape[-1])  # (d, d)
     return (roundtrip(tensor.float() @ h, "fp8_e4m3", chunk_size) @ h.T).to(tensor.dtype)
-
-
-def encoded_nll(bridge, windows: torch.Tensor, context: int, transform) -> torch.Tensor:
-    """Window NLLs `(N,)` of `bridge` mapping source K/V passed through `transform` (each layer's keys and values)."""
-    original = bridge.map_cache
-
-    def map_cache(source_cache, *args, **kwargs):
-        for layer in source_cache.layers:  # read by the map only: replaced in place
-            layer.keys.copy_(transform(layer.keys))
-            layer.values.copy_(transform(layer.values))
-        return original(source_cache, *args, **kwargs)
-
-    bridge.map_cache = map_cache
-    try:
-        return window_nll(bridge, windows, context, "bridge")
-    finally:
-        del bridge.map_cache
 
 
 def main() -> None:
@@ -77,15 +60,15 @@ def main() -> None:
     context = 192
     nll = {mode: window_nll(bridge, windows, context, mode) for mode in ("target", "no_context", "bridge")}
     transforms = {
-        "fp8_e4m3": lambda t: roundtrip(t, "fp8_e4m3", args.chunk_size),
+        "fp8_e4m3": None,  # the store's own round trip
         "fp8_e4m3_hadamard": lambda t: rotated_roundtrip(t, args.chunk_size),
     }
     result = {"pair": args.pair, "windows": len(windows), "context_len": context, "chunk_size": args.chunk_size,
               "retention": gap_recovered(nll["no_context"], nll["bridge"], nll["target"]).value}  # fmt: skip
     for name, transform in transforms.items():
-        encoded = encoded_nll(bridge, windows, context, transform)
-        # the cost as a retention of its own, as `encoding_retention` computes it
-        cost = gap_recovered(nll["no_context"], nll["no_context"] - (encoded - nll["bridge"]), nll["target"])
+        with EncodedSource(bridge, "fp8_e4m3", args.chunk_size, transform=transform):
+            encoded = window_nll(bridge, windows, context, "bridge")  # (N,)
+        cost = encoding_cost(nll, encoded)
         result[name] = {"cost": cost.value, "cost_low": cost.low, "cost_high": cost.high}
         print(f"{name:<18} cost {cost.value:+.4f} [{cost.low:+.4f}, {cost.high:+.4f}]", flush=True)
     result["seconds"] = round(time.perf_counter() - started, 1)

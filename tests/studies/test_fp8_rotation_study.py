@@ -14,7 +14,7 @@ def test_the_hadamard_matrix_is_orthogonal_and_refuses_other_sizes():
         hadamard(24)
 
 
-def test_the_rotated_round_trip_keeps_the_kv_within_fp8s_error_and_differs_from_the_plain_one():
+def test_the_rotated_round_trip_keeps_the_kv_within_fp8s_error_and_is_quantized():
     gen = torch.Generator().manual_seed(0)
     kv = torch.randn(2, 2, 100, 32, generator=gen)  # (batch, kv_heads, seq, head_dim)
     kv[..., 3] *= 20  # an outlier channel

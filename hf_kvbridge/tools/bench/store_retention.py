@@ -13,7 +13,7 @@ kvbridge bench store --retention pocket-m:pocket-l --windows 32
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -37,18 +37,20 @@ def roundtrip(tensor: torch.Tensor, encoding: str, chunk_size: int) -> torch.Ten
 
 class EncodedSource:
     """A context manager that makes `bridge` map its source K/V as the store's `encoding` hands them back (the
-    bridge's `map_cache` wrapped; restored on exit)."""
+    bridge's `map_cache` wrapped; restored on exit), or as `transform` returns them (a round trip of another
+    encoding: `(batch, kv_heads, seq, head_dim)` in, the same shape and dtype out)."""
 
-    def __init__(self, bridge, encoding: str, chunk_size: int):
-        self.bridge, self.encoding, self.chunk_size = bridge, encoding, chunk_size
+    def __init__(self, bridge, encoding: str, chunk_size: int, transform: Callable | None = None):
+        self.bridge = bridge
+        self.transform = transform or (lambda tensor: roundtrip(tensor, encoding, chunk_size))
 
     def __enter__(self):
         original = self.bridge.map_cache
 
         def map_cache(source_cache, *args, **kwargs):
             for layer in source_cache.layers:  # the source's cache is read by the map only: replaced in place
-                layer.keys.copy_(roundtrip(layer.keys, self.encoding, self.chunk_size))
-                layer.values.copy_(roundtrip(layer.values, self.encoding, self.chunk_size))
+                layer.keys.copy_(self.transform(layer.keys))
+                layer.values.copy_(self.transform(layer.values))
             return original(source_cache, *args, **kwargs)
 
         self.bridge.map_cache = map_cache
@@ -56,6 +58,16 @@ class EncodedSource:
 
     def __exit__(self, *exc) -> None:
         del self.bridge.map_cache  # the method again
+
+
+def encoding_cost(nll: dict[str, torch.Tensor], encoded: torch.Tensor):
+    """The retention an encoding loses, with its paired 95 % interval (`evaluation.gap_recovered`'s result): the
+    per-window NLL it adds, `NLL_encoded − NLL_exact`, over the context's benefit `NLL_no_context − NLL_target`.
+    `nll` holds the window NLLs `(N,)` of modes `target`, `no_context` and `bridge` (exact K/V); `encoded` the
+    bridge's with the encoded K/V."""
+    from ..evaluation import gap_recovered
+
+    return gap_recovered(nll["no_context"], nll["no_context"] - (encoded - nll["bridge"]), nll["target"])
 
 
 def encoding_retention(
@@ -105,8 +117,7 @@ def encoding_retention(
     for encoding in encodings:
         with EncodedSource(bridge, encoding, chunk_size):
             encoded = window_nll(bridge, windows, context_len, "bridge", batch_size)  # (N,)
-        # the cost as a retention of its own: a_i = NLL_encoded − NLL_exact over d_i = NLL_nc − NLL_target
-        cost = gap_recovered(nll["no_context"], nll["no_context"] - (encoded - nll["bridge"]), nll["target"])
+        cost = encoding_cost(nll, encoded)
         change = encoded - nll["bridge"]  # (N,) nats/token the encoding adds to each window's NLL
         half = student_t_quantile(0.975, len(change) - 1) * float(change.std()) / len(change) ** 0.5
         result["encodings"][encoding] = {
