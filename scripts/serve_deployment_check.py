@@ -233,9 +233,10 @@ def main() -> int:
             check(f"TP 2 source's entries = TP 1 source's, prompt {i} ({len(prompt)} tokens)", same,
                   f"stored {n} of {len(prompt)}, {measure} {error:.2e}")  # fmt: skip
 
-        # the same prompts served by store-only targets: source TP 2 → target TP 1, TP 1 → TP 2, TP 1 → TP 1
+        # the same prompts served by store-only targets, source → target: TP 2 → 2, 2 → 1, 1 → 2 and 1 → 1
         served = {}
         for name, target_tp, kv, source_store, env in (
+            ("source TP 2 → target TP 2", tp2, store_tp2_kv, store_tp2, TP2_ENV),
             ("source TP 2 → target TP 1", {}, store_tp2_kv, store_tp2, None),
             ("source TP 1 → target TP 2", tp2, store_kv, store, TP2_ENV),
             ("source TP 1 → target TP 1", {}, store_kv, store, None),
