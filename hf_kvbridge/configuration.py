@@ -11,6 +11,7 @@ from .constants import (
     FORMAT_VERSION,
     HEAD_MODES,
     HIDDEN_FEATURES_FORMAT_VERSION,
+    KEY_NORM_FORMAT_VERSION,
     KV_FORMAT_VERSION,
     KV_MODES,
     RECOMPUTE_POLICIES,
@@ -83,6 +84,10 @@ class KVBridgeConfig(PretrainedConfig):
             `hidden_size`, `block_width`, `pieces` (feature blocks per hidden state) and `kv_layers`; selected
             "layers" `≥ kv_layers` are hidden-state blocks. `None`: K/V only. A config with it has
             `format_version` 2, which readers of the K/V-only format 1 refuse.
+        key_norm (`bool`, *optional*, defaults to `False`): mapped keys are put back on the target's key-norm sphere
+            (`hf_kvbridge.utils.key_norm`; targets that normalise each key head, such as Qwen3): the mapper's weights
+            file holds the target's key-norm gains (`key_norm_gain`). A config with it has `format_version` 3.
+            Checkpoints saved without it are `False`.
         calibration (`dict`, *optional*): provenance: data, number of sequences, sequence length, held-out
             sequences, seed, library versions, time.
         distillation (`dict`, *optional*): how `hf_kvbridge.distill` trained the map after calibration (objective,
@@ -129,6 +134,7 @@ class KVBridgeConfig(PretrainedConfig):
     recompute_layers: int = 0
     residual_map: dict | None = None
     source_features: dict | None = None
+    key_norm: bool = False
     calibration: dict | None = None
     distillation: dict | None = None
     format_version: int = KV_FORMAT_VERSION
@@ -198,6 +204,10 @@ class KVBridgeConfig(PretrainedConfig):
                     "block_width (save the bridge again with this hf_kvbridge)"
                 )
             self.format_version = max(self.format_version, HIDDEN_FEATURES_FORMAT_VERSION)
+        if not isinstance(self.key_norm, bool):
+            raise ConfigurationError(f"key_norm must be true or false, got {self.key_norm!r}")
+        if self.key_norm:  # readers of versions 1-2 would map without it
+            self.format_version = max(self.format_version, KEY_NORM_FORMAT_VERSION)
 
     @property
     def calibrated_recompute_layers(self) -> list[int]:

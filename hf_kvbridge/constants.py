@@ -43,7 +43,10 @@ AUTO_LOAD_KWARGS = (
 # `HIDDEN_FEATURES_FORMAT_VERSION`, which readers of version 1 refuse instead of loading it as a K/V-only bridge.
 KV_FORMAT_VERSION = 1
 HIDDEN_FEATURES_FORMAT_VERSION = 2
-FORMAT_VERSION = HIDDEN_FEATURES_FORMAT_VERSION  # the newest this version reads
+# a mapper whose keys are put back on the target's key-norm sphere (`config.key_norm`, `utils.key_norm`): readers of
+# versions 1-2 would map without it and serve keys of the wrong lengths
+KEY_NORM_FORMAT_VERSION = 3
+FORMAT_VERSION = KEY_NORM_FORMAT_VERSION  # the newest this version reads
 
 # The default calibration corpus of the paper (streamed; needs the Hub).
 DEFAULT_CALIBRATION_DATA = "HuggingFaceFW/fineweb-edu"
@@ -51,6 +54,8 @@ DEFAULT_CALIBRATION_DATA = "HuggingFaceFW/fineweb-edu"
 HEAD_MODES = ("all_heads", "same_head")
 # "joint": keys and values of the selected layers → keys and values; "separate": keys from keys, values from values
 KV_MODES = ("joint", "separate")
+# whether mapped keys are put back on the target's key-norm sphere (`utils.key_norm`): "auto" where the target has one
+KEY_NORM_MODES = ("auto", "on", "off")
 # the mapping engine's schedules (`hf_kvbridge.mappers.engine`): "auto" picks by device, whole layers on CUDA,
 # cache-sized chunks elsewhere
 SCHEDULES = ("auto", "chunked", "layers")

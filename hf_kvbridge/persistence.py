@@ -239,13 +239,16 @@ def load_mapper(
                 "mapper; load it with lazy_mapper=False"
             )
         files = [folder / name for name in verify_mapper_checksums(folder, checksums)]
-        return LazyKVMapper(
+        mapper = LazyKVMapper(
             config.selected_layers,
             head_mode=config.head_mode,
             files=files,
             kv_mode=config.kv_mode,
             **KVMapper.layout_kwargs(config, layout),
         )
+        if getattr(config, "key_norm", False) and mapper.key_norm_gain is None:
+            raise MapperFileError(f"mapper weights in {folder} lack key_norm_gain, which config.key_norm needs")
+        return mapper
     mapper = build_mapper(config, layout)  # the class config.mapper_type names (ridge, mlp, ...)
     load_mapper_weights(mapper, folder, checksums)
     return mapper

@@ -17,7 +17,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from .constants import HEAD_MODES, KV_MODES, MAPPER_KWARGS, MAPPER_TYPE_NAMES, STATISTICS_DTYPES
+from .constants import HEAD_MODES, KEY_NORM_MODES, KV_MODES, MAPPER_KWARGS, MAPPER_TYPE_NAMES, STATISTICS_DTYPES
 from .errors import ConfigurationError, unknown_mapper_type
 from .utils.sizes import parse_bytes
 from .utils.source_features import check_feature_modes, check_hidden_state_layers_value
@@ -117,6 +117,11 @@ class CalibrationSettings(_Settings):
             blocks of every target layer's map beside the source's K/V, ranked with the K/V blocks by held-out R²
             (`top_k` counts both). `None` (default): K/V only. Needs `head_mode="all_heads"`, `kv_mode="joint"` and
             the `"ridge"` or `"low_rank"` mapper; such a bridge cannot be served by vLLM or from a KV store.
+        key_norm (`str`, *optional*, defaults to `"auto"`): put the mapped keys back on the target's key-norm sphere
+            (`hf_kvbridge.utils.key_norm`: each key head rescaled to the length the target's per-head key norm gives
+            its own keys; no weights, the same runtime cost): `"auto"` where the target has such a norm (Qwen3, Gemma
+            3), `"on"` (refused before any work for a target without one), `"off"` (the plain linear map; `True` /
+            `False` are read as `"on"` / `"off"`).
 
     Example:
 
@@ -186,6 +191,12 @@ class CalibrationSettings(_Settings):
         help="source hidden states (output_hidden_states entries, comma-separated, -1: the last; or 'all') that "
         "feed the K/V maps beside the source's K/V; none: K/V only (such a bridge cannot be served by vLLM)",
     )
+    key_norm: bool | str = _option(
+        "auto",
+        choices=KEY_NORM_MODES,
+        help="put mapped keys back on the target's key-norm sphere (same cost); auto: where the target normalises "
+        "each key head (Qwen3)",
+    )
 
     @classmethod
     def check_values(cls, values: dict[str, Any]) -> None:
@@ -245,6 +256,8 @@ def _check_values(s: dict[str, Any]) -> None:
         raise ConfigurationError(f"heldout_fraction must lie strictly between 0 and 1, got {fraction!r}")
     recompute_layer_values(s.get("recompute_layers", 0))
     check_hidden_state_layers_value(s.get("hidden_state_layers"))
+    if s.get("key_norm", "auto") not in (*KEY_NORM_MODES, True, False):
+        raise ConfigurationError(f"key_norm must be one of {KEY_NORM_MODES} (or True/False), got {s['key_norm']!r}")
     hold_back = s["hold_back"]
     if not isinstance(hold_back, int) or isinstance(hold_back, bool) or hold_back < 1:
         raise ConfigurationError(

@@ -18,6 +18,7 @@ from torch import nn
 from ..constants import HEAD_MODES, KV_MODES, MAPPER_KWARGS
 from ..errors import MapperError
 from ..utils.heads import HeadLayouts, same_head_sources, target_heads_of
+from ..utils.key_norm import project_keys
 
 
 def kv_view(buffer: torch.Tensor, order: str, sizes: dict[str, int]) -> torch.Tensor:
@@ -138,6 +139,9 @@ class KVMapper(nn.Module, HeadLayouts):
         self.layers = nn.ModuleList(
             self.make_layer(self.groups, len(layers) * width, out) for layers in self.selected_layers
         )
+        # the target's key-norm gains `(L_t, d_t)` when mapped keys are put back on its key norm's sphere
+        # (`set_key_norm`, `hf_kvbridge.utils.key_norm`); saved with the weights, `None` (not saved) otherwise
+        self.register_buffer("key_norm_gain", None)
 
     # what a fit (`MapperType.fit`) records about itself: `fit_summary` becomes the new bridge's mapper_kwargs,
     # `fit_config` holds other config fields it sets (`heldout_r2`); both `None` for a ridge mapper
@@ -167,13 +171,36 @@ class KVMapper(nn.Module, HeadLayouts):
     def from_config(cls, config, layout, **mapper_kwargs) -> KVMapper:
         """An empty mapper shaped for `config` (a `KVBridgeConfig`; the source layout is its `source_fingerprint`'s)
         and the target's `layout`, to load weights into; `mapper_kwargs` are a subclass's own arguments (a rank)."""
-        return cls(
+        mapper = cls(
             config.selected_layers,
             head_mode=config.head_mode,
             kv_mode=getattr(config, "kv_mode", "joint"),
             **mapper_kwargs,
             **cls.layout_kwargs(config, layout),
         )
+        if getattr(config, "key_norm", False):  # its gains are loaded with the weights
+            mapper.set_key_norm(torch.ones(len(mapper.selected_layers), mapper.target_head_dim))
+        return mapper
+
+    def set_key_norm(self, gains: torch.Tensor | None) -> None:
+        """Puts mapped keys back on the target's key-norm sphere (`hf_kvbridge.utils.key_norm`) with these gains
+        `(L_t, d_t)` (`key_norm_gains(target)`), or stops doing so (`None`). The mapping engine and `distill` apply
+        it after each target layer's map, before the target's rotary embedding."""
+        if gains is None:
+            self.key_norm_gain = None
+            return
+        shape = (len(self.selected_layers), self.target_head_dim)
+        if tuple(gains.shape) != shape:
+            raise MapperError(f"key-norm gains must be {shape} (target layers × head dim), got {tuple(gains.shape)}")
+        device = next((p.device for p in self.parameters() if p.device.type != "meta"), torch.device("cpu"))
+        self.key_norm_gain = gains.detach().to(device=device, dtype=torch.float32)
+
+    def project_mapped_keys(self, keys: torch.Tensor, targets: list[int]) -> torch.Tensor:
+        """`keys` `(n, B, H, T, d)`, the mapped content-space keys of target layers `targets`, rescaled in place onto
+        the target's key-norm sphere when the mapper has gains (`set_key_norm`); unchanged otherwise."""
+        if self.key_norm_gain is not None:
+            project_keys(keys, self.key_norm_gain[targets])
+        return keys
 
     def make_layer(self, groups: int, in_features: int, out_features: int) -> nn.Module:
         """The map of one target layer (`groups` head groups of `in_features → out_features`)."""

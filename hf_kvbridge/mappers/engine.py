@@ -347,6 +347,7 @@ def _map_span(job: SpanJob) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
             mapped = mapper.map_targets(sources, step_targets, rows, out=out_space, slots=slots)
             loaded -= {s for s in sources if last_use[s] == step}  # their slots go to later layers
             keys_c, values = mapper.split_rows(mapped, batch, end - start, layers=len(step_targets))  # (n,B,H,c,d)
+            mapper.project_mapped_keys(keys_c, step_targets)  # onto the target's key-norm sphere, if it has one
             block = outputs[step][:, :, :, :, start:end]  # (2, n, B, H, c, d) view of the cache tensors
             if rotate_scratch is not None:  # rotated in the cache's dtype from a copy of the keys in it
                 keys_c = rotate_scratch[: keys_c.numel()].view(keys_c.shape).copy_(keys_c)

@@ -134,12 +134,14 @@ def map_span_layers(job: SpanJob, into: dict | None = None) -> dict[int, tuple[t
                 mapper.map_targets(sources, step_targets, rows, slots=slots, into=mapped[..., column : column + width])
                 column += width
             keys_c, values_c = mapper.split_rows(mapped, batch, end - start, layers=len(order))  # (N, B, H, c, d)
+            mapper.project_mapped_keys(keys_c, order)  # onto the target's key-norm sphere, if it has one
             _rotate_into(keys_c, values_c, rotate_c, outputs)
             continue
         done = 0
         for sources, step_targets in plan:  # a mapper with its own product: one rotation per step
             mapped = mapper.map_targets(sources, step_targets, rows, out=out_space, slots=slots)
             keys_c, values_c = mapper.split_rows(mapped, batch, end - start, layers=len(step_targets))  # (n,B,H,c,d)
+            mapper.project_mapped_keys(keys_c, step_targets)
             n = len(step_targets)
             part = tuple(x[done : done + n] for x in outputs) if block is not None else outputs[done : done + n]
             _rotate_into(keys_c, values_c, rotate_c, part)

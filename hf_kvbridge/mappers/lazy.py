@@ -48,6 +48,9 @@ class LazyKVMapper(KVMapper):
         missing = [k for k in self.state_dict() if k not in self._where]
         if missing:
             raise MapperFileError(f"mapper weights in {files[0].parent} lack {missing[:4]}")
+        if "key_norm_gain" in self._where:  # a few numbers a target layer: loaded now, never dropped
+            with safe_open(str(self._where["key_norm_gain"]), framework="pt") as handle:
+                self.set_key_norm(handle.get_tensor("key_norm_gain"))
         self._device, self._dtype = torch.device("cpu"), torch.float32
         self.loaded: set[int] = set()  # target layers whose weights are in memory now
 
@@ -84,6 +87,9 @@ class LazyKVMapper(KVMapper):
         the dtype this mapper maps in. What `save_pretrained` writes for a lazily loaded bridge."""
         state = {}
         for key in self.state_dict():
+            if key == "key_norm_gain":  # held in memory (float32, as the gains are kept)
+                state[key] = self.key_norm_gain.detach().clone()
+                continue
             with safe_open(str(self._where[key]), framework="pt") as handle:
                 state[key] = handle.get_tensor(key).to(dtype=self._dtype)
         return state

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..constants import HIDDEN_FEATURES_FORMAT_VERSION, KV_FORMAT_VERSION
+from ..constants import HIDDEN_FEATURES_FORMAT_VERSION, KEY_NORM_FORMAT_VERSION, KV_FORMAT_VERSION
 from ..errors import ConfigurationError, KVLayoutError, ServingConfigError
 
 HIDDEN_STATE_CHOICES = ("all",)
@@ -242,8 +242,10 @@ def check_source_features(features: SourceFeatures, source_layout, source_hidden
 def required_format_version(config) -> int:
     """The checkpoint format a config needs: `HIDDEN_FEATURES_FORMAT_VERSION` with hidden-state features (readers of
     the K/V-only format must refuse it, not load it as a K/V-only bridge), else `KV_FORMAT_VERSION` (which every
-    reader since the first loads)."""
-    return HIDDEN_FEATURES_FORMAT_VERSION if getattr(config, "source_features", None) else KV_FORMAT_VERSION
+    reader since the first loads); `KEY_NORM_FORMAT_VERSION` when the mapped keys are put back on the target's
+    key-norm sphere (`config.key_norm`: older readers would map without it)."""
+    version = HIDDEN_FEATURES_FORMAT_VERSION if getattr(config, "source_features", None) else KV_FORMAT_VERSION
+    return max(version, KEY_NORM_FORMAT_VERSION) if getattr(config, "key_norm", False) else version
 
 
 def check_servable(config, bridge: str, where: str = "vLLM") -> None:

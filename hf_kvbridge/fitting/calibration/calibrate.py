@@ -16,13 +16,14 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
-from ...constants import DEFAULT_CALIBRATION_DATA
-from ...errors import StatisticsMemoryError
+from ...constants import DEFAULT_CALIBRATION_DATA, KEY_NORM_FORMAT_VERSION
+from ...errors import ConfigurationError, StatisticsMemoryError
 from ...loading import load_model, model_reference
 from ...mappers import get_mapper_type
 from ...modeling import KVBridgeForCausalLM
 from ...settings import CalibrationSettings, recompute_layer_values
 from ...utils.heads import same_head_sources
+from ...utils.key_norm import key_norm_gains
 from ...utils.layout import check_models, hidden_layout, hidden_size
 from ...utils.sizes import format_bytes
 from ...utils.source_features import SourceFeatures, source_blocks
@@ -137,6 +138,9 @@ def calibrate(
         same_head_sources(src.num_kv_heads, tgt.num_kv_heads, *names)
         if settings.bidirectional:
             same_head_sources(tgt.num_kv_heads, src.num_kv_heads, *reversed(names))
+    # the target's key-norm gains (and the source's, for a reverse map): "on" for a model without refused here
+    gains = _gains(target, settings.key_norm, target.config.name_or_path)
+    reverse_gains = _gains(source, settings.key_norm, source.config.name_or_path) if settings.bidirectional else None
     # the memory plan, before any text is read or any forward pass runs (`budget.statistics_budget`)
     dtype = getattr(torch, settings.statistics_dtype)
     # richer source features: hidden-state blocks after the K/V blocks, planned and selected like source layers
@@ -343,7 +347,9 @@ def calibrate(
             progress=settings.progress,
             **settings.mapper_kwargs,
         )
+    with_key_norm(bridge, gains)
     if settings.bidirectional:
+        with_key_norm(reverse, reverse_gains)
         if settings.keep_statistics:
             reverse.calibration_statistics = reverse_statistics
         bridge.reverse = reverse
@@ -357,4 +363,28 @@ def calibrate(
         bridge.config.target_name_or_path,
         bridge.config.calibration["seconds"],
     )
+    return bridge
+
+
+def _gains(model, setting, name: str) -> torch.Tensor | None:
+    """`model`'s key-norm gains when `setting` (`CalibrationSettings.key_norm`) asks for them, else `None`; `"on"`
+    for a model without a per-head key norm is refused."""
+    if setting in ("off", False):
+        return None
+    gains = key_norm_gains(model)
+    if gains is None and setting in ("on", True):
+        raise ConfigurationError(
+            f"key_norm='on' puts mapped keys back on the target's per-head key norm, and {name} has none (its "
+            "attention layers have no self_attn.k_norm over head_dim, as Qwen3's have); use key_norm='auto' or 'off'"
+        )
+    return gains
+
+
+def with_key_norm(bridge: KVBridgeForCausalLM, gains: torch.Tensor | None) -> KVBridgeForCausalLM:
+    """`bridge` with its mapped keys put back on the target's key-norm sphere (`gains`, `key_norm_gains(target)`;
+    `hf_kvbridge.utils.key_norm`), recorded in `config.key_norm`; unchanged for `gains=None`."""
+    if gains is not None:
+        bridge.mapper.set_key_norm(gains)
+        bridge.config.key_norm = True
+        bridge.config.format_version = max(bridge.config.format_version, KEY_NORM_FORMAT_VERSION)
     return bridge

@@ -19,6 +19,7 @@ from transformers import DynamicCache
 from ...errors import MapperError
 from ...mappers.base import KVMapper
 from ...utils.cache import append_layer, new_target_cache
+from ...utils.key_norm import normalized_keys
 from ...utils.rope import rotary_cos_sin, rotate_half
 from ..content_rows import forward_rows
 
@@ -167,6 +168,8 @@ def differentiable_map_cache(
     cache = new_target_cache(target.config)
     for t in range(len(mapper.selected_layers)):
         keys_c, values = mapper.split_rows(maps.map_rows(t, rows), batch, seq)  # (B, H, T, d) content space
+        if mapper.key_norm_gain is not None:  # onto the target's key-norm sphere, as the engine does
+            keys_c = normalized_keys(keys_c, mapper.key_norm_gain[t])
         keys = keys_c * cos + rotate_half(keys_c) * sin  # the target's RoPE, out of place
         append_layer(cache, t, keys.to(target.dtype), values.to(target.dtype))
     return cache
