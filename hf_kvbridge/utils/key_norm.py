@@ -22,6 +22,7 @@ from .devices import decoder_layers
 
 # the input `key_norm_gains` feeds each norm: large, so that `rms(x)² + eps` is `rms(x)²` to float32's precision
 _PROBE = 1e3
+_SCRATCH_BYTES = 2**28  # `project_keys`' scratch per group of layers
 
 
 def key_norm_gains(model: nn.Module) -> torch.Tensor | None:
@@ -59,15 +60,24 @@ def key_norm_gains(model: nn.Module) -> torch.Tensor | None:
 def project_keys(keys: torch.Tensor, gains: torch.Tensor) -> torch.Tensor:
     """Rescales content-space keys in place so that every head's `rms(k / g)` is 1, and returns them.
 
+    Layers are taken in groups whose scratch copy (`k / g` in the keys' dtype) stays under 256 MB: one group, so a
+    handful of ops, for a CPU chunk or a short sequence, and a few on a GPU's whole-layer span (the ops dispatched do
+    not grow with the length beyond that).
+
     Args:
         keys (`torch.Tensor` of shape `(n, B, H, T, d)`): mapped keys of `n` target layers, before the target's rotary
-            embedding (any strides; float32 or bfloat16: the reduction runs in float32).
+            embedding (any strides; the norms are accumulated in float32).
         gains (`torch.Tensor` of shape `(n, d)`): those layers' key-norm gains (`key_norm_gains`).
     """
-    inverse = (1.0 / gains.float()).to(keys.device)  # (n, d)
-    for layer, inv in zip(keys.unbind(0), inverse):  # one layer at a time: a float32 copy of one layer's keys at most
-        square = (layer.float() * inv).square_().mean(-1, keepdim=True)  # (B, H, T, 1)
-        layer.mul_(square.clamp_min_(1e-12).rsqrt_().to(layer.dtype))
+    inverse = (1.0 / gains.float()).to(keys.device, keys.dtype)[:, None, None, None, :]  # (n, 1, 1, 1, d)
+    dim = keys.shape[-1]
+    step = max(1, _SCRATCH_BYTES // max(keys[0].numel() * keys.element_size(), 1))
+    for start in range(0, keys.shape[0], step):
+        part = keys[start : start + step]  # (g, B, H, T, d)
+        norm = torch.linalg.vector_norm(
+            part * inverse[start : start + step], dim=-1, keepdim=True, dtype=torch.float32
+        )
+        part.mul_(norm.clamp_min_(1e-12).reciprocal_().mul_(dim**0.5).to(part.dtype))  # rms = norm / sqrt(d)
     return keys
 
 

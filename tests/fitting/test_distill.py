@@ -50,8 +50,15 @@ def _assert_same_cache(got, ref):
         torch.testing.assert_close(got_layer.values, ref_layer.values, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("mapping", [{"head_mode": "all_heads"}, {"head_mode": "same_head"},
-                                     {"mapper_type": "low_rank", "rank": 8}])  # fmt: skip
+@pytest.mark.parametrize(
+    "mapping",
+    [
+        {"head_mode": "all_heads"},
+        {"head_mode": "same_head"},
+        {"mapper_type": "low_rank", "rank": 8},
+        {"key_norm": "off"},
+    ],
+)  # fmt: skip  (pocket-l has a key norm: "auto" is on)
 def test_differentiable_map_equals_the_engine(pocket_parts, mapping):
     tokenizer, small, large, texts = pocket_parts
     bridge = hf_kvbridge.calibrate(small, large, texts, tokenizer=tokenizer, **{**CALIBRATION, **mapping})

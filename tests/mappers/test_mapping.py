@@ -245,13 +245,17 @@ SMALL = {"hidden_size": 32, "num_attention_heads": 4, "num_key_value_heads": 2, 
 ROPE_TARGET = {"rope_type": "default", "rope_theta": 500000.0}
 
 
-@pytest.mark.parametrize("head_mode, rank", [("all_heads", None), ("same_head", None), ("all_heads", 8)])
+@pytest.mark.parametrize("head_mode, rank, key_norm",
+                         [("all_heads", None, False), ("same_head", None, False), ("all_heads", 8, False),
+                          ("all_heads", None, True)])  # fmt: skip
 @torch.no_grad()
-def test_layer_schedule_dispatches_a_few_ops_per_target_layer_at_any_length(head_mode, rank):
+def test_layer_schedule_dispatches_a_few_ops_per_target_layer_at_any_length(head_mode, rank, key_norm):
     """Counted with the bench's `OpCounter` at Qwen3-14B → 32B layer counts, top-6: at most 12 ops per target layer
     (views included) and at most 3 that run kernels, the same at 16 and 160 tokens and whether the whole sequence
     or chunks of it fit at once. (The chunked schedule grows with the length: its chunks are cache-sized.)"""
     bridge = random_bridge(*_wide_pair(), top_k=6, head_mode=head_mode, rank=rank)
+    if key_norm:  # keys put back on a key-norm sphere: a few ops for all layers, not a few per layer
+        bridge.mapper.set_key_norm(torch.rand(len(bridge.mapper.selected_layers), bridge.mapper.target_head_dim) + 0.5)
     counts = {}
     for length in (16, 160):
         ids = torch.randint(0, VOCAB, (1, length), generator=torch.Generator().manual_seed(length))

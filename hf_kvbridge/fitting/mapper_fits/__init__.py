@@ -103,6 +103,8 @@ def refit(
         progress=progress,
         **mapper_kwargs,
     )
+    if bridge.mapper.key_norm_gain is not None:  # keys put back on the target's key-norm sphere, as before the refit
+        mapper.set_key_norm(bridge.mapper.key_norm_gain)
     config = copy.deepcopy(bridge.config)
     config.mapper_type = entry.name
     config.mapper_kwargs = dict(mapper.fit_summary or {})

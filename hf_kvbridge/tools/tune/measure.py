@@ -12,6 +12,7 @@ import torch
 
 from ...errors import TuningError
 from ...fitting.calibration.dense_fit import fit_dense
+from ...fitting.calibration.calibrate import with_key_norm
 from ...fitting.mapper_fits import refit
 from ..bench.flop_model import cost, map_flops_per_token, target_flops_per_token
 from ..evaluation import GapRecovered, gap_recovered, retention, window_nll
@@ -98,6 +99,7 @@ def fit_candidate(base, statistics, settings: dict, *, windows: torch.Tensor | N
     )
     # the bridge class is the base bridge's; the same residual maps for every candidate (`config.residual_map`)
     bridge = fit.build(type(base), base.source, base.target, base.residual_mapper)
+    bridge = with_key_norm(bridge, base.mapper.key_norm_gain)  # as the calibrated bridge maps its keys
     if settings["mapper_type"] == "low_rank":
         bridge = refit(bridge, "low_rank", rank=settings["rank"], statistics=statistics)
     return with_recompute(bridge, settings.get("recompute_fraction", 0.0), settings.get("recompute_layers", 0))
