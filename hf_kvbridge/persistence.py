@@ -279,6 +279,8 @@ def _load_checked(mapper: torch.nn.Module, state: dict[str, torch.Tensor], what:
             )
         if not torch.isfinite(tensor).all():
             raise MapperFileError(f"{what}: {key} holds NaN/Inf")
+        if key == "key_norm_gain" and bool((tensor == 0).any()):  # keys would be divided by it
+            raise MapperFileError(f"{what}: {key} holds zeros; a key norm's gains are nonzero")
     mapper.load_state_dict(state)
 
 

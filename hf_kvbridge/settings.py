@@ -286,9 +286,10 @@ class DistillationSettings(_Settings):
             and for choosing the pull's strength (never trained on).
         epochs (`int`, *optional*, defaults to `2`): passes over the training windows at most.
         batch_size (`int`, *optional*, defaults to `8`): windows per optimiser step.
-        lr (`float`, *optional*, defaults to `3e-4`): AdamW learning rate of the weight changes in standardised
-            units (`calibration.differentiable.PreconditionedMap`), cosine-annealed to 0 (3e-4 kept more on both
-            pocket pairs than 1e-4 in 2 epochs; 1e-3 never improved on the closed form: `docs/distillation.md`).
+        lr (`float`, *optional*, defaults to `1e-4`): AdamW learning rate of the weight changes in standardised
+            units (`calibration.differentiable.PreconditionedMap`), cosine-annealed to 0. With the keys put back on
+            the target's key-norm sphere (`CalibrationSettings.key_norm`) 3e-4 never improved on the closed form of
+            either pocket pair and 1e-4 did; without it 3e-4 kept more (`docs/distillation.md`).
         pull (`float` or `list[float]`, *optional*, defaults to `[0.0, 1.0]`): strength of the L2 pull towards the
             closed-form weights, relative to their squared norm (`pull · ‖θ − θ₀‖² / ‖θ₀‖²` is added to the loss);
             several values are each trained and the one with the lowest held-out KL is kept.
@@ -320,7 +321,7 @@ class DistillationSettings(_Settings):
     heldout_fraction: float = _option(0.1, help="share of windows held out for early stopping and the pull's strength")
     epochs: int = _option(2, help="passes over the training windows at most")
     batch_size: int = _option(8, help="windows per optimiser step")
-    lr: float = _option(3e-4, help="AdamW learning rate of the standardised weight changes (cosine-annealed)")
+    lr: float = _option(1e-4, help="AdamW learning rate of the standardised weight changes (cosine-annealed)")
     pull: float | list[float] = _option(
         help="strength of the L2 pull towards the closed-form weights (comma-separated: each is trained and the best "
         "on held-out windows kept)",

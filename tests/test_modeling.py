@@ -154,6 +154,8 @@ def test_save_load_round_trip(pair_bridge, tmp_path):
     files = {p.name for p in (tmp_path / "bridge").iterdir()}
     assert files == BRIDGE_FILES  # no source or target weights, no stray temp folders
     weights = load_file(tmp_path / "bridge" / "mapper.safetensors")
+    gains = weights.pop("key_norm_gain")  # the target's key-norm gains (Qwen3: calibrate's key_norm="auto")
+    assert gains.shape == (3, pair_bridge.mapper.target_head_dim) and pair_bridge.config.key_norm
     assert all(key.startswith("layers.") for key in weights)
     assert sum(t.numel() for t in weights.values()) == sum(p.numel() for p in pair_bridge.mapper.parameters())
     card = (tmp_path / "bridge" / "README.md").read_text()

@@ -192,6 +192,8 @@ class KVMapper(nn.Module, HeadLayouts):
         shape = (len(self.selected_layers), self.target_head_dim)
         if tuple(gains.shape) != shape:
             raise MapperError(f"key-norm gains must be {shape} (target layers × head dim), got {tuple(gains.shape)}")
+        if not torch.isfinite(gains).all() or bool((gains == 0).any()):
+            raise MapperError("key-norm gains must be finite and nonzero (mapped keys are divided by them)")
         device = next((p.device for p in self.parameters() if p.device.type != "meta"), torch.device("cpu"))
         self.key_norm_gain = gains.detach().to(device=device, dtype=torch.float32)
 

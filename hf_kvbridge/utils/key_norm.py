@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..constants import KEY_NORM_FORMAT_VERSION
 from .devices import decoder_layers
 
 # the input `key_norm_gains` feeds each norm: large, so that `rms(x)² + eps` is `rms(x)²` to float32's precision
@@ -44,12 +45,16 @@ def key_norm_gains(model: nn.Module) -> torch.Tensor | None:
     for layer in decoder_layers(model):
         norm = getattr(getattr(layer, "self_attn", None), "k_norm", None)
         weight = getattr(norm, "weight", None)
-        if norm is None or weight is None or weight.dim() != 1 or weight.device.type == "meta":
+        if norm is None or weight is None or weight.dim() != 1:
             return None
         head_dim = weight.shape[0]
-        probe = torch.full((1, head_dim), _PROBE, dtype=torch.float32, device=weight.device)
+        # on the CPU unless the weight is on a device: an offloaded layer's hook (accelerate) moves it where it runs
+        device = weight.device if weight.device.type != "meta" else torch.device("cpu")
+        probe = torch.full((1, head_dim), _PROBE, dtype=torch.float32, device=device)
         with torch.no_grad():
             gain = norm(probe).float().reshape(-1)  # (d,): g · c / sqrt(c² + eps) = g
+        if gain.device.type == "meta":
+            return None
         expected = getattr(layer.self_attn, "head_dim", head_dim)
         if gain.shape[0] != expected or not torch.isfinite(gain).all() or bool((gain == 0).any()):
             return None
@@ -77,7 +82,8 @@ def project_keys(keys: torch.Tensor, gains: torch.Tensor) -> torch.Tensor:
         norm = torch.linalg.vector_norm(
             part * inverse[start : start + step], dim=-1, keepdim=True, dtype=torch.float32
         )
-        part.mul_(norm.clamp_min_(1e-12).reciprocal_().mul_(dim**0.5).to(part.dtype))  # rms = norm / sqrt(d)
+        # rms = norm / sqrt(d); the scale stays float32 (a half one overflows for short keys: 0 · inf is NaN)
+        part.mul_(norm.clamp_min_(1e-12).reciprocal_().mul_(dim**0.5))
     return keys
 
 
@@ -90,3 +96,21 @@ def normalized_keys(keys: torch.Tensor, gain: torch.Tensor) -> torch.Tensor:
     """
     square = (keys / gain.to(keys.device, keys.dtype)).square().mean(-1, keepdim=True)  # (B, H, T, 1)
     return keys * square.clamp_min(1e-12).rsqrt()
+
+
+def with_key_norm(bridge, gains: torch.Tensor | None):
+    """`bridge` with its mapped keys put back on the target's key-norm sphere (`gains`, `key_norm_gains(target)`),
+    recorded in its config (`key_norm`, and the format version that reads it); unchanged for `gains=None`. What
+    `calibrate` does with `key_norm="auto"` on a target that has a key norm.
+
+    Example:
+
+    ```python
+    >>> bridge = with_key_norm(bridge, key_norm_gains(bridge.target))  # doctest: +SKIP
+    ```
+    """
+    if gains is not None:
+        bridge.mapper.set_key_norm(gains)
+        bridge.config.key_norm = True
+        bridge.config.format_version = max(bridge.config.format_version, KEY_NORM_FORMAT_VERSION)
+    return bridge

@@ -96,6 +96,7 @@ SAMPLES = {
     "statistics_dtype": ("float64", "float64"),
     "recompute_layers": ("1,2", [1, 2]),
     "hidden_state_layers": ("0,-1", [0, -1]),
+    "key_norm": ("off", "off"),
 }
 CALIBRATE = ["calibrate", "src", "tgt", "--out", "o"]
 

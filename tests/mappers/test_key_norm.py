@@ -8,10 +8,9 @@ from safetensors import safe_open
 
 import hf_kvbridge
 from hf_kvbridge import KVBridgeForCausalLM
-from hf_kvbridge.errors import ConfigurationError, MapperError
-from hf_kvbridge.fitting.calibration.calibrate import with_key_norm
+from hf_kvbridge.errors import ConfigurationError, MapperError, MapperFileError
 from hf_kvbridge.utils.cache import output_cache
-from hf_kvbridge.utils.key_norm import key_norm_gains, normalized_keys, project_keys
+from hf_kvbridge.utils.key_norm import key_norm_gains, normalized_keys, project_keys, with_key_norm
 from hf_kvbridge.utils.rope import apply_rotary, inverse_cos_sin, rotary_cos_sin
 from tests.conftest import VOCAB, llama, qwen3
 from tests.test_identity import _bridge, _check_logits_and_tokens
@@ -115,6 +114,11 @@ def test_the_checkpoint_keeps_the_gains(windows, tmp_path):
     with safe_open(str(tmp_path / "plain" / "mapper.safetensors"), framework="pt") as handle:
         assert "key_norm_gain" not in handle.keys()
     assert KVBridgeForCausalLM.from_pretrained(tmp_path / "plain", source, target).mapper.key_norm_gain is None
+    # zero gains (keys would be divided by them) are refused on load, with the file named
+    bridge.mapper.key_norm_gain.zero_()
+    bridge.save_pretrained(tmp_path / "zeroed")
+    with pytest.raises(MapperFileError, match="key_norm_gain holds zeros"):
+        KVBridgeForCausalLM.from_pretrained(tmp_path / "zeroed", source, target)
 
 
 def test_calibrate_turns_it_on_where_the_target_has_a_key_norm(tokenizer):
@@ -136,3 +140,15 @@ def test_bad_key_norm_settings_are_refused_before_any_work(tokenizer):
     bridge = _bridge(qwen3(layers=2), qwen3(layers=2), torch.randint(0, VOCAB, (8, 24)), top_k=1)
     with pytest.raises(MapperError, match="key-norm gains must be"):
         bridge.mapper.set_key_norm(torch.ones(3, 16))
+
+
+def test_half_keys_of_any_length_stay_finite():
+    """A zero key stays zero and a very short one is scaled up without overflowing float16 (the scale is float32)."""
+    gains = torch.rand(2, 16, generator=torch.Generator().manual_seed(0)) + 0.5
+    keys = torch.randn(2, 1, 2, 4, 16, generator=torch.Generator().manual_seed(1)).half()
+    keys[0, 0, 0, 0] = 0  # zero
+    keys[1, 0, 1, 2] *= 1e-5  # short: its scale is above float16's range
+    out = project_keys(keys.clone(), gains)
+    assert torch.isfinite(out).all() and torch.equal(out[0, 0, 0, 0], keys[0, 0, 0, 0])
+    rms = (out[1, 0, 1, 2].float() / gains[1]).square().mean().sqrt()
+    assert abs(float(rms) - 1) < 2e-2

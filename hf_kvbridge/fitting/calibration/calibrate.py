@@ -16,14 +16,14 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
-from ...constants import DEFAULT_CALIBRATION_DATA, KEY_NORM_FORMAT_VERSION
+from ...constants import DEFAULT_CALIBRATION_DATA
 from ...errors import ConfigurationError, StatisticsMemoryError
 from ...loading import load_model, model_reference
 from ...mappers import get_mapper_type
 from ...modeling import KVBridgeForCausalLM
 from ...settings import CalibrationSettings, recompute_layer_values
 from ...utils.heads import same_head_sources
-from ...utils.key_norm import key_norm_gains
+from ...utils.key_norm import key_norm_gains, with_key_norm
 from ...utils.layout import check_models, hidden_layout, hidden_size
 from ...utils.sizes import format_bytes
 from ...utils.source_features import SourceFeatures, source_blocks
@@ -378,13 +378,3 @@ def _gains(model, setting, name: str) -> torch.Tensor | None:
             "attention layers have no self_attn.k_norm over head_dim, as Qwen3's have); use key_norm='auto' or 'off'"
         )
     return gains
-
-
-def with_key_norm(bridge: KVBridgeForCausalLM, gains: torch.Tensor | None) -> KVBridgeForCausalLM:
-    """`bridge` with its mapped keys put back on the target's key-norm sphere (`gains`, `key_norm_gains(target)`;
-    `hf_kvbridge.utils.key_norm`), recorded in `config.key_norm`; unchanged for `gains=None`."""
-    if gains is not None:
-        bridge.mapper.set_key_norm(gains)
-        bridge.config.key_norm = True
-        bridge.config.format_version = max(bridge.config.format_version, KEY_NORM_FORMAT_VERSION)
-    return bridge

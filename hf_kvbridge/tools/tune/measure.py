@@ -12,8 +12,8 @@ import torch
 
 from ...errors import TuningError
 from ...fitting.calibration.dense_fit import fit_dense
-from ...fitting.calibration.calibrate import with_key_norm
 from ...fitting.mapper_fits import refit
+from ...utils.key_norm import with_key_norm
 from ..bench.flop_model import cost, map_flops_per_token, target_flops_per_token
 from ..evaluation import GapRecovered, gap_recovered, retention, window_nll
 from .choice import Point, format_gap, format_settings
