@@ -98,6 +98,7 @@ def render_model_card(
         top_k=config.top_k,
         ridge_lambda=_describe_lambda(config),
         hold_back=config.hold_back,
+        key_norm="yes" if getattr(config, "key_norm", False) else "no",
         calibration=config.calibration or {},
         r2_summary=r2_summary,
         cosine_summary=cosine_summary,

@@ -97,6 +97,8 @@ def test_the_checkpoint_keeps_the_gains(windows, tmp_path):
     assert config["key_norm"] is True and config["format_version"] == 3  # older readers refuse it
     with safe_open(str(tmp_path / "bridge" / "mapper.safetensors"), framework="pt") as handle:
         torch.testing.assert_close(handle.get_tensor("key_norm_gain"), key_norm_gains(target))
+    card = (tmp_path / "bridge" / "README.md").read_text()
+    assert "| mapped keys put back on the target's key-norm sphere (`key_norm`) | yes |" in card
     ids = torch.randint(0, VOCAB, (1, 20), generator=torch.Generator().manual_seed(7))
     with torch.no_grad():
         source_cache = output_cache(source(ids, use_cache=True))
@@ -113,6 +115,7 @@ def test_the_checkpoint_keeps_the_gains(windows, tmp_path):
     assert json.loads((tmp_path / "plain" / "config.json").read_text())["format_version"] == 1
     with safe_open(str(tmp_path / "plain" / "mapper.safetensors"), framework="pt") as handle:
         assert "key_norm_gain" not in handle.keys()
+    assert "(`key_norm`) | no |" in (tmp_path / "plain" / "README.md").read_text()
     assert KVBridgeForCausalLM.from_pretrained(tmp_path / "plain", source, target).mapper.key_norm_gain is None
     # zero gains (keys would be divided by them) are refused on load, with the file named
     bridge.mapper.key_norm_gain.zero_()
