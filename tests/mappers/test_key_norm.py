@@ -155,3 +155,19 @@ def test_half_keys_of_any_length_stay_finite():
     assert torch.isfinite(out).all() and torch.equal(out[0, 0, 0, 0], keys[0, 0, 0, 0])
     rms = (out[1, 0, 1, 2].float() / gains[1]).square().mean().sqrt()
     assert abs(float(rms) - 1) < 2e-2
+
+
+def test_a_refit_keeps_the_gains(tokenizer, tmp_path):
+    """`refit` (what `kvbridge tune` and a user's low-rank refit call) maps its keys on the sphere as before, and the
+    result saves and loads (config and weights agree)."""
+    from hf_kvbridge.fitting.mapper_fits import refit
+
+    texts = ["the quick brown fox jumps over the lazy dog " * 30] * 8
+    source, target = qwen3(layers=2, seed=1), _with_gains(qwen3(layers=2, seed=2), seed=3)
+    bridge = hf_kvbridge.calibrate(source, target, texts, tokenizer=tokenizer, num_sequences=8, seq_len=32, top_k=1,
+                                   ridge_lambda=0.1, keep_statistics=True)  # fmt: skip
+    low_rank = refit(bridge, "low_rank", rank=4)
+    assert low_rank.config.key_norm
+    torch.testing.assert_close(low_rank.mapper.key_norm_gain, key_norm_gains(target))
+    low_rank.save_pretrained(tmp_path / "low-rank")
+    assert KVBridgeForCausalLM.from_pretrained(tmp_path / "low-rank", source, target).mapper.key_norm_gain is not None
