@@ -227,7 +227,7 @@ def _engine(
     log = proc.stdout + proc.stderr
     if engine is not None and not out.exists():  # a refused engine may take its process down with it
         return {"error": None, "log": log, "returncode": proc.returncode}
-    assert proc.returncode == 0, log[-6000:]
+    assert proc.returncode == 0, f"engine exited with {proc.returncode}:\n{log[-6000:]}"
     result = json.loads(out.read_text())
     result["log"] = log
     return result

@@ -229,7 +229,8 @@ def _engine(tmp_path, name, bridge_dir, options, rounds, tensor_parallel_size=1,
         [sys.executable, __file__, str(spec), str(out)], env=env, capture_output=True, text=True, timeout=900
     )
     log = proc.stdout + proc.stderr
-    assert proc.returncode == 0, log[-6000:]
+    # the exit status first: a negative one is a signal (a worker killed, e.g. by the kernel for memory), no traceback
+    assert proc.returncode == 0, f"engine exited with {proc.returncode}:\n{log[-6000:]}"
     result = json.loads(out.read_text())
     result["log"] = log
     return result
