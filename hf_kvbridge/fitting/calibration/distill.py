@@ -15,6 +15,7 @@ the distillation (`config.distillation`).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 import logging
@@ -52,13 +53,38 @@ def check_models_loaded(bridge) -> None:
             )
 
 
+MAP_STATE_COPIES = 6  # the float32 map θ₀, Δ, Δ's gradient, AdamW's two moments, the best Δ so far
+
+
+def map_state_bytes(mapper, pull_candidates: int = 1) -> int:
+    """Bytes of the map's training state, beside the models and the bridge's own mapper: `MAP_STATE_COPIES` float32
+    copies of the mapper's parameters, and one more with several pull strengths (the best earlier run's weights).
+
+    Example:
+
+    ```python
+    >>> from hf_kvbridge.mappers import KVMapper
+    >>> mapper = KVMapper([[0, 1]], num_kv_heads=2, head_dim=4, head_mode="all_heads")  # 32 inputs, 16 outputs
+    >>> map_state_bytes(mapper)  # 6 × 4 bytes × (32·16 + 16)
+    12672
+    ```
+    """
+    copies = MAP_STATE_COPIES + (1 if pull_candidates > 1 else 0)
+    return copies * 4 * sum(p.numel() for p in mapper.parameters())
+
+
 def window_bytes(bridge, seq_len: int, continuation_len: int) -> int:
     """An estimate of the bytes one window takes through a training step (float32): the source's rows, the mapped
-    cache with its gradient, the target's activations over the continuation and the two vocabularies of logits."""
-    mapper, config = bridge.mapper, bridge.target.config
+    cache with its gradient, the target's activations over the continuation and the two vocabularies of logits
+    (`window_bytes_of` on the bridge's mapper and target config)."""
+    return window_bytes_of(bridge.mapper, bridge.target.config, seq_len, continuation_len)
+
+
+def window_bytes_of(mapper, config, seq_len: int, continuation_len: int) -> int:
+    """`window_bytes` from a mapper (its layout and selection; it may live on the `meta` device) and the target's
+    config, without loading either model."""
     context = seq_len - continuation_len
-    groups = mapper.groups if mapper.grouped else 1
-    rows = context * len({s for layers in mapper.selected_layers for s in layers}) * mapper.x_row * groups
+    rows = context * len({s for layers in mapper.selected_layers for s in layers}) * mapper.x_row
     layers = len(mapper.selected_layers)
     cache = 4 * context * layers * mapper.y_row  # mapped rows, rotated keys, cast copy, gradient
     hidden = getattr(config, "hidden_size", 0) + getattr(config, "intermediate_size", 0)
@@ -87,20 +113,43 @@ def _autocast(settings: DistillationSettings, device: torch.device):
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=on)
 
 
-def window_kl(bridge, maps: PreconditionedMap, ids: torch.Tensor, continuation_len: int, autocast) -> torch.Tensor:
+@contextlib.contextmanager
+def _timed(timings: dict | None, key: str, device: torch.device):
+    """Adds the block's wall time to `timings[key]` (a GPU synchronised at both ends); nothing without `timings`."""
+    if timings is None:
+        yield
+        return
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    yield
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    timings[key] = timings.get(key, 0.0) + time.perf_counter() - start
+
+
+def window_kl(
+    bridge, maps: PreconditionedMap, ids: torch.Tensor, continuation_len: int, autocast, timings: dict | None = None
+) -> torch.Tensor:
     """Summed KL(teacher ‖ student) over the continuation tokens of `ids` `(B, T)`: the teacher is the target on its
-    own cache (no gradient), the student the target on `maps`' map of the source's prefill of the context."""
+    own cache (no gradient), the student the target on `maps`' map of the source's prefill of the context.
+    `timings` (a benchmark's) gets the seconds of the parts: `teacher`, `source`, `map` and `student` (forwards)."""
     target = bridge.target
-    ids = ids.to(target.device)
+    device = target.device
+    ids = ids.to(device)
     context, continuation = ids[:, :-continuation_len], ids[:, -continuation_len:]
     with torch.no_grad():
-        with autocast:
-            teacher = target(input_ids=ids, logits_to_keep=continuation_len).logits  # (B, C, V)
-        teacher = nn.functional.log_softmax(teacher.float(), dim=-1)
-        rows = source_rows(bridge, maps.mapper, context.to(bridge.source.device))
+        with _timed(timings, "teacher", device):
+            with autocast:
+                teacher = target(input_ids=ids, logits_to_keep=continuation_len).logits  # (B, C, V)
+            teacher = nn.functional.log_softmax(teacher.float(), dim=-1)
+        with _timed(timings, "source", device):
+            rows = source_rows(bridge, maps.mapper, context.to(bridge.source.device))
     with autocast:
-        cache = differentiable_map_cache(bridge, maps, context, rows)
-        student = target(input_ids=continuation, **cache_kwargs(cache)).logits  # (B, C, V)
+        with _timed(timings, "map", device):
+            cache = differentiable_map_cache(bridge, maps, context, rows)
+        with _timed(timings, "student", device):
+            student = target(input_ids=continuation, **cache_kwargs(cache)).logits  # (B, C, V)
     student = nn.functional.log_softmax(student.float(), dim=-1)
     return nn.functional.kl_div(student, teacher, log_target=True, reduction="sum")
 
@@ -120,8 +169,8 @@ def _fingerprint(settings: DistillationSettings, windows: torch.Tensor, params: 
     shaping = {k: v for k, v in vars(settings).items() if k not in ("progress", "checkpoint_dir", "memory")}
     digest.update(repr(sorted(shaping.items())).encode())
     digest.update(windows.numpy().tobytes())
-    for p in params:
-        digest.update(p.detach().float().cpu().numpy().tobytes())
+    for p in params:  # hashed through the buffer protocol: no bytes copy of a map of several GB
+        digest.update(p.detach().float().cpu().contiguous().numpy())
     return digest.hexdigest()
 
 
@@ -213,8 +262,7 @@ def distill(bridge, data: Any = DEFAULT_CALIBRATION_DATA, settings: Distillation
     # Δ in standardised units, its scales from the first training windows' rows
     first = train[: settings.batch_size, : settings.seq_len - settings.continuation_len]
     maps = PreconditionedMap(mapper, source_rows(bridge, mapper, first.to(bridge.source.device)))
-    params = list(maps.deltas)
-    start = [p.detach().clone() for p in params]  # Δ = 0: the closed form
+    params = list(maps.deltas)  # Δ = 0: the closed form (no copy of it is kept: a run starts from zeros)
     try:
         if state is None:
             baseline = mean_kl(bridge, maps, heldout, settings.continuation_len, micro, autocast)
@@ -222,7 +270,7 @@ def distill(bridge, data: Any = DEFAULT_CALIBRATION_DATA, settings: Distillation
                      "seconds": 0.0}  # fmt: skip
             _save_state(folder, state)
         data_parts = (train, heldout, settings, micro, autocast)
-        state = _train(bridge, maps, params, start, *data_parts, state, folder, started)
+        state = _train(bridge, maps, params, *data_parts, state, folder, started)
     finally:
         for p, flag in frozen:
             p.requires_grad_(flag)
@@ -231,8 +279,8 @@ def distill(bridge, data: Any = DEFAULT_CALIBRATION_DATA, settings: Distillation
     best = min(state["runs"], key=lambda run: run["best_kl"])
     chosen = best if best["best_kl"] < state["baseline_kl"] else None
     with torch.no_grad():
-        for p, value in zip(params, chosen["params"] if chosen else start):
-            p.copy_(value)
+        for i, p in enumerate(params):
+            p.copy_(chosen["params"][i]) if chosen else p.zero_()
     mapper = maps.fold()
     seconds = state["seconds"] + time.perf_counter() - started
     config = copy.deepcopy(bridge.config)
@@ -276,8 +324,13 @@ def distill(bridge, data: Any = DEFAULT_CALIBRATION_DATA, settings: Distillation
     return bridge.with_mapper(mapper, config)
 
 
-def _train(bridge, maps, params, start, train, heldout, settings, micro, autocast, state, folder, started) -> dict:
-    """Trains one run per pull strength (from θ₀ each), resuming `state`; returns the state with every run's best."""
+def _train(bridge, maps, params, train, heldout, settings, micro, autocast, state, folder, started) -> dict:
+    """Trains one run per pull strength (from θ₀ each), resuming `state`; returns the state with every run's best
+    held-out KL and the weights of the best run only.
+
+    The map's training state is the float32 map `θ₀`, `Δ`, its gradient, AdamW's two moments and the best `Δ` so far:
+    six copies of the map's size (`map_state_bytes`); no other copy is held (a checkpoint is written from the live
+    tensors)."""
     from tqdm.auto import tqdm
 
     steps_per_epoch = math.ceil(len(train) / settings.batch_size)
@@ -290,11 +343,11 @@ def _train(bridge, maps, params, start, train, heldout, settings, micro, autocas
         pull = float(settings.pull[candidate])
         optimizer = torch.optim.AdamW(params, lr=settings.lr, weight_decay=0.0)
         schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=total)
-        if state["step"] == 0:  # a fresh run: from the closed form, best so far the closed form
+        if state["step"] == 0:  # a fresh run: from the closed form (Δ = 0), best so far the closed form
             with torch.no_grad():
-                for p, value in zip(params, start):
-                    p.copy_(value)
-            state.update(best_kl=state["baseline_kl"], best_params=[v.clone() for v in start], best_step=0, bad=0)
+                for p in params:
+                    p.zero_()
+            state.update(best_kl=state["baseline_kl"], best_params=None, best_step=0, bad=0)
         else:  # resumed mid-run
             with torch.no_grad():
                 for p, value in zip(params, state["params"]):
@@ -323,15 +376,25 @@ def _train(bridge, maps, params, start, train, heldout, settings, micro, autocas
             if state["step"] % eval_every == 0 or state["step"] == total:
                 kl = mean_kl(bridge, maps, heldout, settings.continuation_len, micro, autocast)
                 if kl < state["best_kl"]:
-                    state.update(best_kl=kl, best_params=[p.detach().clone() for p in params], best_step=state["step"],
-                                 bad=0)  # fmt: skip
+                    if state["best_params"] is None:
+                        state["best_params"] = [p.detach().clone() for p in params]
+                    else:  # into the same buffers: never two best copies at once
+                        for best, p in zip(state["best_params"], params):
+                            best.copy_(p.detach())
+                    state.update(best_kl=kl, best_step=state["step"], bad=0)
                 else:
                     state["bad"] += 1
                     stopped = settings.patience > 0 and state["bad"] >= settings.patience
                 bar.set_postfix(pull=pull, heldout_kl=f"{kl:.4f}", best=f"{state['best_kl']:.4f}")
-                state.update(params=[p.detach().clone() for p in params], optimizer=optimizer.state_dict(),
-                             schedule=schedule.state_dict())  # fmt: skip
-                _save_state(folder, {**state, "seconds": state["seconds"] + time.perf_counter() - started})
+                if folder is not None:  # the live tensors: torch.save writes their values now, resuming reads the file
+                    state.update(params=[p.detach() for p in params], optimizer=optimizer.state_dict(),
+                                 schedule=schedule.state_dict())  # fmt: skip
+                    _save_state(folder, {**state, "seconds": state["seconds"] + time.perf_counter() - started})
+        if state["best_params"] is not None and all(state["best_kl"] < run["best_kl"] for run in state["runs"]):
+            for run in state["runs"]:  # only the best run's weights are kept
+                run["params"] = None
+        else:  # the closed form, or a run no better than an earlier one: its weights are not needed
+            state["best_params"] = None
         state["runs"].append(
             {"pull": pull, "best_kl": state["best_kl"], "best_step": state["best_step"],
              "params": state["best_params"]}
