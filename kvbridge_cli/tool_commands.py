@@ -223,6 +223,32 @@ def add_bench(sub) -> None:
         help="with --flop-model: this many fit passes instead of the plan within --statistics-memory",
     )
 
+    dist = kinds.add_parser(
+        "distill",
+        help="distillation at real layer shapes with random weights: a training step's time by part, its memory "
+        "against the plan, the whole run projected (or --flop-model: on paper)",
+    )
+    dist.add_argument("--pair", default="qwen3-0.6b:qwen3-1.7b", help="source:target Qwen3 shapes")
+    dist.add_argument("--seq-len", type=_positive_int, default=512, help="window length (context + continuation)")
+    dist.add_argument("--continuation-len", type=_positive_int, default=128, help="tokens of a window scored")
+    dist.add_argument("--top-k", type=_positive_int, default=6)
+    dist.add_argument("--head-mode", default="all_heads", choices=_constants.HEAD_MODES)
+    dist.add_argument("--dtype", default="float32", choices=BENCH_DTYPES, help="the models' dtype")
+    dist.add_argument("--device", default="cpu")
+    dist.add_argument("--steps", type=_positive_int, default=3, help="one-window training steps (the first warms up)")
+    dist.add_argument("--windows", type=_positive_int, default=256, help="the projected run's num_sequences")
+    dist.add_argument("--epochs", type=_positive_int, default=2, help="the projected run's epochs")
+    dist.add_argument("--pull-candidates", type=_positive_int, default=2, help="the projected run's pull strengths")
+    dist.add_argument("--fit-passes", type=_positive_int, default=1, help="the calibration it is compared with")
+    dist.add_argument(
+        "--flop-model",
+        action="store_true",
+        help="no models: FLOPs, the memory plan and the run's time on an H100 (datasheet peaks x assumed "
+        "efficiencies), with models in --dtype (use bfloat16 for a GPU)",
+    )
+    dist.add_argument("--threads", type=_positive_int, help="torch threads on CPU")
+    dist.add_argument("--json", help="write the result here")
+
     store = kinds.add_parser(
         "store",
         help="the KV store's put and fetch (encoding and checks included) against raw pipelined SET/GET of the same "

@@ -13,7 +13,8 @@ from . import keywords
 
 def bench(args: argparse.Namespace) -> int:
     """`kvbridge bench mapper|calibration|vllm|store`."""
-    commands = {"mapper": bench_mapper, "calibration": bench_calibration, "vllm": bench_vllm, "store": bench_store}
+    commands = {"mapper": bench_mapper, "calibration": bench_calibration, "distill": bench_distill, "vllm": bench_vllm,
+                "store": bench_store}  # fmt: skip
     return commands[args.bench](args)
 
 
@@ -184,6 +185,35 @@ def bench_calibration(args: argparse.Namespace) -> int:
     if args.json:
         with open(args.json, "w") as f:
             f.write(text)
+    return 0
+
+
+def bench_distill(args: argparse.Namespace) -> int:
+    """`kvbridge bench distill`: a measured training step at real shapes, or with `--flop-model` the plan on paper."""
+    import torch
+
+    from ..tools.bench.distill import DistillWorkload, flop_model_report, format_report, run
+
+    workload = DistillWorkload(
+        **keywords(args, "pair", "seq_len", "continuation_len", "top_k", "head_mode", "dtype", "device", "windows",
+                   "epochs", "pull_candidates", "fit_passes")
+    )  # fmt: skip
+    workload.configs()  # an unknown shape is refused before any model is built
+    if args.continuation_len >= args.seq_len:
+        from ..errors import InvalidInputError
+
+        raise InvalidInputError(
+            f"--continuation-len {args.continuation_len} must be below --seq-len {args.seq_len} (the rest is the "
+            "context the source prefills)"
+        )
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    result = flop_model_report(workload) if args.flop_model else run(workload, steps=args.steps)
+    print(format_report(result))
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump(result, handle, indent=2, default=str)
+        print(f"wrote {args.json}")
     return 0
 
 
