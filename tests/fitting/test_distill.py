@@ -88,7 +88,11 @@ def _source_cache(model, ids):
 def test_distillation_lowers_kl_on_held_out_windows(bridge, pocket_parts):
     tokenizer, *_, texts = pocket_parts
     settings = {**TINY, "continuation_len": 32, "heldout_fraction": 0.25, "evals_per_epoch": 1}
+    before = [p.detach().clone() for p in bridge.mapper.parameters()]
     distilled = hf_kvbridge.distill(bridge, texts, tokenizer=tokenizer, **settings, epochs=2, lr=1e-4, pull=[0.0])
+    # the input bridge's mapper is θ₀, read during training and never written (the result is a copy)
+    assert all(torch.equal(a, b) for a, b in zip(before, bridge.mapper.parameters(), strict=True))
+    assert distilled.mapper is not bridge.mapper
     report = distilled.config.distillation
     assert report["heldout_kl"] < report["heldout_kl_closed_form"]
     # the figure is the saved map's own: recomputed from the distilled bridge on the held-out calibration windows

@@ -74,7 +74,8 @@ class PreconditionedMap(nn.Module):
     optimiser step moves every weight by about as much of the output.
 
     Args:
-        mapper ([`KVMapper`] or [`LowRankKVMapper`]): float32, its maps `θ₀`; `fold()` writes `θ₀ + Δ` back into it.
+        mapper ([`KVMapper`] or [`LowRankKVMapper`]): its maps `θ₀`, in any dtype (read in float32, a layer at a
+            time, never written: `distill` passes the bridge's own mapper); `fold(into)` writes `θ₀ + Δ` into a copy.
         rows (`dict[int, torch.Tensor]`): a batch of source rows (`source_rows`) for the scales.
     """
 
@@ -132,9 +133,11 @@ class PreconditionedMap(nn.Module):
         return delta, start or 1.0
 
     @torch.no_grad()
-    def fold(self) -> KVMapper:
-        """Writes `θ₀ + Δ` into the mapper's own weights and returns it (a plain mapper of the same shape)."""
-        for t, layer in enumerate(self.mapper.layers):
+    def fold(self, into: KVMapper | None = None) -> KVMapper:
+        """Writes `θ₀ + Δ` into the weights of `into` (a copy of the mapper that holds `θ₀`; by default the mapper
+        itself) and returns it (a plain mapper of the same shape); `Δ` is zero afterwards."""
+        mapper = self.mapper if into is None else into
+        for t, layer in enumerate(mapper.layers):
             *factors, bias = self.layer_deltas(t)
             in_scale, out_scale = self.in_scales[t], self.out_scales[t]
             if self.low_rank:
@@ -145,7 +148,7 @@ class PreconditionedMap(nn.Module):
             layer.bias.add_(bias * out_scale)
             for d in self.layer_deltas(t):
                 d.zero_()
-        return self.mapper
+        return mapper
 
 
 def differentiable_map_cache(

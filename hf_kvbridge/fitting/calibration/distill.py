@@ -53,24 +53,29 @@ def check_models_loaded(bridge) -> None:
             )
 
 
-MAP_STATE_COPIES = 6  # the float32 map θ₀, Δ, Δ's gradient, AdamW's two moments, the best Δ so far
+MAP_STATE_COPIES = 4  # on the map's device: Δ, Δ's gradient, AdamW's two moments (θ₀ is the bridge's own mapper)
 
 
-def map_state_bytes(mapper, pull_candidates: int = 1) -> int:
-    """Bytes of the map's training state, beside the models and the bridge's own mapper: `MAP_STATE_COPIES` float32
-    copies of the mapper's parameters, and one more with several pull strengths (the best earlier run's weights).
+def map_state_bytes(mapper) -> int:
+    """Bytes of the map's training state on the map's device, beside the models and the bridge's own mapper (which
+    is θ₀, read and never copied): `MAP_STATE_COPIES` float32 copies of the mapper's parameters.
 
     Example:
 
     ```python
     >>> from hf_kvbridge.mappers import KVMapper
     >>> mapper = KVMapper([[0, 1]], num_kv_heads=2, head_dim=4, head_mode="all_heads")  # 32 inputs, 16 outputs
-    >>> map_state_bytes(mapper)  # 6 × 4 bytes × (32·16 + 16)
-    12672
+    >>> map_state_bytes(mapper)  # 4 × 4 bytes × (32·16 + 16)
+    8448
     ```
     """
-    copies = MAP_STATE_COPIES + (1 if pull_candidates > 1 else 0)
-    return copies * 4 * sum(p.numel() for p in mapper.parameters())
+    return MAP_STATE_COPIES * 4 * sum(p.numel() for p in mapper.parameters())
+
+
+def best_state_bytes(mapper, pull_candidates: int = 1) -> int:
+    """Bytes of the weights kept in host (CPU) memory while training: the best Δ so far, and the best earlier run's
+    with several pull strengths; one float32 copy of the map each. On a GPU they leave its memory to the training."""
+    return (2 if pull_candidates > 1 else 1) * 4 * sum(p.numel() for p in mapper.parameters())
 
 
 def window_bytes(bridge, seq_len: int, continuation_len: int) -> int:
@@ -240,7 +245,9 @@ def distill(bridge, data: Any = DEFAULT_CALIBRATION_DATA, settings: Distillation
 
         bridge = KVBridgeForCausalLM.from_pretrained(bridge)
     check_models_loaded(bridge)
-    mapper = copy.deepcopy(bridge.mapper).float()  # trained in float32 whatever the bridge stores
+    # θ₀ is the bridge's own mapper, read (in float32, a layer at a time) and never written: no copy of the map is
+    # held for training; the result is a float32 copy with Δ folded in, made once the optimiser's state is gone
+    mapper = bridge.mapper
     check_linear(mapper)
     bridge.check_length(settings.seq_len)
     micro = _micro_batch(bridge, settings)  # refuses a budget that cannot hold one window, before any text is read
@@ -281,7 +288,7 @@ def distill(bridge, data: Any = DEFAULT_CALIBRATION_DATA, settings: Distillation
     with torch.no_grad():
         for i, p in enumerate(params):
             p.copy_(chosen["params"][i]) if chosen else p.zero_()
-    mapper = maps.fold()
+    mapper = maps.fold(into=copy.deepcopy(bridge.mapper).float())
     seconds = state["seconds"] + time.perf_counter() - started
     config = copy.deepcopy(bridge.config)
     config.distillation = {
@@ -328,9 +335,9 @@ def _train(bridge, maps, params, train, heldout, settings, micro, autocast, stat
     """Trains one run per pull strength (from θ₀ each), resuming `state`; returns the state with every run's best
     held-out KL and the weights of the best run only.
 
-    The map's training state is the float32 map `θ₀`, `Δ`, its gradient, AdamW's two moments and the best `Δ` so far:
-    six copies of the map's size (`map_state_bytes`); no other copy is held (a checkpoint is written from the live
-    tensors)."""
+    The map's training state on its device is `Δ`, its gradient and AdamW's two moments (`map_state_bytes`); the best
+    `Δ` so far (and the best earlier run's) is kept in host memory (`best_state_bytes`); `θ₀` is the bridge's own
+    mapper. No other copy is held (a checkpoint is written from the live tensors)."""
     from tqdm.auto import tqdm
 
     steps_per_epoch = math.ceil(len(train) / settings.batch_size)
@@ -376,8 +383,8 @@ def _train(bridge, maps, params, train, heldout, settings, micro, autocast, stat
             if state["step"] % eval_every == 0 or state["step"] == total:
                 kl = mean_kl(bridge, maps, heldout, settings.continuation_len, micro, autocast)
                 if kl < state["best_kl"]:
-                    if state["best_params"] is None:
-                        state["best_params"] = [p.detach().clone() for p in params]
+                    if state["best_params"] is None:  # in host memory: a GPU keeps its memory for the training
+                        state["best_params"] = [p.detach().to("cpu", copy=True) for p in params]
                     else:  # into the same buffers: never two best copies at once
                         for best, p in zip(state["best_params"], params):
                             best.copy_(p.detach())
