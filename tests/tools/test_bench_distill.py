@@ -55,9 +55,9 @@ def test_the_flop_model_counts_a_real_step(tiny_shapes, head_mode):
 
 def test_the_bench_measures_a_step_against_its_plan(tiny_shapes, tmp_path, capsys):
     """A measured run: every part of a step timed; the map's training state counted from the live tensors equals the
-    plan's (one pull strength, less the gradient); one window's forward and backward allocates, beside the gradient, no
-    more than the plan's window and at least 1/2.5 of it (0.56 here, 0.8 at Qwen3-0.6B → 1.7B); the projection
-    multiplies the step out."""
+    plan's (less the gradient), and so does the best Δ in host memory; one window's forward and backward allocates,
+    beside the gradient, no more than the plan's window and at least 1/2.5 of it (0.56 here, 0.8 at Qwen3-0.6B →
+    1.7B); the projection multiplies the step out."""
     out = tmp_path / "distill.json"
     argv = ["bench", "distill", "--pair", "tiny-s:tiny-t", "--seq-len", "96", "--continuation-len", "32",
             "--top-k", "2", "--steps", "2", "--windows", "20", "--epochs", "1", "--json", str(out)]  # fmt: skip
@@ -66,6 +66,7 @@ def test_the_bench_measures_a_step_against_its_plan(tiny_shapes, tmp_path, capsy
     assert all(result["seconds"][part] > 0 for part in bench.PARTS)
     memory = result["memory"]
     assert memory["map_state_held"] == memory["map_state_planned_without_gradient"]
+    assert memory["host_best_held"] == memory["host_best_planned"] > 0
     window = memory["window_peak_measured"] - memory["gradient"]  # the gradient's bytes are Δ's
     assert memory["plan"]["window"] / 2.5 <= window <= memory["plan"]["window"]  # an upper bound, not a loose one
     projection, counts = result["projection"], (18, 2)  # 20 windows, 10 % held out
@@ -77,14 +78,15 @@ def test_the_bench_measures_a_step_against_its_plan(tiny_shapes, tmp_path, capsy
 
 
 def test_the_plan_on_paper_needs_no_models(tiny_shapes):
-    """`--flop-model`: the mapper and models counted on the meta device; the map's training state is six float32
-    copies of the map (seven with several pull strengths), and the models' bytes follow their dtype."""
+    """`--flop-model`: the mapper and models counted on the meta device; the map's training state is four float32
+    copies of the map on the device, the best Δ one more in host memory (two with several pull strengths), and the
+    models' bytes follow their dtype."""
     w = bench.DistillWorkload("tiny-s:tiny-t", seq_len=24, continuation_len=8, top_k=2, dtype="bfloat16")
     report = bench.flop_model_report(w)
     plan = report["memory"]
-    assert plan["map_state"] == 7 * 4 * plan["map_parameters"]
+    assert plan["map_state"] == 4 * 4 * plan["map_parameters"] and plan["host_best"] == 2 * 4 * plan["map_parameters"]
     mapper, counts = bench._meta_parts(w)
-    assert plan["map_state"] == map_state_bytes(mapper, 2) and plan["models"] == 2 * sum(counts)
+    assert plan["map_state"] == map_state_bytes(mapper) and plan["models"] == 2 * sum(counts)
     built = [sum(p.numel() for p in shapes.random_model(n, torch.float32).parameters()) for n in ("tiny-s", "tiny-t")]
     assert plan["model_parameters"] == built
 

@@ -21,10 +21,12 @@ tokens of a window of `T = X + C`; `lm_head(n) = 2 · n · hidden · vocab`):
   except what the first layer's embedding inputs need no gradient for (its Q/K/V projections and its queries); and
   the map's weight gradient.
 
-**Memory** (`memory_plan`): the two models' weights, the bridge's own mapper, the map's training state
-(`distill.map_state_bytes`: six float32 copies of the map, seven with several pull strengths) and one window's
-activations (`distill.window_bytes_of`, the estimate `memory=` splits batches by). The measured mode checks the last
-two against the live tensors and the allocator's peak.
+**Memory** (`memory_plan`), on the models' device: the two models' weights, the bridge's own mapper (which is the
+map's θ₀, never copied), the map's training state (`distill.map_state_bytes`: Δ, its gradient and AdamW's two
+moments, four float32 copies of the map) and one window's activations (`distill.window_bytes_of`, the estimate
+`memory=` splits batches by); in host memory the best Δ so far, and the best earlier run's with several pull strengths
+(`distill.best_state_bytes`). On a CPU both are one memory. The measured mode checks the state and the window against
+the live tensors and the allocator's peak.
 
 **The whole distillation** is projected from a step: `epochs` passes over the training windows for each pull
 strength, `evals_per_epoch` held-out evaluations each (teacher, source, map and student forwards), and the baseline
@@ -35,7 +37,6 @@ window once for the selection and once per fit pass), the least a calibration co
 
 from __future__ import annotations
 
-import copy
 import resource
 import statistics
 import time
@@ -45,7 +46,13 @@ import torch
 
 from ...fitting.calibration.checks import split_heldout
 from ...fitting.calibration.differentiable import PreconditionedMap, source_rows
-from ...fitting.calibration.distill import MAP_STATE_COPIES, map_state_bytes, window_bytes_of, window_kl
+from ...fitting.calibration.distill import (
+    MAP_STATE_COPIES,
+    best_state_bytes,
+    map_state_bytes,
+    window_bytes_of,
+    window_kl,
+)
 from ...mappers import KVMapper
 from ...utils.key_norm import key_norm_gains, with_key_norm
 from ...utils.sizes import format_bytes
@@ -211,12 +218,14 @@ def memory_plan(w: DistillWorkload, mapper=None, model_parameters=None) -> dict:
     plan = {
         "models": size * sum(model_parameters),
         "bridge_mapper": size * map_parameters,
-        "map_state": map_state_bytes(mapper, w.pull_candidates),
+        "map_state": map_state_bytes(mapper),
+        "host_best": best_state_bytes(mapper, w.pull_candidates),
         "window": window_bytes_of(mapper, w.configs()[1], w.seq_len, w.continuation_len),
         "map_parameters": map_parameters,
         "model_parameters": list(model_parameters),
     }
-    plan["total"] = plan["models"] + plan["bridge_mapper"] + plan["map_state"] + plan["window"]
+    plan["device_total"] = plan["models"] + plan["bridge_mapper"] + plan["map_state"] + plan["window"]
+    plan["total"] = plan["device_total"] + plan["host_best"]
     return plan
 
 
@@ -269,10 +278,10 @@ def run(w: DistillWorkload, steps: int = 3, seed: int = 0) -> dict:
     context = w.seq_len - w.continuation_len
     windows = torch.randint(0, target.config.vocab_size, (steps + 1, w.seq_len),
                             generator=torch.Generator().manual_seed(seed))  # fmt: skip
-    mapper = copy.deepcopy(bridge.mapper).float()
+    mapper = bridge.mapper  # θ₀, as distill reads it
     maps = PreconditionedMap(mapper, source_rows(bridge, mapper, windows[:1, :context].to(device)))
     params = list(maps.deltas)
-    best = [p.detach().clone() for p in params]  # distill keeps the best Δ so far
+    best = [p.detach().to("cpu", copy=True) for p in params]  # distill keeps the best Δ so far, in host memory
     optimizer = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.0)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
     for p in params:
@@ -308,10 +317,11 @@ def run(w: DistillWorkload, steps: int = 3, seed: int = 0) -> dict:
     flops = step_flops(source.config, target.config, bridge.mapper.flops_per_token(), w.seq_len, w.continuation_len)
     rates = {p: flops[p] / seconds[p] for p in PARTS if p != "optimizer"}
     rates["forward"] = rates["teacher"]  # the target over whole windows: what a calibration's forwards run
-    # the map's training state as held now, counted from the live tensors: θ₀, Δ, the best Δ, AdamW's moments
+    # the map's training state as held now, counted from the live tensors: Δ and AdamW's moments on the device, the
+    # best Δ in host memory (θ₀ is the bridge's own mapper)
     moments = sum(t.numel() for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t) and t.dim())
-    held = 4 * (sum(p.numel() for p in mapper.parameters()) + sum(p.numel() for p in params)
-                + sum(b.numel() for b in best) + moments)  # fmt: skip
+    held = 4 * (sum(p.numel() for p in params) + moments)
+    held_host = 4 * sum(b.numel() for b in best if b.device.type == "cpu")
     plan = memory_plan(w, bridge.mapper, [sum(p.numel() for p in m.parameters()) for m in (source, target)])
     map_bytes = 4 * plan["map_parameters"]
     projection = project(w, flops, {**rates, "optimizer": 1.0})
@@ -328,8 +338,10 @@ def run(w: DistillWorkload, steps: int = 3, seed: int = 0) -> dict:
         "rates": rates,
         "memory": {
             "plan": plan,
-            "map_state_held": held,  # one run's map state less the gradient (counted in the window's peak)
-            "map_state_planned_without_gradient": map_state_bytes(bridge.mapper, 1) - map_bytes,
+            "map_state_held": held,  # the map state less the gradient (counted in the window's peak)
+            "map_state_planned_without_gradient": map_state_bytes(bridge.mapper) - map_bytes,
+            "host_best_held": held_host,
+            "host_best_planned": best_state_bytes(bridge.mapper, 1),
             "window_peak_measured": window_peak,  # a window's forward and backward, its gradient included
             "window_planned_with_gradient": plan["window"] + map_bytes,
             "gradient": map_bytes,
@@ -358,8 +370,10 @@ def format_report(result: dict) -> str:
         )  # fmt: skip
         lines.append(
             f"memory: models {format_bytes(plan['models'])}, the bridge's mapper {format_bytes(plan['bridge_mapper'])}"
-            f"; map training state held {format_bytes(memory['map_state_held'])} (planned for one pull strength, less "
-            f"the gradient: {format_bytes(memory['map_state_planned_without_gradient'])}); one window's step "
+            f"; map training state held {format_bytes(memory['map_state_held'])} (planned, less the gradient: "
+            f"{format_bytes(memory['map_state_planned_without_gradient'])}) and the best Δ in host memory "
+            f"{format_bytes(memory['host_best_held'])} (planned {format_bytes(memory['host_best_planned'])}); one "
+            "window's step "
             f"{format_bytes(memory['window_peak_measured'] or 0)} measured against "
             f"{format_bytes(memory['window_planned_with_gradient'])} planned (gradient included); peak "
             f"{'allocated' if 'cuda' in result['device'].lower() else 'RSS'} {format_bytes(memory['peak'])} against "
@@ -369,9 +383,10 @@ def format_report(result: dict) -> str:
         rates = result["rates"]
         lines.append(
             f"memory plan: models {format_bytes(plan['models'])}, the bridge's mapper "
-            f"{format_bytes(plan['bridge_mapper'])}, map training state ({MAP_STATE_COPIES}+ float32 copies) "
+            f"{format_bytes(plan['bridge_mapper'])}, map training state ({MAP_STATE_COPIES} float32 copies) "
             f"{format_bytes(plan['map_state'])}, one window {format_bytes(plan['window'])}: "
-            f"{format_bytes(plan['total'])}"
+            f"{format_bytes(plan['device_total'])} on the device; the best Δ in host memory "
+            f"{format_bytes(plan['host_best'])}"
         )
         lines.append(f"rates: {rates['name']} ({rates['source']})")
     p = result["projection"]
