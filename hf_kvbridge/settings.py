@@ -300,6 +300,11 @@ class DistillationSettings(_Settings):
             refused before any work. `None`: the whole batch at once.
         autocast (`str`, *optional*, defaults to `"auto"`): `"bfloat16"` runs the models' forwards under
             `torch.autocast(bfloat16)` (the mapper's weights stay float32), `"off"` never; `"auto"`: on CUDA only.
+        teacher_cache (`str` or `int`, *optional*, defaults to `"4GB"`): host memory for the teacher's last hidden
+            states over each window's continuation (`continuation_len × hidden_size` numbers a window): a window's
+            teacher runs the whole target the first time and the LM head alone after that, the same log-probabilities
+            (checked on a window first; half of a step's time at Qwen3-0.6B → 1.7B is the teacher). Windows beyond
+            the budget are recomputed; `0` or `None` turns it off.
         seed (`int`, *optional*, defaults to `0`): the held-out split and the window order.
         text_field (`str`, *optional*, defaults to `"text"`): the text column of JSON Lines files and datasets.
         checkpoint_dir (`str`, *optional*): checkpoint the optimiser and mapper state there at every evaluation and
@@ -333,6 +338,11 @@ class DistillationSettings(_Settings):
         None, help="memory one forward/backward may take, e.g. 2GB (batches are split to fit); default: no limit"
     )
     autocast: str = _option("auto", choices=AUTOCAST_CHOICES, help="bfloat16 autocast of the forwards (auto: CUDA)")
+    teacher_cache: int | str | None = _option(
+        "4GB",
+        help="host memory for the teacher's last hidden states, so each window's teacher runs the whole target once "
+        "(0: no cache)",
+    )
     seed: int = _option(0, help="seed of the held-out split and the window order")
     text_field: str = _option("text", help="JSON/dataset field holding the text")
     checkpoint_dir: str | os.PathLike | None = _option(
@@ -381,7 +391,9 @@ def _check_distillation_values(s: dict[str, Any]) -> None:
     if s["autocast"] not in AUTOCAST_CHOICES:
         raise ConfigurationError(f"autocast must be one of {AUTOCAST_CHOICES}, got {s['autocast']!r}")
     if s["memory"] is not None:
-        parse_bytes(s["memory"])
+        parse_bytes(s["memory"], "memory")
+    if s["teacher_cache"] not in (None, 0, "0"):
+        parse_bytes(s["teacher_cache"], "teacher_cache")
 
 
 def check_recompute_layers(n: Any, target_layers: int | None = None, calibrated: list[int] | None = None) -> int:

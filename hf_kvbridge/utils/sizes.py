@@ -11,8 +11,9 @@ _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "k
           "gib": 2**30, "tib": 2**40}  # fmt: skip
 
 
-def parse_bytes(value: int | float | str) -> int:
-    """`"16GB"` → 16·10⁹, `"16GiB"` → 16·2³⁰, `1e9` → 10⁹.
+def parse_bytes(value: int | float | str, name: str = "statistics_memory") -> int:
+    """`"16GB"` → 16·10⁹, `"16GiB"` → 16·2³⁰, `1e9` → 10⁹; a value that is none of these is refused, naming the
+    setting `name`.
 
     Example:
 
@@ -25,9 +26,7 @@ def parse_bytes(value: int | float | str) -> int:
         return int(value)
     match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kmgt]i?b|b)?\s*", str(value).lower())
     if not match or float(match.group(1)) <= 0:
-        raise ConfigurationError(
-            f"statistics_memory must be a size such as '16GB', '512MiB' or a byte count, got {value!r}"
-        )
+        raise ConfigurationError(f"{name} must be a size such as '16GB', '512MiB' or a byte count, got {value!r}")
     return int(float(match.group(1)) * _UNITS[match.group(2) or ""])
 
 
