@@ -150,6 +150,37 @@ def test_a_stopped_run_resumes_to_the_same_result(bridge, pocket_parts, tmp_path
         hf_kvbridge.distill(bridge, texts, tokenizer=tokenizer, checkpoint_dir=tmp_path, **{**settings, "lr": 1e-3})
 
 
+def test_the_teacher_cache_changes_the_cost_not_the_result(bridge, pocket_parts, monkeypatch):
+    """With the teacher's last hidden states cached, each window's teacher runs the whole target once (the training
+    windows, and the held-out ones at the baseline), then its LM head alone; the distilled map and its held-out KL
+    are the uncached run's. A target whose logits are not its LM head of those states is left uncached (checked on
+    a window first), and a budget too small for a window caches nothing: both still give the same result."""
+    tokenizer, *_, texts = pocket_parts
+    settings = {**TINY, "epochs": 2, "pull": [0.0, 1.0], "lr": 1e-4}
+    train, heldout = (len(ids) for ids in split_heldout(TINY["num_sequences"], 0.1, 0))
+    whole_target = []
+    real_states = distill_module._last_states
+    monkeypatch.setattr(
+        distill_module, "_last_states", lambda t, ids, c: whole_target.append(len(ids)) or real_states(t, ids, c)
+    )
+    uncached = hf_kvbridge.distill(bridge, texts, tokenizer=tokenizer, **settings, teacher_cache=0)
+    assert whole_target == []
+    cached = hf_kvbridge.distill(bridge, texts, tokenizer=tokenizer, **settings)
+    assert sum(whole_target) == 1 + train + heldout  # the check's window, then every window once
+    for a, b in zip(_weights(uncached.mapper), _weights(cached.mapper), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+    report, reference = cached.config.distillation, uncached.config.distillation
+    assert report["heldout_kl_by_pull"] == pytest.approx(reference["heldout_kl_by_pull"], rel=1e-5)
+    whole_target.clear()
+    tiny = hf_kvbridge.distill(bridge, texts, tokenizer=tokenizer, **settings, teacher_cache="1KB")
+    assert tiny.config.distillation["heldout_kl_by_pull"] == pytest.approx(reference["heldout_kl_by_pull"], rel=1e-5)
+    assert sum(whole_target) > 2 * (train + heldout)  # nothing was kept: every teacher ran the whole target
+    # logits that are not the LM head of the last states (a final soft-capping, say): the check turns the cache off
+    monkeypatch.setattr(distill_module, "_head", lambda t, states: 2 * t.get_output_embeddings()(states))
+    capped = hf_kvbridge.distill(bridge, texts, tokenizer=tokenizer, **settings)
+    assert capped.config.distillation["heldout_kl_by_pull"] == pytest.approx(reference["heldout_kl_by_pull"], rel=1e-5)
+
+
 def _count_forwards(monkeypatch, bridge) -> list:
     calls = []
     for model in (bridge.source, bridge.target):

@@ -104,7 +104,8 @@ def _micro_batch(bridge, settings: DistillationSettings) -> int:
     hold one window."""
     if settings.memory is None:
         return settings.batch_size
-    budget, need = parse_bytes(settings.memory), window_bytes(bridge, settings.seq_len, settings.continuation_len)
+    budget = parse_bytes(settings.memory, "memory")
+    need = window_bytes(bridge, settings.seq_len, settings.continuation_len)
     if budget < need:
         raise ConfigurationError(
             f"memory={format_bytes(budget)} cannot hold one window of {settings.seq_len} tokens (about "
@@ -133,21 +134,81 @@ def _timed(timings: dict | None, key: str, device: torch.device):
     timings[key] = timings.get(key, 0.0) + time.perf_counter() - start
 
 
+class TeacherCache:
+    """The teacher's last hidden states over each window's continuation, kept in host memory up to `budget` bytes,
+    so that a window's teacher costs a full forward of the target once and its LM head alone afterwards (every epoch
+    and pull strength trains on the same windows, and every evaluation scores the same held-out ones). The teacher is
+    frozen, so what it gives is the same either way; `check` compares the two ways on a window before the cache is
+    used (a model whose logits are more than its LM head of the last hidden state, a final soft-capping say, is left
+    uncached)."""
+
+    def __init__(self, budget: int):
+        self.budget, self.used, self.states, self.enabled = budget, 0, {}, budget > 0
+
+    def check(self, target, ids: torch.Tensor, continuation_len: int, autocast) -> bool:
+        """Whether the target's logits over the continuation of `ids` are its LM head of the cached states; turns
+        the cache off otherwise."""
+        if self.enabled:
+            with torch.no_grad(), autocast:
+                whole = target(input_ids=ids, logits_to_keep=continuation_len).logits.float()
+                head = _head(target, _last_states(target, ids, continuation_len)).float()
+            self.enabled = torch.allclose(whole, head, rtol=1e-4, atol=1e-4 * float(whole.abs().max()))
+            if not self.enabled:
+                logger.info("the target's logits are not its LM head of its last hidden states: no teacher cache")
+        return self.enabled
+
+    def log_probs(self, target, ids: torch.Tensor, keys: list | None, continuation_len: int, autocast):
+        """The teacher's log-probabilities `(B, C, V)` over the continuation of `ids` `(B, T)`, windows named by
+        `keys` (`None`: not cached)."""
+        with torch.no_grad():
+            if not self.enabled or keys is None:
+                with autocast:
+                    logits = target(input_ids=ids, logits_to_keep=continuation_len).logits  # (B, C, V)
+                return nn.functional.log_softmax(logits.float(), dim=-1)
+            if all(key in self.states for key in keys):
+                states = torch.stack([self.states[key] for key in keys]).to(ids.device)  # (B, C, hidden)
+            else:
+                with autocast:
+                    states = _last_states(target, ids, continuation_len)
+                for key, row in zip(keys, states):
+                    if key not in self.states and self.used + row.nbytes <= self.budget:
+                        self.states[key] = row.to("cpu", copy=True)
+                        self.used += row.nbytes
+            with autocast:
+                logits = _head(target, states)
+            return nn.functional.log_softmax(logits.float(), dim=-1)
+
+
+def _last_states(target, ids: torch.Tensor, continuation_len: int) -> torch.Tensor:
+    """The target's last hidden states (after its final norm) over the last `continuation_len` tokens of `ids`."""
+    return target.base_model(input_ids=ids, use_cache=False).last_hidden_state[:, -continuation_len:]
+
+
+def _head(target, states: torch.Tensor) -> torch.Tensor:
+    return target.get_output_embeddings()(states)
+
+
 def window_kl(
-    bridge, maps: PreconditionedMap, ids: torch.Tensor, continuation_len: int, autocast, timings: dict | None = None
+    bridge,
+    maps: PreconditionedMap,
+    ids: torch.Tensor,
+    continuation_len: int,
+    autocast,
+    timings: dict | None = None,
+    teacher: TeacherCache | None = None,
+    keys: list | None = None,
 ) -> torch.Tensor:
     """Summed KL(teacher ‖ student) over the continuation tokens of `ids` `(B, T)`: the teacher is the target on its
     own cache (no gradient), the student the target on `maps`' map of the source's prefill of the context.
-    `timings` (a benchmark's) gets the seconds of the parts: `teacher`, `source`, `map` and `student` (forwards)."""
+    `timings` (a benchmark's) gets the seconds of the parts: `teacher`, `source`, `map` and `student` (forwards);
+    `teacher` with `keys` (one per window) reads and fills a `TeacherCache`."""
     target = bridge.target
     device = target.device
     ids = ids.to(device)
     context, continuation = ids[:, :-continuation_len], ids[:, -continuation_len:]
     with torch.no_grad():
         with _timed(timings, "teacher", device):
-            with autocast:
-                teacher = target(input_ids=ids, logits_to_keep=continuation_len).logits  # (B, C, V)
-            teacher = nn.functional.log_softmax(teacher.float(), dim=-1)
+            teacher = (teacher or TeacherCache(0)).log_probs(target, ids, keys, continuation_len, autocast)
         with _timed(timings, "source", device):
             rows = source_rows(bridge, maps.mapper, context.to(bridge.source.device))
     with autocast:
@@ -159,19 +220,31 @@ def window_kl(
     return nn.functional.kl_div(student, teacher, log_target=True, reduction="sum")
 
 
-def mean_kl(bridge, maps, windows: torch.Tensor, continuation_len: int, micro: int, autocast) -> float:
-    """Mean KL per continuation token over `windows` `(N, T)` (no gradient)."""
+def mean_kl(
+    bridge,
+    maps,
+    windows: torch.Tensor,
+    continuation_len: int,
+    micro: int,
+    autocast,
+    teacher: TeacherCache | None = None,
+) -> float:
+    """Mean KL per continuation token over `windows` `(N, T)` (no gradient); `teacher` caches the teacher's states
+    under the keys `("heldout", i)`."""
     total = 0.0
     with torch.no_grad():
         for start in range(0, len(windows), micro):
-            total += float(window_kl(bridge, maps, windows[start : start + micro], continuation_len, autocast))
+            keys = [("heldout", i) for i in range(start, min(start + micro, len(windows)))]
+            part = windows[start : start + micro]
+            total += float(window_kl(bridge, maps, part, continuation_len, autocast, None, teacher, keys))
     return total / (len(windows) * continuation_len)
 
 
 def _fingerprint(settings: DistillationSettings, windows: torch.Tensor, params: list[torch.Tensor]) -> str:
     """What a checkpoint must match to be resumed: the settings that shape training, the windows, the start map."""
     digest = hashlib.sha256()
-    shaping = {k: v for k, v in vars(settings).items() if k not in ("progress", "checkpoint_dir", "memory")}
+    ignored = ("progress", "checkpoint_dir", "memory", "teacher_cache")  # change the memory or speed, not the result
+    shaping = {k: v for k, v in vars(settings).items() if k not in ignored}
     digest.update(repr(sorted(shaping.items())).encode())
     digest.update(windows.numpy().tobytes())
     for p in params:  # hashed through the buffer protocol: no bytes copy of a map of several GB
@@ -270,13 +343,16 @@ def distill(bridge, data: Any = DEFAULT_CALIBRATION_DATA, settings: Distillation
     first = train[: settings.batch_size, : settings.seq_len - settings.continuation_len]
     maps = PreconditionedMap(mapper, source_rows(bridge, mapper, first.to(bridge.source.device)))
     params = list(maps.deltas)  # Δ = 0: the closed form (no copy of it is kept: a run starts from zeros)
+    cache = settings.teacher_cache
+    teacher = TeacherCache(0 if cache in (None, 0, "0") else parse_bytes(cache, "teacher_cache"))
+    teacher.check(bridge.target, train[:1].to(bridge.target.device), settings.continuation_len, autocast)
     try:
         if state is None:
-            baseline = mean_kl(bridge, maps, heldout, settings.continuation_len, micro, autocast)
+            baseline = mean_kl(bridge, maps, heldout, settings.continuation_len, micro, autocast, teacher)
             state = {"fingerprint": fingerprint, "baseline_kl": baseline, "candidate": 0, "step": 0, "runs": [],
                      "seconds": 0.0}  # fmt: skip
             _save_state(folder, state)
-        data_parts = (train, heldout, settings, micro, autocast)
+        data_parts = (train, heldout, settings, micro, autocast, teacher)
         state = _train(bridge, maps, params, *data_parts, state, folder, started)
     finally:
         for p, flag in frozen:
@@ -331,7 +407,7 @@ def distill(bridge, data: Any = DEFAULT_CALIBRATION_DATA, settings: Distillation
     return bridge.with_mapper(mapper, config)
 
 
-def _train(bridge, maps, params, train, heldout, settings, micro, autocast, state, folder, started) -> dict:
+def _train(bridge, maps, params, train, heldout, settings, micro, autocast, teacher, state, folder, started) -> dict:
     """Trains one run per pull strength (from θ₀ each), resuming `state`; returns the state with every run's best
     held-out KL and the weights of the best run only.
 
@@ -368,11 +444,14 @@ def _train(bridge, maps, params, train, heldout, settings, micro, autocast, stat
             step = state["step"]
             epoch, offset = divmod(step, steps_per_epoch)
             order = torch.randperm(len(train), generator=torch.Generator().manual_seed(settings.seed + 1 + epoch))
-            batch = train[order[offset * settings.batch_size : (offset + 1) * settings.batch_size]]
+            picked = order[offset * settings.batch_size : (offset + 1) * settings.batch_size]
+            batch = train[picked]
             optimizer.zero_grad(set_to_none=True)
             tokens = len(batch) * settings.continuation_len
             for first in range(0, len(batch), micro):  # streamed micro-batches, gradients accumulated
-                kl = window_kl(bridge, maps, batch[first : first + micro], settings.continuation_len, autocast)
+                keys = [("train", int(i)) for i in picked[first : first + micro]]
+                kl = window_kl(bridge, maps, batch[first : first + micro], settings.continuation_len, autocast, None,
+                               teacher, keys)  # fmt: skip
                 (kl / tokens).backward()
             if pull > 0:
                 (pull * maps.squared_norms()[0] / norm).backward()
@@ -381,7 +460,7 @@ def _train(bridge, maps, params, train, heldout, settings, micro, autocast, stat
             state["step"] = step + 1
             bar.update(1)
             if state["step"] % eval_every == 0 or state["step"] == total:
-                kl = mean_kl(bridge, maps, heldout, settings.continuation_len, micro, autocast)
+                kl = mean_kl(bridge, maps, heldout, settings.continuation_len, micro, autocast, teacher)
                 if kl < state["best_kl"]:
                     if state["best_params"] is None:  # in host memory: a GPU keeps its memory for the training
                         state["best_params"] = [p.detach().to("cpu", copy=True) for p in params]
