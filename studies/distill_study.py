@@ -85,6 +85,7 @@ def main() -> None:
     parser.add_argument("--pull", default="0,1")
     parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--teacher-cache", default="4GB", help="DistillationSettings.teacher_cache (0: off)")
     parser.add_argument(
         "--hidden-state-layers",
         type=hidden_state_layers,
@@ -94,7 +95,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     kwargs = {"num_sequences": args.num_sequences, "epochs": args.epochs, "lr": args.lr,
-              "pull": [float(p) for p in args.pull.split(",")]}  # fmt: skip
+              "pull": [float(p) for p in args.pull.split(",")], "teacher_cache": args.teacher_cache}  # fmt: skip
     results = []
     for pair in args.pairs.split(","):
         source, target = pair.split(":")

@@ -72,7 +72,10 @@ def test_the_bench_measures_a_step_against_its_plan(tiny_shapes, tmp_path, capsy
     projection, counts = result["projection"], (18, 2)  # 20 windows, 10 % held out
     assert (projection["train_windows"], projection["heldout_windows"]) == counts
     assert projection["step_windows"] == 2 * 1 * 18 and projection["evaluation_windows"] == 2 * (1 + 2 * 1 * 4)
-    assert projection["distillation_seconds"] > projection["step_windows"] * projection["step_seconds"]
+    assert projection["distillation_seconds_uncached"] > projection["step_windows"] * projection["step_seconds"]
+    # every window cached: the teacher's whole forward once a window, its LM head after that
+    assert projection["teacher_cache_share"] == 1
+    assert projection["distillation_seconds"] < projection["distillation_seconds_uncached"]
     printed = capsys.readouterr().out
     assert "one window's step, TFLOP" in printed and "ratio" in printed
 
