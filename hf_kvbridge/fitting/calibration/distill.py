@@ -363,7 +363,10 @@ def distill(bridge, data: Any = DEFAULT_CALIBRATION_DATA, settings: Distillation
     chosen = best if best["best_kl"] < state["baseline_kl"] else None
     with torch.no_grad():
         for i, p in enumerate(params):
-            p.copy_(chosen["params"][i]) if chosen else p.zero_()
+            if chosen:
+                p.copy_(chosen["params"][i])
+            else:  # the closed form
+                p.zero_()
     mapper = maps.fold(into=copy.deepcopy(bridge.mapper).float())
     seconds = state["seconds"] + time.perf_counter() - started
     config = copy.deepcopy(bridge.config)
