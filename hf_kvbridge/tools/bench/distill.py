@@ -58,8 +58,8 @@ from ...mappers import KVMapper
 from ...utils.key_norm import key_norm_gains, with_key_norm
 from ...utils.sizes import format_bytes
 from .flop_model import H100_SXM, prefill_flops
-from .shapes import CHECKPOINT_SHAPES, random_mapper_bridge, random_model, shape_config, shape_pair
-from .timing import peak_extra_bytes
+from .shapes import CHECKPOINT_SHAPES, depth_selection, random_mapper_bridge, random_model, shape_config, shape_pair
+from .timing import peak_extra_bytes, synchronize
 
 PARTS = ("teacher", "source", "map", "student", "backward", "optimizer")
 
@@ -213,12 +213,8 @@ def _meta_parts(w: DistillWorkload):
     with torch.device("meta"):
         counts = [sum(p.numel() for p in Qwen3ForCausalLM(c).parameters()) for c in (source_config, target_config)]
     src, tgt = check_matched(source_config, target_config, "source", "target")
-    k = min(w.top_k, src.num_layers)
-    selected = [
-        sorted(range(src.num_layers), key=lambda s: abs(s + 0.5 - (t + 0.5) / tgt.num_layers * src.num_layers))[:k]
-        for t in range(tgt.num_layers)
-    ]
-    with torch.device("meta"):
+    selected = depth_selection(src.num_layers, tgt.num_layers, min(w.top_k, src.num_layers))
+    with torch.device("meta"):  # the selection random_mapper_bridge makes, so the plan is the measured map's
         mapper = KVMapper(selected, src.num_kv_heads, src.head_dim, w.head_mode)
     return mapper, counts
 
@@ -308,14 +304,12 @@ def run(w: DistillWorkload, steps: int = 3, seed: int = 0) -> dict:
         kl = window_kl(bridge, maps, windows[i : i + 1], w.continuation_len, autocast, timings)
         start = time.perf_counter()
         (kl / w.continuation_len).backward()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        synchronize(device)
         timings["backward"] = time.perf_counter() - start
         start = time.perf_counter()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        synchronize(device)
         timings["optimizer"] = time.perf_counter() - start
         per_step.append(timings)
     timed = per_step[1:] or per_step  # the first step warms up and allocates AdamW's moments

@@ -121,6 +121,23 @@ def random_bridge(
     return random_mapper_bridge(source, target, top_k=top_k, head_mode=head_mode, mapper_dtype=mapper_dtype, rank=rank)
 
 
+def depth_selection(source_layers: int, target_layers: int, k: int) -> list[list[int]]:
+    """For each target layer, the `k` source layers closest in relative depth (a random-weight bridge's selection).
+
+    Example:
+
+    ```python
+    >>> depth_selection(4, 2, 2)
+    [[0, 1], [2, 3]]
+    ```
+    """
+    selected = []
+    for t in range(target_layers):
+        depth = (t + 0.5) / target_layers * source_layers
+        selected.append(sorted(range(source_layers), key=lambda s: abs(s + 0.5 - depth))[:k])
+    return selected
+
+
 def random_mapper_bridge(
     source, target, *, top_k: int = 6, head_mode: str = "all_heads", mapper_dtype=None, rank: int | None = None
 ):
@@ -130,10 +147,7 @@ def random_mapper_bridge(
 
     src, tgt = check_matched(source.config, target.config, "source", "target")
     k = min(top_k, src.num_layers)
-    selected = []
-    for t in range(tgt.num_layers):
-        depth = (t + 0.5) / tgt.num_layers * src.num_layers
-        selected.append(sorted(range(src.num_layers), key=lambda s: abs(s + 0.5 - depth))[:k])
+    selected = depth_selection(src.num_layers, tgt.num_layers, k)
     with torch.device(execution_device(target)):  # the weights made where they map
         if rank is None:
             mapper = KVMapper(selected, src.num_kv_heads, src.head_dim, head_mode)
