@@ -364,6 +364,14 @@ class DistillationSettings(_Settings):
         """Raises `ConfigurationError` naming the first bad setting and what is allowed."""
         _check_distillation_values(self.values())
 
+    def teacher_cache_bytes(self) -> int:
+        """`teacher_cache` in bytes; 0 when it is off (`0`, `"0"` or `None`)."""
+        return _teacher_cache_bytes(self.teacher_cache)
+
+
+def _teacher_cache_bytes(value: Any) -> int:
+    return 0 if value in (None, 0, "0") else parse_bytes(value, "teacher_cache")
+
 
 def _check_distillation_values(s: dict[str, Any]) -> None:
     """The per-value checks of `DistillationSettings` (standard library only)."""
@@ -392,8 +400,7 @@ def _check_distillation_values(s: dict[str, Any]) -> None:
         raise ConfigurationError(f"autocast must be one of {AUTOCAST_CHOICES}, got {s['autocast']!r}")
     if s["memory"] is not None:
         parse_bytes(s["memory"], "memory")
-    if s["teacher_cache"] not in (None, 0, "0"):
-        parse_bytes(s["teacher_cache"], "teacher_cache")
+    _teacher_cache_bytes(s["teacher_cache"])
 
 
 def check_recompute_layers(n: Any, target_layers: int | None = None, calibrated: list[int] | None = None) -> int:

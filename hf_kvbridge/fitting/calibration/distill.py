@@ -343,8 +343,7 @@ def distill(bridge, data: Any = DEFAULT_CALIBRATION_DATA, settings: Distillation
     first = train[: settings.batch_size, : settings.seq_len - settings.continuation_len]
     maps = PreconditionedMap(mapper, source_rows(bridge, mapper, first.to(bridge.source.device)))
     params = list(maps.deltas)  # Δ = 0: the closed form (no copy of it is kept: a run starts from zeros)
-    cache = settings.teacher_cache
-    teacher = TeacherCache(0 if cache in (None, 0, "0") else parse_bytes(cache, "teacher_cache"))
+    teacher = TeacherCache(settings.teacher_cache_bytes())
     teacher.check(bridge.target, train[:1].to(bridge.target.device), settings.continuation_len, autocast)
     try:
         if state is None:
