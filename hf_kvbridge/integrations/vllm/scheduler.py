@@ -74,6 +74,9 @@ class BridgeScheduler:
         self._outcomes: dict[str, dict[str, Any]] = {}  # req_id → what the worker did
         self._sent: dict[str, dict[str, Any]] = {}  # req_id → the load sent to the worker (its outcome until known)
         self._earlier: dict[str, list[str]] = {}  # req_id → the statuses of its loads before a preemption
+        # req_id → where vLLM's prefix cache ended when it resumed after a preemption with nothing loaded again (the
+        # target computed the rest over those blocks: its status is `target`, its load an earlier one)
+        self._resumed: dict[str, int] = {}
         self._refused: dict[str, str] = {}  # req_id → why its flag was refused (served unbridged)
         self._unsupported: dict[str, str] = {}  # req_id → why it cannot be bridged nor exported (LoRA, embeds)
         self._lookups: dict[str, Any] = {}  # req_id → what the store holds of its prompt (one lookup per request)
@@ -191,13 +194,23 @@ class BridgeScheduler:
         if end <= num_computed_tokens:  # nothing to map (short prompt, or all of it is in the prefix cache)
             reason = "nothing to map beyond the prefix cache" if end > 0 else "nothing to map"  # a short prompt
             self._reasons[request.request_id] = (reason, num_computed_tokens)
+            self._note_resume(request.request_id, num_computed_tokens)
             return 0, False
         claim = self.claim(request, num_computed_tokens, end)
         if claim is None:  # the target computes from where the prefix cache ends: status "target" with that `start`
             self._reasons.setdefault(request.request_id, (None, num_computed_tokens))  # kept: `claim`'s own reason
+            self._note_resume(request.request_id, num_computed_tokens)
             return 0, False
+        self._resumed.pop(request.request_id, None)  # loaded again: `earlier_loads` says what came before
         self._claims[request.request_id] = claim
         return claim.end - num_computed_tokens, False
+
+    def _note_resume(self, req_id: str, start: int) -> None:
+        """A request offered again after a load was sent for it was preempted and is resuming; when nothing is
+        loaded this time, the target computes its tokens from `start` over the prefix cache's blocks (its own, or
+        what other requests of its cache salt computed there): its status cannot stay the earlier load's."""
+        if req_id in self._sent:
+            self._resumed[req_id] = start
 
     def claim(self, request: Request, start: int, end: int) -> _Claim | None:
         """What the connector maps of `request`'s tokens `[start, end)` (after the prefix cache's `start` tokens):
@@ -377,7 +390,9 @@ class BridgeScheduler:
         (the worker reads it from these blocks, then reports the request in `finished_sending`). A request that vLLM
         preempted after a load and loaded again on resuming has the status of its last load, and `earlier_loads`, the
         statuses of the loads before (its tokens until the preemption came from those caches: a `fallback`, the
-        target's own)."""
+        target's own). One that resumed with nothing loaded again (the prefix cache held its prompt) has status
+        `target` with that `start` and its load in `earlier_loads`: the target computed its tokens from there, over
+        blocks that may be its own map or what other requests of its cache salt left."""
         req_id = request.request_id
         self._claims.pop(req_id, None)
         self._salts.pop(req_id, None)
@@ -392,6 +407,7 @@ class BridgeScheduler:
         unsupported = self._unsupported.pop(req_id, None)
         mapper = self._mapper.pop(req_id, None)
         earlier = self._earlier.pop(req_id, None)
+        resumed = self._resumed.pop(req_id, None)
         delay = False
         if refused is not None:
             status = {"status": "refused", "mapped_tokens": 0, "reason": refused}
@@ -403,6 +419,9 @@ class BridgeScheduler:
         elif not wanted:
             status = None
         else:
+            if resumed is not None and outcome is not None:  # preempted after its load, resumed with none
+                earlier = [*(earlier or []), outcome["status"]]
+                outcome = None
             if outcome is None:
                 reason = reason or (
                     "nothing to map" if self.store is None else "the KV store holds too little of the prompt"

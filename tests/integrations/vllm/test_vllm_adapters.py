@@ -304,6 +304,52 @@ def test_a_request_loaded_again_after_a_preemption_says_what_its_earlier_loads_w
     assert once["status"] == "mapped" and "earlier_loads" not in once
 
 
+def test_a_request_resumed_on_the_prefix_cache_after_a_preemption_is_not_labelled_mapped():
+    """vLLM's own `Request` through the scheduler: a request mapped, then preempted; on resuming, vLLM's prefix cache
+    holds its prompt (its own blocks, or those another request of its cache salt left, perhaps the target's own after
+    a fallback), so nothing is loaded again and the target computes the rest over those blocks. Its status is then
+    `target` from that `start`, with its load in `earlier_loads`, never the earlier load's `mapped` alone. Offered
+    again after a preemption with nothing in the prefix cache, it is loaded again and keeps `mapped`."""
+    pytest.importorskip("vllm")
+    from types import SimpleNamespace
+
+    from vllm import SamplingParams
+    from vllm.v1.request import Request
+
+    from hf_kvbridge import KVBridgeConfig
+    from hf_kvbridge.integrations.vllm import BridgeScheduler, bridged
+
+    _, count = _counter()
+    scheduler = BridgeScheduler(KVBridgeConfig(), hold_back=1, requests_mode="opt_in", salt_tag="base", count=count)
+    params = SamplingParams(max_tokens=4, extra_args=bridged())
+    requests = {name: Request(name, list(range(100)), params, None) for name in ("cached", "evicted")}
+    for request in requests.values():
+        request.kv_transfer_params = params.extra_args["kv_transfer_params"]
+        scheduler.on_new_request(request)
+    blocks = ([0, 1, 2, 3],)
+    for request in requests.values():
+        scheduler.update_state_after_alloc(request, scheduler.get_num_new_matched_tokens(request, 0)[0])
+    new = [SimpleNamespace(req_id=name, block_ids=blocks) for name in requests]
+    none_cached = SimpleNamespace(req_ids=[], resumed_req_ids=set(), new_block_ids=[])
+    output = SimpleNamespace(num_scheduled_tokens=dict.fromkeys(requests, 1), scheduled_new_reqs=new,
+                             scheduled_cached_reqs=none_cached)  # fmt: skip
+    assert len(scheduler.build_connector_meta(output).loads) == 2  # both mapped [0, 99)
+    # both preempted; "cached" resumes with its prompt's blocks in the prefix cache (96 tokens: 6 blocks of 16)
+    assert scheduler.get_num_new_matched_tokens(requests["cached"], 96) == (3, False)  # [96, 99) mapped again
+    assert scheduler.get_num_new_matched_tokens(requests["cached"], 99) == (0, False)  # asked again: all cached
+    assert scheduler.get_num_new_matched_tokens(requests["evicted"], 99) == (0, False)  # the first answer ...
+    claimed, _ = scheduler.get_num_new_matched_tokens(requests["evicted"], 0)  # ... and the one that holds
+    scheduler.update_state_after_alloc(requests["evicted"], claimed)
+    resumed = SimpleNamespace(req_ids=["evicted"], resumed_req_ids={"evicted"}, new_block_ids=[blocks])
+    output = SimpleNamespace(num_scheduled_tokens={"evicted": 1}, scheduled_new_reqs=[], scheduled_cached_reqs=resumed)
+    assert len(scheduler.build_connector_meta(output).loads) == 1
+    cached = scheduler.request_finished(requests["cached"], [])[1]["kvbridge"]
+    evicted = scheduler.request_finished(requests["evicted"], [])[1]["kvbridge"]
+    assert cached == {"status": "target", "mapped_tokens": 0, "reason": "nothing to map beyond the prefix cache",
+                      "start": 99, "earlier_loads": ["mapped"]}  # fmt: skip
+    assert evicted["status"] == "mapped" and evicted["start"] == 0 and evicted["earlier_loads"] == ["mapped"]
+
+
 def test_worker_maps_a_load_with_its_adapters_mapper():
     pytest.importorskip("vllm")
     from hf_kvbridge.integrations.vllm import BridgeLoad, BridgeWorker

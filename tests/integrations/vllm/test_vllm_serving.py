@@ -738,12 +738,21 @@ def _mixed_cache(burst, i, outcome) -> str | None:
       cache kept, block by block, is vLLM's. Measured on 2026-12-06: a 110-token prompt served exactly the target's
       own K/V of [0, 96) and its map of [96, 109) (start 96, 13 tokens mapped); in CI on 2026-12-06 a 230-token
       prompt, of which the store held 16 tokens once a master was lost, was served `target` from start 224 and gave
-      the tokens of the request that had mapped those 16 and left the rest to the target, not the full map's."""
+      the tokens of the request that had mapped those 16 and left the rest to the target, not the full map's;
+    - it was preempted after its load and resumed on prefix-cache blocks with nothing loaded again (status `target`,
+      `earlier_loads`), where another request of the prompt left blocks to the target, or a warm prompt (its earlier
+      load's path is not kept). Stop 58's CI saw a 230-token prompt labelled `mapped` (start 0, no reload) leave its
+      map's tokens at the 23rd, in a burst with 5 preemptions: such a resume was labelled `mapped` until then."""
     if any(status != "mapped" for status in outcome.get("earlier_loads", ())):
         return f"loaded again after a preemption (earlier: {outcome['earlier_loads']})"
+    others = [why for other, why in burst["target_computed"].get(i, ()) if other is not outcome]
+    if outcome["status"] == "target" and outcome.get("earlier_loads") and (others or i in WARM):
+        # preempted after its load and resumed on the prefix cache's blocks, nothing loaded again: its own map, or
+        # what another request of the prompt left (a warm prompt's earlier load may itself have been a store hit of
+        # what was left once masters were lost; `earlier_loads` keeps the status, not the path)
+        return f"resumed after a preemption over prefix-cache blocks [0, {outcome['start']}) (others: {others})"
     if outcome["status"] == "fallback" and outcome["start"] > 0:
         return f"the target's recompute over prefix-cache blocks [0, {outcome['start']}) of the bridged salt"
-    others = [why for other, why in burst["target_computed"].get(i, ()) if other is not outcome]
     if others and (outcome.get("start", 0) > 0 or outcome["status"] == "target"):
         return f"prefix-cache blocks [0, {outcome.get('start')}) of a prompt another request of which {others[0]}"
     return None
@@ -756,6 +765,9 @@ def _through(burst, i, outcome) -> Reply:
     if outcome["status"] == "fallback":
         assert outcome["start"] == 0, outcome  # after a prefix-cache hit it is no single path's: `_mixed_cache`
         return burst["reference"][(i, None)]
+    if outcome["status"] == "target" and outcome.get("earlier_loads"):  # resumed on its own map's blocks (cold path)
+        assert i not in WARM and outcome["earlier_loads"] == ["mapped"], outcome
+        return burst["reference"][(i, True)]
     if outcome["status"] == "target":  # its own earlier blocks (mapped from the store) hold all the store has
         assert i in WARM and outcome["reason"] == "nothing to map beyond the prefix cache", outcome
         assert outcome["start"] >= burst["left"][i], outcome  # the store's part is in the prefix cache
