@@ -266,6 +266,7 @@ def _check_values(s: dict[str, Any]) -> None:
 
 
 AUTOCAST_CHOICES = ("auto", "bfloat16", "off")
+SELECT_BY_CHOICES = ("kl", "nll")
 
 
 @dataclass
@@ -292,9 +293,15 @@ class DistillationSettings(_Settings):
             either pocket pair and 1e-4 did; without it 3e-4 kept more (`docs/distillation.md`).
         pull (`float` or `list[float]`, *optional*, defaults to `[0.0, 1.0]`): strength of the L2 pull towards the
             closed-form weights, relative to their squared norm (`pull · ‖θ − θ₀‖² / ‖θ₀‖²` is added to the loss);
-            several values are each trained and the one with the lowest held-out KL is kept.
+            several values are each trained and the one with the best held-out score (`select_by`) is kept.
+        nll_weight (`float`, *optional*, defaults to `0.0`): weight of the student's NLL of the window's own next
+            tokens (the hard labels of distillation; what retention scores), added to the KL per token. `0`: the KL
+            alone.
+        select_by (`str`, *optional*, defaults to `"kl"`): the held-out score that stops a run and picks the map
+            (and the pull's strength): `"kl"`, the KL to the target, or `"nll"`, the student's NLL of the text.
         evals_per_epoch (`int`, *optional*, defaults to `4`): held-out evaluations (and checkpoints) per epoch.
-        patience (`int`, *optional*, defaults to `2`): evaluations without a better held-out KL before a run stops.
+        patience (`int`, *optional*, defaults to `2`): evaluations without a better held-out score before a run
+            stops.
         memory (`str` or `int`, *optional*): bytes one forward/backward pass may take (`"2GB"`); a batch that does
             not fit is split into micro-batches (gradients accumulated); a budget that cannot hold one window is
             refused before any work. `None`: the whole batch at once.
@@ -332,8 +339,14 @@ class DistillationSettings(_Settings):
         "on held-out windows kept)",
         default_factory=lambda: [0.0, 1.0],
     )
+    nll_weight: float = _option(
+        0.0, help="weight of the student's NLL of the text's own next tokens, added to the KL (0: the KL alone)"
+    )
+    select_by: str = _option(
+        "kl", choices=SELECT_BY_CHOICES, help="the held-out score that stops a run and picks the map: kl or nll"
+    )
     evals_per_epoch: int = _option(4, help="held-out evaluations (and checkpoints) per epoch")
-    patience: int = _option(2, help="evaluations without a better held-out KL before a run stops")
+    patience: int = _option(2, help="evaluations without a better held-out score before a run stops")
     memory: int | str | None = _option(
         None, help="memory one forward/backward may take, e.g. 2GB (batches are split to fit); default: no limit"
     )
@@ -398,6 +411,16 @@ def _check_distillation_values(s: dict[str, Any]) -> None:
         raise ConfigurationError(f"pull must be a number ≥ 0 or a non-empty list of them, got {s['pull']!r}")
     if s["autocast"] not in AUTOCAST_CHOICES:
         raise ConfigurationError(f"autocast must be one of {AUTOCAST_CHOICES}, got {s['autocast']!r}")
+    weight = s["nll_weight"]
+    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight >= 0:
+        raise ConfigurationError(f"nll_weight must be a number ≥ 0, got {weight!r}")
+    if s["select_by"] not in SELECT_BY_CHOICES:
+        raise ConfigurationError(f"select_by must be one of {SELECT_BY_CHOICES}, got {s['select_by']!r}")
+    if (weight > 0 or s["select_by"] == "nll") and s["continuation_len"] < 2:
+        raise ConfigurationError(
+            "continuation_len must be at least 2 with nll_weight > 0 or select_by='nll': the NLL scores each "
+            "continuation token's next token within the window"
+        )
     if s["memory"] is not None:
         parse_bytes(s["memory"], "memory")
     _teacher_cache_bytes(s["teacher_cache"])

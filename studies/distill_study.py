@@ -86,6 +86,8 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--teacher-cache", default="4GB", help="DistillationSettings.teacher_cache (0: off)")
+    parser.add_argument("--nll-weight", type=float, default=0.0, help="DistillationSettings.nll_weight")
+    parser.add_argument("--select-by", default="kl", help="DistillationSettings.select_by (kl or nll)")
     parser.add_argument(
         "--hidden-state-layers",
         type=hidden_state_layers,
@@ -95,7 +97,8 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     kwargs = {"num_sequences": args.num_sequences, "epochs": args.epochs, "lr": args.lr,
-              "pull": [float(p) for p in args.pull.split(",")], "teacher_cache": args.teacher_cache}  # fmt: skip
+              "pull": [float(p) for p in args.pull.split(",")], "teacher_cache": args.teacher_cache,
+              "nll_weight": args.nll_weight, "select_by": args.select_by}  # fmt: skip
     results = []
     for pair in args.pairs.split(","):
         source, target = pair.split(":")

@@ -70,7 +70,9 @@ def distill(args: argparse.Namespace) -> int:
     report = distilled.config.distillation
     print(
         f"saved distilled bridge to {out} ({report['seconds']:.1f}s): held-out KL per token "
-        f"{report['heldout_kl_closed_form']:.4f} (closed form) → {report['heldout_kl']:.4f} (pull {report['pull']})"
+        f"{report['heldout_kl_closed_form']:.4f} (closed form) → {report['heldout_kl']:.4f}, NLL "
+        f"{report['heldout_nll_closed_form']:.4f} → {report['heldout_nll']:.4f} (pull {report['pull']}, chosen by "
+        f"the held-out {report['select_by'].upper()})"
     )
     return 0
 

@@ -18,7 +18,7 @@ from hf_kvbridge.errors import CalibrationDataError, CheckpointFileError, Config
 from hf_kvbridge.fitting.calibration import distill as distill_module
 from hf_kvbridge.fitting.calibration.checks import split_heldout
 from hf_kvbridge.fitting.calibration.differentiable import PreconditionedMap, differentiable_map_cache, source_rows
-from hf_kvbridge.fitting.calibration.distill import mean_kl
+from hf_kvbridge.fitting.calibration.distill import heldout_scores
 from hf_kvbridge.fitting.data import token_windows
 from hf_kvbridge.tools.evaluation import heldout_windows
 from hf_kvbridge.utils.cache import output_cache
@@ -105,9 +105,36 @@ def test_distillation_lowers_kl_on_held_out_windows(bridge, pocket_parts):
 
 
 def _kl(bridge, windows) -> float:
+    return _scores(bridge, windows)["kl"]
+
+
+def _scores(bridge, windows, continuation_len: int = 32) -> dict[str, float]:
     mapper = copy.deepcopy(bridge.mapper).float()
-    maps = PreconditionedMap(mapper, source_rows(bridge, mapper, windows[:, :64]))
-    return mean_kl(bridge, maps, windows, 32, 8, torch.autocast("cpu", enabled=False))
+    context = windows.shape[1] - continuation_len
+    maps = PreconditionedMap(mapper, source_rows(bridge, mapper, windows[:, :context]))
+    return heldout_scores(bridge, maps, windows, continuation_len, 8, torch.autocast("cpu", enabled=False))
+
+
+def test_the_texts_own_next_tokens_train_and_choose_the_map(bridge, pocket_parts):
+    """`nll_weight` adds the student's NLL of the window's own next tokens to the KL, and `select_by="nll"` stops
+    and picks by the held-out NLL: it falls, and the reported figures are the saved map's own."""
+    tokenizer, *_, texts = pocket_parts
+    settings = {**TINY, "continuation_len": 32, "heldout_fraction": 0.25, "evals_per_epoch": 1}
+    distilled = hf_kvbridge.distill(bridge, texts, tokenizer=tokenizer, **settings, epochs=2, lr=1e-4, pull=[0.0],
+                                    nll_weight=1.0, select_by="nll")  # fmt: skip
+    report = distilled.config.distillation
+    assert report["select_by"] == "nll" and report["nll_weight"] == 1.0 and "NLL" in report["objective"]
+    assert report["heldout_nll"] < report["heldout_nll_closed_form"]
+    heldout = token_windows(texts, tokenizer, 24, 96)[split_heldout(24, 0.25, 0)[1]]
+    assert _scores(distilled, heldout)["nll"] == pytest.approx(report["heldout_nll"], rel=1e-4)
+    assert _scores(bridge, heldout)["nll"] == pytest.approx(report["heldout_nll_closed_form"], rel=1e-4)
+    assert "NLL" in distilled.config.calibration["distillation"]  # the card's line says what trained it
+    # the same run on the KL alone, chosen by the same held-out NLL, gives another map: the weight trains
+    kl_only = hf_kvbridge.distill(bridge, texts, tokenizer=tokenizer, **settings, epochs=2, lr=1e-4, pull=[0.0],
+                                  select_by="nll")  # fmt: skip
+    assert kl_only.config.distillation["best_step"] > 0
+    moved = [(a - b).abs().max() for a, b in zip(_weights(distilled.mapper), _weights(kl_only.mapper), strict=True)]
+    assert max(moved) > 1e-4
 
 
 def test_identity_pair_stays_the_identity(pocket_parts):
@@ -120,6 +147,12 @@ def test_identity_pair_stays_the_identity(pocket_parts):
         bridged = distilled(ids, prefill_length=65).logits[:, 64:]
     torch.testing.assert_close(bridged, target, atol=2e-3, rtol=1e-3)
     assert distilled.config.distillation["heldout_kl"] < 1e-4
+    # the student's NLL is the target's own of the text's next tokens within each window's continuation
+    windows = token_windows(texts, tokenizer, 4, 96)
+    with torch.no_grad():
+        logits = small(input_ids=windows).logits[:, 64:-1]  # (B, 31, V): positions 64..94 predict tokens 65..95
+    own = torch.nn.functional.cross_entropy(logits.flatten(0, 1), windows[:, 65:].flatten())
+    assert _scores(identity, windows)["nll"] == pytest.approx(float(own), rel=1e-4)
 
 
 def test_a_stopped_run_resumes_to_the_same_result(bridge, pocket_parts, tmp_path, monkeypatch):
@@ -128,7 +161,7 @@ def test_a_stopped_run_resumes_to_the_same_result(bridge, pocket_parts, tmp_path
                 "epochs": 1, "pull": [0.0, 1.0], "lr": 1e-4}  # fmt: skip
     whole = hf_kvbridge.distill(bridge, texts, tokenizer=tokenizer, **settings)
     evaluations = []
-    real = distill_module.mean_kl
+    real = distill_module.heldout_scores
 
     def stop_on_the_third(*args):
         evaluations.append(1)
@@ -136,11 +169,11 @@ def test_a_stopped_run_resumes_to_the_same_result(bridge, pocket_parts, tmp_path
             raise KeyboardInterrupt
         return real(*args)
 
-    monkeypatch.setattr(distill_module, "mean_kl", stop_on_the_third)
+    monkeypatch.setattr(distill_module, "heldout_scores", stop_on_the_third)
     with pytest.raises(KeyboardInterrupt):
         hf_kvbridge.distill(bridge, texts, tokenizer=tokenizer, checkpoint_dir=tmp_path, **settings)
     assert (tmp_path / distill_module.STATE_NAME).is_file()  # the stopped run kept its last checkpoint
-    monkeypatch.setattr(distill_module, "mean_kl", real)
+    monkeypatch.setattr(distill_module, "heldout_scores", real)
     resumed = hf_kvbridge.distill(bridge, texts, tokenizer=tokenizer, checkpoint_dir=tmp_path, **settings)
     for a, b in zip(_weights(whole.mapper), _weights(resumed.mapper)):
         torch.testing.assert_close(a, b)
@@ -197,6 +230,13 @@ def test_bad_input_is_refused_before_any_work(bridge, pocket_parts, monkeypatch)
         hf_kvbridge.distill(bridge, ["text " * 500], tokenizer=tokenizer, **TINY, memory="1KB")
     with pytest.raises(ConfigurationError, match="continuation_len"):
         hf_kvbridge.distill(bridge, ["text " * 500], tokenizer=tokenizer, **{**TINY, "continuation_len": 96})
+    with pytest.raises(ConfigurationError, match="continuation_len must be at least 2"):
+        hf_kvbridge.distill(bridge, ["text " * 500], tokenizer=tokenizer, **{**TINY, "continuation_len": 1},
+                            select_by="nll")  # fmt: skip
+    with pytest.raises(ConfigurationError, match="nll_weight"):
+        hf_kvbridge.distill(bridge, ["text " * 500], tokenizer=tokenizer, **TINY, nll_weight=-1.0)
+    with pytest.raises(ConfigurationError, match="select_by"):
+        hf_kvbridge.distill(bridge, ["text " * 500], tokenizer=tokenizer, **TINY, select_by="loss")
     with pytest.raises(ConfigurationError, match="fields of DistillationSettings"):
         hf_kvbridge.distill(bridge, ["text " * 500], tokenizer=tokenizer, top_k=3)
 

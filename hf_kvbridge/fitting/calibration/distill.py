@@ -3,11 +3,13 @@
 The closed-form fit minimises the K/V reconstruction error; what a bridge is scored on is the target's continuation
 loss. `distill` starts from the closed-form weights and trains them by gradient descent on
 
-    KL(target on its own cache ‖ target on the mapped cache)  +  pull · ‖θ − θ₀‖² / ‖θ₀‖²
+    KL(target on its own cache ‖ target on the mapped cache)  +  nll_weight · NLL(student, the text's next tokens)
+                                                               +  pull · ‖θ − θ₀‖² / ‖θ₀‖²
 
 over the continuation tokens of calibration windows (teacher-forced; both models frozen, the teacher under
-`no_grad`), with AdamW and a cosine schedule. Held-out calibration windows choose when to stop (the best held-out KL
-is kept, and a run stops after `patience` evaluations without a better one) and which pull strength wins; the
+`no_grad`), with AdamW and a cosine schedule. Held-out calibration windows choose when to stop (the best held-out
+score, KL or the student's NLL by `select_by`, is kept, and a run stops after `patience` evaluations without a better
+one) and which pull strength wins; the
 closed-form map itself is the first candidate, so the result is never worse than it on those windows. The map keeps
 its shape (same weights, same runtime cost); the result is a normal bridge checkpoint whose config (and card) records
 the distillation (`config.distillation`).
@@ -198,8 +200,24 @@ def window_kl(
     teacher: TeacherCache | None = None,
     keys: list | None = None,
 ) -> torch.Tensor:
-    """Summed KL(teacher ‖ student) over the continuation tokens of `ids` `(B, T)`: the teacher is the target on its
-    own cache (no gradient), the student the target on `maps`' map of the source's prefill of the context.
+    """Summed KL(teacher ‖ student) over the continuation tokens of `ids` `(B, T)` (`window_losses`' first)."""
+    return window_losses(bridge, maps, ids, continuation_len, autocast, timings, teacher, keys)[0]
+
+
+def window_losses(
+    bridge,
+    maps: PreconditionedMap,
+    ids: torch.Tensor,
+    continuation_len: int,
+    autocast,
+    timings: dict | None = None,
+    teacher: TeacherCache | None = None,
+    keys: list | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(KL, NLL)`, each summed over the windows `ids` `(B, T)`: KL(teacher ‖ student) over the `C` continuation
+    tokens, where the teacher is the target on its own cache (no gradient) and the student the target on `maps`' map
+    of the source's prefill of the context; and the student's NLL of the text's own next tokens over the `C − 1`
+    continuation tokens that have one in the window (what retention scores). One student forward gives both.
     `timings` (a benchmark's) gets the seconds of the parts: `teacher`, `source`, `map` and `student` (forwards);
     `teacher` with `keys` (one per window) reads and fills a `TeacherCache`."""
     target = bridge.target
@@ -216,11 +234,13 @@ def window_kl(
             cache = differentiable_map_cache(bridge, maps, context, rows)
         with _timed(timings, "student", device):
             student = target(input_ids=continuation, **cache_kwargs(cache)).logits  # (B, C, V)
-    student = nn.functional.log_softmax(student.float(), dim=-1)
-    return nn.functional.kl_div(student, teacher, log_target=True, reduction="sum")
+    student = nn.functional.log_softmax(student.float(), dim=-1)  # (B, C, V)
+    kl = nn.functional.kl_div(student, teacher, log_target=True, reduction="sum")
+    nll = nn.functional.nll_loss(student[:, :-1].flatten(0, 1), continuation[:, 1:].flatten(), reduction="sum")
+    return kl, nll
 
 
-def mean_kl(
+def heldout_scores(
     bridge,
     maps,
     windows: torch.Tensor,
@@ -228,16 +248,17 @@ def mean_kl(
     micro: int,
     autocast,
     teacher: TeacherCache | None = None,
-) -> float:
-    """Mean KL per continuation token over `windows` `(N, T)` (no gradient); `teacher` caches the teacher's states
-    under the keys `("heldout", i)`."""
-    total = 0.0
+) -> dict[str, float]:
+    """`{"kl": mean KL per continuation token, "nll": the student's mean NLL per scored token}` over `windows`
+    `(N, T)` (no gradient; `window_losses`); `teacher` caches the teacher's states under the keys `("heldout", i)`."""
+    kl = nll = 0.0
     with torch.no_grad():
         for start in range(0, len(windows), micro):
             keys = [("heldout", i) for i in range(start, min(start + micro, len(windows)))]
             part = windows[start : start + micro]
-            total += float(window_kl(bridge, maps, part, continuation_len, autocast, None, teacher, keys))
-    return total / (len(windows) * continuation_len)
+            losses = window_losses(bridge, maps, part, continuation_len, autocast, None, teacher, keys)
+            kl, nll = kl + float(losses[0]), nll + float(losses[1])
+    return {"kl": kl / (len(windows) * continuation_len), "nll": nll / (len(windows) * (continuation_len - 1))}
 
 
 def _fingerprint(settings: DistillationSettings, windows: torch.Tensor, params: list[torch.Tensor]) -> str:
@@ -301,7 +322,8 @@ def distill(bridge, data: Any = DEFAULT_CALIBRATION_DATA, settings: Distillation
 
     Returns:
         A new [`KVBridgeForCausalLM`] over the same models with the trained map (same shape and cost; `bridge` is left
-        unchanged); `config.distillation` records the settings, the held-out KL before and after, and the time.
+        unchanged); `config.distillation` records the settings, the held-out KL and NLL before and after, and the
+        time.
 
     Example:
 
@@ -347,8 +369,8 @@ def distill(bridge, data: Any = DEFAULT_CALIBRATION_DATA, settings: Distillation
     teacher.check(bridge.target, train[:1].to(bridge.target.device), settings.continuation_len, autocast)
     try:
         if state is None:
-            baseline = mean_kl(bridge, maps, heldout, settings.continuation_len, micro, autocast, teacher)
-            state = {"fingerprint": fingerprint, "baseline_kl": baseline, "candidate": 0, "step": 0, "runs": [],
+            baseline = heldout_scores(bridge, maps, heldout, settings.continuation_len, micro, autocast, teacher)
+            state = {"fingerprint": fingerprint, "baseline": baseline, "candidate": 0, "step": 0, "runs": [],
                      "seconds": 0.0}  # fmt: skip
             _save_state(folder, state)
         data_parts = (train, heldout, settings, micro, autocast, teacher)
@@ -358,8 +380,10 @@ def distill(bridge, data: Any = DEFAULT_CALIBRATION_DATA, settings: Distillation
             p.requires_grad_(flag)
         for p in params:
             p.requires_grad_(False)
-    best = min(state["runs"], key=lambda run: run["best_kl"])
-    chosen = best if best["best_kl"] < state["baseline_kl"] else None
+    by = settings.select_by
+    best = min(state["runs"], key=lambda run: run["best"][by])
+    chosen = best if best["best"][by] < state["baseline"][by] else None
+    scores = chosen["best"] if chosen else state["baseline"]
     with torch.no_grad():
         for i, p in enumerate(params):
             if chosen:
@@ -369,8 +393,11 @@ def distill(bridge, data: Any = DEFAULT_CALIBRATION_DATA, settings: Distillation
     mapper = maps.fold(into=copy.deepcopy(bridge.mapper).float())
     seconds = state["seconds"] + time.perf_counter() - started
     config = copy.deepcopy(bridge.config)
+    objective = "KL(target on its own cache || target on the mapped cache), continuation tokens"
+    if settings.nll_weight > 0:
+        objective += f" + {settings.nll_weight:g} x the student's NLL of the text's next tokens"
     config.distillation = {
-        "objective": "KL(target on its own cache || target on the mapped cache), continuation tokens",
+        "objective": objective,
         "data": describe_data(data),
         "windows": len(train_ids),
         "heldout_windows": len(heldout_ids),
@@ -380,38 +407,46 @@ def distill(bridge, data: Any = DEFAULT_CALIBRATION_DATA, settings: Distillation
         "batch_size": settings.batch_size,
         "lr": settings.lr,
         "pull_candidates": list(settings.pull),
+        "nll_weight": settings.nll_weight,
+        "select_by": by,
         "pull": chosen["pull"] if chosen else None,
         "best_step": chosen["best_step"] if chosen else 0,
-        "heldout_kl_closed_form": round(state["baseline_kl"], 6),
-        "heldout_kl": round(chosen["best_kl"] if chosen else state["baseline_kl"], 6),
-        "heldout_kl_by_pull": {str(run["pull"]): round(run["best_kl"], 6) for run in state["runs"]},
+        "heldout_kl_closed_form": round(state["baseline"]["kl"], 6),
+        "heldout_kl": round(scores["kl"], 6),
+        "heldout_nll_closed_form": round(state["baseline"]["nll"], 6),
+        "heldout_nll": round(scores["nll"], 6),
+        "heldout_kl_by_pull": {str(run["pull"]): round(run["best"]["kl"], 6) for run in state["runs"]},
+        "heldout_nll_by_pull": {str(run["pull"]): round(run["best"]["nll"], 6) for run in state["runs"]},
         "autocast": settings.autocast,
         "seconds": round(seconds, 2),
         "seed": settings.seed,
     }
     summary = config.distillation
+    nll_part = f" + {settings.nll_weight:g} × the text's NLL" if settings.nll_weight > 0 else ""
     # one line in the card's calibration table (the card renders `config.calibration`); the details: `distillation`
     config.calibration = {
         **(config.calibration or {}),
         "distillation": (
-            f"map trained on the target's next-token KL over {summary['windows']} windows of {settings.seq_len} "
-            f"tokens ({settings.continuation_len} scored), AdamW lr {settings.lr}, pull {summary['pull']} chosen "
-            f"from {summary['pull_candidates']} on {summary['heldout_windows']} held-out windows; held-out KL per "
-            f"token {summary['heldout_kl_closed_form']:.4f} (closed form) → {summary['heldout_kl']:.4f}, "
-            f"{summary['seconds']:.0f}s; details: config.json `distillation`"
+            f"map trained on the target's next-token KL{nll_part} over {summary['windows']} windows of "
+            f"{settings.seq_len} tokens ({settings.continuation_len} scored), AdamW lr {settings.lr}, pull "
+            f"{summary['pull']} chosen from {summary['pull_candidates']} by the held-out {by.upper()} on "
+            f"{summary['heldout_windows']} held-out windows; held-out KL per token "
+            f"{summary['heldout_kl_closed_form']:.4f} (closed form) → {summary['heldout_kl']:.4f}, NLL "
+            f"{summary['heldout_nll_closed_form']:.4f} → {summary['heldout_nll']:.4f}, {summary['seconds']:.0f}s; "
+            "details: config.json `distillation`"
         ),
     }
     logger.info(
-        "distilled %s → %s in %.1fs: held-out KL %.4f → %.4f",
-        config.source_name_or_path, config.target_name_or_path, seconds, state["baseline_kl"],
-        config.distillation["heldout_kl"],
+        "distilled %s → %s in %.1fs: held-out KL %.4f → %.4f, NLL %.4f → %.4f",
+        config.source_name_or_path, config.target_name_or_path, seconds, state["baseline"]["kl"], scores["kl"],
+        state["baseline"]["nll"], scores["nll"],
     )  # fmt: skip
     return bridge.with_mapper(mapper, config)
 
 
 def _train(bridge, maps, params, train, heldout, settings, micro, autocast, teacher, state, folder, started) -> dict:
     """Trains one run per pull strength (from θ₀ each), resuming `state`; returns the state with every run's best
-    held-out KL and the weights of the best run only.
+    held-out scores and the weights of the best run only.
 
     The map's training state on its device is `Δ`, its gradient and AdamW's two moments (`map_state_bytes`); the best
     `Δ` so far (and the best earlier run's) is kept in host memory (`best_state_bytes`); `θ₀` is the bridge's own
@@ -432,7 +467,7 @@ def _train(bridge, maps, params, train, heldout, settings, micro, autocast, teac
             with torch.no_grad():
                 for p in params:
                     p.zero_()
-            state.update(best_kl=state["baseline_kl"], best_params=None, best_step=0, bad=0)
+            state.update(best=state["baseline"], best_params=None, best_step=0, bad=0)
         else:  # resumed mid-run
             with torch.no_grad():
                 for p, value in zip(params, state["params"]):
@@ -449,12 +484,16 @@ def _train(bridge, maps, params, train, heldout, settings, micro, autocast, teac
             picked = order[offset * settings.batch_size : (offset + 1) * settings.batch_size]
             batch = train[picked]
             optimizer.zero_grad(set_to_none=True)
-            tokens = len(batch) * settings.continuation_len
+            tokens = len(batch) * settings.continuation_len  # KL's; the NLL's: one fewer a window
+            scored = len(batch) * (settings.continuation_len - 1)
             for first in range(0, len(batch), micro):  # streamed micro-batches, gradients accumulated
                 keys = [("train", int(i)) for i in picked[first : first + micro]]
-                kl = window_kl(bridge, maps, batch[first : first + micro], settings.continuation_len, autocast, None,
-                               teacher, keys)  # fmt: skip
-                (kl / tokens).backward()
+                kl, nll = window_losses(bridge, maps, batch[first : first + micro], settings.continuation_len,
+                                        autocast, None, teacher, keys)  # fmt: skip
+                loss = kl / tokens
+                if settings.nll_weight > 0:
+                    loss = loss + settings.nll_weight * nll / max(1, scored)
+                loss.backward()
             if pull > 0:
                 (pull * maps.squared_norms()[0] / norm).backward()
             optimizer.step()
@@ -462,32 +501,34 @@ def _train(bridge, maps, params, train, heldout, settings, micro, autocast, teac
             state["step"] = step + 1
             bar.update(1)
             if state["step"] % eval_every == 0 or state["step"] == total:
-                kl = mean_kl(bridge, maps, heldout, settings.continuation_len, micro, autocast, teacher)
-                if kl < state["best_kl"]:
+                scores = heldout_scores(bridge, maps, heldout, settings.continuation_len, micro, autocast, teacher)
+                score = scores[settings.select_by]
+                if score < state["best"][settings.select_by]:
                     if state["best_params"] is None:  # in host memory: a GPU keeps its memory for the training
                         state["best_params"] = [p.detach().to("cpu", copy=True) for p in params]
                     else:  # into the same buffers: never two best copies at once
                         for best, p in zip(state["best_params"], params):
                             best.copy_(p.detach())
-                    state.update(best_kl=kl, best_step=state["step"], bad=0)
+                    state.update(best=scores, best_step=state["step"], bad=0)
                 else:
                     state["bad"] += 1
                     stopped = settings.patience > 0 and state["bad"] >= settings.patience
-                bar.set_postfix(pull=pull, heldout_kl=f"{kl:.4f}", best=f"{state['best_kl']:.4f}")
+                best = state["best"][settings.select_by]
+                bar.set_postfix({"pull": pull, f"heldout_{settings.select_by}": f"{score:.4f}", "best": f"{best:.4f}"})
                 if folder is not None:  # the live tensors: torch.save writes their values now, resuming reads the file
                     state.update(params=[p.detach() for p in params], optimizer=optimizer.state_dict(),
                                  schedule=schedule.state_dict())  # fmt: skip
                     _save_state(folder, {**state, "seconds": state["seconds"] + time.perf_counter() - started})
-        if state["best_params"] is not None and all(state["best_kl"] < run["best_kl"] for run in state["runs"]):
+        by = settings.select_by
+        if state["best_params"] is not None and all(state["best"][by] < run["best"][by] for run in state["runs"]):
             for run in state["runs"]:  # only the best run's weights are kept
                 run["params"] = None
         else:  # the closed form, or a run no better than an earlier one: its weights are not needed
             state["best_params"] = None
         state["runs"].append(
-            {"pull": pull, "best_kl": state["best_kl"], "best_step": state["best_step"],
-             "params": state["best_params"]}
+            {"pull": pull, "best": state["best"], "best_step": state["best_step"], "params": state["best_params"]}
         )  # fmt: skip
-        logger.info("pull %g: best held-out KL %.4f at step %d", pull, state["best_kl"], state["best_step"])
+        logger.info("pull %g: best held-out %s %.4f at step %d", pull, by, state["best"][by], state["best_step"])
         state.update(candidate=candidate + 1, step=0)
         for key in ("params", "optimizer", "schedule"):
             state.pop(key, None)
