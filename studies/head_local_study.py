@@ -72,7 +72,15 @@ def measure_pair(source: str, target: str, args) -> dict:
     for name in ("all_heads", "same_head_weighted") if args.distill_epochs else ():
         started = time.perf_counter()  # each map distilled alike, so distilled can be paired with distilled
         bridges[f"{name}_distilled"] = hf_kvbridge.distill(
-            bridges[name], texts, tokenizer=tokenizer, num_sequences=304, epochs=args.distill_epochs, pull=[0.0]
+            bridges[name],
+            texts,
+            tokenizer=tokenizer,
+            num_sequences=304,
+            epochs=args.distill_epochs,
+            pull=[0.0],
+            lr=args.distill_lr,
+            nll_weight=args.nll_weight,
+            select_by=args.select_by,
         )
         seconds[f"{name}_distilled"] = round(time.perf_counter() - started, 1)
         print(f"  {source} → {target} {name}: distilled in {seconds[f'{name}_distilled']} s", flush=True)
@@ -108,6 +116,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     measurement_arguments(parser, out="head_local.json")
     parser.add_argument("--distill-epochs", type=int, default=0)
+    parser.add_argument("--distill-lr", type=float, default=1e-4, help="DistillationSettings.lr")
+    parser.add_argument("--nll-weight", type=float, default=0.0, help="DistillationSettings.nll_weight")
+    parser.add_argument("--select-by", default="kl", help="DistillationSettings.select_by (kl or nll)")
     args = parser.parse_args()
     run_pairs(args, measure_pair, _lines)
 
