@@ -24,6 +24,7 @@ from transformers import AutoTokenizer
 
 import hf_kvbridge
 from hf_kvbridge import pocket
+from hf_kvbridge.fitting.data import iter_texts
 from hf_kvbridge.tools.defaults import DEMO_SETTINGS, DEMO_SIZES
 from hf_kvbridge.tools.evaluation import heldout_windows, window_nll
 from hf_kvbridge.tools.fidelity import next_token_kl, paired_bootstrap, retention_of
@@ -31,7 +32,13 @@ from studies.recompute_study import hidden_state_layers
 
 
 def measure_pair(
-    source: str, target: str, head_mode: str, distill_kwargs: dict, hidden_states=None, mapper_type: str = "ridge"
+    source: str,
+    target: str,
+    head_mode: str,
+    distill_kwargs: dict,
+    hidden_states=None,
+    mapper_type: str = "ridge",
+    other_text: str | None = None,
 ) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(pocket.model_path(target))
     small, large = pocket.load_model(source), pocket.load_model(target)
@@ -50,12 +57,23 @@ def measure_pair(
     windows = heldout_windows(
         pocket.load_texts("heldout"), tokenizer, context + continuation, DEMO_SIZES["nll_windows"][0]
     )
-    nll = {mode: window_nll(bridge, windows, context, mode) for mode in ("target", "no_context", "bridge")}
-    nll["distilled"] = window_nll(distilled, windows, context, "bridge")
-    kl = {
-        "closed_form": next_token_kl(bridge, windows, context),
-        "distilled": next_token_kl(distilled, windows, context),
-    }
+    nll, kl = _scores(bridge, distilled, windows, context)
+    other = {}
+    if other_text:  # text of another kind than the calibration's: does what distillation learnt carry over?
+        texts_other = [text for path in other_text.split(",") for text in iter_texts(path)]
+        windows_other = heldout_windows(texts_other, tokenizer, context + continuation, DEMO_SIZES["nll_windows"][0])
+        nll_other, kl_other = _scores(bridge, distilled, windows_other, context)
+        other = {"other_text": {
+            "data": other_text,
+            "windows": int(len(windows_other)),
+            "retention_closed_form": paired_bootstrap(nll_other, retention_of("bridge")),
+            "retention_distilled": paired_bootstrap(nll_other, retention_of("distilled")),
+            "retention_gain": paired_bootstrap(
+                nll_other, lambda s: retention_of("distilled")(s) - retention_of("bridge")(s)
+            ),
+            "kl_closed_form": paired_bootstrap(kl_other, lambda s: float(s["closed_form"].mean())),
+            "kl_distilled": paired_bootstrap(kl_other, lambda s: float(s["distilled"].mean())),
+        }}  # fmt: skip
     return {
         "pair": f"{source} → {target}",
         "head_mode": head_mode,
@@ -71,7 +89,19 @@ def measure_pair(
         "time_ratio": round(distill_s / calibration_s, 2),
         "distillation": distilled.config.distillation,
         "per_window_nll": {mode: values.tolist() for mode, values in nll.items()},
+        **other,
     }
+
+
+def _scores(bridge, distilled, windows, context: int) -> tuple[dict, dict]:
+    """Per-window NLL (target, no context, closed form, distilled) and next-token KL (closed form, distilled)."""
+    nll = {mode: window_nll(bridge, windows, context, mode) for mode in ("target", "no_context", "bridge")}
+    nll["distilled"] = window_nll(distilled, windows, context, "bridge")
+    kl = {
+        "closed_form": next_token_kl(bridge, windows, context),
+        "distilled": next_token_kl(distilled, windows, context),
+    }
+    return nll, kl
 
 
 def main() -> None:
@@ -89,6 +119,10 @@ def main() -> None:
     parser.add_argument("--nll-weight", type=float, default=0.0, help="DistillationSettings.nll_weight")
     parser.add_argument("--select-by", default="kl", help="DistillationSettings.select_by (kl or nll)")
     parser.add_argument(
+        "--other-text",
+        help="also evaluate on text of another kind (comma-separated files of any name, or folders of .txt/.jsonl)",
+    )
+    parser.add_argument(
         "--hidden-state-layers",
         type=hidden_state_layers,
         help="the source's hidden states as extra features (comma-separated entries, or 'all')",
@@ -103,7 +137,9 @@ def main() -> None:
     for pair in args.pairs.split(","):
         source, target = pair.split(":")
         results.append(
-            measure_pair(source, target, args.head_mode, kwargs, args.hidden_state_layers, args.mapper_type)
+            measure_pair(
+                source, target, args.head_mode, kwargs, args.hidden_state_layers, args.mapper_type, args.other_text
+            )
         )
         r = results[-1]
         print(
@@ -112,6 +148,15 @@ def main() -> None:
             f"{r['retention_distilled']['high']:.3f}], time ratio {r['time_ratio']}",
             flush=True,
         )
+        if "other_text" in r:
+            o = r["other_text"]
+            print(
+                f"  on {o['data']} ({o['windows']} windows): retention {o['retention_closed_form']['value']:.3f} → "
+                f"{o['retention_distilled']['value']:.3f}, gain {o['retention_gain']['value']:+.3f} "
+                f"[{o['retention_gain']['low']:+.3f}, {o['retention_gain']['high']:+.3f}], next-token KL "
+                f"{o['kl_closed_form']['value']:.4f} → {o['kl_distilled']['value']:.4f}",
+                flush=True,
+            )
         Path(args.out).write_text(json.dumps({"settings": kwargs, "results": results}, indent=2))
 
 
