@@ -296,7 +296,8 @@ class DistillationSettings(_Settings):
             several values are each trained and the one with the best held-out score (`select_by`) is kept.
         nll_weight (`float`, *optional*, defaults to `0.0`): weight of the student's NLL of the window's own next
             tokens (the hard labels of distillation; what retention scores), added to the KL per token. `0`: the KL
-            alone.
+            alone. With it the map moves away from the target (its KL to the target rises) while its NLL of text
+            like the calibration's falls (`docs/distillation.md`).
         select_by (`str`, *optional*, defaults to `"kl"`): the held-out score that stops a run and picks the map
             (and the pull's strength): `"kl"`, the KL to the target, or `"nll"`, the student's NLL of the text.
         evals_per_epoch (`int`, *optional*, defaults to `4`): held-out evaluations (and checkpoints) per epoch.
