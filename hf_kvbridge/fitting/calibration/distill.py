@@ -513,8 +513,8 @@ def _train(bridge, maps, params, train, heldout, settings, micro, autocast, teac
                 else:
                     state["bad"] += 1
                     stopped = settings.patience > 0 and state["bad"] >= settings.patience
-                so_far = state["best"][settings.select_by]
-                bar.set_postfix({"pull": pull, f"heldout_{settings.select_by}": f"{score:.4f}", "best": f"{so_far:.4f}"})
+                by = settings.select_by
+                bar.set_postfix({"pull": pull, f"heldout_{by}": f"{score:.4f}", "best": f"{state['best'][by]:.4f}"})
                 if folder is not None:  # the live tensors: torch.save writes their values now, resuming reads the file
                     state.update(params=[p.detach() for p in params], optimizer=optimizer.state_dict(),
                                  schedule=schedule.state_dict())  # fmt: skip
