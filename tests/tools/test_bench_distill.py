@@ -9,7 +9,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from hf_kvbridge.fitting.calibration.differentiable import PreconditionedMap, source_rows
-from hf_kvbridge.fitting.calibration.distill import map_state_bytes, window_kl
+from hf_kvbridge.fitting.calibration.distill import map_state_bytes, window_losses
 from hf_kvbridge.tools.bench import distill as bench
 from hf_kvbridge.tools.bench import shapes
 from kvbridge_cli import main
@@ -28,8 +28,8 @@ def tiny_shapes(monkeypatch):
 @pytest.mark.parametrize("head_mode", ["all_heads", "same_head"])
 def test_the_flop_model_counts_a_real_step(tiny_shapes, head_mode):
     """`step_flops` against `FlopCounterMode` over one real window: the teacher, source, map and student forwards
-    (`window_kl`) and the backward into the map's weights, each within 2 % (the frozen target's backward computes its
-    inputs' gradients only, never its weights': a model that counted those would be 2× off)."""
+    (`window_losses`) and the backward into the map's weights, each within 2 % (the frozen target's backward computes
+    its inputs' gradients only, never its weights': a model that counted those would be 2× off)."""
     torch.manual_seed(0)
     source = shapes.random_model("tiny-s", torch.float32)
     target = shapes.random_model("tiny-t", torch.float32)
@@ -44,7 +44,7 @@ def test_the_flop_model_counts_a_real_step(tiny_shapes, head_mode):
         p.requires_grad_(True)
     autocast = torch.autocast("cpu", enabled=False)
     with FlopCounterMode(display=False) as forward_count:
-        kl = window_kl(bridge, maps, ids, continuation, autocast)
+        kl = window_losses(bridge, maps, ids, continuation, autocast)[0]
     with FlopCounterMode(display=False) as backward_count:
         kl.backward()
     model = bench.step_flops(source.config, target.config, bridge.mapper.flops_per_token(), seq_len, continuation)

@@ -190,20 +190,6 @@ def _head(target, states: torch.Tensor) -> torch.Tensor:
     return target.get_output_embeddings()(states)
 
 
-def window_kl(
-    bridge,
-    maps: PreconditionedMap,
-    ids: torch.Tensor,
-    continuation_len: int,
-    autocast,
-    timings: dict | None = None,
-    teacher: TeacherCache | None = None,
-    keys: list | None = None,
-) -> torch.Tensor:
-    """Summed KL(teacher ‖ student) over the continuation tokens of `ids` `(B, T)` (`window_losses`' first)."""
-    return window_losses(bridge, maps, ids, continuation_len, autocast, timings, teacher, keys)[0]
-
-
 def window_losses(
     bridge,
     maps: PreconditionedMap,

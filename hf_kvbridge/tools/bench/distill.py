@@ -52,7 +52,7 @@ from ...fitting.calibration.distill import (
     best_state_bytes,
     map_state_bytes,
     window_bytes_of,
-    window_kl,
+    window_losses,
 )
 from ...mappers import KVMapper
 from ...utils.key_norm import key_norm_gains, with_key_norm
@@ -301,7 +301,7 @@ def run(w: DistillWorkload, steps: int = 3, seed: int = 0) -> dict:
     per_step: list[dict] = []
     for i in range(steps):
         timings: dict = {}
-        kl = window_kl(bridge, maps, windows[i : i + 1], w.continuation_len, autocast, timings)
+        kl = window_losses(bridge, maps, windows[i : i + 1], w.continuation_len, autocast, timings)[0]
         start = time.perf_counter()
         (kl / w.continuation_len).backward()
         synchronize(device)
@@ -316,7 +316,7 @@ def run(w: DistillWorkload, steps: int = 3, seed: int = 0) -> dict:
     seconds = {p: statistics.median(t[p] for t in timed) for p in PARTS}
 
     def one_window():  # a window's forward and backward, the gradient it allocates included
-        kl = window_kl(bridge, maps, windows[-1:], w.continuation_len, autocast)
+        kl = window_losses(bridge, maps, windows[-1:], w.continuation_len, autocast)[0]
         (kl / w.continuation_len).backward()
         optimizer.zero_grad(set_to_none=True)
 

@@ -256,14 +256,8 @@ def test_scheduler_bridges_a_lora_request_with_its_adapters_mapper():
     assert counts["requests_adapter_mapper"] == 1 and counts["requests_unsupported"] == 1
 
 
-def test_a_request_loaded_again_after_a_preemption_says_what_its_earlier_loads_were():
-    """vLLM's own `Request` through the scheduler: a load that falls back (the target recomputes the prompt), a
-    preemption, and a load again on resuming (mapped): the status is the last load's, with `earlier_loads:
-    ["fallback"]` (the tokens before the preemption came from the target's own cache); a request loaded once has
-    none."""
-    pytest.importorskip("vllm")
-    from types import SimpleNamespace
-
+def _bridged_requests(*names: str):
+    """A `BridgeScheduler` (no store) and vLLM's own `Request`s of 100 prompt tokens, opted in and seen by it."""
     from vllm import SamplingParams
     from vllm.v1.request import Request
 
@@ -273,10 +267,22 @@ def test_a_request_loaded_again_after_a_preemption_says_what_its_earlier_loads_w
     _, count = _counter()
     scheduler = BridgeScheduler(KVBridgeConfig(), hold_back=1, requests_mode="opt_in", salt_tag="base", count=count)
     params = SamplingParams(max_tokens=4, extra_args=bridged())
-    requests = {name: Request(name, list(range(100)), params, None) for name in ("twice", "once")}
+    requests = {name: Request(name, list(range(100)), params, None) for name in names}
     for request in requests.values():
         request.kv_transfer_params = params.extra_args["kv_transfer_params"]
         scheduler.on_new_request(request)
+    return scheduler, requests
+
+
+def test_a_request_loaded_again_after_a_preemption_says_what_its_earlier_loads_were():
+    """vLLM's own `Request` through the scheduler: a load that falls back (the target recomputes the prompt), a
+    preemption, and a load again on resuming (mapped): the status is the last load's, with `earlier_loads:
+    ["fallback"]` (the tokens before the preemption came from the target's own cache); a request loaded once has
+    none."""
+    pytest.importorskip("vllm")
+    from types import SimpleNamespace
+
+    scheduler, requests = _bridged_requests("twice", "once")
 
     def load(names, resumed=False):
         for name in names:
@@ -313,19 +319,7 @@ def test_a_request_resumed_on_the_prefix_cache_after_a_preemption_is_not_labelle
     pytest.importorskip("vllm")
     from types import SimpleNamespace
 
-    from vllm import SamplingParams
-    from vllm.v1.request import Request
-
-    from hf_kvbridge import KVBridgeConfig
-    from hf_kvbridge.integrations.vllm import BridgeScheduler, bridged
-
-    _, count = _counter()
-    scheduler = BridgeScheduler(KVBridgeConfig(), hold_back=1, requests_mode="opt_in", salt_tag="base", count=count)
-    params = SamplingParams(max_tokens=4, extra_args=bridged())
-    requests = {name: Request(name, list(range(100)), params, None) for name in ("cached", "evicted")}
-    for request in requests.values():
-        request.kv_transfer_params = params.extra_args["kv_transfer_params"]
-        scheduler.on_new_request(request)
+    scheduler, requests = _bridged_requests("cached", "evicted")
     blocks = ([0, 1, 2, 3],)
     for request in requests.values():
         scheduler.update_state_after_alloc(request, scheduler.get_num_new_matched_tokens(request, 0)[0])
