@@ -137,6 +137,17 @@ def test_the_texts_own_next_tokens_train_and_choose_the_map(bridge, pocket_parts
     assert max(moved) > 1e-4
 
 
+def test_a_single_scored_token_distils_on_the_kl(bridge, pocket_parts):
+    """`continuation_len=1` scores one token a window: the KL trains, and the NLL (no next token within the window)
+    is reported as 0 rather than a division by zero."""
+    tokenizer, *_, texts = pocket_parts
+    distilled = hf_kvbridge.distill(bridge, texts, tokenizer=tokenizer, **{**TINY, "continuation_len": 1}, epochs=1,
+                                    pull=[0.0])  # fmt: skip
+    report = distilled.config.distillation
+    assert report["heldout_nll"] == report["heldout_nll_closed_form"] == 0.0
+    assert report["heldout_kl_closed_form"] > 0
+
+
 def test_identity_pair_stays_the_identity(pocket_parts):
     tokenizer, small, _, texts = pocket_parts
     identity = hf_kvbridge.calibrate(small, small, texts, tokenizer=tokenizer, **{**CALIBRATION, "ridge_lambda": 1e-6})

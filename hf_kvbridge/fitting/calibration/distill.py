@@ -244,7 +244,8 @@ def heldout_scores(
             part = windows[start : start + micro]
             losses = window_losses(bridge, maps, part, continuation_len, autocast, None, teacher, keys)
             kl, nll = kl + float(losses[0]), nll + float(losses[1])
-    return {"kl": kl / (len(windows) * continuation_len), "nll": nll / (len(windows) * (continuation_len - 1))}
+    scored = max(1, len(windows) * (continuation_len - 1))  # none with one continuation token: the NLL is 0
+    return {"kl": kl / (len(windows) * continuation_len), "nll": nll / scored}
 
 
 def _fingerprint(settings: DistillationSettings, windows: torch.Tensor, params: list[torch.Tensor]) -> str:
