@@ -65,7 +65,8 @@ class BridgeScheduler:
         self._mapper: dict[str, str] = {}  # req_id → the LoRA adapter whose mapper maps it (none: the base bridge's)
         self._salts: dict[str, str | None] = {}  # req_id → the tenant's own cache salt (the store's keys use it)
         # req_id → why nothing was mapped (status "target"; `None`: the default reason) and where vLLM's prefix cache
-        # ended then (its blocks, of the bridged salt, are what earlier bridged requests computed)
+        # ended then (its blocks, of the bridged salt, are what earlier bridged requests computed); the last offer's
+        # answer only, so beside a sent load it means a resume after a preemption that loaded nothing
         self._reasons: dict[str, tuple[str | None, int | None]] = {}
         self._exporting: dict[str, _Export] = {}  # req_id → what of it is in the store (an exporting engine)
         self._bridged: dict[str, bool] = {}  # req_id → opted in (decided once, on arrival)
@@ -74,9 +75,6 @@ class BridgeScheduler:
         self._outcomes: dict[str, dict[str, Any]] = {}  # req_id → what the worker did
         self._sent: dict[str, dict[str, Any]] = {}  # req_id → the load sent to the worker (its outcome until known)
         self._earlier: dict[str, list[str]] = {}  # req_id → the statuses of its loads before a preemption
-        # req_id → where vLLM's prefix cache ended when it resumed after a preemption with nothing loaded again (the
-        # target computed the rest over those blocks: its status is `target`, its load an earlier one)
-        self._resumed: dict[str, int] = {}
         self._refused: dict[str, str] = {}  # req_id → why its flag was refused (served unbridged)
         self._unsupported: dict[str, str] = {}  # req_id → why it cannot be bridged nor exported (LoRA, embeds)
         self._lookups: dict[str, Any] = {}  # req_id → what the store holds of its prompt (one lookup per request)
@@ -194,23 +192,13 @@ class BridgeScheduler:
         if end <= num_computed_tokens:  # nothing to map (short prompt, or all of it is in the prefix cache)
             reason = "nothing to map beyond the prefix cache" if end > 0 else "nothing to map"  # a short prompt
             self._reasons[request.request_id] = (reason, num_computed_tokens)
-            self._note_resume(request.request_id, num_computed_tokens)
             return 0, False
         claim = self.claim(request, num_computed_tokens, end)
         if claim is None:  # the target computes from where the prefix cache ends: status "target" with that `start`
             self._reasons.setdefault(request.request_id, (None, num_computed_tokens))  # kept: `claim`'s own reason
-            self._note_resume(request.request_id, num_computed_tokens)
             return 0, False
-        self._resumed.pop(request.request_id, None)  # loaded again: `earlier_loads` says what came before
         self._claims[request.request_id] = claim
         return claim.end - num_computed_tokens, False
-
-    def _note_resume(self, req_id: str, start: int) -> None:
-        """A request offered again after a load was sent for it was preempted and is resuming; when nothing is
-        loaded this time, the target computes its tokens from `start` over the prefix cache's blocks (its own, or
-        what other requests of its cache salt computed there): its status cannot stay the earlier load's."""
-        if req_id in self._sent:
-            self._resumed[req_id] = start
 
     def claim(self, request: Request, start: int, end: int) -> _Claim | None:
         """What the connector maps of `request`'s tokens `[start, end)` (after the prefix cache's `start` tokens):
@@ -407,7 +395,6 @@ class BridgeScheduler:
         unsupported = self._unsupported.pop(req_id, None)
         mapper = self._mapper.pop(req_id, None)
         earlier = self._earlier.pop(req_id, None)
-        resumed = self._resumed.pop(req_id, None)
         delay = False
         if refused is not None:
             status = {"status": "refused", "mapped_tokens": 0, "reason": refused}
@@ -419,7 +406,10 @@ class BridgeScheduler:
         elif not wanted:
             status = None
         else:
-            if resumed is not None and outcome is not None:  # preempted after its load, resumed with none
+            if sent is not None and prefix is not None:
+                # a load was sent, and the last offer (a resume after a preemption) loaded nothing: the target
+                # computed its tokens from `prefix` over the prefix cache's blocks (its own, or what other requests
+                # of its cache salt left there), so its status cannot stay that load's
                 earlier = [*(earlier or []), outcome["status"]]
                 outcome = None
             if outcome is None:
