@@ -443,6 +443,7 @@ def _train(bridge, maps, params, train, heldout, settings, micro, autocast, teac
     steps_per_epoch = math.ceil(len(train) / settings.batch_size)
     total = settings.epochs * steps_per_epoch
     eval_every = max(1, math.ceil(steps_per_epoch / settings.evals_per_epoch))
+    by = settings.select_by  # the held-out score that stops a run and keeps the best
     norm = maps.squared_norms()[1]
     bar = tqdm(total=total * len(settings.pull), desc="distilling", unit="step", disable=not settings.progress)
     bar.update(state["candidate"] * total + state["step"])
@@ -489,8 +490,7 @@ def _train(bridge, maps, params, train, heldout, settings, micro, autocast, teac
             bar.update(1)
             if state["step"] % eval_every == 0 or state["step"] == total:
                 scores = heldout_scores(bridge, maps, heldout, settings.continuation_len, micro, autocast, teacher)
-                score = scores[settings.select_by]
-                if score < state["best"][settings.select_by]:
+                if scores[by] < state["best"][by]:
                     if state["best_params"] is None:  # in host memory: a GPU keeps its memory for the training
                         state["best_params"] = [p.detach().to("cpu", copy=True) for p in params]
                     else:  # into the same buffers: never two best copies at once
@@ -500,13 +500,12 @@ def _train(bridge, maps, params, train, heldout, settings, micro, autocast, teac
                 else:
                     state["bad"] += 1
                     stopped = settings.patience > 0 and state["bad"] >= settings.patience
-                by = settings.select_by
-                bar.set_postfix({"pull": pull, f"heldout_{by}": f"{score:.4f}", "best": f"{state['best'][by]:.4f}"})
+                best_score = state["best"][by]
+                bar.set_postfix({"pull": pull, f"heldout_{by}": f"{scores[by]:.4f}", "best": f"{best_score:.4f}"})
                 if folder is not None:  # the live tensors: torch.save writes their values now, resuming reads the file
                     state.update(params=[p.detach() for p in params], optimizer=optimizer.state_dict(),
                                  schedule=schedule.state_dict())  # fmt: skip
                     _save_state(folder, {**state, "seconds": state["seconds"] + time.perf_counter() - started})
-        by = settings.select_by
         if state["best_params"] is not None and all(state["best"][by] < run["best"][by] for run in state["runs"]):
             for run in state["runs"]:  # only the best run's weights are kept
                 run["params"] = None
