@@ -39,13 +39,15 @@ def measure_pair(
     hidden_states=None,
     mapper_type: str = "ridge",
     other_text: str | None = None,
+    calibration_sequences: int | None = None,
 ) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(pocket.model_path(target))
     small, large = pocket.load_model(source), pocket.load_model(target)
     texts = pocket.load_texts("calibration")
+    calibration_sequences = calibration_sequences or DEMO_SIZES["num_sequences"][0]
     started = time.perf_counter()
     bridge = hf_kvbridge.calibrate(
-        small, large, texts, tokenizer=tokenizer, num_sequences=DEMO_SIZES["num_sequences"][0],
+        small, large, texts, tokenizer=tokenizer, num_sequences=calibration_sequences,
         seq_len=DEMO_SIZES["seq_len"][0], top_k=DEMO_SETTINGS["top_k"], ridge_lambda=DEMO_SETTINGS["ridge_lambda"],
         head_mode=head_mode, seed=DEMO_SETTINGS["seed"], hidden_state_layers=hidden_states, mapper_type=mapper_type,
     )  # fmt: skip
@@ -78,6 +80,7 @@ def measure_pair(
         "pair": f"{source} → {target}",
         "head_mode": head_mode,
         "mapper_type": mapper_type,
+        "calibration_sequences": calibration_sequences,
         "hidden_state_layers": hidden_states,
         "retention_closed_form": paired_bootstrap(nll, retention_of("bridge")),
         "retention_distilled": paired_bootstrap(nll, retention_of("distilled")),
@@ -118,6 +121,11 @@ def main() -> None:
     parser.add_argument("--teacher-cache", default="4GB", help="DistillationSettings.teacher_cache (0: off)")
     parser.add_argument("--nll-weight", type=float, default=0.0, help="DistillationSettings.nll_weight")
     parser.add_argument("--select-by", default="kl", help="DistillationSettings.select_by (kl or nll)")
+    parser.add_argument("--batch-size", type=int, default=8, help="DistillationSettings.batch_size")
+    parser.add_argument(
+        "--calibration-sequences", type=int, default=None,
+        help="windows of the closed-form calibration (default: the demo's 128)",
+    )  # fmt: skip
     parser.add_argument(
         "--other-text",
         help="also evaluate on text of another kind (comma-separated files of any name, or folders of .txt/.jsonl)",
@@ -132,13 +140,21 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     kwargs = {"num_sequences": args.num_sequences, "epochs": args.epochs, "lr": args.lr,
               "pull": [float(p) for p in args.pull.split(",")], "teacher_cache": args.teacher_cache,
-              "nll_weight": args.nll_weight, "select_by": args.select_by}  # fmt: skip
+              "nll_weight": args.nll_weight, "select_by": args.select_by,
+              "batch_size": args.batch_size}  # fmt: skip
     results = []
     for pair in args.pairs.split(","):
         source, target = pair.split(":")
         results.append(
             measure_pair(
-                source, target, args.head_mode, kwargs, args.hidden_state_layers, args.mapper_type, args.other_text
+                source,
+                target,
+                args.head_mode,
+                kwargs,
+                args.hidden_state_layers,
+                args.mapper_type,
+                args.other_text,
+                args.calibration_sequences,
             )
         )
         r = results[-1]

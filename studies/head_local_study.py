@@ -81,6 +81,7 @@ def measure_pair(source: str, target: str, args) -> dict:
             lr=args.distill_lr,
             nll_weight=args.nll_weight,
             select_by=args.select_by,
+            batch_size=args.distill_batch_size,
         )
         seconds[f"{name}_distilled"] = round(time.perf_counter() - started, 1)
         print(f"  {source} → {target} {name}: distilled in {seconds[f'{name}_distilled']} s", flush=True)
@@ -117,6 +118,7 @@ def main() -> None:
     measurement_arguments(parser, out="head_local.json")
     parser.add_argument("--distill-epochs", type=int, default=0)
     parser.add_argument("--distill-lr", type=float, default=1e-4, help="DistillationSettings.lr")
+    parser.add_argument("--distill-batch-size", type=int, default=8, help="DistillationSettings.batch_size")
     parser.add_argument("--nll-weight", type=float, default=0.0, help="DistillationSettings.nll_weight")
     parser.add_argument("--select-by", default="kl", help="DistillationSettings.select_by (kl or nll)")
     args = parser.parse_args()
