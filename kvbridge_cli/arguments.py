@@ -16,6 +16,21 @@ _pocket = core("pocket")
 # `--data pocket` names the calibration split shipped with the pocket family
 POCKET_DATA = "pocket"
 
+# `--dtype` of the commands that load a bridge's two models (`auto`: the checkpoint's own, as transformers loads)
+MODEL_DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def add_model_loading(group) -> None:
+    """`--dtype` and `--device-map` of the commands that load the two models to fit a map (`calibrate`, `distill`),
+    passed to `from_pretrained`."""
+    group.add_argument(
+        "--dtype",
+        choices=MODEL_DTYPES,
+        help="the models' dtype (default: the checkpoint's, as transformers loads it; float16 runs several times "
+        "slower than float32 on a CPU)",
+    )
+    group.add_argument("--device-map", help="e.g. auto")
+
 
 class _Parser(argparse.ArgumentParser):
     """argparse, but a bad argument gets one line (what is wrong, where to look) instead of the whole usage."""

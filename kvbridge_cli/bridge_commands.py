@@ -13,6 +13,7 @@ from .arguments import (
     _port,
     _positive_float,
     _positive_int,
+    add_model_loading,
 )
 from .settings_options import add_mapper_options, add_settings_options, library_only_fields
 
@@ -51,8 +52,7 @@ def add_calibrate(sub) -> None:
     models = cal.add_argument_group("models")
     models.add_argument("--source-revision")
     models.add_argument("--target-revision")
-    models.add_argument("--dtype", help="model dtype, e.g. bfloat16")
-    models.add_argument("--device-map", help="e.g. auto")
+    add_model_loading(models)
 
 
 def add_distill(sub) -> None:
@@ -68,6 +68,7 @@ def add_distill(sub) -> None:
     add_data_and_out(distill, "the distilled bridge checkpoint")
     settings = distill.add_argument_group("distillation settings (hf_kvbridge.settings.DistillationSettings)")
     add_settings_options(settings, settings_class=_settings.DistillationSettings)
+    add_model_loading(distill.add_argument_group("models (the bridge's source and target)"))
 
 
 def add_generate_and_chat(sub) -> None:

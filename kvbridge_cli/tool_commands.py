@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from ._light import core
 from .arguments import (
+    MODEL_DTYPES,
     POCKET_DATA,
     _calibration_data,
     _comma_list,
@@ -70,7 +71,7 @@ def add_eval(sub) -> None:
     ev.add_argument("--num-fewshot", type=int)
     ev.add_argument("--batch-size", type=int, default=1)
     ev.add_argument("--device", help="default: cuda when available, else cpu")
-    ev.add_argument("--dtype", default="auto")
+    ev.add_argument("--dtype", default="auto", choices=MODEL_DTYPES, help="the models' dtype (auto: the checkpoint's)")
     ev.add_argument("--revision", help="revision of the bridge repo on the Hub")
     ev.add_argument("--rolling-stride", type=int, help="chunk size of rolling log-likelihood (default 256)")
     ev.add_argument("--bootstrap-iters", type=int, default=100000, help="lm-eval's, for non-mean metrics")

@@ -91,6 +91,22 @@ def test_bad_top_k_refused_at_parse_time(saved_pair, tmp_path, monkeypatch, caps
     _one_line_error(capsys, exit_info.value.code, 2, "--top-k", "'all'")
 
 
+@pytest.mark.parametrize("command", ["calibrate", "distill", "eval"])
+def test_an_unknown_model_dtype_is_refused_at_parse_time(
+    saved_pair, saved_bridge, tmp_path, monkeypatch, capsys, command
+):
+    _no_calibration(monkeypatch)  # (and no model is loaded: the parser answers first)
+    monkeypatch.setattr(hf_kvbridge.KVBridgeForCausalLM, "from_pretrained", _no_calibration)
+    args = {
+        "calibrate": [saved_pair["small"], saved_pair["large"], "--data", "pocket", "--out", str(tmp_path / "o")],
+        "distill": [str(saved_bridge), "--data", "pocket", "--out", str(tmp_path / "o")],
+        "eval": [str(saved_bridge), "--heldout", "pocket"],
+    }[command]
+    with pytest.raises(SystemExit) as exit_info:
+        main([command, *args, "--dtype", "float33"])
+    _one_line_error(capsys, exit_info.value.code, 2, "--dtype", "float33", "float32")
+
+
 def test_too_long_prompt(saved_bridge, capsys):
     prompt = " ".join(CORPUS) * 20  # far more tokens than the tiny models' 256 positions
     code = main(["generate", str(saved_bridge), prompt, "--max-new-tokens", "2"])

@@ -280,13 +280,22 @@ def test_cli_help_needs_no_torch():
     assert "--continuation-len" in run.stdout and "--pull" in run.stdout
 
 
-def test_kvbridge_distill_saves_a_bridge(bridge, tmp_path, capsys):
+def test_kvbridge_distill_saves_a_bridge(bridge, tmp_path, capsys, monkeypatch):
     from kvbridge_cli import main
 
     bridge.save_pretrained(tmp_path / "closed")
+    read, loaded_bridges = hf_kvbridge.KVBridgeForCausalLM.from_pretrained, []
+    monkeypatch.setattr(  # the real loading, with the bridge it loaded kept to check its models' dtype
+        hf_kvbridge.KVBridgeForCausalLM,
+        "from_pretrained",
+        lambda *a, **k: loaded_bridges.append(read(*a, **k)) or loaded_bridges[-1],
+    )
     options = ["--num-sequences", "12", "--seq-len", "64", "--continuation-len", "16", "--batch-size", "4",
-               "--epochs", "1", "--pull", "0", "--out", str(tmp_path / "distilled")]  # fmt: skip
+               "--epochs", "1", "--pull", "0", "--dtype", "float32", "--out", str(tmp_path / "distilled")]  # fmt: skip
     assert main(["distill", str(tmp_path / "closed"), "--data", "pocket", *options]) == 0
+    # --dtype reaches both models (the pocket checkpoints are float16 on disk: 5x slower on this CPU)
+    assert [m.dtype for m in (loaded_bridges[0].source, loaded_bridges[0].target)] == [torch.float32] * 2
+    monkeypatch.undo()
     assert "held-out KL per token" in capsys.readouterr().out
     loaded = hf_kvbridge.KVBridgeForCausalLM.from_pretrained(tmp_path / "distilled")
     assert loaded.config.distillation["pull_candidates"] == [0.0]
