@@ -95,8 +95,11 @@ def test_bad_top_k_refused_at_parse_time(saved_pair, tmp_path, monkeypatch, caps
 def test_an_unknown_model_dtype_is_refused_at_parse_time(
     saved_pair, saved_bridge, tmp_path, monkeypatch, capsys, command
 ):
-    _no_calibration(monkeypatch)  # (and no model is loaded: the parser answers first)
-    monkeypatch.setattr(hf_kvbridge.KVBridgeForCausalLM, "from_pretrained", _no_calibration)
+    def refuse(*args, **kwargs):
+        raise AssertionError("a bridge was loaded before the arguments were checked")
+
+    _no_calibration(monkeypatch)
+    monkeypatch.setattr(hf_kvbridge.KVBridgeForCausalLM, "from_pretrained", refuse)
     args = {
         "calibrate": [saved_pair["small"], saved_pair["large"], "--data", "pocket", "--out", str(tmp_path / "o")],
         "distill": [str(saved_bridge), "--data", "pocket", "--out", str(tmp_path / "o")],
