@@ -22,3 +22,23 @@ def keywords(args, *names: str) -> dict:
     ```
     """
     return {name: getattr(args, name) for name in names}
+
+
+def model_load_kwargs(args) -> dict:
+    """`from_pretrained`'s keywords for a command's models from its `--dtype` (`auto` or none: the checkpoint's own)
+    and `--device-map`, where the command has it.
+
+    Example:
+
+    ```python
+    >>> import argparse
+    >>> model_load_kwargs(argparse.Namespace(dtype="float32", device_map=None))
+    {'dtype': 'float32'}
+    ```
+    """
+    load_kwargs = {}
+    if args.dtype and args.dtype != "auto":
+        load_kwargs["dtype"] = args.dtype
+    if getattr(args, "device_map", None):
+        load_kwargs["device_map"] = args.device_map
+    return load_kwargs

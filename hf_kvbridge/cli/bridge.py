@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from ..errors import ContextLengthError
-from . import keywords
+from . import keywords, model_load_kwargs
 
 
 def max_positions(reference: str) -> int | None:
@@ -45,17 +45,6 @@ def settings_from_args(args: argparse.Namespace):
     return CalibrationSettings(**{**values, "progress": True})
 
 
-def _load_kwargs(args: argparse.Namespace) -> dict:
-    """`from_pretrained`'s keywords for the two models from `--dtype` and `--device-map` (none given: the
-    checkpoint's dtype, on the CPU)."""
-    load_kwargs = {}
-    if args.dtype and args.dtype != "auto":
-        load_kwargs["dtype"] = args.dtype
-    if args.device_map:
-        load_kwargs["device_map"] = args.device_map
-    return load_kwargs
-
-
 def distill(args: argparse.Namespace) -> int:
     """`kvbridge distill`: the training state is checkpointed in `OUT/distill-checkpoint` (unless `--checkpoint-dir`
     names another folder), so a stopped run resumes when the same command is run again; it is removed once the
@@ -73,7 +62,7 @@ def distill(args: argparse.Namespace) -> int:
     if default_checkpoint:
         values["checkpoint_dir"] = str(out / "distill-checkpoint")
     settings = DistillationSettings(**{**values, "progress": True})
-    bridge = hf_kvbridge.KVBridgeForCausalLM.from_pretrained(args.bridge, **_load_kwargs(args))
+    bridge = hf_kvbridge.KVBridgeForCausalLM.from_pretrained(args.bridge, **model_load_kwargs(args))
     distilled = hf_kvbridge.distill(bridge, args.data, settings)
     distilled.save_pretrained(out, overwrite=True if default_checkpoint else args.overwrite)
     if default_checkpoint:
@@ -101,7 +90,7 @@ def calibrate(args: argparse.Namespace) -> int:
         settings,
         source_revision=args.source_revision,
         target_revision=args.target_revision,
-        **_load_kwargs(args),
+        **model_load_kwargs(args),
     )
     out = Path(args.out)
     bridge.save_pretrained(out, overwrite=args.overwrite)

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 from ..errors import ContextLengthError
-from . import keywords
+from . import keywords, model_load_kwargs
 
 logger = logging.getLogger(__name__)
 
@@ -28,8 +28,7 @@ def evaluate(args: argparse.Namespace) -> int:
 
     modes = tuple(args.modes)
     limit = None if args.limit is None else (int(args.limit) if args.limit >= 1 else args.limit)
-    load_kwargs = {} if args.dtype in (None, "auto") else {"dtype": getattr(torch, args.dtype)}
-    bridge = KVBridgeForCausalLM.from_pretrained(args.bridge, revision=args.revision, **load_kwargs)
+    bridge = KVBridgeForCausalLM.from_pretrained(args.bridge, revision=args.revision, **model_load_kwargs(args))
     bridge.to(args.device or ("cuda" if torch.cuda.is_available() else "cpu")).eval()
     tasks = [t.strip() for t in (args.tasks or "").split(",") if t.strip()]
     heldout = _heldout(args, bridge) if args.heldout else None

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from . import keywords
+from . import keywords, model_load_kwargs
 from .bridge import check_fits_the_models
 
 TUNE_OPTIONS = (
@@ -53,7 +53,6 @@ def tune(args: argparse.Namespace) -> int:
         hidden_states=tuple(args.hidden_states),
         hidden_state_layers=args.hidden_state_layers,
     )
-    load_kwargs = {"dtype": args.dtype} if args.dtype else {}
     result = run_tune(
         args.source,
         args.target,
@@ -64,7 +63,7 @@ def tune(args: argparse.Namespace) -> int:
         grid=grid,
         **keywords(args, *TUNE_OPTIONS),
         json_path=args.json,
-        **load_kwargs,
+        **model_load_kwargs(args),
     )
     choice = result["choice"]
     print(
