@@ -428,7 +428,7 @@ def add_tune(sub) -> None:
         default=_grid.DEFAULT_CONTINUATION,
         help="scored tokens after the context",
     )
-    tune.add_argument("--dtype", help="model dtype, e.g. bfloat16")
+    tune.add_argument("--dtype", choices=MODEL_DTYPES, help="the models' dtype (default: the checkpoint's)")
 
 
 def add_demo(sub) -> None:

@@ -91,7 +91,7 @@ def test_bad_top_k_refused_at_parse_time(saved_pair, tmp_path, monkeypatch, caps
     _one_line_error(capsys, exit_info.value.code, 2, "--top-k", "'all'")
 
 
-@pytest.mark.parametrize("command", ["calibrate", "distill", "eval"])
+@pytest.mark.parametrize("command", ["calibrate", "distill", "eval", "tune"])
 def test_an_unknown_model_dtype_is_refused_at_parse_time(
     saved_pair, saved_bridge, tmp_path, monkeypatch, capsys, command
 ):
@@ -104,6 +104,16 @@ def test_an_unknown_model_dtype_is_refused_at_parse_time(
         "calibrate": [saved_pair["small"], saved_pair["large"], "--data", "pocket", "--out", str(tmp_path / "o")],
         "distill": [str(saved_bridge), "--data", "pocket", "--out", str(tmp_path / "o")],
         "eval": [str(saved_bridge), "--heldout", "pocket"],
+        "tune": [
+            saved_pair["small"],
+            saved_pair["large"],
+            "--data",
+            "pocket",
+            "--eval-data",
+            "pocket",
+            "--out",
+            str(tmp_path / "o"),
+        ],
     }[command]
     with pytest.raises(SystemExit) as exit_info:
         main([command, *args, "--dtype", "float33"])
